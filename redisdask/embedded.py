@@ -57,9 +57,6 @@ class EmbeddedRedisError(RuntimeError):
     """The embedded ``redis-server`` failed to start or misbehaved."""
 
 
-# --------------------------------------------------------------------------- lookup
-
-
 def _is_executable(path: Path) -> bool:
     return path.is_file() and os.access(path, os.X_OK)
 
@@ -87,7 +84,7 @@ def _explicit_binary(explicit: str) -> Path:
         if found:
             return Path(found)
     if _is_executable(path):
-        return path.resolve()
+        return path.absolute()  # not resolve(): redis picks its mode from argv[0]
     problem = "is not executable" if path.exists() else "does not exist"
     raise RedisServerNotFound(
         f"redis-server binary {explicit!r} (config key redis.server-binary) {problem}; "
@@ -125,22 +122,11 @@ def version(binary: str | os.PathLike[str]) -> str:
     return match.group(1)
 
 
-# --------------------------------------------------------------------------- helpers
-
-
 def _free_port() -> int:
     """A currently free loopback port (the OS picks it; a race is handled by retrying)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((HOST, 0))
         return int(sock.getsockname()[1])
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "<no log>"
-    return "\n".join(text.splitlines()[-lines:]) or "<empty log>"
 
 
 def _reap(proc: subprocess.Popen[bytes], timeout: float) -> None:
@@ -163,9 +149,6 @@ def _finalize(proc: subprocess.Popen[bytes], log: IO[bytes], tmpdir: Path | None
     log.close()
     if tmpdir is not None:
         shutil.rmtree(tmpdir, ignore_errors=True)
-
-
-# --------------------------------------------------------------------------- server
 
 
 class EmbeddedRedis:
@@ -191,8 +174,8 @@ class EmbeddedRedis:
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self._finalizer: weakref.finalize | None = None
+        self._log_start = 0
 
-    # ----------------------------------------------------------------- properties
     @property
     def port(self) -> int:
         if self._port is None:
@@ -231,26 +214,20 @@ class EmbeddedRedis:
         """A redis-py client for this server (caller closes it)."""
         return redis.Redis(host=HOST, port=self.port, **kwargs)  # type: ignore[arg-type]
 
-    # ----------------------------------------------------------------- lifecycle
     def start(self) -> Self:
         """Start the server and block until it answers PING."""
         if self.running:
             return self
+        binary = self.binary  # resolve first: a bad path fails before any side effect
+        fresh_dir = self._data_dir is None
         self._prepare_dir()
-        if self._port is not None:
-            self._launch(self._port, may_retry=False)
-            return self
-        for attempt in range(_PORT_ATTEMPTS):
-            try:
-                self._launch(_free_port(), may_retry=True)
-                return self
-            except _PortTaken:
-                self._port = None
-                if attempt == _PORT_ATTEMPTS - 1:
-                    raise EmbeddedRedisError(
-                        f"redis-server could not bind a free port after {_PORT_ATTEMPTS} tries"
-                    ) from None
-        return self  # pragma: no cover - loop always returns or raises
+        try:
+            self._launch_on_some_port(binary)
+        except BaseException:
+            if fresh_dir and self._owns_dir:
+                self.stop()  # don't leak a temp dir nobody will ever stop()
+            raise
+        return self
 
     def stop(self) -> None:
         """Shut the server down (AOF flushed) and remove a temp data dir we created."""
@@ -284,7 +261,6 @@ class EmbeddedRedis:
         state = f"pid={self.pid} url={self.url}" if self.running else "stopped"
         return f"<EmbeddedRedis {state}>"
 
-    # ----------------------------------------------------------------- internals
     def _prepare_dir(self) -> None:
         if self._data_dir is not None:
             return
@@ -295,9 +271,9 @@ class EmbeddedRedis:
             self._data_dir = Path(tempfile.mkdtemp(prefix="redisdask-redis-"))
             self._owns_dir = True
 
-    def _command(self, port: int) -> list[str]:
+    def _command(self, binary: Path, port: int) -> list[str]:
         return [
-            os.fspath(self.binary),
+            os.fspath(binary),
             "--port", str(port),
             "--bind", HOST,
             "--protected-mode", "no",
@@ -308,14 +284,33 @@ class EmbeddedRedis:
             "--dir", os.fspath(self.data_dir),
         ]  # fmt: skip
 
-    def _launch(self, port: int, may_retry: bool) -> None:
+    def _launch_on_some_port(self, binary: Path) -> None:
+        """Use the fixed port if we have one; else pick free ones, retrying a lost race."""
+        if self._port is not None:
+            self._launch(self._command(binary, self._port), self._port, may_retry=False)
+            return
+        for _ in range(_PORT_ATTEMPTS):
+            port = _free_port()
+            try:
+                self._launch(self._command(binary, port), port, may_retry=True)
+                return
+            except _PortTaken:
+                self._port = None
+        raise EmbeddedRedisError(f"redis-server could not bind a port in {_PORT_ATTEMPTS} tries")
+
+    def _launch(self, argv: list[str], port: int, may_retry: bool) -> None:
         self._port = port
         log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
-        log.write(f"---- redisdask: starting on port {port}\n".encode())
-        log.flush()
-        proc = subprocess.Popen(
-            self._command(port), stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=self.data_dir
-        )
+        try:
+            log.write(f"---- redisdask: starting on port {port}\n".encode())
+            log.flush()
+            self._log_start = log.tell()
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=self.data_dir
+            )
+        except BaseException:
+            log.close()
+            raise
         self._proc, self._log = proc, log
         tmp = self.data_dir if self._owns_dir else None
         self._finalizer = weakref.finalize(self, _finalize, proc, log, tmp)
@@ -347,14 +342,24 @@ class EmbeddedRedis:
                 if time.monotonic() > deadline:
                     raise EmbeddedRedisError(
                         f"redis-server (pid {proc.pid}, port {port}) did not answer PING within "
-                        f"{self.startup_timeout}s; log tail:\n{_tail(self.log_path)}"
+                        f"{self.startup_timeout}s; log tail:\n{self._log_tail()}"
                     )
                 time.sleep(_POLL_INTERVAL)
         finally:
             client.close()
 
+    def _log_tail(self, lines: int = 20) -> str:
+        """The last lines this launch wrote (the log file is appended across restarts)."""
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self._log_start)
+                text = log.read().decode(errors="replace")
+        except OSError:
+            return "<no log>"
+        return "\n".join(text.splitlines()[-lines:]) or "<empty log>"
+
     def _raise_exited(self, proc: subprocess.Popen[bytes], may_retry: bool) -> None:
-        tail = _tail(self.log_path)
+        tail = self._log_tail()
         if may_retry and any(marker in tail for marker in _BIND_FAILURE):
             raise _PortTaken
         raise EmbeddedRedisError(

