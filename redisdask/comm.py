@@ -1,0 +1,820 @@
+"""Peer-to-peer data transport: worker <-> worker and client <-> worker.
+
+Results never travel through Redis; they travel over these TCP connections.
+The module is layered h11-style: a sans-I/O core (framing, handshake, serialization)
+made of pure functions and a byte-fed state machine, with thin asyncio and blocking
+socket wrappers on top.
+
+Wire format (all integers little-endian)::
+
+    +-----------+-----------+-----------+-----+-----------+---------+---------+-----+
+    | u32       | u64       | u64       | ... | u64       | frame 0 | frame 1 | ... |
+    | nframes=N | len(f0)   | len(f1)   |     | len(fN-1) | header  | payload |     |
+    +-----------+-----------+-----------+-----+-----------+---------+---------+-----+
+
+Frame 0 is the header: a small msgpack-encoded dict (decoding it never unpickles).
+Frames 1..N-1 are opaque payload bytes, typically the output of :func:`serialize`:
+a cloudpickle protocol-5 stream followed by its out-of-band buffers (numpy data travels
+without copies).  Limits (:class:`Limits`): header <= 1 MiB, N <= 10 000; anything else
+raises :class:`ProtocolError` and the connection is dropped.
+
+Handshake (mutual HMAC-SHA256 over a shared cluster secret), before any framing::
+
+    server -> client   "RDK1" | server_nonce[32]                                  36 B
+    client -> server   "RDK1" | client_nonce[32]
+                       | HMAC(secret, b"client" + server_nonce + client_nonce)    68 B
+    server -> client   HMAC(secret, b"server" + client_nonce + server_nonce)      32 B
+
+The server verifies with :func:`hmac.compare_digest` and closes the connection on any
+mismatch, malformed bytes or timeout (logged at WARNING with the peer address; never
+the secret).  Only fixed-size raw byte strings are read before authentication: nothing
+unauthenticated is ever msgpack-decoded, let alone unpickled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import mmap
+import os
+import pickle
+import socket
+import struct
+import threading
+from collections import deque
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import cloudpickle
+import msgpack
+
+logger = logging.getLogger(__name__)
+
+Buffer: TypeAlias = bytes | bytearray | memoryview | pickle.PickleBuffer
+Header: TypeAlias = dict[str, Any]
+Message: TypeAlias = tuple[Header, list[memoryview]]
+Handler: TypeAlias = Callable[
+    [Header, list[memoryview]], Awaitable[tuple[Header, Sequence[Buffer]]]
+]
+
+MAGIC = b"RDK1"
+NONCE_SIZE = 32
+MAC_SIZE = 32
+SERVER_HELLO_SIZE = len(MAGIC) + NONCE_SIZE
+CLIENT_ANSWER_SIZE = len(MAGIC) + NONCE_SIZE + MAC_SIZE
+SERVER_PROOF_SIZE = MAC_SIZE
+DEFAULT_TIMEOUT = 5.0
+
+COALESCE_LIMIT = 64 * 1024  # smaller buffers are joined into one send
+DIRECT_READ_THRESHOLD = 64 * 1024  # larger frame remainders are recv'd in place
+SCRATCH_SIZE = 256 * 1024
+MMAP_THRESHOLD = 1 << 20  # frames this big get an anonymous mmap (no memset)
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class CommError(Exception):
+    """Base class of every error raised by this module."""
+
+
+class ProtocolError(CommError):
+    """The peer sent bytes that do not follow the wire format."""
+
+
+class AuthenticationError(CommError):
+    """The mutual HMAC handshake failed."""
+
+
+class CommClosedError(CommError, ConnectionError):
+    """The connection is closed, could not be opened, or broke mid-way."""
+
+
+class SerializationError(CommError):
+    """A value could not be (de)serialized; ``key`` names it when known."""
+
+    def __init__(self, message: str, key: Hashable | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+# ------------------------------------------------------------------------ addresses
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"tcp://host:port"`` (IPv6 as ``tcp://[::1]:port``) -> ``(host, port)``."""
+    scheme, sep, rest = address.partition("://")
+    host, colon, port = rest.rpartition(":")
+    if scheme != "tcp" or not sep or not colon or not host or not port.isdigit():
+        raise ValueError(f"invalid address {address!r}: expected 'tcp://host:port'")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def format_address(host: str, port: int) -> str:
+    """``(host, port)`` -> ``"tcp://host:port"``."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+# -------------------------------------------------------------------- serialization
+
+
+def serialize(obj: Any) -> list[Buffer]:
+    """Pickle ``obj`` (cloudpickle, protocol 5); big buffers come out-of-band, uncopied."""
+    buffers: list[pickle.PickleBuffer] = []
+    try:
+        head = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    except Exception as exc:
+        raise SerializationError(
+            f"cannot serialize object of type {type(obj).__qualname__}: {exc}"
+        ) from exc
+    return [head, *(buf.raw() for buf in buffers)]
+
+
+def deserialize(frames: Sequence[Buffer]) -> Any:
+    """Inverse of :func:`serialize`.  Only call on frames from an authenticated peer."""
+    if not frames:
+        raise SerializationError("no frames to deserialize")
+    try:
+        return pickle.loads(frames[0], buffers=frames[1:])
+    except Exception as exc:
+        raise SerializationError(f"cannot deserialize: {type(exc).__name__}: {exc}") from exc
+
+
+def serialize_dict(
+    data: Mapping[Hashable, Any],
+) -> tuple[Header, list[Buffer], dict[Hashable, SerializationError]]:
+    """Serialize ``{key: value}`` into one message body; failures are per key.
+
+    Returns ``(header, frames, errors)``.  ``header`` is
+    ``{"keys": [...], "ranges": [[start, stop], ...], "errors": [[key, msg], ...]}``
+    where ``frames[start:stop]`` holds the value of the matching key; values that
+    cannot be pickled are left out, reported in ``errors`` and in the header.
+    """
+    keys: list[Hashable] = []
+    ranges: list[list[int]] = []
+    frames: list[Buffer] = []
+    errors: dict[Hashable, SerializationError] = {}
+    for key, value in data.items():
+        try:
+            parts = serialize(value)
+        except SerializationError as exc:
+            errors[key] = SerializationError(f"key {key!r}: {exc}", key=key)
+            continue
+        keys.append(key)
+        ranges.append([len(frames), len(frames) + len(parts)])
+        frames.extend(parts)
+    failed = [[key, str(err)] for key, err in errors.items()]
+    return {"keys": keys, "ranges": ranges, "errors": failed}, frames, errors
+
+
+def _as_key(key: Any) -> Hashable:
+    """msgpack turns tuple keys into lists; turn them back."""
+    return tuple(_as_key(k) for k in key) if isinstance(key, list) else key
+
+
+def deserialize_dict(
+    header: Header, frames: Sequence[Buffer]
+) -> tuple[dict[Hashable, Any], dict[Hashable, SerializationError]]:
+    """Inverse of :func:`serialize_dict`: ``(values, errors)``, errors keyed by key."""
+    try:
+        pairs = list(zip(header["keys"], header["ranges"], strict=True))
+        failed = header.get("errors", [])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"malformed dict header: {exc}") from exc
+    values: dict[Hashable, Any] = {}
+    errors = {_as_key(k): SerializationError(str(msg), key=_as_key(k)) for k, msg in failed}
+    for raw_key, (start, stop) in pairs:
+        key = _as_key(raw_key)
+        if not 0 <= start < stop <= len(frames):
+            raise ProtocolError(f"frame range {start}:{stop} of key {key!r} out of bounds")
+        try:
+            values[key] = deserialize(frames[start:stop])
+        except SerializationError as exc:
+            errors[key] = SerializationError(f"key {key!r}: {exc}", key=key)
+    return values, errors
+
+
+# -------------------------------------------------------------------------- framing
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Sanity limits enforced on every received message."""
+
+    max_header_size: int = 1 << 20
+    max_frames: int = 10_000
+    max_message_size: int = 1 << 40
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def _byte_view(buf: Buffer) -> memoryview:
+    view = buf.raw() if isinstance(buf, pickle.PickleBuffer) else memoryview(buf)
+    if view.format == "B" and view.ndim == 1:
+        return view
+    if view.c_contiguous:
+        return view.cast("B")
+    return memoryview(view.tobytes())
+
+
+def _coalesce(buffers: Sequence[memoryview], limit: int = COALESCE_LIMIT) -> list[Buffer]:
+    """Join runs of small buffers (fewer syscalls); big ones pass through uncopied."""
+    out: list[Buffer] = []
+    small: list[memoryview] = []
+    for buf in buffers:
+        if buf.nbytes < limit:
+            small.append(buf)
+            continue
+        if small:
+            out.append(b"".join(small))
+            small = []
+        out.append(buf)
+    if small:
+        out.append(b"".join(small))
+    return out
+
+
+def encode_header(header: Header) -> bytes:
+    try:
+        return msgpack.packb(header, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise SerializationError(f"header is not msgpack-encodable: {exc}") from exc
+
+
+def decode_header(data: Buffer) -> Header:
+    try:
+        header = msgpack.unpackb(data, raw=False)
+    except Exception as exc:
+        raise ProtocolError(f"undecodable message header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise ProtocolError(f"message header is a {type(header).__name__}, not a dict")
+    return header
+
+
+def encode_message(
+    header: Header, frames: Sequence[Buffer] = (), limits: Limits = DEFAULT_LIMITS
+) -> list[Buffer]:
+    """Encode one message into buffers ready for ``sendall`` (payloads are not copied)."""
+    head = encode_header(header)
+    views = [memoryview(head), *(_byte_view(f) for f in frames)]
+    if len(head) > limits.max_header_size or len(views) > limits.max_frames:
+        raise ProtocolError(f"message too large: header {len(head)} B, {len(views)} frames")
+    lengths = [v.nbytes for v in views]
+    prefix = _U32.pack(len(views)) + struct.pack(f"<{len(views)}Q", *lengths)
+    return _coalesce([memoryview(prefix), *views])
+
+
+def _allocate(size: int) -> memoryview:
+    if size >= MMAP_THRESHOLD:
+        return memoryview(mmap.mmap(-1, size))  # zero pages on demand, no memset
+    return memoryview(bytearray(size))
+
+
+_PREFIX, _LENGTHS, _FRAME = "prefix", "lengths", "frame"
+
+
+class MessageReader:
+    """Byte-fed decoder state machine: ``feed`` bytes, then pop ``next_message()``.
+
+    For zero-copy I/O, ask ``next_buffer()`` for the memoryview to ``recv_into`` (the
+    frame being filled, when a big part of it is missing, else an internal scratch
+    buffer) and report the byte count with ``received(n)``.
+    """
+
+    def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
+        self._limits = limits
+        self._ready: deque[Message] = deque()
+        self._scratch = memoryview(bytearray(SCRATCH_SIZE))
+        self._direct = False
+        self._start_message()
+
+    def _start_message(self) -> None:
+        self._stage = _PREFIX
+        self._target = memoryview(bytearray(_U32.size))
+        self._pos = 0
+        self._lengths: list[int] = []
+        self._frames: list[memoryview] = []
+
+    @property
+    def in_message(self) -> bool:
+        """True when part of a message has been received."""
+        return self._stage != _PREFIX or self._pos > 0
+
+    def next_message(self) -> Message | None:
+        return self._ready.popleft() if self._ready else None
+
+    def feed(self, data: Buffer) -> None:
+        view = _byte_view(data)
+        while view.nbytes:
+            room = self._target[self._pos :]
+            k = min(room.nbytes, view.nbytes)
+            room[:k] = view[:k]
+            view = view[k:]
+            self._advance(k)
+
+    def next_buffer(self) -> memoryview:
+        remaining = self._target.nbytes - self._pos
+        self._direct = self._stage == _FRAME and remaining >= DIRECT_READ_THRESHOLD
+        return self._target[self._pos :] if self._direct else self._scratch
+
+    def received(self, n: int) -> None:
+        if self._direct:
+            self._advance(n)
+        else:
+            self.feed(self._scratch[:n])
+
+    def _advance(self, n: int) -> None:
+        self._pos += n
+        while self._pos == self._target.nbytes:
+            self._complete_stage()
+
+    def _complete_stage(self) -> None:
+        if self._stage == _PREFIX:
+            (nframes,) = _U32.unpack(self._target)
+            if not 1 <= nframes <= self._limits.max_frames:
+                raise ProtocolError(f"bad frame count {nframes}")
+            self._stage, self._target, self._pos = _LENGTHS, _allocate(8 * nframes), 0
+        elif self._stage == _LENGTHS:
+            self._lengths = list(struct.unpack(f"<{self._target.nbytes // 8}Q", self._target))
+            self._check_lengths(self._lengths)
+            self._stage = _FRAME
+            self._begin_frame()
+        else:
+            self._frames.append(self._target)
+            if len(self._frames) == len(self._lengths):
+                header = decode_header(self._frames[0])
+                self._ready.append((header, self._frames[1:]))
+                self._start_message()
+            else:
+                self._begin_frame()
+
+    def _check_lengths(self, lengths: list[int]) -> None:
+        if lengths[0] > self._limits.max_header_size:
+            raise ProtocolError(f"header of {lengths[0]} bytes exceeds the limit")
+        if sum(lengths) > self._limits.max_message_size:
+            raise ProtocolError(f"message of {sum(lengths)} bytes exceeds the limit")
+
+    def _begin_frame(self) -> None:
+        self._target, self._pos = _allocate(self._lengths[len(self._frames)]), 0
+
+
+# ------------------------------------------------------------------------ handshake
+
+
+def _mac(secret: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(secret, label + first + second, hashlib.sha256).digest()
+
+
+def _check_secret(secret: bytes) -> bytes:
+    if not isinstance(secret, bytes) or not secret:
+        raise TypeError("the cluster secret must be non-empty bytes")
+    return secret
+
+
+def server_hello(server_nonce: bytes) -> bytes:
+    return MAGIC + server_nonce
+
+
+def client_answer(secret: bytes, hello: bytes) -> tuple[bytes, bytes, bytes]:
+    """Check the server hello; return ``(server_nonce, client_nonce, answer)``."""
+    if len(hello) != SERVER_HELLO_SIZE or not hello.startswith(MAGIC):
+        raise AuthenticationError("peer is not a redisdask data server (bad hello)")
+    server_nonce, client_nonce = hello[len(MAGIC) :], os.urandom(NONCE_SIZE)
+    mac = _mac(secret, b"client", server_nonce, client_nonce)
+    return server_nonce, client_nonce, MAGIC + client_nonce + mac
+
+
+def server_proof(secret: bytes, server_nonce: bytes, answer: bytes) -> bytes:
+    """Verify the client's answer; return the server's proof to send back."""
+    if len(answer) != CLIENT_ANSWER_SIZE or not answer.startswith(MAGIC):
+        raise AuthenticationError("malformed handshake answer")
+    client_nonce = answer[len(MAGIC) : len(MAGIC) + NONCE_SIZE]
+    expected = _mac(secret, b"client", server_nonce, client_nonce)
+    if not hmac.compare_digest(answer[len(MAGIC) + NONCE_SIZE :], expected):
+        raise AuthenticationError("client MAC mismatch (wrong secret?)")
+    return _mac(secret, b"server", client_nonce, server_nonce)
+
+
+def check_server_proof(
+    secret: bytes, server_nonce: bytes, client_nonce: bytes, proof: bytes
+) -> None:
+    expected = _mac(secret, b"server", client_nonce, server_nonce)
+    if not hmac.compare_digest(proof, expected):
+        raise AuthenticationError("server MAC mismatch (wrong secret?)")
+
+
+# --------------------------------------------------------------------- asyncio I/O
+
+
+def _tune(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+async def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    loop = asyncio.get_running_loop()
+    buf = memoryview(bytearray(n))
+    got = 0
+    while got < n:
+        k = await loop.sock_recv_into(sock, buf[got:])
+        if k == 0:
+            raise CommClosedError("connection closed by peer during handshake")
+        got += k
+    return bytes(buf)
+
+
+class AsyncConnection:
+    """An authenticated non-blocking socket speaking the message protocol."""
+
+    def __init__(self, sock: socket.socket, peer: str, limits: Limits = DEFAULT_LIMITS):
+        self.peer = peer
+        self._sock = sock
+        self._reader = MessageReader(limits)
+        self._limits = limits
+
+    @property
+    def closed(self) -> bool:
+        return self._sock.fileno() == -1
+
+    async def send(self, header: Header, frames: Sequence[Buffer] = ()) -> None:
+        loop = asyncio.get_running_loop()
+        for buf in encode_message(header, frames, self._limits):
+            await loop.sock_sendall(self._sock, buf)
+
+    async def recv(self) -> Message:
+        loop, reader = asyncio.get_running_loop(), self._reader
+        while (message := reader.next_message()) is None:
+            n = await loop.sock_recv_into(self._sock, reader.next_buffer())
+            if n == 0:
+                where = " mid-message" if reader.in_message else ""
+                raise CommClosedError(f"connection to {self.peer} closed{where}")
+            reader.received(n)
+        return message
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+async def open_connection(
+    address: str, secret: bytes, *, timeout: float = DEFAULT_TIMEOUT,
+    limits: Limits = DEFAULT_LIMITS,
+) -> AsyncConnection:
+    """Connect to ``address`` and run the client side of the handshake."""
+    host, port = parse_address(address)
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(timeout):
+            family, kind, proto, _, addr = (
+                await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            )[0]
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.setblocking(False)
+                await loop.sock_connect(sock, addr)
+                _tune(sock)
+                hello = await _recv_exactly(sock, SERVER_HELLO_SIZE)
+                server_nonce, client_nonce, answer = client_answer(secret, hello)
+                await loop.sock_sendall(sock, answer)
+                try:
+                    proof = await _recv_exactly(sock, SERVER_PROOF_SIZE)
+                except CommClosedError as exc:
+                    raise AuthenticationError("server rejected our credentials") from exc
+                check_server_proof(secret, server_nonce, client_nonce, proof)
+            except BaseException:
+                sock.close()
+                raise
+    except TimeoutError as exc:
+        raise CommClosedError(f"timed out after {timeout}s connecting to {address}") from exc
+    except AuthenticationError as exc:
+        raise AuthenticationError(f"{address}: {exc}") from exc
+    except OSError as exc:
+        raise CommClosedError(f"could not connect to {address}: {exc}") from exc
+    return AsyncConnection(sock, address, limits)
+
+
+class DataServer:
+    """Asyncio server: authenticates peers, then answers requests with ``handler``."""
+
+    def __init__(
+        self, secret: bytes, handler: Handler, *,
+        handshake_timeout: float = DEFAULT_TIMEOUT, limits: Limits = DEFAULT_LIMITS,
+    ) -> None:
+        self._secret = _check_secret(secret)
+        self._handler = handler
+        self._handshake_timeout = handshake_timeout
+        self._limits = limits
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.address: str | None = None
+        self.n_connections = 0  # currently open authenticated connections
+        self.n_accepted = 0  # authenticated connections ever
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family, backlog=512)
+        self._listener.setblocking(False)
+        self.address = format_address(host, self._listener.getsockname()[1])
+        self._accept_task = asyncio.create_task(self._accept_loop())
+        return self.address
+
+    async def close(self) -> None:
+        tasks = [t for t in [self._accept_task, *self._tasks] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            try:
+                sock, addr = await loop.sock_accept(self._listener)
+            except OSError as exc:  # e.g. EMFILE: back off, keep serving
+                logger.warning("accept failed on %s: %s", self.address, exc)
+                await asyncio.sleep(0.1)
+                continue
+            task = asyncio.create_task(self._serve(sock, format_address(*addr[:2])))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _authenticate(self, sock: socket.socket, peer: str) -> bool:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._handshake_timeout):
+                server_nonce = os.urandom(NONCE_SIZE)
+                await loop.sock_sendall(sock, server_hello(server_nonce))
+                answer = await _recv_exactly(sock, CLIENT_ANSWER_SIZE)
+                await loop.sock_sendall(sock, server_proof(self._secret, server_nonce, answer))
+        except TimeoutError:
+            logger.warning("handshake with %s timed out; dropping it", peer)
+            return False
+        except (AuthenticationError, OSError) as exc:
+            logger.warning("authentication of %s failed: %s; dropping it", peer, exc)
+            return False
+        return True
+
+    async def _serve(self, sock: socket.socket, peer: str) -> None:
+        sock.setblocking(False)
+        _tune(sock)
+        try:
+            if not await self._authenticate(sock, peer):
+                return
+            self.n_connections += 1
+            self.n_accepted += 1
+            try:
+                await self._request_loop(AsyncConnection(sock, peer, self._limits))
+            finally:
+                self.n_connections -= 1
+        finally:
+            sock.close()
+
+    async def _request_loop(self, conn: AsyncConnection) -> None:
+        while True:
+            try:
+                header, frames = await conn.recv()
+            except ProtocolError as exc:
+                logger.warning("protocol error from %s: %s; dropping it", conn.peer, exc)
+                return
+            except OSError as exc:
+                logger.debug("connection from %s ended: %s", conn.peer, exc)
+                return
+            reply, reply_frames = await self._dispatch(header, frames)
+            try:
+                await conn.send(reply, reply_frames)
+            except CommError as exc:  # unencodable reply: tell the client instead
+                await conn.send({"status": "error", "message": f"bad reply: {exc}"})
+            except OSError as exc:
+                logger.debug("connection from %s ended: %s", conn.peer, exc)
+                return
+
+    async def _dispatch(
+        self, header: Header, frames: list[memoryview]
+    ) -> tuple[Header, Sequence[Buffer]]:
+        try:
+            return await self._handler(header, frames)
+        except Exception as exc:
+            logger.debug("handler failed on %r", header.get("op"), exc_info=True)
+            return {"status": "error", "message": f"{type(exc).__name__}: {exc}"}, []
+
+
+class ConnectionPool:
+    """Bounded pool of authenticated connections, reused per address."""
+
+    def __init__(
+        self, secret: bytes, limit: int = 50, *, timeout: float = DEFAULT_TIMEOUT,
+        limits: Limits = DEFAULT_LIMITS,
+    ) -> None:
+        if limit < 1:
+            raise ValueError("limit must be >= 1")
+        self._secret = _check_secret(secret)
+        self.limit = limit
+        self.timeout = timeout
+        self._limits = limits
+        self._idle: dict[str, list[AsyncConnection]] = {}
+        self._waiters: list[asyncio.Future[None]] = []
+        self.n_open = 0
+        self._closed = False
+
+    async def rpc(
+        self, address: str, header: Header, frames: Sequence[Buffer] = ()
+    ) -> Message:
+        """Send one request to ``address`` and return its ``(header, frames)`` reply."""
+        conn = await self._acquire(address)
+        ok = False
+        try:
+            await conn.send(header, frames)
+            reply = await conn.recv()
+            ok = True
+            return reply
+        except CommClosedError:
+            raise
+        except OSError as exc:
+            raise CommClosedError(f"{address}: {exc}") from exc
+        finally:
+            self._release(conn, ok)
+
+    async def _acquire(self, address: str) -> AsyncConnection:
+        while True:
+            if self._closed:
+                raise CommClosedError("connection pool is closed")
+            idle = self._idle.get(address)
+            if idle:
+                return idle.pop()
+            if self.n_open >= self.limit and not self._evict_idle():
+                waiter = asyncio.get_running_loop().create_future()
+                self._waiters.append(waiter)
+                try:
+                    await waiter
+                finally:
+                    with contextlib.suppress(ValueError):
+                        self._waiters.remove(waiter)
+                continue
+            self.n_open += 1
+            try:
+                return await open_connection(
+                    address, self._secret, timeout=self.timeout, limits=self._limits
+                )
+            except BaseException:
+                self.n_open -= 1
+                self._wake()
+                raise
+
+    def _evict_idle(self) -> bool:
+        """Close one idle connection (any address) to make room; False if none."""
+        for conns in self._idle.values():
+            if conns:
+                conns.pop(0).close()
+                self.n_open -= 1
+                return True
+        return False
+
+    def _release(self, conn: AsyncConnection, ok: bool) -> None:
+        if ok and not self._closed:
+            self._idle.setdefault(conn.peer, []).append(conn)
+        else:
+            conn.close()
+            self.n_open -= 1
+        self._wake()
+
+    def _wake(self) -> None:
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def close(self) -> None:
+        self._closed = True
+        for conns in self._idle.values():
+            for conn in conns:
+                conn.close()
+                self.n_open -= 1
+        self._idle.clear()
+        self._wake()
+
+
+# ------------------------------------------------------------------- blocking I/O
+
+
+def _recv_exactly_blocking(sock: socket.socket, n: int) -> bytes:
+    buf = memoryview(bytearray(n))
+    got = 0
+    while got < n:
+        k = sock.recv_into(buf[got:])
+        if k == 0:
+            raise CommClosedError("connection closed by peer during handshake")
+        got += k
+    return bytes(buf)
+
+
+class BlockingConnection:
+    """Synchronous client connection (plain socket, same codec and handshake).
+
+    ``timeout`` bounds connecting, the handshake and every single socket operation.
+    """
+
+    def __init__(
+        self, address: str, secret: bytes, timeout: float = DEFAULT_TIMEOUT, *,
+        limits: Limits = DEFAULT_LIMITS,
+    ) -> None:
+        self.address = address
+        self._limits = limits
+        self._reader = MessageReader(limits)
+        try:
+            self._sock = socket.create_connection(parse_address(address), timeout=timeout)
+        except OSError as exc:
+            raise CommClosedError(f"could not connect to {address}: {exc}") from exc
+        try:
+            _tune(self._sock)
+            self._handshake(_check_secret(secret))
+        except BaseException:
+            self._sock.close()
+            raise
+
+    def _handshake(self, secret: bytes) -> None:
+        try:
+            hello = _recv_exactly_blocking(self._sock, SERVER_HELLO_SIZE)
+            server_nonce, client_nonce, answer = client_answer(secret, hello)
+            self._sock.sendall(answer)
+            try:
+                proof = _recv_exactly_blocking(self._sock, SERVER_PROOF_SIZE)
+            except CommClosedError as exc:
+                raise AuthenticationError("server rejected our credentials") from exc
+            check_server_proof(secret, server_nonce, client_nonce, proof)
+        except AuthenticationError as exc:
+            raise AuthenticationError(f"{self.address}: {exc}") from exc
+        except OSError as exc:
+            raise CommClosedError(f"handshake with {self.address} failed: {exc}") from exc
+
+    def rpc(self, header: Header, frames: Sequence[Buffer] = ()) -> Message:
+        try:
+            for buf in encode_message(header, frames, self._limits):
+                self._sock.sendall(buf)
+            return self._recv()
+        except SerializationError:
+            raise  # nothing was sent; the connection is still in sync
+        except CommError:
+            self.close()
+            raise
+        except OSError as exc:
+            self.close()
+            raise CommClosedError(f"{self.address}: {exc}") from exc
+
+    def _recv(self) -> Message:
+        reader = self._reader
+        while (message := reader.next_message()) is None:
+            n = self._sock.recv_into(reader.next_buffer())
+            if n == 0:
+                raise CommClosedError(f"connection to {self.address} closed")
+            reader.received(n)
+        return message
+
+    @property
+    def closed(self) -> bool:
+        return self._sock.fileno() == -1
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class BlockingPool:
+    """Thread-safe cache of :class:`BlockingConnection` keyed by address."""
+
+    def __init__(self, secret: bytes, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self._secret = _check_secret(secret)
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._idle: dict[str, list[BlockingConnection]] = {}
+
+    def rpc(self, address: str, header: Header, frames: Sequence[Buffer] = ()) -> Message:
+        with self._lock:
+            idle = self._idle.get(address)
+            conn = idle.pop() if idle else None
+        if conn is None:
+            conn = BlockingConnection(address, self._secret, self.timeout)
+        try:
+            reply = conn.rpc(header, frames)
+        except BaseException:
+            conn.close()
+            raise
+        with self._lock:
+            self._idle.setdefault(address, []).append(conn)
+        return reply
+
+    def close(self) -> None:
+        with self._lock:
+            conns = [c for cs in self._idle.values() for c in cs]
+            self._idle.clear()
+        for conn in conns:
+            conn.close()
