@@ -35,9 +35,9 @@ REPEATS = 5
 def _serve(size: int, ready: Any) -> None:
     data = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
 
-    async def handler(header: dict[str, Any], frames: list[memoryview]) -> tuple[
-        dict[str, Any], Sequence[Buffer]
-    ]:
+    async def handler(
+        header: dict[str, Any], frames: list[memoryview]
+    ) -> tuple[dict[str, Any], Sequence[Buffer]]:
         if header["op"] == "put":
             return {"status": "ok", "nbytes": sum(f.nbytes for f in frames)}, []
         return {"status": "ok"}, serialize(data)
@@ -52,8 +52,10 @@ def _serve(size: int, ready: Any) -> None:
 
 def _report(name: str, size: int, seconds: list[float]) -> None:
     rates = [size / s / 1e6 for s in seconds]
-    print(f"{name:<28} median {statistics.median(rates):8.0f} MB/s "
-          f"(min {min(rates):.0f}, max {max(rates):.0f})")
+    print(
+        f"{name:<28} median {statistics.median(rates):8.0f} MB/s "
+        f"(min {min(rates):.0f}, max {max(rates):.0f})"
+    )
 
 
 async def _async_bench(address: str, size: int) -> None:

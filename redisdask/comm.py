@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import hashlib
 import hmac
 import logging
@@ -44,6 +45,7 @@ import pickle
 import socket
 import struct
 import threading
+import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -274,9 +276,51 @@ def encode_message(
     return _coalesce([memoryview(prefix), *views])
 
 
+class BufferCache:
+    """Recycles big receive buffers: recv into warm pages is ~1.5x faster than into
+    fresh ones (page faults dominate).  Each buffer is exposed through a ctypes array
+    over a cached anonymous mmap and only returns to the cache once that exporter is
+    garbage, i.e. once no memoryview or ndarray of it remains.  Lock-free (GC-safe).
+    """
+
+    def __init__(self, max_idle_bytes: int = 256 << 20) -> None:
+        self.max_idle_bytes = max_idle_bytes
+        self.idle_bytes = 0
+        self._free: dict[int, list[mmap.mmap]] = {}
+
+    @staticmethod
+    def size_class(size: int) -> int:
+        """Round up to 1 MiB, then to quarter steps of powers of two (<= 25% slack)."""
+        step = max(MMAP_THRESHOLD, 1 << max(size.bit_length() - 3, 0))
+        return -(-size // step) * step
+
+    def allocate(self, size: int) -> memoryview:
+        capacity = self.size_class(size)
+        area = self._take(capacity) or mmap.mmap(-1, capacity)
+        exporter = (ctypes.c_char * capacity).from_buffer(area)
+        weakref.finalize(exporter, self._release, area)
+        return memoryview(exporter).cast("B")[:size]
+
+    def _take(self, capacity: int) -> mmap.mmap | None:
+        try:
+            area = self._free.get(capacity, []).pop()
+        except IndexError:
+            return None
+        self.idle_bytes -= len(area)
+        return area
+
+    def _release(self, area: mmap.mmap) -> None:
+        if self.idle_bytes + len(area) <= self.max_idle_bytes:
+            self.idle_bytes += len(area)
+            self._free.setdefault(len(area), []).append(area)
+
+
+BUFFER_CACHE = BufferCache()
+
+
 def _allocate(size: int) -> memoryview:
     if size >= MMAP_THRESHOLD:
-        return memoryview(mmap.mmap(-1, size))  # zero pages on demand, no memset
+        return BUFFER_CACHE.allocate(size)
     return memoryview(bytearray(size))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import pickle
 import socket
@@ -20,6 +21,7 @@ from redisdask.comm import (
     BlockingConnection,
     BlockingPool,
     Buffer,
+    BufferCache,
     CommClosedError,
     ConnectionPool,
     DataServer,
@@ -430,3 +432,22 @@ def test_blocking_client_against_threaded_server(
     assert sorted(results) == sorted(k * 100 + i for k in range(4) for i in range(10))
     assert srv.n_accepted <= 1 + 4 and handler.calls == 20 + 2 + 40
     pool.close()
+
+
+@pytest.mark.timeout(30)
+def test_buffer_cache_recycles_only_unreferenced_buffers() -> None:
+    cache = BufferCache()
+    assert cache.size_class(5 << 20) == 5 << 20 and cache.size_class(3) == 1 << 20
+    first = cache.allocate(3 << 20)
+    first[:4] = b"keep"
+    arr = np.frombuffer(first[:4], dtype=np.uint8)  # a view outliving the frame
+    del first
+    gc.collect()
+    second = cache.allocate(3 << 20)
+    second[:4] = b"over"
+    assert bytes(arr) == b"keep"  # not recycled while the ndarray lives
+    del arr, second
+    gc.collect()
+    assert cache.idle_bytes == 2 * (3 << 20)
+    third = cache.allocate(3 << 20)
+    assert cache.idle_bytes == 3 << 20 and third.nbytes == 3 << 20
