@@ -1,0 +1,545 @@
+"""Unit tests of the pure worker state machine (workers/state.py): no I/O, no clocks."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from typing import Any
+
+import msgpack
+import pytest
+
+from workers.state import (
+    AddKeysMsg,
+    ComputeTaskEvent,
+    Execute,
+    ExecuteFailureEvent,
+    ExecuteSuccessEvent,
+    FreeKeysEvent,
+    GatherDep,
+    GatherDepNetworkFailureEvent,
+    GatherDepSuccessEvent,
+    Instruction,
+    InvalidTransition,
+    MissingDataMsg,
+    PauseEvent,
+    PutDataEvent,
+    ReleasedKeysMsg,
+    StateMachineEvent,
+    TaskErredMsg,
+    TaskFinishedMsg,
+    UnpauseEvent,
+    UpdateWhoHasEvent,
+    WorkerState,
+)
+
+SELF = "tcp://10.0.0.1:8000"
+A = "tcp://10.0.0.2:8000"
+B = "tcp://10.0.0.3:8000"
+SAME_HOST = "tcp://10.0.0.1:9000"
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def make(**kwargs: Any) -> WorkerState:
+    kwargs.setdefault("address", SELF)
+    return WorkerState(validate=True, rng=random.Random(42), **kwargs)
+
+
+def compute(
+    key: str,
+    deps: dict[str, tuple[list[str], int]] | None = None,
+    priority: tuple[Any, ...] = (0,),
+) -> ComputeTaskEvent:
+    return ComputeTaskEvent(key, b"run-spec", priority, deps or {}, f"compute-{key}")
+
+
+def success(
+    key: str, value: object = 1, start: float = 1.0, stop: float = 1.5
+) -> ExecuteSuccessEvent:
+    return ExecuteSuccessEvent(key, value, 28, type(value).__name__, start, stop, f"done-{key}")
+
+
+def failure(key: str) -> ExecuteFailureEvent:
+    return ExecuteFailureEvent(
+        key, b"exc", b"tb", "ZeroDivisionError()", "Traceback...", 1.0, 2.0, f"err-{key}"
+    )
+
+
+def of(instructions: list[Instruction], cls: type) -> list[Any]:
+    return [i for i in instructions if isinstance(i, cls)]
+
+
+def test_task_without_dependencies() -> None:
+    ws = make()
+    assert ws.handle_stimulus(compute("x")) == [Execute("x", "compute-x")]
+    assert ws.tasks["x"].state == "executing"
+    out = ws.handle_stimulus(success("x", value=42))
+    assert out == [TaskFinishedMsg("x", 28, "int", 1.0, 1.5, "done-x")]
+    assert ws.data == {"x": 42}
+    assert ws.tasks["x"].state == "memory"
+    assert [s[1:3] for s in ws.stories("x")] == [
+        ("released", "ready"),
+        ("ready", "executing"),
+        ("executing", "memory"),
+    ]
+    assert ws.stories("x")[-1][4] == 1.5  # the event's timestamp
+
+
+def test_dependencies_on_two_peers() -> None:
+    ws = make()
+    out = ws.handle_stimulus(compute("z", {"a": ([A], 10), "b": ([B], 20)}))
+    gathers = sorted(of(out, GatherDep), key=lambda g: g.worker)
+    assert [(g.worker, g.keys, g.total_nbytes) for g in gathers] == [
+        (A, {"a"}, 10),
+        (B, {"b"}, 20),
+    ]
+    assert ws.tasks["z"].state == "waiting"
+    assert ws.tasks["a"].state == ws.tasks["b"].state == "flight"
+    assert ws.handle_stimulus(GatherDepSuccessEvent(A, {"a": 1}, {"a": 10}, "g1")) == []
+    assert ws.tasks["z"].state == "waiting"
+    out = ws.handle_stimulus(GatherDepSuccessEvent(B, {"b": 2}, {"b": 20}, "g2"))
+    assert out == [Execute("z", "g2")]
+    assert ws.data == {"a": 1, "b": 2}
+    ws.handle_stimulus(success("z", value=3))
+    # z no longer needs its fetched dependencies: they are released
+    assert ws.data == {"z": 3}
+    assert set(ws.tasks) == {"z"}
+
+
+def test_dependency_already_in_memory_goes_straight_to_ready() -> None:
+    ws = make(nthreads=2)
+    ws.handle_stimulus(PutDataEvent({"a": 1}, {"a": 8}, "put"))
+    out = ws.handle_stimulus(compute("z", {"a": ([SELF], 8)}))
+    assert out == [Execute("z", "compute-z")]
+    assert ws.stories("z")[0][1:3] == ("released", "ready")
+
+
+def test_priorities_with_one_thread() -> None:
+    ws = make(nthreads=1)
+    out = ws.handle_stimulus(compute("first", priority=(5,)))
+    assert out == [Execute("first", "compute-first")]
+    for key, prio in [("low", (9,)), ("high", (1,)), ("mid", (3, 0))]:
+        assert ws.handle_stimulus(compute(key, priority=prio)) == []
+    order = []
+    key = "first"
+    for _ in range(4):
+        out = ws.handle_stimulus(success(key))
+        executes = of(out, Execute)
+        if executes:
+            key = executes[0].key
+            order.append(key)
+    assert order == ["high", "mid", "low"]
+
+
+def test_batching_respects_transfer_batch_bytes() -> None:
+    ws = make(transfer_batch_bytes=100)
+    deps = {f"d{i}": ([A], 40) for i in range(5)}
+    out = ws.handle_stimulus(compute("z", deps))
+    (gather,) = of(out, GatherDep)  # one peer: one GatherDep at a time
+    assert gather.worker == A and gather.keys == {"d0", "d1"} and gather.total_nbytes == 80
+    out = ws.handle_stimulus(GatherDepSuccessEvent(A, {"d0": 0, "d1": 1}, {}, "g1"))
+    assert of(out, GatherDep)[0].keys == {"d2", "d3"}
+    out = ws.handle_stimulus(GatherDepSuccessEvent(A, {"d2": 0, "d3": 1}, {}, "g2"))
+    assert of(out, GatherDep)[0].keys == {"d4"}
+    out = ws.handle_stimulus(GatherDepSuccessEvent(A, {"d4": 0}, {}, "g3"))
+    assert out == [Execute("z", "g3")]
+
+
+def test_oversized_key_is_fetched_alone() -> None:
+    ws = make(transfer_batch_bytes=100)
+    out = ws.handle_stimulus(compute("z", {"big": ([A], 500), "small": ([A], 1)}))
+    assert of(out, GatherDep)[0].keys in ({"big"}, {"small"})
+
+
+def test_transfer_concurrency_and_priority_of_fetches() -> None:
+    ws = make(transfer_concurrency=2)
+    peers = [f"tcp://10.0.1.{i}:1" for i in range(4)]
+    for i, peer in enumerate(peers):
+        ws.handle_stimulus(compute(f"z{i}", {f"d{i}": ([peer], 1)}, priority=(10 - i,)))
+    assert len(ws.in_flight_workers) == 2
+    # d0 and d1 were claimed first; once a slot frees up, the most urgent (z3) goes next
+    out = ws.handle_stimulus(GatherDepSuccessEvent(peers[0], {"d0": 0}, {}, "g"))
+    assert of(out, GatherDep)[0].keys == {"d3"}
+
+
+def test_prefers_holder_on_same_host() -> None:
+    for seed in range(10):
+        ws = WorkerState(address=SELF, validate=True, rng=random.Random(seed))
+        out = ws.handle_stimulus(compute("z", {"a": ([A, SAME_HOST, B], 1)}))
+        assert of(out, GatherDep)[0].worker == SAME_HOST
+
+
+def test_network_failure_retries_other_holder() -> None:
+    ws = make()
+    out = ws.handle_stimulus(compute("z", {"a": ([A, B], 1), "b": ([A], 1)}))
+    first = of(out, GatherDep)[0].worker
+    other = B if first == A else A
+    out = ws.handle_stimulus(GatherDepNetworkFailureEvent(first, ["a"], "refused", "nf"))
+    assert first not in ws.tasks["a"].who_has
+    assert not ws.has_what.get(first)
+    if first == A:  # b had no other holder
+        assert of(out, MissingDataMsg) == [MissingDataMsg(["b"], A, "nf")]
+    assert of(out, GatherDep)[0].worker == other
+    assert "a" in of(out, GatherDep)[0].keys
+
+
+def test_no_holder_left_then_update_who_has() -> None:
+    ws = make()
+    ws.handle_stimulus(compute("z", {"a": ([A], 1)}))
+    out = ws.handle_stimulus(GatherDepNetworkFailureEvent(A, ["a"], "timeout", "nf"))
+    assert out == [MissingDataMsg(["a"], A, "nf")]
+    assert ws.tasks["a"].state == "missing"
+    assert ws.handle_stimulus(UpdateWhoHasEvent({"a": []}, "w0")) == []
+    out = ws.handle_stimulus(UpdateWhoHasEvent({"a": [B]}, "w1"))
+    assert out == [GatherDep(B, {"a"}, 1, "w1")]
+    out = ws.handle_stimulus(GatherDepSuccessEvent(B, {"a": 5}, {"a": 1}, "g"))
+    assert out == [Execute("z", "g")]
+
+
+def test_dependency_without_any_holder_is_missing_at_once() -> None:
+    ws = make()
+    out = ws.handle_stimulus(compute("z", {"a": ([], 1)}))
+    assert out == [MissingDataMsg(["a"], None, "compute-z")]
+
+
+def test_peer_missing_some_keys() -> None:
+    ws = make()
+    ws.handle_stimulus(compute("z", {"a": ([A], 1), "b": ([A, B], 1), "c": ([A], 1)}))
+    assert ws.in_flight_workers == {A: {"a", "b", "c"}}
+    out = ws.handle_stimulus(GatherDepSuccessEvent(A, {"a": 1}, {"a": 1}, "g"))
+    assert of(out, MissingDataMsg) == [MissingDataMsg(["c"], A, "g")]
+    assert of(out, GatherDep) == [GatherDep(B, {"b"}, 1, "g")]
+    assert ws.tasks["a"].state == "memory"
+    assert ws.tasks["c"].state == "missing"
+    assert ws.tasks["b"].who_has == {B}
+
+
+def test_free_keys_of_executing_task_cancels_it() -> None:
+    ws = make()
+    ws.handle_stimulus(compute("x"))
+    assert ws.handle_stimulus(FreeKeysEvent(["x"], "free")) == []
+    assert ws.tasks["x"].state == "cancelled"
+    assert ws.claim_budget() == 1  # the thread is still busy
+    out = ws.handle_stimulus(success("x"))
+    assert out == [ReleasedKeysMsg(["x"], "done-x")]
+    assert "x" not in ws.data and "x" not in ws.tasks
+
+
+def test_cancelled_task_claimed_again_resumes() -> None:
+    ws = make()
+    ws.handle_stimulus(compute("x"))
+    ws.handle_stimulus(FreeKeysEvent(["x"], "free"))
+    assert ws.handle_stimulus(compute("x")) == []  # still running: no second Execute
+    assert ws.tasks["x"].state == "executing"
+    assert of(ws.handle_stimulus(success("x")), TaskFinishedMsg)
+
+
+@pytest.mark.parametrize("outcome", ["success", "failure", "failure-no-holder"])
+def test_cancelled_task_needed_as_dependency(outcome: str) -> None:
+    ws = make(nthreads=2)
+    ws.handle_stimulus(compute("d"))
+    ws.handle_stimulus(FreeKeysEvent(["d"], "free"))
+    holders = [] if outcome == "failure-no-holder" else [A]
+    assert ws.handle_stimulus(compute("z", {"d": (holders, 1)})) == []
+    assert ws.tasks["d"].state == "cancelled" and ws.tasks["z"].state == "waiting"
+    if outcome == "success":
+        out = ws.handle_stimulus(success("d"))
+        assert out == [Execute("z", "done-d")]  # no TaskFinishedMsg: d is not wanted
+        assert ws.tasks["d"].state == "memory"
+    elif outcome == "failure":
+        out = ws.handle_stimulus(failure("d"))
+        assert out == [GatherDep(A, {"d"}, 1, "err-d")]  # computing failed: fetch it
+    else:
+        out = ws.handle_stimulus(failure("d"))
+        assert out == [MissingDataMsg(["d"], None, "err-d")]
+
+
+def test_free_keys_releases_unneeded_dependencies() -> None:
+    ws = make(nthreads=1)
+    ws.handle_stimulus(compute("busy"))
+    ws.handle_stimulus(compute("y", {"a": ([A], 1), "b": ([A], 1)}))
+    ws.handle_stimulus(compute("z", {"b": ([A], 1)}))
+    ws.handle_stimulus(GatherDepSuccessEvent(A, {"a": 1, "b": 2}, {}, "g"))
+    assert ws.tasks["y"].state == ws.tasks["z"].state == "ready"
+    ws.handle_stimulus(FreeKeysEvent(["y"], "free"))
+    assert "y" not in ws.tasks and "a" not in ws.tasks and "a" not in ws.data
+    assert ws.data == {"b": 2}  # still needed by z
+    ws.handle_stimulus(FreeKeysEvent(["z"], "free2"))
+    assert ws.data == {} and set(ws.tasks) == {"busy"}
+
+
+def test_free_keys_of_task_in_flight() -> None:
+    ws = make()
+    ws.handle_stimulus(compute("z", {"a": ([A], 1)}))
+    ws.handle_stimulus(FreeKeysEvent(["z"], "free"))
+    assert ws.tasks["a"].state == "cancelled"
+    ws.handle_stimulus(GatherDepSuccessEvent(A, {"a": 1}, {}, "g"))
+    assert ws.tasks == {} and ws.data == {}
+
+
+def test_execute_failure() -> None:
+    ws = make()
+    ws.handle_stimulus(compute("x"))
+    out = ws.handle_stimulus(failure("x"))
+    assert out == [
+        TaskErredMsg("x", b"exc", b"tb", "ZeroDivisionError()", "Traceback...", 1.0, 2.0, "err-x")
+    ]
+    assert ws.tasks["x"].state == "error" and "x" not in ws.data
+    ws.handle_stimulus(FreeKeysEvent(["x"], "free"))
+    assert ws.tasks == {}
+
+
+def test_put_data() -> None:
+    ws = make()
+    out = ws.handle_stimulus(PutDataEvent({"p": [1, 2]}, {"p": 80}, "scatter"))
+    assert out == [AddKeysMsg(["p"], {"p": 80}, "scatter")]
+    assert ws.data == {"p": [1, 2]} and ws.tasks["p"].state == "memory"
+    ws.handle_stimulus(FreeKeysEvent(["p"], "free"))
+    assert ws.data == {}
+
+
+def test_pause_stops_execute_but_not_gather() -> None:
+    ws = make()
+    assert ws.handle_stimulus(PauseEvent("pause")) == []
+    assert ws.claim_budget() == 0
+    assert ws.handle_stimulus(compute("x")) == []
+    out = ws.handle_stimulus(compute("z", {"a": ([A], 1)}))
+    assert of(out, GatherDep)
+    assert ws.handle_stimulus(GatherDepSuccessEvent(A, {"a": 1}, {}, "g")) == []
+    assert ws.tasks["z"].state == "ready"
+    out = ws.handle_stimulus(UnpauseEvent("unpause"))
+    assert out == [Execute("x", "unpause")]
+
+
+def test_claim_budget_basics() -> None:
+    ws = make(nthreads=4)
+    assert ws.claim_budget() == 8
+    for i in range(3):
+        ws.handle_stimulus(compute(f"x{i}"))
+    assert ws.claim_budget() == 5
+    for i in range(5):
+        ws.handle_stimulus(compute(f"y{i}"))
+    assert ws.claim_budget() == 0
+    ws.handle_stimulus(success("x0", start=0.0, stop=1.0))  # slow task: no batching
+    assert ws.claim_budget() == 1
+
+
+def test_claim_budget_tiny_tasks() -> None:
+    ws = make(nthreads=2)
+    ws.handle_stimulus(compute("x"))
+    ws.handle_stimulus(success("x", start=10.0, stop=10.0001))  # 100 µs
+    # 2 threads * 20 ms / 100 µs = 400 tasks queued
+    assert ws.claim_budget() == pytest.approx(400, abs=1)
+    assert ws.claim_budget(horizon=1.0) == 1000  # capped
+    ws.handle_stimulus(compute("y"))
+    ws.handle_stimulus(success("y", start=0.0, stop=0.0))
+    assert ws.claim_budget() == 500  # EWMA: 100 µs + 0.2 * (0 - 100 µs) = 80 µs
+    for i in range(40):
+        ws.handle_stimulus(compute(f"z{i}"), success(f"z{i}", start=0.0, stop=0.0))
+    assert ws.claim_budget() == 1000  # (almost) instantaneous tasks: capped
+
+
+def all_event_kinds() -> list[StateMachineEvent]:
+    return [
+        compute("z", {"a": ([A, B], 10)}, priority=(1, -2, 3)),
+        success("z", value={"big": "object"}),
+        failure("z"),
+        GatherDepSuccessEvent(A, {"a": 1, "b": 2}, {"a": 10, "b": 20}, "g"),
+        GatherDepNetworkFailureEvent(A, ["a", "b"], "boom", "nf"),
+        UpdateWhoHasEvent({"a": [A, B], "b": []}, "w"),
+        FreeKeysEvent(["a", "z"], "free"),
+        PutDataEvent({"p": object()}, {"p": 8}, "put"),
+        PauseEvent("pause"),
+        UnpauseEvent("unpause"),
+    ]
+
+
+def test_events_round_trip() -> None:
+    for ev in all_event_kinds():
+        d = ev.to_dict()
+        assert d["op"] == type(ev).__name__
+        for encoded in (msgpack.unpackb(msgpack.packb(d)), d):
+            back = StateMachineEvent.from_dict(encoded)
+            assert type(back) is type(ev)
+            assert back.to_dict() == d
+            if not isinstance(ev, ExecuteSuccessEvent | GatherDepSuccessEvent | PutDataEvent):
+                assert back == ev
+    # data values are left out of the serialised form, keys stay
+    assert PutDataEvent({"p": object()}, {"p": 8}, "s").to_dict()["data"] == {"p": None}
+    # events without bytes are plain JSON too
+    json.dumps(UpdateWhoHasEvent({"a": [A]}, "w").to_dict())
+
+
+def test_instructions_round_trip() -> None:
+    ws = make()
+    out = ws.handle_stimulus(compute("z", {"a": ([A], 1)}), *[])
+    out += ws.handle_stimulus(GatherDepSuccessEvent(A, {"a": 1}, {"a": 1}, "g"))
+    out += ws.handle_stimulus(failure("z"))
+    out += ws.handle_stimulus(PutDataEvent({"p": 1}, {"p": 1}, "p"), compute("m", {"q": ([], 1)}))
+    assert {type(i) for i in out} == {GatherDep, Execute, TaskErredMsg, AddKeysMsg, MissingDataMsg}
+    for instruction in out:
+        packed = msgpack.unpackb(msgpack.packb(instruction.to_dict()))
+        assert Instruction.from_dict(packed) == instruction
+
+
+def test_recorded_story_replays() -> None:
+    ws = make(record_stimuli=True)
+    events: list[StateMachineEvent] = [
+        compute("z", {"a": ([A], 1), "b": ([A, B], 1)}),
+        GatherDepNetworkFailureEvent(A, ["a", "b"], "boom", "nf"),
+        UpdateWhoHasEvent({"a": [B]}, "w"),
+        GatherDepSuccessEvent(B, {"b": 1}, {"b": 1}, "g1"),
+        GatherDepSuccessEvent(B, {"a": 1}, {"a": 1}, "g2"),
+        success("z"),
+    ]
+    first = [i.to_dict() for i in ws.handle_stimulus(*events)]
+    recorded = [msgpack.packb(ev.to_dict()) for ev in ws.stimulus_log]
+    replay = make()
+    second = replay.handle_stimulus(
+        *(StateMachineEvent.from_dict(msgpack.unpackb(r)) for r in recorded)
+    )
+    assert [i.to_dict() for i in second] == first
+    assert [s[:4] for s in replay.story] == [s[:4] for s in ws.story]
+
+
+def test_invalid_transition() -> None:
+    ws = make()
+    ws.handle_stimulus(compute("z", {"a": ([A], 1)}))
+    with pytest.raises(InvalidTransition) as info:
+        ws.handle_stimulus(success("z"))  # z is waiting, it never ran
+    err = info.value
+    assert (err.key, err.start, err.finish, err.stimulus_id) == ("z", "waiting", "memory", "done-z")
+    for part in ("'z'", "waiting", "memory", "done-z"):
+        assert part in str(err)
+
+
+def test_validate_state_catches_corruption() -> None:
+    ws = make()
+    ws.handle_stimulus(compute("x"))
+    ws.data["ghost"] = 1
+    with pytest.raises(AssertionError, match="ghost"):
+        ws.validate_state()
+
+
+def test_speed_of_trivial_tasks() -> None:
+    n = 10_000
+    ws = WorkerState(address=SELF, nthreads=4)  # validate off: it is O(tasks) per event
+    t0 = time.perf_counter()
+    for i in range(n):
+        ws.handle_stimulus(compute(f"x{i}", priority=(i,)))
+    for i in range(n):
+        ws.handle_stimulus(success(f"x{i}"))
+    elapsed = time.perf_counter() - t0
+    print(f"{elapsed / n * 1e6:.1f} µs per task (compute + success)")
+    assert len(ws.data) == n
+    ws.validate_state()
+    assert elapsed < 2.0
+
+
+# --- randomized --------------------------------------------------------------------
+
+PEERS = [A, B, SAME_HOST, "tcp://10.0.0.4:8000"]
+
+
+class RandomDriver:
+    """Plays scheduler and driver: answers each instruction once, in random order."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.ws = WorkerState(
+            address=SELF,
+            nthreads=self.rng.randint(1, 3),
+            transfer_batch_bytes=self.rng.choice([5, 50, 1000]),
+            transfer_concurrency=self.rng.randint(1, 3),
+            rng=random.Random(seed),
+            validate=True,
+        )
+        self.executing: set[str] = set()
+        self.gathering: dict[str, set[str]] = {}
+        self.graph: dict[str, list[str]] = {}
+        self.n = 0
+
+    def holders(self) -> list[str]:
+        return self.rng.sample([*PEERS, SELF], self.rng.randint(0, 3))
+
+    def sid(self) -> str:
+        self.n += 1
+        return f"s{self.n}"
+
+    def next_event(self) -> StateMachineEvent:
+        rng, ws = self.rng, self.ws
+        choice = rng.random()
+        sid = self.sid()
+        if choice < 0.25:
+            pool = [f"t{rng.randint(0, 30)}", f"d{rng.randint(0, 15)}"]
+            key = pool[0] if rng.random() < 0.9 else pool[1]
+            if key not in self.graph:  # a key's dependencies never change
+                dep_keys = {f"d{rng.randint(0, 15)}" for _ in range(rng.randint(0, 3))}
+                self.graph[key] = sorted(dep_keys - {key})
+            deps = {d: (self.holders(), rng.randint(1, 20)) for d in self.graph[key]}
+            prio = (rng.randint(0, 5), self.n)
+            return ComputeTaskEvent(key, b"spec", prio, deps, sid)
+        if choice < 0.45 and self.executing:
+            key = rng.choice(sorted(self.executing))
+            self.executing.discard(key)
+            t = float(self.n)
+            if rng.random() < 0.8:
+                return ExecuteSuccessEvent(key, self.n, rng.randint(1, 9), "int", t, t + 0.01, sid)
+            return ExecuteFailureEvent(key, b"e", None, "E()", "", t, t + 0.01, sid)
+        if choice < 0.65 and self.gathering:
+            worker = rng.choice(sorted(self.gathering))
+            keys = self.gathering.pop(worker)
+            if rng.random() < 0.2:
+                return GatherDepNetworkFailureEvent(worker, sorted(keys), "boom", sid)
+            got = [k for k in sorted(keys) if rng.random() < 0.8]
+            return GatherDepSuccessEvent(worker, {k: k for k in got}, {k: 3 for k in got}, sid)
+        if choice < 0.75:
+            known = sorted(ws.tasks)
+            keys = [*rng.sample(known, min(len(known), rng.randint(1, 3))), "unknown"]
+            return FreeKeysEvent(keys, sid)
+        if choice < 0.85:
+            missing = sorted(t.key for t in ws.by_state["missing"])
+            keys = missing or [f"d{rng.randint(0, 15)}"]
+            return UpdateWhoHasEvent({k: self.holders() for k in keys}, sid)
+        if choice < 0.92:
+            key = rng.choice([f"p{rng.randint(0, 5)}", f"d{rng.randint(0, 15)}"])
+            return PutDataEvent({key: key}, {key: 4}, sid)
+        return PauseEvent(sid) if rng.random() < 0.5 and not ws.paused else UnpauseEvent(sid)
+
+    def feed(self, ev: StateMachineEvent) -> None:
+        for instruction in self.ws.handle_stimulus(ev):
+            if isinstance(instruction, Execute):
+                assert instruction.key not in self.executing
+                self.executing.add(instruction.key)
+            elif isinstance(instruction, GatherDep):
+                assert instruction.worker not in self.gathering
+                assert instruction.keys
+                self.gathering[instruction.worker] = set(instruction.keys)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_event_sequences(seed: int) -> None:
+    driver = RandomDriver(seed)
+    try:
+        for _ in range(400):
+            driver.feed(driver.next_event())
+        # drain: answer every outstanding instruction, then free everything
+        driver.feed(UnpauseEvent("drain"))
+        while driver.executing or driver.gathering:
+            if driver.executing:
+                key = driver.executing.pop()
+                driver.feed(ExecuteSuccessEvent(key, 0, 1, "int", 0.0, 0.0, f"drain-{key}"))
+            else:
+                worker, keys = driver.gathering.popitem()
+                data = {k: 0 for k in keys}
+                driver.feed(GatherDepSuccessEvent(worker, data, {}, f"drain-{worker}"))
+        missing = sorted(t.key for t in driver.ws.by_state["missing"])
+        driver.feed(FreeKeysEvent(sorted(driver.ws.tasks), "free-all"))
+        driver.feed(UpdateWhoHasEvent({k: [] for k in missing}, "end"))
+        assert not driver.ws.executing
+    except Exception as e:
+        raise AssertionError(f"seed={seed} after {driver.n} events: {e!r}") from e
+    ws = driver.ws
+    assert not ws.tasks and not ws.data and not ws.in_flight_workers, f"seed={seed}: {ws.tasks}"

@@ -1,0 +1,967 @@
+"""The worker's task state machine: pure, synchronous, sans-I/O.
+
+``WorkerState.handle_stimulus(*events) -> list[Instruction]`` is the only entry point
+that changes state.  It never touches a socket, Redis, a thread or a clock: the async
+driver feeds it *events* (something happened: a task was claimed, a computation
+finished, a peer answered) and carries out the *instructions* it returns (run a task,
+fetch data from a peer, tell the scheduler something).  Every timestamp comes from an
+event, so a recorded sequence of events replays to the same instructions, and the whole
+machine can be unit-tested in microseconds.  Modelled on Dask's
+``distributed/worker_state_machine.py``, much reduced.
+
+Task states and the transitions implemented here::
+
+    claimed here (ComputeTaskEvent):
+
+        released ──► waiting ──► ready ──► executing ──► memory
+            │         (deps)     ▲ (heap)    │   │
+            └────────────────────┘           │   └──► error
+                                             ▼
+                       cancelled ──► released | memory | executing | fetch | missing
+
+    only fetched (a dependency of a claimed task):
+
+        released ──► fetch ──► flight ──► memory
+            │        ▲   │       │  │
+            │        │   ▼       │  └──► cancelled ──► released | memory | flight | fetch
+            └──────► missing ◄───┘
+
+    PutDataEvent: released | waiting | ready | fetch | flight | missing | error ──► memory
+    FreeKeysEvent: any resting state ──► released (then forgotten); running ──► cancelled
+
+* ``released`` is transient: a task that is neither *wanted* (claimed by / pushed to this
+  worker, so the scheduler expects it here) nor needed by a dependent is forgotten at
+  once (removed from ``tasks`` and its value from ``data``).
+* ``cancelled``: the scheduler freed a task whose computation (or fetch) is still under
+  way.  It keeps its thread (or peer) until the result arrives; the result is then
+  dropped (``ReleasedKeysMsg`` for a computation) unless the task was wanted again.
+* ``missing``: no known holder; ``MissingDataMsg`` asks the scheduler, whose answer comes
+  back as ``UpdateWhoHasEvent``.
+* ``constrained`` (resource restrictions), ``long-running`` (secede) and
+  ``rescheduled`` are declared for later issues; no event reaches them yet.
+
+Fetched dependencies are private replicas: they are not announced to the scheduler and
+are released as soon as no task here needs them (a task stops needing its dependencies
+when it finishes).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable, MutableMapping
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+STATES: frozenset[str] = frozenset(
+    {
+        "released", "waiting", "fetch", "flight", "missing", "ready", "constrained",
+        "executing", "long-running", "memory", "error", "rescheduled", "cancelled",
+    }
+)  # fmt: skip
+
+DEFAULT_TRANSFER_BATCH_BYTES = 200_000_000
+DEFAULT_TRANSFER_CONCURRENCY = 4
+MAX_CLAIM = 1000
+EWMA_ALPHA = 0.2
+
+
+class InvalidTransition(Exception):
+    """A stimulus asked a task to move along an edge the state machine does not have."""
+
+    def __init__(self, key: str, start: str, finish: str, stimulus_id: str) -> None:
+        self.key, self.start, self.finish, self.stimulus_id = key, start, finish, stimulus_id
+        super().__init__(f"{key!r}: invalid transition {start} -> {finish} ({stimulus_id})")
+
+
+class InvalidTaskState(AssertionError):
+    """``validate_state`` found a broken invariant."""
+
+
+# ---------------------------------------------------------------------------------------
+# Events and instructions: slotted dataclasses, msgpack-serialisable through to_dict()
+# ---------------------------------------------------------------------------------------
+
+_REGISTRY: dict[str, type[_Record]] = {}
+
+
+def _plain(value: Any) -> Any:
+    """Convert to msgpack-native types: tuples/sets -> lists, dict keys -> str."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(_plain(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+class _Record:
+    """Base of events and instructions: ``to_dict``/``from_dict`` keyed on class name."""
+
+    __slots__ = ()
+    # fields whose values are not serialised (dicts keep their keys, values become None)
+    _excluded: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _REGISTRY[cls.__name__] = cls  # the slotted class made by @dataclass wins
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"op": type(self).__name__}
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if f.name in self._excluded:
+                value = dict.fromkeys(value) if isinstance(value, dict) else None
+            out[f.name] = _plain(value)
+        return out
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Any:
+        cls = _REGISTRY[d["op"]]
+        return cls(**cls._coerce({k: v for k, v in d.items() if k != "op"}))
+
+    @classmethod
+    def _coerce(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return kwargs
+
+
+class StateMachineEvent(_Record):
+    __slots__ = ()
+    stimulus_id: str
+
+
+class Instruction(_Record):
+    __slots__ = ()
+    stimulus_id: str
+
+
+@dataclass(slots=True)
+class ComputeTaskEvent(StateMachineEvent):
+    """The driver claimed ``key``; ``dependencies`` maps dep key -> (who_has, nbytes)."""
+
+    key: str
+    run_spec: bytes
+    priority: tuple[Any, ...]
+    dependencies: dict[str, tuple[list[str], int]]
+    stimulus_id: str
+
+    @classmethod
+    def _coerce(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        kwargs["priority"] = tuple(kwargs["priority"])
+        kwargs["dependencies"] = {
+            k: (list(who), int(nb)) for k, (who, nb) in kwargs["dependencies"].items()
+        }
+        return kwargs
+
+
+@dataclass(slots=True)
+class ExecuteSuccessEvent(StateMachineEvent):
+    key: str
+    value: object
+    nbytes: int
+    type_name: str
+    start: float
+    stop: float
+    stimulus_id: str
+    _excluded: ClassVar[tuple[str, ...]] = ("value",)
+
+
+@dataclass(slots=True)
+class ExecuteFailureEvent(StateMachineEvent):
+    key: str
+    exception: bytes
+    traceback: bytes | None
+    exception_text: str
+    traceback_text: str
+    start: float
+    stop: float
+    stimulus_id: str
+
+
+@dataclass(slots=True)
+class GatherDepSuccessEvent(StateMachineEvent):
+    """A peer answered; requested keys absent from ``data`` were not there."""
+
+    worker: str
+    data: dict[str, object]
+    nbytes: dict[str, int]
+    stimulus_id: str
+    _excluded: ClassVar[tuple[str, ...]] = ("data",)
+
+
+@dataclass(slots=True)
+class GatherDepNetworkFailureEvent(StateMachineEvent):
+    worker: str
+    keys: list[str]
+    reason: str
+    stimulus_id: str
+
+
+@dataclass(slots=True)
+class UpdateWhoHasEvent(StateMachineEvent):
+    """The scheduler's (authoritative) holders for keys, typically missing ones."""
+
+    who_has: dict[str, list[str]]
+    stimulus_id: str
+
+
+@dataclass(slots=True)
+class FreeKeysEvent(StateMachineEvent):
+    keys: list[str]
+    stimulus_id: str
+
+
+@dataclass(slots=True)
+class PutDataEvent(StateMachineEvent):
+    data: dict[str, object]
+    nbytes: dict[str, int]
+    stimulus_id: str
+    _excluded: ClassVar[tuple[str, ...]] = ("data",)
+
+
+@dataclass(slots=True)
+class PauseEvent(StateMachineEvent):
+    stimulus_id: str
+
+
+@dataclass(slots=True)
+class UnpauseEvent(StateMachineEvent):
+    stimulus_id: str
+
+
+@dataclass(slots=True)
+class Execute(Instruction):
+    """Run ``tasks[key].run_spec`` in a thread; answer with ExecuteSuccess/FailureEvent."""
+
+    key: str
+    stimulus_id: str
+
+
+@dataclass(slots=True)
+class GatherDep(Instruction):
+    """Fetch ``keys`` from ``worker``; answer with GatherDepSuccess/NetworkFailureEvent."""
+
+    worker: str
+    keys: set[str]
+    total_nbytes: int
+    stimulus_id: str
+
+    @classmethod
+    def _coerce(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        kwargs["keys"] = set(kwargs["keys"])
+        return kwargs
+
+
+@dataclass(slots=True)
+class TaskFinishedMsg(Instruction):
+    key: str
+    nbytes: int
+    type_name: str
+    start: float
+    stop: float
+    stimulus_id: str
+
+
+@dataclass(slots=True)
+class TaskErredMsg(Instruction):
+    key: str
+    exception: bytes
+    traceback: bytes | None
+    exception_text: str
+    traceback_text: str
+    start: float
+    stop: float
+    stimulus_id: str
+
+
+@dataclass(slots=True)
+class MissingDataMsg(Instruction):
+    """``keys`` have no known holder left; ``worker`` is the peer that failed, if any."""
+
+    keys: list[str]
+    worker: str | None
+    stimulus_id: str
+
+
+@dataclass(slots=True)
+class AddKeysMsg(Instruction):
+    keys: list[str]
+    nbytes: dict[str, int]
+    stimulus_id: str
+
+
+@dataclass(slots=True)
+class ReleasedKeysMsg(Instruction):
+    keys: list[str]
+    stimulus_id: str
+
+
+# ---------------------------------------------------------------------------------------
+# Task state
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, eq=False, repr=False)
+class TaskState:
+    key: str
+    state: str = "released"
+    run_spec: bytes | None = None
+    priority: tuple[Any, ...] | None = None
+    wanted: bool = False  # claimed by / pushed to this worker: the scheduler expects it here
+    dependencies: set[TaskState] = field(default_factory=set)
+    dependents: set[TaskState] = field(default_factory=set)
+    waiting_for_data: set[TaskState] = field(default_factory=set)
+    who_has: set[str] = field(default_factory=set)
+    coming_from: str | None = None  # peer of the GatherDep in flight
+    previous: str | None = None  # state before `cancelled`: executing or flight
+    nbytes: int | None = None
+    type_name: str | None = None
+    start: float | None = None
+    stop: float | None = None
+    error: ExecuteFailureEvent | None = None
+
+    def __repr__(self) -> str:
+        return f"<TaskState {self.key!r} {self.state}>"
+
+
+def _host(address: str) -> str:
+    rest = address.split("://", 1)[-1]
+    return rest.rsplit(":", 1)[0] if ":" in rest else rest
+
+
+StoryEntry = tuple[str, str, str, str, float | None]
+
+
+# ---------------------------------------------------------------------------------------
+# The state machine
+# ---------------------------------------------------------------------------------------
+
+
+class WorkerState:
+    """All the task state of one worker, advanced only by ``handle_stimulus``."""
+
+    def __init__(
+        self,
+        *,
+        address: str = "tcp://127.0.0.1:0",
+        nthreads: int = 1,
+        data: MutableMapping[str, object] | None = None,
+        transfer_batch_bytes: int = DEFAULT_TRANSFER_BATCH_BYTES,
+        transfer_concurrency: int = DEFAULT_TRANSFER_CONCURRENCY,
+        rng: random.Random | None = None,
+        validate: bool = False,
+        story_limit: int = 100_000,
+        record_stimuli: bool = False,
+    ) -> None:
+        self.address = address
+        self.host = _host(address)
+        self.nthreads = nthreads
+        self.data: MutableMapping[str, object] = {} if data is None else data
+        self.transfer_batch_bytes = transfer_batch_bytes
+        self.transfer_concurrency = transfer_concurrency
+        self.rng = rng if rng is not None else random.Random(0)
+        self.validate = validate
+        self.paused = False
+
+        self.tasks: dict[str, TaskState] = {}
+        self.by_state: defaultdict[str, set[TaskState]] = defaultdict(set)
+        self.executing: set[TaskState] = set()  # tasks holding a thread (incl. cancelled)
+        self.in_flight_workers: dict[str, set[str]] = {}  # peer -> keys requested
+        self.has_what: defaultdict[str, set[str]] = defaultdict(set)  # peer -> keys
+        self.avg_task_duration: float | None = None  # EWMA of stop - start
+        self.story: deque[StoryEntry] = deque(maxlen=story_limit)
+        # the events themselves, for replay (opt-in: they hold task results alive)
+        self.stimulus_log: deque[StateMachineEvent] = deque(
+            maxlen=story_limit if record_stimuli else 0
+        )
+
+        self._ready_heap: list[tuple[tuple[Any, ...], int, TaskState]] = []
+        self._seq = 0
+        self._instructions: list[Instruction] = []
+        self._newly_missing: list[str] = []
+        self._event_time: float | None = None
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            ComputeTaskEvent: self._handle_compute,
+            ExecuteSuccessEvent: self._handle_execute_success,
+            ExecuteFailureEvent: self._handle_execute_failure,
+            GatherDepSuccessEvent: self._handle_gather_success,
+            GatherDepNetworkFailureEvent: self._handle_gather_network_failure,
+            UpdateWhoHasEvent: self._handle_update_who_has,
+            FreeKeysEvent: self._handle_free_keys,
+            PutDataEvent: self._handle_put_data,
+            PauseEvent: self._handle_pause,
+            UnpauseEvent: self._handle_unpause,
+        }
+        self._transitions: dict[tuple[str, str], Callable[..., None]] = {}
+        for name in dir(type(self)):
+            if name.startswith("_transition_"):
+                start, _, finish = name.removeprefix("_transition_").partition("_")
+                self._transitions[start, finish.replace("_", "-")] = getattr(self, name)
+
+        for key in list(self.data):  # pre-existing data (e.g. a persistent spill buffer)
+            ts = self.tasks[key] = TaskState(key, state="memory", wanted=True)
+            self.by_state["memory"].add(ts)
+
+    # -- public API ------------------------------------------------------------------
+
+    def handle_stimulus(self, *events: StateMachineEvent) -> list[Instruction]:
+        """Apply events in order; return the instructions for the driver to carry out."""
+        self._instructions = out = []
+        for ev in events:
+            self.stimulus_log.append(ev)
+            self._event_time = getattr(ev, "stop", None)
+            self._handlers[type(ev)](ev)
+            self._ensure_computing(ev.stimulus_id)
+            self._ensure_communicating(ev.stimulus_id)
+            if self._newly_missing:
+                worker = getattr(ev, "worker", None)
+                self._emit(MissingDataMsg(sorted(self._newly_missing), worker, ev.stimulus_id))
+                self._newly_missing = []
+            if self.validate:
+                self.validate_state()
+        return out
+
+    def claim_budget(self, horizon: float = 0.02) -> int:
+        """How many more tasks the driver should claim now.
+
+        Keeps ``2 * nthreads`` tasks claimed-but-unfinished (one queued per thread); when
+        the average task takes much less than ``horizon`` seconds, enough to keep every
+        thread busy for ``horizon`` (capped at 1000), so tiny tasks are claimed in batches.
+        """
+        if self.paused:
+            return 0
+        target = 2 * self.nthreads
+        avg = self.avg_task_duration
+        if avg is not None:
+            tiny = MAX_CLAIM if avg <= 0 else min(MAX_CLAIM, int(self.nthreads * horizon / avg))
+            target = max(target, tiny)
+        active = len(self.by_state["waiting"]) + len(self.by_state["ready"]) + len(self.executing)
+        return max(0, target - active)
+
+    def stories(self, *keys: str) -> list[StoryEntry]:
+        """The story entries about ``keys``."""
+        wanted = set(keys)
+        return [entry for entry in self.story if entry[0] in wanted]
+
+    # -- event handlers --------------------------------------------------------------
+
+    def _handle_compute(self, ev: ComputeTaskEvent) -> None:
+        sid = ev.stimulus_id
+        ts = self._ensure_task(ev.key)
+        ts.wanted = True
+        ts.run_spec, ts.priority = ev.run_spec, ev.priority
+        if ts.state == "memory":  # claimed again: repeat the answer
+            self._emit_finished(ts, sid)
+            return
+        if ts.state == "error":
+            self._emit_erred(ts, sid)
+            return
+        if ts.state in ("waiting", "ready", "executing", "fetch", "flight", "missing"):
+            return  # duplicate claim, or already on its way here
+        if ts.state == "cancelled":  # freed while running, now claimed again: resume
+            self._transition(ts, ts.previous or "executing", sid)
+            return
+        for dep_key, (who_has, nbytes) in ev.dependencies.items():
+            dep = self._ensure_task(dep_key)
+            ts.dependencies.add(dep)
+            dep.dependents.add(ts)
+            if dep.priority is None or ev.priority < dep.priority:
+                dep.priority = ev.priority
+            if dep.nbytes is None:
+                dep.nbytes = nbytes
+            if dep.state != "memory":
+                self._add_who_has(dep, who_has)
+            if dep.state == "released":
+                self._transition(dep, "fetch" if dep.who_has else "missing", sid)
+            elif dep.state == "missing" and dep.who_has:
+                self._transition(dep, "fetch", sid)
+            elif dep.state == "cancelled" and dep.previous == "flight":
+                self._transition(dep, "flight", sid)
+            if dep.state != "memory":
+                ts.waiting_for_data.add(dep)
+        self._transition(ts, "waiting" if ts.waiting_for_data else "ready", sid)
+
+    def _handle_execute_success(self, ev: ExecuteSuccessEvent) -> None:
+        ts = self._finished_execution(ev.key, ev.start, ev.stop, "memory", ev.stimulus_id)
+        if ts is None:
+            return
+        ts.type_name, ts.start, ts.stop = ev.type_name, ev.start, ev.stop
+        if ts.state == "executing" or ts.dependents:
+            self._transition(ts, "memory", ev.stimulus_id, value=ev.value, nbytes=ev.nbytes)
+        else:  # cancelled and nobody wants it: drop the result
+            self._transition(ts, "released", ev.stimulus_id)
+            self._emit(ReleasedKeysMsg([ev.key], ev.stimulus_id))
+
+    def _handle_execute_failure(self, ev: ExecuteFailureEvent) -> None:
+        ts = self._finished_execution(ev.key, ev.start, ev.stop, "error", ev.stimulus_id)
+        if ts is None:
+            return
+        ts.start, ts.stop = ev.start, ev.stop
+        if ts.state == "executing":
+            self._transition(ts, "error", ev.stimulus_id, error=ev)
+        elif ts.dependents:  # cancelled, but needed here: fetch it from elsewhere
+            self._after_failed_fetch(ts, ev.stimulus_id)
+        else:
+            self._transition(ts, "released", ev.stimulus_id)
+            self._emit(ReleasedKeysMsg([ev.key], ev.stimulus_id))
+
+    def _finished_execution(
+        self, key: str, start: float, stop: float, finish: str, sid: str
+    ) -> TaskState | None:
+        duration = max(0.0, stop - start)
+        avg = self.avg_task_duration
+        self.avg_task_duration = duration if avg is None else avg + EWMA_ALPHA * (duration - avg)
+        ts = self.tasks.get(key)
+        if ts is None:  # unknown key: a stale message, nothing to do
+            self.story.append((key, "forgotten", finish, sid, self._event_time))
+            return None
+        if ts.state == "executing" or (ts.state == "cancelled" and ts.previous == "executing"):
+            return ts
+        raise InvalidTransition(key, ts.state, finish, sid)
+
+    def _handle_gather_success(self, ev: GatherDepSuccessEvent) -> None:
+        sid = ev.stimulus_id
+        for key in sorted(self.in_flight_workers.pop(ev.worker, ())):
+            ts = self.tasks.get(key)
+            if ts is None or ts.coming_from != ev.worker:
+                continue  # arrived another way meanwhile (PutData) or forgotten
+            if key not in ev.data:
+                self._forget_holder(ts, ev.worker)
+                self._after_failed_fetch(ts, sid)
+            elif ts.state == "flight" or ts.dependents:
+                nbytes = ev.nbytes.get(key, ts.nbytes or 0)
+                self._transition(ts, "memory", sid, value=ev.data[key], nbytes=nbytes)
+            else:
+                self._transition(ts, "released", sid)
+
+    def _handle_gather_network_failure(self, ev: GatherDepNetworkFailureEvent) -> None:
+        sid = ev.stimulus_id
+        in_flight = self.in_flight_workers.pop(ev.worker, set())
+        held = sorted(self.has_what.pop(ev.worker, set()))
+        for key in held:
+            self.tasks[key].who_has.discard(ev.worker)
+        for key in sorted(in_flight):
+            ts = self.tasks.get(key)
+            if ts is not None and ts.coming_from == ev.worker:
+                self._after_failed_fetch(ts, sid)
+        for key in held:
+            ts = self.tasks.get(key)  # may have been released meanwhile
+            if ts is not None and ts.state == "fetch" and not ts.who_has:
+                self._transition(ts, "missing", sid)
+
+    def _handle_update_who_has(self, ev: UpdateWhoHasEvent) -> None:
+        for key, workers in ev.who_has.items():
+            ts = self.tasks.get(key)
+            if ts is None or ts.state == "memory":
+                continue
+            for worker in ts.who_has - set(workers):
+                self._forget_holder(ts, worker)
+            self._add_who_has(ts, workers)
+            if ts.state == "missing" and ts.who_has:
+                self._transition(ts, "fetch", ev.stimulus_id)
+            elif ts.state == "fetch" and not ts.who_has:
+                self._transition(ts, "missing", ev.stimulus_id)
+
+    def _handle_free_keys(self, ev: FreeKeysEvent) -> None:
+        for key in ev.keys:
+            ts = self.tasks.get(key)
+            if ts is not None:
+                ts.wanted = False
+                self._release_if_unneeded(ts, ev.stimulus_id)
+
+    def _handle_put_data(self, ev: PutDataEvent) -> None:
+        accepted: dict[str, int] = {}
+        for key, value in ev.data.items():
+            ts = self._ensure_task(key)
+            if ts.state in ("executing", "cancelled"):
+                continue  # the running computation will produce it
+            nbytes = ev.nbytes.get(key, 0)
+            if ts.state == "memory":
+                self.data[key] = value
+                ts.nbytes = nbytes
+            else:
+                ts.wanted = False  # no TaskFinishedMsg: AddKeysMsg below says it all
+                self._transition(ts, "memory", ev.stimulus_id, value=value, nbytes=nbytes)
+            ts.wanted = True
+            accepted[key] = nbytes
+        if accepted:
+            self._emit(AddKeysMsg(sorted(accepted), accepted, ev.stimulus_id))
+
+    def _handle_pause(self, ev: PauseEvent) -> None:
+        self.paused = True
+
+    def _handle_unpause(self, ev: UnpauseEvent) -> None:
+        self.paused = False
+
+    # -- scheduling policies ---------------------------------------------------------
+
+    def _ensure_computing(self, sid: str) -> None:
+        heap = self._ready_heap
+        while not self.paused and heap and len(self.executing) < self.nthreads:
+            ts = heapq.heappop(heap)[2]
+            if ts.state == "ready":  # else a stale heap entry
+                self._transition(ts, "executing", sid)
+
+    def _ensure_communicating(self, sid: str) -> None:
+        """Start GatherDeps, highest priority first, batched per peer."""
+        fetch = self.by_state["fetch"]
+        if not fetch or len(self.in_flight_workers) >= self.transfer_concurrency:
+            return
+        queue = sorted(fetch, key=lambda t: (t.priority or (), t.key))
+        for ts in queue:
+            if len(self.in_flight_workers) >= self.transfer_concurrency:
+                break
+            if ts.state != "fetch":
+                continue  # already batched in this round
+            holders = [w for w in ts.who_has if w not in self.in_flight_workers]
+            if not holders:
+                continue  # all holders busy: wait for one to answer
+            local = [w for w in holders if _host(w) == self.host]
+            peer = self.rng.choice(sorted(local or holders))
+            batch: list[TaskState] = []
+            total = 0
+            for other in queue:
+                if other.state != "fetch" or peer not in other.who_has:
+                    continue
+                nbytes = other.nbytes or 0
+                if batch and total + nbytes > self.transfer_batch_bytes:
+                    break
+                batch.append(other)
+                total += nbytes
+            self.in_flight_workers[peer] = {t.key for t in batch}
+            for other in batch:
+                self._transition(other, "flight", sid, worker=peer)
+            self._emit(GatherDep(peer, {t.key for t in batch}, total, sid))
+
+    # -- transitions -----------------------------------------------------------------
+
+    def _transition(self, ts: TaskState, finish: str, sid: str, **kwargs: Any) -> None:
+        method = self._transitions.get((ts.state, finish))
+        if method is None:
+            raise InvalidTransition(ts.key, ts.state, finish, sid)
+        method(ts, sid, **kwargs)
+
+    def _set_state(self, ts: TaskState, finish: str, sid: str) -> None:
+        self.by_state[ts.state].discard(ts)
+        self.story.append((ts.key, ts.state, finish, sid, self._event_time))
+        ts.state = finish
+        if finish != "released":
+            self.by_state[finish].add(ts)
+
+    def _transition_released_waiting(self, ts: TaskState, sid: str) -> None:
+        self._set_state(ts, "waiting", sid)
+
+    def _transition_released_ready(self, ts: TaskState, sid: str) -> None:
+        self._set_state(ts, "ready", sid)
+        self._push_ready(ts)
+
+    def _transition_waiting_ready(self, ts: TaskState, sid: str) -> None:
+        self._set_state(ts, "ready", sid)
+        self._push_ready(ts)
+
+    def _transition_ready_executing(self, ts: TaskState, sid: str) -> None:
+        self._set_state(ts, "executing", sid)
+        self.executing.add(ts)
+        self._emit(Execute(ts.key, sid))
+
+    def _transition_executing_memory(
+        self, ts: TaskState, sid: str, value: object, nbytes: int
+    ) -> None:
+        self.executing.discard(ts)
+        self._store(ts, value, nbytes, sid)
+        self._unlink_dependencies(ts, sid)
+        if ts.wanted:
+            self._emit_finished(ts, sid)
+
+    def _transition_executing_error(
+        self, ts: TaskState, sid: str, error: ExecuteFailureEvent
+    ) -> None:
+        self.executing.discard(ts)
+        ts.error = error
+        self._set_state(ts, "error", sid)
+        self._unlink_dependencies(ts, sid)
+        if ts.wanted:
+            self._emit_erred(ts, sid)
+
+    def _transition_executing_cancelled(self, ts: TaskState, sid: str) -> None:
+        ts.previous = "executing"
+        self._set_state(ts, "cancelled", sid)
+
+    def _transition_flight_cancelled(self, ts: TaskState, sid: str) -> None:
+        ts.previous = "flight"
+        self._set_state(ts, "cancelled", sid)
+
+    def _transition_cancelled_executing(self, ts: TaskState, sid: str) -> None:
+        ts.previous = None
+        self._set_state(ts, "executing", sid)
+
+    def _transition_cancelled_flight(self, ts: TaskState, sid: str) -> None:
+        ts.previous = None
+        self._set_state(ts, "flight", sid)
+
+    def _transition_cancelled_memory(
+        self, ts: TaskState, sid: str, value: object, nbytes: int
+    ) -> None:
+        self.executing.discard(ts)
+        ts.previous = ts.coming_from = None
+        self._store(ts, value, nbytes, sid)
+        self._unlink_dependencies(ts, sid)
+
+    def _transition_cancelled_fetch(self, ts: TaskState, sid: str) -> None:
+        self.executing.discard(ts)
+        ts.previous = ts.coming_from = None
+        self._set_state(ts, "fetch", sid)
+
+    def _transition_cancelled_missing(self, ts: TaskState, sid: str) -> None:
+        self.executing.discard(ts)
+        ts.previous = ts.coming_from = None
+        self._set_state(ts, "missing", sid)
+        self._newly_missing.append(ts.key)
+
+    def _transition_released_fetch(self, ts: TaskState, sid: str) -> None:
+        self._set_state(ts, "fetch", sid)
+
+    def _transition_released_missing(self, ts: TaskState, sid: str) -> None:
+        self._set_state(ts, "missing", sid)
+        self._newly_missing.append(ts.key)
+
+    def _transition_fetch_flight(self, ts: TaskState, sid: str, worker: str) -> None:
+        ts.coming_from = worker
+        self._set_state(ts, "flight", sid)
+
+    def _transition_fetch_missing(self, ts: TaskState, sid: str) -> None:
+        self._set_state(ts, "missing", sid)
+        self._newly_missing.append(ts.key)
+
+    def _transition_missing_fetch(self, ts: TaskState, sid: str) -> None:
+        self._set_state(ts, "fetch", sid)
+
+    def _transition_flight_fetch(self, ts: TaskState, sid: str) -> None:
+        ts.coming_from = None
+        self._set_state(ts, "fetch", sid)
+
+    def _transition_flight_missing(self, ts: TaskState, sid: str) -> None:
+        ts.coming_from = None
+        self._set_state(ts, "missing", sid)
+        self._newly_missing.append(ts.key)
+
+    def _transition_flight_memory(
+        self, ts: TaskState, sid: str, value: object, nbytes: int
+    ) -> None:
+        ts.coming_from = None
+        self._store(ts, value, nbytes, sid)
+        if ts.wanted:  # claimed while it was being fetched
+            self._emit_finished(ts, sid)
+
+    # Data pushed by the scheduler (PutDataEvent) short-cuts any state but a running one.
+    def _transition_released_memory(self, ts: TaskState, sid: str, **kw: Any) -> None:
+        self._store(ts, kw["value"], kw["nbytes"], sid)
+
+    def _transition_fetch_memory(self, ts: TaskState, sid: str, **kw: Any) -> None:
+        self._store(ts, kw["value"], kw["nbytes"], sid)
+
+    def _transition_missing_memory(self, ts: TaskState, sid: str, **kw: Any) -> None:
+        self._store(ts, kw["value"], kw["nbytes"], sid)
+
+    def _transition_waiting_memory(self, ts: TaskState, sid: str, **kw: Any) -> None:
+        self._store(ts, kw["value"], kw["nbytes"], sid)
+        self._unlink_dependencies(ts, sid)
+
+    def _transition_ready_memory(self, ts: TaskState, sid: str, **kw: Any) -> None:
+        self._store(ts, kw["value"], kw["nbytes"], sid)
+        self._unlink_dependencies(ts, sid)
+
+    def _transition_error_memory(self, ts: TaskState, sid: str, **kw: Any) -> None:
+        ts.error = None
+        self._store(ts, kw["value"], kw["nbytes"], sid)
+
+    # Release: every resting state but the running ones (those go to `cancelled`).
+    def _transition_waiting_released(self, ts: TaskState, sid: str) -> None:
+        self._forget(ts, sid)
+
+    def _transition_ready_released(self, ts: TaskState, sid: str) -> None:
+        self._forget(ts, sid)
+
+    def _transition_fetch_released(self, ts: TaskState, sid: str) -> None:
+        self._forget(ts, sid)
+
+    def _transition_missing_released(self, ts: TaskState, sid: str) -> None:
+        self._forget(ts, sid)
+
+    def _transition_memory_released(self, ts: TaskState, sid: str) -> None:
+        del self.data[ts.key]
+        self._forget(ts, sid)
+
+    def _transition_error_released(self, ts: TaskState, sid: str) -> None:
+        self._forget(ts, sid)
+
+    def _transition_cancelled_released(self, ts: TaskState, sid: str) -> None:
+        self.executing.discard(ts)
+        ts.previous = ts.coming_from = None
+        self._forget(ts, sid)
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _emit(self, instruction: Instruction) -> None:
+        self._instructions.append(instruction)
+
+    def _emit_finished(self, ts: TaskState, sid: str) -> None:
+        self._emit(
+            TaskFinishedMsg(
+                ts.key, ts.nbytes or 0, ts.type_name or "", ts.start or 0.0, ts.stop or 0.0, sid
+            )
+        )
+
+    def _emit_erred(self, ts: TaskState, sid: str) -> None:
+        e = ts.error
+        assert e is not None
+        self._emit(
+            TaskErredMsg(
+                ts.key,
+                e.exception,
+                e.traceback,
+                e.exception_text,
+                e.traceback_text,
+                e.start,
+                e.stop,
+                sid,
+            )
+        )
+
+    def _ensure_task(self, key: str) -> TaskState:
+        ts = self.tasks.get(key)
+        if ts is None:
+            ts = self.tasks[key] = TaskState(key)
+        return ts
+
+    def _push_ready(self, ts: TaskState) -> None:
+        self._seq += 1
+        heapq.heappush(self._ready_heap, (ts.priority or (), self._seq, ts))
+
+    def _store(self, ts: TaskState, value: object, nbytes: int, sid: str) -> None:
+        """Enter `memory`: keep the value and wake up the dependents waiting for it."""
+        self.data[ts.key] = value
+        ts.nbytes = nbytes
+        if ts.type_name is None:
+            ts.type_name = type(value).__name__
+        self._set_state(ts, "memory", sid)
+        for dependent in ts.dependents:
+            dependent.waiting_for_data.discard(ts)
+            if dependent.state == "waiting" and not dependent.waiting_for_data:
+                self._transition(dependent, "ready", sid)
+
+    def _add_who_has(self, ts: TaskState, workers: Iterable[str]) -> None:
+        for worker in workers:
+            if worker != self.address:
+                ts.who_has.add(worker)
+                self.has_what[worker].add(ts.key)
+
+    def _forget_holder(self, ts: TaskState, worker: str) -> None:
+        ts.who_has.discard(worker)
+        keys = self.has_what.get(worker)
+        if keys is not None:
+            keys.discard(ts.key)
+            if not keys:
+                del self.has_what[worker]
+
+    def _after_failed_fetch(self, ts: TaskState, sid: str) -> None:
+        """A fetch (or, for a cancelled task, a computation) did not produce the data."""
+        if ts.state == "cancelled" and not ts.dependents:
+            self._transition(ts, "released", sid)
+        else:
+            self._transition(ts, "fetch" if ts.who_has else "missing", sid)
+
+    def _release_if_unneeded(self, ts: TaskState, sid: str) -> None:
+        if ts.wanted or ts.dependents or ts.state == "cancelled":
+            return
+        if ts.state in ("executing", "flight"):
+            self._transition(ts, "cancelled", sid)
+        else:
+            self._transition(ts, "released", sid)
+
+    def _unlink_dependencies(self, ts: TaskState, sid: str) -> None:
+        """``ts`` no longer needs its dependencies; release those nobody else needs."""
+        deps, ts.dependencies = ts.dependencies, set()
+        ts.waiting_for_data.clear()
+        for dep in sorted(deps, key=lambda t: t.key):
+            dep.dependents.discard(ts)
+            self._release_if_unneeded(dep, sid)
+
+    def _forget(self, ts: TaskState, sid: str) -> None:
+        """Enter `released` and drop the task (released -> forgotten)."""
+        self._set_state(ts, "released", sid)
+        for worker in list(ts.who_has):
+            self._forget_holder(ts, worker)
+        del self.tasks[ts.key]
+        self.story.append((ts.key, "released", "forgotten", sid, self._event_time))
+        self._unlink_dependencies(ts, sid)
+
+    # -- invariants ------------------------------------------------------------------
+
+    def validate_state(self) -> None:
+        """Check every invariant; raise ``InvalidTaskState`` on the first broken one."""
+
+        def check(cond: object, msg: str) -> None:
+            if not cond:
+                raise InvalidTaskState(msg)
+
+        for key, ts in self.tasks.items():
+            check(ts.key == key, f"{ts} stored under {key!r}")
+            check(ts.state in STATES and ts.state != "released", f"{ts} at rest")
+            check(ts in self.by_state[ts.state], f"{ts} not indexed by state")
+            check(ts.wanted or ts.dependents or ts.state == "cancelled", f"{ts} unneeded")
+            for dep in ts.dependencies:
+                check(ts in dep.dependents, f"{ts} -> {dep} not symmetric")
+                check(self.tasks.get(dep.key) is dep, f"{dep} (dep of {ts}) forgotten")
+            for dependent in ts.dependents:
+                check(ts in dependent.dependencies, f"{dependent} -> {ts} not symmetric")
+                check(self.tasks.get(dependent.key) is dependent, f"{dependent} forgotten")
+            check(ts.waiting_for_data <= ts.dependencies, f"{ts} waits for a non-dependency")
+            check((ts.key in self.data) == (ts.state == "memory"), f"{ts} vs data")
+            check(self.address not in ts.who_has, f"{ts} fetched from self")
+            for worker in ts.who_has:
+                check(ts.key in self.has_what.get(worker, ()), f"{ts} not in has_what")
+            check(
+                ts.coming_from is None or ts.state in ("flight", "cancelled"),
+                f"{ts} coming from {ts.coming_from}",
+            )
+            running = ts.state == "executing" or (
+                ts.state == "cancelled" and ts.previous == "executing"
+            )
+            check((ts in self.executing) == running, f"{ts} vs executing")
+            if ts.state == "waiting":
+                check(ts.waiting_for_data, f"{ts} waits for nothing")
+                for dep in ts.waiting_for_data:
+                    check(dep.state != "memory", f"{ts} waits for {dep} in memory")
+                for dep in ts.dependencies - ts.waiting_for_data:
+                    check(dep.state == "memory", f"{ts} does not wait for {dep}")
+            elif ts.state in ("ready", "executing"):
+                for dep in ts.dependencies:
+                    check(dep.state == "memory", f"{ts} has {dep} not in memory")
+            elif ts.state == "fetch":
+                check(ts.who_has, f"{ts} without holders")
+            elif ts.state == "missing":
+                check(not ts.who_has, f"{ts} has holders {ts.who_has}")
+            elif ts.state == "error":
+                check(ts.error is not None, f"{ts} without error")
+            if ts.state == "flight" or (ts.state == "cancelled" and ts.previous == "flight"):
+                peer = ts.coming_from
+                check(peer is not None, f"{ts} in flight from nowhere")
+                check(ts.key in self.in_flight_workers.get(peer or "", ()), f"{ts} no peer record")
+            if ts.state == "cancelled":
+                check(ts.previous in ("executing", "flight"), f"{ts} previous={ts.previous}")
+        for state, members in self.by_state.items():
+            for ts in members:
+                check(self.tasks.get(ts.key) is ts and ts.state == state, f"{ts} in by_state")
+        for key in self.data:
+            check(key in self.tasks and self.tasks[key].state == "memory", f"{key!r} in data")
+        for worker, keys in self.has_what.items():
+            for key in keys:
+                check(key in self.tasks and worker in self.tasks[key].who_has, f"has_what {key}")
+        check(len(self.executing) <= self.nthreads, f"{len(self.executing)} executing")
+        check(len(self.in_flight_workers) <= self.transfer_concurrency, "too many GatherDeps")
+        in_heap = {id(entry[2]) for entry in self._ready_heap}
+        for ts in self.by_state["ready"]:
+            check(id(ts) in in_heap, f"{ts} not in ready heap")
