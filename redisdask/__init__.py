@@ -1,0 +1,27 @@
+"""redisdask: a distributed task scheduler for Python whose memory is Redis."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from redisdask.client import Client, Future, as_completed, wait  # noqa: E402
+from redisdask.cluster import LocalCluster  # noqa: E402
+from redisdask.errors import (  # noqa: E402
+    ClusterConnectionError,
+    FutureCancelledError,
+    KilledWorker,
+    RedisDaskError,
+)
+
+__all__ = [
+    "Client",
+    "ClusterConnectionError",
+    "Future",
+    "FutureCancelledError",
+    "KilledWorker",
+    "LocalCluster",
+    "RedisDaskError",
+    "__version__",
+    "as_completed",
+    "wait",
+]

@@ -1,0 +1,3 @@
+from redisdask.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,722 @@
+"""The user's entry point: ``Client``, ``Future``, ``wait`` and ``as_completed``.
+
+The client talks to the scheduler only through Redis: submissions go on the clients
+stream (batched: ``map`` of 100,000 items is a few pipelined XADDs), and the scheduler
+answers on this client's own events stream, which a background thread reads.  Results
+are fetched straight from the workers that hold them, over authenticated TCP
+(``redisdask.comm``); they never pass through Redis.
+
+Futures of one key share a ``_FutureState``; the client counts references per key and
+tells the scheduler to release a key when its last future is garbage-collected.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import defaultdict, deque
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from concurrent.futures import TimeoutError as FuturesTimeoutError
+from typing import Any, NamedTuple
+
+import cloudpickle
+import redis
+
+from redisdask import comm, schema
+from redisdask import spec as specs
+from redisdask.config import load_config
+from redisdask.connection import connect, redact
+from redisdask.errors import DataUnavailableError, FutureCancelledError, RedisDaskError
+from redisdask.schema import Keys
+
+logger = logging.getLogger("redisdask.client")
+
+
+# --------------------------------------------------------------------------- futures
+
+
+class _FutureState:
+    """What the client knows of one key, shared by all futures of that key."""
+
+    __slots__ = ("callbacks", "event", "exception", "status", "traceback", "type", "who_has")
+
+    def __init__(self) -> None:
+        self.status = "pending"
+        self.event = threading.Event()
+        self.exception: BaseException | None = None
+        self.traceback: Any = None
+        self.type = ""
+        self.who_has: list[str] = []
+        self.callbacks: list[Callable[[], None]] = []
+
+    def _set(self, status: str) -> None:
+        self.status = status
+        self.event.set()
+        callbacks, self.callbacks = self.callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:
+                logger.exception("a future's done callback raised")
+
+    def finish(self, who_has: list[str], type_name: str) -> None:
+        self.who_has, self.type = who_has, type_name
+        self._set("finished")
+
+    def set_error(self, exception: BaseException, traceback: Any) -> None:
+        self.exception, self.traceback = exception, traceback
+        self._set("error")
+
+    def cancel(self) -> None:
+        if self.status == "pending" or self.status == "finished":
+            self._set("cancelled")
+
+    def reset(self) -> None:
+        self.status = "pending"
+        self.event.clear()
+
+
+class Future:
+    """A remotely running computation; ``result()`` brings its value here."""
+
+    def __init__(self, key: str, client: Client, *, _state: _FutureState | None = None) -> None:
+        self.key = key
+        self.client = client
+        self._state = _state or client._state_for(key)
+        client._inc_ref(key)
+        self._released = False
+
+    @property
+    def status(self) -> str:
+        return self._state.status
+
+    def done(self) -> bool:
+        return self._state.event.is_set()
+
+    def cancelled(self) -> bool:
+        return self._state.status == "cancelled"
+
+    def _wait(self, timeout: float | None) -> None:
+        if not self._state.event.wait(timeout):
+            raise FuturesTimeoutError(f"task {self.key!r} did not finish within {timeout} s")
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._wait(timeout)
+        if self._state.status == "error":
+            raise self._state.exception.with_traceback(self._state.traceback)  # type: ignore[union-attr]
+        if self._state.status == "cancelled":
+            raise FutureCancelledError(self.key)
+        return self.client._gather_keys([self.key])[self.key]
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._wait(timeout)
+        return self._state.exception
+
+    def traceback(self, timeout: float | None = None) -> Any:
+        self._wait(timeout)
+        return self._state.traceback
+
+    def cancel(self) -> None:
+        self.client.cancel([self])
+
+    def add_done_callback(self, fn: Callable[[Future], Any]) -> None:
+        """Call ``fn(future)`` when it finishes (at once if it has); runs in a client thread."""
+        with self.client._lock:
+            if not self._state.event.is_set():
+                self._state.callbacks.append(lambda: fn(self))
+                return
+        fn(self)
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.client._dec_ref(self.key)
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown
+            pass
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"a Future ({self.key!r}) cannot be pickled on its own; pass it as an argument of "
+            "submit/map (directly or nested in lists, tuples and dicts) to depend on it"
+        )
+
+    def __repr__(self) -> str:
+        return f"<Future: {self.status}, key: {self.key}>"
+
+
+# --------------------------------------------------------------------------- client
+
+
+class Client:
+    """Connects to a cluster through Redis.
+
+    ``address`` is a ``LocalCluster``, a Redis URL, or None for the configured URL.
+    """
+
+    def __init__(
+        self,
+        address: Any = None,
+        cluster_name: str | None = None,
+        *,
+        timeout: float | None = None,
+        set_as_default: bool = True,
+        **config: Any,
+    ) -> None:
+        self.config = load_config(config or None)
+        if address is not None and not isinstance(address, str):  # a LocalCluster
+            cluster_name = cluster_name or address.cluster_name
+            address = address.redis_url
+        self.redis_url: str = address or self.config.redis.url
+        self.keys = Keys(cluster_name or self.config.cluster.name)
+        self.timeout = timeout if timeout is not None else self.config.redis.connect_timeout
+        self.id = f"client-{uuid.uuid4().hex[:12]}"
+        self.redis = connect(self.redis_url, timeout=self.timeout, name=f"rd-client-{self.id}")
+        self.secret = schema.ensure_cluster(self.redis, self.keys)
+        self.status = "running"
+        self._lock = threading.RLock()
+        self._states: dict[str, _FutureState] = {}
+        self._refcount: dict[str, int] = defaultdict(int)
+        self._pending_release: deque[str] = deque()
+        self._peers = comm.BlockingPool(self.secret, timeout=self.timeout)
+        self._stop = threading.Event()
+        self._heartbeat()
+        self._events_redis = connect(self.redis_url, timeout=self.timeout,
+                                     name=f"rd-client-{self.id}-events")
+        self._thread = threading.Thread(target=self._event_loop, name=f"{self.id}-events",
+                                        daemon=True)
+        self._thread.start()
+        if set_as_default:
+            _set_default(self)
+
+    # ------------------------------------------------------------------ submission
+
+    def submit(self, func: Callable[..., Any], *args: Any, key: str | None = None,
+               pure: bool = True, retries: int = 0, priority: int = 0, **kwargs: Any) -> Future:
+        """Run ``func(*args, **kwargs)`` on the cluster; futures in arguments are
+        dependencies.  Raises ``TypeError`` at once if anything is unpicklable."""
+        self._check_running()
+        if not callable(func):
+            raise TypeError(f"submit() needs a callable as its first argument, got {func!r}")
+        function_bytes = specs.dumps_function(func)
+        task = self._make_task(func, function_bytes, args, kwargs, key, pure, retries, priority)
+        self._send_graph([task], [task["key"]])
+        return Future(task["key"], self)
+
+    def map(self, func: Callable[..., Any], *iterables: Iterable[Any], key: str | list[str] | None = None,
+            pure: bool = True, retries: int = 0, priority: int = 0, **kwargs: Any) -> list[Future]:
+        """``submit`` for each item of the iterables, in a few batched round trips."""
+        self._check_running()
+        function_bytes = specs.dumps_function(func)
+        items = list(zip(*iterables, strict=False))
+        keys = key if isinstance(key, list) else [None] * len(items)
+        prefix = key if isinstance(key, str) else None
+        tasks = []
+        for i, args in enumerate(items):
+            task_key = keys[i] if keys[i] is not None else (f"{prefix}-{i}" if prefix else None)
+            tasks.append(self._make_task(func, function_bytes, args, kwargs, task_key, pure,
+                                         retries, priority))
+        self._send_graph(tasks, [t["key"] for t in tasks])
+        return [Future(t["key"], self) for t in tasks]
+
+    def _make_task(self, func: Any, function_bytes: bytes, args: tuple[Any, ...],
+                   kwargs: dict[str, Any], key: str | None, pure: bool, retries: int,
+                   priority: int) -> dict[str, Any]:
+        deps: set[str] = set()
+        args = specs.replace_refs(args, self._future_key, deps)
+        kwargs = specs.replace_refs(kwargs, self._future_key, deps)
+        spec = specs.dumps_spec(function_bytes, args, kwargs, func)
+        if key is None:
+            tok = specs.token(spec) if pure else uuid.uuid4().hex
+            key = f"{specs.funcname(func)}-{tok}"
+        return {"key": key, "spec": spec, "deps": sorted(deps), "priority": priority,
+                "retries": retries}
+
+    def _future_key(self, obj: Any) -> str | None:
+        if isinstance(obj, Future):
+            if obj.client is not self:
+                raise ValueError(f"future {obj.key!r} belongs to another client")
+            return obj.key
+        return None
+
+    def _send_graph(self, tasks: list[dict[str, Any]], wanted: list[str]) -> None:
+        """Register the futures' states, then send the graph in batches, one pipeline."""
+        with self._lock:
+            for key in wanted:
+                state = self._states.get(key)
+                if state is not None and state.status == "cancelled":
+                    state.reset()
+                self._state_for(key)
+        batch = self.config.client.submit_batch
+        messages = self._release_messages()
+        pipe = self.redis.pipeline(transaction=False)
+        for i in range(0, max(len(tasks), 1), batch):
+            chunk = tasks[i : i + batch]
+            chunk_keys = {t["key"] for t in chunk}
+            want = [k for k in wanted if k in chunk_keys] if len(tasks) > batch else wanted
+            messages.append({"op": "update-graph", "client": self.id, "tasks": chunk,
+                             "wanted": want})
+            pipe.xadd(self.keys.client_stream, schema.entry(messages))
+            messages = []
+        pipe.execute()
+
+    def get(self, dsk: Mapping[Hashable, Any], keys: Any, **kwargs: Any) -> Any:
+        """Compute a dask-style dict graph; ``keys`` may be one key or nested lists."""
+        self._check_running()
+        graph_keys = set(dsk)
+
+        def to_ref(obj: Any) -> str | None:
+            try:
+                return specs.stringify(obj) if obj in graph_keys else None
+            except TypeError:  # unhashable
+                return None
+
+        tasks = []
+        for key, value in dsk.items():
+            func, args = specs.graph_task(value, graph_keys)
+            deps: set[str] = set()
+            args = specs.replace_refs(args, to_ref, deps)
+            tasks.append({"key": specs.stringify(key), "deps": sorted(deps), "priority": 0,
+                          "retries": kwargs.get("retries", 0),
+                          "spec": specs.dumps_spec(specs.dumps_function(func), args, {}, func)})
+        flat = list(_flatten(keys))
+        wanted = [specs.stringify(k) for k in flat]
+        self._send_graph(tasks, wanted)
+        futures = [Future(k, self) for k in wanted]
+        try:
+            results = dict(zip(wanted, self.gather(futures), strict=True))
+        finally:
+            for f in futures:
+                f.release()
+        return _pack_like(keys, lambda k: results[specs.stringify(k)])
+
+    # ------------------------------------------------------------------ results
+
+    def gather(self, futures: Any, errors: str = "raise") -> Any:
+        """Wait for futures (also nested in lists, tuples and dicts) and fetch their values."""
+        flat = [f for f in _flatten(futures) if isinstance(f, Future)]
+        for f in flat:
+            f._wait(None)
+        for f in flat:
+            if f.status == "error" and errors == "raise":
+                f.result()
+            if f.status == "cancelled":
+                raise FutureCancelledError(f.key)
+        values = self._gather_keys([f.key for f in flat if f.status == "finished"])
+        return _pack_like(futures, lambda f: values.get(f.key) if isinstance(f, Future) else f)
+
+    def _gather_keys(self, keys: list[str]) -> dict[str, Any]:
+        """Fetch values from the workers holding them, one request per worker."""
+        remaining = set(keys)
+        values: dict[str, Any] = {}
+        tried: dict[str, set[str]] = defaultdict(set)
+        for _attempt in range(5):
+            if not remaining:
+                return values
+            by_worker: dict[str, list[str]] = defaultdict(list)
+            unknown = []
+            for key in remaining:
+                holders = [w for w in self._state_for(key).who_has if w not in tried[key]]
+                if holders:
+                    by_worker[holders[hash(key) % len(holders)]].append(key)
+                else:
+                    unknown.append(key)
+            if unknown:
+                self._refresh_who_has(unknown)
+                for key in unknown:
+                    tried[key].clear()
+                continue
+            for address, wkeys in by_worker.items():
+                try:
+                    header, frames = self._peers.rpc(address, {"op": "get-data", "keys": wkeys})
+                    got, errs = comm.deserialize_dict(header, frames)
+                except (OSError, comm.CommError) as exc:
+                    logger.warning("could not fetch %d keys from %s: %s", len(wkeys), address, exc)
+                    got, errs = {}, {}
+                for key, exc in errs.items():
+                    raise exc
+                values.update(got)
+                for key in wkeys:
+                    if key in got:
+                        remaining.discard(key)
+                    else:
+                        tried[key].add(address)
+        if remaining:
+            raise DataUnavailableError(
+                f"could not fetch {sorted(remaining)[:5]} from any worker holding them "
+                f"(tried {dict(tried)}); the workers may have died — resubmit the work"
+            )
+        return values
+
+    def _refresh_who_has(self, keys: list[str]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.hmget(self.keys.task(key), ["who_has", "state"])
+        for key, (who_has, _state) in zip(keys, pipe.execute(), strict=True):
+            self._state_for(key).who_has = (who_has or b"").decode().split()
+
+    def who_has(self, futures: Any = None) -> dict[str, list[str]]:
+        keys = [f.key for f in _flatten(futures)] if futures is not None else list(self._states)
+        self._refresh_who_has(keys)
+        return {k: list(self._state_for(k).who_has) for k in keys}
+
+    # ------------------------------------------------------------------ scatter
+
+    def scatter(self, data: Any, workers: list[str] | None = None, broadcast: bool = False,
+                hash: bool = True) -> Any:
+        """Send data straight to workers; returns futures in the shape of ``data``."""
+        self._check_running()
+        if isinstance(data, dict):
+            items = list(data.items())
+        elif isinstance(data, list | tuple | set | frozenset):
+            items = [(None, v) for v in data]
+        else:
+            items = [(None, data)]
+        targets = workers or sorted(self.scheduler_info()["workers"])
+        if not targets:
+            raise RedisDaskError("no workers to scatter to: start workers (or wait for them) first")
+        keyed: dict[str, Any] = {}
+        for name, value in items:
+            head = comm.serialize(value)
+            tok = specs.token(bytes(head[0])) if hash else uuid.uuid4().hex
+            key = specs.stringify(name) if name is not None else f"{type(value).__name__}-{tok}"
+            keyed[key] = value
+        who_has: dict[str, list[str]] = defaultdict(list)
+        by_worker: dict[str, dict[str, Any]] = defaultdict(dict)
+        for i, (key, value) in enumerate(keyed.items()):
+            chosen = targets if broadcast else [targets[i % len(targets)]]
+            for address in chosen:
+                by_worker[address][key] = value
+                who_has[key].append(address)
+        for address, values in by_worker.items():
+            header, frames, errors = comm.serialize_dict(values)
+            if errors:
+                raise TypeError(next(iter(errors.values())))
+            reply, _ = self._peers.rpc(address, {"op": "put-data", **header}, frames)
+            if reply.get("status") != "OK":
+                raise RedisDaskError(f"worker {address} refused scattered data: {reply}")
+        nbytes = {k: _sizeof(v) for k, v in keyed.items()}
+        types = {k: type(v).__name__ for k, v in keyed.items()}
+        with self._lock:
+            for key in keyed:
+                self._state_for(key).finish(who_has[key], types[key])
+        msg = {"op": "update-data", "client": self.id, "who_has": dict(who_has), "nbytes": nbytes,
+               "types": types}
+        self.redis.xadd(self.keys.client_stream, schema.entry([*self._release_messages(), msg]))
+        futures = {k: Future(k, self) for k in keyed}
+        if isinstance(data, dict):
+            return futures
+        if isinstance(data, list | tuple | set | frozenset):
+            return type(data)(futures.values()) if not isinstance(data, set | frozenset) else list(futures.values())
+        return next(iter(futures.values()))
+
+    # ------------------------------------------------------------------ cancel
+
+    def cancel(self, futures: Any) -> None:
+        keys = [f.key for f in _flatten(futures) if isinstance(f, Future)]
+        with self._lock:
+            for key in keys:
+                self._state_for(key).cancel()
+        self.redis.xadd(self.keys.client_stream,
+                        schema.entry([{"op": "cancel-keys", "client": self.id, "keys": keys}]))
+
+    # ------------------------------------------------------------------ information
+
+    def scheduler_info(self) -> dict[str, Any]:
+        """A Dask-like summary: ``workers`` keyed by worker address."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(self.keys.workers)
+        pipe.hgetall(self.keys.heartbeats)
+        pipe.hgetall(self.keys.scheduler)
+        workers_raw, beats_raw, sched = pipe.execute()
+        workers = {}
+        for address, info in workers_raw.items():
+            entry = schema.unpack(info)
+            beat = beats_raw.get(address)
+            if beat:
+                entry["metrics"] = schema.unpack(beat)
+            workers[address.decode()] = entry
+        return {
+            "type": "Scheduler",
+            "id": (sched.get(b"id") or b"").decode(),
+            "address": redact(self.redis_url),
+            "cluster": self.keys.cluster,
+            "workers": workers,
+        }
+
+    def nthreads(self) -> dict[str, int]:
+        return {a: w.get("nthreads", 0) for a, w in self.scheduler_info()["workers"].items()}
+
+    # ------------------------------------------------------------------ reference counting
+
+    def _state_for(self, key: str) -> _FutureState:
+        with self._lock:
+            state = self._states.get(key)
+            if state is None:
+                state = self._states[key] = _FutureState()
+            return state
+
+    def _inc_ref(self, key: str) -> None:
+        with self._lock:
+            self._refcount[key] += 1
+
+    def _dec_ref(self, key: str) -> None:
+        with self._lock:
+            self._refcount[key] -= 1
+            if self._refcount[key] <= 0:
+                del self._refcount[key]
+                self._states.pop(key, None)
+                self._pending_release.append(key)
+
+    def _release_messages(self) -> list[dict[str, Any]]:
+        keys = []
+        while self._pending_release:
+            keys.append(self._pending_release.popleft())
+        with self._lock:
+            keys = [k for k in keys if k not in self._refcount]
+        if not keys:
+            return []
+        return [{"op": "client-releases-keys", "client": self.id, "keys": keys}]
+
+    # ------------------------------------------------------------------ background thread
+
+    def _heartbeat(self) -> None:
+        ttl_ms = int(self.config.scheduler.client_ttl * 1000)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.keys.client_alive(self.id), 1, px=ttl_ms)
+        pipe.hset(self.keys.clients, self.id, schema.pack(
+            {"host": socket.gethostname(), "pid": os.getpid(), "last_seen": time.time()}))
+        pipe.execute()
+
+    def _event_loop(self) -> None:
+        stream = self.keys.client_events(self.id)
+        last_id = "0"
+        interval = self.config.client.heartbeat_interval
+        next_beat = time.monotonic() + interval
+        while not self._stop.is_set():
+            try:
+                block = max(1, int((next_beat - time.monotonic()) * 1000))
+                reply = self._events_redis.xread({stream: last_id}, block=block, count=1000)
+                for _name, items in reply or []:
+                    for entry_id, fields in items:
+                        last_id = entry_id
+                        self._handle_entry(fields)
+                    self._events_redis.xtrim(stream, minid=last_id)
+                if time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + interval
+                    self._heartbeat()
+                    releases = self._release_messages()
+                    if releases:
+                        self.redis.xadd(self.keys.client_stream, schema.entry(releases))
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if self._stop.is_set():
+                    return
+                logger.warning("client %s lost Redis (%s); retrying", self.id, exc)
+                self._stop.wait(0.5)
+            except Exception:
+                if self._stop.is_set():
+                    return
+                logger.exception("client %s: error handling scheduler messages", self.id)
+
+    def _handle_entry(self, fields: dict[bytes, bytes]) -> None:
+        for msg in schema.unpack(fields[b"m"]):
+            op = msg.get("op")
+            with self._lock:
+                if op == "key-in-memory":
+                    state = self._states.get(msg["key"])
+                    if state is not None:
+                        state.finish(msg["who_has"], msg.get("type", ""))
+                elif op == "task-erred":
+                    state = self._states.get(msg["key"])
+                    if state is not None:
+                        exc, tb = _load_error(msg)
+                        state.set_error(exc, tb)
+                elif op == "cancelled-keys":
+                    for key in msg["keys"]:
+                        state = self._states.get(key)
+                        if state is not None:
+                            state.cancel()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _check_running(self) -> None:
+        if self.status != "running":
+            raise RedisDaskError(f"client {self.id} is {self.status}; create a new Client")
+
+    def close(self) -> None:
+        if self.status != "running":
+            return
+        self.status = "closing"
+        with self._lock:
+            for state in self._states.values():
+                state.cancel()
+        try:
+            self.redis.xadd(self.keys.client_stream,
+                            schema.entry([{"op": "close-client", "client": self.id}]))
+            self.redis.delete(self.keys.client_alive(self.id))
+        except redis.RedisError as exc:
+            logger.warning("client %s could not say goodbye to Redis: %s", self.id, exc)
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._peers.close()
+        self._events_redis.close()
+        self.redis.close()
+        self.status = "closed"
+        if _default_client[0] is self:
+            _default_client[0] = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Client {self.id} cluster={self.keys.cluster!r} redis={redact(self.redis_url)}>"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _load_error(msg: dict[str, Any]) -> tuple[BaseException, Any]:
+    """Rebuild the original exception and traceback a worker pickled."""
+    exc: BaseException
+    try:
+        exc = cloudpickle.loads(msg["exception"]) if msg.get("exception") else None  # type: ignore[assignment]
+    except Exception as err:
+        exc = RedisDaskError(f"the task raised an exception that could not be unpickled here: {err}; "
+                             f"it was: {msg.get('exception_text')}")
+    if exc is None:
+        exc = DataUnavailableError(msg.get("exception_text") or "task erred")
+    tb = None
+    if msg.get("traceback"):
+        try:
+            from tblib import Traceback
+
+            tb = Traceback.from_dict(cloudpickle.loads(msg["traceback"])).as_traceback()
+        except Exception:
+            tb = None
+    return exc, tb
+
+
+def _sizeof(value: Any) -> int:
+    nbytes = getattr(value, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    try:
+        return len(cloudpickle.dumps(value, protocol=5))
+    except Exception:
+        return 0
+
+
+def _flatten(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, list | tuple | set | frozenset | Iterator):
+        for x in obj:
+            yield from _flatten(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _flatten(x)
+    else:
+        yield obj
+
+
+def _pack_like(template: Any, leaf: Callable[[Any], Any]) -> Any:
+    if isinstance(template, list | tuple):
+        return type(template)(_pack_like(x, leaf) for x in template)
+    if isinstance(template, dict):
+        return {k: _pack_like(v, leaf) for k, v in template.items()}
+    return leaf(template)
+
+
+_default_client: list[Client | None] = [None]
+
+
+def _set_default(client: Client) -> None:
+    _default_client[0] = client
+
+
+def default_client() -> Client:
+    client = _default_client[0]
+    if client is None:
+        raise ValueError("no Client is running: create one with Client(...)")
+    return client
+
+
+# --------------------------------------------------------------------------- wait
+
+
+class DoneAndNotDoneFutures(NamedTuple):
+    done: set[Future]
+    not_done: set[Future]
+
+
+def wait(fs: Any, timeout: float | None = None,
+         return_when: str = "ALL_COMPLETED") -> DoneAndNotDoneFutures:
+    """Wait until all (or the first, ``return_when="FIRST_COMPLETED"``) futures finish."""
+    futures = [f for f in _flatten(fs) if isinstance(f, Future)]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    if return_when == "FIRST_COMPLETED":
+        first = threading.Event()
+        for f in futures:
+            f.add_done_callback(lambda _f: first.set())
+        if not first.wait(timeout):
+            raise FuturesTimeoutError(f"none of {len(futures)} futures finished in {timeout} s")
+    else:
+        for f in futures:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not f._state.event.wait(left):
+                raise FuturesTimeoutError(
+                    f"{sum(not g.done() for g in futures)} of {len(futures)} futures did not "
+                    f"finish within {timeout} s"
+                )
+    done = {f for f in futures if f.done()}
+    return DoneAndNotDoneFutures(done, set(futures) - done)
+
+
+class as_completed:  # noqa: N801 - Dask's name
+    """Iterate over futures in the order they finish.  ``with_results=True`` yields
+    ``(future, result)`` pairs.  ``add(future)`` adds more while iterating."""
+
+    def __init__(self, futures: Iterable[Future] = (), with_results: bool = False,
+                 timeout: float | None = None) -> None:
+        self._queue: deque[Future] = deque()
+        self._cond = threading.Condition()
+        self._pending = 0
+        self.with_results = with_results
+        self.timeout = timeout
+        self._counter = itertools.count()
+        for f in futures:
+            self.add(f)
+
+    def add(self, future: Future) -> None:
+        with self._cond:
+            self._pending += 1
+        future.add_done_callback(self._on_done)
+
+    def _on_done(self, future: Future) -> None:
+        with self._cond:
+            self._queue.append(future)
+            self._cond.notify_all()
+
+    def __iter__(self) -> as_completed:
+        return self
+
+    def __next__(self) -> Any:
+        with self._cond:
+            if self._pending == 0:
+                raise StopIteration
+            if not self._cond.wait_for(lambda: bool(self._queue), timeout=self.timeout):
+                raise FuturesTimeoutError(f"no future finished within {self.timeout} s")
+            future = self._queue.popleft()
+            self._pending -= 1
+        if self.with_results:
+            return future, future.result()
+        return future

@@ -1,0 +1,149 @@
+"""``LocalCluster``: Redis (embedded when no URL is given), a scheduler and workers as
+subprocesses of this one, all stopped by ``close()``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from redisdask import schema
+from redisdask.connection import connect, redact
+from redisdask.embedded import EmbeddedRedis
+from redisdask.errors import RedisDaskError
+from redisdask.schema import Keys
+
+logger = logging.getLogger("redisdask.cluster")
+
+
+class LocalCluster:
+    """A whole cluster on this machine.
+
+    ``processes=False`` is accepted for Dask compatibility but workers still run as
+    processes: a worker is an asyncio program with its own event loop and thread pool.
+    """
+
+    def __init__(
+        self,
+        n_workers: int = 2,
+        threads_per_worker: int = 1,
+        processes: bool = True,
+        redis_url: str | None = None,
+        cluster_name: str | None = None,
+        *,
+        start_timeout: float = 30.0,
+        log_directory: str | Path | None = None,
+        worker_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.cluster_name = cluster_name or f"local-{uuid.uuid4().hex[:8]}"
+        self.keys = Keys(self.cluster_name)
+        self.n_workers = n_workers
+        self.threads_per_worker = threads_per_worker
+        self.worker_options = worker_options or {}
+        self.start_timeout = start_timeout
+        self.embedded: EmbeddedRedis | None = None
+        if redis_url is None:
+            self.embedded = EmbeddedRedis().start()
+            redis_url = self.embedded.url
+        self.redis_url = redis_url
+        self.redis = connect(redis_url)
+        schema.ensure_cluster(self.redis, self.keys)
+        self.log_directory = Path(log_directory) if log_directory else None
+        self.scheduler_process: subprocess.Popen[bytes] | None = None
+        self.worker_processes: list[subprocess.Popen[bytes]] = []
+        self._logs: list[Any] = []
+        try:
+            self.scheduler_process = self._spawn(["scheduler", redis_url, "--cluster",
+                                                  self.cluster_name], "scheduler")
+            for i in range(n_workers):
+                self.start_worker(name=f"worker-{i}")
+            self.wait_for_workers(n_workers, timeout=start_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, args: list[str], label: str) -> subprocess.Popen[bytes]:
+        out: Any = subprocess.DEVNULL
+        if self.log_directory is not None:
+            self.log_directory.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_directory / f"{label}.log", "ab")  # noqa: SIM115 - kept open
+            self._logs.append(out)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        return subprocess.Popen([sys.executable, "-m", "redisdask", *args], stdout=out,
+                                stderr=subprocess.STDOUT if out is not subprocess.DEVNULL else None,
+                                env=env)
+
+    def start_worker(self, name: str | None = None) -> subprocess.Popen[bytes]:
+        args = ["worker", self.redis_url, "--cluster", self.cluster_name, "--nthreads",
+                str(self.threads_per_worker), "--no-nanny"]
+        if name:
+            args += ["--name", name]
+        for option, value in self.worker_options.items():
+            args += [f"--{option.replace('_', '-')}", str(value)]
+        proc = self._spawn(args, name or f"worker-{len(self.worker_processes)}")
+        self.worker_processes.append(proc)
+        return proc
+
+    def wait_for_workers(self, n: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.redis.hlen(self.keys.workers) < n:
+            for proc in [self.scheduler_process, *self.worker_processes]:
+                if proc is not None and proc.poll() is not None:
+                    raise RedisDaskError(
+                        f"a cluster process ({' '.join(map(str, proc.args[2:4]))}) exited with "  # type: ignore[index]
+                        f"code {proc.returncode} during start-up; pass log_directory= to see why"
+                    )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {self.redis.hlen(self.keys.workers)} of {n} workers "
+                                   f"registered within {timeout} s")
+            time.sleep(0.02)  # start-up: poll a condition with a deadline
+
+    @property
+    def processes(self) -> list[subprocess.Popen[bytes]]:
+        return [p for p in [self.scheduler_process, *self.worker_processes] if p is not None]
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop workers (gracefully), the scheduler and an embedded Redis; leave nothing."""
+        for proc in self.worker_processes:
+            if proc.poll() is None:
+                proc.terminate()
+        _wait_all(self.worker_processes, timeout)
+        if self.scheduler_process is not None and self.scheduler_process.poll() is None:
+            self.scheduler_process.terminate()
+            _wait_all([self.scheduler_process], timeout)
+        if getattr(self, "redis", None) is not None:
+            self.redis.close()
+        if self.embedded is not None:
+            self.embedded.stop()
+        for f in self._logs:
+            f.close()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"LocalCluster({self.cluster_name!r}, workers={len(self.worker_processes)}, "
+                f"redis={redact(self.redis_url)})")
+
+
+def _wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("process %d did not stop in %g s; killing it", proc.pid, timeout)
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,63 @@
+"""The exceptions redisdask raises, in one tree (httpx style)::
+
+    RedisDaskError
+    ├── ClusterConnectionError (also ConnectionError)  Redis cannot be reached
+    ├── SchemaError                                    the cluster in Redis is incompatible
+    ├── FencedError                                    a scheduler lost its lease
+    ├── ProtocolError                                  a malformed stream entry or frame
+    ├── CommError                                      peer-to-peer transport (redisdask.comm)
+    ├── FutureCancelledError (also CancelledError)     the future's key was cancelled
+    ├── DataUnavailableError                           no worker holds the data any more
+    └── KilledWorker                                   a task took too many workers down
+
+``TypeError`` is raised as-is for an unpicklable function or argument at ``submit``, and
+a task's own exception is re-raised as its original type by ``Future.result()``.
+
+Every message names the cause, the evidence and the next step.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import CancelledError
+from typing import Any
+
+
+class RedisDaskError(Exception):
+    """Base class of every error redisdask raises on its own account."""
+
+
+class ClusterConnectionError(RedisDaskError, ConnectionError):
+    """Redis could not be reached within the configured timeout."""
+
+
+class SchemaError(RedisDaskError):
+    """The cluster's keys in Redis were written by an incompatible redisdask."""
+
+
+class FencedError(RedisDaskError):
+    """This scheduler's lease was taken over; its writes are refused."""
+
+
+class ProtocolError(RedisDaskError):
+    """A message on a stream or a socket does not follow the protocol."""
+
+
+class FutureCancelledError(RedisDaskError, CancelledError):
+    """The future was cancelled (by ``cancel()``, or because its client closed)."""
+
+    def __init__(self, key: str, reason: str = "it was cancelled") -> None:
+        super().__init__(f"task {key!r} has no result because {reason}")
+        self.key = key
+
+
+class DataUnavailableError(RedisDaskError):
+    """No live worker holds a key's data any more."""
+
+
+class KilledWorker(RedisDaskError):
+    """A task was running on ``allowed-failures + 1`` workers that died."""
+
+    def __init__(self, task: str, deaths: list[dict[str, Any]] | None = None, msg: str = "") -> None:
+        super().__init__(msg or f"task {task!r} was running on workers that died")
+        self.task = task
+        self.deaths = deaths or []

@@ -1,0 +1,360 @@
+"""The scheduler driver: a thin loop around ``SchedulerState``.
+
+::
+
+    XREADGROUP (clients + workers streams, BLOCK)  ->  decode  ->  handle_stimulus
+        ->  instructions  ->  Redis commands + XACK/XDEL of the batch
+        ->  one EVALSHA of APPLY_FENCED (checks our lease token, renews it)
+
+Delivery semantics: a batch's effects and its acknowledgement land in one atomic script,
+so a crash before the write leaves the batch pending for the next scheduler (it re-reads
+pending entries first), and a crash after it leaves it applied.  A write refused because
+the lease moved on (``FencedError``) stops this scheduler: a standby owns the cluster now.
+Any other failed write discards the in-memory state and reloads it from Redis, which is
+the source of truth.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from collections import defaultdict
+from typing import Any
+
+import redis
+
+from redisdask import schema
+from redisdask.errors import FencedError, ProtocolError
+from redisdask.schema import Keys
+from redisdask.scheduler_state import (
+    AddWorker,
+    ClientMsg,
+    Dequeue,
+    Enqueue,
+    Event,
+    Forget,
+    ForgetClient,
+    ForgetWorker,
+    Instruction,
+    SchedulerState,
+    SetState,
+    SetWants,
+    StoreTask,
+    TaskState,
+    Unclaim,
+    WorkerMsg,
+)
+
+logger = logging.getLogger("redisdask.scheduler")
+
+MAX_ARGS = 2000  # Lua's unpack() limit is ~8000 arguments per command
+
+
+class Scheduler:
+    def __init__(
+        self,
+        redis_url: str,
+        cluster: str = "default",
+        *,
+        lease_ttl: float = 5.0,
+        batch_size: int = 1000,
+        validate: bool = False,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        self.keys = Keys(cluster)
+        self.redis_url = redis_url
+        self.redis = redis.Redis.from_url(
+            redis_url, socket_connect_timeout=connect_timeout, client_name=f"rd-scheduler-{cluster}"
+        )
+        self.scripts = schema.Scripts(self.redis)
+        self.lease_ttl_ms = int(lease_ttl * 1000)
+        self.batch_size = batch_size
+        self.validate = validate
+        self.id = f"scheduler-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.token: str | None = None
+        self.state = SchedulerState(validate=validate)
+        self._stopping = False
+
+    # ------------------------------------------------------------------ lease
+
+    def acquire_lease(self, wait: bool = True) -> str:
+        """Block until this scheduler holds the lease; returns the fencing token."""
+        announced = False
+        while not self._stopping:
+            token = self.scripts.acquire_lease(
+                keys=[self.keys.lease, self.keys.lease_token], args=["", self.lease_ttl_ms]
+            )
+            if token is not None:
+                self.token = token.decode()
+                self.redis.hset(
+                    self.keys.scheduler,
+                    mapping={"id": self.id, "host": socket.gethostname(), "pid": os.getpid(),
+                             "since": time.time(), "token": self.token},
+                )
+                logger.info("scheduler %s holds the lease (token %s)", self.id, self.token)
+                return self.token
+            if not wait:
+                raise FencedError(f"another scheduler holds the lease of cluster {self.keys.cluster!r}")
+            if not announced:
+                holder = self.redis.hget(self.keys.scheduler, "id")
+                logger.info("standing by: the lease is held by %s", holder.decode() if holder else "?")
+                announced = True
+            time.sleep(self.lease_ttl_ms / 3000)  # lease expiry is time-based by nature
+        raise FencedError("stopped while waiting for the lease")
+
+    def renew_lease(self) -> None:
+        token = self.scripts.acquire_lease(
+            keys=[self.keys.lease, self.keys.lease_token], args=[self.token, self.lease_ttl_ms]
+        )
+        if token is None or token.decode() != self.token:
+            raise FencedError(f"scheduler {self.id} lost its lease (token {self.token})")
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self) -> None:
+        schema.ensure_cluster(self.redis, self.keys)
+        self.acquire_lease()
+        self.state = load_state(self.redis, self.keys, validate=self.validate)
+        self._event("scheduler-start", scheduler=self.id, token=self.token)
+        pending = True  # first re-read entries a dead predecessor read but never applied
+        block_ms = max(1, self.lease_ttl_ms // 3)
+        while not self._stopping:
+            streams = {self.keys.worker_stream: "0" if pending else ">",
+                       self.keys.client_stream: "0" if pending else ">"}
+            reply = self.redis.xreadgroup(
+                schema.SCHEDULER_GROUP, schema.SCHEDULER_CONSUMER, streams,
+                count=self.batch_size, block=None if pending else block_ms,
+            )
+            entries = [(s.decode(), eid, fields) for s, items in reply or [] for eid, fields in items]
+            if pending and not entries:
+                pending = False
+                continue
+            if not entries:
+                self.renew_lease()
+                continue
+            self.process(entries)
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def process(self, entries: list[tuple[str, bytes, dict[bytes, bytes]]]) -> None:
+        """Apply one batch of stream entries: decode, transition, write atomically."""
+        events: list[Event] = []
+        commands: list[list[Any]] = []
+        acks: dict[str, list[bytes]] = defaultdict(list)
+        for stream, entry_id, fields in entries:
+            acks[stream].append(entry_id)
+            try:
+                events.extend(decode_entry(entry_id, fields))
+            except ProtocolError as exc:
+                logger.warning("dead-lettered entry %s of %s: %s", entry_id.decode(), stream, exc)
+                commands.append(["XADD", self.keys.dead_letter, "MAXLEN", "~", 10_000, "*",
+                                 "stream", stream, "id", entry_id, "error", str(exc),
+                                 *[x for kv in fields.items() for x in kv]])
+        try:
+            instructions = self.state.handle_stimulus(*events)
+        except Exception:
+            logger.exception("state machine failed on a batch; reloading state from Redis")
+            self.state = load_state(self.redis, self.keys, validate=self.validate)
+            raise
+        commands = self.to_commands(instructions) + commands
+        for stream, ids in acks.items():
+            commands.append(["XACK", stream, schema.SCHEDULER_GROUP, *ids])
+            commands.append(["XDEL", stream, *ids])
+        commands.append(["HSET", self.keys.meta, "seq", self.state.seq])
+        self.apply(commands)
+
+    def apply(self, commands: list[list[Any]]) -> None:
+        try:
+            self.scripts.apply_fenced(
+                keys=[self.keys.lease],
+                args=[self.token, schema.pack_for_lua(commands), self.lease_ttl_ms],
+            )
+        except redis.ResponseError as exc:
+            if "FENCED" in str(exc):
+                raise FencedError(f"scheduler {self.id}: {exc}") from exc
+            logger.exception("applying a batch failed; reloading state from Redis")
+            self.state = load_state(self.redis, self.keys, validate=self.validate)
+            raise
+
+    # ------------------------------------------------------------------ translation
+
+    def to_commands(self, instructions: list[Instruction]) -> list[list[Any]]:
+        """Turn instructions into Redis commands, coalescing per key, client and worker."""
+        k = self.keys
+        cmds: list[list[Any]] = []
+        task_fields: dict[str, dict[str, Any]] = {}
+        enqueue: dict[str, float] = {}
+        dequeue: list[str] = []
+        client_msgs: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        worker_msgs: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        free_keys: dict[str, list[str]] = defaultdict(list)
+        unclaims: dict[str, list[str]] = defaultdict(list)
+        new_tasks: list[str] = []
+        forgotten: list[str] = []
+        for ins in instructions:
+            if isinstance(ins, SetState):
+                f = task_fields.setdefault(ins.key, {})
+                f["state"] = ins.state
+                f.update(ins.fields)
+            elif isinstance(ins, StoreTask):
+                f = task_fields.setdefault(ins.key, {})
+                f.update(state=ins.state, deps=schema.pack(ins.deps), score=ins.score)
+                if ins.spec is not None:
+                    f["spec"] = ins.spec
+                new_tasks.append(ins.key)
+            elif isinstance(ins, Enqueue):
+                enqueue[ins.key] = ins.score
+            elif isinstance(ins, Dequeue):
+                enqueue.pop(ins.key, None)
+                dequeue.append(ins.key)
+            elif isinstance(ins, Unclaim):
+                unclaims[ins.worker].append(ins.key)
+            elif isinstance(ins, ClientMsg):
+                client_msgs[ins.client].append(ins.msg)
+            elif isinstance(ins, WorkerMsg):
+                if ins.msg.get("op") == "free-keys":
+                    free_keys[ins.worker].extend(ins.msg["keys"])
+                else:
+                    worker_msgs[ins.worker].append(ins.msg)
+            elif isinstance(ins, Forget):
+                task_fields.pop(ins.key, None)
+                forgotten.append(ins.key)
+            elif isinstance(ins, SetWants):
+                if ins.add:
+                    cmds.extend(_chunked(["SADD", k.client_wants(ins.client)], ins.add))
+                if ins.remove:
+                    cmds.extend(_chunked(["SREM", k.client_wants(ins.client)], ins.remove))
+            elif isinstance(ins, ForgetClient):
+                cmds += [["DEL", k.client_wants(ins.client), k.client_events(ins.client)],
+                         ["HDEL", k.clients, ins.client]]
+            elif isinstance(ins, ForgetWorker):
+                cmds += [["DEL", k.worker_processing(ins.worker), k.worker_inbox(ins.worker)],
+                         ["HDEL", k.workers, ins.worker], ["HDEL", k.heartbeats, ins.worker]]
+            else:  # pragma: no cover - a new instruction without a translation is a bug
+                raise TypeError(f"no Redis translation for {ins!r}")
+        if new_tasks:
+            cmds.extend(_chunked(["SADD", k.tasks], new_tasks))
+        for key, fields in task_fields.items():
+            cmds.append(["HSET", k.task(key), *[x for kv in fields.items() for x in kv]])
+        if dequeue:
+            cmds.extend(_chunked(["ZREM", k.ready], dequeue))
+        if forgotten:
+            for key in forgotten:
+                cmds.append(["DEL", k.task(key)])
+            cmds.extend(_chunked(["SREM", k.tasks], forgotten))
+        for worker, keys in unclaims.items():
+            cmds.extend(_chunked(["SREM", k.worker_processing(worker)], keys))
+        for worker, keys in free_keys.items():
+            worker_msgs[worker].append({"op": "free-keys", "keys": keys})
+        for worker, msgs in worker_msgs.items():
+            cmds.append(["XADD", k.worker_inbox(worker), "*", "m", schema.pack(msgs)])
+        for client, msgs in client_msgs.items():
+            cmds.append(["XADD", k.client_events(client), "*", "m", schema.pack(msgs)])
+        if enqueue:
+            pairs = [x for key, score in enqueue.items() for x in (score, key)]
+            cmds.extend(_chunked(["ZADD", k.ready], pairs, step=2))
+            cmds.append(["XADD", k.ready_signal, "MAXLEN", "~", schema.READY_SIGNAL_MAXLEN, "*",
+                         "n", len(enqueue)])
+        return cmds
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        self.redis.xadd(self.keys.events, {"m": schema.pack({"kind": kind, "time": time.time(),
+                                                             **fields})},
+                        maxlen=schema.EVENTS_MAXLEN, approximate=True)
+
+
+def _chunked(head: list[Any], items: list[Any], step: int = 1) -> list[list[Any]]:
+    size = MAX_ARGS - MAX_ARGS % step
+    return [head + items[i : i + size] for i in range(0, len(items), size)]
+
+
+def decode_entry(entry_id: bytes, fields: dict[bytes, bytes]) -> list[Event]:
+    """Decode one stream entry into events; ProtocolError when it is malformed."""
+    raw = fields.get(b"m")
+    if raw is None:
+        raise ProtocolError(f"entry has no 'm' field (fields: {sorted(fields)[:5]})")
+    try:
+        msgs = schema.unpack(raw)
+    except Exception as exc:
+        raise ProtocolError(f"field 'm' is not msgpack: {exc}") from exc
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+        raise ProtocolError(f"field 'm' should be a list of maps, got {type(msgs).__name__}")
+    sid = entry_id.decode()
+    return [Event.from_dict(m, f"{sid}/{i}") for i, m in enumerate(msgs)]
+
+
+# --------------------------------------------------------------------------- recovery
+
+
+def load_state(r: redis.Redis, keys: Keys, validate: bool = False) -> SchedulerState:
+    """Rebuild the scheduler's state from Redis (start-up, and after a failed write)."""
+    seq = r.hget(keys.meta, "seq")
+    state = SchedulerState(validate=validate, seq=int(seq or 0))
+    for address, info in r.hgetall(keys.workers).items():
+        state.handle_stimulus(AddWorker("load", worker=address.decode(), info=schema.unpack(info)))
+    task_keys = [k.decode() for k in r.smembers(keys.tasks)]
+    records: dict[str, dict[bytes, bytes]] = {}
+    for i in range(0, len(task_keys), 1000):
+        chunk = task_keys[i : i + 1000]
+        pipe = r.pipeline(transaction=False)
+        for key in chunk:
+            pipe.hgetall(keys.task(key))
+        records.update(zip(chunk, pipe.execute(), strict=True))
+    for key, rec in records.items():
+        if not rec:
+            continue
+        ts = state.tasks[key] = TaskState(key, state=rec[b"state"].decode(),
+                                          score=float(rec.get(b"score", 0)),
+                                          has_spec=b"spec" in rec)
+        ts.nbytes = int(rec.get(b"nbytes", 0) or 0)
+        ts.type = rec.get(b"type", b"").decode()
+        ts.retries = int(rec.get(b"retries", 0) or 0)
+        ts.who_has = {w for w in rec.get(b"who_has", b"").decode().split() if w in state.workers}
+        for field in ("exception", "traceback"):
+            setattr(ts, field, rec.get(field.encode()) or None)
+        for field in ("exception_text", "traceback_text"):
+            setattr(ts, field, rec.get(field.encode(), b"").decode())
+        if ts.state == "processing":
+            ts.processing_on = rec.get(b"worker", b"").decode()
+    for key, rec in records.items():
+        ts = state.tasks.get(key)
+        if ts is None:
+            continue
+        for dep_key in schema.unpack(rec[b"deps"]) if rec.get(b"deps") else []:
+            dep = state.tasks.get(dep_key)
+            if dep is not None:
+                ts.dependencies.add(dep)
+                dep.dependents.add(ts)
+    for ts in state.tasks.values():
+        if ts.state in ("waiting", "queued", "processing"):
+            ts.waiting_on = {d for d in ts.dependencies if d.state != "memory"}
+            for dep in ts.dependencies:
+                dep.waiters.add(ts)
+        if ts.processing_on and ts.processing_on in state.workers:
+            state.workers[ts.processing_on].processing.add(ts)
+        for w in ts.who_has:
+            state.workers[w].has_what.add(ts)
+    for client_id in r.hkeys(keys.clients):
+        cid = client_id.decode()
+        wanted = state.clients.setdefault(cid, set())
+        for key in r.smembers(keys.client_wants(cid)):
+            ts = state.tasks.get(key.decode())
+            if ts is not None:
+                ts.who_wants.add(cid)
+                wanted.add(ts)
+    logger.info("loaded %d tasks, %d workers, %d clients from Redis",
+                len(state.tasks), len(state.workers), len(state.clients))
+    return state
+
+
+def main(redis_url: str, cluster: str, lease_ttl: float, standby: bool) -> None:
+    scheduler = Scheduler(redis_url, cluster, lease_ttl=lease_ttl)
+    try:
+        scheduler.run()
+    except FencedError as exc:
+        logger.error("%s: stopping, a newer scheduler owns the cluster", exc)
+        raise SystemExit(1) from exc

@@ -1,0 +1,931 @@
+"""The scheduler's pure state machine: events in, instructions out, no I/O inside.
+
+``SchedulerState.handle_stimulus(*events)`` applies events (client submissions, worker
+claims and completions, ...) to an in-memory model of every task and returns instructions
+for the driver (``redisdask.scheduler``), which turns them into one atomic, fenced Redis
+write together with the acknowledgement of the batch that caused them.
+
+Task states::
+
+                 +---------------- erred <------------+-------------+
+                 |                   ^                |             |
+    released -> waiting ------> queued ------> processing ------> memory
+        ^  \\                    (in Redis        (claimed by one
+        |   `------------------> ready zset)      worker)
+        |
+     forgotten  (released, nobody wants it, no dependent left: its history is deleted)
+
+* ``waiting``: some dependency is not in memory yet.
+* ``queued``: every dependency is in memory; the key sits in the Redis ready set where
+  workers claim it.  The scheduler never pushes: workers pull.
+* ``processing``: a worker claimed it (the claim script told us which).
+* ``memory``: a worker holds the result; ``who_has`` lists the holders.
+* ``erred``: the function raised (after ``retries``) or a dependency erred.
+* ``released``: nobody needs the result now, but a dependent may still need the task's
+  graph history to recompute it, so the task (and its spec in Redis) is kept.
+* ``no-worker``: reserved for tasks whose restrictions no worker satisfies (later issue).
+
+Priorities: user ``priority=`` first (higher runs first), then submission order.  They
+become the score of the Redis ready set, which a worker pops smallest-first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+from redisdask.errors import ProtocolError
+
+logger = logging.getLogger(__name__)
+
+PRIORITY_SCALE = 2**40  # submission sequence numbers stay below this
+
+
+def priority_score(user_priority: int, seq: int) -> float:
+    """Ready-set score: smaller runs first; exact in a double for |priority| < 2**12."""
+    return float(-user_priority * PRIORITY_SCALE + seq)
+
+
+# --------------------------------------------------------------------------- events
+
+
+@dataclass(slots=True)
+class Event:
+    """A stimulus.  ``op`` names it on the wire; ``stimulus_id`` identifies it in stories."""
+
+    op: ClassVar[str] = ""
+    stimulus_id: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": self.op, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, msg: dict[str, Any], stimulus_id: str | None = None) -> Event:
+        """Build an event from a decoded stream message, validating its fields."""
+        event_cls = EVENTS.get(msg.get("op"))  # type: ignore[arg-type]
+        if event_cls is None:
+            raise ProtocolError(f"unknown op {msg.get('op')!r} in message {_preview(msg)}")
+        kwargs: dict[str, Any] = {}
+        for f in fields(event_cls):
+            if f.name == "stimulus_id":
+                kwargs[f.name] = stimulus_id or msg.get("stimulus_id") or "replay"
+            elif f.name in msg:
+                kwargs[f.name] = msg[f.name]
+        try:
+            event = event_cls(**kwargs)
+            event.validate()
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"malformed {event_cls.op!r} message {_preview(msg)}: {exc}") from exc
+        return event
+
+    def validate(self) -> None:
+        """Raise ValueError when a field has the wrong type (messages come from strangers)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            expected = _FIELD_TYPES.get(f.type if isinstance(f.type, str) else "")
+            if expected is not None and not isinstance(value, expected):
+                raise ValueError(f"field {f.name!r} should be {f.type}, got {type(value).__name__}")
+
+
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "str": str,
+    "int": int,
+    "float": (int, float),
+    "list[str]": list,
+    "list[dict[str, Any]]": list,
+    "dict[str, Any]": dict,
+    "dict[str, int]": dict,
+    "dict[str, list[str]]": dict,
+    "bytes | None": (bytes, type(None)),
+}
+
+
+def _preview(msg: Any) -> str:
+    text = repr(msg)
+    return text if len(text) < 200 else text[:200] + "..."
+
+
+@dataclass(slots=True)
+class UpdateGraph(Event):
+    """A client submits tasks.  Each task: {key, spec: bytes|None, deps: [keys],
+    priority: int, retries: int}.  ``wanted`` are the keys the client holds futures for."""
+
+    op: ClassVar[str] = "update-graph"
+    client: str = ""
+    tasks: list[dict[str, Any]] = field(default_factory=list)
+    wanted: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ClientDesiresKeys(Event):
+    op: ClassVar[str] = "client-desires-keys"
+    client: str = ""
+    keys: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ClientReleasesKeys(Event):
+    op: ClassVar[str] = "client-releases-keys"
+    client: str = ""
+    keys: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CancelKeys(Event):
+    op: ClassVar[str] = "cancel-keys"
+    client: str = ""
+    keys: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CloseClient(Event):
+    op: ClassVar[str] = "close-client"
+    client: str = ""
+
+
+@dataclass(slots=True)
+class UpdateData(Event):
+    """A client scattered data straight to workers: who_has {key: [worker]}."""
+
+    op: ClassVar[str] = "update-data"
+    client: str = ""
+    who_has: dict[str, list[str]] = field(default_factory=dict)
+    nbytes: dict[str, int] = field(default_factory=dict)
+    types: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class AddWorker(Event):
+    op: ClassVar[str] = "add-worker"
+    worker: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RemoveWorker(Event):
+    op: ClassVar[str] = "remove-worker"
+    worker: str = ""
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class TaskClaimed(Event):
+    op: ClassVar[str] = "claimed"
+    worker: str = ""
+    keys: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class TaskFinished(Event):
+    op: ClassVar[str] = "task-finished"
+    worker: str = ""
+    key: str = ""
+    nbytes: int = 0
+    type: str = ""
+    start: float = 0.0
+    stop: float = 0.0
+
+
+@dataclass(slots=True)
+class TaskErred(Event):
+    op: ClassVar[str] = "task-erred"
+    worker: str = ""
+    key: str = ""
+    exception: bytes | None = None
+    traceback: bytes | None = None
+    exception_text: str = ""
+    traceback_text: str = ""
+
+
+@dataclass(slots=True)
+class MissingData(Event):
+    """A worker could not get ``keys`` from ``errant_worker`` (or from anyone)."""
+
+    op: ClassVar[str] = "missing-data"
+    worker: str = ""
+    keys: list[str] = field(default_factory=list)
+    errant_worker: str = ""
+
+
+@dataclass(slots=True)
+class AddKeys(Event):
+    op: ClassVar[str] = "add-keys"
+    worker: str = ""
+    keys: list[str] = field(default_factory=list)
+    nbytes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ReleasedKeys(Event):
+    """A worker dropped ``keys`` (e.g. a cancelled task's late result)."""
+
+    op: ClassVar[str] = "released-keys"
+    worker: str = ""
+    keys: list[str] = field(default_factory=list)
+
+
+EVENTS: dict[str, type[Event]] = {
+    cls.op: cls
+    for cls in (
+        UpdateGraph, ClientDesiresKeys, ClientReleasesKeys, CancelKeys, CloseClient,
+        UpdateData, AddWorker, RemoveWorker, TaskClaimed, TaskFinished, TaskErred,
+        MissingData, AddKeys, ReleasedKeys,
+    )
+}  # fmt: skip
+
+
+# --------------------------------------------------------------------------- instructions
+
+
+@dataclass(slots=True)
+class Instruction:
+    stimulus_id: str
+
+
+@dataclass(slots=True)
+class StoreTask(Instruction):
+    """Write a new task's graph history: spec, dependencies, priority score."""
+
+    key: str
+    spec: bytes | None
+    deps: list[str]
+    score: float
+    state: str
+
+
+@dataclass(slots=True)
+class SetState(Instruction):
+    """Record a task's new state (and any extra fields) in its Redis hash."""
+
+    key: str
+    state: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Enqueue(Instruction):
+    key: str
+    score: float
+
+
+@dataclass(slots=True)
+class Dequeue(Instruction):
+    key: str
+
+
+@dataclass(slots=True)
+class Unclaim(Instruction):
+    """Drop a task from a worker's processing set."""
+
+    worker: str
+    key: str
+
+
+@dataclass(slots=True)
+class Forget(Instruction):
+    key: str
+
+
+@dataclass(slots=True)
+class SetWants(Instruction):
+    client: str
+    add: list[str] = field(default_factory=list)
+    remove: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ClientMsg(Instruction):
+    client: str
+    msg: dict[str, Any]
+
+
+@dataclass(slots=True)
+class WorkerMsg(Instruction):
+    worker: str
+    msg: dict[str, Any]
+
+
+@dataclass(slots=True)
+class ForgetClient(Instruction):
+    client: str
+
+
+@dataclass(slots=True)
+class ForgetWorker(Instruction):
+    worker: str
+
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclass(slots=True, eq=False)
+class TaskState:
+    key: str
+    state: str = "released"
+    score: float = 0.0
+    has_spec: bool = True
+    dependencies: set[TaskState] = field(default_factory=set)
+    dependents: set[TaskState] = field(default_factory=set)
+    waiting_on: set[TaskState] = field(default_factory=set)  # deps not yet in memory
+    waiters: set[TaskState] = field(default_factory=set)  # dependents that still need us
+    who_wants: set[str] = field(default_factory=set)
+    who_has: set[str] = field(default_factory=set)
+    processing_on: str | None = None
+    nbytes: int = 0
+    type: str = ""
+    retries: int = 0
+    suspicious: int = 0
+    exception: bytes | None = None
+    traceback: bytes | None = None
+    exception_text: str = ""
+    traceback_text: str = ""
+    erred_on: str | None = None
+    exception_blame: str | None = None  # the task whose error this one inherited
+
+    def __repr__(self) -> str:
+        return f"<TaskState {self.key!r} {self.state}>"
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    address: str
+    info: dict[str, Any] = field(default_factory=dict)
+    processing: set[TaskState] = field(default_factory=set)
+    has_what: set[TaskState] = field(default_factory=set)
+
+
+class InvalidTransition(RuntimeError):
+    pass
+
+
+class SchedulerState:
+    """Every task, worker and client the scheduler knows, and the rules between them."""
+
+    def __init__(self, validate: bool = False, seq: int = 0) -> None:
+        self.tasks: dict[str, TaskState] = {}
+        self.workers: dict[str, WorkerInfo] = {}
+        self.clients: dict[str, set[TaskState]] = {}  # client id -> tasks it wants
+        self.seq = seq
+        self.validate = validate
+        self._instructions: list[Instruction] = []
+        self._candidates: deque[TaskState] = deque()
+        self._stimulus_id = ""
+        self._transitions = {
+            ("released", "waiting"): self._transition_released_waiting,
+            ("waiting", "queued"): self._transition_waiting_queued,
+            ("queued", "processing"): self._transition_queued_processing,
+            ("queued", "memory"): self._transition_processing_memory,
+            ("processing", "memory"): self._transition_processing_memory,
+            ("processing", "queued"): self._transition_processing_queued,
+            ("processing", "erred"): self._transition_processing_erred,
+            ("waiting", "erred"): self._transition_waiting_erred,
+            ("waiting", "released"): self._transition_waiting_released,
+            ("queued", "released"): self._transition_queued_released,
+            ("processing", "released"): self._transition_processing_released,
+            ("memory", "released"): self._transition_memory_released,
+            ("erred", "released"): self._transition_erred_released,
+            ("released", "forgotten"): self._transition_released_forgotten,
+        }
+
+    # ------------------------------------------------------------------ entry point
+
+    def handle_stimulus(self, *events: Event) -> list[Instruction]:
+        for event in events:
+            self._stimulus_id = event.stimulus_id
+            handler = getattr(self, "_handle_" + event.op.replace("-", "_"))
+            handler(event)
+            self._drain()
+        instructions, self._instructions = self._instructions, []
+        if self.validate:
+            self.validate_state()
+        return instructions
+
+    def _emit(self, instruction: Instruction) -> None:
+        self._instructions.append(instruction)
+
+    # ------------------------------------------------------------------ client events
+
+    def _handle_update_graph(self, ev: UpdateGraph) -> None:
+        self.clients.setdefault(ev.client, set())
+        new: list[TaskState] = []
+        deps_of: dict[str, list[str]] = {}
+        for spec in ev.tasks:
+            deps_of[spec["key"]] = list(spec.get("deps", ()))
+            key = spec["key"]
+            ts = self.tasks.get(key)
+            if ts is None:
+                self.seq += 1
+                ts = TaskState(
+                    key,
+                    score=priority_score(int(spec.get("priority", 0)), self.seq),
+                    retries=int(spec.get("retries", 0)),
+                )
+                self.tasks[key] = ts
+                new.append(ts)
+                self._emit(StoreTask(ev.stimulus_id, key, spec.get("spec"), list(spec.get("deps", ())),
+                                     ts.score, "released"))
+            elif ts.state == "released" and not ts.who_has and spec.get("spec") is not None:
+                new.append(ts)  # resubmitted after release: recompute
+        for ts in new:
+            for dep_key in deps_of[ts.key]:
+                dep = self.tasks.get(dep_key)
+                if dep is None:
+                    # a dependency nobody submitted: treat as lost data
+                    dep = self.tasks[dep_key] = TaskState(dep_key, has_spec=False)
+                    self._emit(StoreTask(ev.stimulus_id, dep_key, None, [], 0.0, "released"))
+                ts.dependencies.add(dep)
+                dep.dependents.add(ts)
+        self._add_wants(ev.client, ev.wanted)
+        # a task runs if someone wants it or a wanted task needs it
+        for key in ev.wanted:
+            ts = self.tasks.get(key)
+            if ts is not None:
+                self._make_needed(ts)
+
+    def _make_needed(self, root: TaskState) -> None:
+        """Bring ``root`` and every released dependency it needs towards memory."""
+        # post-order walk: dependencies first, so their state is settled when a dependent
+        # looks at them (iterative: a 1,000-task chain must not hit the recursion limit)
+        order: list[TaskState] = []
+        seen: set[TaskState] = {root}
+        stack: list[tuple[TaskState, bool]] = [(root, False)]
+        while stack:
+            ts, expanded = stack.pop()
+            if expanded:
+                order.append(ts)
+                continue
+            stack.append((ts, True))
+            if ts.state == "released":
+                for dep in ts.dependencies:
+                    if dep.state == "released" and dep not in seen:
+                        seen.add(dep)
+                        stack.append((dep, False))
+        for ts in order:
+            if ts.state == "released":
+                if not ts.has_spec and not ts.who_has:
+                    self._err_lost(ts)
+                else:
+                    self._transition(ts, "waiting")
+            for dep in ts.dependencies:
+                if ts.state in ("waiting", "queued", "processing"):
+                    dep.waiters.add(ts)
+
+    def _err_lost(self, ts: TaskState) -> None:
+        ts.state = "erred"
+        ts.exception_text = (
+            f"KeyError: the data of {ts.key!r} is not on any worker and it has no task to "
+            "recompute it (was it scattered by a client that is gone?)"
+        )
+        self._emit(SetState(self._stimulus_id, ts.key, "erred", {"exception_text": ts.exception_text}))
+
+    def _add_wants(self, client: str, keys: Iterable[str]) -> None:
+        added = []
+        wanted = self.clients.setdefault(client, set())
+        for key in keys:
+            ts = self.tasks.get(key)
+            if ts is None or client in ts.who_wants:
+                if ts is not None:
+                    self._report_to(client, ts)
+                continue
+            ts.who_wants.add(client)
+            wanted.add(ts)
+            added.append(key)
+            self._report_to(client, ts)
+        if added:
+            self._emit(SetWants(self._stimulus_id, client, add=added))
+
+    def _report_to(self, client: str, ts: TaskState) -> None:
+        """Tell a client about a finished task it just asked for."""
+        if ts.state == "memory":
+            self._emit(ClientMsg(self._stimulus_id, client, self._memory_msg(ts)))
+        elif ts.state == "erred":
+            self._emit(ClientMsg(self._stimulus_id, client, self._erred_msg(ts)))
+
+    def _handle_client_desires_keys(self, ev: ClientDesiresKeys) -> None:
+        self._add_wants(ev.client, ev.keys)
+        for key in ev.keys:
+            if key in self.tasks:
+                self._make_needed(self.tasks[key])
+
+    def _handle_client_releases_keys(self, ev: ClientReleasesKeys) -> None:
+        self._release_wants(ev.client, ev.keys)
+
+    def _release_wants(self, client: str, keys: Iterable[str]) -> list[str]:
+        wanted = self.clients.get(client, set())
+        removed = []
+        for key in keys:
+            ts = self.tasks.get(key)
+            if ts is None or client not in ts.who_wants:
+                continue
+            ts.who_wants.discard(client)
+            wanted.discard(ts)
+            removed.append(key)
+            self._maybe_release(ts)
+        if removed:
+            self._emit(SetWants(self._stimulus_id, client, remove=removed))
+        return removed
+
+    def _handle_cancel_keys(self, ev: CancelKeys) -> None:
+        # cancelling a key cancels the client's dependents of it too, as in Dask
+        wanted = self.clients.get(ev.client, set())
+        todo = [self.tasks[k] for k in ev.keys if k in self.tasks]
+        cancelled: dict[str, TaskState] = {}
+        while todo:
+            ts = todo.pop()
+            if ts.key in cancelled:
+                continue
+            cancelled[ts.key] = ts
+            todo.extend(d for d in ts.dependents if d in wanted)
+        # release dependents first so dependencies lose their waiters before they are looked at
+        keys = sorted(cancelled, key=lambda k: -cancelled[k].score)
+        self._release_wants(ev.client, keys)
+        self._emit(ClientMsg(self._stimulus_id, ev.client, {"op": "cancelled-keys", "keys": keys}))
+
+    def _handle_close_client(self, ev: CloseClient) -> None:
+        self._release_wants(ev.client, [ts.key for ts in self.clients.get(ev.client, ())])
+        self.clients.pop(ev.client, None)
+        self._emit(ForgetClient(ev.stimulus_id, ev.client))
+
+    def _handle_update_data(self, ev: UpdateData) -> None:
+        for key, holders in ev.who_has.items():
+            ts = self.tasks.get(key)
+            if ts is None:
+                self.seq += 1
+                ts = self.tasks[key] = TaskState(key, has_spec=False)
+                self._emit(StoreTask(ev.stimulus_id, key, None, [], 0.0, "released"))
+            ts.nbytes = int(ev.nbytes.get(key, 0))
+            ts.type = str(ev.types.get(key, ""))
+            for worker in holders:
+                self._add_replica(ts, worker)
+            if ts.state != "memory":
+                ts.state = "memory"
+                self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
+                self._wake_waiters(ts)
+        self._add_wants(ev.client, list(ev.who_has))
+
+    # ------------------------------------------------------------------ worker events
+
+    def _handle_add_worker(self, ev: AddWorker) -> None:
+        if ev.worker not in self.workers:
+            self.workers[ev.worker] = WorkerInfo(ev.worker, dict(ev.info))
+        else:
+            self.workers[ev.worker].info.update(ev.info)
+
+    def _handle_remove_worker(self, ev: RemoveWorker) -> None:
+        ws = self.workers.pop(ev.worker, None)
+        if ws is None:
+            return
+        for ts in list(ws.processing):
+            ts.processing_on = None
+            self._emit(Unclaim(ev.stimulus_id, ws.address, ts.key))
+            self._transition(ts, "queued")
+        for ts in list(ws.has_what):
+            ts.who_has.discard(ws.address)
+            if not ts.who_has and ts.state == "memory":
+                # lost its only copy: recompute if still needed (resilience issue refines)
+                ts.state = "released"
+                self._emit(SetState(ev.stimulus_id, ts.key, "released", {"who_has": b""}))
+                if ts.who_wants or ts.waiters:
+                    self._make_needed(ts)
+            elif ts.state == "memory":
+                self._emit(SetState(ev.stimulus_id, ts.key, "memory", self._memory_fields(ts)))
+        self._emit(ForgetWorker(ev.stimulus_id, ws.address))
+
+    def _handle_claimed(self, ev: TaskClaimed) -> None:
+        ws = self.workers.get(ev.worker)
+        for key in ev.keys:
+            ts = self.tasks.get(key)
+            if ts is None or ts.state != "queued" or ws is None:
+                # released while the claim was in flight: tell the worker to drop it
+                self._emit(Unclaim(ev.stimulus_id, ev.worker, key))
+                self._emit(WorkerMsg(ev.stimulus_id, ev.worker, {"op": "free-keys", "keys": [key]}))
+                continue
+            self._transition(ts, "processing", worker=ws)
+
+    def _handle_task_finished(self, ev: TaskFinished) -> None:
+        ts = self.tasks.get(ev.key)
+        ws = self.workers.get(ev.worker)
+        if ts is None or ws is None or ts.state not in ("processing", "queued"):
+            if ts is not None and ts.state == "memory" and ws is not None:
+                self._add_replica(ts, ev.worker)
+                self._emit(SetState(ev.stimulus_id, ts.key, "memory", self._memory_fields(ts)))
+            else:
+                self._emit(WorkerMsg(ev.stimulus_id, ev.worker, {"op": "free-keys", "keys": [ev.key]}))
+            return
+        ts.nbytes, ts.type = int(ev.nbytes), ev.type
+        self._transition(ts, "memory", worker=ws)
+
+    def _handle_task_erred(self, ev: TaskErred) -> None:
+        ts = self.tasks.get(ev.key)
+        if ts is None or ts.state != "processing" or ts.processing_on != ev.worker:
+            return
+        self._emit(Unclaim(ev.stimulus_id, ev.worker, ts.key))
+        if ts.retries > 0:
+            ts.retries -= 1
+            self._emit(SetState(ev.stimulus_id, ts.key, ts.state, {"retries": ts.retries}))
+            self._transition(ts, "queued")
+            return
+        ts.exception, ts.traceback = ev.exception, ev.traceback
+        ts.exception_text, ts.traceback_text = ev.exception_text, ev.traceback_text
+        ts.erred_on = ev.worker
+        self._transition(ts, "erred")
+
+    def _handle_missing_data(self, ev: MissingData) -> None:
+        for key in ev.keys:
+            ts = self.tasks.get(key)
+            if ts is None:
+                continue
+            if ev.errant_worker and ev.errant_worker in ts.who_has:
+                ts.who_has.discard(ev.errant_worker)
+                ws = self.workers.get(ev.errant_worker)
+                if ws is not None:
+                    ws.has_what.discard(ts)
+            if ts.state == "memory" and ts.who_has:
+                self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
+                self._emit(WorkerMsg(ev.stimulus_id, ev.worker,
+                                     {"op": "who-has", "who_has": {key: sorted(ts.who_has)}}))
+            elif ts.state == "memory":
+                ts.state = "released"
+                self._emit(SetState(ev.stimulus_id, key, "released", {"who_has": b""}))
+                self._make_needed(ts)
+
+    def _handle_add_keys(self, ev: AddKeys) -> None:
+        for key in ev.keys:
+            ts = self.tasks.get(key)
+            if ts is not None and ts.state == "memory" and ev.worker in self.workers:
+                self._add_replica(ts, ev.worker)
+                self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
+
+    def _handle_released_keys(self, ev: ReleasedKeys) -> None:
+        ws = self.workers.get(ev.worker)
+        for key in ev.keys:
+            ts = self.tasks.get(key)
+            if ts is None or ws is None:
+                continue
+            if ts in ws.processing:
+                ws.processing.discard(ts)
+                self._emit(Unclaim(ev.stimulus_id, ws.address, key))
+                if ts.state == "processing":
+                    ts.processing_on = None
+                    self._transition(ts, "queued")
+            if ev.worker in ts.who_has:
+                ts.who_has.discard(ev.worker)
+                ws.has_what.discard(ts)
+                if ts.state == "memory" and not ts.who_has:
+                    ts.state = "released"
+                    self._emit(SetState(ev.stimulus_id, key, "released", {"who_has": b""}))
+                    if ts.who_wants or ts.waiters:
+                        self._make_needed(ts)
+                elif ts.state == "memory":
+                    self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
+
+    # ------------------------------------------------------------------ transitions
+
+    def _transition(self, ts: TaskState, finish: str, **kwargs: Any) -> None:
+        start = ts.state
+        if start == finish:
+            return
+        func = self._transitions.get((start, finish))
+        if func is None:
+            raise InvalidTransition(
+                f"task {ts.key!r}: no transition {start} -> {finish} (stimulus {self._stimulus_id})"
+            )
+        func(ts, **kwargs)
+
+    def _transition_released_waiting(self, ts: TaskState) -> None:
+        ts.state = "waiting"
+        ts.waiting_on = {d for d in ts.dependencies if d.state != "memory"}
+        for dep in ts.dependencies:
+            dep.waiters.add(ts)
+        erred = next((d for d in ts.dependencies if d.state == "erred"), None)
+        if erred is not None:
+            self._inherit_error(ts, erred)
+            self._transition(ts, "erred")
+            return
+        if ts.waiting_on:
+            self._emit(SetState(self._stimulus_id, ts.key, "waiting"))
+        else:
+            self._transition(ts, "queued")
+
+    def _transition_waiting_queued(self, ts: TaskState) -> None:
+        ts.state = "queued"
+        self._emit(SetState(self._stimulus_id, ts.key, "queued"))
+        self._emit(Enqueue(self._stimulus_id, ts.key, ts.score))
+
+    def _transition_processing_queued(self, ts: TaskState) -> None:
+        if ts.processing_on is not None:
+            ws = self.workers.get(ts.processing_on)
+            if ws is not None:
+                ws.processing.discard(ts)
+            ts.processing_on = None
+        self._transition_waiting_queued(ts)
+
+    def _transition_queued_processing(self, ts: TaskState, worker: WorkerInfo) -> None:
+        ts.state = "processing"
+        ts.processing_on = worker.address
+        worker.processing.add(ts)  # Redis already says so: the claim script wrote it
+
+    def _transition_processing_memory(self, ts: TaskState, worker: WorkerInfo) -> None:
+        worker.processing.discard(ts)
+        self._emit(Unclaim(self._stimulus_id, worker.address, ts.key))
+        ts.processing_on = None
+        ts.state = "memory"
+        self._add_replica(ts, worker.address)
+        self._emit(SetState(self._stimulus_id, ts.key, "memory", self._memory_fields(ts)))
+        for client in ts.who_wants:
+            self._emit(ClientMsg(self._stimulus_id, client, self._memory_msg(ts)))
+        self._wake_waiters(ts)
+        for dep in ts.dependencies:
+            dep.waiters.discard(ts)
+            self._maybe_release(dep)
+        self._maybe_release(ts)
+
+    def _wake_waiters(self, ts: TaskState) -> None:
+        for dependent in sorted(ts.waiters, key=lambda t: t.score):
+            dependent.waiting_on.discard(ts)
+            if dependent.state == "waiting" and not dependent.waiting_on:
+                self._transition(dependent, "queued")
+
+    def _add_replica(self, ts: TaskState, worker: str) -> None:
+        ts.who_has.add(worker)
+        ws = self.workers.get(worker)
+        if ws is not None:
+            ws.has_what.add(ts)
+
+    def _transition_processing_erred(self, ts: TaskState) -> None:
+        if ts.processing_on is not None:
+            ws = self.workers.get(ts.processing_on)
+            if ws is not None:
+                ws.processing.discard(ts)
+            ts.processing_on = None
+        self._transition_waiting_erred(ts)
+
+    def _transition_waiting_erred(self, root: TaskState) -> None:
+        """Err ``root`` and, iteratively, every dependent waiting on it."""
+        todo = [root]
+        while todo:
+            ts = todo.pop()
+            ts.state = "erred"
+            ts.waiting_on.clear()
+            self._emit(SetState(self._stimulus_id, ts.key, "erred", self._erred_fields(ts)))
+            for client in ts.who_wants:
+                self._emit(ClientMsg(self._stimulus_id, client, self._erred_msg(ts)))
+            for dependent in sorted(ts.waiters, key=lambda t: -t.score):
+                if dependent.state == "waiting":
+                    self._inherit_error(dependent, ts)
+                    todo.append(dependent)
+            ts.waiters.clear()
+            for dep in ts.dependencies:
+                dep.waiters.discard(ts)
+                self._maybe_release(dep)
+
+    def _inherit_error(self, ts: TaskState, source: TaskState) -> None:
+        ts.exception, ts.traceback = source.exception, source.traceback
+        ts.exception_text, ts.traceback_text = source.exception_text, source.traceback_text
+        ts.exception_blame = source.exception_blame or source.key
+        ts.erred_on = source.erred_on
+
+    def _transition_waiting_released(self, ts: TaskState) -> None:
+        ts.state = "released"
+        ts.waiting_on.clear()
+        self._emit(SetState(self._stimulus_id, ts.key, "released"))
+        self._release_dependencies(ts)
+
+    def _transition_queued_released(self, ts: TaskState) -> None:
+        self._emit(Dequeue(self._stimulus_id, ts.key))
+        self._transition_waiting_released(ts)
+
+    def _transition_processing_released(self, ts: TaskState) -> None:
+        worker = ts.processing_on
+        if worker is not None:
+            ws = self.workers.get(worker)
+            if ws is not None:
+                ws.processing.discard(ts)
+            self._emit(Unclaim(self._stimulus_id, worker, ts.key))
+            self._emit(WorkerMsg(self._stimulus_id, worker, {"op": "free-keys", "keys": [ts.key]}))
+        ts.processing_on = None
+        self._transition_waiting_released(ts)
+
+    def _transition_memory_released(self, ts: TaskState) -> None:
+        for worker in ts.who_has:
+            ws = self.workers.get(worker)
+            if ws is not None:
+                ws.has_what.discard(ts)
+            self._emit(WorkerMsg(self._stimulus_id, worker, {"op": "free-keys", "keys": [ts.key]}))
+        ts.who_has.clear()
+        ts.state = "released"
+        self._emit(SetState(self._stimulus_id, ts.key, "released", {"who_has": b""}))
+        self._release_dependencies(ts)
+        self._maybe_forget(ts)
+
+    def _transition_erred_released(self, ts: TaskState) -> None:
+        ts.state = "released"
+        ts.exception = ts.traceback = None
+        ts.exception_text = ts.traceback_text = ""
+        ts.exception_blame = ts.erred_on = None
+        self._emit(SetState(self._stimulus_id, ts.key, "released",
+                            {"exception": b"", "traceback": b"", "exception_text": "",
+                             "traceback_text": ""}))
+        self._release_dependencies(ts)
+        self._maybe_forget(ts)
+
+    def _transition_released_forgotten(self, ts: TaskState) -> None:
+        ts.state = "forgotten"
+        del self.tasks[ts.key]
+        self._emit(Forget(self._stimulus_id, ts.key))
+        for dep in ts.dependencies:
+            dep.dependents.discard(ts)
+            dep.waiters.discard(ts)
+            if dep.state == "released":
+                self._maybe_forget(dep)
+        for dependent in ts.dependents:
+            dependent.dependencies.discard(ts)
+
+    # ------------------------------------------------------------------ release rules
+
+    def _release_dependencies(self, ts: TaskState) -> None:
+        for dep in ts.dependencies:
+            dep.waiters.discard(ts)
+            self._maybe_release(dep)
+        self._maybe_forget(ts)
+
+    def _maybe_release(self, ts: TaskState) -> None:
+        """Release a task nobody needs any more (no client wants it, no dependent waits).
+
+        Releases and forgets go through a worklist drained by ``_drain`` instead of
+        recursing, so cancelling a 100,000-task chain cannot hit the recursion limit."""
+        self._candidates.append(ts)
+
+    _maybe_forget = _maybe_release
+
+    def _drain(self) -> None:
+        while self._candidates:
+            ts = self._candidates.popleft()
+            if ts.who_wants or ts.waiters or ts.state == "forgotten":
+                continue
+            if ts.state != "released":
+                self._transition(ts, "released")
+            elif all(d.state == "forgotten" for d in ts.dependents):
+                self._transition(ts, "forgotten")
+
+    # ------------------------------------------------------------------ messages
+
+    def _memory_fields(self, ts: TaskState) -> dict[str, Any]:
+        return {"who_has": " ".join(sorted(ts.who_has)), "nbytes": ts.nbytes, "type": ts.type}
+
+    def _memory_msg(self, ts: TaskState) -> dict[str, Any]:
+        return {"op": "key-in-memory", "key": ts.key, "who_has": sorted(ts.who_has),
+                "nbytes": ts.nbytes, "type": ts.type}
+
+    def _erred_fields(self, ts: TaskState) -> dict[str, Any]:
+        return {"exception": ts.exception or b"", "traceback": ts.traceback or b"",
+                "exception_text": ts.exception_text, "traceback_text": ts.traceback_text,
+                "erred_on": ts.erred_on or "", "exception_blame": ts.exception_blame or ""}
+
+    def _erred_msg(self, ts: TaskState) -> dict[str, Any]:
+        return {"op": "task-erred", "key": ts.key, **self._erred_fields(ts)}
+
+    # ------------------------------------------------------------------ validation
+
+    def validate_state(self) -> None:
+        for key, ts in self.tasks.items():
+            assert ts.key == key
+            assert ts.state != "forgotten", ts
+            for dep in ts.dependencies:
+                assert ts in dep.dependents, (ts, dep)
+                assert dep.key in self.tasks, (ts, dep)
+            for dependent in ts.dependents:
+                assert ts in dependent.dependencies, (ts, dependent)
+            if ts.state == "memory":
+                assert ts.who_has, ts
+                assert ts.processing_on is None, ts
+            if ts.state == "processing":
+                assert ts.processing_on is not None, ts
+                ws = self.workers.get(ts.processing_on)
+                assert ws is not None and ts in ws.processing, ts
+            if ts.state == "queued":
+                assert all(d.state == "memory" for d in ts.dependencies), ts
+                assert ts.processing_on is None, ts
+            if ts.state == "waiting":
+                assert ts.waiting_on == {d for d in ts.dependencies if d.state != "memory"}, ts
+                assert ts.waiting_on, ts
+            if ts.state in ("waiting", "queued", "processing"):
+                for dep in ts.dependencies:
+                    assert ts in dep.waiters, (ts, dep)
+            for client in ts.who_wants:
+                assert ts in self.clients.get(client, set()), (ts, client)
+        for ws in self.workers.values():
+            for ts in ws.processing:
+                assert ts.processing_on == ws.address, (ts, ws.address)
+            for ts in ws.has_what:
+                assert ws.address in ts.who_has, (ts, ws.address)
+        for client, wanted in self.clients.items():
+            for ts in wanted:
+                assert client in ts.who_wants, (client, ts)
+                assert self.tasks.get(ts.key) is ts, (client, ts)

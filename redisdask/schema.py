@@ -1,0 +1,295 @@
+"""Every Redis key name, every Lua script and the schema version, in one place.
+
+All keys of one cluster share the hash tag ``{<cluster>}`` so that multi-key scripts and
+MULTI/EXEC stay valid on Redis Cluster, Valkey and managed Redis::
+
+    rd:{c}:meta                        hash    schema version, secret, sequence counter
+    rd:{c}:lease                       string  fencing token of the active scheduler (PX ttl)
+    rd:{c}:lease-token                 string  INCR counter the tokens come from
+    rd:{c}:scheduler                   hash    id, host, pid, since of the lease holder
+    rd:{c}:stream:clients              stream  client -> scheduler messages (group "scheduler")
+    rd:{c}:stream:workers              stream  worker -> scheduler messages (group "scheduler")
+    rd:{c}:stream:dead-letter          stream  input entries that could not be decoded
+    rd:{c}:events                      stream  cluster event log (capped)
+    rd:{c}:ready                       zset    queued task keys, score = priority
+    rd:{c}:ready-signal                stream  one entry per batch that queued work (capped)
+    rd:{c}:tasks                       set     every task key the scheduler knows
+    rd:{c}:task:<key>                  hash    one task: state, spec, deps, who_has, ...
+    rd:{c}:workers                     hash    worker address -> msgpack info
+    rd:{c}:heartbeats                  hash    worker address -> msgpack metrics
+    rd:{c}:worker:<addr>:alive         string  present while the worker heartbeats (PX ttl)
+    rd:{c}:worker:<addr>:processing    set     tasks claimed by that worker
+    rd:{c}:worker:<addr>:inbox         stream  scheduler -> worker messages
+    rd:{c}:clients                     hash    client id -> msgpack info
+    rd:{c}:client:<id>:alive           string  present while the client heartbeats (PX ttl)
+    rd:{c}:client:<id>:events          stream  scheduler -> client messages
+    rd:{c}:client:<id>:wants           set     keys the client holds futures for
+
+``docs/redis-schema.md`` describes who writes and who reads each key.
+
+Stream entries carry one field, ``m``: a msgpack-encoded *list* of messages, each a map
+with an ``op``.  Nothing on a stream is ever unpickled to route it; opaque pickled payloads
+(task specs, exceptions) travel as msgpack ``bin`` values.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import redis
+from redis.commands.core import Script
+
+SCHEMA_VERSION = 1
+SCHEDULER_GROUP = "scheduler"
+SCHEDULER_CONSUMER = "scheduler"  # one consumer: only the lease holder ever reads
+READY_SIGNAL_MAXLEN = 1000
+EVENTS_MAXLEN = 10_000
+
+_CLUSTER_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+def validate_cluster_name(name: str) -> str:
+    if not _CLUSTER_NAME.match(name):
+        raise ValueError(
+            f"invalid cluster name {name!r}: use 1-64 letters, digits, '.', '_' or '-' "
+            "(it becomes the Redis hash tag of every key of the cluster)"
+        )
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key names of one cluster."""
+
+    cluster: str
+
+    def __post_init__(self) -> None:
+        validate_cluster_name(self.cluster)
+
+    @property
+    def prefix(self) -> str:
+        return f"rd:{{{self.cluster}}}:"
+
+    @property
+    def meta(self) -> str:
+        return self.prefix + "meta"
+
+    @property
+    def lease(self) -> str:
+        return self.prefix + "lease"
+
+    @property
+    def lease_token(self) -> str:
+        return self.prefix + "lease-token"
+
+    @property
+    def scheduler(self) -> str:
+        return self.prefix + "scheduler"
+
+    @property
+    def client_stream(self) -> str:
+        return self.prefix + "stream:clients"
+
+    @property
+    def worker_stream(self) -> str:
+        return self.prefix + "stream:workers"
+
+    @property
+    def dead_letter(self) -> str:
+        return self.prefix + "stream:dead-letter"
+
+    @property
+    def events(self) -> str:
+        return self.prefix + "events"
+
+    @property
+    def ready(self) -> str:
+        return self.prefix + "ready"
+
+    @property
+    def ready_signal(self) -> str:
+        return self.prefix + "ready-signal"
+
+    @property
+    def tasks(self) -> str:
+        return self.prefix + "tasks"
+
+    @property
+    def task_prefix(self) -> str:
+        return self.prefix + "task:"
+
+    def task(self, key: str) -> str:
+        return self.task_prefix + key
+
+    @property
+    def workers(self) -> str:
+        return self.prefix + "workers"
+
+    @property
+    def heartbeats(self) -> str:
+        return self.prefix + "heartbeats"
+
+    def worker_alive(self, address: str) -> str:
+        return f"{self.prefix}worker:{address}:alive"
+
+    def worker_processing(self, address: str) -> str:
+        return f"{self.prefix}worker:{address}:processing"
+
+    def worker_inbox(self, address: str) -> str:
+        return f"{self.prefix}worker:{address}:inbox"
+
+    @property
+    def clients(self) -> str:
+        return self.prefix + "clients"
+
+    def client_alive(self, client_id: str) -> str:
+        return f"{self.prefix}client:{client_id}:alive"
+
+    def client_events(self, client_id: str) -> str:
+        return f"{self.prefix}client:{client_id}:events"
+
+    def client_wants(self, client_id: str) -> str:
+        return f"{self.prefix}client:{client_id}:wants"
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def pack_for_lua(obj: Any) -> bytes:
+    """msgpack for Redis's Lua ``cmsgpack``, which predates the ``bin`` type: bytes go
+    as raw strings, which Lua strings are anyway."""
+    return msgpack.packb(obj, use_bin_type=False)
+
+
+def unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def entry(messages: Sequence[dict[str, Any]]) -> dict[str, bytes]:
+    """The fields of one stream entry carrying ``messages``."""
+    return {"m": pack(list(messages))}
+
+
+# --------------------------------------------------------------------------- scripts
+
+# Applies a scheduler batch atomically, fenced by the lease token.  ARGV[2] is a msgpack
+# list of Redis commands (each a list of arguments) computed by the scheduler driver from
+# the state machine's instructions, including the XACK of the batch: effects and
+# acknowledgement land together or not at all, and only while the lease is ours.
+APPLY_FENCED = """
+local current = redis.call('GET', KEYS[1])
+if current ~= ARGV[1] then
+  return redis.error_reply('FENCED lease token is ' .. tostring(current) .. ', ours is ' .. ARGV[1])
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+local commands = cmsgpack.unpack(ARGV[2])
+for i = 1, #commands do
+  redis.call(unpack(commands[i]))
+end
+return #commands
+"""
+
+# Takes (or renews) the scheduler lease.  KEYS: lease, lease-token.  ARGV: our token
+# ('' to ask for a new one), ttl ms.  Returns the token held, or false.
+ACQUIRE_LEASE = """
+local current = redis.call('GET', KEYS[1])
+if current and current == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return current
+end
+if current then return false end
+local token = tostring(redis.call('INCR', KEYS[2]))
+redis.call('SET', KEYS[1], token, 'PX', ARGV[2])
+return token
+"""
+
+# A worker claims up to ARGV[2] queued tasks.  KEYS: ready, workers, the worker's
+# processing set, worker stream, ready-signal.  ARGV: worker address, n, task key
+# prefix.  The claim is recorded in Redis (task state, processing set) and announced to
+# the scheduler in the same atomic step, so a claimed task is never invisible.  Returns
+# {tasks, last ready-signal id}; each task is {key, spec, score, {dep, who_has, nbytes}...}.
+CLAIM = """
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then
+  return redis.error_reply('UNKNOWN_WORKER ' .. ARGV[1] .. ' is not registered')
+end
+local last = redis.call('XREVRANGE', KEYS[5], '+', '-', 'COUNT', 1)
+local last_id = '0-0'
+if #last > 0 then last_id = last[1][1] end
+local popped = redis.call('ZPOPMIN', KEYS[1], ARGV[2])
+local out = {}
+local claimed = {}
+for i = 1, #popped, 2 do
+  local key = popped[i]
+  local tkey = ARGV[3] .. key
+  local f = redis.call('HMGET', tkey, 'spec', 'deps')
+  if f[1] then
+    redis.call('HSET', tkey, 'state', 'processing', 'worker', ARGV[1])
+    redis.call('SADD', KEYS[3], key)
+    local deps = {}
+    if f[2] then
+      for _, dep in ipairs(cmsgpack.unpack(f[2])) do
+        local d = redis.call('HMGET', ARGV[3] .. dep, 'who_has', 'nbytes')
+        deps[#deps + 1] = {dep, d[1] or '', d[2] or '0'}
+      end
+    end
+    out[#out + 1] = {key, f[1], popped[i + 1], deps}
+    claimed[#claimed + 1] = key
+  end
+end
+if #claimed > 0 then
+  redis.call('XADD', KEYS[4], '*', 'm',
+    cmsgpack.pack({{op = 'claimed', worker = ARGV[1], keys = claimed}}))
+end
+return {out, last_id}
+"""
+
+
+class Scripts:
+    """The cluster's Lua scripts, registered on one Redis client (EVALSHA, reloaded on
+    NOSCRIPT by redis-py's ``Script``).  Redis >= 6.2; no Redis 7 Functions."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.apply_fenced: Script = client.register_script(APPLY_FENCED)
+        self.acquire_lease: Script = client.register_script(ACQUIRE_LEASE)
+        self.claim: Script = client.register_script(CLAIM)
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+def ensure_cluster(client: redis.Redis, keys: Keys) -> bytes:
+    """Create the cluster's meta hash, secret and consumer groups if missing.
+
+    Idempotent, so the scheduler, workers and clients may start in any order.  Returns the
+    cluster secret used to authenticate peer-to-peer connections.  Raises ``SchemaError``
+    when the cluster was created by an incompatible version of redisdask.
+    """
+    from redisdask.errors import SchemaError
+
+    pipe = client.pipeline(transaction=True)
+    pipe.hsetnx(keys.meta, "schema_version", SCHEMA_VERSION)
+    pipe.hsetnx(keys.meta, "secret", secrets.token_hex(32))
+    pipe.hmget(keys.meta, ["schema_version", "secret"])
+    version, secret = pipe.execute()[-1]
+    if int(version) != SCHEMA_VERSION:
+        raise SchemaError(
+            f"cluster {keys.cluster!r} in Redis has schema version {int(version)}, this "
+            f"redisdask speaks version {SCHEMA_VERSION}: use a matching redisdask or another "
+            "--cluster name"
+        )
+    for stream in (keys.client_stream, keys.worker_stream):
+        try:
+            client.xgroup_create(stream, SCHEDULER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+    return bytes.fromhex(secret.decode() if isinstance(secret, bytes) else secret)

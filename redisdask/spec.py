@@ -1,0 +1,180 @@
+"""How a task travels: its serialized function and arguments (the "spec").
+
+A spec is ``cloudpickle.dumps((function_bytes, args, kwargs))`` where ``function_bytes``
+is the function pickled on its own, so that ``map`` pickles a function once and a worker
+unpickles it once (``FunctionCache``).  Dependencies inside the arguments — futures, also
+nested in lists, tuples, sets and dicts, and keys of a dict graph — are replaced by
+``TaskRef(key)`` markers before pickling; the worker substitutes the dependencies' values.
+A nested dask-style task ``(func, *args)`` inside a graph becomes a ``SubTask`` that the
+worker evaluates in place.
+
+The scheduler never unpickles a spec: to it the spec is opaque bytes, the graph history.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRef:
+    """Stands for the value of task ``key`` inside a spec's arguments."""
+
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class SubTask:
+    """A dask-style nested task ``(func, *args)``, evaluated where it appears."""
+
+    func: Callable[..., Any]
+    args: tuple[Any, ...]
+
+
+def funcname(func: Any) -> str:
+    while hasattr(func, "func"):  # functools.partial and friends
+        func = func.func
+    name = getattr(func, "__name__", None) or type(func).__name__
+    return "lambda" if name == "<lambda>" else name
+
+
+def dumps_function(func: Any) -> bytes:
+    try:
+        return cloudpickle.dumps(func, protocol=5)
+    except Exception as exc:
+        raise TypeError(
+            f"could not pickle the function {func!r}: {type(exc).__name__}: {exc}. Tasks are "
+            "pickled to reach the workers; define the function at module level or make the "
+            "objects it closes over picklable"
+        ) from exc
+
+
+def dumps_spec(function_bytes: bytes, args: tuple[Any, ...], kwargs: dict[str, Any],
+               func: Any = None) -> bytes:
+    try:
+        return cloudpickle.dumps((function_bytes, args, kwargs), protocol=5)
+    except Exception as exc:
+        culprit = _first_unpicklable(args, kwargs)
+        raise TypeError(
+            f"could not pickle the arguments of {funcname(func)}: {culprit or 'an argument'} "
+            f"failed with {type(exc).__name__}: {exc}. Arguments are pickled to reach the "
+            "workers; pass picklable objects, or create the object inside the function"
+        ) from exc
+
+
+def _first_unpicklable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    for i, arg in enumerate(args):
+        try:
+            cloudpickle.dumps(arg)
+        except Exception:
+            return f"argument {i} ({type(arg).__qualname__} {_short(arg)})"
+    for name, arg in kwargs.items():
+        try:
+            cloudpickle.dumps(arg)
+        except Exception:
+            return f"keyword argument {name!r} ({type(arg).__qualname__} {_short(arg)})"
+    return None
+
+
+def _short(obj: Any) -> str:
+    text = repr(obj)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def token(*parts: bytes) -> str:
+    h = hashlib.sha1(usedforsecurity=False)
+    for part in parts:
+        h.update(part)
+    return h.hexdigest()
+
+
+def replace_refs(obj: Any, to_ref: Callable[[Any], str | None], deps: set[str]) -> Any:
+    """Copy ``obj`` with every dependency (``to_ref(x)`` returns its key) replaced by a
+    ``TaskRef``, collecting the keys in ``deps``.  Walks lists, tuples, sets and dicts."""
+    key = to_ref(obj)
+    if key is not None:
+        deps.add(key)
+        return TaskRef(key)
+    typ = type(obj)
+    if typ in (list, tuple, set, frozenset):
+        items = [replace_refs(x, to_ref, deps) for x in obj]
+        return typ(items)
+    if typ is dict:
+        return {k: replace_refs(v, to_ref, deps) for k, v in obj.items()}
+    if typ is SubTask:
+        return SubTask(obj.func, tuple(replace_refs(x, to_ref, deps) for x in obj.args))
+    return obj
+
+
+def substitute(obj: Any, data: Mapping[str, Any]) -> Any:
+    """Inverse of ``replace_refs`` on the worker: TaskRefs become values, SubTasks run."""
+    typ = type(obj)
+    if typ is TaskRef:
+        return data[obj.key]
+    if typ in (list, tuple, set, frozenset):
+        return typ([substitute(x, data) for x in obj])
+    if typ is dict:
+        return {k: substitute(v, data) for k, v in obj.items()}
+    if typ is SubTask:
+        return obj.func(*(substitute(x, data) for x in obj.args))
+    return obj
+
+
+class FunctionCache:
+    """Unpickled functions by their pickled bytes (a map's tasks share one function)."""
+
+    def __init__(self, size: int = 256) -> None:
+        self._cache: dict[bytes, Any] = {}
+        self._size = size
+
+    def get(self, function_bytes: bytes) -> Any:
+        func = self._cache.get(function_bytes)
+        if func is None:
+            func = cloudpickle.loads(function_bytes)
+            if len(self._cache) >= self._size:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[function_bytes] = func
+        return func
+
+
+def run_spec(spec: bytes, data: Mapping[str, Any], functions: FunctionCache) -> Any:
+    """Unpickle and run a task with its dependencies' values from ``data``."""
+    function_bytes, args, kwargs = cloudpickle.loads(spec)
+    func = functions.get(function_bytes)
+    return func(*substitute(args, data), **substitute(kwargs, data))
+
+
+# --------------------------------------------------------------------------- dict graphs
+
+
+def stringify(key: Hashable) -> str:
+    """Dask keys are str or tuples like ('x', 0); Redis keys are strings."""
+    return key if isinstance(key, str) else repr(key)
+
+
+def is_task(obj: Any) -> bool:
+    return type(obj) is tuple and bool(obj) and callable(obj[0])
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def graph_task(value: Any, graph_keys: set[Hashable]) -> tuple[Any, tuple[Any, ...]]:
+    """``(func, args)`` of one entry of a dask-style dict graph, keys left as they are."""
+    if is_task(value):
+        return value[0], tuple(_nest(a, graph_keys) for a in value[1:])
+    return _identity, (_nest(value, graph_keys),)
+
+
+def _nest(arg: Any, graph_keys: set[Hashable]) -> Any:
+    if is_task(arg):
+        return SubTask(arg[0], tuple(_nest(a, graph_keys) for a in arg[1:]))
+    if type(arg) is list:
+        return [_nest(a, graph_keys) for a in arg]
+    return arg

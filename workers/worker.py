@@ -1,0 +1,435 @@
+"""The worker process: a thin asyncio driver around the pure ``WorkerState``.
+
+What it does, and the Redis or TCP call behind each:
+
+* registers itself (``workers`` hash, ``alive`` key, an ``add-worker`` message) and
+  heartbeats every ``heartbeat-interval`` (``alive`` with a TTL, metrics in ``heartbeats``);
+* **pulls** work: when ``WorkerState.claim_budget()`` says it has room it runs the CLAIM
+  script, which pops ready tasks, records them as processing on this worker and tells the
+  scheduler, atomically.  When the ready set is empty it waits on the ``ready-signal``
+  stream (XREAD BLOCK, no polling); the claim script returns that stream's last id, so a
+  signal written after an empty claim always wakes us (no lost wake-ups);
+* runs tasks in a ``ThreadPoolExecutor`` and keeps results in ``WorkerState.data``;
+* fetches dependencies from peers and serves its own data over authenticated TCP
+  (``redisdask.comm``); results never pass through Redis;
+* reports completions, errors and missing data in batches on the workers stream: a report
+  goes out at once when no write is in flight, otherwise with the next write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import platform
+import signal
+import socket
+import sys
+import time
+import traceback as tb_module
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import cloudpickle
+import redis
+
+from redisdask import __version__, comm, schema
+from redisdask.connection import connect_async, redact
+from redisdask.errors import ClusterConnectionError
+from redisdask.schema import Keys
+from redisdask.spec import FunctionCache, run_spec
+from workers import state as ws
+from workers.sizeof import sizeof
+
+logger = logging.getLogger("redisdask.worker")
+
+
+def versions() -> dict[str, str | None]:
+    """The versions that must agree across a cluster for pickles to travel."""
+    import msgpack
+
+    out: dict[str, str | None] = {
+        "python": platform.python_version(),
+        "redisdask": __version__,
+        "cloudpickle": cloudpickle.__version__,
+        "msgpack": ".".join(map(str, msgpack.version)),
+    }
+    for name in ("numpy", "pandas"):
+        module = sys.modules.get(name)
+        out[name] = getattr(module, "__version__", None) if module else None
+    return out
+
+
+def _parse_id(entry_id: bytes | str) -> tuple[int, int]:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class Worker:
+    def __init__(
+        self,
+        redis_url: str,
+        cluster: str = "default",
+        *,
+        nthreads: int = 1,
+        name: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        memory_limit: int = 0,
+        heartbeat_interval: float = 0.5,
+        worker_ttl: float = 3.0,
+        claim_horizon: float = 0.02,
+        connection_limit: int = 50,
+        transfer_batch_bytes: int = 200_000_000,
+        connect_timeout: float = 5.0,
+        validate: bool = False,
+    ) -> None:
+        self.redis_url = redis_url
+        self.keys = Keys(cluster)
+        self.nthreads = nthreads
+        self.name = name
+        self.host, self.port = host, port
+        self.memory_limit = memory_limit
+        self.heartbeat_interval = heartbeat_interval
+        self.worker_ttl = worker_ttl
+        self.claim_horizon = claim_horizon
+        self.connection_limit = connection_limit
+        self.transfer_batch_bytes = transfer_batch_bytes
+        self.connect_timeout = connect_timeout
+        self.validate = validate
+        self.address = ""
+        self.status = "init"
+        self.functions = FunctionCache()
+        self.executor = ThreadPoolExecutor(nthreads, thread_name_prefix="rd-task")
+        self._outbox: list[dict[str, Any]] = []
+        self._wake = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._flush_wanted = asyncio.Event()
+        self._latest_signal = (0, 0)
+        self._empty_at: tuple[int, int] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self._inbox_id = "0-0"
+        self.started = time.time()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> Worker:
+        self.redis = connect_async(self.redis_url, timeout=self.connect_timeout)
+        self.blocking_redis = connect_async(self.redis_url, timeout=self.connect_timeout)
+        try:
+            await self.redis.ping()
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            raise ClusterConnectionError(
+                f"worker cannot reach Redis at {redact(self.redis_url)}: {exc}"
+            ) from exc
+        secret = await asyncio.to_thread(self._ensure_cluster)
+        self.server = comm.DataServer(secret, self._handle_rpc)
+        self.address = await self.server.start(self.host, self.port)
+        self.name = self.name or self.address
+        self.pool = comm.ConnectionPool(secret, limit=self.connection_limit)
+        self.state = ws.WorkerState(
+            address=self.address, nthreads=self.nthreads, validate=self.validate,
+            transfer_batch_bytes=self.transfer_batch_bytes,
+        )
+        self.scripts = schema.Scripts(self.redis)  # type: ignore[arg-type]
+        await self.redis.client_setname(f"rd-worker-{self.address}")
+        await self.blocking_redis.client_setname(f"rd-worker-{self.address}-listen")
+        await self._register()
+        self.status = "running"
+        for coro in (self._claim_loop(), self._listen_loop(), self._heartbeat_loop(),
+                     self._flush_loop()):
+            self._spawn(coro)
+        logger.info("Start worker %s (name %s) with %d threads on cluster %r", self.address,
+                    self.name, self.nthreads, self.keys.cluster)
+        return self
+
+    def _ensure_cluster(self) -> bytes:
+        import redis as sync_redis
+
+        client = sync_redis.Redis.from_url(self.redis_url, socket_connect_timeout=self.connect_timeout)
+        try:
+            return schema.ensure_cluster(client, self.keys)
+        finally:
+            client.close()
+
+    async def _register(self) -> None:
+        info = {"address": self.address, "name": self.name, "host": socket.gethostname(),
+                "pid": os.getpid(), "nthreads": self.nthreads, "memory_limit": self.memory_limit,
+                "versions": versions(), "started": self.started}
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(self.keys.workers, self.address, schema.pack(info))
+        pipe.set(self.keys.worker_alive(self.address), 1, px=int(self.worker_ttl * 1000))
+        pipe.hset(self.keys.heartbeats, self.address, schema.pack(self._metrics()))
+        pipe.xadd(self.keys.worker_stream,
+                  schema.entry([{"op": "add-worker", "worker": self.address, "info": info}]))
+        await pipe.execute()
+
+    async def run(self) -> None:
+        """Run until ``close()`` (or a signal, see ``main``)."""
+        if self.status == "init":
+            await self.start()
+        await self._stopped.wait()
+
+    async def close(self, reason: str = "worker-close") -> None:
+        if self.status in ("closing", "closed"):
+            return
+        self.status = "closing"
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        try:
+            self._outbox.append({"op": "remove-worker", "worker": self.address, "reason": reason})
+            await self._flush()
+            await self.redis.delete(self.keys.worker_alive(self.address))
+        except redis.RedisError as exc:
+            logger.warning("worker %s could not say goodbye to Redis: %s", self.address, exc)
+        await self.server.close()
+        await self.pool.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        await self.redis.aclose()
+        await self.blocking_redis.aclose()
+        self.status = "closed"
+        logger.info("End worker %s (%s)", self.address, reason)
+        self._stopped.set()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._background.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                logger.error("worker task failed", exc_info=t.exception())
+
+        task.add_done_callback(done)
+
+    # ------------------------------------------------------------------ state machine
+
+    def handle(self, *events: ws.StateMachineEvent) -> None:
+        for ins in self.state.handle_stimulus(*events):
+            if isinstance(ins, ws.Execute):
+                self._execute(ins.key, ins.stimulus_id)
+            elif isinstance(ins, ws.GatherDep):
+                self._spawn(self._gather(ins.worker, sorted(ins.keys), ins.stimulus_id))
+            elif isinstance(ins, ws.TaskFinishedMsg):
+                self._report({"op": "task-finished", "key": ins.key, "nbytes": ins.nbytes,
+                              "type": ins.type_name, "start": ins.start, "stop": ins.stop})
+            elif isinstance(ins, ws.TaskErredMsg):
+                self._report({"op": "task-erred", "key": ins.key, "exception": ins.exception,
+                              "traceback": ins.traceback, "exception_text": ins.exception_text,
+                              "traceback_text": ins.traceback_text})
+            elif isinstance(ins, ws.MissingDataMsg):
+                self._report({"op": "missing-data", "keys": ins.keys,
+                              "errant_worker": ins.worker or ""})
+            elif isinstance(ins, ws.AddKeysMsg):
+                self._report({"op": "add-keys", "keys": ins.keys, "nbytes": ins.nbytes})
+            elif isinstance(ins, ws.ReleasedKeysMsg):
+                self._report({"op": "released-keys", "keys": ins.keys})
+            else:  # pragma: no cover
+                raise TypeError(f"worker driver cannot carry out {ins!r}")
+        self._wake.set()
+
+    def _report(self, msg: dict[str, Any]) -> None:
+        msg["worker"] = self.address
+        self._outbox.append(msg)
+        self._flush_wanted.set()
+
+    # ------------------------------------------------------------------ execution
+
+    def _execute(self, key: str, stimulus_id: str) -> None:
+        ts = self.state.tasks[key]
+        deps = {d.key: self.state.data[d.key] for d in ts.dependencies}
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self.executor, self._run, key, ts.run_spec, deps, stimulus_id)
+        future.add_done_callback(lambda f: self.handle(f.result()) if not f.cancelled() else None)
+
+    def _run(self, key: str, spec: bytes, deps: dict[str, Any], stimulus_id: str) -> ws.StateMachineEvent:
+        """Runs in a pool thread: the task, then the checks its result must pass."""
+        start = time.time()
+        sid = f"execute-{key}-{stimulus_id}"
+        try:
+            value = run_spec(spec, deps, self.functions)
+            try:
+                comm.serialize(value)
+            except comm.SerializationError as exc:
+                raise TypeError(
+                    f"the result of task {key!r} ({type(value).__qualname__}) cannot be pickled, "
+                    f"so it could never leave this worker ({exc}); return picklable data"
+                ) from None
+        except BaseException as exc:  # noqa: BLE001 - user code may raise anything
+            return _failure_event(key, exc, start, time.time(), sid)
+        return ws.ExecuteSuccessEvent(key, value, sizeof(value), type(value).__qualname__,
+                                      start, time.time(), sid)
+
+    # ------------------------------------------------------------------ claiming work
+
+    def _may_have_work(self) -> bool:
+        return self._empty_at is None or self._latest_signal > self._empty_at
+
+    async def _claim_loop(self) -> None:
+        while True:
+            budget = self.state.claim_budget(self.claim_horizon)
+            if budget > 0 and self._may_have_work():
+                claimed, last_id = await self.scripts.claim(
+                    keys=[self.keys.ready, self.keys.workers,
+                          self.keys.worker_processing(self.address), self.keys.worker_stream,
+                          self.keys.ready_signal],
+                    args=[self.address, budget, self.keys.task_prefix],
+                )
+                self._empty_at = _parse_id(last_id) if len(claimed) < budget else None
+                if claimed:
+                    self.handle(*[self._compute_event(c) for c in claimed])
+                continue
+            self._wake.clear()
+            await self._wake.wait()
+
+    @staticmethod
+    def _compute_event(claimed: list[Any]) -> ws.ComputeTaskEvent:
+        key, spec, score, deps = claimed
+        key = key.decode()
+        dependencies = {d.decode(): ((who or b"").decode().split(), int(nb or 0))
+                        for d, who, nb in deps}
+        return ws.ComputeTaskEvent(key, spec, (float(score),), dependencies, f"claim-{key}")
+
+    async def _listen_loop(self) -> None:
+        """Wait on the ready-signal stream and this worker's inbox (one XREAD BLOCK)."""
+        signal_id = "0-0"
+        inbox = self.keys.worker_inbox(self.address)
+        while True:
+            reply = await self.blocking_redis.xread(
+                {self.keys.ready_signal: signal_id, inbox: self._inbox_id}, block=1000, count=1000
+            )
+            for stream, items in reply or []:
+                if not items:
+                    continue
+                last = items[-1][0]
+                if stream.decode() == self.keys.ready_signal:
+                    signal_id = last.decode()
+                    self._latest_signal = max(self._latest_signal, _parse_id(last))
+                    self._wake.set()
+                else:
+                    self._inbox_id = last.decode()
+                    self._handle_inbox([fields for _id, fields in items])
+                    await self.redis.xtrim(inbox, minid=self._inbox_id)
+
+    def _handle_inbox(self, entries: list[dict[bytes, bytes]]) -> None:
+        events: list[ws.StateMachineEvent] = []
+        for fields in entries:
+            try:
+                messages = schema.unpack(fields[b"m"])
+            except Exception:
+                logger.warning("ignoring a malformed inbox entry: %r", fields)
+                continue
+            for msg in messages:
+                op = msg.get("op")
+                if op == "free-keys":
+                    events.append(ws.FreeKeysEvent(list(msg["keys"]), "scheduler-free-keys"))
+                elif op == "who-has":
+                    events.append(ws.UpdateWhoHasEvent(dict(msg["who_has"]), "scheduler-who-has"))
+                else:
+                    logger.warning("ignoring unknown inbox message %r", op)
+        if events:
+            self.handle(*events)
+
+    # ------------------------------------------------------------------ reporting
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await self._flush_wanted.wait()
+            self._flush_wanted.clear()
+            await self._flush()
+
+    async def _flush(self) -> None:
+        if not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
+        await self.redis.xadd(self.keys.worker_stream, schema.entry(batch))
+
+    async def _heartbeat_loop(self) -> None:
+        ttl = int(self.worker_ttl * 1000)
+        while True:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.set(self.keys.worker_alive(self.address), 1, px=ttl)
+            pipe.hset(self.keys.heartbeats, self.address, schema.pack(self._metrics()))
+            await pipe.execute()
+            await asyncio.sleep(self.heartbeat_interval)  # a heartbeat is a timer by nature
+
+    def _metrics(self) -> dict[str, Any]:
+        by_state = self.state.by_state if hasattr(self, "state") else {}
+        return {
+            "time": time.time(),
+            "executing": len(by_state.get("executing", ())),
+            "ready": len(by_state.get("ready", ())),
+            "in_memory": len(by_state.get("memory", ())),
+            "status": self.status,
+        }
+
+    # ------------------------------------------------------------------ peer-to-peer
+
+    async def _gather(self, worker: str, keys: list[str], stimulus_id: str) -> None:
+        try:
+            header, frames = await self.pool.rpc(worker, {"op": "get-data", "keys": keys})
+            if header.get("status") != "OK":
+                raise comm.CommError(f"peer {worker} answered {header.get('message')!r}")
+            data, errors = comm.deserialize_dict(header, frames)
+        except (OSError, comm.CommError, asyncio.TimeoutError) as exc:
+            logger.warning("could not fetch %d keys from %s: %s", len(keys), worker, exc)
+            self.handle(ws.GatherDepNetworkFailureEvent(worker, keys, str(exc), f"gather-fail-{stimulus_id}"))
+            return
+        for key, err in errors.items():
+            logger.warning("peer %s could not send %r: %s", worker, key, err)
+        nbytes = {k: sizeof(v) for k, v in data.items()}
+        self.handle(ws.GatherDepSuccessEvent(worker, data, nbytes, f"gather-{stimulus_id}"))
+
+    async def _handle_rpc(self, header: dict[str, Any], frames: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+        op = header.get("op")
+        if op == "get-data":
+            data = self.state.data
+            present = {k: data[k] for k in header.get("keys", ()) if k in data}
+            reply, out, _errors = comm.serialize_dict(present)
+            return {"status": "OK", **reply}, out
+        if op == "put-data":
+            values, errors = comm.deserialize_dict(header, frames)
+            if errors:
+                return {"status": "error", "message": str(next(iter(errors.values())))}, []
+            self.handle(ws.PutDataEvent(dict(values), {k: sizeof(v) for k, v in values.items()},
+                                        f"put-data-{time.time()}"))
+            return {"status": "OK", "keys": list(values)}, []
+        return {"status": "error", "message": f"unknown op {op!r}"}, []
+
+
+def _failure_event(key: str, exc: BaseException, start: float, stop: float, sid: str) -> ws.ExecuteFailureEvent:
+    """Pickle an exception and its traceback (tblib) so the client can re-raise both."""
+    from tblib import Traceback
+
+    text = "".join(tb_module.format_exception_only(type(exc), exc)).strip()
+    tb_text = "".join(tb_module.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        exc_blob = cloudpickle.dumps(exc)
+        cloudpickle.loads(exc_blob)
+    except Exception:
+        exc_blob = cloudpickle.dumps(RuntimeError(f"{text} (the original exception could not be pickled)"))
+    try:
+        tb_blob: bytes | None = cloudpickle.dumps(Traceback(exc.__traceback__).as_dict())
+    except Exception:
+        tb_blob = None
+    return ws.ExecuteFailureEvent(key, exc_blob, tb_blob, text, tb_text, start, stop, sid)
+
+
+# --------------------------------------------------------------------------- process
+
+
+def main(redis_url: str, cluster: str, **kwargs: Any) -> None:
+    """Run one worker in this process until SIGTERM/SIGINT, then leave gracefully."""
+
+    async def run() -> None:
+        worker = Worker(redis_url, cluster, **kwargs)
+        await worker.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda s=sig: asyncio.ensure_future(
+                worker.close(f"signal {signal.Signals(s).name}")))
+        await worker.run()
+
+    asyncio.run(run())
