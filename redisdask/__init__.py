@@ -4,9 +4,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from redisdask.client import Client, Future, as_completed, wait  # noqa: E402
-from redisdask.cluster import LocalCluster  # noqa: E402
-from redisdask.errors import (  # noqa: E402
+from redisdask.client import Client, Future, as_completed, wait
+from redisdask.cluster import LocalCluster
+from redisdask.errors import (
     ClusterConnectionError,
     FutureCancelledError,
     KilledWorker,

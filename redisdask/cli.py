@@ -26,10 +26,17 @@ def _setup_logging(level: str, role: str) -> None:
 
 
 def _add_common(parser: argparse.ArgumentParser, default_url: str, default_cluster: str) -> None:
-    parser.add_argument("redis_url", nargs="?", default=default_url,
-                        help=f"Redis URL of the cluster (default: {default_url})")
-    parser.add_argument("--cluster", default=default_cluster,
-                        help=f"cluster name; many clusters can share one Redis (default: {default_cluster})")
+    parser.add_argument(
+        "redis_url",
+        nargs="?",
+        default=default_url,
+        help=f"Redis URL of the cluster (default: {default_url})",
+    )
+    parser.add_argument(
+        "--cluster",
+        default=default_cluster,
+        help=f"cluster name; many clusters can share one Redis (default: {default_cluster})",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,8 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("scheduler", help="run the scheduler (one holds the lease; others stand by)")
     _add_common(p, url, cluster)
-    p.add_argument("--standby", action="store_true",
-                   help="wait for the lease of a running scheduler to expire, then take over")
+    p.add_argument(
+        "--standby",
+        action="store_true",
+        help="wait for the lease of a running scheduler to expire, then take over",
+    )
     p.add_argument("--lease-ttl", type=float, default=config.scheduler.lease_ttl)
 
     p = sub.add_parser("worker", help="run a worker")
@@ -50,12 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="a name for logs and the monitor")
     p.add_argument("--host", default="127.0.0.1", help="interface to serve data on")
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--no-nanny", action="store_true",
-                   help="run a bare worker (nannies arrive in a later release; this is the default now)")
+    p.add_argument(
+        "--no-nanny",
+        action="store_true",
+        help="run a bare worker (nannies arrive in a later release; this is the default now)",
+    )
 
     p = sub.add_parser("demo", help="run a small computation on a local cluster")
-    p.add_argument("redis_url", nargs="?", default=None,
-                   help="Redis URL (default: start an embedded Redis)")
+    p.add_argument(
+        "redis_url", nargs="?", default=None, help="Redis URL (default: start an embedded Redis)"
+    )
     p.add_argument("--workers", type=int, default=2)
 
     p = sub.add_parser("config", help="configuration")
@@ -81,13 +95,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             _setup_logging(config.logging.level, f"worker:{args.name or ''}")
             from workers.worker import main as worker_main
 
-            worker_main(args.redis_url, args.cluster, nthreads=args.nthreads, name=args.name,
-                        host=args.host, port=args.port,
-                        heartbeat_interval=config.worker.heartbeat_interval,
-                        worker_ttl=config.scheduler.worker_ttl,
-                        claim_horizon=config.worker.claim_horizon,
-                        connection_limit=config.worker.connection_limit,
-                        transfer_batch_bytes=config.worker.transfer_batch_bytes)
+            worker_main(
+                args.redis_url,
+                args.cluster,
+                nthreads=args.nthreads,
+                name=args.name,
+                host=args.host,
+                port=args.port,
+                heartbeat_interval=config.worker.heartbeat_interval,
+                worker_ttl=config.scheduler.worker_ttl,
+                claim_horizon=config.worker.claim_horizon,
+                connection_limit=config.worker.connection_limit,
+                transfer_batch_bytes=config.worker.transfer_batch_bytes,
+            )
         elif args.command == "demo":
             _setup_logging("WARNING", "demo")
             from redisdask.demo import run_demo

@@ -12,6 +12,7 @@ tells the scheduler to release a key when its last future is garbage-collected.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -138,10 +139,8 @@ class Future:
             self.client._dec_ref(self.key)
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # at interpreter shutdown anything goes
             self.release()
-        except Exception:  # interpreter shutdown
-            pass
 
     def __reduce__(self) -> Any:
         raise TypeError(
@@ -189,18 +188,28 @@ class Client:
         self._peers = comm.BlockingPool(self.secret, timeout=self.timeout)
         self._stop = threading.Event()
         self._heartbeat()
-        self._events_redis = connect(self.redis_url, timeout=self.timeout,
-                                     name=f"rd-client-{self.id}-events")
-        self._thread = threading.Thread(target=self._event_loop, name=f"{self.id}-events",
-                                        daemon=True)
+        self._events_redis = connect(
+            self.redis_url, timeout=self.timeout, name=f"rd-client-{self.id}-events"
+        )
+        self._thread = threading.Thread(
+            target=self._event_loop, name=f"{self.id}-events", daemon=True
+        )
         self._thread.start()
         if set_as_default:
             _set_default(self)
 
     # ------------------------------------------------------------------ submission
 
-    def submit(self, func: Callable[..., Any], *args: Any, key: str | None = None,
-               pure: bool = True, retries: int = 0, priority: int = 0, **kwargs: Any) -> Future:
+    def submit(
+        self,
+        func: Callable[..., Any],
+        *args: Any,
+        key: str | None = None,
+        pure: bool = True,
+        retries: int = 0,
+        priority: int = 0,
+        **kwargs: Any,
+    ) -> Future:
         """Run ``func(*args, **kwargs)`` on the cluster; futures in arguments are
         dependencies.  Raises ``TypeError`` at once if anything is unpicklable."""
         self._check_running()
@@ -211,8 +220,16 @@ class Client:
         self._send_graph([task], [task["key"]])
         return Future(task["key"], self)
 
-    def map(self, func: Callable[..., Any], *iterables: Iterable[Any], key: str | list[str] | None = None,
-            pure: bool = True, retries: int = 0, priority: int = 0, **kwargs: Any) -> list[Future]:
+    def map(
+        self,
+        func: Callable[..., Any],
+        *iterables: Iterable[Any],
+        key: str | list[str] | None = None,
+        pure: bool = True,
+        retries: int = 0,
+        priority: int = 0,
+        **kwargs: Any,
+    ) -> list[Future]:
         """``submit`` for each item of the iterables, in a few batched round trips."""
         self._check_running()
         function_bytes = specs.dumps_function(func)
@@ -222,14 +239,25 @@ class Client:
         tasks = []
         for i, args in enumerate(items):
             task_key = keys[i] if keys[i] is not None else (f"{prefix}-{i}" if prefix else None)
-            tasks.append(self._make_task(func, function_bytes, args, kwargs, task_key, pure,
-                                         retries, priority))
+            tasks.append(
+                self._make_task(
+                    func, function_bytes, args, kwargs, task_key, pure, retries, priority
+                )
+            )
         self._send_graph(tasks, [t["key"] for t in tasks])
         return [Future(t["key"], self) for t in tasks]
 
-    def _make_task(self, func: Any, function_bytes: bytes, args: tuple[Any, ...],
-                   kwargs: dict[str, Any], key: str | None, pure: bool, retries: int,
-                   priority: int) -> dict[str, Any]:
+    def _make_task(
+        self,
+        func: Any,
+        function_bytes: bytes,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        key: str | None,
+        pure: bool,
+        retries: int,
+        priority: int,
+    ) -> dict[str, Any]:
         deps: set[str] = set()
         args = specs.replace_refs(args, self._future_key, deps)
         kwargs = specs.replace_refs(kwargs, self._future_key, deps)
@@ -237,8 +265,13 @@ class Client:
         if key is None:
             tok = specs.token(spec) if pure else uuid.uuid4().hex
             key = f"{specs.funcname(func)}-{tok}"
-        return {"key": key, "spec": spec, "deps": sorted(deps), "priority": priority,
-                "retries": retries}
+        return {
+            "key": key,
+            "spec": spec,
+            "deps": sorted(deps),
+            "priority": priority,
+            "retries": retries,
+        }
 
     def _future_key(self, obj: Any) -> str | None:
         if isinstance(obj, Future):
@@ -262,8 +295,9 @@ class Client:
             chunk = tasks[i : i + batch]
             chunk_keys = {t["key"] for t in chunk}
             want = [k for k in wanted if k in chunk_keys] if len(tasks) > batch else wanted
-            messages.append({"op": "update-graph", "client": self.id, "tasks": chunk,
-                             "wanted": want})
+            messages.append(
+                {"op": "update-graph", "client": self.id, "tasks": chunk, "wanted": want}
+            )
             pipe.xadd(self.keys.client_stream, schema.entry(messages))
             messages = []
         pipe.execute()
@@ -284,9 +318,15 @@ class Client:
             func, args = specs.graph_task(value, graph_keys)
             deps: set[str] = set()
             args = specs.replace_refs(args, to_ref, deps)
-            tasks.append({"key": specs.stringify(key), "deps": sorted(deps), "priority": 0,
-                          "retries": kwargs.get("retries", 0),
-                          "spec": specs.dumps_spec(specs.dumps_function(func), args, {}, func)})
+            tasks.append(
+                {
+                    "key": specs.stringify(key),
+                    "deps": sorted(deps),
+                    "priority": 0,
+                    "retries": kwargs.get("retries", 0),
+                    "spec": specs.dumps_spec(specs.dumps_function(func), args, {}, func),
+                }
+            )
         flat = list(_flatten(keys))
         wanted = [specs.stringify(k) for k in flat]
         self._send_graph(tasks, wanted)
@@ -341,8 +381,8 @@ class Client:
                 except (OSError, comm.CommError) as exc:
                     logger.warning("could not fetch %d keys from %s: %s", len(wkeys), address, exc)
                     got, errs = {}, {}
-                for key, exc in errs.items():
-                    raise exc
+                if errs:
+                    raise next(iter(errs.values()))
                 values.update(got)
                 for key in wkeys:
                     if key in got:
@@ -370,8 +410,13 @@ class Client:
 
     # ------------------------------------------------------------------ scatter
 
-    def scatter(self, data: Any, workers: list[str] | None = None, broadcast: bool = False,
-                hash: bool = True) -> Any:
+    def scatter(
+        self,
+        data: Any,
+        workers: list[str] | None = None,
+        broadcast: bool = False,
+        hash: bool = True,
+    ) -> Any:
         """Send data straight to workers; returns futures in the shape of ``data``."""
         self._check_running()
         if isinstance(data, dict):
@@ -408,14 +453,23 @@ class Client:
         with self._lock:
             for key in keyed:
                 self._state_for(key).finish(who_has[key], types[key])
-        msg = {"op": "update-data", "client": self.id, "who_has": dict(who_has), "nbytes": nbytes,
-               "types": types}
+        msg = {
+            "op": "update-data",
+            "client": self.id,
+            "who_has": dict(who_has),
+            "nbytes": nbytes,
+            "types": types,
+        }
         self.redis.xadd(self.keys.client_stream, schema.entry([*self._release_messages(), msg]))
         futures = {k: Future(k, self) for k in keyed}
         if isinstance(data, dict):
             return futures
         if isinstance(data, list | tuple | set | frozenset):
-            return type(data)(futures.values()) if not isinstance(data, set | frozenset) else list(futures.values())
+            return (
+                type(data)(futures.values())
+                if not isinstance(data, set | frozenset)
+                else list(futures.values())
+            )
         return next(iter(futures.values()))
 
     # ------------------------------------------------------------------ cancel
@@ -425,8 +479,10 @@ class Client:
         with self._lock:
             for key in keys:
                 self._state_for(key).cancel()
-        self.redis.xadd(self.keys.client_stream,
-                        schema.entry([{"op": "cancel-keys", "client": self.id, "keys": keys}]))
+        self.redis.xadd(
+            self.keys.client_stream,
+            schema.entry([{"op": "cancel-keys", "client": self.id, "keys": keys}]),
+        )
 
     # ------------------------------------------------------------------ information
 
@@ -492,8 +548,13 @@ class Client:
         ttl_ms = int(self.config.scheduler.client_ttl * 1000)
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(self.keys.client_alive(self.id), 1, px=ttl_ms)
-        pipe.hset(self.keys.clients, self.id, schema.pack(
-            {"host": socket.gethostname(), "pid": os.getpid(), "last_seen": time.time()}))
+        pipe.hset(
+            self.keys.clients,
+            self.id,
+            schema.pack(
+                {"host": socket.gethostname(), "pid": os.getpid(), "last_seen": time.time()}
+            ),
+        )
         pipe.execute()
 
     def _event_loop(self) -> None:
@@ -559,8 +620,9 @@ class Client:
             for state in self._states.values():
                 state.cancel()
         try:
-            self.redis.xadd(self.keys.client_stream,
-                            schema.entry([{"op": "close-client", "client": self.id}]))
+            self.redis.xadd(
+                self.keys.client_stream, schema.entry([{"op": "close-client", "client": self.id}])
+            )
             self.redis.delete(self.keys.client_alive(self.id))
         except redis.RedisError as exc:
             logger.warning("client %s could not say goodbye to Redis: %s", self.id, exc)
@@ -592,8 +654,10 @@ def _load_error(msg: dict[str, Any]) -> tuple[BaseException, Any]:
     try:
         exc = cloudpickle.loads(msg["exception"]) if msg.get("exception") else None  # type: ignore[assignment]
     except Exception as err:
-        exc = RedisDaskError(f"the task raised an exception that could not be unpickled here: {err}; "
-                             f"it was: {msg.get('exception_text')}")
+        exc = RedisDaskError(
+            f"the task raised an exception that could not be unpickled here: {err}; "
+            f"it was: {msg.get('exception_text')}"
+        )
     if exc is None:
         exc = DataUnavailableError(msg.get("exception_text") or "task erred")
     tb = None
@@ -658,8 +722,9 @@ class DoneAndNotDoneFutures(NamedTuple):
     not_done: set[Future]
 
 
-def wait(fs: Any, timeout: float | None = None,
-         return_when: str = "ALL_COMPLETED") -> DoneAndNotDoneFutures:
+def wait(
+    fs: Any, timeout: float | None = None, return_when: str = "ALL_COMPLETED"
+) -> DoneAndNotDoneFutures:
     """Wait until all (or the first, ``return_when="FIRST_COMPLETED"``) futures finish."""
     futures = [f for f in _flatten(fs) if isinstance(f, Future)]
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -681,12 +746,16 @@ def wait(fs: Any, timeout: float | None = None,
     return DoneAndNotDoneFutures(done, set(futures) - done)
 
 
-class as_completed:  # noqa: N801 - Dask's name
+class as_completed:
     """Iterate over futures in the order they finish.  ``with_results=True`` yields
     ``(future, result)`` pairs.  ``add(future)`` adds more while iterating."""
 
-    def __init__(self, futures: Iterable[Future] = (), with_results: bool = False,
-                 timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        futures: Iterable[Future] = (),
+        with_results: bool = False,
+        timeout: float | None = None,
+    ) -> None:
         self._queue: deque[Future] = deque()
         self._cond = threading.Condition()
         self._pending = 0

@@ -60,8 +60,9 @@ class LocalCluster:
         self.worker_processes: list[subprocess.Popen[bytes]] = []
         self._logs: list[Any] = []
         try:
-            self.scheduler_process = self._spawn(["scheduler", redis_url, "--cluster",
-                                                  self.cluster_name], "scheduler")
+            self.scheduler_process = self._spawn(
+                ["scheduler", redis_url, "--cluster", self.cluster_name], "scheduler"
+            )
             for i in range(n_workers):
                 self.start_worker(name=f"worker-{i}")
             self.wait_for_workers(n_workers, timeout=start_timeout)
@@ -76,13 +77,23 @@ class LocalCluster:
             out = open(self.log_directory / f"{label}.log", "ab")  # noqa: SIM115 - kept open
             self._logs.append(out)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        return subprocess.Popen([sys.executable, "-m", "redisdask", *args], stdout=out,
-                                stderr=subprocess.STDOUT if out is not subprocess.DEVNULL else None,
-                                env=env)
+        return subprocess.Popen(
+            [sys.executable, "-m", "redisdask", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT if out is not subprocess.DEVNULL else None,
+            env=env,
+        )
 
     def start_worker(self, name: str | None = None) -> subprocess.Popen[bytes]:
-        args = ["worker", self.redis_url, "--cluster", self.cluster_name, "--nthreads",
-                str(self.threads_per_worker), "--no-nanny"]
+        args = [
+            "worker",
+            self.redis_url,
+            "--cluster",
+            self.cluster_name,
+            "--nthreads",
+            str(self.threads_per_worker),
+            "--no-nanny",
+        ]
         if name:
             args += ["--name", name]
         for option, value in self.worker_options.items():
@@ -101,8 +112,10 @@ class LocalCluster:
                         f"code {proc.returncode} during start-up; pass log_directory= to see why"
                     )
             if time.monotonic() > deadline:
-                raise TimeoutError(f"only {self.redis.hlen(self.keys.workers)} of {n} workers "
-                                   f"registered within {timeout} s")
+                raise TimeoutError(
+                    f"only {self.redis.hlen(self.keys.workers)} of {n} workers "
+                    f"registered within {timeout} s"
+                )
             time.sleep(0.02)  # start-up: poll a condition with a deadline
 
     @property
@@ -132,8 +145,10 @@ class LocalCluster:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"LocalCluster({self.cluster_name!r}, workers={len(self.worker_processes)}, "
-                f"redis={redact(self.redis_url)})")
+        return (
+            f"LocalCluster({self.cluster_name!r}, workers={len(self.worker_processes)}, "
+            f"redis={redact(self.redis_url)})"
+        )
 
 
 def _wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:

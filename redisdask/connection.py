@@ -47,11 +47,15 @@ def connect(url: str, *, timeout: float = 5.0, name: str | None = None) -> redis
             "running there? Pass the right URL, or use LocalCluster() to start one"
         ) from exc
     except redis.AuthenticationError as exc:  # pragma: no cover - depends on server set-up
-        raise ClusterConnectionError(f"Redis at {redact(url)} refused our credentials: {exc}") from exc
+        raise ClusterConnectionError(
+            f"Redis at {redact(url)} refused our credentials: {exc}"
+        ) from exc
     return client
 
 
-def connect_async(url: str, *, timeout: float = 5.0, name: str | None = None) -> redis.asyncio.Redis:
+def connect_async(
+    url: str, *, timeout: float = 5.0, name: str | None = None
+) -> redis.asyncio.Redis:
     """An asyncio Redis client for ``url`` (not yet checked: call ``ping()``)."""
     try:
         return redis.asyncio.Redis.from_url(url, **_options(timeout, name))

@@ -57,7 +57,9 @@ class DataUnavailableError(RedisDaskError):
 class KilledWorker(RedisDaskError):
     """A task was running on ``allowed-failures + 1`` workers that died."""
 
-    def __init__(self, task: str, deaths: list[dict[str, Any]] | None = None, msg: str = "") -> None:
+    def __init__(
+        self, task: str, deaths: list[dict[str, Any]] | None = None, msg: str = ""
+    ) -> None:
         super().__init__(msg or f"task {task!r} was running on workers that died")
         self.task = task
         self.deaths = deaths or []

@@ -28,7 +28,6 @@ import redis
 
 from redisdask import schema
 from redisdask.errors import FencedError, ProtocolError
-from redisdask.schema import Keys
 from redisdask.scheduler_state import (
     AddWorker,
     ClientMsg,
@@ -47,6 +46,7 @@ from redisdask.scheduler_state import (
     Unclaim,
     WorkerMsg,
 )
+from redisdask.schema import Keys
 
 logger = logging.getLogger("redisdask.scheduler")
 
@@ -91,16 +91,25 @@ class Scheduler:
                 self.token = token.decode()
                 self.redis.hset(
                     self.keys.scheduler,
-                    mapping={"id": self.id, "host": socket.gethostname(), "pid": os.getpid(),
-                             "since": time.time(), "token": self.token},
+                    mapping={
+                        "id": self.id,
+                        "host": socket.gethostname(),
+                        "pid": os.getpid(),
+                        "since": time.time(),
+                        "token": self.token,
+                    },
                 )
                 logger.info("scheduler %s holds the lease (token %s)", self.id, self.token)
                 return self.token
             if not wait:
-                raise FencedError(f"another scheduler holds the lease of cluster {self.keys.cluster!r}")
+                raise FencedError(
+                    f"another scheduler holds the lease of cluster {self.keys.cluster!r}"
+                )
             if not announced:
                 holder = self.redis.hget(self.keys.scheduler, "id")
-                logger.info("standing by: the lease is held by %s", holder.decode() if holder else "?")
+                logger.info(
+                    "standing by: the lease is held by %s", holder.decode() if holder else "?"
+                )
                 announced = True
             time.sleep(self.lease_ttl_ms / 3000)  # lease expiry is time-based by nature
         raise FencedError("stopped while waiting for the lease")
@@ -122,13 +131,20 @@ class Scheduler:
         pending = True  # first re-read entries a dead predecessor read but never applied
         block_ms = max(1, self.lease_ttl_ms // 3)
         while not self._stopping:
-            streams = {self.keys.worker_stream: "0" if pending else ">",
-                       self.keys.client_stream: "0" if pending else ">"}
+            streams = {
+                self.keys.worker_stream: "0" if pending else ">",
+                self.keys.client_stream: "0" if pending else ">",
+            }
             reply = self.redis.xreadgroup(
-                schema.SCHEDULER_GROUP, schema.SCHEDULER_CONSUMER, streams,
-                count=self.batch_size, block=None if pending else block_ms,
+                schema.SCHEDULER_GROUP,
+                schema.SCHEDULER_CONSUMER,
+                streams,
+                count=self.batch_size,
+                block=None if pending else block_ms,
             )
-            entries = [(s.decode(), eid, fields) for s, items in reply or [] for eid, fields in items]
+            entries = [
+                (s.decode(), eid, fields) for s, items in reply or [] for eid, fields in items
+            ]
             if pending and not entries:
                 pending = False
                 continue
@@ -151,9 +167,23 @@ class Scheduler:
                 events.extend(decode_entry(entry_id, fields))
             except ProtocolError as exc:
                 logger.warning("dead-lettered entry %s of %s: %s", entry_id.decode(), stream, exc)
-                commands.append(["XADD", self.keys.dead_letter, "MAXLEN", "~", 10_000, "*",
-                                 "stream", stream, "id", entry_id, "error", str(exc),
-                                 *[x for kv in fields.items() for x in kv]])
+                commands.append(
+                    [
+                        "XADD",
+                        self.keys.dead_letter,
+                        "MAXLEN",
+                        "~",
+                        10_000,
+                        "*",
+                        "stream",
+                        stream,
+                        "id",
+                        entry_id,
+                        "error",
+                        str(exc),
+                        *[x for kv in fields.items() for x in kv],
+                    ]
+                )
         try:
             instructions = self.state.handle_stimulus(*events)
         except Exception:
@@ -229,11 +259,16 @@ class Scheduler:
                 if ins.remove:
                     cmds.extend(_chunked(["SREM", k.client_wants(ins.client)], ins.remove))
             elif isinstance(ins, ForgetClient):
-                cmds += [["DEL", k.client_wants(ins.client), k.client_events(ins.client)],
-                         ["HDEL", k.clients, ins.client]]
+                cmds += [
+                    ["DEL", k.client_wants(ins.client), k.client_events(ins.client)],
+                    ["HDEL", k.clients, ins.client],
+                ]
             elif isinstance(ins, ForgetWorker):
-                cmds += [["DEL", k.worker_processing(ins.worker), k.worker_inbox(ins.worker)],
-                         ["HDEL", k.workers, ins.worker], ["HDEL", k.heartbeats, ins.worker]]
+                cmds += [
+                    ["DEL", k.worker_processing(ins.worker), k.worker_inbox(ins.worker)],
+                    ["HDEL", k.workers, ins.worker],
+                    ["HDEL", k.heartbeats, ins.worker],
+                ]
             else:  # pragma: no cover - a new instruction without a translation is a bug
                 raise TypeError(f"no Redis translation for {ins!r}")
         if new_tasks:
@@ -257,14 +292,27 @@ class Scheduler:
         if enqueue:
             pairs = [x for key, score in enqueue.items() for x in (score, key)]
             cmds.extend(_chunked(["ZADD", k.ready], pairs, step=2))
-            cmds.append(["XADD", k.ready_signal, "MAXLEN", "~", schema.READY_SIGNAL_MAXLEN, "*",
-                         "n", len(enqueue)])
+            cmds.append(
+                [
+                    "XADD",
+                    k.ready_signal,
+                    "MAXLEN",
+                    "~",
+                    schema.READY_SIGNAL_MAXLEN,
+                    "*",
+                    "n",
+                    len(enqueue),
+                ]
+            )
         return cmds
 
     def _event(self, kind: str, **fields: Any) -> None:
-        self.redis.xadd(self.keys.events, {"m": schema.pack({"kind": kind, "time": time.time(),
-                                                             **fields})},
-                        maxlen=schema.EVENTS_MAXLEN, approximate=True)
+        self.redis.xadd(
+            self.keys.events,
+            {"m": schema.pack({"kind": kind, "time": time.time(), **fields})},
+            maxlen=schema.EVENTS_MAXLEN,
+            approximate=True,
+        )
 
 
 def _chunked(head: list[Any], items: list[Any], step: int = 1) -> list[list[Any]]:
@@ -307,9 +355,12 @@ def load_state(r: redis.Redis, keys: Keys, validate: bool = False) -> SchedulerS
     for key, rec in records.items():
         if not rec:
             continue
-        ts = state.tasks[key] = TaskState(key, state=rec[b"state"].decode(),
-                                          score=float(rec.get(b"score", 0)),
-                                          has_spec=b"spec" in rec)
+        ts = state.tasks[key] = TaskState(
+            key,
+            state=rec[b"state"].decode(),
+            score=float(rec.get(b"score", 0)),
+            has_spec=b"spec" in rec,
+        )
         ts.nbytes = int(rec.get(b"nbytes", 0) or 0)
         ts.type = rec.get(b"type", b"").decode()
         ts.retries = int(rec.get(b"retries", 0) or 0)
@@ -346,8 +397,12 @@ def load_state(r: redis.Redis, keys: Keys, validate: bool = False) -> SchedulerS
             if ts is not None:
                 ts.who_wants.add(cid)
                 wanted.add(ts)
-    logger.info("loaded %d tasks, %d workers, %d clients from Redis",
-                len(state.tasks), len(state.workers), len(state.clients))
+    logger.info(
+        "loaded %d tasks, %d workers, %d clients from Redis",
+        len(state.tasks),
+        len(state.workers),
+        len(state.clients),
+    )
     return state
 
 

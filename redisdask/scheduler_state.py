@@ -78,7 +78,9 @@ class Event:
             event = event_cls(**kwargs)
             event.validate()
         except (TypeError, ValueError) as exc:
-            raise ProtocolError(f"malformed {event_cls.op!r} message {_preview(msg)}: {exc}") from exc
+            raise ProtocolError(
+                f"malformed {event_cls.op!r} message {_preview(msg)}: {exc}"
+            ) from exc
         return event
 
     def validate(self) -> None:
@@ -428,8 +430,16 @@ class SchedulerState:
                 )
                 self.tasks[key] = ts
                 new.append(ts)
-                self._emit(StoreTask(ev.stimulus_id, key, spec.get("spec"), list(spec.get("deps", ())),
-                                     ts.score, "released"))
+                self._emit(
+                    StoreTask(
+                        ev.stimulus_id,
+                        key,
+                        spec.get("spec"),
+                        list(spec.get("deps", ())),
+                        ts.score,
+                        "released",
+                    )
+                )
             elif ts.state == "released" and not ts.who_has and spec.get("spec") is not None:
                 new.append(ts)  # resubmitted after release: recompute
         for ts in new:
@@ -482,7 +492,9 @@ class SchedulerState:
             f"KeyError: the data of {ts.key!r} is not on any worker and it has no task to "
             "recompute it (was it scattered by a client that is gone?)"
         )
-        self._emit(SetState(self._stimulus_id, ts.key, "erred", {"exception_text": ts.exception_text}))
+        self._emit(
+            SetState(self._stimulus_id, ts.key, "erred", {"exception_text": ts.exception_text})
+        )
 
     def _add_wants(self, client: str, keys: Iterable[str]) -> None:
         added = []
@@ -616,7 +628,9 @@ class SchedulerState:
                 self._add_replica(ts, ev.worker)
                 self._emit(SetState(ev.stimulus_id, ts.key, "memory", self._memory_fields(ts)))
             else:
-                self._emit(WorkerMsg(ev.stimulus_id, ev.worker, {"op": "free-keys", "keys": [ev.key]}))
+                self._emit(
+                    WorkerMsg(ev.stimulus_id, ev.worker, {"op": "free-keys", "keys": [ev.key]})
+                )
             return
         ts.nbytes, ts.type = int(ev.nbytes), ev.type
         self._transition(ts, "memory", worker=ws)
@@ -648,8 +662,13 @@ class SchedulerState:
                     ws.has_what.discard(ts)
             if ts.state == "memory" and ts.who_has:
                 self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
-                self._emit(WorkerMsg(ev.stimulus_id, ev.worker,
-                                     {"op": "who-has", "who_has": {key: sorted(ts.who_has)}}))
+                self._emit(
+                    WorkerMsg(
+                        ev.stimulus_id,
+                        ev.worker,
+                        {"op": "who-has", "who_has": {key: sorted(ts.who_has)}},
+                    )
+                )
             elif ts.state == "memory":
                 ts.state = "released"
                 self._emit(SetState(ev.stimulus_id, key, "released", {"who_has": b""}))
@@ -829,9 +848,14 @@ class SchedulerState:
         ts.exception = ts.traceback = None
         ts.exception_text = ts.traceback_text = ""
         ts.exception_blame = ts.erred_on = None
-        self._emit(SetState(self._stimulus_id, ts.key, "released",
-                            {"exception": b"", "traceback": b"", "exception_text": "",
-                             "traceback_text": ""}))
+        self._emit(
+            SetState(
+                self._stimulus_id,
+                ts.key,
+                "released",
+                {"exception": b"", "traceback": b"", "exception_text": "", "traceback_text": ""},
+            )
+        )
         self._release_dependencies(ts)
         self._maybe_forget(ts)
 
@@ -880,13 +904,23 @@ class SchedulerState:
         return {"who_has": " ".join(sorted(ts.who_has)), "nbytes": ts.nbytes, "type": ts.type}
 
     def _memory_msg(self, ts: TaskState) -> dict[str, Any]:
-        return {"op": "key-in-memory", "key": ts.key, "who_has": sorted(ts.who_has),
-                "nbytes": ts.nbytes, "type": ts.type}
+        return {
+            "op": "key-in-memory",
+            "key": ts.key,
+            "who_has": sorted(ts.who_has),
+            "nbytes": ts.nbytes,
+            "type": ts.type,
+        }
 
     def _erred_fields(self, ts: TaskState) -> dict[str, Any]:
-        return {"exception": ts.exception or b"", "traceback": ts.traceback or b"",
-                "exception_text": ts.exception_text, "traceback_text": ts.traceback_text,
-                "erred_on": ts.erred_on or "", "exception_blame": ts.exception_blame or ""}
+        return {
+            "exception": ts.exception or b"",
+            "traceback": ts.traceback or b"",
+            "exception_text": ts.exception_text,
+            "traceback_text": ts.traceback_text,
+            "erred_on": ts.erred_on or "",
+            "exception_blame": ts.exception_blame or "",
+        }
 
     def _erred_msg(self, ts: TaskState) -> dict[str, Any]:
         return {"op": "task-erred", "key": ts.key, **self._erred_fields(ts)}

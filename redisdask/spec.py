@@ -54,8 +54,9 @@ def dumps_function(func: Any) -> bytes:
         ) from exc
 
 
-def dumps_spec(function_bytes: bytes, args: tuple[Any, ...], kwargs: dict[str, Any],
-               func: Any = None) -> bytes:
+def dumps_spec(
+    function_bytes: bytes, args: tuple[Any, ...], kwargs: dict[str, Any], func: Any = None
+) -> bytes:
     try:
         return cloudpickle.dumps((function_bytes, args, kwargs), protocol=5)
     except Exception as exc:

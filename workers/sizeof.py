@@ -27,11 +27,14 @@ def sizeof(value: Any, _depth: int = 0) -> int:
         items = list(value)
         if len(items) > 100:  # sample large containers
             sample = items[:: len(items) // 100]
-            return sys.getsizeof(value) + sum(sizeof(x, _depth + 1) for x in sample) * len(items) // len(sample)
+            return sys.getsizeof(value) + sum(sizeof(x, _depth + 1) for x in sample) * len(
+                items
+            ) // len(sample)
         return sys.getsizeof(value) + sum(sizeof(x, _depth + 1) for x in items)
     if isinstance(value, dict) and _depth < 2:
-        return sys.getsizeof(value) + sum(sizeof(k, _depth + 1) + sizeof(v, _depth + 1)
-                                          for k, v in list(value.items())[:100])
+        return sys.getsizeof(value) + sum(
+            sizeof(k, _depth + 1) + sizeof(v, _depth + 1) for k, v in list(value.items())[:100]
+        )
     try:
         return sys.getsizeof(value)
     except Exception:

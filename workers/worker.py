@@ -129,7 +129,9 @@ class Worker:
         self.name = self.name or self.address
         self.pool = comm.ConnectionPool(secret, limit=self.connection_limit)
         self.state = ws.WorkerState(
-            address=self.address, nthreads=self.nthreads, validate=self.validate,
+            address=self.address,
+            nthreads=self.nthreads,
+            validate=self.validate,
             transfer_batch_bytes=self.transfer_batch_bytes,
         )
         self.scripts = schema.Scripts(self.redis)  # type: ignore[arg-type]
@@ -137,32 +139,52 @@ class Worker:
         await self.blocking_redis.client_setname(f"rd-worker-{self.address}-listen")
         await self._register()
         self.status = "running"
-        for coro in (self._claim_loop(), self._listen_loop(), self._heartbeat_loop(),
-                     self._flush_loop()):
+        for coro in (
+            self._claim_loop(),
+            self._listen_loop(),
+            self._heartbeat_loop(),
+            self._flush_loop(),
+        ):
             self._spawn(coro)
-        logger.info("Start worker %s (name %s) with %d threads on cluster %r", self.address,
-                    self.name, self.nthreads, self.keys.cluster)
+        logger.info(
+            "Start worker %s (name %s) with %d threads on cluster %r",
+            self.address,
+            self.name,
+            self.nthreads,
+            self.keys.cluster,
+        )
         return self
 
     def _ensure_cluster(self) -> bytes:
         import redis as sync_redis
 
-        client = sync_redis.Redis.from_url(self.redis_url, socket_connect_timeout=self.connect_timeout)
+        client = sync_redis.Redis.from_url(
+            self.redis_url, socket_connect_timeout=self.connect_timeout
+        )
         try:
             return schema.ensure_cluster(client, self.keys)
         finally:
             client.close()
 
     async def _register(self) -> None:
-        info = {"address": self.address, "name": self.name, "host": socket.gethostname(),
-                "pid": os.getpid(), "nthreads": self.nthreads, "memory_limit": self.memory_limit,
-                "versions": versions(), "started": self.started}
+        info = {
+            "address": self.address,
+            "name": self.name,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "nthreads": self.nthreads,
+            "memory_limit": self.memory_limit,
+            "versions": versions(),
+            "started": self.started,
+        }
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(self.keys.workers, self.address, schema.pack(info))
         pipe.set(self.keys.worker_alive(self.address), 1, px=int(self.worker_ttl * 1000))
         pipe.hset(self.keys.heartbeats, self.address, schema.pack(self._metrics()))
-        pipe.xadd(self.keys.worker_stream,
-                  schema.entry([{"op": "add-worker", "worker": self.address, "info": info}]))
+        pipe.xadd(
+            self.keys.worker_stream,
+            schema.entry([{"op": "add-worker", "worker": self.address, "info": info}]),
+        )
         await pipe.execute()
 
     async def run(self) -> None:
@@ -213,15 +235,31 @@ class Worker:
             elif isinstance(ins, ws.GatherDep):
                 self._spawn(self._gather(ins.worker, sorted(ins.keys), ins.stimulus_id))
             elif isinstance(ins, ws.TaskFinishedMsg):
-                self._report({"op": "task-finished", "key": ins.key, "nbytes": ins.nbytes,
-                              "type": ins.type_name, "start": ins.start, "stop": ins.stop})
+                self._report(
+                    {
+                        "op": "task-finished",
+                        "key": ins.key,
+                        "nbytes": ins.nbytes,
+                        "type": ins.type_name,
+                        "start": ins.start,
+                        "stop": ins.stop,
+                    }
+                )
             elif isinstance(ins, ws.TaskErredMsg):
-                self._report({"op": "task-erred", "key": ins.key, "exception": ins.exception,
-                              "traceback": ins.traceback, "exception_text": ins.exception_text,
-                              "traceback_text": ins.traceback_text})
+                self._report(
+                    {
+                        "op": "task-erred",
+                        "key": ins.key,
+                        "exception": ins.exception,
+                        "traceback": ins.traceback,
+                        "exception_text": ins.exception_text,
+                        "traceback_text": ins.traceback_text,
+                    }
+                )
             elif isinstance(ins, ws.MissingDataMsg):
-                self._report({"op": "missing-data", "keys": ins.keys,
-                              "errant_worker": ins.worker or ""})
+                self._report(
+                    {"op": "missing-data", "keys": ins.keys, "errant_worker": ins.worker or ""}
+                )
             elif isinstance(ins, ws.AddKeysMsg):
                 self._report({"op": "add-keys", "keys": ins.keys, "nbytes": ins.nbytes})
             elif isinstance(ins, ws.ReleasedKeysMsg):
@@ -244,7 +282,9 @@ class Worker:
         future = loop.run_in_executor(self.executor, self._run, key, ts.run_spec, deps, stimulus_id)
         future.add_done_callback(lambda f: self.handle(f.result()) if not f.cancelled() else None)
 
-    def _run(self, key: str, spec: bytes, deps: dict[str, Any], stimulus_id: str) -> ws.StateMachineEvent:
+    def _run(
+        self, key: str, spec: bytes, deps: dict[str, Any], stimulus_id: str
+    ) -> ws.StateMachineEvent:
         """Runs in a pool thread: the task, then the checks its result must pass."""
         start = time.time()
         sid = f"execute-{key}-{stimulus_id}"
@@ -257,10 +297,11 @@ class Worker:
                     f"the result of task {key!r} ({type(value).__qualname__}) cannot be pickled, "
                     f"so it could never leave this worker ({exc}); return picklable data"
                 ) from None
-        except BaseException as exc:  # noqa: BLE001 - user code may raise anything
+        except BaseException as exc:
             return _failure_event(key, exc, start, time.time(), sid)
-        return ws.ExecuteSuccessEvent(key, value, sizeof(value), type(value).__qualname__,
-                                      start, time.time(), sid)
+        return ws.ExecuteSuccessEvent(
+            key, value, sizeof(value), type(value).__qualname__, start, time.time(), sid
+        )
 
     # ------------------------------------------------------------------ claiming work
 
@@ -272,9 +313,13 @@ class Worker:
             budget = self.state.claim_budget(self.claim_horizon)
             if budget > 0 and self._may_have_work():
                 claimed, last_id = await self.scripts.claim(
-                    keys=[self.keys.ready, self.keys.workers,
-                          self.keys.worker_processing(self.address), self.keys.worker_stream,
-                          self.keys.ready_signal],
+                    keys=[
+                        self.keys.ready,
+                        self.keys.workers,
+                        self.keys.worker_processing(self.address),
+                        self.keys.worker_stream,
+                        self.keys.ready_signal,
+                    ],
                     args=[self.address, budget, self.keys.task_prefix],
                 )
                 self._empty_at = _parse_id(last_id) if len(claimed) < budget else None
@@ -288,8 +333,9 @@ class Worker:
     def _compute_event(claimed: list[Any]) -> ws.ComputeTaskEvent:
         key, spec, score, deps = claimed
         key = key.decode()
-        dependencies = {d.decode(): ((who or b"").decode().split(), int(nb or 0))
-                        for d, who, nb in deps}
+        dependencies = {
+            d.decode(): ((who or b"").decode().split(), int(nb or 0)) for d, who, nb in deps
+        }
         return ws.ComputeTaskEvent(key, spec, (float(score),), dependencies, f"claim-{key}")
 
     async def _listen_loop(self) -> None:
@@ -373,16 +419,22 @@ class Worker:
             if header.get("status") != "OK":
                 raise comm.CommError(f"peer {worker} answered {header.get('message')!r}")
             data, errors = comm.deserialize_dict(header, frames)
-        except (OSError, comm.CommError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError, comm.CommError) as exc:
             logger.warning("could not fetch %d keys from %s: %s", len(keys), worker, exc)
-            self.handle(ws.GatherDepNetworkFailureEvent(worker, keys, str(exc), f"gather-fail-{stimulus_id}"))
+            self.handle(
+                ws.GatherDepNetworkFailureEvent(
+                    worker, keys, str(exc), f"gather-fail-{stimulus_id}"
+                )
+            )
             return
         for key, err in errors.items():
             logger.warning("peer %s could not send %r: %s", worker, key, err)
         nbytes = {k: sizeof(v) for k, v in data.items()}
         self.handle(ws.GatherDepSuccessEvent(worker, data, nbytes, f"gather-{stimulus_id}"))
 
-    async def _handle_rpc(self, header: dict[str, Any], frames: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+    async def _handle_rpc(
+        self, header: dict[str, Any], frames: list[memoryview]
+    ) -> tuple[dict[str, Any], list[Any]]:
         op = header.get("op")
         if op == "get-data":
             data = self.state.data
@@ -393,13 +445,20 @@ class Worker:
             values, errors = comm.deserialize_dict(header, frames)
             if errors:
                 return {"status": "error", "message": str(next(iter(errors.values())))}, []
-            self.handle(ws.PutDataEvent(dict(values), {k: sizeof(v) for k, v in values.items()},
-                                        f"put-data-{time.time()}"))
+            self.handle(
+                ws.PutDataEvent(
+                    dict(values),
+                    {k: sizeof(v) for k, v in values.items()},
+                    f"put-data-{time.time()}",
+                )
+            )
             return {"status": "OK", "keys": list(values)}, []
         return {"status": "error", "message": f"unknown op {op!r}"}, []
 
 
-def _failure_event(key: str, exc: BaseException, start: float, stop: float, sid: str) -> ws.ExecuteFailureEvent:
+def _failure_event(
+    key: str, exc: BaseException, start: float, stop: float, sid: str
+) -> ws.ExecuteFailureEvent:
     """Pickle an exception and its traceback (tblib) so the client can re-raise both."""
     from tblib import Traceback
 
@@ -409,7 +468,9 @@ def _failure_event(key: str, exc: BaseException, start: float, stop: float, sid:
         exc_blob = cloudpickle.dumps(exc)
         cloudpickle.loads(exc_blob)
     except Exception:
-        exc_blob = cloudpickle.dumps(RuntimeError(f"{text} (the original exception could not be pickled)"))
+        exc_blob = cloudpickle.dumps(
+            RuntimeError(f"{text} (the original exception could not be pickled)")
+        )
     try:
         tb_blob: bytes | None = cloudpickle.dumps(Traceback(exc.__traceback__).as_dict())
     except Exception:
@@ -428,8 +489,12 @@ def main(redis_url: str, cluster: str, **kwargs: Any) -> None:
         await worker.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda s=sig: asyncio.ensure_future(
-                worker.close(f"signal {signal.Signals(s).name}")))
+            loop.add_signal_handler(
+                sig,
+                lambda s=sig: asyncio.ensure_future(
+                    worker.close(f"signal {signal.Signals(s).name}")
+                ),
+            )
         await worker.run()
 
     asyncio.run(run())
