@@ -208,6 +208,7 @@ class Client:
         pure: bool = True,
         retries: int = 0,
         priority: int = 0,
+        workers: str | list[str] | None = None,
         **kwargs: Any,
     ) -> Future:
         """Run ``func(*args, **kwargs)`` on the cluster; futures in arguments are
@@ -216,7 +217,8 @@ class Client:
         if not callable(func):
             raise TypeError(f"submit() needs a callable as its first argument, got {func!r}")
         function_bytes = specs.dumps_function(func)
-        task = self._make_task(func, function_bytes, args, kwargs, key, pure, retries, priority)
+        options = _options(retries, priority, workers)
+        task = self._make_task(func, function_bytes, args, kwargs, key, pure, options)
         self._send_graph([task], [task["key"]])
         return Future(task["key"], self)
 
@@ -228,6 +230,7 @@ class Client:
         pure: bool = True,
         retries: int = 0,
         priority: int = 0,
+        workers: str | list[str] | None = None,
         **kwargs: Any,
     ) -> list[Future]:
         """``submit`` for each item of the iterables, in a few batched round trips."""
@@ -236,13 +239,12 @@ class Client:
         items = list(zip(*iterables, strict=False))
         keys = key if isinstance(key, list) else [None] * len(items)
         prefix = key if isinstance(key, str) else None
+        options = _options(retries, priority, workers)
         tasks = []
         for i, args in enumerate(items):
             task_key = keys[i] if keys[i] is not None else (f"{prefix}-{i}" if prefix else None)
             tasks.append(
-                self._make_task(
-                    func, function_bytes, args, kwargs, task_key, pure, retries, priority
-                )
+                self._make_task(func, function_bytes, args, kwargs, task_key, pure, options)
             )
         self._send_graph(tasks, [t["key"] for t in tasks])
         return [Future(t["key"], self) for t in tasks]
@@ -255,8 +257,7 @@ class Client:
         kwargs: dict[str, Any],
         key: str | None,
         pure: bool,
-        retries: int,
-        priority: int,
+        options: dict[str, Any],
     ) -> dict[str, Any]:
         deps: set[str] = set()
         args = specs.replace_refs(args, self._future_key, deps)
@@ -265,13 +266,7 @@ class Client:
         if key is None:
             tok = specs.token(spec) if pure else uuid.uuid4().hex
             key = f"{specs.funcname(func)}-{tok}"
-        return {
-            "key": key,
-            "spec": spec,
-            "deps": sorted(deps),
-            "priority": priority,
-            "retries": retries,
-        }
+        return {"key": key, "spec": spec, "deps": sorted(deps), **options}
 
     def _future_key(self, obj: Any) -> str | None:
         if isinstance(obj, Future):
@@ -646,6 +641,14 @@ class Client:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _options(retries: int, priority: int, workers: str | list[str] | None) -> dict[str, Any]:
+    """Per-task options as the scheduler reads them from an update-graph message."""
+    options: dict[str, Any] = {"priority": int(priority), "retries": int(retries)}
+    if workers:
+        options["workers"] = [workers] if isinstance(workers, str) else list(workers)
+    return options
 
 
 def _load_error(msg: dict[str, Any]) -> tuple[BaseException, Any]:

@@ -510,7 +510,10 @@ class AsyncConnection:
 
 
 async def open_connection(
-    address: str, secret: bytes, *, timeout: float = DEFAULT_TIMEOUT,
+    address: str,
+    secret: bytes,
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
     limits: Limits = DEFAULT_LIMITS,
 ) -> AsyncConnection:
     """Connect to ``address`` and run the client side of the handshake."""
@@ -550,8 +553,12 @@ class DataServer:
     """Asyncio server: authenticates peers, then answers requests with ``handler``."""
 
     def __init__(
-        self, secret: bytes, handler: Handler, *,
-        handshake_timeout: float = DEFAULT_TIMEOUT, limits: Limits = DEFAULT_LIMITS,
+        self,
+        secret: bytes,
+        handler: Handler,
+        *,
+        handshake_timeout: float = DEFAULT_TIMEOUT,
+        limits: Limits = DEFAULT_LIMITS,
     ) -> None:
         self._secret = _check_secret(secret)
         self._handler = handler
@@ -658,7 +665,11 @@ class ConnectionPool:
     """Bounded pool of authenticated connections, reused per address."""
 
     def __init__(
-        self, secret: bytes, limit: int = 50, *, timeout: float = DEFAULT_TIMEOUT,
+        self,
+        secret: bytes,
+        limit: int = 50,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
         limits: Limits = DEFAULT_LIMITS,
     ) -> None:
         if limit < 1:
@@ -672,9 +683,7 @@ class ConnectionPool:
         self.n_open = 0
         self._closed = False
 
-    async def rpc(
-        self, address: str, header: Header, frames: Sequence[Buffer] = ()
-    ) -> Message:
+    async def rpc(self, address: str, header: Header, frames: Sequence[Buffer] = ()) -> Message:
         """Send one request to ``address`` and return its ``(header, frames)`` reply."""
         conn = await self._acquire(address)
         ok = False
@@ -769,7 +778,11 @@ class BlockingConnection:
     """
 
     def __init__(
-        self, address: str, secret: bytes, timeout: float = DEFAULT_TIMEOUT, *,
+        self,
+        address: str,
+        secret: bytes,
+        timeout: float = DEFAULT_TIMEOUT,
+        *,
         limits: Limits = DEFAULT_LIMITS,
     ) -> None:
         self.address = address

@@ -218,6 +218,7 @@ class Scheduler:
         cmds: list[list[Any]] = []
         task_fields: dict[str, dict[str, Any]] = {}
         enqueue: dict[str, float] = {}
+        enqueue_on: dict[str, list[Any]] = defaultdict(list)  # worker -> [score, key, ...]
         dequeue: list[str] = []
         client_msgs: dict[str, list[dict[str, Any]]] = defaultdict(list)
         worker_msgs: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -237,10 +238,16 @@ class Scheduler:
                     f["spec"] = ins.spec
                 new_tasks.append(ins.key)
             elif isinstance(ins, Enqueue):
-                enqueue[ins.key] = ins.score
+                if ins.workers:
+                    for worker in ins.workers:
+                        enqueue_on[worker] += [ins.score, ins.key]
+                else:
+                    enqueue[ins.key] = ins.score
             elif isinstance(ins, Dequeue):
                 enqueue.pop(ins.key, None)
                 dequeue.append(ins.key)
+                for worker in ins.workers:
+                    cmds.append(["ZREM", k.worker_ready(worker), ins.key])
             elif isinstance(ins, Unclaim):
                 unclaims[ins.worker].append(ins.key)
             elif isinstance(ins, ClientMsg):
@@ -265,7 +272,12 @@ class Scheduler:
                 ]
             elif isinstance(ins, ForgetWorker):
                 cmds += [
-                    ["DEL", k.worker_processing(ins.worker), k.worker_inbox(ins.worker)],
+                    [
+                        "DEL",
+                        k.worker_processing(ins.worker),
+                        k.worker_inbox(ins.worker),
+                        k.worker_ready(ins.worker),
+                    ],
                     ["HDEL", k.workers, ins.worker],
                     ["HDEL", k.heartbeats, ins.worker],
                 ]
@@ -289,9 +301,12 @@ class Scheduler:
             cmds.append(["XADD", k.worker_inbox(worker), "*", "m", schema.pack(msgs)])
         for client, msgs in client_msgs.items():
             cmds.append(["XADD", k.client_events(client), "*", "m", schema.pack(msgs)])
+        for worker, worker_pairs in enqueue_on.items():
+            cmds.extend(_chunked(["ZADD", k.worker_ready(worker)], worker_pairs, step=2))
         if enqueue:
             pairs = [x for key, score in enqueue.items() for x in (score, key)]
             cmds.extend(_chunked(["ZADD", k.ready], pairs, step=2))
+        if enqueue or enqueue_on:
             cmds.append(
                 [
                     "XADD",
@@ -301,7 +316,7 @@ class Scheduler:
                     schema.READY_SIGNAL_MAXLEN,
                     "*",
                     "n",
-                    len(enqueue),
+                    len(enqueue) + len(enqueue_on),
                 ]
             )
         return cmds

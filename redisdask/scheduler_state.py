@@ -23,7 +23,8 @@ Task states::
 * ``erred``: the function raised (after ``retries``) or a dependency erred.
 * ``released``: nobody needs the result now, but a dependent may still need the task's
   graph history to recompute it, so the task (and its spec in Redis) is kept.
-* ``no-worker``: reserved for tasks whose restrictions no worker satisfies (later issue).
+* ``no-worker``: ready, but restricted (``workers=``) to workers none of which is alive;
+  queued as soon as one of them joins.
 
 Priorities: user ``priority=`` first (higher runs first), then submission order.  They
 become the score of the Redis ready set, which a worker pops smallest-first.
@@ -269,13 +270,17 @@ class SetState(Instruction):
 
 @dataclass(slots=True)
 class Enqueue(Instruction):
+    """Put a task in the ready set, or in the listed workers' own ready sets."""
+
     key: str
     score: float
+    workers: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
 class Dequeue(Instruction):
     key: str
+    workers: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -339,6 +344,7 @@ class TaskState:
     nbytes: int = 0
     type: str = ""
     retries: int = 0
+    restrict: tuple[str, ...] = ()  # worker addresses it may run on (empty: any)
     suspicious: int = 0
     exception: bytes | None = None
     traceback: bytes | None = None
@@ -373,6 +379,7 @@ class SchedulerState:
         self.tasks: dict[str, TaskState] = {}
         self.workers: dict[str, WorkerInfo] = {}
         self.clients: dict[str, set[TaskState]] = {}  # client id -> tasks it wants
+        self.unrunnable: set[TaskState] = set()  # state no-worker
         self.seq = seq
         self.validate = validate
         self._instructions: list[Instruction] = []
@@ -381,6 +388,10 @@ class SchedulerState:
         self._transitions = {
             ("released", "waiting"): self._transition_released_waiting,
             ("waiting", "queued"): self._transition_waiting_queued,
+            ("queued", "waiting"): self._transition_queued_waiting,
+            ("no-worker", "queued"): self._transition_no_worker_queued,
+            ("queued", "no-worker"): self._transition_queued_no_worker,
+            ("no-worker", "released"): self._transition_no_worker_released,
             ("queued", "processing"): self._transition_queued_processing,
             ("queued", "memory"): self._transition_processing_memory,
             ("processing", "memory"): self._transition_processing_memory,
@@ -427,6 +438,7 @@ class SchedulerState:
                     key,
                     score=priority_score(int(spec.get("priority", 0)), self.seq),
                     retries=int(spec.get("retries", 0)),
+                    restrict=tuple(spec.get("workers") or ()),
                 )
                 self.tasks[key] = ts
                 new.append(ts)
@@ -457,6 +469,8 @@ class SchedulerState:
             ts = self.tasks.get(key)
             if ts is not None:
                 self._make_needed(ts)
+        for ts in new:  # submitted, but neither wanted nor needed by a wanted task
+            self._maybe_forget(ts)
 
     def _make_needed(self, root: TaskState) -> None:
         """Bring ``root`` and every released dependency it needs towards memory."""
@@ -487,14 +501,27 @@ class SchedulerState:
                     dep.waiters.add(ts)
 
     def _err_lost(self, ts: TaskState) -> None:
-        ts.state = "erred"
         ts.exception_text = (
             f"KeyError: the data of {ts.key!r} is not on any worker and it has no task to "
             "recompute it (was it scattered by a client that is gone?)"
         )
-        self._emit(
-            SetState(self._stimulus_id, ts.key, "erred", {"exception_text": ts.exception_text})
-        )
+        # like an error: tell who wants it, and err every dependent waiting on it
+        self._transition_waiting_erred(ts)
+
+    def _lost_data(self, ts: TaskState) -> None:
+        """The last copy of a task in memory is gone: its dependents wait for it again,
+        and it is recomputed (or, without a task to recompute it, errs) if still needed."""
+        ts.state = "released"
+        self._emit(SetState(self._stimulus_id, ts.key, "released", {"who_has": b""}))
+        for dependent in sorted(ts.waiters, key=lambda t: t.score):
+            if dependent.state == "queued":
+                self._transition(dependent, "waiting")
+            elif dependent.state == "waiting":
+                dependent.waiting_on.add(ts)
+        if ts.who_wants or ts.waiters:
+            self._make_needed(ts)
+        else:
+            self._maybe_forget(ts)
 
     def _add_wants(self, client: str, keys: Iterable[str]) -> None:
         added = []
@@ -571,6 +598,8 @@ class SchedulerState:
                 self.seq += 1
                 ts = self.tasks[key] = TaskState(key, has_spec=False)
                 self._emit(StoreTask(ev.stimulus_id, key, None, [], 0.0, "released"))
+            elif ts.state in ("waiting", "queued", "processing", "no-worker", "erred"):
+                self._transition(ts, "released")  # the scattered data replaces the task's run
             ts.nbytes = int(ev.nbytes.get(key, 0))
             ts.type = str(ev.types.get(key, ""))
             for worker in holders:
@@ -588,6 +617,9 @@ class SchedulerState:
             self.workers[ev.worker] = WorkerInfo(ev.worker, dict(ev.info))
         else:
             self.workers[ev.worker].info.update(ev.info)
+        for ts in sorted(self.unrunnable, key=lambda t: t.score):
+            if ev.worker in ts.restrict:
+                self._transition(ts, "queued")
 
     def _handle_remove_worker(self, ev: RemoveWorker) -> None:
         ws = self.workers.pop(ev.worker, None)
@@ -601,12 +633,13 @@ class SchedulerState:
             ts.who_has.discard(ws.address)
             if not ts.who_has and ts.state == "memory":
                 # lost its only copy: recompute if still needed (resilience issue refines)
-                ts.state = "released"
-                self._emit(SetState(ev.stimulus_id, ts.key, "released", {"who_has": b""}))
-                if ts.who_wants or ts.waiters:
-                    self._make_needed(ts)
+                self._lost_data(ts)
             elif ts.state == "memory":
                 self._emit(SetState(ev.stimulus_id, ts.key, "memory", self._memory_fields(ts)))
+        for ts in list(self.tasks.values()):
+            stranded = ts.restrict and not any(w in self.workers for w in ts.restrict)
+            if ts.state == "queued" and stranded:
+                self._transition(ts, "no-worker")
         self._emit(ForgetWorker(ev.stimulus_id, ws.address))
 
     def _handle_claimed(self, ev: TaskClaimed) -> None:
@@ -617,6 +650,11 @@ class SchedulerState:
                 # released while the claim was in flight: tell the worker to drop it
                 self._emit(Unclaim(ev.stimulus_id, ev.worker, key))
                 self._emit(WorkerMsg(ev.stimulus_id, ev.worker, {"op": "free-keys", "keys": [key]}))
+                if ts is not None and ts.state == "queued":
+                    # claimed by a worker removed meanwhile: the claim popped it from the
+                    # ready set and marked it processing in Redis; put it back
+                    self._emit(SetState(ev.stimulus_id, key, "queued"))
+                    self._emit(Enqueue(ev.stimulus_id, key, ts.score, ts.restrict))
                 continue
             self._transition(ts, "processing", worker=ws)
 
@@ -670,9 +708,7 @@ class SchedulerState:
                     )
                 )
             elif ts.state == "memory":
-                ts.state = "released"
-                self._emit(SetState(ev.stimulus_id, key, "released", {"who_has": b""}))
-                self._make_needed(ts)
+                self._lost_data(ts)
 
     def _handle_add_keys(self, ev: AddKeys) -> None:
         for key in ev.keys:
@@ -697,10 +733,7 @@ class SchedulerState:
                 ts.who_has.discard(ev.worker)
                 ws.has_what.discard(ts)
                 if ts.state == "memory" and not ts.who_has:
-                    ts.state = "released"
-                    self._emit(SetState(ev.stimulus_id, key, "released", {"who_has": b""}))
-                    if ts.who_wants or ts.waiters:
-                        self._make_needed(ts)
+                    self._lost_data(ts)
                 elif ts.state == "memory":
                     self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
 
@@ -733,9 +766,36 @@ class SchedulerState:
             self._transition(ts, "queued")
 
     def _transition_waiting_queued(self, ts: TaskState) -> None:
+        if ts.restrict and not any(w in self.workers for w in ts.restrict):
+            self._transition_waiting_no_worker(ts)
+            return
         ts.state = "queued"
         self._emit(SetState(self._stimulus_id, ts.key, "queued"))
-        self._emit(Enqueue(self._stimulus_id, ts.key, ts.score))
+        self._emit(Enqueue(self._stimulus_id, ts.key, ts.score, ts.restrict))
+
+    def _transition_waiting_no_worker(self, ts: TaskState) -> None:
+        ts.state = "no-worker"
+        self.unrunnable.add(ts)
+        self._emit(SetState(self._stimulus_id, ts.key, "no-worker"))
+
+    def _transition_no_worker_queued(self, ts: TaskState) -> None:
+        self.unrunnable.discard(ts)
+        self._transition_waiting_queued(ts)
+
+    def _transition_queued_no_worker(self, ts: TaskState) -> None:
+        self._emit(Dequeue(self._stimulus_id, ts.key, ts.restrict))
+        self._transition_waiting_no_worker(ts)
+
+    def _transition_no_worker_released(self, ts: TaskState) -> None:
+        self.unrunnable.discard(ts)
+        self._transition_waiting_released(ts)
+
+    def _transition_queued_waiting(self, ts: TaskState) -> None:
+        """A dependency of a queued task lost its data: wait for it again."""
+        self._emit(Dequeue(self._stimulus_id, ts.key, ts.restrict))
+        ts.state = "waiting"
+        ts.waiting_on = {d for d in ts.dependencies if d.state != "memory"}
+        self._emit(SetState(self._stimulus_id, ts.key, "waiting"))
 
     def _transition_processing_queued(self, ts: TaskState) -> None:
         if ts.processing_on is not None:
@@ -751,6 +811,13 @@ class SchedulerState:
         worker.processing.add(ts)  # Redis already says so: the claim script wrote it
 
     def _transition_processing_memory(self, ts: TaskState, worker: WorkerInfo) -> None:
+        if ts.state == "queued":  # a late result (its worker was removed): leave the ready set
+            self._emit(Dequeue(self._stimulus_id, ts.key, ts.restrict))
+        elif ts.processing_on is not None and ts.processing_on != worker.address:
+            other = self.workers.get(ts.processing_on)  # racing another worker's run of it
+            if other is not None:
+                other.processing.discard(ts)
+            self._emit(Unclaim(self._stimulus_id, ts.processing_on, ts.key))
         worker.processing.discard(ts)
         self._emit(Unclaim(self._stimulus_id, worker.address, ts.key))
         ts.processing_on = None
@@ -817,7 +884,7 @@ class SchedulerState:
         self._release_dependencies(ts)
 
     def _transition_queued_released(self, ts: TaskState) -> None:
-        self._emit(Dequeue(self._stimulus_id, ts.key))
+        self._emit(Dequeue(self._stimulus_id, ts.key, ts.restrict))
         self._transition_waiting_released(ts)
 
     def _transition_processing_released(self, ts: TaskState) -> None:

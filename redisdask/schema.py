@@ -19,6 +19,7 @@ MULTI/EXEC stay valid on Redis Cluster, Valkey and managed Redis::
     rd:{c}:heartbeats                  hash    worker address -> msgpack metrics
     rd:{c}:worker:<addr>:alive         string  present while the worker heartbeats (PX ttl)
     rd:{c}:worker:<addr>:processing    set     tasks claimed by that worker
+    rd:{c}:worker:<addr>:ready         zset    queued tasks restricted to that worker
     rd:{c}:worker:<addr>:inbox         stream  scheduler -> worker messages
     rd:{c}:clients                     hash    client id -> msgpack info
     rd:{c}:client:<id>:alive           string  present while the client heartbeats (PX ttl)
@@ -140,6 +141,9 @@ class Keys:
     def worker_processing(self, address: str) -> str:
         return f"{self.prefix}worker:{address}:processing"
 
+    def worker_ready(self, address: str) -> str:
+        return f"{self.prefix}worker:{address}:ready"
+
     def worker_inbox(self, address: str) -> str:
         return f"{self.prefix}worker:{address}:inbox"
 
@@ -212,10 +216,12 @@ redis.call('SET', KEYS[1], token, 'PX', ARGV[2])
 return token
 """
 
-# A worker claims up to ARGV[2] queued tasks.  KEYS: ready, workers, the worker's
-# processing set, worker stream, ready-signal.  ARGV: worker address, n, task key
-# prefix.  The claim is recorded in Redis (task state, processing set) and announced to
-# the scheduler in the same atomic step, so a claimed task is never invisible.  Returns
+# A worker claims up to ARGV[2] queued tasks, from its own ready set first (tasks
+# restricted to it), then from the cluster's.  KEYS: ready, workers, the worker's
+# processing set, worker stream, ready-signal, the worker's ready set.  ARGV: worker
+# address, n, task key prefix.  The claim is recorded in Redis (task state, processing
+# set) and announced to the scheduler in the same atomic step, so a claimed task is
+# never invisible.  Returns
 # {tasks, last ready-signal id}; each task is {key, spec, score, {dep, who_has, nbytes}...}.
 CLAIM = """
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then
@@ -224,14 +230,18 @@ end
 local last = redis.call('XREVRANGE', KEYS[5], '+', '-', 'COUNT', 1)
 local last_id = '0-0'
 if #last > 0 then last_id = last[1][1] end
-local popped = redis.call('ZPOPMIN', KEYS[1], ARGV[2])
+local popped = redis.call('ZPOPMIN', KEYS[6], ARGV[2])
+if #popped < 2 * tonumber(ARGV[2]) then
+  local more = redis.call('ZPOPMIN', KEYS[1], tonumber(ARGV[2]) - #popped / 2)
+  for i = 1, #more do popped[#popped + 1] = more[i] end
+end
 local out = {}
 local claimed = {}
 for i = 1, #popped, 2 do
   local key = popped[i]
   local tkey = ARGV[3] .. key
-  local f = redis.call('HMGET', tkey, 'spec', 'deps')
-  if f[1] then
+  local f = redis.call('HMGET', tkey, 'spec', 'deps', 'state')
+  if f[1] and f[3] == 'queued' then
     redis.call('HSET', tkey, 'state', 'processing', 'worker', ARGV[1])
     redis.call('SADD', KEYS[3], key)
     local deps = {}

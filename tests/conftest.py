@@ -8,11 +8,15 @@ Append further fixtures below.
 from __future__ import annotations
 
 import re
+import sys
 import uuid
 from collections.abc import Iterator
 
+import cloudpickle
+import psutil
 import pytest
 
+from redisdask import Client, LocalCluster
 from redisdask.embedded import EmbeddedRedis
 
 
@@ -33,3 +37,27 @@ def cluster_name(request: pytest.FixtureRequest) -> str:
     """A cluster name unique to this test, e.g. ``t-test_submit-1a2b3c4d``."""
     slug = re.sub(r"[^A-Za-z0-9_-]+", "-", request.node.name).strip("-")[:40]
     return f"t-{slug}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def cluster(redis_url: str, cluster_name: str) -> Iterator[LocalCluster]:
+    """Two worker processes with one thread each, a scheduler, on the session's Redis."""
+    with LocalCluster(
+        n_workers=2, threads_per_worker=1, redis_url=redis_url, cluster_name=cluster_name
+    ) as cluster:
+        yield cluster
+        pids = [p.pid for p in cluster.processes]
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+
+
+@pytest.fixture
+def client(cluster: LocalCluster) -> Iterator[Client]:
+    with Client(cluster) as client:
+        yield client
+
+
+@pytest.fixture(autouse=True)
+def _ship_test_functions_by_value(request: pytest.FixtureRequest) -> None:
+    """Worker processes cannot import test modules: pickle their functions by value."""
+    if request.module.__name__ in sys.modules:
+        cloudpickle.register_pickle_by_value(request.module)

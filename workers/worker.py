@@ -60,6 +60,16 @@ def versions() -> dict[str, str | None]:
     return out
 
 
+_current_worker: list[Worker] = []
+
+
+def get_worker() -> Worker:
+    """The worker running the calling task (like ``distributed.get_worker``)."""
+    if not _current_worker:
+        raise ValueError("get_worker() called outside of a task running on a redisdask worker")
+    return _current_worker[0]
+
+
 def _parse_id(entry_id: bytes | str) -> tuple[int, int]:
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     ms, _, seq = text.partition("-")
@@ -139,6 +149,7 @@ class Worker:
         await self.blocking_redis.client_setname(f"rd-worker-{self.address}-listen")
         await self._register()
         self.status = "running"
+        _current_worker[:] = [self]
         for coro in (
             self._claim_loop(),
             self._listen_loop(),
@@ -319,6 +330,7 @@ class Worker:
                         self.keys.worker_processing(self.address),
                         self.keys.worker_stream,
                         self.keys.ready_signal,
+                        self.keys.worker_ready(self.address),
                     ],
                     args=[self.address, budget, self.keys.task_prefix],
                 )

@@ -1,0 +1,238 @@
+"""End to end: a real Redis, a real scheduler and real worker processes."""
+
+from __future__ import annotations
+
+import operator
+import threading
+
+import numpy as np
+import pytest
+import redis
+
+from redisdask import Client, FutureCancelledError, as_completed, wait
+from redisdask.schema import Keys
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def inc(x: int) -> int:
+    return x + 1
+
+
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+def div(a: float, b: float) -> float:
+    return a / b
+
+
+def total(*args: int) -> int:
+    return sum(args)
+
+
+def where() -> str:
+    from workers import get_worker
+
+    return get_worker().address
+
+
+def block_until_released(redis_url: str, key: str) -> str:
+    """Blocks a worker thread until the test pushes to ``key`` (BLPOP, not a sleep)."""
+    r = redis.Redis.from_url(redis_url)
+    assert r.blpop([key], timeout=30) is not None, "the test never released the task"
+    return "released"
+
+
+def test_submit_and_result(client: Client) -> None:
+    assert client.submit(inc, 1).result(timeout=10) == 2
+
+
+def test_error_propagates_to_dependents(client: Client) -> None:
+    """The example from Dask's docs."""
+    x = client.submit(div, 1, 0)
+    y = client.submit(add, x, 10)
+    with pytest.raises(ZeroDivisionError):
+        x.result(timeout=10)
+    with pytest.raises(ZeroDivisionError) as info:
+        y.result(timeout=10)
+    assert info.traceback[-1].name == "div"  # the original traceback travelled along
+    assert isinstance(x.exception(), ZeroDivisionError)
+    assert x.status == y.status == "error"
+    assert client.submit(inc, 41).result(timeout=10) == 42  # nothing else is affected
+
+
+def test_chain_of_1000(client: Client) -> None:
+    x = client.submit(inc, 0)
+    for _ in range(999):
+        x = client.submit(inc, x)
+    assert x.result(timeout=30) == 1000
+
+
+def test_tree_reduction_4096_leaves(client: Client) -> None:
+    level = client.map(inc, range(4096))
+    while len(level) > 1:
+        level = [client.submit(add, a, b) for a, b in zip(level[::2], level[1::2], strict=True)]
+    assert level[0].result(timeout=45) == sum(range(1, 4097))
+
+
+def test_map_10000_gathered(client: Client) -> None:
+    futures = client.map(inc, range(10_000))
+    assert client.gather(futures) == list(range(1, 10_001))
+
+
+def test_dict_graph_with_tuple_keys(client: Client) -> None:
+    dsk = {
+        ("x", 0): 1,
+        ("x", 1): (inc, ("x", 0)),
+        "y": (add, ("x", 0), ("x", 1)),
+        "z": (total, [("x", 0), ("x", 1), "y"]),  # keys inside a list
+        "w": (add, (inc, "y"), 100),  # a nested task
+    }
+    dsk["z"] = (sum, [("x", 0), ("x", 1), "y"])
+    assert client.get(dsk, "y") == 3
+    assert client.get(dsk, ["z", ["w"]]) == [6, [104]]
+
+
+def test_futures_nested_in_arguments(client: Client) -> None:
+    a, b = client.submit(inc, 1), client.submit(inc, 2)
+    f = client.submit(lambda xs, d: sum(xs) + d["k"], [a, (b,)][:1] + [b], {"k": a})
+    assert f.result(timeout=10) == 2 + 3 + 2
+
+
+def test_pure_and_impure_keys(client: Client) -> None:
+    assert client.submit(inc, 1).key == client.submit(inc, 1).key
+    assert client.submit(inc, 1).key.startswith("inc-")
+    assert client.submit(inc, 1, pure=False).key != client.submit(inc, 1, pure=False).key
+
+
+def test_numpy_50mb_moves_peer_to_peer(client: Client, cluster) -> None:  # type: ignore[no-untyped-def]
+    a, b = sorted(client.scheduler_info()["workers"])
+    r = redis.Redis.from_url(cluster.redis_url)
+    before = r.info("memory")["used_memory"]
+    x = client.submit(np.ones, 50_000_000 // 8, workers=[a])
+    y = client.submit(lambda arr: (where(), float(arr.sum()), arr.nbytes), x, workers=[b])
+    ran_on, s, nbytes = y.result(timeout=30)
+    assert (ran_on, s, nbytes) == (b, 50_000_000 / 8, 50_000_000)
+    assert client.who_has(x)[x.key] == [a]
+    # the array crossed a -> b over TCP: Redis never held anything near its size
+    assert r.info("memory")["used_memory"] - before < 5_000_000
+    sizes = [r.memory_usage(k) or 0 for k in r.scan_iter(f"{Keys(cluster.cluster_name).prefix}*")]
+    assert max(sizes) < 1_000_000
+    np.testing.assert_array_equal(x.result(timeout=10)[:3], [1.0, 1.0, 1.0])
+
+
+def test_cancel_pending_tasks(client: Client, cluster) -> None:  # type: ignore[no-untyped-def]
+    """Cancel tasks that wait in the ready set and tasks a busy worker has claimed."""
+    r = redis.Redis.from_url(cluster.redis_url)
+    keys = Keys(cluster.cluster_name)
+    gate = f"gate-{cluster.cluster_name}"
+    blockers = [
+        client.submit(block_until_released, cluster.redis_url, gate, workers=w, pure=False)
+        for w in client.nthreads()
+    ]
+    poll(lambda: all(f.key in _executing(r, keys) for f in blockers))
+    # each worker claims one more task than it has threads: 2 of these are claimed by
+    # blocked workers (processing), the rest wait in the ready set (queued)
+    pending = client.map(inc, range(100, 105))
+    poll(lambda: r.zcard(keys.ready) == 3)
+    queued = [f for f in pending if r.zscore(keys.ready, f.key) is not None]
+    claimed = [f for f in pending if f not in queued]
+    assert len(queued) == 3 and len(claimed) == 2
+    client.cancel(pending)
+    assert all(f.cancelled() for f in pending)
+    with pytest.raises(FutureCancelledError):
+        pending[0].result(timeout=5)
+    poll(lambda: not any(r.exists(keys.task(f.key)) for f in pending))  # forgotten
+    assert r.zcard(keys.ready) == 0
+    r.lpush(gate, 1, 1)
+    assert client.gather(blockers) == ["released", "released"]
+    assert all(f.status == "cancelled" for f in pending)
+    assert client.submit(inc, 1).result(timeout=10) == 2
+    assert sum(r.scard(keys.worker_processing(w)) for w in client.nthreads()) == 0
+
+
+def _executing(r: redis.Redis, keys: Keys) -> set[str]:
+    return {
+        k.decode()
+        for w in r.hkeys(keys.workers)
+        for k in r.smembers(keys.worker_processing(w.decode()))
+    }
+
+
+def test_two_clients_with_overlapping_keys(cluster) -> None:  # type: ignore[no-untyped-def]
+    with Client(cluster) as c1, Client(cluster) as c2:
+        f1 = c1.submit(inc, 10)
+        f2 = c2.submit(inc, 10)
+        assert f1.key == f2.key
+        assert f1.result(timeout=10) == f2.result(timeout=10) == 11
+        r = redis.Redis.from_url(cluster.redis_url)
+        keys = Keys(cluster.cluster_name)
+        c1.close()
+        assert f2.result(timeout=10) == 11  # still held for c2
+        assert r.sismember(keys.client_wants(c2.id), f2.key)
+        g = c2.submit(add, f2, 1)
+        assert g.result(timeout=10) == 12
+        key = f2.key
+        c2.close()
+        poll(lambda: not r.exists(keys.task(key)))  # nobody wants it: forgotten
+
+
+def test_scatter_and_broadcast(client: Client) -> None:
+    [x] = client.scatter([np.arange(10)])
+    assert client.submit(np.sum, x).result(timeout=10) == 45
+    y = client.scatter({"big": 5}, broadcast=True)["big"]
+    assert sorted(client.who_has(y)[y.key]) == sorted(client.scheduler_info()["workers"])
+    assert client.submit(inc, y).result(timeout=10) == 6
+
+
+def test_wait_as_completed_and_callbacks(client: Client) -> None:
+    futures = client.map(inc, range(20))
+    done, not_done = wait(futures, timeout=20)
+    assert len(done) == 20 and not not_done
+    results = sorted(r for _f, r in as_completed(client.map(inc, range(5, 10)), with_results=True))
+    assert results == [6, 7, 8, 9, 10]
+    called = threading.Event()
+    client.submit(inc, 1000).add_done_callback(lambda f: called.set())
+    assert called.wait(10)
+
+
+def test_scheduler_info(client: Client) -> None:
+    info = client.scheduler_info()
+    assert len(info["workers"]) == 2
+    for address, worker in info["workers"].items():
+        assert address.startswith("tcp://127.0.0.1:")
+        assert worker["nthreads"] == 1
+        assert worker["versions"]["python"]
+
+
+def test_closed_client_releases_its_keys(cluster) -> None:  # type: ignore[no-untyped-def]
+    r = redis.Redis.from_url(cluster.redis_url)
+    keys = Keys(cluster.cluster_name)
+    with Client(cluster) as c:
+        futures = c.map(operator.neg, range(50))
+        c.gather(futures)
+        task_keys = [f.key for f in futures]
+    poll(lambda: not any(r.exists(keys.task(k)) for k in task_keys))
+
+
+def test_released_future_is_forgotten(client: Client, cluster) -> None:  # type: ignore[no-untyped-def]
+    r = redis.Redis.from_url(cluster.redis_url)
+    keys = Keys(cluster.cluster_name)
+    f = client.submit(inc, 7)
+    assert f.result(timeout=10) == 8
+    key = f.key
+    del f  # the last reference: the client releases the key in its next message
+    client.submit(inc, 8).result(timeout=10)
+    poll(lambda: not r.exists(keys.task(key)))
+
+
+def poll(condition, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    """Wait for ``condition()`` with a deadline (no sleeps as synchronisation)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        threading.Event().wait(0.01)
