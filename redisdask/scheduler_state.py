@@ -66,7 +66,8 @@ class Event:
     @classmethod
     def from_dict(cls, msg: dict[str, Any], stimulus_id: str | None = None) -> Event:
         """Build an event from a decoded stream message, validating its fields."""
-        event_cls = EVENTS.get(msg.get("op"))  # type: ignore[arg-type]
+        op = msg.get("op")
+        event_cls = EVENTS.get(op) if isinstance(op, str) else None
         if event_cls is None:
             raise ProtocolError(f"unknown op {msg.get('op')!r} in message {_preview(msg)}")
         kwargs: dict[str, Any] = {}
@@ -91,6 +92,9 @@ class Event:
             expected = _FIELD_TYPES.get(f.type if isinstance(f.type, str) else "")
             if expected is not None and not isinstance(value, expected):
                 raise ValueError(f"field {f.name!r} should be {f.type}, got {type(value).__name__}")
+            items_ok = _ITEM_CHECKS.get(f.type if isinstance(f.type, str) else "")
+            if items_ok is not None and not items_ok(value):
+                raise ValueError(f"field {f.name!r} should be {f.type}: {_preview(value)}")
 
 
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
@@ -103,6 +107,21 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "dict[str, int]": dict,
     "dict[str, list[str]]": dict,
     "bytes | None": (bytes, type(None)),
+}
+
+
+def _is_strs(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(x, str) for x in value)
+
+
+_ITEM_CHECKS: dict[str, Any] = {
+    "list[str]": _is_strs,
+    "list[dict[str, Any]]": lambda v: all(isinstance(x, dict) for x in v),
+    "dict[str, Any]": lambda v: all(isinstance(k, str) for k in v),
+    "dict[str, int]": lambda v: all(
+        isinstance(k, str) and isinstance(x, int) for k, x in v.items()
+    ),
+    "dict[str, list[str]]": lambda v: all(isinstance(k, str) and _is_strs(x) for k, x in v.items()),
 }
 
 
@@ -120,6 +139,19 @@ class UpdateGraph(Event):
     client: str = ""
     tasks: list[dict[str, Any]] = field(default_factory=list)
     wanted: list[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        Event.validate(self)  # (zero-argument super() does not work in slots dataclasses)
+        for t in self.tasks:
+            if not isinstance(t.get("key"), str):
+                raise ValueError(f"task without a str 'key': {_preview(t)}")
+            if not isinstance(t.get("spec"), bytes | None):
+                raise ValueError(f"task {t['key']!r}: 'spec' should be bytes or None")
+            if not _is_strs(t.get("deps", [])):
+                raise ValueError(f"task {t['key']!r}: 'deps' should be a list of str")
+            for name in ("priority", "retries"):
+                if not isinstance(t.get(name, 0), int):
+                    raise ValueError(f"task {t['key']!r}: {name!r} should be int")
 
 
 @dataclass(slots=True)

@@ -1,0 +1,1049 @@
+"""Unit tests of the scheduler's pure state machine (redisdask/scheduler_state.py).
+
+No Redis, no processes, no clocks: events in, instructions out, microseconds each.
+Every ``SchedulerState`` here validates its invariants after each ``handle_stimulus``
+(except the timing tests, which measure the machine itself)."""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+from typing import Any
+
+import pytest
+
+from redisdask.errors import ProtocolError
+from redisdask.scheduler_state import (
+    EVENTS,
+    AddKeys,
+    AddWorker,
+    CancelKeys,
+    ClientDesiresKeys,
+    ClientMsg,
+    ClientReleasesKeys,
+    CloseClient,
+    Dequeue,
+    Enqueue,
+    Event,
+    Forget,
+    Instruction,
+    MissingData,
+    ReleasedKeys,
+    RemoveWorker,
+    SchedulerState,
+    SetState,
+    SetWants,
+    StoreTask,
+    TaskClaimed,
+    TaskErred,
+    TaskFinished,
+    Unclaim,
+    UpdateData,
+    UpdateGraph,
+    WorkerMsg,
+    priority_score,
+)
+
+pytestmark = pytest.mark.timeout(10)
+
+W1 = "tcp://10.0.0.1:8000"
+W2 = "tcp://10.0.0.2:8000"
+W3 = "tcp://10.0.0.3:8000"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def task(key: str, deps: list[str] | None = None, **kw: Any) -> dict[str, Any]:
+    return {
+        "key": key,
+        "spec": kw.pop("spec", b"spec-" + key.encode()),
+        "deps": deps or [],
+        "priority": kw.pop("priority", 0),
+        "retries": kw.pop("retries", 0),
+        **kw,
+    }
+
+
+def make(*workers: str) -> SchedulerState:
+    s = SchedulerState(validate=True)
+    if workers:
+        s.handle_stimulus(*(AddWorker(f"add-{w}", worker=w) for w in workers))
+    return s
+
+
+def submit(s: SchedulerState, client: str, tasks: list[dict[str, Any]], wanted: list[str]):
+    return s.handle_stimulus(UpdateGraph("ug", client=client, tasks=tasks, wanted=wanted))
+
+
+def run(s: SchedulerState, key: str, worker: str = W1, nbytes: int = 8) -> list[Instruction]:
+    """A worker claims ``key`` and finishes it."""
+    out = s.handle_stimulus(TaskClaimed("claim", worker=worker, keys=[key]))
+    assert s.tasks[key].state == "processing"
+    return out + s.handle_stimulus(
+        TaskFinished("fin", worker=worker, key=key, nbytes=nbytes, type="int")
+    )
+
+
+def fail(s: SchedulerState, key: str, worker: str = W1, text: str = "ZeroDivisionError: x"):
+    s.handle_stimulus(TaskClaimed("claim", worker=worker, keys=[key]))
+    return s.handle_stimulus(
+        TaskErred(
+            "err",
+            worker=worker,
+            key=key,
+            exception=b"pickled-exc",
+            traceback=b"pickled-tb",
+            exception_text=text,
+            traceback_text="Traceback ...",
+        )
+    )
+
+
+def of(instructions: list[Instruction], cls: type) -> list[Any]:
+    return [i for i in instructions if isinstance(i, cls)]
+
+
+def client_msgs(instructions: list[Instruction], op: str, client: str | None = None) -> list:
+    return [
+        i.msg
+        for i in of(instructions, ClientMsg)
+        if i.msg["op"] == op and (client is None or i.client == client)
+    ]
+
+
+def freed(instructions: list[Instruction], worker: str | None = None) -> set[str]:
+    return {
+        k
+        for i in of(instructions, WorkerMsg)
+        if i.msg["op"] == "free-keys" and (worker is None or i.worker == worker)
+        for k in i.msg["keys"]
+    }
+
+
+def net_ready(instructions: list[Instruction]) -> dict[str, float | None]:
+    """The ready set's net change, as the driver coalesces it (None: removed)."""
+    net: dict[str, float | None] = {}
+    for i in instructions:
+        if isinstance(i, Enqueue):
+            net[i.key] = i.score
+        elif isinstance(i, Dequeue):
+            net[i.key] = None
+    return net
+
+
+def states(s: SchedulerState) -> dict[str, str]:
+    return {k: ts.state for k, ts in s.tasks.items()}
+
+
+# --------------------------------------------------------------------------- one task
+
+
+def test_single_task_lifecycle():
+    s = make(W1)
+    out = submit(s, "c", [task("x")], ["x"])
+    assert s.tasks["x"].state == "queued"
+    (store,) = of(out, StoreTask)
+    assert (store.key, store.spec, store.deps, store.state) == ("x", b"spec-x", [], "released")
+    (enq,) = of(out, Enqueue)
+    assert enq.key == "x" and enq.score == priority_score(0, 1) == store.score
+    assert any(isinstance(i, SetState) and i.state == "queued" for i in out)
+    assert of(out, SetWants)[0].add == ["x"]
+    assert s.tasks["x"].who_wants == {"c"}
+
+    out = s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["x"]))
+    assert s.tasks["x"].state == "processing" and s.tasks["x"].processing_on == W1
+    assert s.tasks["x"] in s.workers[W1].processing
+    assert out == []  # the claim script already wrote everything
+
+    out = s.handle_stimulus(TaskFinished("fin", worker=W1, key="x", nbytes=28, type="int"))
+    ts = s.tasks["x"]
+    assert ts.state == "memory" and ts.who_has == {W1} and ts.processing_on is None
+    assert ts in s.workers[W1].has_what and not s.workers[W1].processing
+    assert [u.key for u in of(out, Unclaim)] == ["x"]
+    (msg,) = client_msgs(out, "key-in-memory", "c")
+    assert msg == {"op": "key-in-memory", "key": "x", "who_has": [W1], "nbytes": 28, "type": "int"}
+    (st,) = [i for i in of(out, SetState) if i.key == "x"]
+    assert st.state == "memory" and st.fields["who_has"] == W1
+
+    out = s.handle_stimulus(ClientReleasesKeys("rel", client="c", keys=["x"]))
+    assert "x" not in s.tasks
+    assert freed(out, W1) == {"x"}
+    assert [f.key for f in of(out, Forget)] == ["x"]
+    assert of(out, SetWants)[0].remove == ["x"]
+
+
+def test_desiring_a_finished_key_reports_it_at_once():
+    s = make(W1)
+    submit(s, "a", [task("x")], ["x"])
+    run(s, "x")
+    out = s.handle_stimulus(ClientDesiresKeys("d", client="b", keys=["x"]))
+    assert client_msgs(out, "key-in-memory", "b")[0]["key"] == "x"
+    assert s.tasks["x"].who_wants == {"a", "b"}
+
+
+def test_resubmitting_a_key_does_not_duplicate_it():
+    s = make(W1)
+    submit(s, "c", [task("x")], ["x"])
+    out = submit(s, "c", [task("x")], ["x"])
+    assert not of(out, StoreTask) and not of(out, Enqueue)
+    assert s.tasks["x"].state == "queued"
+
+
+# --------------------------------------------------------------------------- priorities
+
+
+def test_priority_scores_user_priority_first_then_submission_order():
+    s = make(W1)
+    out = submit(
+        s,
+        "c",
+        [
+            task("a"),
+            task("b", priority=5),
+            task("c"),
+            task("d", priority=-1),
+            task("e", priority=5),
+        ],
+        ["a", "b", "c", "d", "e"],
+    )
+    scores = {e.key: e.score for e in of(out, Enqueue)}
+    assert sorted(scores, key=scores.__getitem__) == ["b", "e", "a", "c", "d"]
+    # a later submission with a higher priority still overtakes the earlier ones
+    out = submit(s, "c", [task("z", priority=1)], ["z"])
+    z = of(out, Enqueue)[0].score
+    assert scores["b"] < z < scores["a"]
+    assert priority_score(1, 2) < priority_score(0, 1) < priority_score(0, 2)
+
+
+def test_dependents_are_queued_in_priority_order():
+    s = make(W1)
+    out = submit(
+        s,
+        "c",
+        [task("root"), task("lo", ["root"]), task("hi", ["root"], priority=3)],
+        ["lo", "hi"],
+    )
+    assert [e.key for e in of(out, Enqueue)] == ["root"]
+    out = run(s, "root")
+    assert [e.key for e in of(out, Enqueue)] == ["hi", "lo"]
+
+
+# --------------------------------------------------------------------------- chains
+
+
+def test_chain_waits_releases_and_forgets():
+    s = make(W1, W2)
+    out = submit(s, "c", [task("a"), task("b", ["a"]), task("c", ["b"])], ["c"])
+    assert states(s) == {"a": "queued", "b": "waiting", "c": "waiting"}
+    assert [e.key for e in of(out, Enqueue)] == ["a"]
+
+    out = run(s, "a", W1)
+    assert states(s) == {"a": "memory", "b": "queued", "c": "waiting"}
+    assert [e.key for e in of(out, Enqueue)] == ["b"]
+    assert not client_msgs(out, "key-in-memory")  # nobody wants a itself
+
+    out = run(s, "b", W2)
+    # a: nobody wants it, b (its only dependent) is done -> released on its holder ...
+    assert freed(out) == {"a"} and freed(out, W1) == {"a"}
+    assert s.tasks["a"].state == "released" and not s.tasks["a"].who_has
+    # ... but NOT forgotten: b's graph history may need it to recompute b
+    assert "a" in s.tasks and not [f for f in of(out, Forget)]
+    assert states(s) == {"a": "released", "b": "memory", "c": "queued"}
+
+    out = run(s, "c", W1)
+    assert states(s) == {"a": "released", "b": "released", "c": "memory"}
+    assert freed(out, W2) == {"b"}
+    assert client_msgs(out, "key-in-memory", "c")[0]["key"] == "c"
+
+    out = s.handle_stimulus(ClientReleasesKeys("rel", client="c", keys=["c"]))
+    assert s.tasks == {}
+    assert {f.key for f in of(out, Forget)} == {"a", "b", "c"}
+    assert freed(out, W1) == {"c"}
+
+
+def test_diamond_shared_dependency_released_once_both_dependents_are_done():
+    s = make(W1)
+    submit(s, "c", [task("a"), task("b", ["a"]), task("d", ["a"])], ["b", "d"])
+    run(s, "a")
+    assert states(s) == {"a": "memory", "b": "queued", "d": "queued"}
+    out = run(s, "b")
+    assert s.tasks["a"].state == "memory" and not freed(out)
+    out = run(s, "d")
+    assert s.tasks["a"].state == "released" and freed(out) == {"a"}
+
+
+def test_released_task_is_recomputed_when_wanted_again():
+    s = make(W1)
+    submit(s, "c", [task("a"), task("b", ["a"])], ["b"])
+    run(s, "a")
+    run(s, "b")
+    assert s.tasks["a"].state == "released"
+    out = s.handle_stimulus(ClientDesiresKeys("d", client="c", keys=["a"]))
+    assert s.tasks["a"].state == "queued" and [e.key for e in of(out, Enqueue)] == ["a"]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_task_erred_reports_to_client_and_dependents_inherit():
+    s = make(W1)
+    submit(s, "c", [task("a"), task("b", ["a"]), task("c", ["b"])], ["b", "c"])
+    out = fail(s, "a")
+    assert s.tasks["c"].state == "erred" and s.tasks["b"].state == "erred"
+    ts_a = s.tasks["a"]  # nobody wants a: released, but kept as history of b
+    assert ts_a.state == "released"
+    assert [u.key for u in of(out, Unclaim)] == ["a"]
+    msgs = {m["key"]: m for m in client_msgs(out, "task-erred", "c")}
+    assert set(msgs) == {"b", "c"}
+    for key in ("b", "c"):
+        assert msgs[key]["exception"] == b"pickled-exc"
+        assert msgs[key]["traceback"] == b"pickled-tb"
+        assert msgs[key]["exception_text"] == "ZeroDivisionError: x"
+        assert msgs[key]["exception_blame"] == "a"
+        assert msgs[key]["erred_on"] == W1
+        assert s.tasks[key].exception_blame == "a"
+    # nothing is queued for erred tasks; releasing forgets everything
+    s.handle_stimulus(ClientReleasesKeys("rel", client="c", keys=["b", "c"]))
+    assert s.tasks == {}
+
+
+def test_erred_root_wanted_by_client_gets_its_own_message():
+    s = make(W1)
+    submit(s, "c", [task("a"), task("b", ["a"])], ["a", "b"])
+    out = fail(s, "a")
+    msgs = {m["key"]: m for m in client_msgs(out, "task-erred", "c")}
+    assert msgs["a"]["exception_blame"] == "" and msgs["b"]["exception_blame"] == "a"
+    assert s.tasks["a"].state == "erred" and s.tasks["a"].erred_on == W1
+    # a client asking later is told at once
+    out = s.handle_stimulus(ClientDesiresKeys("d", client="late", keys=["b"]))
+    assert client_msgs(out, "task-erred", "late")[0]["exception_blame"] == "a"
+
+
+def test_submitting_onto_an_erred_dependency_errs_at_once():
+    s = make(W1)
+    submit(s, "c", [task("a")], ["a"])
+    fail(s, "a")
+    out = submit(s, "c", [task("b", ["a"])], ["b"])
+    assert s.tasks["b"].state == "erred" and s.tasks["b"].exception_blame == "a"
+    assert client_msgs(out, "task-erred", "c")[0]["key"] == "b"
+    assert not of(out, Enqueue)
+
+
+def test_error_propagates_down_a_long_chain_without_recursion():
+    n = 1000
+    s = make(W1)
+    tasks = [task("t0")] + [task(f"t{i}", [f"t{i - 1}"]) for i in range(1, n)]
+    submit(s, "c", tasks, [f"t{n - 1}"])
+    out = fail(s, "t0")
+    assert all(s.tasks[f"t{i}"].state in ("erred", "released") for i in range(n))
+    last = s.tasks[f"t{n - 1}"]
+    assert last.state == "erred" and last.exception_blame == "t0"
+    assert client_msgs(out, "task-erred", "c")[0]["key"] == f"t{n - 1}"
+    out = s.handle_stimulus(ClientReleasesKeys("rel", client="c", keys=[f"t{n - 1}"]))
+    assert s.tasks == {} and len(of(out, Forget)) == n
+
+
+def test_long_chain_runs_and_is_forgotten_iteratively():
+    n = 1000
+    s = make(W1)
+    tasks = [task("t0")] + [task(f"t{i}", [f"t{i - 1}"]) for i in range(1, n)]
+    submit(s, "c", tasks, [f"t{n - 1}"])
+    s.validate = False  # O(n) each; this test is about recursion depth
+    for i in range(n):
+        run(s, f"t{i}")
+    s.validate = True
+    out = s.handle_stimulus(ClientReleasesKeys("rel", client="c", keys=[f"t{n - 1}"]))
+    assert s.tasks == {} and len(of(out, Forget)) == n
+
+
+def test_cancelling_a_long_waiting_chain():
+    n = 2000
+    s = make(W1)
+    tasks = [task("t0")] + [task(f"t{i}", [f"t{i - 1}"]) for i in range(1, n)]
+    submit(s, "c", tasks, [f"t{n - 1}"])
+    out = s.handle_stimulus(CancelKeys("cx", client="c", keys=[f"t{n - 1}"]))
+    assert s.tasks == {} and len(of(out, Forget)) == n
+    assert [d.key for d in of(out, Dequeue)] == ["t0"]
+
+
+def test_retries_requeue_before_erring():
+    s = make(W1, W2)
+    out = submit(s, "c", [task("x", retries=2)], ["x"])
+    score = of(out, Enqueue)[0].score
+    for attempt, left in ((1, 1), (2, 0)):
+        out = fail(s, "x", W1 if attempt == 1 else W2)
+        assert s.tasks["x"].state == "queued", attempt
+        assert s.tasks["x"].retries == left
+        assert [e.score for e in of(out, Enqueue)] == [score]
+        assert not client_msgs(out, "task-erred")
+        assert any(isinstance(i, SetState) and i.fields.get("retries") == left for i in out)
+        assert not s.workers[W1].processing and not s.workers[W2].processing
+    out = fail(s, "x", W1)
+    assert s.tasks["x"].state == "erred"
+    assert client_msgs(out, "task-erred", "c")[0]["key"] == "x"
+    assert not of(out, Enqueue)
+
+
+def test_retries_then_success():
+    s = make(W1)
+    submit(s, "c", [task("x", retries=1)], ["x"])
+    fail(s, "x")
+    out = run(s, "x")
+    assert s.tasks["x"].state == "memory" and client_msgs(out, "key-in-memory", "c")
+
+
+def test_error_from_a_worker_not_processing_the_task_is_ignored():
+    s = make(W1, W2)
+    submit(s, "c", [task("x")], ["x"])
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["x"]))
+    out = s.handle_stimulus(TaskErred("e", worker=W2, key="x", exception_text="boom"))
+    assert out == [] and s.tasks["x"].state == "processing"
+
+
+# --------------------------------------------------------------------------- clients
+
+
+def test_two_clients_want_the_same_key():
+    s = make(W1)
+    submit(s, "c1", [task("x")], ["x"])
+    submit(s, "c2", [task("x")], ["x"])
+    out = run(s, "x")
+    assert {i.client for i in of(out, ClientMsg)} == {"c1", "c2"}
+    out = s.handle_stimulus(ClientReleasesKeys("r1", client="c1", keys=["x"]))
+    assert s.tasks["x"].state == "memory" and s.tasks["x"].who_wants == {"c2"}
+    assert not freed(out)
+    out = s.handle_stimulus(ClientReleasesKeys("r2", client="c2", keys=["x"]))
+    assert "x" not in s.tasks and freed(out, W1) == {"x"}
+
+
+def test_releasing_a_key_one_does_not_want_is_a_no_op():
+    s = make(W1)
+    submit(s, "c1", [task("x")], ["x"])
+    out = s.handle_stimulus(ClientReleasesKeys("r", client="c2", keys=["x", "nope"]))
+    assert out == [] and s.tasks["x"].state == "queued"
+
+
+def test_close_client_releases_all_its_keys():
+    s = make(W1)
+    submit(s, "c1", [task("x"), task("y"), task("z", ["x"])], ["y", "z"])
+    submit(s, "c2", [task("y")], ["y"])
+    run(s, "x")
+    run(s, "y")
+    out = s.handle_stimulus(CloseClient("close", client="c1"))
+    assert "c1" not in s.clients
+    assert set(s.tasks) == {"y"} and s.tasks["y"].who_wants == {"c2"}
+    assert {d.key for d in of(out, Dequeue)} == {"z"}
+    assert any(
+        getattr(i, "client", None) == "c1" and type(i).__name__ == "ForgetClient" for i in out
+    )
+
+
+# --------------------------------------------------------------------------- cancel
+
+
+def test_cancel_queued_task():
+    s = make(W1)
+    submit(s, "c", [task("x")], ["x"])
+    out = s.handle_stimulus(CancelKeys("cx", client="c", keys=["x"]))
+    assert [d.key for d in of(out, Dequeue)] == ["x"]
+    assert client_msgs(out, "cancelled-keys", "c") == [{"op": "cancelled-keys", "keys": ["x"]}]
+    assert "x" not in s.tasks
+    # the claim that was already in flight is answered with unclaim + free-keys
+    out = s.handle_stimulus(TaskClaimed("late", worker=W1, keys=["x"]))
+    assert [(u.worker, u.key) for u in of(out, Unclaim)] == [(W1, "x")]
+    assert freed(out, W1) == {"x"}
+
+
+def test_cancel_processing_task():
+    s = make(W1)
+    submit(s, "c", [task("x")], ["x"])
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["x"]))
+    out = s.handle_stimulus(CancelKeys("cx", client="c", keys=["x"]))
+    assert freed(out, W1) == {"x"}
+    assert [(u.worker, u.key) for u in of(out, Unclaim)] == [(W1, "x")]
+    assert "x" not in s.tasks and not s.workers[W1].processing
+    # its late result is dropped
+    out = s.handle_stimulus(TaskFinished("fin", worker=W1, key="x", nbytes=1))
+    assert freed(out, W1) == {"x"} and "x" not in s.tasks
+
+
+def test_cancel_cascades_to_the_clients_dependents():
+    s = make(W1)
+    submit(s, "c", [task("a"), task("b", ["a"]), task("other")], ["a", "b", "other"])
+    out = s.handle_stimulus(CancelKeys("cx", client="c", keys=["a"]))
+    assert set(client_msgs(out, "cancelled-keys", "c")[0]["keys"]) == {"a", "b"}
+    assert set(s.tasks) == {"other"}
+
+
+def test_cancel_keeps_a_key_another_client_wants():
+    s = make(W1)
+    submit(s, "c1", [task("x")], ["x"])
+    submit(s, "c2", [task("x")], ["x"])
+    out = s.handle_stimulus(CancelKeys("cx", client="c1", keys=["x"]))
+    assert s.tasks["x"].state == "queued" and not of(out, Dequeue)
+
+
+# --------------------------------------------------------------------------- claims
+
+
+def test_claim_for_released_or_unknown_task_is_refused():
+    s = make(W1)
+    submit(s, "c", [task("a"), task("b", ["a"])], ["b"])
+    out = s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["b", "ghost"]))
+    assert {(u.worker, u.key) for u in of(out, Unclaim)} == {(W1, "b"), (W1, "ghost")}
+    assert freed(out, W1) == {"b", "ghost"}
+    assert s.tasks["b"].state == "waiting"
+
+
+def test_claim_by_a_worker_removed_meanwhile_puts_the_task_back():
+    """The claim script popped x from the ready set before the remove-worker event (earlier
+    in the stream) was applied: x must go back to the ready set, not stay lost."""
+    s = make(W1, W2)
+    submit(s, "c", [task("x")], ["x"])
+    s.handle_stimulus(RemoveWorker("rm", worker=W2))
+    out = s.handle_stimulus(TaskClaimed("claim", worker=W2, keys=["x"]))
+    assert [(u.worker, u.key) for u in of(out, Unclaim)] == [(W2, "x")]
+    assert freed(out, W2) == {"x"}
+    assert s.tasks["x"].state == "queued"
+    assert net_ready(out) == {"x": s.tasks["x"].score}
+    assert any(isinstance(i, SetState) and i.state == "queued" for i in out)
+    run(s, "x", W1)
+
+
+# --------------------------------------------------------------------------- scatter
+
+
+def test_update_data_scatter_and_dependent_runs():
+    s = make(W1, W2)
+    out = s.handle_stimulus(
+        UpdateData("sc", client="c", who_has={"d": [W2]}, nbytes={"d": 100}, types={"d": "list"})
+    )
+    ts = s.tasks["d"]
+    assert ts.state == "memory" and ts.who_has == {W2} and ts.nbytes == 100
+    assert ts in s.workers[W2].has_what and ts.who_wants == {"c"}
+    assert not ts.has_spec
+    (store,) = of(out, StoreTask)
+    assert store.spec is None
+    assert client_msgs(out, "key-in-memory", "c")[0]["who_has"] == [W2]
+
+    out = submit(s, "c", [task("f", ["d"])], ["f"])
+    assert s.tasks["f"].state == "queued" and [e.key for e in of(out, Enqueue)] == ["f"]
+    run(s, "f", W1)
+    assert s.tasks["f"].state == "memory"
+    assert s.tasks["d"].state == "memory"  # still wanted by the client
+    s.handle_stimulus(ClientReleasesKeys("r", client="c", keys=["d", "f"]))
+    assert s.tasks == {}
+
+
+def test_scatter_wakes_a_waiting_dependent():
+    s = make(W1)
+    out = submit(s, "c", [task("f", ["d"])], ["f"])
+    # d was neither submitted nor held: f errs with a clear message
+    assert s.tasks["f"].state == "erred"
+    (msg,) = client_msgs(out, "task-erred", "c")
+    assert msg["exception_blame"] == "d"
+    assert "'d'" in msg["exception_text"] and "not on any worker" in msg["exception_text"]
+    assert "KeyError" in msg["exception_text"]
+
+
+def test_dependency_missing_in_the_same_graph():
+    s = make(W1)
+    submit(s, "c", [task("a"), task("b", ["a", "ghost"])], ["b"])
+    assert s.tasks["b"].state == "erred" and s.tasks["b"].exception_blame == "ghost"
+    assert "ghost" in s.tasks["b"].exception_text
+    assert s.tasks["a"].state != "queued" or s.tasks["a"].waiters == set()
+    s.handle_stimulus(ClientReleasesKeys("r", client="c", keys=["b"]))
+    assert s.tasks == {}
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def test_remove_worker_requeues_its_processing_tasks():
+    s = make(W1, W2)
+    submit(s, "c", [task("x"), task("y")], ["x", "y"])
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["x", "y"]))
+    out = s.handle_stimulus(RemoveWorker("rm", worker=W1, reason="heartbeat"))
+    assert states(s) == {"x": "queued", "y": "queued"}
+    assert {e.key for e in of(out, Enqueue)} == {"x", "y"}
+    assert {(u.worker, u.key) for u in of(out, Unclaim)} == {(W1, "x"), (W1, "y")}
+    assert W1 not in s.workers
+    run(s, "x", W2)
+    assert s.tasks["x"].who_has == {W2}
+
+
+def test_remove_worker_recomputes_lost_wanted_data():
+    s = make(W1, W2)
+    submit(s, "c", [task("x"), task("y")], ["x", "y"])
+    run(s, "x", W1)
+    run(s, "y", W2)
+    s.handle_stimulus(AddKeys("ak", worker=W2, keys=["x"]))  # a replica of x on W2
+    out = s.handle_stimulus(RemoveWorker("rm", worker=W2))
+    assert s.tasks["x"].state == "memory" and s.tasks["x"].who_has == {W1}
+    assert s.tasks["y"].state == "queued" and [e.key for e in of(out, Enqueue)] == ["y"]
+
+
+def test_remove_worker_requeues_processing_task_whose_dependency_was_lost_there():
+    s = make(W1, W2)
+    submit(s, "c", [task("a"), task("b", ["a"])], ["b"])
+    run(s, "a", W1)
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["b"]))
+    out = s.handle_stimulus(RemoveWorker("rm", worker=W1))
+    # a's only copy was on W1: recompute a, b waits for it again
+    assert states(s) == {"a": "queued", "b": "waiting"}
+    assert net_ready(out) == {"a": s.tasks["a"].score, "b": None}
+    run(s, "a", W2)
+    run(s, "b", W2)
+    assert s.tasks["b"].state == "memory"
+
+
+def test_remove_worker_sends_queued_dependent_back_to_waiting():
+    s = make(W1, W2)
+    submit(s, "c", [task("a"), task("b", ["a"])], ["b"])
+    run(s, "a", W1)
+    assert s.tasks["b"].state == "queued"
+    out = s.handle_stimulus(RemoveWorker("rm", worker=W1))
+    assert states(s) == {"a": "queued", "b": "waiting"}
+    assert [d.key for d in of(out, Dequeue)] == ["b"]
+    # a claim of b that raced with the removal is refused
+    out = s.handle_stimulus(TaskClaimed("claim", worker=W2, keys=["b"]))
+    assert freed(out, W2) == {"b"}
+
+
+def test_remove_worker_updates_waiting_dependent():
+    s = make(W1, W2)
+    submit(s, "c", [task("a"), task("z"), task("b", ["a", "z"])], ["b"])
+    run(s, "a", W1)
+    assert s.tasks["b"].waiting_on == {s.tasks["z"]}
+    s.handle_stimulus(RemoveWorker("rm", worker=W1))
+    assert s.tasks["b"].waiting_on == {s.tasks["a"], s.tasks["z"]}
+    run(s, "z", W2)
+    assert s.tasks["b"].state == "waiting"
+    run(s, "a", W2)
+    assert s.tasks["b"].state == "queued"
+
+
+def test_lost_scattered_data_errs_its_dependents_clearly():
+    s = make(W1, W2)
+    s.handle_stimulus(UpdateData("sc", client="c", who_has={"d": [W1]}, nbytes={"d": 1}))
+    submit(s, "c", [task("z"), task("f", ["d", "z"])], ["f"])
+    assert s.tasks["f"].state == "waiting"
+    out = s.handle_stimulus(RemoveWorker("rm", worker=W1))
+    assert s.tasks["f"].state == "erred"
+    msgs = {m["key"]: m for m in client_msgs(out, "task-erred", "c")}
+    assert set(msgs) == {"d", "f"}
+    assert "scattered" in msgs["f"]["exception_text"] and msgs["f"]["exception_blame"] == "d"
+    # z is not needed any more: dequeued
+    assert s.tasks["z"].state == "released" and net_ready(out) == {"z": None}
+    s.handle_stimulus(ClientReleasesKeys("r", client="c", keys=["f", "d"]))
+    assert s.tasks == {}
+
+
+def test_remove_unknown_worker_is_a_no_op():
+    s = make(W1)
+    assert s.handle_stimulus(RemoveWorker("rm", worker=W3)) == []
+
+
+def test_finished_by_an_unknown_worker_is_dropped():
+    s = make(W1)
+    submit(s, "c", [task("x")], ["x"])
+    out = s.handle_stimulus(TaskFinished("fin", worker=W3, key="x"))
+    assert freed(out, W3) == {"x"} and s.tasks["x"].state == "queued"
+
+
+def test_late_result_of_a_requeued_task_is_accepted_and_dequeued():
+    """A worker removed (say, by a missed heartbeat) finishes its task after all."""
+    s = make(W1, W2)
+    submit(s, "c", [task("x")], ["x"])
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["x"]))
+    s.handle_stimulus(RemoveWorker("rm", worker=W1))
+    assert s.tasks["x"].state == "queued"
+    s.handle_stimulus(AddWorker("back", worker=W1))
+    out = s.handle_stimulus(TaskFinished("fin", worker=W1, key="x", nbytes=3))
+    assert s.tasks["x"].state == "memory" and s.tasks["x"].who_has == {W1}
+    # it must leave the ready set, or another worker would compute it again
+    assert [d.key for d in of(out, Dequeue)] == ["x"]
+    assert client_msgs(out, "key-in-memory", "c")
+
+
+def test_late_result_while_another_worker_processes_the_task():
+    s = make(W1, W2)
+    submit(s, "c", [task("x")], ["x"])
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["x"]))
+    s.handle_stimulus(RemoveWorker("rm", worker=W1))
+    s.handle_stimulus(TaskClaimed("claim", worker=W2, keys=["x"]))
+    s.handle_stimulus(AddWorker("back", worker=W1))
+    out = s.handle_stimulus(TaskFinished("fin", worker=W1, key="x", nbytes=3))
+    assert s.tasks["x"].state == "memory"
+    assert not s.workers[W2].processing
+    assert (W2, "x") in {(u.worker, u.key) for u in of(out, Unclaim)}
+    # W2's result arrives too: a second replica
+    s.handle_stimulus(TaskFinished("fin2", worker=W2, key="x", nbytes=3))
+    assert s.tasks["x"].who_has == {W1, W2}
+
+
+def test_missing_data_about_a_peer():
+    s = make(W1, W2, W3)
+    submit(s, "c", [task("a"), task("b", ["a"])], ["b"])
+    run(s, "a", W1)
+    s.handle_stimulus(AddKeys("ak", worker=W2, keys=["a"]))
+    s.handle_stimulus(TaskClaimed("claim", worker=W3, keys=["b"]))
+    out = s.handle_stimulus(MissingData("md", worker=W3, keys=["a"], errant_worker=W1))
+    assert s.tasks["a"].who_has == {W2} and s.tasks["a"].state == "memory"
+    assert s.tasks["a"] not in s.workers[W1].has_what
+    (msg,) = [i for i in of(out, WorkerMsg) if i.msg["op"] == "who-has"]
+    assert msg.worker == W3 and msg.msg["who_has"] == {"a": [W2]}
+    # the last copy goes missing too: recompute a; b is still processing on W3
+    out = s.handle_stimulus(MissingData("md2", worker=W3, keys=["a"], errant_worker=W2))
+    assert s.tasks["a"].state == "queued" and [e.key for e in of(out, Enqueue)] == ["a"]
+    run(s, "a", W1)
+    s.handle_stimulus(TaskFinished("fin", worker=W3, key="b", nbytes=1))
+    assert s.tasks["b"].state == "memory"
+
+
+def test_missing_data_of_the_last_copy_sends_queued_dependent_back():
+    s = make(W1, W2)
+    submit(s, "c", [task("a"), task("b", ["a"])], ["b"])
+    run(s, "a", W1)
+    s.handle_stimulus(MissingData("md", worker=W2, keys=["a"], errant_worker=W1))
+    assert states(s) == {"a": "queued", "b": "waiting"}
+
+
+def test_missing_data_for_unknown_key_or_non_holder_is_harmless():
+    s = make(W1, W2)
+    submit(s, "c", [task("a")], ["a"])
+    run(s, "a", W1)
+    out = s.handle_stimulus(MissingData("md", worker=W2, keys=["nope", "a"], errant_worker=W2))
+    assert s.tasks["a"].who_has == {W1}
+    assert all(i.msg["op"] == "who-has" for i in of(out, WorkerMsg))
+
+
+def test_released_keys_from_a_worker():
+    s = make(W1, W2)
+    submit(s, "c", [task("a"), task("x")], ["a", "x"])
+    run(s, "a", W1)
+    s.handle_stimulus(AddKeys("ak", worker=W2, keys=["a"]))
+    s.handle_stimulus(TaskClaimed("claim", worker=W2, keys=["x"]))
+    out = s.handle_stimulus(ReleasedKeys("rk", worker=W2, keys=["a", "x"]))
+    assert s.tasks["a"].who_has == {W1}
+    assert s.tasks["x"].state == "queued" and [e.key for e in of(out, Enqueue)] == ["x"]
+    out = s.handle_stimulus(ReleasedKeys("rk", worker=W1, keys=["a"]))
+    assert s.tasks["a"].state == "queued"  # still wanted: recompute
+
+
+# --------------------------------------------------------------------------- throughput
+
+
+def _drive(s: SchedulerState, ready: list[tuple[float, str]], worker: str, batch: int) -> int:
+    """Simulate a worker pulling ``batch`` keys at a time from the ready set."""
+    done = 0
+    dequeued: set[str] = set()
+    while ready:
+        keys = []
+        while ready and len(keys) < batch:
+            _, key = heapq.heappop(ready)
+            if key not in dequeued:
+                keys.append(key)
+        events: list[Event] = [TaskClaimed("c", worker=worker, keys=keys)]
+        events += [TaskFinished("f", worker=worker, key=k, nbytes=8, type="int") for k in keys]
+        for ins in s.handle_stimulus(*events):
+            if isinstance(ins, Enqueue):
+                heapq.heappush(ready, (ins.score, ins.key))
+            elif isinstance(ins, Dequeue):
+                dequeued.add(ins.key)
+        done += len(keys)
+    return done
+
+
+def _ready(instructions: list[Instruction]) -> list[tuple[float, str]]:
+    ready = [(i.score, i.key) for i in instructions if isinstance(i, Enqueue)]
+    heapq.heapify(ready)
+    return ready
+
+
+@pytest.mark.timeout(30)
+def test_throughput_map_10000():
+    n = 10_000
+    s = SchedulerState(validate=False)
+    t0 = time.perf_counter()
+    s.handle_stimulus(AddWorker("w", worker=W1))
+    out = submit(s, "c", [task(f"m{i}") for i in range(n)], [f"m{i}" for i in range(n)])
+    done = _drive(s, _ready(out), W1, batch=100)
+    s.handle_stimulus(ClientReleasesKeys("r", client="c", keys=[f"m{i}" for i in range(n)]))
+    elapsed = time.perf_counter() - t0
+    print(f"\nmap: {n} tasks, {elapsed * 1e6 / n:.1f} µs per task")
+    assert done == n and s.tasks == {}
+    assert elapsed < 3.0
+
+
+@pytest.mark.timeout(30)
+def test_throughput_tree_reduction_4096():
+    leaves = 4096
+    tasks = [task(f"l0-{i}") for i in range(leaves)]
+    level, width = 0, leaves
+    while width > 1:
+        tasks += [
+            task(f"l{level + 1}-{i}", [f"l{level}-{2 * i}", f"l{level}-{2 * i + 1}"])
+            for i in range(width // 2)
+        ]
+        level, width = level + 1, width // 2
+    root = f"l{level}-0"
+    s = SchedulerState(validate=False)
+    t0 = time.perf_counter()
+    s.handle_stimulus(AddWorker("w", worker=W1))
+    out = submit(s, "c", tasks, [root])
+    done = _drive(s, _ready(out), W1, batch=64)
+    elapsed = time.perf_counter() - t0
+    print(f"\ntree: {len(tasks)} tasks, {elapsed * 1e6 / len(tasks):.1f} µs per task")
+    assert done == len(tasks) == 2 * leaves - 1
+    assert s.tasks[root].state == "memory"
+    assert sum(ts.state == "memory" for ts in s.tasks.values()) == 1  # the rest released
+    assert elapsed < 3.0
+    s.validate_state()
+
+
+# --------------------------------------------------------------------------- protocol
+
+
+def test_from_dict_round_trips_every_event():
+    samples = [
+        UpdateGraph("s", client="c", tasks=[task("x", ["y"], priority=2)], wanted=["x"]),
+        ClientDesiresKeys("s", client="c", keys=["x"]),
+        ClientReleasesKeys("s", client="c", keys=["x"]),
+        CancelKeys("s", client="c", keys=["x", "y"]),
+        CloseClient("s", client="c"),
+        UpdateData("s", client="c", who_has={"x": [W1]}, nbytes={"x": 3}, types={"x": "int"}),
+        AddWorker("s", worker=W1, info={"nthreads": 2}),
+        RemoveWorker("s", worker=W1, reason="gone"),
+        TaskClaimed("s", worker=W1, keys=["x"]),
+        TaskFinished("s", worker=W1, key="x", nbytes=3, type="int", start=1.0, stop=2.5),
+        TaskErred("s", worker=W1, key="x", exception=b"e", traceback=None, exception_text="E"),
+        MissingData("s", worker=W1, keys=["x"], errant_worker=W2),
+        AddKeys("s", worker=W1, keys=["x"], nbytes={"x": 1}),
+        ReleasedKeys("s", worker=W1, keys=["x"]),
+    ]
+    assert {type(e).op for e in samples} == set(EVENTS)
+    for ev in samples:
+        d = ev.to_dict()
+        assert d["op"] == type(ev).op
+        back = Event.from_dict(d)
+        assert back == ev and type(back) is type(ev)
+        assert Event.from_dict(d, "other-id").stimulus_id == "other-id"
+
+
+def test_from_dict_defaults_missing_optional_fields():
+    ev = Event.from_dict({"op": "claimed", "worker": W1})
+    assert isinstance(ev, TaskClaimed) and ev.keys == [] and ev.stimulus_id == "replay"
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        {},
+        {"op": "no-such-op"},
+        {"op": None},
+        {"op": ["update-graph"]},  # unhashable
+        {"op": {"x": 1}},
+        {"op": "claimed", "worker": 5, "keys": ["x"]},
+        {"op": "claimed", "worker": W1, "keys": "x"},
+        {"op": "claimed", "worker": W1, "keys": [1, 2]},
+        {"op": "claimed", "worker": W1, "keys": [["x"]]},
+        {"op": "task-finished", "worker": W1, "key": "x", "nbytes": "big"},
+        {"op": "task-finished", "worker": W1, "key": "x", "start": "now"},
+        {"op": "task-finished", "worker": W1, "key": None},
+        {"op": "task-erred", "worker": W1, "key": "x", "exception": "not-bytes"},
+        {"op": "update-graph", "client": "c", "tasks": "x", "wanted": []},
+        {"op": "update-graph", "client": "c", "tasks": [1], "wanted": []},
+        {"op": "update-graph", "client": "c", "tasks": [{"spec": b""}], "wanted": []},
+        {"op": "update-graph", "client": "c", "tasks": [{"key": 1}], "wanted": []},
+        {"op": "update-graph", "client": "c", "tasks": [{"key": "x", "deps": "y"}]},
+        {"op": "update-graph", "client": "c", "tasks": [{"key": "x", "deps": [1]}]},
+        {"op": "update-graph", "client": "c", "tasks": [{"key": "x", "priority": "hi"}]},
+        {"op": "update-graph", "client": "c", "tasks": [{"key": "x", "retries": "2"}]},
+        {"op": "update-graph", "client": "c", "tasks": [{"key": "x", "spec": "str"}]},
+        {"op": "update-graph", "client": "c", "tasks": [], "wanted": [3]},
+        {"op": "update-graph", "client": ["c"], "tasks": []},
+        {"op": "update-data", "client": "c", "who_has": {"x": W1}},
+        {"op": "update-data", "client": "c", "who_has": {"x": [1]}},
+        {"op": "update-data", "client": "c", "who_has": {1: [W1]}},
+        {"op": "update-data", "client": "c", "who_has": {"x": [W1]}, "nbytes": {"x": "1"}},
+        {"op": "add-keys", "worker": W1, "keys": ["x"], "nbytes": {"x": None}},
+        {"op": "add-worker", "worker": W1, "info": []},
+        {"op": "close-client", "client": "c", "stimulus_id": 7},
+        {"op": "missing-data", "worker": W1, "keys": ["x"], "errant_worker": 3},
+    ],
+)
+def test_from_dict_rejects_malformed_messages(msg):
+    with pytest.raises(ProtocolError):
+        Event.from_dict(msg)
+
+
+def test_accepted_messages_never_crash_the_machine():
+    """Whatever from_dict accepts, handle_stimulus must survive (messages from strangers)."""
+    s = make(W1)
+    for msg in [
+        {"op": "update-graph", "client": "c", "tasks": [{"key": "x"}], "wanted": ["x", "nope"]},
+        {"op": "claimed", "worker": W1, "keys": ["x", "x"]},
+        {"op": "task-finished", "worker": W1, "key": "nope"},
+        {"op": "task-erred", "worker": W2, "key": "x"},
+        {"op": "client-releases-keys", "client": "ghost", "keys": ["x"]},
+        {"op": "cancel-keys", "client": "ghost", "keys": ["nope"]},
+        {"op": "close-client", "client": "ghost"},
+        {"op": "missing-data", "worker": W1, "keys": ["nope"]},
+        {"op": "released-keys", "worker": W2, "keys": ["x"]},
+        {"op": "add-keys", "worker": W2, "keys": ["x"]},
+        {"op": "remove-worker", "worker": W2},
+    ]:
+        s.handle_stimulus(Event.from_dict(msg))
+
+
+# --------------------------------------------------------------------------- randomized
+
+
+class Model:
+    """What Redis would hold: the ready set and each worker's processing set."""
+
+    def __init__(self) -> None:
+        self.ready: dict[str, float] = {}
+        self.processing: dict[str, set[str]] = {}
+
+    def apply(self, instructions: list[Instruction]) -> None:
+        for ins in instructions:
+            if isinstance(ins, Enqueue):
+                self.ready[ins.key] = ins.score
+            elif isinstance(ins, Dequeue):
+                self.ready.pop(ins.key, None)
+            elif isinstance(ins, Unclaim):
+                self.processing.get(ins.worker, set()).discard(ins.key)
+
+    def claim(self, s: SchedulerState, worker: str, n: int) -> list[str]:
+        if worker not in s.workers:  # the claim script refuses unregistered workers
+            return []
+        keys = sorted(self.ready, key=self.ready.__getitem__)[:n]
+        for k in keys:
+            del self.ready[k]
+        self.processing.setdefault(worker, set()).update(keys)
+        return keys
+
+
+def _random_events(rng: random.Random, s: SchedulerState, model: Model, step: int):
+    workers = [W1, W2, W3]
+    clients = ["c1", "c2"]
+    keys = [f"k{i}" for i in range(12)]
+    sid = f"r{step}"
+    r = rng.random()
+    known = list(s.tasks)
+    if r < 0.15:
+        n = rng.randint(1, 4)
+        new = rng.sample(keys, n)
+        tasks = []
+        for i, k in enumerate(new):
+            pool = [x for x in keys if x < k] if rng.random() < 0.9 else keys[:2]
+            deps = rng.sample(pool, min(len(pool), rng.randint(0, 2)))
+            deps = [d for d in deps if d != k]
+            tasks.append(task(k, deps, priority=rng.choice([0, 0, 1]), retries=rng.randint(0, 1)))
+            del i
+        wanted = rng.sample(new, rng.randint(1, n))
+        return UpdateGraph(sid, client=rng.choice(clients), tasks=tasks, wanted=wanted)
+    if r < 0.20:
+        return ClientDesiresKeys(sid, client=rng.choice(clients), keys=rng.sample(keys, 2))
+    if r < 0.27:
+        return ClientReleasesKeys(sid, client=rng.choice(clients), keys=rng.sample(keys, 2))
+    if r < 0.30:
+        return CancelKeys(sid, client=rng.choice(clients), keys=rng.sample(keys, 1))
+    if r < 0.31:
+        return CloseClient(sid, client=rng.choice(clients))
+    if r < 0.34:
+        return AddWorker(sid, worker=rng.choice(workers))
+    if r < 0.37:
+        return RemoveWorker(sid, worker=rng.choice(workers), reason="random")
+    if r < 0.39:
+        k = rng.choice(keys[8:])
+        return UpdateData(sid, client=rng.choice(clients), who_has={k: [rng.choice(workers)]})
+    if r < 0.55:
+        w = rng.choice(workers)
+        return TaskClaimed(sid, worker=w, keys=model.claim(s, w, rng.randint(1, 3)))
+    processing = [ts for ts in s.tasks.values() if ts.state == "processing"]
+    if r < 0.80 and processing:
+        ts = rng.choice(processing)
+        w = ts.processing_on if rng.random() < 0.9 else rng.choice(workers)
+        if rng.random() < 0.8:
+            return TaskFinished(sid, worker=w, key=ts.key, nbytes=rng.randint(1, 100))
+        return TaskErred(sid, worker=w, key=ts.key, exception=b"e", exception_text="E")
+    if r < 0.88 and known:
+        k = rng.choice(known)
+        ts = s.tasks[k]
+        holders = sorted(ts.who_has) or workers
+        return MissingData(
+            sid, worker=rng.choice(workers), keys=[k], errant_worker=rng.choice(holders)
+        )
+    if r < 0.93 and known:
+        k = rng.choice(known)
+        holders = sorted(s.tasks[k].who_has) or workers
+        return AddKeys(sid, worker=rng.choice(workers), keys=[k])
+    if known:
+        k = rng.choice(known)
+        ts = s.tasks[k]
+        w = rng.choice(sorted(ts.who_has) or [ts.processing_on or rng.choice(workers)])
+        return ReleasedKeys(sid, worker=w, keys=[k])
+    return AddWorker(sid, worker=rng.choice(workers))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seed", range(20))
+def test_randomized(seed):
+    rng = random.Random(seed)
+    s = SchedulerState(validate=True)
+    model = Model()
+    for step in range(400):
+        ev = _random_events(rng, s, model, step)
+        try:
+            model.apply(s.handle_stimulus(ev))
+            # Redis' ready set and processing sets agree with the machine
+            queued = {k for k, ts in s.tasks.items() if ts.state == "queued"}
+            assert set(model.ready) == queued, set(model.ready) ^ queued
+            for w, ws in s.workers.items():
+                assert model.processing.get(w, set()) >= {t.key for t in ws.processing}
+        except Exception as exc:
+            raise AssertionError(f"seed={seed} step={step} event={ev!r}: {exc!r}") from exc
+    # drain: keep the workers busy until nothing is left to run
+    for step in range(400, 2000):
+        for w in (W1, W2, W3):
+            if w not in s.workers:
+                model.apply(s.handle_stimulus(AddWorker(f"a{step}", worker=w)))
+        ev = TaskClaimed(f"d{step}", worker=W1, keys=model.claim(s, W1, 4))
+        model.apply(s.handle_stimulus(ev))
+        evs = [
+            TaskFinished(f"d{step}", worker=ts.processing_on, key=ts.key, nbytes=1)
+            for ts in s.tasks.values()
+            if ts.state == "processing" and ts.processing_on is not None
+        ]
+        model.apply(s.handle_stimulus(*evs))
+        if not model.ready and not any(ts.state == "processing" for ts in s.tasks.values()):
+            break
+    pending = {k: ts.state for k, ts in s.tasks.items() if ts.state in ("waiting", "queued")}
+    assert not pending, f"seed={seed}: stuck tasks {pending}"
+    for client in list(s.clients):
+        s.handle_stimulus(CloseClient("bye", client=client))
+    assert s.tasks == {} or all(
+        ts.state == "released" and not ts.has_spec for ts in s.tasks.values()
+    ), f"seed={seed}: left over {states(s)}"
+
+
+def test_submitted_task_nobody_needs_is_forgotten():
+    s = make(W1)
+    out = submit(s, "c", [task("a"), task("b", ["a"]), task("orphan")], ["b"])
+    assert "orphan" not in s.tasks and "orphan" in {f.key for f in of(out, Forget)}
+    assert states(s) == {"a": "queued", "b": "waiting"}
+
+
+def test_scatter_over_a_processing_task_replaces_its_run():
+    s = make(W1, W2)
+    submit(s, "c", [task("x"), task("y")], ["x", "y"])
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["x"]))
+    out = s.handle_stimulus(UpdateData("sc", client="c", who_has={"x": [W2], "y": [W2]}))
+    assert states(s) == {"x": "memory", "y": "memory"}
+    assert not s.workers[W1].processing and freed(out, W1) == {"x"}
+    assert net_ready(out) == {"y": None}
