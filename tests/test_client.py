@@ -27,10 +27,6 @@ def div(a: float, b: float) -> float:
     return a / b
 
 
-def total(*args: int) -> int:
-    return sum(args)
-
-
 def where() -> str:
     from workers import get_worker
 
@@ -86,18 +82,17 @@ def test_dict_graph_with_tuple_keys(client: Client) -> None:
         ("x", 0): 1,
         ("x", 1): (inc, ("x", 0)),
         "y": (add, ("x", 0), ("x", 1)),
-        "z": (total, [("x", 0), ("x", 1), "y"]),  # keys inside a list
+        "z": (sum, [("x", 0), ("x", 1), "y"]),  # keys inside a list
         "w": (add, (inc, "y"), 100),  # a nested task
     }
-    dsk["z"] = (sum, [("x", 0), ("x", 1), "y"])
     assert client.get(dsk, "y") == 3
     assert client.get(dsk, ["z", ["w"]]) == [6, [104]]
 
 
 def test_futures_nested_in_arguments(client: Client) -> None:
     a, b = client.submit(inc, 1), client.submit(inc, 2)
-    f = client.submit(lambda xs, d: sum(xs) + d["k"], [a, (b,)][:1] + [b], {"k": a})
-    assert f.result(timeout=10) == 2 + 3 + 2
+    f = client.submit(lambda xs, t, d: sum(xs) + t[0] + d["k"], [a, b], (b,), {"k": a})
+    assert f.result(timeout=10) == (2 + 3) + 3 + 2
 
 
 def test_pure_and_impure_keys(client: Client) -> None:
