@@ -224,7 +224,7 @@ class Scheduler:
         worker_msgs: dict[str, list[dict[str, Any]]] = defaultdict(list)
         free_keys: dict[str, list[str]] = defaultdict(list)
         unclaims: dict[str, list[str]] = defaultdict(list)
-        new_tasks: list[str] = []
+        exists: dict[str, bool] = {}  # task key -> stored (True) or forgotten (False), last wins
         forgotten: list[str] = []
         for ins in instructions:
             if isinstance(ins, SetState):
@@ -236,7 +236,7 @@ class Scheduler:
                 f.update(state=ins.state, deps=schema.pack(ins.deps), score=ins.score)
                 if ins.spec is not None:
                     f["spec"] = ins.spec
-                new_tasks.append(ins.key)
+                exists[ins.key] = True
             elif isinstance(ins, Enqueue):
                 if ins.workers:
                     for worker in ins.workers:
@@ -260,6 +260,7 @@ class Scheduler:
             elif isinstance(ins, Forget):
                 task_fields.pop(ins.key, None)
                 forgotten.append(ins.key)
+                exists[ins.key] = False
             elif isinstance(ins, SetWants):
                 if ins.add:
                     cmds.extend(_chunked(["SADD", k.client_wants(ins.client)], ins.add))
@@ -283,16 +284,18 @@ class Scheduler:
                 ]
             else:  # pragma: no cover - a new instruction without a translation is a bug
                 raise TypeError(f"no Redis translation for {ins!r}")
-        if new_tasks:
-            cmds.extend(_chunked(["SADD", k.tasks], new_tasks))
+        # a key forgotten and submitted again in one batch: delete first, then write afresh
+        cmds.extend(["DEL", k.task(key)] for key in forgotten)
+        gone = [key for key, stored in exists.items() if not stored]
+        if gone:
+            cmds.extend(_chunked(["SREM", k.tasks], gone))
+        stored = [key for key, stored in exists.items() if stored]
+        if stored:
+            cmds.extend(_chunked(["SADD", k.tasks], stored))
         for key, fields in task_fields.items():
             cmds.append(["HSET", k.task(key), *[x for kv in fields.items() for x in kv]])
         if dequeue:
             cmds.extend(_chunked(["ZREM", k.ready], dequeue))
-        if forgotten:
-            for key in forgotten:
-                cmds.append(["DEL", k.task(key)])
-            cmds.extend(_chunked(["SREM", k.tasks], forgotten))
         for worker, keys in unclaims.items():
             cmds.extend(_chunked(["SREM", k.worker_processing(worker)], keys))
         for worker, keys in free_keys.items():
