@@ -1,0 +1,114 @@
+"""Bad input gets a clear error and loses nothing; strangers cannot hurt a worker."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from redisdask import Client, ClusterConnectionError
+from redisdask.comm import encode_message, parse_address
+from redisdask.schema import Keys, entry
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def inc(x: int) -> int:
+    return x + 1
+
+
+def make_lock() -> threading.Lock:
+    return threading.Lock()
+
+
+def test_unpicklable_function_fails_at_submit(redis_url: str, cluster_name: str) -> None:
+    keys = Keys(cluster_name)
+    lock = threading.Lock()
+    with Client(redis_url, cluster_name=cluster_name) as client:
+        with pytest.raises(TypeError, match=r"could not pickle the function .*lock"):
+            client.submit(lambda: lock.locked())
+        with pytest.raises(TypeError, match=r"argument 1 \(lock"):
+            client.submit(pow, 2, lock)
+        with pytest.raises(TypeError, match=r"keyword argument 'x'"):
+            client.submit(dict, x=lock)
+        # nothing reached Redis (no scheduler runs here, so the stream would keep it)
+        assert redis.Redis.from_url(redis_url).xlen(keys.client_stream) == 0
+
+
+def test_unreachable_redis_is_a_clear_connection_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    url = f"redis://:hunter2@127.0.0.1:{port}/0"
+    start = time.monotonic()
+    with pytest.raises(ConnectionError) as info:
+        Client(url, timeout=2)
+    assert time.monotonic() - start < 10
+    assert isinstance(info.value, ClusterConnectionError)
+    assert f"127.0.0.1:{port}" in str(info.value)
+    assert "hunter2" not in str(info.value)  # no secrets in messages
+
+
+def test_invalid_redis_url_is_named() -> None:
+    with pytest.raises(ClusterConnectionError, match="invalid Redis URL 'http://nowhere'"):
+        Client("http://nowhere")
+
+
+def test_unpicklable_result_errs_the_task_and_the_worker_keeps_going(client: Client) -> None:
+    f = client.submit(make_lock)
+    with pytest.raises(TypeError, match=r"result of task .* cannot be pickled"):
+        f.result(timeout=10)
+    assert client.submit(inc, 1).result(timeout=10) == 2
+
+
+def test_stranger_on_a_worker_port_is_dropped_and_nothing_is_unpickled(
+    client: Client, tmp_path: Path
+) -> None:
+    a, b = sorted(client.scheduler_info()["workers"])
+    host, port = parse_address(a)
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            return (os.system, (f"touch {marker}",))
+
+    payload = b"".join(bytes(x) for x in encode_message({"op": "put-data"},
+                                                        [pickle.dumps(Evil())]))
+    for attack in (b"GET / HTTP/1.1\r\n\r\n", b"\xff" * 100_000, payload):
+        with socket.create_connection((host, port), timeout=5) as s:
+            s.recv(64)  # the server's hello
+            try:
+                s.sendall(attack)
+                s.settimeout(5)
+                assert s.recv(1024) == b""  # dropped, no answer
+            except ConnectionResetError:
+                pass
+    assert not marker.exists()
+    # the worker still serves peers: a dependency moves from a to b
+    x = client.submit(inc, 1, workers=a)
+    assert client.submit(inc, x, workers=b).result(timeout=10) == 3
+
+
+def test_malformed_stream_entry_is_dead_lettered(client: Client, cluster) -> None:  # type: ignore[no-untyped-def]
+    r = redis.Redis.from_url(cluster.redis_url)
+    keys = Keys(cluster.cluster_name)
+    r.xadd(keys.client_stream, {"m": b"\xc1 not msgpack"})
+    r.xadd(keys.client_stream, {"junk": b"1"})
+    r.xadd(keys.client_stream, entry([{"op": "update-graph", "client": 5, "tasks": "x"}]))
+    r.xadd(keys.worker_stream, entry([{"op": "no-such-op"}]))
+    assert client.submit(inc, 1).result(timeout=10) == 2  # the scheduler kept running
+    deadline = time.monotonic() + 10
+    while r.xlen(keys.dead_letter) < 4:
+        assert time.monotonic() < deadline, r.xrange(keys.dead_letter)
+        threading.Event().wait(0.01)
+    errors = [fields[b"error"].decode() for _id, fields in r.xrange(keys.dead_letter)]
+    assert any("not msgpack" in e for e in errors)
+    assert any("no 'm' field" in e for e in errors)
+    assert any("unknown op 'no-such-op'" in e for e in errors)
+    assert cluster.scheduler_process.poll() is None
