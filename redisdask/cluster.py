@@ -40,6 +40,7 @@ class LocalCluster:
         *,
         start_timeout: float = 30.0,
         log_directory: str | Path | None = None,
+        silence_logs: str = "WARNING",
         worker_options: dict[str, Any] | None = None,
     ) -> None:
         self.cluster_name = cluster_name or f"local-{uuid.uuid4().hex[:8]}"
@@ -56,6 +57,7 @@ class LocalCluster:
         self.redis = connect(redis_url)
         schema.ensure_cluster(self.redis, self.keys)
         self.log_directory = Path(log_directory) if log_directory else None
+        self.log_level = "INFO" if self.log_directory else silence_logs
         self.scheduler_process: subprocess.Popen[bytes] | None = None
         self.worker_processes: list[subprocess.Popen[bytes]] = []
         self._logs: list[Any] = []
@@ -76,7 +78,7 @@ class LocalCluster:
             self.log_directory.mkdir(parents=True, exist_ok=True)
             out = open(self.log_directory / f"{label}.log", "ab")  # noqa: SIM115 - kept open
             self._logs.append(out)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", REDISDASK__LOGGING__LEVEL=self.log_level)
         return subprocess.Popen(
             [sys.executable, "-m", "redisdask", *args],
             stdout=out,
