@@ -42,12 +42,14 @@ class LocalCluster:
         log_directory: str | Path | None = None,
         silence_logs: str = "WARNING",
         worker_options: dict[str, Any] | None = None,
+        scheduler_options: dict[str, Any] | None = None,
     ) -> None:
         self.cluster_name = cluster_name or f"local-{uuid.uuid4().hex[:8]}"
         self.keys = Keys(self.cluster_name)
         self.n_workers = n_workers
         self.threads_per_worker = threads_per_worker
         self.worker_options = worker_options or {}
+        self.scheduler_options = scheduler_options or {}
         self.start_timeout = start_timeout
         self.embedded: EmbeddedRedis | None = None
         if redis_url is None:
@@ -62,9 +64,7 @@ class LocalCluster:
         self.worker_processes: list[subprocess.Popen[bytes]] = []
         self._logs: list[Any] = []
         try:
-            self.scheduler_process = self._spawn(
-                ["scheduler", redis_url, "--cluster", self.cluster_name], "scheduler"
-            )
+            self.start_scheduler()
             for i in range(n_workers):
                 self.start_worker(name=f"worker-{i}")
             self.wait_for_workers(n_workers, timeout=start_timeout)
@@ -85,6 +85,14 @@ class LocalCluster:
             stderr=subprocess.STDOUT if out is not subprocess.DEVNULL else None,
             env=env,
         )
+
+    def start_scheduler(self) -> subprocess.Popen[bytes]:
+        """Start (or, after it died, restart) the scheduler process."""
+        args = ["scheduler", self.redis_url, "--cluster", self.cluster_name]
+        for option, value in self.scheduler_options.items():
+            args += [f"--{option.replace('_', '-')}", str(value)]
+        self.scheduler_process = self._spawn(args, "scheduler")
+        return self.scheduler_process
 
     def start_worker(self, name: str | None = None) -> subprocess.Popen[bytes]:
         args = [
