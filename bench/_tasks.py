@@ -1,0 +1,25 @@
+"""Task functions for bench/throughput.py, in their own module so that both redisdask
+and Dask pickle them by reference (``_tasks.noop``) rather than by value."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def noop(x: Any) -> Any:
+    return x
+
+
+def inc(x: int) -> int:
+    return x + 1
+
+
+def make_array(nbytes: int) -> Any:
+    import numpy as np
+
+    return np.ones(nbytes // 8)
+
+
+def consume(a: Any) -> int:
+    """Touch the array cheaply (the point is the transfer, not the compute)."""
+    return int(a.nbytes)
