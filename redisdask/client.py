@@ -395,8 +395,11 @@ class Client:
         pipe = self.redis.pipeline(transaction=False)
         for key in keys:
             pipe.hmget(self.keys.task(key), ["who_has", "state"])
-        for key, (who_has, _state) in zip(keys, pipe.execute(), strict=True):
-            self._state_for(key).who_has = (who_has or b"").decode().split()
+        for key, (who_has, state) in zip(keys, pipe.execute(), strict=True):
+            # the scheduler's record wins once it has one; until then (e.g. data scattered
+            # a moment ago, not yet processed) what this client knows stands
+            if state is not None:
+                self._state_for(key).who_has = (who_has or b"").decode().split()
 
     def who_has(self, futures: Any = None) -> dict[str, list[str]]:
         keys = [f.key for f in _flatten(futures)] if futures is not None else list(self._states)
