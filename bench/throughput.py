@@ -8,8 +8,8 @@ processes x 1 thread:
 2. median round trip of 200 sequential ``client.submit(inc, i).result()``;
 3. a 1,000-task dependency chain (``x = submit(inc, x)``), seconds;
 4. a 100 MB numpy array: ``client.gather`` from the worker holding it (client <- worker,
-   peer to peer, for both systems), and for Dask also worker -> worker via ``workers=``
-   (redisdask has no ``workers=`` yet);
+   peer to peer), and worker -> worker: produced on one worker, consumed on the other
+   (``workers=``), timed from the consumer's submit to its result;
 5. redisdask only: Redis commands per task from ``INFO commandstats`` around one extra
    10,000-task map.
 
@@ -196,7 +196,7 @@ class Bench:
         del a
 
     def array_worker_to_worker(self, workers: list[str]) -> None:
-        """Dask only: produce on workers[0], consume on workers[1]; time the consumer."""
+        """Produce on workers[0], consume on workers[1]; time the consumer."""
         times = []
         for r in range(self.repeats + 1):
             a = self.client.submit(_tasks.make_array, ARRAY_BYTES, workers=[workers[0]], pure=False)
@@ -213,28 +213,6 @@ class Bench:
                 times.append(dt)
         self.results["array_w2w_MBps"] = ARRAY_BYTES / MB / _median(times)
         self.results["array_w2w_s_all"] = times
-
-    def array_consumer_placement(self) -> None:
-        """redisdask: without ``workers=`` where does a consumer of the array run?"""
-        a = self.client.submit(_tasks.make_array, ARRAY_BYTES, pure=False)
-        self.wait([a], timeout=self.timeout)
-        t0 = time.perf_counter()
-        b = self.client.submit(_tasks.consume, a, pure=False)
-        nbytes = b.result(timeout=self.timeout)
-        dt = time.perf_counter() - t0
-        if nbytes != ARRAY_BYTES // 8 * 8:
-            raise AssertionError(f"consumer saw {nbytes} bytes")
-        who = self.client.who_has([a, b])
-        same = set(who[a.key]) & set(who[b.key])
-        where = "the same worker (no transfer)" if same else "another worker (transfer)"
-        self.results["array_consumer_s"] = dt
-        self.results["array_consumer_where"] = where
-        self.notes.append(
-            f"redisdask consumer task of the 100 MB array (no workers=): ran on {where}, "
-            f"{dt * 1e3:.1f} ms from submit to result"
-            + (f" = {ARRAY_BYTES / MB / dt:,.0f} MB/s" if not same else "")
-        )
-        del a, b
 
 
 # ------------------------------------------------------------------------ Redis stats
@@ -321,11 +299,8 @@ def run_redisdask(args: argparse.Namespace, logdir: Path) -> Bench:
         bench.run("roundtrip", bench.roundtrip)
         bench.run("chain", bench.chain)
         bench.run("array gather", bench.array_gather)
-        bench.run("array consumer", bench.array_consumer_placement)
-        bench.notes.append(
-            "redisdask has no workers= yet: its 100 MB row is client.gather (client<-worker "
-            "peer to peer), not worker->worker"
-        )
+        workers = sorted(client.scheduler_info()["workers"])
+        bench.run("array worker->worker", lambda: bench.array_worker_to_worker(workers))
     return bench
 
 
