@@ -86,9 +86,11 @@ class LocalCluster:
             env=env,
         )
 
-    def start_scheduler(self) -> subprocess.Popen[bytes]:
-        """Start (or, after it died, restart) the scheduler process."""
+    def start_scheduler(self, standby: bool = False) -> subprocess.Popen[bytes]:
+        """Start (or, after it died, restart) the scheduler process, or a standby."""
         args = ["scheduler", self.redis_url, "--cluster", self.cluster_name]
+        if standby:
+            args.append("--standby")
         for option, value in self.scheduler_options.items():
             args += [f"--{option.replace('_', '-')}", str(value)]
         self.scheduler_process = self._spawn(args, "scheduler")

@@ -27,6 +27,7 @@ from typing import Any
 import redis
 
 from redisdask import schema
+from redisdask.connection import connect
 from redisdask.errors import FencedError, ProtocolError
 from redisdask.scheduler_state import (
     AddWorker,
@@ -66,9 +67,7 @@ class Scheduler:
     ) -> None:
         self.keys = Keys(cluster)
         self.redis_url = redis_url
-        self.redis = redis.Redis.from_url(
-            redis_url, socket_connect_timeout=connect_timeout, client_name=f"rd-scheduler-{cluster}"
-        )
+        self.redis = connect(redis_url, timeout=connect_timeout, name=f"rd-scheduler-{cluster}")
         self.scripts = schema.Scripts(self.redis)
         self.lease_ttl_ms = int(lease_ttl * 1000)
         self.batch_size = batch_size
@@ -80,9 +79,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ lease
 
-    def acquire_lease(self, wait: bool = True) -> str:
-        """Block until this scheduler holds the lease; returns the fencing token."""
+    def acquire_lease(self, standby: bool = True) -> str:
+        """Block until this scheduler holds the lease; returns the fencing token.
+
+        Without ``standby``, give up (``FencedError``) if a live scheduler keeps renewing it."""
         announced = False
+        # a dead predecessor's lease expires within one TTL; a live one keeps renewing it
+        give_up_at = time.monotonic() + 2 * self.lease_ttl_ms / 1000
         while not self._stopping:
             token = self.scripts.acquire_lease(
                 keys=[self.keys.lease, self.keys.lease_token], args=["", self.lease_ttl_ms]
@@ -101,9 +104,12 @@ class Scheduler:
                 )
                 logger.info("scheduler %s holds the lease (token %s)", self.id, self.token)
                 return self.token
-            if not wait:
+            if not standby and time.monotonic() > give_up_at:
+                holder = self.redis.hget(self.keys.scheduler, "id")
                 raise FencedError(
-                    f"another scheduler holds the lease of cluster {self.keys.cluster!r}"
+                    f"another scheduler ({holder.decode() if holder else '?'}) holds and renews "
+                    f"the lease of cluster {self.keys.cluster!r}; start this one with --standby "
+                    "to take over when that one stops"
                 )
             if not announced:
                 holder = self.redis.hget(self.keys.scheduler, "id")
@@ -123,9 +129,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ main loop
 
-    def run(self) -> None:
+    def run(self, standby: bool = False) -> None:
         schema.ensure_cluster(self.redis, self.keys)
-        self.acquire_lease()
+        self.acquire_lease(standby)
         self.state = load_state(self.redis, self.keys, validate=self.validate)
         self._event("scheduler-start", scheduler=self.id, token=self.token)
         pending = True  # first re-read entries a dead predecessor read but never applied
@@ -427,7 +433,7 @@ def load_state(r: redis.Redis, keys: Keys, validate: bool = False) -> SchedulerS
 def main(redis_url: str, cluster: str, lease_ttl: float, standby: bool) -> None:
     scheduler = Scheduler(redis_url, cluster, lease_ttl=lease_ttl)
     try:
-        scheduler.run()
+        scheduler.run(standby=standby)
     except FencedError as exc:
-        logger.error("%s: stopping, a newer scheduler owns the cluster", exc)
+        logger.error("stopping: %s", exc)
         raise SystemExit(1) from exc

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -129,7 +131,7 @@ def test_standby_takes_over_when_the_lease_expires(redis_url: str, cluster_name:
         r = redis.Redis.from_url(redis_url)
         keys = Keys(cluster_name)
         first = cluster.scheduler_process
-        standby = cluster.start_scheduler()  # a second one stands by
+        standby = cluster.start_scheduler(standby=True)
         assert client.submit(inc, 1).result(timeout=10) == 2
         token = r.get(keys.lease)
         first.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
@@ -137,3 +139,32 @@ def test_standby_takes_over_when_the_lease_expires(redis_url: str, cluster_name:
         assert standby.poll() is None
         assert client.submit(inc, 2).result(timeout=10) == 3
         first.wait()  # type: ignore[union-attr]
+
+
+def test_a_second_scheduler_without_standby_refuses_to_start(
+    redis_url: str, cluster_name: str
+) -> None:
+    with LocalCluster(
+        n_workers=1,
+        redis_url=redis_url,
+        cluster_name=cluster_name,
+        scheduler_options={"lease_ttl": 1},
+    ):
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "redisdask",
+                "scheduler",
+                redis_url,
+                "--cluster",
+                cluster_name,
+                "--lease-ttl",
+                "1",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert result.returncode == 1
+        assert "start this one with --standby" in result.stderr

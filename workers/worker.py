@@ -433,6 +433,8 @@ class Worker:
             data, errors = comm.deserialize_dict(header, frames)
         except (TimeoutError, OSError, comm.CommError) as exc:
             logger.warning("could not fetch %d keys from %s: %s", len(keys), worker, exc)
+            # tell the scheduler at once; the state machine tries other holders meanwhile
+            self._report({"op": "missing-data", "keys": keys, "errant_worker": worker})
             self.handle(
                 ws.GatherDepNetworkFailureEvent(
                     worker, keys, str(exc), f"gather-fail-{stimulus_id}"

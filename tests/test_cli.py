@@ -1,0 +1,61 @@
+"""The ``redisdask`` command line: help, config, exit codes, bad input."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "redisdask", *args],
+        capture_output=True,
+        text=True,
+        timeout=45,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.mark.parametrize("command", [[], ["scheduler"], ["worker"], ["demo"], ["config"]])
+def test_help_on_every_command(command: list[str]) -> None:
+    result = run(*command, "--help")
+    assert result.returncode == 0
+    assert "usage: redisdask" in result.stdout
+    if command in (["scheduler"], ["worker"]):
+        assert "redis_url" in result.stdout and "--cluster" in result.stdout
+
+
+def test_config_show_prints_the_effective_config() -> None:
+    result = run("config", "show", env={"REDISDASK__SCHEDULER__ALLOWED_FAILURES": "7"})
+    assert result.returncode == 0
+    assert "allowed-failures: 7" in result.stdout
+
+
+def test_invalid_config_exits_2_naming_the_key() -> None:
+    result = run("config", "show", env={"REDISDASK__SCHEDULER__WORKER_TTL": "-1"})
+    assert result.returncode == 2
+    assert "scheduler.worker-ttl" in result.stderr
+    assert "REDISDASK__SCHEDULER__WORKER_TTL" in result.stderr
+
+
+def test_bad_usage_exits_2() -> None:
+    assert run("no-such-command").returncode == 2
+
+
+@pytest.mark.parametrize("role", ["scheduler", "worker"])
+def test_unreachable_redis_exits_1_with_a_clear_message(role: str) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = run(
+        role, f"redis://127.0.0.1:{port}/0", env={"REDISDASK__REDIS__CONNECT_TIMEOUT": "2"}
+    )
+    assert result.returncode == 1
+    assert f"127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr
