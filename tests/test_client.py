@@ -231,3 +231,17 @@ def poll(condition, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-d
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         threading.Event().wait(0.01)
+
+
+def test_map_of_100000_is_sent_in_a_few_batched_entries(redis_url: str, cluster_name: str) -> None:
+    """No scheduler runs here, so the client stream keeps what the client wrote."""
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    with Client(redis_url, cluster_name=cluster_name) as c:
+        calls_before = r.info("commandstats").get("cmdstat_xadd", {}).get("calls", 0)
+        futures = c.map(inc, range(100_000))
+        calls = r.info("commandstats")["cmdstat_xadd"]["calls"] - calls_before
+        assert len({f.key for f in futures}) == 100_000
+        batch = c.config.client.submit_batch
+        assert r.xlen(keys.client_stream) == 100_000 // batch
+        assert calls <= 100_000 // batch + 2  # (+ a heartbeat-time release, at most)
