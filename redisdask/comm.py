@@ -51,8 +51,9 @@ from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-import cloudpickle
 import msgpack
+
+from redisdask import pickling
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +131,11 @@ def format_address(host: str, port: int) -> str:
 
 
 def serialize(obj: Any) -> list[Buffer]:
-    """Pickle ``obj`` (cloudpickle, protocol 5); big buffers come out-of-band, uncopied."""
+    """Pickle ``obj`` (protocol 5, cloudpickle where needed); big buffers come out-of-band,
+    uncopied."""
     buffers: list[pickle.PickleBuffer] = []
     try:
-        head = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+        head = pickling.dumps(obj, buffer_callback=buffers.append)
     except Exception as exc:
         raise SerializationError(
             f"cannot serialize object of type {type(obj).__qualname__}: {exc}"

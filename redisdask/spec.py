@@ -20,6 +20,8 @@ from typing import Any
 
 import cloudpickle
 
+from redisdask import pickling
+
 
 @dataclass(frozen=True, slots=True)
 class TaskRef:
@@ -58,7 +60,7 @@ def dumps_spec(
     function_bytes: bytes, args: tuple[Any, ...], kwargs: dict[str, Any], func: Any = None
 ) -> bytes:
     try:
-        return cloudpickle.dumps((function_bytes, args, kwargs), protocol=5)
+        return pickling.dumps((function_bytes, args, kwargs))
     except Exception as exc:
         culprit = _first_unpicklable(args, kwargs)
         raise TypeError(

@@ -43,6 +43,9 @@ from workers.sizeof import sizeof
 
 logger = logging.getLogger("redisdask.worker")
 
+REPORT_BATCH = 100  # reports per XADD at most while threads are busy
+REPORT_LINGER = 0.002  # seconds a report may wait for companions while threads are busy
+
 
 def versions() -> dict[str, str | None]:
     """The versions that must agree across a cluster for pickles to travel."""
@@ -116,6 +119,7 @@ class Worker:
         self._wake = asyncio.Event()
         self._stopped = asyncio.Event()
         self._flush_wanted = asyncio.Event()
+        self._linger: asyncio.TimerHandle | None = None
         self._latest_signal = (0, 0)
         self._empty_at: tuple[int, int] | None = None
         self._background: set[asyncio.Task[Any]] = set()
@@ -278,11 +282,24 @@ class Worker:
             else:  # pragma: no cover
                 raise TypeError(f"worker driver cannot carry out {ins!r}")
         self._wake.set()
+        if self._outbox:
+            self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        """Send reports at once when this worker has nothing else running (a dependent may
+        wait for them); while its threads stay busy, let up to REPORT_BATCH reports or
+        REPORT_LINGER seconds accumulate, so a stream of tiny tasks costs one XADD per
+        batch instead of one per task."""
+        if not self.state.executing or len(self._outbox) >= REPORT_BATCH:
+            self._flush_wanted.set()
+        elif self._linger is None:
+            self._linger = asyncio.get_running_loop().call_later(
+                REPORT_LINGER, self._flush_wanted.set
+            )
 
     def _report(self, msg: dict[str, Any]) -> None:
         msg["worker"] = self.address
         self._outbox.append(msg)
-        self._flush_wanted.set()
 
     # ------------------------------------------------------------------ execution
 
@@ -399,6 +416,9 @@ class Worker:
             await self._flush()
 
     async def _flush(self) -> None:
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
         if not self._outbox:
             return
         batch, self._outbox = self._outbox, []
