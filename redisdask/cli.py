@@ -90,7 +90,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             _setup_logging(config.logging.level, "scheduler")
             from redisdask.scheduler import main as scheduler_main
 
-            scheduler_main(args.redis_url, args.cluster, args.lease_ttl, args.standby)
+            scheduler_main(
+                args.redis_url,
+                args.cluster,
+                standby=args.standby,
+                lease_ttl=args.lease_ttl,
+                batch_size=config.scheduler.batch_size,
+                connect_timeout=config.redis.connect_timeout,
+            )
         elif args.command == "worker":
             _setup_logging(config.logging.level, f"worker:{args.name or ''}")
             from workers.worker import main as worker_main

@@ -163,7 +163,33 @@ class Scheduler:
         self._stopping = True
 
     def process(self, entries: list[tuple[str, bytes, dict[bytes, bytes]]]) -> None:
-        """Apply one batch of stream entries: decode, transition, write atomically."""
+        """Apply one batch of stream entries: decode, transition, write atomically.
+
+        If the state machine raises on a batch (a bug, or a message that passed validation
+        but makes no sense), the state is reloaded from Redis and the entries are retried
+        one by one; the entry that still fails is dead-lettered, so one bad message can
+        never stop the cluster or crash every scheduler that reads it after a restart."""
+        try:
+            self._process(entries)
+        except (FencedError, redis.RedisError):
+            raise
+        except Exception as exc:
+            logger.exception("the state machine failed on a batch of %d entries", len(entries))
+            self.state = load_state(self.redis, self.keys, validate=self.validate)
+            if len(entries) > 1:
+                for one in entries:
+                    self.process([one])
+                return
+            stream, entry_id, fields = entries[0]
+            self.apply(
+                [
+                    self._dead_letter(stream, entry_id, fields, f"state machine failed: {exc!r}"),
+                    ["XACK", stream, schema.SCHEDULER_GROUP, entry_id],
+                    ["XDEL", stream, entry_id],
+                ]
+            )
+
+    def _process(self, entries: list[tuple[str, bytes, dict[bytes, bytes]]]) -> None:
         events: list[Event] = []
         commands: list[list[Any]] = []
         acks: dict[str, list[bytes]] = defaultdict(list)
@@ -172,36 +198,34 @@ class Scheduler:
             try:
                 events.extend(decode_entry(entry_id, fields))
             except ProtocolError as exc:
-                logger.warning("dead-lettered entry %s of %s: %s", entry_id.decode(), stream, exc)
-                commands.append(
-                    [
-                        "XADD",
-                        self.keys.dead_letter,
-                        "MAXLEN",
-                        "~",
-                        10_000,
-                        "*",
-                        "stream",
-                        stream,
-                        "id",
-                        entry_id,
-                        "error",
-                        str(exc),
-                        *[x for kv in fields.items() for x in kv],
-                    ]
-                )
-        try:
-            instructions = self.state.handle_stimulus(*events)
-        except Exception:
-            logger.exception("state machine failed on a batch; reloading state from Redis")
-            self.state = load_state(self.redis, self.keys, validate=self.validate)
-            raise
+                commands.append(self._dead_letter(stream, entry_id, fields, str(exc)))
+        instructions = self.state.handle_stimulus(*events)
         commands = self.to_commands(instructions) + commands
         for stream, ids in acks.items():
             commands.append(["XACK", stream, schema.SCHEDULER_GROUP, *ids])
             commands.append(["XDEL", stream, *ids])
         commands.append(["HSET", self.keys.meta, "seq", self.state.seq])
         self.apply(commands)
+
+    def _dead_letter(
+        self, stream: str, entry_id: bytes, fields: dict[bytes, bytes], error: str
+    ) -> list[Any]:
+        logger.warning("dead-lettered entry %s of %s: %s", entry_id.decode(), stream, error)
+        return [
+            "XADD",
+            self.keys.dead_letter,
+            "MAXLEN",
+            "~",
+            10_000,
+            "*",
+            "stream",
+            stream,
+            "id",
+            entry_id,
+            "error",
+            error,
+            *[x for kv in fields.items() for x in kv],
+        ]
 
     def apply(self, commands: list[list[Any]]) -> None:
         try:
@@ -239,7 +263,13 @@ class Scheduler:
                 f.update(ins.fields)
             elif isinstance(ins, StoreTask):
                 f = task_fields.setdefault(ins.key, {})
-                f.update(state=ins.state, deps=schema.pack(ins.deps), score=ins.score)
+                f.update(
+                    state=ins.state,
+                    deps=schema.pack(ins.deps),
+                    score=ins.score,
+                    retries=ins.retries,
+                    workers=" ".join(ins.restrict),
+                )
                 if ins.spec is not None:
                     f["spec"] = ins.spec
                 exists[ins.key] = True
@@ -299,6 +329,8 @@ class Scheduler:
         if stored:
             cmds.extend(_chunked(["SADD", k.tasks], stored))
         for key, fields in task_fields.items():
+            if fields.get("state", "processing") != "processing":
+                fields["worker"] = ""  # only a claim names the worker of a processing task
             cmds.append(["HSET", k.task(key), *[x for kv in fields.items() for x in kv]])
         if dequeue:
             cmds.extend(_chunked(["ZREM", k.ready], dequeue))
@@ -388,6 +420,11 @@ def load_state(r: redis.Redis, keys: Keys, validate: bool = False) -> SchedulerS
         ts.nbytes = int(rec.get(b"nbytes", 0) or 0)
         ts.type = rec.get(b"type", b"").decode()
         ts.retries = int(rec.get(b"retries", 0) or 0)
+        ts.restrict = tuple(rec.get(b"workers", b"").decode().split())
+        ts.erred_on = rec.get(b"erred_on", b"").decode() or None
+        ts.exception_blame = rec.get(b"exception_blame", b"").decode() or None
+        if ts.state == "no-worker":
+            state.unrunnable.add(ts)
         ts.who_has = {w for w in rec.get(b"who_has", b"").decode().split() if w in state.workers}
         for field in ("exception", "traceback"):
             setattr(ts, field, rec.get(field.encode()) or None)
@@ -430,8 +467,8 @@ def load_state(r: redis.Redis, keys: Keys, validate: bool = False) -> SchedulerS
     return state
 
 
-def main(redis_url: str, cluster: str, lease_ttl: float, standby: bool) -> None:
-    scheduler = Scheduler(redis_url, cluster, lease_ttl=lease_ttl)
+def main(redis_url: str, cluster: str, *, standby: bool = False, **options: Any) -> None:
+    scheduler = Scheduler(redis_url, cluster, **options)
     try:
         scheduler.run(standby=standby)
     except FencedError as exc:

@@ -289,6 +289,8 @@ class StoreTask(Instruction):
     deps: list[str]
     score: float
     state: str
+    retries: int = 0
+    restrict: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -482,6 +484,8 @@ class SchedulerState:
                         list(spec.get("deps", ())),
                         ts.score,
                         "released",
+                        ts.retries,
+                        ts.restrict,
                     )
                 )
             elif ts.state == "released" and not ts.who_has and spec.get("spec") is not None:
@@ -678,6 +682,8 @@ class SchedulerState:
         ws = self.workers.get(ev.worker)
         for key in ev.keys:
             ts = self.tasks.get(key)
+            if ts is not None and ts.state == "processing" and ts.processing_on == ev.worker:
+                continue  # state reloaded from Redis after the claim: already known
             if ts is None or ts.state != "queued" or ws is None:
                 # released while the claim was in flight: tell the worker to drop it
                 self._emit(Unclaim(ev.stimulus_id, ev.worker, key))

@@ -78,8 +78,7 @@ def test_stranger_on_a_worker_port_is_dropped_and_nothing_is_unpickled(
         def __reduce__(self):  # type: ignore[no-untyped-def]
             return (os.system, (f"touch {marker}",))
 
-    payload = b"".join(bytes(x) for x in encode_message({"op": "put-data"},
-                                                        [pickle.dumps(Evil())]))
+    payload = b"".join(bytes(x) for x in encode_message({"op": "put-data"}, [pickle.dumps(Evil())]))
     for attack in (b"GET / HTTP/1.1\r\n\r\n", b"\xff" * 100_000, payload):
         with socket.create_connection((host, port), timeout=5) as s:
             s.recv(64)  # the server's hello

@@ -168,3 +168,90 @@ def test_a_second_scheduler_without_standby_refuses_to_start(
         )
         assert result.returncode == 1
         assert "start this one with --standby" in result.stderr
+
+
+def test_an_entry_that_crashes_the_state_machine_is_dead_lettered(
+    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection in our own state machine (a stand-in for a bug): the batch is
+    retried entry by entry, the bad entry dead-lettered, the good ones applied."""
+    from redisdask.scheduler_state import SchedulerState
+
+    original = SchedulerState._handle_update_graph
+
+    def buggy(self, ev):  # type: ignore[no-untyped-def]
+        if any(t["key"] == "poison" for t in ev.tasks):
+            raise RuntimeError("injected bug")
+        return original(self, ev)
+
+    monkeypatch.setattr(SchedulerState, "_handle_update_graph", buggy)
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ensure_cluster(r, keys)
+    scheduler = Scheduler(redis_url, cluster_name, validate=True)
+    scheduler.acquire_lease()
+    for key in ("good-1", "poison", "good-2"):
+        r.xadd(
+            keys.client_stream,
+            entry(
+                [
+                    {
+                        "op": "update-graph",
+                        "client": "c",
+                        "wanted": [key],
+                        "tasks": [{"key": key, "spec": b"s", "deps": []}],
+                    }
+                ]
+            ),
+        )
+    entries = r.xreadgroup(SCHEDULER_GROUP, "scheduler", {keys.client_stream: ">"})
+    scheduler.process([(keys.client_stream, eid, f) for _s, items in entries for eid, f in items])
+    assert r.hget(keys.task("good-1"), "state") == r.hget(keys.task("good-2"), "state") == b"queued"
+    assert not r.exists(keys.task("poison"))
+    [(_id, fields)] = r.xrange(keys.dead_letter)
+    assert b"injected bug" in fields[b"error"]
+    assert r.xpending(keys.client_stream, SCHEDULER_GROUP)["pending"] == 0
+
+
+def test_state_reloaded_from_redis_keeps_restrictions_retries_and_priorities(
+    redis_url: str, cluster_name: str
+) -> None:
+    from redisdask.scheduler import load_state
+
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ensure_cluster(r, keys)
+    scheduler = Scheduler(redis_url, cluster_name, validate=True)
+    scheduler.acquire_lease()
+    tasks = [
+        {
+            "key": "a",
+            "spec": b"s",
+            "deps": [],
+            "retries": 2,
+            "priority": 5,
+            "workers": ["tcp://10.0.0.1:1"],
+        },
+        {"key": "b", "spec": b"s", "deps": ["a"]},
+    ]
+    r.xadd(
+        keys.client_stream,
+        entry([{"op": "update-graph", "client": "c", "wanted": ["b"], "tasks": tasks}]),
+    )
+    entries = r.xreadgroup(SCHEDULER_GROUP, "scheduler", {keys.client_stream: ">"})
+    scheduler.process([(keys.client_stream, eid, f) for _s, items in entries for eid, f in items])
+    before = scheduler.state.tasks
+    assert before["a"].state == "no-worker"  # restricted to a worker that is not there
+    reloaded = load_state(r, keys, validate=True)
+    reloaded.validate_state()
+    for key in ("a", "b"):
+        t0, t1 = before[key], reloaded.tasks[key]
+        assert (t1.state, t1.score, t1.retries, t1.restrict) == (
+            t0.state,
+            t0.score,
+            t0.retries,
+            t0.restrict,
+        )
+    assert reloaded.unrunnable == {reloaded.tasks["a"]}
+    assert {d.key for d in reloaded.tasks["b"].dependencies} == {"a"}
+    assert reloaded.tasks["b"].who_wants == set()  # client "c" never registered a heartbeat
