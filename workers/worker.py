@@ -45,6 +45,7 @@ logger = logging.getLogger("redisdask.worker")
 
 REPORT_BATCH = 100  # reports per XADD at most while threads are busy
 REPORT_LINGER = 0.002  # seconds a report may wait for companions while threads are busy
+CLOSE_TIMEOUT = 2.0  # seconds background tasks get to stop when the worker closes
 
 
 def versions() -> dict[str, str | None]:
@@ -212,9 +213,13 @@ class Worker:
         if self.status in ("closing", "closed"):
             return
         self.status = "closing"
+        logger.info("Closing worker %s (%s)", self.address, reason)
         for task in list(self._background):
             task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        if self._background:
+            _done, stuck = await asyncio.wait(self._background, timeout=CLOSE_TIMEOUT)
+            for task in stuck:  # a library swallowed the cancellation: do not hang on it
+                logger.warning("background task %s ignored cancellation", task.get_coro())
         try:
             self._outbox.append({"op": "remove-worker", "worker": self.address, "reason": reason})
             await self._flush()
@@ -337,7 +342,7 @@ class Worker:
         return self._empty_at is None or self._latest_signal > self._empty_at
 
     async def _claim_loop(self) -> None:
-        while True:
+        while self.status == "running":
             budget = self.state.claim_budget(self.claim_horizon)
             if budget > 0 and self._may_have_work():
                 claimed, last_id = await self.scripts.claim(
@@ -371,7 +376,7 @@ class Worker:
         """Wait on the ready-signal stream and this worker's inbox (one XREAD BLOCK)."""
         signal_id = "0-0"
         inbox = self.keys.worker_inbox(self.address)
-        while True:
+        while self.status == "running":
             reply = await self.blocking_redis.xread(
                 {self.keys.ready_signal: signal_id, inbox: self._inbox_id}, block=1000, count=1000
             )
@@ -410,7 +415,7 @@ class Worker:
     # ------------------------------------------------------------------ reporting
 
     async def _flush_loop(self) -> None:
-        while True:
+        while self.status == "running":
             await self._flush_wanted.wait()
             self._flush_wanted.clear()
             await self._flush()
@@ -426,7 +431,7 @@ class Worker:
 
     async def _heartbeat_loop(self) -> None:
         ttl = int(self.worker_ttl * 1000)
-        while True:
+        while self.status == "running":
             pipe = self.redis.pipeline(transaction=False)
             pipe.set(self.keys.worker_alive(self.address), 1, px=ttl)
             pipe.hset(self.keys.heartbeats, self.address, schema.pack(self._metrics()))
@@ -522,13 +527,13 @@ def main(redis_url: str, cluster: str, **kwargs: Any) -> None:
         worker = Worker(redis_url, cluster, **kwargs)
         await worker.start()
         loop = asyncio.get_running_loop()
+        closing: set[asyncio.Task[None]] = set()  # the loop holds tasks weakly: keep them
+
+        def on_signal(sig: signal.Signals) -> None:
+            closing.add(asyncio.ensure_future(worker.close(f"signal {sig.name}")))
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(
-                sig,
-                lambda s=sig: asyncio.ensure_future(
-                    worker.close(f"signal {signal.Signals(s).name}")
-                ),
-            )
+            loop.add_signal_handler(sig, on_signal, sig)
         await worker.run()
 
     asyncio.run(run())
