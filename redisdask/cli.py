@@ -101,19 +101,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "worker":
             _setup_logging(config.logging.level, f"worker:{args.name or ''}")
             from workers.worker import main as worker_main
+            from workers.worker import options_from_config
 
             worker_main(
                 args.redis_url,
                 args.cluster,
+                **options_from_config(config),
                 nthreads=args.nthreads,
                 name=args.name,
                 host=args.host,
                 port=args.port,
-                heartbeat_interval=config.worker.heartbeat_interval,
-                worker_ttl=config.scheduler.worker_ttl,
-                claim_horizon=config.worker.claim_horizon,
-                connection_limit=config.worker.connection_limit,
-                transfer_batch_bytes=config.worker.transfer_batch_bytes,
             )
         elif args.command == "demo":
             _setup_logging("WARNING", "demo")

@@ -15,6 +15,7 @@ from typing import Any
 import psutil
 
 from redisdask import schema
+from redisdask.config import load_config
 from redisdask.connection import connect, redact
 from redisdask.embedded import EmbeddedRedis
 from redisdask.errors import RedisDaskError
@@ -26,8 +27,8 @@ logger = logging.getLogger("redisdask.cluster")
 class LocalCluster:
     """A whole cluster on this machine.
 
-    ``processes=False`` is accepted for Dask compatibility but workers still run as
-    processes: a worker is an asyncio program with its own event loop and thread pool.
+    With ``processes=False`` the workers run in threads of this process, each on its own
+    event loop (the scheduler is still a subprocess: it must be killable on its own).
     """
 
     def __init__(
@@ -47,6 +48,7 @@ class LocalCluster:
         self.cluster_name = cluster_name or f"local-{uuid.uuid4().hex[:8]}"
         self.keys = Keys(self.cluster_name)
         self.n_workers = n_workers
+        self.use_processes = processes
         self.threads_per_worker = threads_per_worker
         self.worker_options = worker_options or {}
         self.scheduler_options = scheduler_options or {}
@@ -62,6 +64,7 @@ class LocalCluster:
         self.log_level = "INFO" if self.log_directory else silence_logs
         self.scheduler_process: subprocess.Popen[bytes] | None = None
         self.worker_processes: list[subprocess.Popen[bytes]] = []
+        self.thread_workers: list[Any] = []  # workers.worker.ThreadWorker
         self._logs: list[Any] = []
         try:
             self.start_scheduler()
@@ -96,7 +99,21 @@ class LocalCluster:
         self.scheduler_process = self._spawn(args, "scheduler")
         return self.scheduler_process
 
-    def start_worker(self, name: str | None = None) -> subprocess.Popen[bytes]:
+    def start_worker(self, name: str | None = None) -> Any:
+        """Start a worker process (or, with ``processes=False``, a worker thread)."""
+        if not self.use_processes:
+            from workers.worker import ThreadWorker, options_from_config
+
+            options = {**options_from_config(load_config()), **self.worker_options}
+            worker = ThreadWorker(
+                self.redis_url,
+                self.cluster_name,
+                name=name,
+                nthreads=self.threads_per_worker,
+                **options,
+            )
+            self.thread_workers.append(worker.start(self.start_timeout))
+            return worker
         args = [
             "worker",
             self.redis_url,
@@ -131,11 +148,16 @@ class LocalCluster:
             time.sleep(0.02)  # start-up: poll a condition with a deadline
 
     @property
-    def processes(self) -> list[subprocess.Popen[bytes]]:
+    def subprocesses(self) -> list[subprocess.Popen[bytes]]:
         return [p for p in [self.scheduler_process, *self.worker_processes] if p is not None]
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop workers (gracefully), the scheduler and an embedded Redis; leave nothing."""
+        for worker in self.thread_workers:
+            try:
+                worker.close(timeout)
+            except Exception:
+                logger.exception("an in-process worker did not close cleanly")
         for proc in self.worker_processes:
             if proc.poll() is None:
                 proc.terminate()

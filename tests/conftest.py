@@ -46,7 +46,7 @@ def cluster(redis_url: str, cluster_name: str) -> Iterator[LocalCluster]:
         n_workers=2, threads_per_worker=1, redis_url=redis_url, cluster_name=cluster_name
     ) as cluster:
         yield cluster
-        pids = [p.pid for p in cluster.processes]
+        pids = [p.pid for p in cluster.subprocesses]
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
 
 

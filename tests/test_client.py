@@ -245,3 +245,21 @@ def test_map_of_100000_is_sent_in_a_few_batched_entries(redis_url: str, cluster_
         batch = c.config.client.submit_batch
         assert r.xlen(keys.client_stream) == 100_000 // batch
         assert calls <= 100_000 // batch + 2  # (+ a heartbeat-time release, at most)
+
+
+def test_local_cluster_with_workers_in_threads(redis_url: str, cluster_name: str) -> None:
+    from redisdask import LocalCluster
+
+    with (
+        LocalCluster(
+            n_workers=2, processes=False, redis_url=redis_url, cluster_name=cluster_name
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        assert len(cluster.subprocesses) == 1  # only the scheduler
+        a, b = sorted(client.scheduler_info()["workers"])
+        x = client.submit(np.arange, 1_000_000, workers=a)
+        y = client.submit(lambda arr: (where(), int(arr.sum())), x, workers=b)
+        assert y.result(timeout=20) == (b, 499999500000)
+        threads = [w.thread for w in cluster.thread_workers]
+    assert not any(t.is_alive() for t in threads)

@@ -25,6 +25,7 @@ import platform
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback as tb_module
 from concurrent.futures import ThreadPoolExecutor
@@ -64,14 +65,19 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-_current_worker: list[Worker] = []
+_task_thread = threading.local()  # .worker: the worker whose pool owns this thread
 
 
 def get_worker() -> Worker:
     """The worker running the calling task (like ``distributed.get_worker``)."""
-    if not _current_worker:
+    worker = getattr(_task_thread, "worker", None)
+    if worker is None:
         raise ValueError("get_worker() called outside of a task running on a redisdask worker")
-    return _current_worker[0]
+    return worker
+
+
+def _bind_task_thread(worker: Worker) -> None:
+    _task_thread.worker = worker
 
 
 def _parse_id(entry_id: bytes | str) -> tuple[int, int]:
@@ -115,7 +121,9 @@ class Worker:
         self.address = ""
         self.status = "init"
         self.functions = FunctionCache()
-        self.executor = ThreadPoolExecutor(nthreads, thread_name_prefix="rd-task")
+        self.executor = ThreadPoolExecutor(
+            nthreads, thread_name_prefix="rd-task", initializer=_bind_task_thread, initargs=(self,)
+        )
         self._outbox: list[dict[str, Any]] = []
         self._wake = asyncio.Event()
         self._stopped = asyncio.Event()
@@ -154,7 +162,6 @@ class Worker:
         await self.blocking_redis.client_setname(f"rd-worker-{self.address}-listen")
         await self._register()
         self.status = "running"
-        _current_worker[:] = [self]
         for coro in (
             self._claim_loop(),
             self._listen_loop(),
@@ -518,6 +525,62 @@ def _failure_event(
 
 
 # --------------------------------------------------------------------------- process
+
+
+def options_from_config(config: Any) -> dict[str, Any]:
+    """``Worker`` keyword arguments from a loaded ``redisdask.config.Config``."""
+    return {
+        "heartbeat_interval": config.worker.heartbeat_interval,
+        "worker_ttl": config.scheduler.worker_ttl,
+        "claim_horizon": config.worker.claim_horizon,
+        "connection_limit": config.worker.connection_limit,
+        "transfer_batch_bytes": config.worker.transfer_batch_bytes,
+        "connect_timeout": config.redis.connect_timeout,
+    }
+
+
+class ThreadWorker:
+    """A worker on its own event loop in a thread of this process
+    (``LocalCluster(processes=False)``)."""
+
+    def __init__(self, redis_url: str, cluster: str, **options: Any) -> None:
+        self.worker = Worker(redis_url, cluster, **options)
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.thread = threading.Thread(
+            target=asyncio.run,
+            args=(self._main(),),
+            daemon=True,
+            name=f"rd-worker-{options.get('name') or ''}",
+        )
+
+    def start(self, timeout: float = 30.0) -> ThreadWorker:
+        self.thread.start()
+        if not self._started.wait(timeout):
+            raise TimeoutError(f"an in-process worker did not start within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        try:
+            await self.worker.start()
+        except BaseException as exc:
+            self._error = exc
+            return
+        finally:
+            self._started.set()
+        await self.worker.run()
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._loop is not None and self.thread.is_alive():
+            future = asyncio.run_coroutine_threadsafe(
+                self.worker.close("cluster-close"), self._loop
+            )
+            future.result(timeout)
+        self.thread.join(timeout)
 
 
 def main(redis_url: str, cluster: str, **kwargs: Any) -> None:
