@@ -568,9 +568,10 @@ class Client:
                     for entry_id, fields in items:
                         last_id = entry_id
                         self._handle_entry(fields)
-                    self._events_redis.xtrim(stream, minid=last_id)
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + interval
+                    # trimming what was read waits for the heartbeat: off the latency path
+                    self._events_redis.xtrim(stream, minid=last_id)
                     self._heartbeat()
                     releases = self._release_messages()
                     if releases:

@@ -1,6 +1,6 @@
 """How a task travels: its serialized function and arguments (the "spec").
 
-A spec is ``cloudpickle.dumps((function_bytes, args, kwargs))`` where ``function_bytes``
+A spec is ``pickling.dumps((function_bytes, args, kwargs))`` where ``function_bytes``
 is the function pickled on its own, so that ``map`` pickles a function once and a worker
 unpickles it once (``FunctionCache``).  Dependencies inside the arguments — futures, also
 nested in lists, tuples, sets and dicts, and keys of a dict graph — are replaced by
@@ -47,7 +47,7 @@ def funcname(func: Any) -> str:
 
 def dumps_function(func: Any) -> bytes:
     try:
-        return cloudpickle.dumps(func, protocol=5)
+        return pickling.dumps(func)
     except Exception as exc:
         raise TypeError(
             f"could not pickle the function {func!r}: {type(exc).__name__}: {exc}. Tasks are "

@@ -398,7 +398,6 @@ class Worker:
                 else:
                     self._inbox_id = last.decode()
                     self._handle_inbox([fields for _id, fields in items])
-                    await self.redis.xtrim(inbox, minid=self._inbox_id)
 
     def _handle_inbox(self, entries: list[dict[bytes, bytes]]) -> None:
         events: list[ws.StateMachineEvent] = []
@@ -442,6 +441,8 @@ class Worker:
             pipe = self.redis.pipeline(transaction=False)
             pipe.set(self.keys.worker_alive(self.address), 1, px=ttl)
             pipe.hset(self.keys.heartbeats, self.address, schema.pack(self._metrics()))
+            # what the inbox listener read is trimmed here, off the task path
+            pipe.xtrim(self.keys.worker_inbox(self.address), minid=self._inbox_id)
             await pipe.execute()
             await asyncio.sleep(self.heartbeat_interval)  # a heartbeat is a timer by nature
 
