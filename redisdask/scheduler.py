@@ -30,6 +30,7 @@ from redisdask import schema
 from redisdask.connection import connect
 from redisdask.errors import FencedError, ProtocolError
 from redisdask.scheduler_state import (
+    HOLDS_DEPENDENCIES,
     AddWorker,
     ClientMsg,
     Dequeue,
@@ -248,8 +249,9 @@ class Scheduler:
         cmds: list[list[Any]] = []
         task_fields: dict[str, dict[str, Any]] = {}
         enqueue: dict[str, float] = {}
-        enqueue_on: dict[str, list[Any]] = defaultdict(list)  # worker -> [score, key, ...]
+        enqueue_on: dict[tuple[str, str], float] = {}  # (worker, key) -> score
         dequeue: list[str] = []
+        dequeue_on: dict[str, list[str]] = defaultdict(list)  # worker -> keys
         client_msgs: dict[str, list[dict[str, Any]]] = defaultdict(list)
         worker_msgs: dict[str, list[dict[str, Any]]] = defaultdict(list)
         free_keys: dict[str, list[str]] = defaultdict(list)
@@ -276,14 +278,17 @@ class Scheduler:
             elif isinstance(ins, Enqueue):
                 if ins.workers:
                     for worker in ins.workers:
-                        enqueue_on[worker] += [ins.score, ins.key]
+                        enqueue_on[worker, ins.key] = ins.score
                 else:
                     enqueue[ins.key] = ins.score
             elif isinstance(ins, Dequeue):
+                # removals are written before additions, so a later Enqueue of the same
+                # key in this batch wins and an earlier one is cancelled here
                 enqueue.pop(ins.key, None)
                 dequeue.append(ins.key)
                 for worker in ins.workers:
-                    cmds.append(["ZREM", k.worker_ready(worker), ins.key])
+                    enqueue_on.pop((worker, ins.key), None)
+                    dequeue_on[worker].append(ins.key)
             elif isinstance(ins, Unclaim):
                 unclaims[ins.worker].append(ins.key)
             elif isinstance(ins, ClientMsg):
@@ -334,6 +339,8 @@ class Scheduler:
             cmds.append(["HSET", k.task(key), *[x for kv in fields.items() for x in kv]])
         if dequeue:
             cmds.extend(_chunked(["ZREM", k.ready], dequeue))
+        for worker, keys in dequeue_on.items():
+            cmds.extend(_chunked(["ZREM", k.worker_ready(worker)], keys))
         for worker, keys in unclaims.items():
             cmds.extend(_chunked(["SREM", k.worker_processing(worker)], keys))
         for worker, keys in free_keys.items():
@@ -342,7 +349,10 @@ class Scheduler:
             cmds.append(["XADD", k.worker_inbox(worker), "*", "m", schema.pack(msgs)])
         for client, msgs in client_msgs.items():
             cmds.append(["XADD", k.client_events(client), "*", "m", schema.pack(msgs)])
-        for worker, worker_pairs in enqueue_on.items():
+        per_worker: dict[str, list[Any]] = defaultdict(list)
+        for (worker, key), score in enqueue_on.items():
+            per_worker[worker] += [score, key]
+        for worker, worker_pairs in per_worker.items():
             cmds.extend(_chunked(["ZADD", k.worker_ready(worker)], worker_pairs, step=2))
         if enqueue:
             pairs = [x for key, score in enqueue.items() for x in (score, key)]
@@ -442,7 +452,7 @@ def load_state(r: redis.Redis, keys: Keys, validate: bool = False) -> SchedulerS
                 ts.dependencies.add(dep)
                 dep.dependents.add(ts)
     for ts in state.tasks.values():
-        if ts.state in ("waiting", "queued", "processing"):
+        if ts.state in HOLDS_DEPENDENCIES:
             ts.waiting_on = {d for d in ts.dependencies if d.state != "memory"}
             for dep in ts.dependencies:
                 dep.waiters.add(ts)

@@ -43,6 +43,8 @@ from redisdask.errors import ProtocolError
 logger = logging.getLogger(__name__)
 
 PRIORITY_SCALE = 2**40  # submission sequence numbers stay below this
+# states in which a task keeps its dependencies from being released
+HOLDS_DEPENDENCIES = ("waiting", "queued", "processing", "no-worker")
 
 
 def priority_score(user_priority: int, seq: int) -> float:
@@ -423,6 +425,8 @@ class SchedulerState:
             ("released", "waiting"): self._transition_released_waiting,
             ("waiting", "queued"): self._transition_waiting_queued,
             ("queued", "waiting"): self._transition_queued_waiting,
+            ("processing", "waiting"): self._transition_processing_waiting,
+            ("no-worker", "waiting"): self._transition_no_worker_waiting,
             ("no-worker", "queued"): self._transition_no_worker_queued,
             ("queued", "no-worker"): self._transition_queued_no_worker,
             ("no-worker", "released"): self._transition_no_worker_released,
@@ -533,7 +537,7 @@ class SchedulerState:
                 else:
                     self._transition(ts, "waiting")
             for dep in ts.dependencies:
-                if ts.state in ("waiting", "queued", "processing"):
+                if ts.state in HOLDS_DEPENDENCIES:
                     dep.waiters.add(ts)
 
     def _err_lost(self, ts: TaskState) -> None:
@@ -550,7 +554,8 @@ class SchedulerState:
         ts.state = "released"
         self._emit(SetState(self._stimulus_id, ts.key, "released", {"who_has": b""}))
         for dependent in sorted(ts.waiters, key=lambda t: t.score):
-            if dependent.state == "queued":
+            if dependent.state in ("queued", "processing", "no-worker"):
+                # a worker that claimed it cannot get the data now: take the task back
                 self._transition(dependent, "waiting")
             elif dependent.state == "waiting":
                 dependent.waiting_on.add(ts)
@@ -692,7 +697,7 @@ class SchedulerState:
                     # claimed by a worker removed meanwhile: the claim popped it from the
                     # ready set and marked it processing in Redis; put it back
                     self._emit(SetState(ev.stimulus_id, key, "queued"))
-                    self._emit(Enqueue(ev.stimulus_id, key, ts.score, ts.restrict))
+                    self._enqueue(ts)
                 continue
             self._transition(ts, "processing", worker=ws)
 
@@ -735,7 +740,10 @@ class SchedulerState:
                 ts.who_has.discard(ev.errant_worker)
                 ws = self.workers.get(ev.errant_worker)
                 if ws is not None:
+                    # no longer counted as a holder: it must not keep an orphan copy
                     ws.has_what.discard(ts)
+                    self._emit(WorkerMsg(ev.stimulus_id, ws.address,
+                                         {"op": "free-keys", "keys": [key]}))
             if ts.state == "memory" and ts.who_has:
                 self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
                 self._emit(
@@ -809,7 +817,12 @@ class SchedulerState:
             return
         ts.state = "queued"
         self._emit(SetState(self._stimulus_id, ts.key, "queued"))
-        self._emit(Enqueue(self._stimulus_id, ts.key, ts.score, ts.restrict))
+        self._enqueue(ts)
+
+    def _enqueue(self, ts: TaskState) -> None:
+        """Into the shared ready set, or the own ready sets of its live allowed workers."""
+        workers = tuple(w for w in ts.restrict if w in self.workers)
+        self._emit(Enqueue(self._stimulus_id, ts.key, ts.score, workers))
 
     def _transition_waiting_no_worker(self, ts: TaskState) -> None:
         ts.state = "no-worker"
@@ -831,6 +844,25 @@ class SchedulerState:
     def _transition_queued_waiting(self, ts: TaskState) -> None:
         """A dependency of a queued task lost its data: wait for it again."""
         self._emit(Dequeue(self._stimulus_id, ts.key, ts.restrict))
+        self._wait_again(ts)
+
+    def _transition_processing_waiting(self, ts: TaskState) -> None:
+        """A dependency lost its data while a worker held the task: take it back."""
+        worker = ts.processing_on
+        if worker is not None:
+            ws = self.workers.get(worker)
+            if ws is not None:
+                ws.processing.discard(ts)
+            self._emit(Unclaim(self._stimulus_id, worker, ts.key))
+            self._emit(WorkerMsg(self._stimulus_id, worker, {"op": "free-keys", "keys": [ts.key]}))
+        ts.processing_on = None
+        self._wait_again(ts)
+
+    def _transition_no_worker_waiting(self, ts: TaskState) -> None:
+        self.unrunnable.discard(ts)
+        self._wait_again(ts)
+
+    def _wait_again(self, ts: TaskState) -> None:
         ts.state = "waiting"
         ts.waiting_on = {d for d in ts.dependencies if d.state != "memory"}
         self._emit(SetState(self._stimulus_id, ts.key, "waiting"))
@@ -1054,7 +1086,9 @@ class SchedulerState:
             if ts.state == "waiting":
                 assert ts.waiting_on == {d for d in ts.dependencies if d.state != "memory"}, ts
                 assert ts.waiting_on, ts
-            if ts.state in ("waiting", "queued", "processing"):
+            if ts.state in ("queued", "no-worker"):
+                assert all(d.state == "memory" for d in ts.dependencies), ts
+            if ts.state in HOLDS_DEPENDENCIES:
                 for dep in ts.dependencies:
                     assert ts in dep.waiters, (ts, dep)
             for client in ts.who_wants:

@@ -219,7 +219,8 @@ return token
 # A worker claims up to ARGV[2] queued tasks, from its own ready set first (tasks
 # restricted to it), then from the cluster's.  KEYS: ready, workers, the worker's
 # processing set, worker stream, ready-signal, the worker's ready set.  ARGV: worker
-# address, n, task key prefix.  The claim is recorded in Redis (task state, processing
+# address, n, task key prefix, cluster key prefix.  Fewer than n claimed means both
+# ready sets are empty.  The claim is recorded in Redis (task state, processing
 # set) and announced to the scheduler in the same atomic step, so a claimed task is
 # never invisible.  Returns
 # {tasks, last ready-signal id}; each task is {key, spec, score, {dep, who_has, nbytes}...}.
@@ -230,31 +231,44 @@ end
 local last = redis.call('XREVRANGE', KEYS[5], '+', '-', 'COUNT', 1)
 local last_id = '0-0'
 if #last > 0 then last_id = last[1][1] end
-local popped = redis.call('ZPOPMIN', KEYS[6], ARGV[2])
-if #popped < 2 * tonumber(ARGV[2]) then
-  local more = redis.call('ZPOPMIN', KEYS[1], tonumber(ARGV[2]) - #popped / 2)
-  for i = 1, #more do popped[#popped + 1] = more[i] end
-end
+local want = tonumber(ARGV[2])
 local out = {}
 local claimed = {}
-for i = 1, #popped, 2 do
-  local key = popped[i]
-  local tkey = ARGV[3] .. key
-  local f = redis.call('HMGET', tkey, 'spec', 'deps', 'state')
-  if f[1] and f[3] == 'queued' then
-    redis.call('HSET', tkey, 'state', 'processing', 'worker', ARGV[1])
-    redis.call('SADD', KEYS[3], key)
-    local deps = {}
-    if f[2] then
-      for _, dep in ipairs(cmsgpack.unpack(f[2])) do
-        local d = redis.call('HMGET', ARGV[3] .. dep, 'who_has', 'nbytes')
-        deps[#deps + 1] = {dep, d[1] or '', d[2] or '0'}
+local function claim_from(zset)
+  while #claimed < want do
+    local popped = redis.call('ZPOPMIN', zset, want - #claimed)
+    if #popped == 0 then return end
+    for i = 1, #popped, 2 do
+      local key = popped[i]
+      local tkey = ARGV[3] .. key
+      local f = redis.call('HMGET', tkey, 'spec', 'deps', 'state', 'workers')
+      -- a key no longer queued (claimed through another allowed worker's set,
+      -- released, forgotten) is a stale entry: drop it and keep popping
+      if f[1] and f[3] == 'queued' then
+        redis.call('HSET', tkey, 'state', 'processing', 'worker', ARGV[1])
+        redis.call('SADD', KEYS[3], key)
+        if f[4] and f[4] ~= '' then
+          for other in string.gmatch(f[4], '%S+') do
+            if other ~= ARGV[1] then
+              redis.call('ZREM', ARGV[4] .. 'worker:' .. other .. ':ready', key)
+            end
+          end
+        end
+        local deps = {}
+        if f[2] then
+          for _, dep in ipairs(cmsgpack.unpack(f[2])) do
+            local d = redis.call('HMGET', ARGV[3] .. dep, 'who_has', 'nbytes')
+            deps[#deps + 1] = {dep, d[1] or '', d[2] or '0'}
+          end
+        end
+        out[#out + 1] = {key, f[1], popped[i + 1], deps}
+        claimed[#claimed + 1] = key
       end
     end
-    out[#out + 1] = {key, f[1], popped[i + 1], deps}
-    claimed[#claimed + 1] = key
   end
 end
+claim_from(KEYS[6])
+claim_from(KEYS[1])
 if #claimed > 0 then
   redis.call('XADD', KEYS[4], '*', 'm',
     cmsgpack.pack({{op = 'claimed', worker = ARGV[1], keys = claimed}}))

@@ -263,3 +263,17 @@ def test_local_cluster_with_workers_in_threads(redis_url: str, cluster_name: str
         assert y.result(timeout=20) == (b, 499999500000)
         threads = [w.thread for w in cluster.thread_workers]
     assert not any(t.is_alive() for t in threads)
+
+
+def test_tasks_allowed_on_several_workers_leave_no_stale_queue_entries(
+    client: Client,
+    cluster,  # type: ignore[no-untyped-def]
+) -> None:
+    r = redis.Redis.from_url(cluster.redis_url)
+    keys = Keys(cluster.cluster_name)
+    both = sorted(client.nthreads())
+    assert client.gather(client.map(inc, range(10), workers=both)) == list(range(1, 11))
+    assert [r.zcard(keys.worker_ready(w)) for w in both] == [0, 0]
+    # each worker still claims from its own set and from the shared one
+    assert client.gather([client.submit(where, workers=w, pure=False) for w in both]) == both
+    assert client.gather(client.map(inc, range(100, 110))) == list(range(101, 111))

@@ -1047,3 +1047,41 @@ def test_scatter_over_a_processing_task_replaces_its_run():
     assert states(s) == {"x": "memory", "y": "memory"}
     assert not s.workers[W1].processing and freed(out, W1) == {"x"}
     assert net_ready(out) == {"y": None}
+
+
+# --------------------------------------------------------------------------- review fixes
+
+
+def test_lost_dependency_takes_back_a_dependent_another_worker_claimed():
+    """x in memory on W1; y claimed by W3, which cannot fetch x: y must not hang."""
+    s = make(W1, W2, W3)
+    submit(s, "c", [task("x"), task("y", ["x"])], ["y"])
+    run(s, "x", W1)
+    s.handle_stimulus(TaskClaimed("claim", worker=W3, keys=["y"]))
+    out = s.handle_stimulus(MissingData("md", worker=W3, keys=["x"], errant_worker=W1))
+    assert states(s) == {"x": "queued", "y": "waiting"}
+    assert freed(out, W3) == {"y"}  # W3 drops its claim on y
+    assert freed(out, W1) == {"x"}  # W1 is no longer a holder: no orphan copy
+    assert Unclaim("md", W3, "y") in out
+    run(s, "x", W2)
+    assert states(s) == {"x": "memory", "y": "queued"}
+    run(s, "y", W2)
+    assert s.tasks["y"].state == "memory"
+
+
+def test_restricted_tasks_go_only_to_live_allowed_workers():
+    s = make(W1)
+    out = submit(s, "c", [task("x", workers=[W1, W2])], ["x"])
+    [enqueue] = of(out, Enqueue)
+    assert enqueue.workers == (W1,)  # W2 is not registered: no zset that leaks
+
+
+def test_no_worker_task_keeps_its_dependencies():
+    s = make(W1)
+    submit(s, "c", [task("x"), task("y", ["x"], workers=[W2])], ["x", "y"])
+    run(s, "x", W1)
+    assert s.tasks["y"].state == "no-worker"
+    s.handle_stimulus(ClientReleasesKeys("rel", client="c", keys=["x"]))
+    assert s.tasks["x"].state == "memory"  # y still needs it
+    s.handle_stimulus(AddWorker("add", worker=W2))
+    assert s.tasks["y"].state == "queued"

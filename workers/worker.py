@@ -361,7 +361,7 @@ class Worker:
                         self.keys.ready_signal,
                         self.keys.worker_ready(self.address),
                     ],
-                    args=[self.address, budget, self.keys.task_prefix],
+                    args=[self.address, budget, self.keys.task_prefix, self.keys.prefix],
                 )
                 self._empty_at = _parse_id(last_id) if len(claimed) < budget else None
                 if claimed:
