@@ -44,7 +44,17 @@ logger = logging.getLogger("redisdask.client")
 class _FutureState:
     """What the client knows of one key, shared by all futures of that key."""
 
-    __slots__ = ("callbacks", "event", "exception", "status", "traceback", "type", "who_has")
+    __slots__ = (
+        "callbacks",
+        "event",
+        "exception",
+        "finishes",
+        "generation",
+        "status",
+        "traceback",
+        "type",
+        "who_has",
+    )
 
     def __init__(self) -> None:
         self.status = "pending"
@@ -54,6 +64,8 @@ class _FutureState:
         self.type = ""
         self.who_has: list[str] = []
         self.callbacks: list[Callable[[], None]] = []
+        self.generation = 0  # the client's submission counter when last (re)submitted
+        self.finishes = 0  # how many key-in-memory messages arrived (to spot stale ones)
 
     def _set(self, status: str) -> None:
         self.status = status
@@ -67,6 +79,7 @@ class _FutureState:
 
     def finish(self, who_has: list[str], type_name: str) -> None:
         self.who_has, self.type = who_has, type_name
+        self.finishes += 1
         self._set("finished")
 
     def set_error(self, exception: BaseException, traceback: Any) -> None:
@@ -107,12 +120,13 @@ class Future:
             raise FuturesTimeoutError(f"task {self.key!r} did not finish within {timeout} s")
 
     def result(self, timeout: float | None = None) -> Any:
-        self._wait(timeout)
+        return self.client._results([self], timeout)[self.key]
+
+    def _raise_if_failed(self) -> None:
         if self._state.status == "error":
             raise self._state.exception.with_traceback(self._state.traceback)  # type: ignore[union-attr]
         if self._state.status == "cancelled":
             raise FutureCancelledError(self.key)
-        return self.client._gather_keys([self.key])[self.key]
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self._wait(timeout)
@@ -185,6 +199,8 @@ class Client:
         self._states: dict[str, _FutureState] = {}
         self._refcount: dict[str, int] = defaultdict(int)
         self._pending_release: deque[str] = deque()
+        self._send_lock = threading.Lock()
+        self._generation = 0
         self._peers = comm.BlockingPool(self.secret, timeout=self.timeout)
         self._stop = threading.Event()
         self._heartbeat()
@@ -219,8 +235,9 @@ class Client:
         function_bytes = specs.dumps_function(func)
         options = _options(retries, priority, workers)
         task = self._make_task(func, function_bytes, args, kwargs, key, pure, options)
+        future = Future(task["key"], self)
         self._send_graph([task], [task["key"]])
-        return Future(task["key"], self)
+        return future
 
     def map(
         self,
@@ -246,8 +263,9 @@ class Client:
             tasks.append(
                 self._make_task(func, function_bytes, args, kwargs, task_key, pure, options)
             )
+        futures = [Future(t["key"], self) for t in tasks]
         self._send_graph(tasks, [t["key"] for t in tasks])
-        return [Future(t["key"], self) for t in tasks]
+        return futures
 
     def _make_task(
         self,
@@ -276,26 +294,39 @@ class Client:
         return None
 
     def _send_graph(self, tasks: list[dict[str, Any]], wanted: list[str]) -> None:
-        """Register the futures' states, then send the graph in batches, one pipeline."""
+        """Send the graph in batches (one pipeline).  The caller holds futures for
+        ``wanted`` already, so no release of those keys can be sent after this."""
         with self._lock:
+            self._generation += 1
             for key in wanted:
-                state = self._states.get(key)
-                if state is not None and state.status == "cancelled":
+                state = self._state_for(key)
+                if state.status == "cancelled":
                     state.reset()
-                self._state_for(key)
+                state.generation = self._generation
         batch = self.config.client.submit_batch
-        messages = self._release_messages()
-        pipe = self.redis.pipeline(transaction=False)
+        entries = []
         for i in range(0, max(len(tasks), 1), batch):
             chunk = tasks[i : i + batch]
             chunk_keys = {t["key"] for t in chunk}
             want = [k for k in wanted if k in chunk_keys] if len(tasks) > batch else wanted
-            messages.append(
-                {"op": "update-graph", "client": self.id, "tasks": chunk, "wanted": want}
+            entries.append(
+                [{"op": "update-graph", "client": self.id, "tasks": chunk, "wanted": want}]
             )
-            pipe.xadd(self.keys.client_stream, schema.entry(messages))
-            messages = []
-        pipe.execute()
+        self._send(*entries)
+
+    def _send(self, *entries: list[dict[str, Any]]) -> None:
+        """XADD entries to the clients stream in one pipeline, pending releases first.
+
+        One lock orders every send of this client: a release popped by the heartbeat thread
+        can never land after a resubmission of the same key by the user's thread."""
+        with self._send_lock:
+            pipe = self.redis.pipeline(transaction=False)
+            releases = self._release_messages()
+            if releases:
+                pipe.xadd(self.keys.client_stream, schema.entry(releases))
+            for messages in entries:
+                pipe.xadd(self.keys.client_stream, schema.entry(messages))
+            pipe.execute()
 
     def get(self, dsk: Mapping[Hashable, Any], keys: Any, **kwargs: Any) -> Any:
         """Compute a dask-style dict graph; ``keys`` may be one key or nested lists."""
@@ -324,8 +355,8 @@ class Client:
             )
         flat = list(_flatten(keys))
         wanted = [specs.stringify(k) for k in flat]
-        self._send_graph(tasks, wanted)
         futures = [Future(k, self) for k in wanted]
+        self._send_graph(tasks, wanted)
         try:
             results = dict(zip(wanted, self.gather(futures), strict=True))
         finally:
@@ -338,24 +369,47 @@ class Client:
     def gather(self, futures: Any, errors: str = "raise") -> Any:
         """Wait for futures (also nested in lists, tuples and dicts) and fetch their values."""
         flat = [f for f in _flatten(futures) if isinstance(f, Future)]
-        for f in flat:
-            f._wait(None)
-        for f in flat:
-            if f.status == "error" and errors == "raise":
-                f.result()
-            if f.status == "cancelled":
-                raise FutureCancelledError(f.key)
-        values = self._gather_keys([f.key for f in flat if f.status == "finished"])
+        values = self._results(flat, None, skip_errors=errors != "raise")
         return _pack_like(futures, lambda f: values.get(f.key) if isinstance(f, Future) else f)
 
-    def _gather_keys(self, keys: list[str]) -> dict[str, Any]:
-        """Fetch values from the workers holding them, one request per worker."""
+    def _results(
+        self, futures: list[Future], timeout: float | None, skip_errors: bool = False
+    ) -> dict[str, Any]:
+        """Wait for ``futures`` and fetch their values from the workers.
+
+        The news that a key finished can be stale: it may be about an earlier run of the
+        same key (cancelled, released, submitted again).  When no holder has the value and
+        the scheduler's record says the task is not in memory, the future waits again."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        values: dict[str, Any] = {}
+        pending = futures
+        while pending:
+            for f in pending:
+                f._wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if not skip_errors:
+                for f in pending:
+                    f._raise_if_failed()
+            finished = {f.key: f._state.finishes for f in pending if f.status == "finished"}
+            got, stale = self._gather_keys(list(finished))
+            values.update(got)
+            with self._lock:
+                for key in stale:
+                    state = self._states.get(key)
+                    if state is not None and state.finishes == finished[key]:
+                        state.reset()  # no newer news arrived meanwhile
+            pending = [f for f in pending if f.key in stale]
+        return values
+
+    def _gather_keys(self, keys: list[str]) -> tuple[dict[str, Any], set[str]]:
+        """Fetch values from the workers holding them, one request per worker.  Returns
+        the values and the keys whose task the scheduler no longer has in memory."""
         remaining = set(keys)
+        stale: set[str] = set()
         values: dict[str, Any] = {}
         tried: dict[str, set[str]] = defaultdict(set)
         for _attempt in range(5):
             if not remaining:
-                return values
+                return values, stale
             by_worker: dict[str, list[str]] = defaultdict(list)
             unknown = []
             for key in remaining:
@@ -365,8 +419,10 @@ class Client:
                 else:
                     unknown.append(key)
             if unknown:
-                self._refresh_who_has(unknown)
-                for key in unknown:
+                for key, state in self._refresh_who_has(unknown).items():
+                    if state is not None and state != "memory":
+                        stale.add(key)
+                        remaining.discard(key)
                     tried[key].clear()
                 continue
             for address, wkeys in by_worker.items():
@@ -389,17 +445,21 @@ class Client:
                 f"could not fetch {sorted(remaining)[:5]} from any worker holding them "
                 f"(tried {dict(tried)}); the workers may have died — resubmit the work"
             )
-        return values
+        return values, stale
 
-    def _refresh_who_has(self, keys: list[str]) -> None:
+    def _refresh_who_has(self, keys: list[str]) -> dict[str, str | None]:
+        """Read holders from the scheduler's records; returns each key's recorded state."""
         pipe = self.redis.pipeline(transaction=False)
         for key in keys:
             pipe.hmget(self.keys.task(key), ["who_has", "state"])
+        states: dict[str, str | None] = {}
         for key, (who_has, state) in zip(keys, pipe.execute(), strict=True):
+            states[key] = state.decode() if state is not None else None
             # the scheduler's record wins once it has one; until then (e.g. data scattered
             # a moment ago, not yet processed) what this client knows stands
             if state is not None:
                 self._state_for(key).who_has = (who_has or b"").decode().split()
+        return states
 
     def who_has(self, futures: Any = None) -> dict[str, list[str]]:
         keys = [f.key for f in _flatten(futures)] if futures is not None else list(self._states)
@@ -458,8 +518,8 @@ class Client:
             "nbytes": nbytes,
             "types": types,
         }
-        self.redis.xadd(self.keys.client_stream, schema.entry([*self._release_messages(), msg]))
         futures = {k: Future(k, self) for k in keyed}
+        self._send([msg])
         if isinstance(data, dict):
             return futures
         if isinstance(data, list | tuple | set | frozenset):
@@ -477,9 +537,11 @@ class Client:
         with self._lock:
             for key in keys:
                 self._state_for(key).cancel()
-        self.redis.xadd(
-            self.keys.client_stream,
-            schema.entry([{"op": "cancel-keys", "client": self.id, "keys": keys}]),
+            generation = self._generation
+        # the scheduler answers with every key it cancelled (dependents too), echoing the
+        # generation so that keys submitted again since are not cancelled by the answer
+        self._send(
+            [{"op": "cancel-keys", "client": self.id, "keys": keys, "generation": generation}]
         )
 
     # ------------------------------------------------------------------ information
@@ -573,9 +635,8 @@ class Client:
                     # trimming what was read waits for the heartbeat: off the latency path
                     self._events_redis.xtrim(stream, minid=last_id)
                     self._heartbeat()
-                    releases = self._release_messages()
-                    if releases:
-                        self.redis.xadd(self.keys.client_stream, schema.entry(releases))
+                    if self._pending_release:
+                        self._send()
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 if self._stop.is_set():
                     return
@@ -602,7 +663,7 @@ class Client:
                 elif op == "cancelled-keys":
                     for key in msg["keys"]:
                         state = self._states.get(key)
-                        if state is not None:
+                        if state is not None and state.generation <= msg.get("generation", 0):
                             state.cancel()
 
     # ------------------------------------------------------------------ lifecycle

@@ -175,6 +175,7 @@ class CancelKeys(Event):
     op: ClassVar[str] = "cancel-keys"
     client: str = ""
     keys: list[str] = field(default_factory=list)
+    generation: int = 0  # the client's submission counter, echoed in cancelled-keys
 
 
 @dataclass(slots=True)
@@ -625,7 +626,13 @@ class SchedulerState:
         # release dependents first so dependencies lose their waiters before they are looked at
         keys = sorted(cancelled, key=lambda k: -cancelled[k].score)
         self._release_wants(ev.client, keys)
-        self._emit(ClientMsg(self._stimulus_id, ev.client, {"op": "cancelled-keys", "keys": keys}))
+        self._emit(
+            ClientMsg(
+                self._stimulus_id,
+                ev.client,
+                {"op": "cancelled-keys", "keys": keys, "generation": ev.generation},
+            )
+        )
 
     def _handle_close_client(self, ev: CloseClient) -> None:
         self._release_wants(ev.client, [ts.key for ts in self.clients.get(ev.client, ())])
@@ -704,11 +711,11 @@ class SchedulerState:
     def _handle_task_finished(self, ev: TaskFinished) -> None:
         ts = self.tasks.get(ev.key)
         ws = self.workers.get(ev.worker)
-        if ts is None or ws is None or ts.state not in ("processing", "queued"):
-            if ts is not None and ts.state == "memory" and ws is not None:
-                self._add_replica(ts, ev.worker)
-                self._emit(SetState(ev.stimulus_id, ts.key, "memory", self._memory_fields(ts)))
-            else:
+        if ts is None or ws is None or ts.state != "processing" or ts.processing_on != ws.address:
+            # a result nobody asked this worker for: a run of an earlier incarnation of the
+            # key (cancelled, released, submitted again) or of a claim taken back.  Counting
+            # it would name a holder that is about to drop it; let it drop it now.
+            if ts is None or ev.worker not in ts.who_has:
                 self._emit(
                     WorkerMsg(ev.stimulus_id, ev.worker, {"op": "free-keys", "keys": [ev.key]})
                 )
@@ -742,8 +749,9 @@ class SchedulerState:
                 if ws is not None:
                     # no longer counted as a holder: it must not keep an orphan copy
                     ws.has_what.discard(ts)
-                    self._emit(WorkerMsg(ev.stimulus_id, ws.address,
-                                         {"op": "free-keys", "keys": [key]}))
+                    self._emit(
+                        WorkerMsg(ev.stimulus_id, ws.address, {"op": "free-keys", "keys": [key]})
+                    )
             if ts.state == "memory" and ts.who_has:
                 self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
                 self._emit(

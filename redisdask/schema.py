@@ -218,12 +218,16 @@ return token
 
 # A worker claims up to ARGV[2] queued tasks, from its own ready set first (tasks
 # restricted to it), then from the cluster's.  KEYS: ready, workers, the worker's
-# processing set, worker stream, ready-signal, the worker's ready set.  ARGV: worker
-# address, n, task key prefix, cluster key prefix.  Fewer than n claimed means both
-# ready sets are empty.  The claim is recorded in Redis (task state, processing
-# set) and announced to the scheduler in the same atomic step, so a claimed task is
-# never invisible.  Returns
-# {tasks, last ready-signal id}; each task is {key, spec, score, {dep, who_has, nbytes}...}.
+# processing set, worker stream, ready-signal, the worker's ready set, the worker's
+# inbox.  ARGV: worker address, n, task key prefix, cluster key prefix, the last inbox
+# id the worker read.  The claim is recorded in Redis (task state, processing set) and
+# announced to the scheduler in the same atomic step, so a claimed task is never
+# invisible.  Fewer than n claimed means both ready sets are empty.
+# Returns {tasks, last ready-signal id, inbox entries after ARGV[5]}; each task is
+# {key, spec, score, {{dep, who_has, nbytes}...}}.  The inbox entries were written before
+# anything claimed here was queued (e.g. free-keys of an earlier run of a key that is
+# queued again); the worker applies them first, so the inbox and the ready sets cannot
+# overtake each other.
 CLAIM = """
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then
   return redis.error_reply('UNKNOWN_WORKER ' .. ARGV[1] .. ' is not registered')
@@ -273,7 +277,7 @@ if #claimed > 0 then
   redis.call('XADD', KEYS[4], '*', 'm',
     cmsgpack.pack({{op = 'claimed', worker = ARGV[1], keys = claimed}}))
 end
-return {out, last_id}
+return {out, last_id, redis.call('XRANGE', KEYS[7], '(' .. ARGV[5], '+')}
 """
 
 

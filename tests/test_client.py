@@ -277,3 +277,20 @@ def test_tasks_allowed_on_several_workers_leave_no_stale_queue_entries(
     # each worker still claims from its own set and from the shared one
     assert client.gather([client.submit(where, workers=w, pure=False) for w in both]) == both
     assert client.gather(client.map(inc, range(100, 110))) == list(range(101, 111))
+
+
+def test_cancel_then_submit_the_same_key_again(client: Client) -> None:
+    for i in range(5):
+        f = client.submit(inc, 1000 + i)
+        f.cancel()
+        g = client.submit(inc, 1000 + i)  # same pure key, submitted after the cancel
+        assert g.result(timeout=10) == 1001 + i
+        assert g.status == "finished"
+
+
+def test_a_key_released_and_resubmitted_at_once_still_resolves(client: Client) -> None:
+    for i in range(20):
+        f = client.submit(inc, 2000 + i)
+        assert f.result(timeout=10) == 2001 + i
+        del f  # queued for release; the next submit sends the release first
+        assert client.submit(inc, 2000 + i).result(timeout=10) == 2001 + i

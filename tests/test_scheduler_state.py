@@ -448,7 +448,9 @@ def test_cancel_queued_task():
     submit(s, "c", [task("x")], ["x"])
     out = s.handle_stimulus(CancelKeys("cx", client="c", keys=["x"]))
     assert [d.key for d in of(out, Dequeue)] == ["x"]
-    assert client_msgs(out, "cancelled-keys", "c") == [{"op": "cancelled-keys", "keys": ["x"]}]
+    assert client_msgs(out, "cancelled-keys", "c") == [
+        {"op": "cancelled-keys", "keys": ["x"], "generation": 0}
+    ]
     assert "x" not in s.tasks
     # the claim that was already in flight is answered with unclaim + free-keys
     out = s.handle_stimulus(TaskClaimed("late", worker=W1, keys=["x"]))
@@ -653,8 +655,10 @@ def test_finished_by_an_unknown_worker_is_dropped():
     assert freed(out, W3) == {"x"} and s.tasks["x"].state == "queued"
 
 
-def test_late_result_of_a_requeued_task_is_accepted_and_dequeued():
-    """A worker removed (say, by a missed heartbeat) finishes its task after all."""
+def test_late_result_of_a_requeued_task_is_refused():
+    """A worker removed (say, by a missed heartbeat) finishes its task after all: only the
+    worker that holds the current claim may report a result, so the late one is dropped
+    (the worker is told to free it) and the task runs again."""
     s = make(W1, W2)
     submit(s, "c", [task("x")], ["x"])
     s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["x"]))
@@ -662,10 +666,25 @@ def test_late_result_of_a_requeued_task_is_accepted_and_dequeued():
     assert s.tasks["x"].state == "queued"
     s.handle_stimulus(AddWorker("back", worker=W1))
     out = s.handle_stimulus(TaskFinished("fin", worker=W1, key="x", nbytes=3))
-    assert s.tasks["x"].state == "memory" and s.tasks["x"].who_has == {W1}
-    # it must leave the ready set, or another worker would compute it again
-    assert [d.key for d in of(out, Dequeue)] == ["x"]
-    assert client_msgs(out, "key-in-memory", "c")
+    assert s.tasks["x"].state == "queued" and not s.tasks["x"].who_has
+    assert freed(out, W1) == {"x"}
+    assert not client_msgs(out, "key-in-memory")
+
+
+def test_result_of_an_earlier_incarnation_of_a_key_is_refused():
+    """Cancelled while W1 ran it, submitted again, claimed by W2: W1's late result is
+    not the new run's, and W1 is about to drop it (the cancel freed it)."""
+    s = make(W1, W2)
+    submit(s, "c", [task("x")], ["x"])
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["x"]))
+    s.handle_stimulus(CancelKeys("cancel", client="c", keys=["x"]))
+    submit(s, "c", [task("x")], ["x"])
+    s.handle_stimulus(TaskClaimed("claim", worker=W2, keys=["x"]))
+    out = s.handle_stimulus(TaskFinished("late", worker=W1, key="x", nbytes=3))
+    assert s.tasks["x"].state == "processing" and freed(out, W1) == {"x"}
+    run_out = s.handle_stimulus(TaskFinished("fin", worker=W2, key="x", nbytes=3))
+    assert s.tasks["x"].who_has == {W2}
+    assert client_msgs(run_out, "key-in-memory", "c")
 
 
 def test_late_result_while_another_worker_processes_the_task():
@@ -676,12 +695,10 @@ def test_late_result_while_another_worker_processes_the_task():
     s.handle_stimulus(TaskClaimed("claim", worker=W2, keys=["x"]))
     s.handle_stimulus(AddWorker("back", worker=W1))
     out = s.handle_stimulus(TaskFinished("fin", worker=W1, key="x", nbytes=3))
-    assert s.tasks["x"].state == "memory"
-    assert not s.workers[W2].processing
-    assert (W2, "x") in {(u.worker, u.key) for u in of(out, Unclaim)}
-    # W2's result arrives too: a second replica
+    assert s.tasks["x"].state == "processing" and s.tasks["x"].processing_on == W2
+    assert freed(out, W1) == {"x"}  # not the current claim: W1 drops its copy
     s.handle_stimulus(TaskFinished("fin2", worker=W2, key="x", nbytes=3))
-    assert s.tasks["x"].who_has == {W1, W2}
+    assert s.tasks["x"].state == "memory" and s.tasks["x"].who_has == {W2}
 
 
 def test_missing_data_about_a_peer():
@@ -695,11 +712,13 @@ def test_missing_data_about_a_peer():
     assert s.tasks["a"] not in s.workers[W1].has_what
     (msg,) = [i for i in of(out, WorkerMsg) if i.msg["op"] == "who-has"]
     assert msg.worker == W3 and msg.msg["who_has"] == {"a": [W2]}
-    # the last copy goes missing too: recompute a; b is still processing on W3
+    # the last copy goes missing too: recompute a, and take b back from W3
     out = s.handle_stimulus(MissingData("md2", worker=W3, keys=["a"], errant_worker=W2))
     assert s.tasks["a"].state == "queued" and [e.key for e in of(out, Enqueue)] == ["a"]
+    assert s.tasks["b"].state == "waiting" and freed(out, W3) == {"b"}
     run(s, "a", W1)
-    s.handle_stimulus(TaskFinished("fin", worker=W3, key="b", nbytes=1))
+    assert s.tasks["b"].state == "queued"
+    run(s, "b", W3)
     assert s.tasks["b"].state == "memory"
 
 

@@ -352,7 +352,7 @@ class Worker:
         while self.status == "running":
             budget = self.state.claim_budget(self.claim_horizon)
             if budget > 0 and self._may_have_work():
-                claimed, last_id = await self.scripts.claim(
+                claimed, last_id, inbox = await self.scripts.claim(
                     keys=[
                         self.keys.ready,
                         self.keys.workers,
@@ -360,10 +360,18 @@ class Worker:
                         self.keys.worker_stream,
                         self.keys.ready_signal,
                         self.keys.worker_ready(self.address),
+                        self.keys.worker_inbox(self.address),
                     ],
-                    args=[self.address, budget, self.keys.task_prefix, self.keys.prefix],
+                    args=[
+                        self.address,
+                        budget,
+                        self.keys.task_prefix,
+                        self.keys.prefix,
+                        self._inbox_id,
+                    ],
                 )
                 self._empty_at = _parse_id(last_id) if len(claimed) < budget else None
+                self._handle_inbox(inbox)
                 if claimed:
                     self.handle(*[self._compute_event(c) for c in claimed])
                 continue
@@ -396,25 +404,20 @@ class Worker:
                     self._latest_signal = max(self._latest_signal, _parse_id(last))
                     self._wake.set()
                 else:
-                    self._inbox_id = last.decode()
-                    self._handle_inbox([fields for _id, fields in items])
+                    self._handle_inbox(items)
 
-    def _handle_inbox(self, entries: list[dict[bytes, bytes]]) -> None:
+    def _handle_inbox(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        """Apply scheduler messages, each entry once (the listener and the claim script
+        both deliver them); a malformed message is logged and skipped."""
         events: list[ws.StateMachineEvent] = []
-        for fields in entries:
-            try:
-                messages = schema.unpack(fields[b"m"])
-            except Exception:
-                logger.warning("ignoring a malformed inbox entry: %r", fields)
+        for entry_id, fields in entries:
+            if _parse_id(entry_id) <= _parse_id(self._inbox_id):
                 continue
-            for msg in messages:
-                op = msg.get("op")
-                if op == "free-keys":
-                    events.append(ws.FreeKeysEvent(list(msg["keys"]), "scheduler-free-keys"))
-                elif op == "who-has":
-                    events.append(ws.UpdateWhoHasEvent(dict(msg["who_has"]), "scheduler-who-has"))
-                else:
-                    logger.warning("ignoring unknown inbox message %r", op)
+            self._inbox_id = entry_id.decode()
+            try:
+                events.extend(_inbox_events(entry_id.decode(), fields))
+            except (KeyError, TypeError, ValueError) as exc:
+                logger.warning("ignoring malformed inbox entry %s: %s", entry_id.decode(), exc)
         if events:
             self.handle(*events)
 
@@ -501,6 +504,33 @@ class Worker:
             )
             return {"status": "OK", "keys": list(values)}, []
         return {"status": "error", "message": f"unknown op {op!r}"}, []
+
+
+def _inbox_events(entry_id: str, fields: dict[bytes, bytes]) -> list[ws.StateMachineEvent]:
+    """Events from one inbox entry; ValueError/TypeError/KeyError when it is malformed."""
+    messages = schema.unpack(fields[b"m"])
+    if not isinstance(messages, list):
+        raise TypeError("field 'm' is not a list of messages")
+    events: list[ws.StateMachineEvent] = []
+    for i, msg in enumerate(messages):
+        sid = f"{entry_id}/{i}"
+        op = msg.get("op") if isinstance(msg, dict) else None
+        if op == "free-keys":
+            keys = msg["keys"]
+            if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+                raise TypeError(f"free-keys needs a list of keys, got {keys!r:.80}")
+            events.append(ws.FreeKeysEvent(keys, sid))
+        elif op == "who-has":
+            who_has = msg["who_has"]
+            if not isinstance(who_has, dict) or not all(
+                isinstance(k, str) and isinstance(v, list) and all(isinstance(w, str) for w in v)
+                for k, v in who_has.items()
+            ):
+                raise TypeError(f"who-has needs {{key: [address]}}, got {who_has!r:.80}")
+            events.append(ws.UpdateWhoHasEvent(who_has, sid))
+        else:
+            raise ValueError(f"unknown inbox message {msg!r:.80}")
+    return events
 
 
 def _failure_event(
