@@ -37,6 +37,8 @@ from redisdask.schema import Keys
 
 logger = logging.getLogger("redisdask.client")
 
+SUBMIT_BATCH_BYTES = 16 << 20  # specs per stream entry, so the scheduler's writes stay small
+
 
 # --------------------------------------------------------------------------- futures
 
@@ -303,15 +305,34 @@ class Client:
                 if state.status == "cancelled":
                     state.reset()
                 state.generation = self._generation
-        batch = self.config.client.submit_batch
+        chunks = _chunks(tasks, self.config.client.submit_batch, SUBMIT_BATCH_BYTES)
+        if len(chunks) == 1:
+            self._send(
+                [{"op": "update-graph", "client": self.id, "tasks": tasks, "wanted": wanted}]
+            )
+            return
+        # A graph sent in several entries: a chunk's tasks that later chunks depend on are
+        # wanted until the whole graph is in (else the scheduler would forget them as
+        # unneeded), then released.  Tasks come dependencies first (see ``get``).
+        wanted_set = set(wanted)
+        later_deps: set[str] = set()
+        bridges: list[list[str]] = []
+        for chunk in reversed(chunks):
+            bridges.append(
+                [t["key"] for t in chunk if t["key"] in later_deps and t["key"] not in wanted_set]
+            )
+            later_deps.update(d for t in chunk for d in t["deps"])
+        bridges.reverse()
         entries = []
-        for i in range(0, max(len(tasks), 1), batch):
-            chunk = tasks[i : i + batch]
-            chunk_keys = {t["key"] for t in chunk}
-            want = [k for k in wanted if k in chunk_keys] if len(tasks) > batch else wanted
+        for chunk, bridge in zip(chunks, bridges, strict=True):
+            keys = {t["key"] for t in chunk}
+            want = [k for k in wanted if k in keys] + bridge
             entries.append(
                 [{"op": "update-graph", "client": self.id, "tasks": chunk, "wanted": want}]
             )
+        bridge_keys = [k for bridge in bridges for k in bridge]
+        if bridge_keys:
+            entries.append([{"op": "client-releases-keys", "client": self.id, "keys": bridge_keys}])
         self._send(*entries)
 
     def _send(self, *entries: list[dict[str, Any]]) -> None:
@@ -353,16 +374,16 @@ class Client:
                     "spec": specs.dumps_spec(specs.dumps_function(func), args, {}, func),
                 }
             )
-        flat = list(_flatten(keys))
+        flat = list(_flatten_lists(keys))  # lists give the shape; tuples are dask keys
         wanted = [specs.stringify(k) for k in flat]
         futures = [Future(k, self) for k in wanted]
-        self._send_graph(tasks, wanted)
+        self._send_graph(_toposort(tasks), wanted)
         try:
             results = dict(zip(wanted, self.gather(futures), strict=True))
         finally:
             for f in futures:
                 f.release()
-        return _pack_like(keys, lambda k: results[specs.stringify(k)])
+        return _pack_lists(keys, lambda k: results[specs.stringify(k)])
 
     # ------------------------------------------------------------------ results
 
@@ -708,6 +729,46 @@ class Client:
 # --------------------------------------------------------------------------- helpers
 
 
+def _toposort(tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Dependencies before dependents (Kahn); ``ValueError`` naming a key on a cycle."""
+    by_key = {t["key"]: t for t in tasks}
+    missing = {t["key"]: {d for d in t["deps"] if d in by_key} for t in tasks}
+    dependents: dict[str, list[str]] = defaultdict(list)
+    for key, deps in missing.items():
+        for dep in deps:
+            dependents[dep].append(key)
+    ready = deque(key for key, deps in missing.items() if not deps)
+    order = []
+    while ready:
+        key = ready.popleft()
+        order.append(by_key[key])
+        for dependent in dependents[key]:
+            missing[dependent].discard(key)
+            if not missing[dependent]:
+                ready.append(dependent)
+    if len(order) < len(tasks):
+        stuck = next(k for k, deps in missing.items() if deps)
+        raise ValueError(f"the graph has a cycle: {stuck!r} depends (indirectly) on itself")
+    return order
+
+
+def _chunks(
+    tasks: list[dict[str, Any]], max_tasks: int, max_bytes: int
+) -> list[list[dict[str, Any]]]:
+    """Split tasks into stream entries of at most ``max_tasks`` tasks and about
+    ``max_bytes`` of specs (a single bigger task gets an entry of its own)."""
+    chunks: list[list[dict[str, Any]]] = [[]]
+    size = 0
+    for task in tasks:
+        n = len(task.get("spec") or b"")
+        if chunks[-1] and (len(chunks[-1]) >= max_tasks or size + n > max_bytes):
+            chunks.append([])
+            size = 0
+        chunks[-1].append(task)
+        size += n
+    return chunks
+
+
 def _options(retries: int, priority: int, workers: str | list[str] | None) -> dict[str, Any]:
     """Per-task options as the scheduler reads them from an update-graph message."""
     options: dict[str, Any] = {"priority": int(priority), "retries": int(retries)}
@@ -758,6 +819,20 @@ def _flatten(obj: Any) -> Iterator[Any]:
             yield from _flatten(x)
     else:
         yield obj
+
+
+def _flatten_lists(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, list):
+        for x in obj:
+            yield from _flatten_lists(x)
+    else:
+        yield obj
+
+
+def _pack_lists(template: Any, leaf: Callable[[Any], Any]) -> Any:
+    if isinstance(template, list):
+        return [_pack_lists(x, leaf) for x in template]
+    return leaf(template)
 
 
 def _pack_like(template: Any, leaf: Callable[[Any], Any]) -> Any:

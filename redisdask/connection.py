@@ -40,16 +40,21 @@ def connect(url: str, *, timeout: float = 5.0, name: str | None = None) -> redis
         ) from exc
     try:
         client.ping()
+    except redis.AuthenticationError as exc:  # a subclass of ConnectionError: first
+        client.close()
+        raise ClusterConnectionError(
+            f"Redis at {redact(url)} refused our credentials ({exc}); check the user and "
+            "password in the URL"
+        ) from exc
     except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
         client.close()
         raise ClusterConnectionError(
             f"cannot reach Redis at {redact(url)} within {timeout:g} s: {exc}. Is redis-server "
             "running there? Pass the right URL, or use LocalCluster() to start one"
         ) from exc
-    except redis.AuthenticationError as exc:  # pragma: no cover - depends on server set-up
-        raise ClusterConnectionError(
-            f"Redis at {redact(url)} refused our credentials: {exc}"
-        ) from exc
+    except redis.ResponseError as exc:  # e.g. a database index out of range
+        client.close()
+        raise ClusterConnectionError(f"Redis at {redact(url)} refused us: {exc}") from exc
     return client
 
 

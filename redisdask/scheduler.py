@@ -53,6 +53,8 @@ from redisdask.schema import Keys
 logger = logging.getLogger("redisdask.scheduler")
 
 MAX_ARGS = 2000  # Lua's unpack() limit is ~8000 arguments per command
+MAX_BATCH_BYTES = 64 << 20  # one atomic write stays far below Redis's 512 MB per argument
+DEAD_LETTER_SAMPLE = 4096  # bytes of each field kept of a dead-lettered entry
 
 
 class Scheduler:
@@ -158,7 +160,8 @@ class Scheduler:
             if not entries:
                 self.renew_lease()
                 continue
-            self.process(entries)
+            for batch in _by_size(entries, MAX_BATCH_BYTES):
+                self.process(batch)
 
     def stop(self) -> None:
         self._stopping = True
@@ -212,6 +215,8 @@ class Scheduler:
         self, stream: str, entry_id: bytes, fields: dict[bytes, bytes], error: str
     ) -> list[Any]:
         logger.warning("dead-lettered entry %s of %s: %s", entry_id.decode(), stream, error)
+        # a bounded copy: a stranger's entry may have any number of fields of any size
+        sample = schema.pack({k: v[:DEAD_LETTER_SAMPLE] for k, v in list(fields.items())[:16]})
         return [
             "XADD",
             self.keys.dead_letter,
@@ -224,8 +229,11 @@ class Scheduler:
             "id",
             entry_id,
             "error",
-            error,
-            *[x for kv in fields.items() for x in kv],
+            error[:DEAD_LETTER_SAMPLE],
+            "nfields",
+            len(fields),
+            "sample",
+            sample,
         ]
 
     def apply(self, commands: list[list[Any]]) -> None:
@@ -379,6 +387,22 @@ class Scheduler:
             maxlen=schema.EVENTS_MAXLEN,
             approximate=True,
         )
+
+
+def _by_size(
+    entries: list[tuple[str, bytes, dict[bytes, bytes]]], limit: int
+) -> list[list[tuple[str, bytes, dict[bytes, bytes]]]]:
+    """Split a read into batches of at most ``limit`` payload bytes (one entry at least)."""
+    batches: list[list[tuple[str, bytes, dict[bytes, bytes]]]] = [[]]
+    size = 0
+    for item in entries:
+        n = sum(len(k) + len(v) for k, v in item[2].items())
+        if batches[-1] and size + n > limit:
+            batches.append([])
+            size = 0
+        batches[-1].append(item)
+        size += n
+    return batches
 
 
 def _chunked(head: list[Any], items: list[Any], step: int = 1) -> list[list[Any]]:

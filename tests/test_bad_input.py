@@ -111,3 +111,35 @@ def test_malformed_stream_entry_is_dead_lettered(client: Client, cluster) -> Non
     assert any("no 'm' field" in e for e in errors)
     assert any("unknown op 'no-such-op'" in e for e in errors)
     assert cluster.scheduler_process.poll() is None
+
+
+def test_huge_malformed_entries_are_dead_lettered_within_bounds(
+    client: Client,
+    cluster,  # type: ignore[no-untyped-def]
+) -> None:
+    r = redis.Redis.from_url(cluster.redis_url)
+    keys = Keys(cluster.cluster_name)
+    r.xadd(keys.worker_stream, {f"f{i}": b"x" for i in range(5_000)})  # no 'm', many fields
+    r.xadd(keys.client_stream, {"m": b"\xc1" * 10_000_000})  # 10 MB of garbage
+    assert client.submit(inc, 1).result(timeout=20) == 2
+    deadline = time.monotonic() + 10
+    while r.xlen(keys.dead_letter) < 2:
+        assert time.monotonic() < deadline
+        threading.Event().wait(0.01)
+    for _id, fields in r.xrange(keys.dead_letter):
+        assert len(fields[b"sample"]) < 100_000
+    assert int(r.xrange(keys.dead_letter)[0][1][b"nfields"]) == 5_000
+    assert cluster.scheduler_process.poll() is None
+
+
+def test_wrong_credentials_are_named_without_the_password() -> None:
+    from redisdask.embedded import EmbeddedRedis
+
+    with EmbeddedRedis() as server:
+        server.client().config_set("requirepass", "s3cret")
+        url = f"redis://:wrong-pw@127.0.0.1:{server.port}/0"
+        with pytest.raises(ClusterConnectionError, match="refused our credentials") as info:
+            Client(url)
+        assert "wrong-pw" not in str(info.value)
+        with pytest.raises(ClusterConnectionError, match="refused"):
+            Client(f"redis://:s3cret@127.0.0.1:{server.port}/99")  # no such database

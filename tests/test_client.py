@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -294,3 +295,23 @@ def test_a_key_released_and_resubmitted_at_once_still_resolves(client: Client) -
         assert f.result(timeout=10) == 2001 + i
         del f  # queued for release; the next submit sends the release first
         assert client.submit(inc, 2000 + i).result(timeout=10) == 2001 + i
+
+
+def test_a_graph_larger_than_one_submission_batch(client: Client) -> None:
+    """12,000 tasks in three stream entries, listed dependents first: the scheduler must
+    not forget a chunk's tasks before the chunks that need them arrive."""
+    n = 6_000
+    dsk: dict[Any, Any] = {("sum", i): (add, ("x", i), ("x", i + 1)) for i in range(n - 1)}
+    dsk.update({("x", i): (inc, i) for i in range(n)})
+    out = client.get(dsk, [("sum", 0), ("sum", n - 2)])
+    assert out == [1 + 2, (n - 1) + n]
+
+
+def test_a_cyclic_graph_is_refused(client: Client) -> None:
+    with pytest.raises(ValueError, match="cycle"):
+        client.get({"a": (inc, "b"), "b": (inc, "a")}, "a")
+
+
+def test_large_arguments_go_in_several_entries(client: Client) -> None:
+    blobs = [bytes([i]) * 2_000_000 for i in range(20)]  # 40 MB of arguments
+    assert client.gather(client.map(len, blobs)) == [2_000_000] * 20
