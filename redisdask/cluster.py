@@ -81,7 +81,10 @@ class LocalCluster:
             self.log_directory.mkdir(parents=True, exist_ok=True)
             out = open(self.log_directory / f"{label}.log", "ab")  # noqa: SIM115 - kept open
             self._logs.append(out)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", REDISDASK__LOGGING__LEVEL=self.log_level)
+        # the URL (it may hold a password) goes by environment, not on a command line
+        # that every user of the machine can read with ps
+        env = dict(os.environ, PYTHONUNBUFFERED="1", REDISDASK__LOGGING__LEVEL=self.log_level,
+                   REDISDASK__REDIS__URL=self.redis_url)
         return subprocess.Popen(
             [sys.executable, "-m", "redisdask", *args],
             stdout=out,
@@ -91,7 +94,7 @@ class LocalCluster:
 
     def start_scheduler(self, standby: bool = False) -> subprocess.Popen[bytes]:
         """Start (or, after it died, restart) the scheduler process, or a standby."""
-        args = ["scheduler", self.redis_url, "--cluster", self.cluster_name]
+        args = ["scheduler", "--cluster", self.cluster_name]
         if standby:
             args.append("--standby")
         for option, value in self.scheduler_options.items():
@@ -116,7 +119,6 @@ class LocalCluster:
             return worker
         args = [
             "worker",
-            self.redis_url,
             "--cluster",
             self.cluster_name,
             "--nthreads",

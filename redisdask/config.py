@@ -182,8 +182,13 @@ class Config(Section):
         return self.model_dump(by_alias=True, mode="json")
 
     def to_yaml(self) -> str:
-        """The effective configuration as YAML (``redisdask config show``)."""
-        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+        """The effective configuration as YAML (``redisdask config show``), with the
+        password of the Redis URL masked."""
+        from redisdask.connection import redact
+
+        data = self.to_dict()
+        data["redis"]["url"] = redact(data["redis"]["url"])
+        return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 
 # --------------------------------------------------------------------------- layering

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import time
 import uuid
@@ -122,6 +123,17 @@ class Scheduler:
                 announced = True
             time.sleep(self.lease_ttl_ms / 3000)  # lease expiry is time-based by nature
         raise FencedError("stopped while waiting for the lease")
+
+    def release_lease(self) -> None:
+        """Hand the cluster over at once (a standby need not wait for the lease to expire)."""
+        if self.token is None:
+            return
+        try:
+            self.apply([["DEL", self.keys.lease]])
+            logger.info("scheduler %s released the lease (token %s)", self.id, self.token)
+        except (FencedError, redis.RedisError) as exc:
+            logger.warning("could not release the lease: %s", exc)
+        self.token = None
 
     def renew_lease(self) -> None:
         token = self.scripts.acquire_lease(
@@ -503,8 +515,13 @@ def load_state(r: redis.Redis, keys: Keys, validate: bool = False) -> SchedulerS
 
 def main(redis_url: str, cluster: str, *, standby: bool = False, **options: Any) -> None:
     scheduler = Scheduler(redis_url, cluster, **options)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: scheduler.stop())
     try:
         scheduler.run(standby=standby)
     except FencedError as exc:
+        if scheduler._stopping:  # a standby asked to stop before it ever led
+            return
         logger.error("stopping: %s", exc)
         raise SystemExit(1) from exc
+    scheduler.release_lease()

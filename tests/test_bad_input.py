@@ -143,3 +143,48 @@ def test_wrong_credentials_are_named_without_the_password() -> None:
         assert "wrong-pw" not in str(info.value)
         with pytest.raises(ClusterConnectionError, match="refused"):
             Client(f"redis://:s3cret@127.0.0.1:{server.port}/99")  # no such database
+
+
+def test_malformed_inbox_messages_leave_the_worker_working(
+    client: Client,
+    cluster,  # type: ignore[no-untyped-def]
+) -> None:
+    r = redis.Redis.from_url(cluster.redis_url)
+    keys = Keys(cluster.cluster_name)
+    workers = sorted(client.nthreads())
+    for w in workers:
+        r.xadd(keys.worker_inbox(w), entry([{"op": "free-keys"}]))  # no keys
+        r.xadd(keys.worker_inbox(w), entry([{"op": "who-has", "who_has": "x"}, 7]))
+        r.xadd(keys.worker_inbox(w), {"m": b"\xc1"})
+    for w in workers:  # each still claims and runs its own work
+        assert client.submit(inc, 5, workers=w, pure=False).result(timeout=10) == 6
+
+
+def test_a_worker_that_cannot_claim_leaves_instead_of_lingering(
+    client: Client,
+    cluster,  # type: ignore[no-untyped-def]
+) -> None:
+    r = redis.Redis.from_url(cluster.redis_url)
+    keys = Keys(cluster.cluster_name)
+    info = client.scheduler_info()["workers"]
+    victim = next(a for a, w in info.items() if w["name"] == "worker-0")
+    r.hdel(keys.workers, victim)  # its claims are now refused (UNKNOWN_WORKER)
+    assert client.gather(client.map(inc, range(50))) == list(range(1, 51))
+    proc = cluster.worker_processes[0]
+    assert proc.wait(timeout=20) == 1  # it left, with an error status
+
+
+def test_the_redis_password_is_not_on_any_command_line(cluster_name: str) -> None:
+    import psutil
+
+    from redisdask import LocalCluster
+    from redisdask.embedded import EmbeddedRedis
+
+    with EmbeddedRedis() as server:
+        server.client().config_set("requirepass", "pw-4-test")
+        url = f"redis://:pw-4-test@127.0.0.1:{server.port}/0"
+        with LocalCluster(n_workers=1, redis_url=url, cluster_name=cluster_name) as cluster:
+            with Client(cluster) as client:
+                assert client.submit(inc, 1).result(timeout=15) == 2
+            for proc in cluster.subprocesses:
+                assert "pw-4-test" not in " ".join(psutil.Process(proc.pid).cmdline())

@@ -255,3 +255,20 @@ def test_state_reloaded_from_redis_keeps_restrictions_retries_and_priorities(
     assert reloaded.unrunnable == {reloaded.tasks["a"]}
     assert {d.key for d in reloaded.tasks["b"].dependencies} == {"a"}
     assert reloaded.tasks["b"].who_wants == set()  # client "c" never registered a heartbeat
+
+
+def test_a_stopped_scheduler_hands_the_lease_over_at_once(
+    redis_url: str, cluster_name: str
+) -> None:
+    with LocalCluster(n_workers=1, redis_url=redis_url, cluster_name=cluster_name) as cluster:
+        r = redis.Redis.from_url(redis_url)
+        keys = Keys(cluster_name)
+        poll(lambda: r.get(keys.lease) is not None)
+        token = r.get(keys.lease)
+        first = cluster.scheduler_process
+        first.terminate()  # type: ignore[union-attr]
+        assert first.wait(timeout=15) == 0  # type: ignore[union-attr]
+        assert r.get(keys.lease) != token  # released, not left to expire (5 s)
+        cluster.start_scheduler()
+        with Client(cluster) as client:
+            assert client.submit(inc, 1).result(timeout=15) == 2

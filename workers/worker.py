@@ -134,6 +134,8 @@ class Worker:
         self._background: set[asyncio.Task[Any]] = set()
         self._inbox_id = "0-0"
         self.started = time.time()
+        self.failure: BaseException | None = None
+        self._closing: asyncio.Future[None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -248,8 +250,16 @@ class Worker:
 
         def done(t: asyncio.Task[Any]) -> None:
             self._background.discard(t)
-            if not t.cancelled() and t.exception() is not None:
-                logger.error("worker task failed", exc_info=t.exception())
+            if t.cancelled() or t.exception() is None:
+                return
+            logger.error("worker task %s failed", t.get_coro(), exc_info=t.exception())
+            if self.status == "running":
+                # a worker that cannot claim, report or listen any more must not linger as
+                # a registered zombie: leave (the process exits 1)
+                self.failure = t.exception()
+                self._closing = asyncio.ensure_future(
+                    self.close(f"internal failure: {t.exception()!r}")
+                )
 
         task.add_done_callback(done)
 
@@ -436,7 +446,11 @@ class Worker:
         if not self._outbox:
             return
         batch, self._outbox = self._outbox, []
-        await self.redis.xadd(self.keys.worker_stream, schema.entry(batch))
+        try:
+            await self.redis.xadd(self.keys.worker_stream, schema.entry(batch))
+        except BaseException:
+            self._outbox[:0] = batch  # not sent: keep the reports for the next attempt
+            raise
 
     async def _heartbeat_loop(self) -> None:
         ttl = int(self.worker_ttl * 1000)
@@ -629,5 +643,7 @@ def main(redis_url: str, cluster: str, **kwargs: Any) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
         await worker.run()
+        if worker.failure is not None:
+            raise SystemExit(1)
 
     asyncio.run(run())
