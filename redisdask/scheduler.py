@@ -150,7 +150,8 @@ class Scheduler:
         self.state = load_state(self.redis, self.keys, validate=self.validate)
         self._event("scheduler-start", scheduler=self.id, token=self.token)
         pending = True  # first re-read entries a dead predecessor read but never applied
-        block_ms = max(1, self.lease_ttl_ms // 3)
+        # idle wake-ups renew the lease and notice a stop request within half a second
+        block_ms = max(1, min(self.lease_ttl_ms // 3, 500))
         while not self._stopping:
             streams = {
                 self.keys.worker_stream: "0" if pending else ">",
