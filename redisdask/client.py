@@ -700,14 +700,19 @@ class Client:
         with self._lock:
             for state in self._states.values():
                 state.cancel()
+        self._stop.set()
         try:
-            self.redis.xadd(
+            pipe = self.redis.pipeline(transaction=True)
+            # wake our event thread from its blocking read, then say goodbye (the scheduler
+            # deletes the events stream when it handles close-client, after this entry)
+            pipe.xadd(self.keys.client_events(self.id), schema.entry([{"op": "closing"}]))
+            pipe.xadd(
                 self.keys.client_stream, schema.entry([{"op": "close-client", "client": self.id}])
             )
-            self.redis.delete(self.keys.client_alive(self.id))
+            pipe.delete(self.keys.client_alive(self.id))
+            pipe.execute()
         except redis.RedisError as exc:
             logger.warning("client %s could not say goodbye to Redis: %s", self.id, exc)
-        self._stop.set()
         self._thread.join(timeout=5)
         self._peers.close()
         self._events_redis.close()

@@ -83,8 +83,12 @@ class LocalCluster:
             self._logs.append(out)
         # the URL (it may hold a password) goes by environment, not on a command line
         # that every user of the machine can read with ps
-        env = dict(os.environ, PYTHONUNBUFFERED="1", REDISDASK__LOGGING__LEVEL=self.log_level,
-                   REDISDASK__REDIS__URL=self.redis_url)
+        env = dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            REDISDASK__LOGGING__LEVEL=self.log_level,
+            REDISDASK__REDIS__URL=self.redis_url,
+        )
         return subprocess.Popen(
             [sys.executable, "-m", "redisdask", *args],
             stdout=out,
