@@ -856,6 +856,11 @@ class SchedulerState:
 
     def _transition_processing_waiting(self, ts: TaskState) -> None:
         """A dependency lost its data while a worker held the task: take it back."""
+        self._take_back(ts)
+        self._wait_again(ts)
+
+    def _take_back(self, ts: TaskState) -> None:
+        """Withdraw a processing task from its worker (which drops it, if still there)."""
         worker = ts.processing_on
         if worker is not None:
             ws = self.workers.get(worker)
@@ -864,7 +869,6 @@ class SchedulerState:
             self._emit(Unclaim(self._stimulus_id, worker, ts.key))
             self._emit(WorkerMsg(self._stimulus_id, worker, {"op": "free-keys", "keys": [ts.key]}))
         ts.processing_on = None
-        self._wait_again(ts)
 
     def _transition_no_worker_waiting(self, ts: TaskState) -> None:
         self.unrunnable.discard(ts)
@@ -966,14 +970,7 @@ class SchedulerState:
         self._transition_waiting_released(ts)
 
     def _transition_processing_released(self, ts: TaskState) -> None:
-        worker = ts.processing_on
-        if worker is not None:
-            ws = self.workers.get(worker)
-            if ws is not None:
-                ws.processing.discard(ts)
-            self._emit(Unclaim(self._stimulus_id, worker, ts.key))
-            self._emit(WorkerMsg(self._stimulus_id, worker, {"op": "free-keys", "keys": [ts.key]}))
-        ts.processing_on = None
+        self._take_back(ts)
         self._transition_waiting_released(ts)
 
     def _transition_memory_released(self, ts: TaskState) -> None:
