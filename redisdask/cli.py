@@ -114,7 +114,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         elif args.command == "demo":
             _setup_logging("WARNING", "demo")
-            from redisdask.demo import run_demo
+            try:
+                from redisdask.demo import run_demo
+            except ModuleNotFoundError as exc:
+                print(
+                    f"redisdask demo needs {exc.name}: pip install 'redisdask[demo]'",
+                    file=sys.stderr,
+                )
+                return 1
 
             return run_demo(args.redis_url, n_workers=args.workers)
         elif args.command == "config":
