@@ -315,3 +315,22 @@ def test_a_cyclic_graph_is_refused(client: Client) -> None:
 def test_large_arguments_go_in_several_entries(client: Client) -> None:
     blobs = [bytes([i]) * 2_000_000 for i in range(20)]  # 40 MB of arguments
     assert client.gather(client.map(len, blobs)) == [2_000_000] * 20
+
+
+def test_released_results_leave_the_workers_memory(redis_url: str, cluster_name: str) -> None:
+    """free-keys reaches the workers whichever way it comes (listener or claim)."""
+    from redisdask import LocalCluster
+
+    with (
+        LocalCluster(
+            n_workers=2, processes=False, redis_url=redis_url, cluster_name=cluster_name
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        for round_ in range(3):
+            futures = client.map(inc, range(round_ * 1000, round_ * 1000 + 300))
+            client.gather(futures)
+            del futures
+        client.submit(inc, -1).result(timeout=10)  # carries the last releases
+        data = [w.worker.state.data for w in cluster.thread_workers]
+        poll(lambda: sum(len(d) for d in data) == 1, timeout=15)  # only inc(-1) is left

@@ -381,7 +381,7 @@ class Worker:
                     ],
                 )
                 self._empty_at = _parse_id(last_id) if len(claimed) < budget else None
-                self._handle_inbox(inbox)
+                self._handle_inbox(script_entries(inbox))
                 if claimed:
                     self.handle(*[self._compute_event(c) for c in claimed])
                 continue
@@ -518,6 +518,12 @@ class Worker:
             )
             return {"status": "OK", "keys": list(values)}, []
         return {"status": "error", "message": f"unknown op {op!r}"}, []
+
+
+def script_entries(raw: list[Any]) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """Stream entries as a Lua script returns them (``[id, [field, value, ...]]``) in the
+    shape redis-py gives XREAD's (``(id, {field: value})``)."""
+    return [(entry_id, dict(zip(flat[::2], flat[1::2], strict=True))) for entry_id, flat in raw]
 
 
 def _inbox_events(entry_id: str, fields: dict[bytes, bytes]) -> list[ws.StateMachineEvent]:

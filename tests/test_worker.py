@@ -1,0 +1,44 @@
+"""The worker driver's contracts with Redis (real Redis; the state machine has its own
+unit tests in test_worker_state.py)."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from redisdask.schema import Keys, Scripts, ensure_cluster, entry, pack
+from workers.worker import _inbox_events, script_entries
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_a_claim_returns_the_inbox_written_before_it_in_a_decodable_form(
+    redis_url: str, cluster_name: str
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ensure_cluster(r, keys)
+    worker = "tcp://127.0.0.1:1"
+    r.hset(keys.workers, worker, pack({"address": worker}))
+    first = r.xadd(keys.worker_inbox(worker), entry([{"op": "free-keys", "keys": ["old"]}]))
+    second = r.xadd(keys.worker_inbox(worker), entry([{"op": "free-keys", "keys": ["x"]}]))
+    r.hset(keys.task("x"), mapping={"state": "queued", "spec": b"s", "deps": pack([])})
+    r.zadd(keys.ready, {"x": 1.0})
+    claim = Scripts(r).claim
+    claimed, _signal, inbox = claim(
+        keys=[
+            keys.ready,
+            keys.workers,
+            keys.worker_processing(worker),
+            keys.worker_stream,
+            keys.ready_signal,
+            keys.worker_ready(worker),
+            keys.worker_inbox(worker),
+        ],
+        args=[worker, 5, keys.task_prefix, keys.prefix, first.decode()],
+    )
+    assert [c[0] for c in claimed] == [b"x"]
+    [(entry_id, fields)] = script_entries(inbox)  # only what came after `first`
+    assert entry_id == second
+    [event] = _inbox_events(entry_id.decode(), fields)
+    assert event.keys == ["x"]
