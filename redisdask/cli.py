@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="wait for the lease of a running scheduler to expire, then take over",
     )
     p.add_argument("--lease-ttl", type=float, default=config.scheduler.lease_ttl)
+    p.add_argument(
+        "--allowed-failures",
+        type=int,
+        default=config.scheduler.allowed_failures,
+        help="deaths of workers running a task before it errs with KilledWorker",
+    )
 
     p = sub.add_parser("worker", help="run a worker")
     _add_common(p, url, cluster)
@@ -96,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 standby=args.standby,
                 lease_ttl=args.lease_ttl,
                 batch_size=config.scheduler.batch_size,
+                allowed_failures=args.allowed_failures,
                 connect_timeout=config.redis.connect_timeout,
             )
         elif args.command == "worker":

@@ -32,7 +32,12 @@ from redisdask import comm, schema
 from redisdask import spec as specs
 from redisdask.config import load_config
 from redisdask.connection import connect, redact
-from redisdask.errors import DataUnavailableError, FutureCancelledError, RedisDaskError
+from redisdask.errors import (
+    DataUnavailableError,
+    FutureCancelledError,
+    KilledWorker,
+    RedisDaskError,
+)
 from redisdask.schema import Keys
 
 logger = logging.getLogger("redisdask.client")
@@ -792,6 +797,9 @@ def _load_error(msg: dict[str, Any]) -> tuple[BaseException, Any]:
             f"the task raised an exception that could not be unpickled here: {err}; "
             f"it was: {msg.get('exception_text')}"
         )
+    if exc is None and msg.get("killed"):
+        evidence = schema.unpack(msg["killed"])
+        exc = KilledWorker(evidence["task"], evidence["deaths"], msg.get("exception_text", ""))
     if exc is None:
         exc = DataUnavailableError(msg.get("exception_text") or "task erred")
     tb = None

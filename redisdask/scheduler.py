@@ -41,6 +41,8 @@ from redisdask.scheduler_state import (
     ForgetClient,
     ForgetWorker,
     Instruction,
+    RecordDeath,
+    RemoveWorker,
     SchedulerState,
     SetState,
     SetWants,
@@ -54,6 +56,7 @@ from redisdask.schema import Keys
 logger = logging.getLogger("redisdask.scheduler")
 
 MAX_ARGS = 2000  # Lua's unpack() limit is ~8000 arguments per command
+CHECK_INTERVAL = 0.2  # seconds between looks for dead workers (CLIENT LIST, heartbeats)
 MAX_BATCH_BYTES = 64 << 20  # one atomic write stays far below Redis's 512 MB per argument
 DEAD_LETTER_SAMPLE = 4096  # bytes of each field kept of a dead-lettered entry
 
@@ -68,6 +71,7 @@ class Scheduler:
         batch_size: int = 1000,
         validate: bool = False,
         connect_timeout: float = 5.0,
+        allowed_failures: int = 3,
     ) -> None:
         self.keys = Keys(cluster)
         self.redis_url = redis_url
@@ -78,7 +82,9 @@ class Scheduler:
         self.validate = validate
         self.id = f"scheduler-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.token: str | None = None
-        self.state = SchedulerState(validate=validate)
+        self.allowed_failures = allowed_failures
+        self.state = SchedulerState(validate=validate, allowed_failures=allowed_failures)
+        self.watch = WorkerWatch(self.keys)
         self._stopping = False
 
     # ------------------------------------------------------------------ lease
@@ -147,12 +153,18 @@ class Scheduler:
     def run(self, standby: bool = False) -> None:
         schema.ensure_cluster(self.redis, self.keys)
         self.acquire_lease(standby)
-        self.state = load_state(self.redis, self.keys, validate=self.validate)
+        self.state = self._load()
         self._event("scheduler-start", scheduler=self.id, token=self.token)
         pending = True  # first re-read entries a dead predecessor read but never applied
-        # idle wake-ups renew the lease and notice a stop request within half a second
-        block_ms = max(1, min(self.lease_ttl_ms // 3, 500))
+        # idle wake-ups renew the lease, look for dead workers and notice a stop request
+        block_ms = max(1, min(self.lease_ttl_ms // 3, int(CHECK_INTERVAL * 1000)))
+        next_check = 0.0
         while not self._stopping:
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + CHECK_INTERVAL
+                dead = self.watch.check(self.redis, self.state.workers)
+                if dead:
+                    self.process([], dead)
             streams = {
                 self.keys.worker_stream: "0" if pending else ">",
                 self.keys.client_stream: "0" if pending else ">",
@@ -176,10 +188,15 @@ class Scheduler:
             for batch in _by_size(entries, MAX_BATCH_BYTES):
                 self.process(batch)
 
+    def _load(self) -> SchedulerState:
+        return load_state(self.redis, self.keys, self.validate, self.allowed_failures)
+
     def stop(self) -> None:
         self._stopping = True
 
-    def process(self, entries: list[tuple[str, bytes, dict[bytes, bytes]]]) -> None:
+    def process(
+        self, entries: list[tuple[str, bytes, dict[bytes, bytes]]], events: list[Event] = ()
+    ) -> None:
         """Apply one batch of stream entries: decode, transition, write atomically.
 
         If the state machine raises on a batch (a bug, or a message that passed validation
@@ -187,12 +204,16 @@ class Scheduler:
         one by one; the entry that still fails is dead-lettered, so one bad message can
         never stop the cluster or crash every scheduler that reads it after a restart."""
         try:
-            self._process(entries)
+            self._process(entries, list(events))
         except (FencedError, redis.RedisError):
             raise
         except Exception as exc:
             logger.exception("the state machine failed on a batch of %d entries", len(entries))
-            self.state = load_state(self.redis, self.keys, validate=self.validate)
+            self.state = self._load()
+            if events:  # our own events: a bug to fix, but never a reason to stop
+                logger.error("dropped %d events of the scheduler itself", len(events))
+                self.process(entries)
+                return
             if len(entries) > 1:
                 for one in entries:
                     self.process([one])
@@ -206,8 +227,9 @@ class Scheduler:
                 ]
             )
 
-    def _process(self, entries: list[tuple[str, bytes, dict[bytes, bytes]]]) -> None:
-        events: list[Event] = []
+    def _process(
+        self, entries: list[tuple[str, bytes, dict[bytes, bytes]]], events: list[Event]
+    ) -> None:
         commands: list[list[Any]] = []
         acks: dict[str, list[bytes]] = defaultdict(list)
         for stream, entry_id, fields in entries:
@@ -259,7 +281,7 @@ class Scheduler:
             if "FENCED" in str(exc):
                 raise FencedError(f"scheduler {self.id}: {exc}") from exc
             logger.exception("applying a batch failed; reloading state from Redis")
-            self.state = load_state(self.redis, self.keys, validate=self.validate)
+            self.state = self._load()
             raise
 
     # ------------------------------------------------------------------ translation
@@ -333,6 +355,33 @@ class Scheduler:
                     ["DEL", k.client_wants(ins.client), k.client_events(ins.client)],
                     ["HDEL", k.clients, ins.client],
                 ]
+            elif isinstance(ins, RecordDeath):
+                now = time.time()
+                cmds.append(
+                    [
+                        "XADD",
+                        k.deaths,
+                        "MAXLEN",
+                        "~",
+                        schema.DEATHS_MAXLEN,
+                        "*",
+                        "m",
+                        schema.pack({"time": now, **ins.record}),
+                    ]
+                )
+                summary = {key: ins.record[key] for key in ("worker", "how", "reason")}
+                cmds.append(
+                    [
+                        "XADD",
+                        k.events,
+                        "MAXLEN",
+                        "~",
+                        schema.EVENTS_MAXLEN,
+                        "*",
+                        "m",
+                        schema.pack({"kind": "worker-died", "time": now, **summary}),
+                    ]
+                )
             elif isinstance(ins, ForgetWorker):
                 cmds += [
                     [
@@ -402,6 +451,84 @@ class Scheduler:
         )
 
 
+class WorkerWatch:
+    """Notices dead workers, from whichever sign comes first.
+
+    * **Connections**: a killed process's sockets close at once, so its named connections
+      (``Keys.worker_connection``) vanish from ``CLIENT LIST``.  Absent in two looks in a
+      row counts as dead, unless Redis restarted since the worker was last seen (its
+      ``run_id`` changed): then everybody's connections were cut and reconnect.
+    * **Heartbeat**: the worker's ``alive`` key (PX ``worker-ttl``) expired: the silent
+      cases (a hung process, a partition).
+    A worker's own goodbye and a nanny's report arrive as messages instead.
+    """
+
+    def __init__(self, keys: Keys) -> None:
+        self.keys = keys
+        self.missing: dict[str, int] = {}  # worker -> consecutive looks without connections
+        self.seen_on: dict[str, str] = {}  # worker -> Redis run_id when last seen connected
+        self.run_id = ""  # of the Redis server at the previous look
+
+    def check(self, r: redis.Redis, workers: dict[str, Any]) -> list[Event]:
+        if not workers:
+            return []
+        addresses = list(workers)
+        pipe = r.pipeline(transaction=False)
+        pipe.client_list(_type="normal")
+        pipe.info("server")
+        for address in addresses:
+            pipe.exists(self.keys.worker_alive(address))
+        connections, server, *alive = pipe.execute()
+        names = {c.get("name", "") for c in connections}
+        run_id = server.get("run_id", "")
+        dead: dict[str, tuple[str, str]] = {}
+        for address, is_alive in zip(addresses, alive, strict=True):
+            if address not in self.seen_on and self.run_id:
+                # new since the last look: it registered through a connection of the
+                # server we looked at then (a restart in between makes the ids differ)
+                self.seen_on[address] = self.run_id
+            if self.keys.worker_connection(address) in names:
+                self.missing.pop(address, None)
+                self.seen_on[address] = run_id
+            elif self.seen_on.get(address) == run_id:
+                self.missing[address] = self.missing.get(address, 0) + 1
+                if self.missing[address] >= 2:
+                    dead[address] = (
+                        "connection",
+                        "its Redis connections closed (the process exited or was killed)",
+                    )
+            if not is_alive and address not in dead:
+                dead[address] = (
+                    "heartbeat",
+                    "no heartbeat within scheduler.worker-ttl (hung, "
+                    "partitioned, or killed while Redis was away)",
+                )
+        self.run_id = run_id
+        if not dead:
+            return []
+        pipe = r.pipeline(transaction=False)
+        for address in dead:
+            pipe.hget(self.keys.heartbeats, address)
+        beats = pipe.execute()
+        events: list[Event] = []
+        for (address, (how, reason)), beat in zip(dead.items(), beats, strict=True):
+            self.missing.pop(address, None)
+            self.seen_on.pop(address, None)
+            last = schema.unpack(beat) if beat else {}
+            age = f"; last heartbeat {time.time() - last['time']:.1f} s ago" if last else ""
+            events.append(
+                RemoveWorker(
+                    f"watch-{how}-{time.time():.6f}",
+                    worker=address,
+                    reason=reason + age,
+                    how=how,
+                    evidence={"last_heartbeat": last},
+                )
+            )
+            logger.warning("worker %s is dead (%s): %s%s", address, how, reason, age)
+        return events
+
+
 def _by_size(
     entries: list[tuple[str, bytes, dict[bytes, bytes]]], limit: int
 ) -> list[list[tuple[str, bytes, dict[bytes, bytes]]]]:
@@ -441,10 +568,12 @@ def decode_entry(entry_id: bytes, fields: dict[bytes, bytes]) -> list[Event]:
 # --------------------------------------------------------------------------- recovery
 
 
-def load_state(r: redis.Redis, keys: Keys, validate: bool = False) -> SchedulerState:
+def load_state(
+    r: redis.Redis, keys: Keys, validate: bool = False, allowed_failures: int = 3
+) -> SchedulerState:
     """Rebuild the scheduler's state from Redis (start-up, and after a failed write)."""
     seq = r.hget(keys.meta, "seq")
-    state = SchedulerState(validate=validate, seq=int(seq or 0))
+    state = SchedulerState(validate=validate, seq=int(seq or 0), allowed_failures=allowed_failures)
     for address, info in r.hgetall(keys.workers).items():
         state.handle_stimulus(AddWorker("load", worker=address.decode(), info=schema.unpack(info)))
     task_keys = [k.decode() for k in r.smembers(keys.tasks)]
@@ -469,6 +598,9 @@ def load_state(r: redis.Redis, keys: Keys, validate: bool = False) -> SchedulerS
         ts.retries = int(rec.get(b"retries", 0) or 0)
         ts.restrict = tuple(rec.get(b"workers", b"").decode().split())
         ts.erred_on = rec.get(b"erred_on", b"").decode() or None
+        ts.suspicious = int(rec.get(b"suspicious", 0) or 0)
+        ts.deaths = schema.unpack(rec[b"deaths"]) if rec.get(b"deaths") else []
+        ts.killed = rec.get(b"killed") or None
         ts.exception_blame = rec.get(b"exception_blame", b"").decode() or None
         if ts.state == "no-worker":
             state.unrunnable.add(ts)

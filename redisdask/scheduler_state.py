@@ -127,6 +127,17 @@ _ITEM_CHECKS: dict[str, Any] = {
 }
 
 
+def _pack(obj: Any) -> bytes:
+    import msgpack
+
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _pack_deaths(ts: TaskState) -> bytes:
+    """The structured evidence of a KilledWorker, for ``exc.deaths`` in the client."""
+    return _pack({"task": ts.key, "deaths": ts.deaths})
+
+
 def _preview(msg: Any) -> str:
     text = repr(msg)
     return text if len(text) < 200 else text[:200] + "..."
@@ -204,9 +215,16 @@ class AddWorker(Event):
 
 @dataclass(slots=True)
 class RemoveWorker(Event):
+    """A worker is gone.  ``how``: ``goodbye`` (it left on its own: nothing is blamed),
+    ``connection`` (its Redis connections closed), ``heartbeat`` (its heartbeat expired) or
+    ``nanny`` (its nanny saw it die).  ``evidence``: what is known of its last moments (the
+    last heartbeat; a nanny adds exit code, signal, memory, log tail)."""
+
     op: ClassVar[str] = "remove-worker"
     worker: str = ""
     reason: str = ""
+    how: str = "goodbye"
+    evidence: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -362,6 +380,13 @@ class ForgetWorker(Instruction):
     worker: str
 
 
+@dataclass(slots=True)
+class RecordDeath(Instruction):
+    """Append a worker's death record (the answer to "why did my worker die?")."""
+
+    record: dict[str, Any]
+
+
 # --------------------------------------------------------------------------- state
 
 
@@ -382,7 +407,10 @@ class TaskState:
     type: str = ""
     retries: int = 0
     restrict: tuple[str, ...] = ()  # worker addresses it may run on (empty: any)
-    suspicious: int = 0
+    suspicious: int = 0  # workers that died while it was processing there
+    deaths: list[dict[str, Any]] = field(default_factory=list)  # their death records
+    lost_on: str | None = None  # the worker whose death lost its only copy
+    killed: bytes | None = None  # msgpack {task, deaths} when erred with KilledWorker
     exception: bytes | None = None
     traceback: bytes | None = None
     exception_text: str = ""
@@ -412,7 +440,8 @@ class InvalidTransition(RuntimeError):
 class SchedulerState:
     """Every task, worker and client the scheduler knows, and the rules between them."""
 
-    def __init__(self, validate: bool = False, seq: int = 0) -> None:
+    def __init__(self, validate: bool = False, seq: int = 0, allowed_failures: int = 3) -> None:
+        self.allowed_failures = allowed_failures
         self.tasks: dict[str, TaskState] = {}
         self.workers: dict[str, WorkerInfo] = {}
         self.clients: dict[str, set[TaskState]] = {}  # client id -> tasks it wants
@@ -542,10 +571,18 @@ class SchedulerState:
                     dep.waiters.add(ts)
 
     def _err_lost(self, ts: TaskState) -> None:
-        ts.exception_text = (
-            f"KeyError: the data of {ts.key!r} is not on any worker and it has no task to "
-            "recompute it (was it scattered by a client that is gone?)"
-        )
+        if ts.lost_on:
+            ts.exception_text = (
+                f"DataUnavailableError: {ts.key!r} was scattered data whose only copy was on "
+                f"{ts.lost_on}, which died; scattered data has no task to recompute it. Keep "
+                "copies on several workers with client.replicate(futures, n=2), or compute "
+                "the data in a task instead of scattering it"
+            )
+        else:
+            ts.exception_text = (
+                f"DataUnavailableError: the data of {ts.key!r} is not on any worker and it "
+                "has no task to recompute it (was it scattered by a client that is gone?)"
+            )
         # like an error: tell who wants it, and err every dependent waiting on it
         self._transition_waiting_erred(ts)
 
@@ -673,14 +710,29 @@ class SchedulerState:
         ws = self.workers.pop(ev.worker, None)
         if ws is None:
             return
-        for ts in list(ws.processing):
+        died = ev.how != "goodbye"
+        processing = sorted(ws.processing, key=lambda t: t.score)
+        if died:
+            record = self._death_record(ev, ws, processing)
+            self._emit(RecordDeath(ev.stimulus_id, record))
+        for ts in processing:
             ts.processing_on = None
             self._emit(Unclaim(ev.stimulus_id, ws.address, ts.key))
-            self._transition(ts, "queued")
+            if died:
+                ts.suspicious += 1
+                ts.deaths.append(record)
+            if died and ts.suspicious > self.allowed_failures:
+                self._kill(ts)
+            else:
+                if died:
+                    fields = {"suspicious": ts.suspicious, "deaths": _pack(ts.deaths)}
+                    self._emit(SetState(ev.stimulus_id, ts.key, "processing", fields))
+                self._transition(ts, "queued")
         for ts in list(ws.has_what):
             ts.who_has.discard(ws.address)
             if not ts.who_has and ts.state == "memory":
-                # lost its only copy: recompute if still needed (resilience issue refines)
+                # lost its only copy: recompute if still needed
+                ts.lost_on = ws.address
                 self._lost_data(ts)
             elif ts.state == "memory":
                 self._emit(SetState(ev.stimulus_id, ts.key, "memory", self._memory_fields(ts)))
@@ -689,6 +741,48 @@ class SchedulerState:
             if ts.state == "queued" and stranded:
                 self._transition(ts, "no-worker")
         self._emit(ForgetWorker(ev.stimulus_id, ws.address))
+
+    def _death_record(
+        self, ev: RemoveWorker, ws: WorkerInfo, processing: list[TaskState]
+    ) -> dict[str, Any]:
+        last = ev.evidence.get("last_heartbeat") or {}
+        return {
+            "worker": ws.address,
+            "name": ws.info.get("name") or ws.address,
+            "host": ws.info.get("host", ""),
+            "pid": ws.info.get("pid"),
+            "how": ev.how,
+            "reason": ev.reason,
+            "processing": [t.key for t in processing],
+            "executing": list(last.get("executing", [])),
+            "evidence": dict(ev.evidence),
+            "stimulus_id": ev.stimulus_id,
+        }
+
+    def _kill(self, ts: TaskState) -> None:
+        """Err a task that was on ``allowed_failures + 1`` workers that died."""
+        lines = [
+            f"KilledWorker: task {ts.key!r} was running on {ts.suspicious} workers that died "
+            f"(allowed-failures is {self.allowed_failures}); it is likely to be what killed "
+            "them. The deaths:"
+        ]
+        for d in ts.deaths:
+            others = [k for k in d["executing"] or d["processing"] if k != ts.key]
+            lines.append(
+                f"  - {d['name']} on {d['host'] or '?'} ({d['how']}): {d['reason']}; "
+                + (
+                    f"also running there: {', '.join(others[:5])}"
+                    if others
+                    else "nothing else was running there"
+                )
+            )
+        ts.exception = ts.traceback = None
+        ts.exception_text = "\n".join(lines)
+        ts.traceback_text = ""
+        ts.erred_on = ts.deaths[-1]["worker"] if ts.deaths else None
+        ts.killed = _pack_deaths(ts)
+        ts.state = "processing"  # funnel through the one erred transition
+        self._transition_waiting_erred(ts)
 
     def _handle_claimed(self, ev: TaskClaimed) -> None:
         ws = self.workers.get(ev.worker)
@@ -958,6 +1052,7 @@ class SchedulerState:
         ts.exception_text, ts.traceback_text = source.exception_text, source.traceback_text
         ts.exception_blame = source.exception_blame or source.key
         ts.erred_on = source.erred_on
+        ts.killed = source.killed
 
     def _transition_waiting_released(self, ts: TaskState) -> None:
         ts.state = "released"
@@ -989,13 +1084,21 @@ class SchedulerState:
         ts.state = "released"
         ts.exception = ts.traceback = None
         ts.exception_text = ts.traceback_text = ""
-        ts.exception_blame = ts.erred_on = None
+        ts.exception_blame = ts.erred_on = ts.killed = None
+        ts.suspicious, ts.deaths = 0, []
         self._emit(
             SetState(
                 self._stimulus_id,
                 ts.key,
                 "released",
-                {"exception": b"", "traceback": b"", "exception_text": "", "traceback_text": ""},
+                {
+                    "exception": b"",
+                    "traceback": b"",
+                    "exception_text": "",
+                    "traceback_text": "",
+                    "killed": b"",
+                    "suspicious": 0,
+                },
             )
         )
         self._release_dependencies(ts)
@@ -1055,7 +1158,7 @@ class SchedulerState:
         }
 
     def _erred_fields(self, ts: TaskState) -> dict[str, Any]:
-        return {
+        fields = {
             "exception": ts.exception or b"",
             "traceback": ts.traceback or b"",
             "exception_text": ts.exception_text,
@@ -1063,6 +1166,9 @@ class SchedulerState:
             "erred_on": ts.erred_on or "",
             "exception_blame": ts.exception_blame or "",
         }
+        if ts.killed:
+            fields["killed"] = ts.killed
+        return fields
 
     def _erred_msg(self, ts: TaskState) -> dict[str, Any]:
         return {"op": "task-erred", "key": ts.key, **self._erred_fields(ts)}

@@ -11,6 +11,7 @@ MULTI/EXEC stay valid on Redis Cluster, Valkey and managed Redis::
     rd:{c}:stream:workers              stream  worker -> scheduler messages (group "scheduler")
     rd:{c}:stream:dead-letter          stream  input entries that could not be decoded
     rd:{c}:events                      stream  cluster event log (capped)
+    rd:{c}:deaths                      stream  one death record per worker death (capped)
     rd:{c}:ready                       zset    queued task keys, score = priority
     rd:{c}:ready-signal                stream  one entry per batch that queued work (capped)
     rd:{c}:tasks                       set     every task key the scheduler knows
@@ -50,6 +51,7 @@ SCHEDULER_GROUP = "scheduler"
 SCHEDULER_CONSUMER = "scheduler"  # one consumer: only the lease holder ever reads
 READY_SIGNAL_MAXLEN = 1000
 EVENTS_MAXLEN = 10_000
+DEATHS_MAXLEN = 10_000
 
 _CLUSTER_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
@@ -109,6 +111,10 @@ class Keys:
         return self.prefix + "events"
 
     @property
+    def deaths(self) -> str:
+        return self.prefix + "deaths"
+
+    @property
     def ready(self) -> str:
         return self.prefix + "ready"
 
@@ -140,6 +146,10 @@ class Keys:
 
     def worker_processing(self, address: str) -> str:
         return f"{self.prefix}worker:{address}:processing"
+
+    def worker_connection(self, address: str) -> str:
+        """The CLIENT SETNAME of every Redis connection of that worker (not a key)."""
+        return f"rd-{self.cluster}-worker-{address}"
 
     def worker_ready(self, address: str) -> str:
         return f"{self.prefix}worker:{address}:ready"

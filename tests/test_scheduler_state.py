@@ -547,7 +547,7 @@ def test_scatter_wakes_a_waiting_dependent():
     (msg,) = client_msgs(out, "task-erred", "c")
     assert msg["exception_blame"] == "d"
     assert "'d'" in msg["exception_text"] and "not on any worker" in msg["exception_text"]
-    assert "KeyError" in msg["exception_text"]
+    assert "DataUnavailableError" in msg["exception_text"]
 
 
 def test_dependency_missing_in_the_same_graph():

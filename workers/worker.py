@@ -32,11 +32,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import cloudpickle
+import psutil
 import redis
 
 from redisdask import __version__, comm, schema
-from redisdask.connection import connect_async, redact
-from redisdask.errors import ClusterConnectionError
+from redisdask.connection import connect, connect_async
 from redisdask.schema import Keys
 from redisdask.spec import FunctionCache, run_spec
 from workers import state as ws
@@ -47,6 +47,7 @@ logger = logging.getLogger("redisdask.worker")
 REPORT_BATCH = 100  # reports per XADD at most while threads are busy
 REPORT_LINGER = 0.002  # seconds a report may wait for companions while threads are busy
 CLOSE_TIMEOUT = 2.0  # seconds background tasks get to stop when the worker closes
+HEARTBEAT_KEYS = 20  # executing task keys named in a heartbeat, at most
 
 
 def versions() -> dict[str, str | None]:
@@ -135,23 +136,21 @@ class Worker:
         self._inbox_id = "0-0"
         self.started = time.time()
         self.failure: BaseException | None = None
+        self._process = psutil.Process()
         self._closing: asyncio.Future[None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> Worker:
-        self.redis = connect_async(self.redis_url, timeout=self.connect_timeout)
-        self.blocking_redis = connect_async(self.redis_url, timeout=self.connect_timeout)
-        try:
-            await self.redis.ping()
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-            raise ClusterConnectionError(
-                f"worker cannot reach Redis at {redact(self.redis_url)}: {exc}"
-            ) from exc
         secret = await asyncio.to_thread(self._ensure_cluster)
         self.server = comm.DataServer(secret, self._handle_rpc)
         self.address = await self.server.start(self.host, self.port)
         self.name = self.name or self.address
+        # every connection carries the worker's address in its name: the scheduler sees in
+        # CLIENT LIST at once when a killed worker's connections are gone
+        name = self.keys.worker_connection(self.address)
+        self.redis = connect_async(self.redis_url, timeout=self.connect_timeout, name=name)
+        self.blocking_redis = connect_async(self.redis_url, timeout=self.connect_timeout, name=name)
         self.pool = comm.ConnectionPool(secret, limit=self.connection_limit)
         self.state = ws.WorkerState(
             address=self.address,
@@ -160,8 +159,6 @@ class Worker:
             transfer_batch_bytes=self.transfer_batch_bytes,
         )
         self.scripts = schema.Scripts(self.redis)  # type: ignore[arg-type]
-        await self.redis.client_setname(f"rd-worker-{self.address}")
-        await self.blocking_redis.client_setname(f"rd-worker-{self.address}-listen")
         await self._register()
         self.status = "running"
         for coro in (
@@ -181,11 +178,7 @@ class Worker:
         return self
 
     def _ensure_cluster(self) -> bytes:
-        import redis as sync_redis
-
-        client = sync_redis.Redis.from_url(
-            self.redis_url, socket_connect_timeout=self.connect_timeout
-        )
+        client = connect(self.redis_url, timeout=self.connect_timeout)
         try:
             return schema.ensure_cluster(client, self.keys)
         finally:
@@ -362,24 +355,17 @@ class Worker:
         while self.status == "running":
             budget = self.state.claim_budget(self.claim_horizon)
             if budget > 0 and self._may_have_work():
-                claimed, last_id, inbox = await self.scripts.claim(
-                    keys=[
-                        self.keys.ready,
-                        self.keys.workers,
-                        self.keys.worker_processing(self.address),
-                        self.keys.worker_stream,
-                        self.keys.ready_signal,
-                        self.keys.worker_ready(self.address),
-                        self.keys.worker_inbox(self.address),
-                    ],
-                    args=[
-                        self.address,
-                        budget,
-                        self.keys.task_prefix,
-                        self.keys.prefix,
-                        self._inbox_id,
-                    ],
-                )
+                try:
+                    claimed, last_id, inbox = await self._claim(budget)
+                except redis.ResponseError as exc:
+                    if "UNKNOWN_WORKER" not in str(exc):
+                        raise
+                    # declared dead (say, a heartbeat missed while this process was
+                    # stopped): its work went to others; a fresh start is the safe way back
+                    logger.error("this worker was removed from the cluster; leaving")
+                    self.failure = exc
+                    self._closing = asyncio.ensure_future(self.close("removed by the scheduler"))
+                    return
                 self._empty_at = _parse_id(last_id) if len(claimed) < budget else None
                 self._handle_inbox(script_entries(inbox))
                 if claimed:
@@ -387,6 +373,20 @@ class Worker:
                 continue
             self._wake.clear()
             await self._wake.wait()
+
+    async def _claim(self, budget: int) -> Any:
+        return await self.scripts.claim(
+            keys=[
+                self.keys.ready,
+                self.keys.workers,
+                self.keys.worker_processing(self.address),
+                self.keys.worker_stream,
+                self.keys.ready_signal,
+                self.keys.worker_ready(self.address),
+                self.keys.worker_inbox(self.address),
+            ],
+            args=[self.address, budget, self.keys.task_prefix, self.keys.prefix, self._inbox_id],
+        )
 
     @staticmethod
     def _compute_event(claimed: list[Any]) -> ws.ComputeTaskEvent:
@@ -464,12 +464,17 @@ class Worker:
             await asyncio.sleep(self.heartbeat_interval)  # a heartbeat is a timer by nature
 
     def _metrics(self) -> dict[str, Any]:
-        by_state = self.state.by_state if hasattr(self, "state") else {}
+        """What a heartbeat carries; the last one is the evidence of a death record."""
+        by_state = self.state.by_state
+        executing = [ts.key for ts in self.state.executing][:HEARTBEAT_KEYS]
         return {
             "time": time.time(),
-            "executing": len(by_state.get("executing", ())),
+            "executing": executing,
+            "n_executing": len(self.state.executing),
             "ready": len(by_state.get("ready", ())),
             "in_memory": len(by_state.get("memory", ())),
+            "rss": self._process.memory_info().rss,
+            "memory_limit": self.memory_limit,
             "status": self.status,
         }
 

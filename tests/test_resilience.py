@@ -1,0 +1,177 @@
+"""Failures, for real: kill -9 workers, a task that kills its worker, a hung worker,
+lost results, lost scattered data, a paused scheduler fenced out by a standby."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import redis
+
+from redisdask import Client, KilledWorker, LocalCluster
+from redisdask.errors import DataUnavailableError
+from redisdask.schema import Keys, unpack
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def inc(x: int) -> int:
+    return x + 1
+
+
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+def slow_inc(x: int, delay: float = 0.02) -> int:
+    threading.Event().wait(delay)  # stands for real work
+    return x + 1
+
+
+def where() -> str:
+    from workers import get_worker
+
+    return get_worker().address
+
+
+def suicide() -> None:
+    os._exit(1)
+
+
+def poll(condition, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        threading.Event().wait(0.005)
+
+
+def deaths(r: redis.Redis, keys: Keys) -> list[dict]:
+    return [unpack(f[b"m"]) for _id, f in r.xrange(keys.deaths)]
+
+
+def test_a_killed_worker_is_noticed_at_once_and_its_work_is_redone(
+    redis_url: str, cluster_name: str
+) -> None:
+    with (
+        LocalCluster(n_workers=2, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        Client(cluster) as client,
+    ):
+        r = redis.Redis.from_url(redis_url)
+        keys = Keys(cluster_name)
+        futures = client.map(slow_inc, range(200))
+        poll(lambda: sum(f.done() for f in futures) >= 20)
+        victim = cluster.worker_processes[0]
+        address = next(
+            a for a, w in client.scheduler_info()["workers"].items() if w["pid"] == victim.pid
+        )
+        killed_at = time.monotonic()
+        victim.send_signal(signal.SIGKILL)
+        poll(lambda: not r.hexists(keys.workers, address))
+        noticed = time.monotonic() - killed_at
+        assert client.gather(futures) == list(range(1, 201))
+        [record] = deaths(r, keys)
+        assert record["worker"] == address and record["how"] == "connection"
+        assert record["name"] == "worker-0" and record["pid"] == victim.pid
+        print(f"kill -9 noticed after {noticed * 1000:.0f} ms")
+        assert noticed < 2.0  # CLIENT LIST: a fraction of a second, not the 3 s TTL
+
+
+def test_a_task_that_kills_its_workers_errs_with_killed_worker(
+    redis_url: str, cluster_name: str
+) -> None:
+    with (
+        LocalCluster(
+            n_workers=3,
+            redis_url=redis_url,
+            cluster_name=cluster_name,
+            scheduler_options={"allowed_failures": 1},
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        bad = client.submit(suicide)
+        with pytest.raises(KilledWorker) as info:
+            bad.result(timeout=30)
+        exc = info.value
+        assert exc.task == bad.key
+        assert len(exc.deaths) == 2  # allowed-failures + 1
+        for death in exc.deaths:
+            assert death["how"] == "connection" and death["host"]
+            assert bad.key in death["processing"]
+        assert "was running on 2 workers that died" in str(exc)
+        assert "worker-" in str(exc)  # the workers are named
+        assert client.submit(inc, 1).result(timeout=10) == 2  # the rest keeps working
+        assert len(client.scheduler_info()["workers"]) == 1
+        dependent = client.submit(inc, bad)
+        with pytest.raises(KilledWorker):
+            dependent.result(timeout=10)
+        for proc in cluster.worker_processes:  # reap the two that died
+            if proc.poll() is None:
+                continue
+            assert proc.returncode == 1
+
+
+def test_a_hung_worker_is_removed_when_its_heartbeat_expires(
+    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REDISDASK__SCHEDULER__WORKER_TTL", "1")
+    with (
+        LocalCluster(n_workers=2, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        Client(cluster) as client,
+    ):
+        r = redis.Redis.from_url(redis_url)
+        keys = Keys(cluster_name)
+        hung = cluster.worker_processes[0]
+        address = next(
+            a for a, w in client.scheduler_info()["workers"].items() if w["pid"] == hung.pid
+        )
+        hung.send_signal(signal.SIGSTOP)  # alive, connections open, silent
+        try:
+            futures = client.map(slow_inc, range(50))
+            assert client.gather(futures) == list(range(1, 51))
+            poll(lambda: not r.hexists(keys.workers, address))
+            [record] = deaths(r, keys)
+            assert record["how"] == "heartbeat" and "last heartbeat" in record["reason"]
+        finally:
+            hung.send_signal(signal.SIGCONT)
+        assert hung.wait(timeout=20) == 1  # it wakes up unknown to the cluster and leaves
+
+
+def test_a_result_lost_with_its_worker_is_recomputed(redis_url: str, cluster_name: str) -> None:
+    with (
+        LocalCluster(n_workers=2, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        Client(cluster) as client,
+    ):
+        a, b = sorted(client.scheduler_info()["workers"])
+        x = client.submit(inc, 41, workers=[a, b])
+        x.result(timeout=10)
+        holder = client.who_has(x)[x.key][0]
+        pid = client.scheduler_info()["workers"][holder]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        y = client.submit(add, x, 1)
+        assert y.result(timeout=20) == 43
+        assert x.result(timeout=20) == 42
+        assert client.who_has(x)[x.key] == [next(w for w in (a, b) if w != holder)]
+
+
+def test_scattered_data_lost_with_its_only_worker_fails_dependents_clearly(
+    redis_url: str, cluster_name: str
+) -> None:
+    with (
+        LocalCluster(n_workers=2, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        Client(cluster) as client,
+    ):
+        a, _ = sorted(client.scheduler_info()["workers"])
+        [x] = client.scatter([10], workers=[a])
+        assert client.submit(inc, x).result(timeout=10) == 11
+        os.kill(client.scheduler_info()["workers"][a]["pid"], signal.SIGKILL)
+        r = redis.Redis.from_url(redis_url)
+        poll(lambda: not r.hexists(Keys(cluster_name).workers, a))
+        y = client.submit(add, x, 1)
+        with pytest.raises(DataUnavailableError) as info:
+            y.result(timeout=20)
+        message = str(info.value)
+        assert "scattered" in message and a in message and "replicate" in message
+        assert client.submit(inc, 1).result(timeout=10) == 2
