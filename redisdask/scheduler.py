@@ -165,6 +165,9 @@ class Scheduler:
                 dead = self.watch.check(self.redis, self.state.workers)
                 if dead:
                     self.process([], dead)
+                # every entry is acknowledged by the write that applies it, so anything
+                # pending now was read by a stale scheduler before it found itself fenced
+                pending = True
             streams = {
                 self.keys.worker_stream: "0" if pending else ">",
                 self.keys.client_stream: "0" if pending else ">",

@@ -175,3 +175,35 @@ def test_scattered_data_lost_with_its_only_worker_fails_dependents_clearly(
         message = str(info.value)
         assert "scattered" in message and a in message and "replicate" in message
         assert client.submit(inc, 1).result(timeout=10) == 2
+
+
+def test_a_paused_scheduler_is_fenced_out_by_the_standby_that_took_over(
+    redis_url: str, cluster_name: str
+) -> None:
+    with (
+        LocalCluster(
+            n_workers=2,
+            redis_url=redis_url,
+            cluster_name=cluster_name,
+            scheduler_options={"lease_ttl": 1},
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        r = redis.Redis.from_url(redis_url)
+        keys = Keys(cluster_name)
+        old = cluster.scheduler_process
+        standby = cluster.start_scheduler(standby=True)
+        assert client.submit(inc, 1).result(timeout=10) == 2
+        token = r.get(keys.lease)
+        old.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
+        try:
+            poll(lambda: r.get(keys.lease) not in (None, token))  # the standby leads
+            futures = client.map(slow_inc, range(100))  # work the old one never saw
+            assert client.gather(futures) == list(range(1, 101))
+        finally:
+            old.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
+        # awake, it tries to write with its stale token, is refused, and leaves
+        assert old.wait(timeout=20) == 1  # type: ignore[union-attr]
+        assert standby.poll() is None
+        assert client.gather(client.map(inc, range(10))) == list(range(1, 11))
+        assert r.xlen(keys.dead_letter) == 0
