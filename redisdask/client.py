@@ -39,6 +39,7 @@ from redisdask.errors import (
     RedisDaskError,
 )
 from redisdask.schema import Keys
+from redisdask.versions import VersionMismatchError, mismatches, table, versions
 
 logger = logging.getLogger("redisdask.client")
 
@@ -593,6 +594,31 @@ class Client:
             "cluster": self.keys.cluster,
             "workers": workers,
         }
+
+    def get_versions(self, check: bool = False) -> dict[str, Any]:
+        """Versions of this client, the scheduler and every worker (as in Dask).
+        ``check=True`` raises ``VersionMismatchError`` with a table of what differs."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget(self.keys.scheduler, "versions")
+        pipe.hgetall(self.keys.workers)
+        sched, workers = pipe.execute()
+        result = {
+            "client": versions(),
+            "scheduler": schema.unpack(sched) if sched else None,
+            "workers": {
+                a.decode(): schema.unpack(i).get("versions", {}) for a, i in workers.items()
+            },
+        }
+        if check:
+            by_process = {"client": result["client"], **result["workers"]}
+            if result["scheduler"]:
+                by_process["scheduler"] = result["scheduler"]
+            rows = mismatches(by_process)
+            if rows:
+                raise VersionMismatchError(
+                    "processes of this cluster run different versions:\n" + table(rows)
+                )
+        return result
 
     def nthreads(self) -> dict[str, int]:
         return {a: w.get("nthreads", 0) for a, w in self.scheduler_info()["workers"].items()}

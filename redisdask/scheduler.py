@@ -52,6 +52,7 @@ from redisdask.scheduler_state import (
     WorkerMsg,
 )
 from redisdask.schema import Keys
+from redisdask.versions import versions
 
 logger = logging.getLogger("redisdask.scheduler")
 
@@ -110,6 +111,7 @@ class Scheduler:
                         "pid": os.getpid(),
                         "since": time.time(),
                         "token": self.token,
+                        "versions": schema.pack(versions()),
                     },
                 )
                 logger.info("scheduler %s holds the lease (token %s)", self.id, self.token)

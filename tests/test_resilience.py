@@ -207,3 +207,45 @@ def test_a_paused_scheduler_is_fenced_out_by_the_standby_that_took_over(
         assert standby.poll() is None
         assert client.gather(client.map(inc, range(10))) == list(range(1, 11))
         assert r.xlen(keys.dead_letter) == 0
+
+
+def test_versions_are_recorded_and_checked(client: Client, cluster) -> None:  # type: ignore[no-untyped-def]
+    from redisdask.schema import pack
+    from redisdask.versions import VersionMismatchError
+
+    found = client.get_versions(check=True)  # one machine, one venv: all agree
+    assert found["client"]["python"] == found["scheduler"]["python"]
+    assert len(found["workers"]) == 2
+    r = redis.Redis.from_url(cluster.redis_url)
+    keys = Keys(cluster.cluster_name)
+    address, raw = next(iter(r.hgetall(keys.workers).items()))
+    info = unpack(raw)
+    info["versions"]["numpy"] = "0.0.1"
+    r.hset(keys.workers, address, pack(info))
+    with pytest.raises(VersionMismatchError, match="numpy"):
+        client.get_versions(check=True)
+
+
+def test_a_worker_that_cannot_read_the_clusters_pickles_refuses_to_join(
+    redis_url: str, cluster_name: str
+) -> None:
+    import subprocess
+    import sys
+
+    from redisdask.schema import ensure_cluster, pack
+
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ensure_cluster(r, keys)
+    r.hset(keys.meta, "versions", pack({"python": "2.7.18", "cloudpickle": "0.5.0"}))
+    result = subprocess.run(
+        [sys.executable, "-m", "redisdask", "worker", redis_url, "--cluster", cluster_name],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 1
+    assert "cannot join" in result.stderr
+    assert "python" in result.stderr and "2.7.18" in result.stderr
+    assert "0.5.0 in the cluster" in result.stderr
+    assert not r.hlen(keys.workers)

@@ -21,10 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import platform
 import signal
 import socket
-import sys
 import threading
 import time
 import traceback as tb_module
@@ -35,10 +33,11 @@ import cloudpickle
 import psutil
 import redis
 
-from redisdask import __version__, comm, schema
+from redisdask import comm, schema
 from redisdask.connection import connect, connect_async
 from redisdask.schema import Keys
 from redisdask.spec import FunctionCache, run_spec
+from redisdask.versions import VersionMismatchError, pickle_breaking, versions
 from workers import state as ws
 from workers.sizeof import sizeof
 
@@ -48,22 +47,6 @@ REPORT_BATCH = 100  # reports per XADD at most while threads are busy
 REPORT_LINGER = 0.002  # seconds a report may wait for companions while threads are busy
 CLOSE_TIMEOUT = 2.0  # seconds background tasks get to stop when the worker closes
 HEARTBEAT_KEYS = 20  # executing task keys named in a heartbeat, at most
-
-
-def versions() -> dict[str, str | None]:
-    """The versions that must agree across a cluster for pickles to travel."""
-    import msgpack
-
-    out: dict[str, str | None] = {
-        "python": platform.python_version(),
-        "redisdask": __version__,
-        "cloudpickle": cloudpickle.__version__,
-        "msgpack": ".".join(map(str, msgpack.version)),
-    }
-    for name in ("numpy", "pandas"):
-        module = sys.modules.get(name)
-        out[name] = getattr(module, "__version__", None) if module else None
-    return out
 
 
 _task_thread = threading.local()  # .worker: the worker whose pool owns this thread
@@ -178,6 +161,22 @@ class Worker:
         return self
 
     def _ensure_cluster(self) -> bytes:
+        """Create or join the cluster; refuse to join one whose pickles we cannot read."""
+        client = connect(self.redis_url, timeout=self.connect_timeout)
+        try:
+            ours = versions()
+            client.hsetnx(self.keys.meta, "versions", schema.pack(ours))
+            theirs = schema.unpack(client.hget(self.keys.meta, "versions"))
+            problems = pickle_breaking(ours, theirs)
+            if problems:
+                raise VersionMismatchError(
+                    f"this worker cannot join cluster {self.keys.cluster!r}: "
+                    + "; ".join(problems)
+                    + ". Tasks and results are pickled: run the same Python (minor version) "
+                    "and cloudpickle (major version) everywhere"
+                )
+        finally:
+            client.close()
         client = connect(self.redis_url, timeout=self.connect_timeout)
         try:
             return schema.ensure_cluster(client, self.keys)

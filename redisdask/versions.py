@@ -1,0 +1,74 @@
+"""Versions that must agree across a cluster, and the check that says which do not.
+
+Pickles travel between clients and workers; a Python or cloudpickle that differs is the
+leading cause of "unrecoverable exception" deaths in Dask's own docs.  Every process
+records its versions in Redis (workers in their info, the scheduler in its hash, clients
+in theirs); the first process of a cluster records the cluster's own in the meta hash,
+and a worker whose Python or cloudpickle breaks with it refuses to join.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import sys
+from typing import Any
+
+import cloudpickle
+import msgpack
+
+from redisdask.errors import RedisDaskError
+
+
+class VersionMismatchError(RedisDaskError):
+    """Processes of one cluster run versions that cannot exchange pickles safely."""
+
+
+def versions() -> dict[str, str | None]:
+    """This process's versions of what must agree across the cluster."""
+    out: dict[str, str | None] = {
+        "python": platform.python_version(),
+        "redisdask": importlib.metadata.version("redisdask"),
+        "cloudpickle": cloudpickle.__version__,
+        "msgpack": ".".join(map(str, msgpack.version)),
+    }
+    for name in ("numpy", "pandas"):
+        module = sys.modules.get(name)
+        out[name] = getattr(module, "__version__", None) if module else None
+    return out
+
+
+def _series(version: str | None, parts: int) -> str | None:
+    return ".".join(version.split(".")[:parts]) if version else None
+
+
+def pickle_breaking(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """The differences that break unpickling: Python's minor version, cloudpickle's major."""
+    problems = []
+    if _series(ours.get("python"), 2) != _series(theirs.get("python"), 2):
+        problems.append(f"python {ours.get('python')} here, {theirs.get('python')} in the cluster")
+    if _series(ours.get("cloudpickle"), 1) != _series(theirs.get("cloudpickle"), 1):
+        problems.append(
+            f"cloudpickle {ours.get('cloudpickle')} here, {theirs.get('cloudpickle')} in the "
+            "cluster"
+        )
+    return problems
+
+
+def mismatches(by_process: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """Packages whose version is not the same in every process: (package, {process: v})."""
+    packages = sorted({p for v in by_process.values() for p in v})
+    out = []
+    for package in packages:
+        seen = {proc: v.get(package) for proc, v in by_process.items()}
+        if len(set(seen.values())) > 1:
+            out.append((package, seen))
+    return out
+
+
+def table(rows: list[tuple[str, dict[str, Any]]]) -> str:
+    lines = []
+    for package, seen in rows:
+        lines.append(f"  {package}:")
+        lines.extend(f"    {proc:<40} {version}" for proc, version in sorted(seen.items()))
+    return "\n".join(lines)
