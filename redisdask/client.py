@@ -493,6 +493,32 @@ class Client:
         self._refresh_who_has(keys)
         return {k: list(self._state_for(k).who_has) for k in keys}
 
+    def recreate_error_locally(self, future: Future) -> None:
+        """Run the task that made ``future`` err here, in this process, with the same
+        function, arguments and dependencies, so that a debugger can stop in it (e.g.
+        ``pdb.runcall(client.recreate_error_locally, future)`` or ``%debug`` after it).
+
+        The task is the one that raised (``future`` may only have inherited the error);
+        its function and arguments come from the graph history in Redis and its
+        dependencies from the workers, recomputed first if they were released."""
+        future._wait(None)
+        if future.status != "error":
+            raise ValueError(f"task {future.key!r} did not err (its status is {future.status})")
+        blame = (self.redis.hget(self.keys.task(future.key), "exception_blame") or b"").decode()
+        key = blame or future.key
+        spec, deps = self.redis.hmget(self.keys.task(key), ["spec", "deps"])
+        if spec is None:
+            raise DataUnavailableError(
+                f"the graph history of {key!r} is gone (no spec in Redis), so it cannot be "
+                "run again; keep a future of it to keep its history"
+            )
+        dep_keys = schema.unpack(deps) if deps else []
+        dep_futures = [Future(k, self) for k in dep_keys]  # hold them while we need them
+        if dep_keys:
+            self._send([{"op": "client-desires-keys", "client": self.id, "keys": dep_keys}])
+        values = self._results(dep_futures, None)
+        specs.run_spec(spec, values, specs.FunctionCache())
+
     # ------------------------------------------------------------------ scatter
 
     def scatter(

@@ -249,3 +249,27 @@ def test_a_worker_that_cannot_read_the_clusters_pickles_refuses_to_join(
     assert "python" in result.stderr and "2.7.18" in result.stderr
     assert "0.5.0 in the cluster" in result.stderr
     assert not r.hlen(keys.workers)
+
+
+def div_here(a: float, b: float) -> float:
+    if b == 0:
+        raise ZeroDivisionError(f"division by zero in process {os.getpid()}")
+    return a / b
+
+
+def test_recreate_error_locally_runs_the_failing_task_here(client: Client) -> None:
+    x = client.submit(inc, 1)
+    y = client.submit(div_here, x, 0)  # the task that raises, on a worker
+    z = client.submit(inc, y)  # inherits the error
+    with pytest.raises(ZeroDivisionError):
+        z.result(timeout=10)
+    with pytest.raises(ZeroDivisionError) as remote:
+        y.result()
+    assert f"process {os.getpid()}" not in str(remote.value)
+    del x  # its value is released: it is recomputed from the graph history
+    with pytest.raises(ZeroDivisionError) as info:
+        client.recreate_error_locally(z)
+    assert f"process {os.getpid()}" in str(info.value)  # here, where a debugger can stop
+    assert info.traceback[-1].name == "div_here"
+    with pytest.raises(ValueError, match="did not err"):
+        client.recreate_error_locally(client.submit(inc, 5))
