@@ -103,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 lease_ttl=args.lease_ttl,
                 batch_size=config.scheduler.batch_size,
                 allowed_failures=args.allowed_failures,
+                worker_ttl=config.scheduler.worker_ttl,
                 connect_timeout=config.redis.connect_timeout,
             )
         elif args.command == "worker":

@@ -28,7 +28,7 @@ from typing import Any
 import redis
 
 from redisdask import schema
-from redisdask.connection import connect
+from redisdask.connection import connect, redact
 from redisdask.errors import FencedError, ProtocolError
 from redisdask.scheduler_state import (
     HOLDS_DEPENDENCIES,
@@ -73,6 +73,7 @@ class Scheduler:
         validate: bool = False,
         connect_timeout: float = 5.0,
         allowed_failures: int = 3,
+        worker_ttl: float = 3.0,
     ) -> None:
         self.keys = Keys(cluster)
         self.redis_url = redis_url
@@ -85,7 +86,8 @@ class Scheduler:
         self.token: str | None = None
         self.allowed_failures = allowed_failures
         self.state = SchedulerState(validate=validate, allowed_failures=allowed_failures)
-        self.watch = WorkerWatch(self.keys)
+        self.worker_ttl = worker_ttl
+        self.watch = WorkerWatch(self.keys, worker_ttl)
         self._stopping = False
 
     # ------------------------------------------------------------------ lease
@@ -99,7 +101,8 @@ class Scheduler:
         give_up_at = time.monotonic() + 2 * self.lease_ttl_ms / 1000
         while not self._stopping:
             token = self.scripts.acquire_lease(
-                keys=[self.keys.lease, self.keys.lease_token], args=["", self.lease_ttl_ms]
+                keys=[self.keys.lease, self.keys.lease_token],
+                args=[self.token or "", self.lease_ttl_ms],  # ours still: renewed
             )
             if token is not None:
                 self.token = token.decode()
@@ -153,10 +156,39 @@ class Scheduler:
     # ------------------------------------------------------------------ main loop
 
     def run(self, standby: bool = False) -> None:
+        """Lead the cluster until stopped.  A lost Redis is waited for (with backoff) and
+        then the lease, the state and the pending entries are taken up again."""
         schema.ensure_cluster(self.redis, self.keys)
-        self.acquire_lease(standby)
-        self.state = self._load()
-        self._event("scheduler-start", scheduler=self.id, token=self.token)
+        while not self._stopping:
+            try:
+                self.acquire_lease(standby or self.token is not None)
+                self.state = self._load()
+                self.watch = WorkerWatch(self.keys, self.worker_ttl)
+                self._event("scheduler-start", scheduler=self.id, token=self.token)
+                self._lead()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                self._wait_for_redis(exc)
+
+    def _wait_for_redis(self, exc: Exception) -> None:
+        logger.warning(
+            "lost Redis at %s (%s); reconnecting with backoff", redact(self.redis_url), exc
+        )
+        lost_at = time.monotonic()
+        delay = 0.05
+        while not self._stopping:
+            time.sleep(delay)  # backoff while Redis is away
+            delay = min(delay * 2, 2.0)
+            try:
+                self.redis.ping()
+            except (redis.ConnectionError, redis.TimeoutError):
+                continue
+            logger.warning(
+                "reconnected to Redis after %.1f s; reloading the state from it",
+                time.monotonic() - lost_at,
+            )
+            return
+
+    def _lead(self) -> None:
         pending = True  # first re-read entries a dead predecessor read but never applied
         # idle wake-ups renew the lease, look for dead workers and notice a stop request
         block_ms = max(1, min(self.lease_ttl_ms // 3, int(CHECK_INTERVAL * 1000)))
@@ -468,8 +500,11 @@ class WorkerWatch:
     A worker's own goodbye and a nanny's report arrive as messages instead.
     """
 
-    def __init__(self, keys: Keys) -> None:
+    def __init__(self, keys: Keys, worker_ttl: float = 3.0) -> None:
         self.keys = keys
+        # just (re)started, or back after Redis was away: heartbeats that lapsed meanwhile
+        # say nothing yet; every live worker renews its own within one TTL
+        self.trust_heartbeats_at = time.monotonic() + worker_ttl
         self.missing: dict[str, int] = {}  # worker -> consecutive looks without connections
         self.seen_on: dict[str, str] = {}  # worker -> Redis run_id when last seen connected
         self.run_id = ""  # of the Redis server at the previous look
@@ -502,7 +537,11 @@ class WorkerWatch:
                         "connection",
                         "its Redis connections closed (the process exited or was killed)",
                     )
-            if not is_alive and address not in dead:
+            if (
+                not is_alive
+                and address not in dead
+                and time.monotonic() >= self.trust_heartbeats_at
+            ):
                 dead[address] = (
                     "heartbeat",
                     "no heartbeat within scheduler.worker-ttl (hung, "

@@ -208,9 +208,14 @@ class UpdateData(Event):
 
 @dataclass(slots=True)
 class AddWorker(Event):
+    """A worker (re)joins.  After losing Redis it sends ``resync``: the keys it holds
+    ``{"keys": {key: nbytes}}`` and the claimed tasks it still has
+    ``{"processing": [key]}``, so the scheduler can reconcile what Redis forgot."""
+
     op: ClassVar[str] = "add-worker"
     worker: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+    resync: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -702,9 +707,45 @@ class SchedulerState:
             self.workers[ev.worker] = WorkerInfo(ev.worker, dict(ev.info))
         else:
             self.workers[ev.worker].info.update(ev.info)
+        if ev.resync:
+            self._resync(self.workers[ev.worker], ev.resync)
         for ts in sorted(self.unrunnable, key=lambda t: t.score):
             if ev.worker in ts.restrict:
                 self._transition(ts, "queued")
+
+    def _resync(self, ws: WorkerInfo, report: dict[str, Any]) -> None:
+        """Reconcile with what a worker says it holds and runs (after Redis lost writes:
+        a report, a claim, a release).  The worker's word wins about itself."""
+        held = {str(k): int(n) for k, n in dict(report.get("keys", {})).items()}
+        running = {str(k) for k in report.get("processing", [])}
+        for ts in sorted(ws.processing, key=lambda t: t.score):
+            if ts.key in held:  # it finished; the report was lost
+                ts.nbytes = held[ts.key]
+                self._transition(ts, "memory", worker=ws)
+            elif ts.key not in running:  # it does not know the task: queue it again
+                ts.processing_on = None
+                ws.processing.discard(ts)
+                self._emit(Unclaim(self._stimulus_id, ws.address, ts.key))
+                self._transition(ts, "queued")
+        stray = []
+        for key in held:
+            ts = self.tasks.get(key)
+            if ts is not None and ts.state == "memory":
+                if ws.address not in ts.who_has:
+                    self._add_replica(ts, ws.address)
+                    self._emit(SetState(self._stimulus_id, key, "memory", self._memory_fields(ts)))
+            elif ts is None or ts.processing_on != ws.address:
+                stray.append(key)
+        for key in running:
+            ts = self.tasks.get(key)
+            if ts is None or ts.processing_on != ws.address:
+                stray.append(key)  # claimed in a Redis that forgot it: someone else's now
+        if stray:
+            self._emit(
+                WorkerMsg(
+                    self._stimulus_id, ws.address, {"op": "free-keys", "keys": sorted(set(stray))}
+                )
+            )
 
     def _handle_remove_worker(self, ev: RemoveWorker) -> None:
         ws = self.workers.pop(ev.worker, None)

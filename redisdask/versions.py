@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import platform
-import sys
 from typing import Any
 
 import cloudpickle
@@ -32,9 +31,11 @@ def versions() -> dict[str, str | None]:
         "cloudpickle": cloudpickle.__version__,
         "msgpack": ".".join(map(str, msgpack.version)),
     }
-    for name in ("numpy", "pandas"):
-        module = sys.modules.get(name)
-        out[name] = getattr(module, "__version__", None) if module else None
+    for name in ("numpy", "pandas"):  # installed, imported or not
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
     return out
 
 

@@ -65,6 +65,20 @@ def _diagnose(redis_url: str, cluster_name: str) -> str:
         r.xpending(s, "scheduler")["pending"] for s in (keys.worker_stream, keys.client_stream)
     ]
     died = [(d["name"], d["how"]) for d in (unpack(f[b"m"]) for _, f in r.xrange(keys.deaths))]
+    inside = {}
+    from redisdask import comm
+    from redisdask.schema import ensure_cluster
+
+    pool = comm.BlockingPool(ensure_cluster(r, keys), timeout=5)
+    for address, (busy, _alive) in workers.items():
+        if busy:
+            try:
+                header, _ = pool.rpc(address, {"op": "inspect"})
+                inside[address] = {k: v for k, v in header.items() if k != "story"}
+                inside[address]["story"] = header.get("story", [])[-15:]
+            except Exception as exc:
+                inside[address] = repr(exc)
+    pool.close()
     return (
         f"states={dict(states)} ready={r.zcard(keys.ready)} workers={workers} "
         f"pending={pending} lease={r.get(keys.lease)} deaths={died} stuck={stuck}"

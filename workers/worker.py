@@ -121,6 +121,7 @@ class Worker:
         self.failure: BaseException | None = None
         self._process = psutil.Process()
         self._closing: asyncio.Future[None] | None = None
+        self._reconnecting: asyncio.Future[None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -144,13 +145,8 @@ class Worker:
         self.scripts = schema.Scripts(self.redis)  # type: ignore[arg-type]
         await self._register()
         self.status = "running"
-        for coro in (
-            self._claim_loop(),
-            self._listen_loop(),
-            self._heartbeat_loop(),
-            self._flush_loop(),
-        ):
-            self._spawn(coro)
+        for loop in (self._claim_loop, self._listen_loop, self._heartbeat_loop, self._flush_loop):
+            self._spawn(self._keep_running(loop))
         logger.info(
             "Start worker %s (name %s) with %d threads on cluster %r",
             self.address,
@@ -183,7 +179,7 @@ class Worker:
         finally:
             client.close()
 
-    async def _register(self) -> None:
+    async def _register(self, resync: bool = False) -> None:
         info = {
             "address": self.address,
             "name": self.name,
@@ -198,11 +194,51 @@ class Worker:
         pipe.hset(self.keys.workers, self.address, schema.pack(info))
         pipe.set(self.keys.worker_alive(self.address), 1, px=int(self.worker_ttl * 1000))
         pipe.hset(self.keys.heartbeats, self.address, schema.pack(self._metrics()))
-        pipe.xadd(
-            self.keys.worker_stream,
-            schema.entry([{"op": "add-worker", "worker": self.address, "info": info}]),
-        )
+        message: dict[str, Any] = {"op": "add-worker", "worker": self.address, "info": info}
+        if resync:  # what Redis may have forgotten: the scheduler reconciles with it
+            tasks = self.state.tasks.values()
+            message["resync"] = {
+                "keys": {ts.key: ts.nbytes or 0 for ts in tasks if ts.state == "memory"},
+                "processing": [
+                    ts.key
+                    for ts in tasks
+                    if ts.wanted and ts.state not in ("memory", "released", "error")
+                ],
+            }
+        pipe.xadd(self.keys.worker_stream, schema.entry([message]))
         await pipe.execute()
+
+    async def _keep_running(self, loop: Any) -> None:
+        """Run one of the worker's loops; when Redis goes away, wait for it to come back
+        (one shared reconnection) and run the loop again."""
+        while self.status == "running":
+            try:
+                await loop()
+                return
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if self._reconnecting is None or self._reconnecting.done():
+                    self._reconnecting = asyncio.ensure_future(self._reconnect(exc))
+                await asyncio.shield(self._reconnecting)
+
+    async def _reconnect(self, exc: Exception) -> None:
+        logger.warning("lost Redis (%s); reconnecting with backoff", exc)
+        lost_at = time.monotonic()
+        delay = 0.05
+        while self.status == "running":
+            await asyncio.sleep(delay)  # backoff while Redis is away
+            delay = min(delay * 2, 2.0)
+            try:
+                await self._register(resync=True)
+            except (redis.ConnectionError, redis.TimeoutError):
+                continue
+            logger.warning(
+                "reconnected to Redis after %.1f s; re-registered and re-reported %d keys",
+                time.monotonic() - lost_at,
+                len(self.state.by_state.get("memory", ())),
+            )
+            self._empty_at = None  # whatever was queued meanwhile: look again
+            self._wake.set()
+            return
 
     async def run(self) -> None:
         """Run until ``close()`` (or a signal, see ``main``)."""
@@ -521,7 +557,22 @@ class Worker:
                 )
             )
             return {"status": "OK", "keys": list(values)}, []
+        if op == "inspect":  # what this worker's state machine holds (for diagnosis)
+            return {"status": "OK", **self.state_summary()}, []
         return {"status": "error", "message": f"unknown op {op!r}"}, []
+
+    def state_summary(self, limit: int = 1000) -> dict[str, Any]:
+        st = self.state
+        return {
+            "tasks": {ts.key: ts.state for ts in list(st.tasks.values())[:limit]},
+            "in_flight": {w: sorted(keys)[:limit] for w, keys in st.in_flight_workers.items()},
+            "who_has": {
+                ts.key: sorted(ts.who_has)
+                for ts in list(st.tasks.values())[:limit]
+                if ts.state in ("fetch", "flight", "missing")
+            },
+            "story": [list(map(str, s)) for s in list(st.story)[-50:]],
+        }
 
 
 def script_entries(raw: list[Any]) -> list[tuple[bytes, dict[bytes, bytes]]]:
