@@ -33,6 +33,7 @@ from redisdask import spec as specs
 from redisdask.config import load_config
 from redisdask.connection import connect, redact
 from redisdask.errors import (
+    ClusterConnectionError,
     DataUnavailableError,
     FutureCancelledError,
     KilledWorker,
@@ -124,8 +125,15 @@ class Future:
         return self._state.status == "cancelled"
 
     def _wait(self, timeout: float | None) -> None:
-        if not self._state.event.wait(timeout):
-            raise FuturesTimeoutError(f"task {self.key!r} did not finish within {timeout} s")
+        """Wait for news; give up with a clear error if Redis stays away too long (the
+        future is kept: once Redis is back, waiting again works)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._state.event.is_set():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise FuturesTimeoutError(f"task {self.key!r} did not finish within {timeout} s")
+            self.client._check_redis()
+            self._state.event.wait(0.25 if left is None else min(left, 0.25))
 
     def result(self, timeout: float | None = None) -> Any:
         return self.client._results([self], timeout)[self.key]
@@ -208,6 +216,7 @@ class Client:
         self._refcount: dict[str, int] = defaultdict(int)
         self._pending_release: deque[str] = deque()
         self._send_lock = threading.Lock()
+        self._down_since: float | None = None  # when Redis was found unreachable
         self._generation = 0
         self._peers = comm.BlockingPool(self.secret, timeout=self.timeout)
         self._stop = threading.Event()
@@ -347,13 +356,59 @@ class Client:
         One lock orders every send of this client: a release popped by the heartbeat thread
         can never land after a resubmission of the same key by the user's thread."""
         with self._send_lock:
-            pipe = self.redis.pipeline(transaction=False)
             releases = self._release_messages()
             if releases:
-                pipe.xadd(self.keys.client_stream, schema.entry(releases))
-            for messages in entries:
-                pipe.xadd(self.keys.client_stream, schema.entry(messages))
-            pipe.execute()
+                entries = (releases, *entries)
+            delay = 0.05
+            while True:
+                try:
+                    pipe = self.redis.pipeline(transaction=False)
+                    for messages in entries:
+                        pipe.xadd(self.keys.client_stream, schema.entry(messages))
+                    pipe.execute()  # a retry after a lost reply may repeat an entry: harmless
+                    self._redis_back()
+                    return
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    self._redis_lost(exc)
+                    self._check_redis()
+                    time.sleep(delay)  # backoff while Redis is away
+                    delay = min(delay * 2, 1.0)
+
+    def _redis_lost(self, exc: Exception) -> None:
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            logger.warning(
+                "client %s lost Redis at %s (%s); retrying with backoff",
+                self.id,
+                redact(self.redis_url),
+                exc,
+            )
+
+    def _redis_back(self) -> None:
+        if self._down_since is not None:
+            logger.warning(
+                "client %s reconnected to Redis after %.1f s",
+                self.id,
+                time.monotonic() - self._down_since,
+            )
+            self._down_since = None
+
+    def _check_redis(self) -> None:
+        """Raise once Redis has been unreachable for longer than ``redis.down-deadline``."""
+        since = self._down_since
+        deadline = self.config.redis.down_deadline
+        if since is not None and time.monotonic() - since > deadline:
+            try:
+                self.redis.ping()  # back meanwhile? (the event thread may not know yet)
+                self._redis_back()
+                return
+            except (redis.ConnectionError, redis.TimeoutError):
+                pass
+            raise ClusterConnectionError(
+                f"Redis at {redact(self.redis_url)} has been unreachable for more than "
+                f"{deadline:g} s (redis.down-deadline); nothing is lost: the futures are kept "
+                "and work again once Redis is back"
+            )
 
     def get(self, dsk: Mapping[Hashable, Any], keys: Any, **kwargs: Any) -> Any:
         """Compute a dask-style dict graph; ``keys`` may be one key or nested lists."""
@@ -715,11 +770,12 @@ class Client:
                     self._heartbeat()
                     if self._pending_release:
                         self._send()
+                self._redis_back()
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 if self._stop.is_set():
                     return
-                logger.warning("client %s lost Redis (%s); retrying", self.id, exc)
-                self._stop.wait(0.5)
+                self._redis_lost(exc)
+                self._stop.wait(0.2)
             except Exception:
                 if self._stop.is_set():
                     return

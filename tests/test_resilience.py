@@ -273,3 +273,48 @@ def test_recreate_error_locally_runs_the_failing_task_here(client: Client) -> No
     assert info.traceback[-1].name == "div_here"
     with pytest.raises(ValueError, match="did not err"):
         client.recreate_error_locally(client.submit(inc, 5))
+
+
+def test_a_restarted_redis_under_a_running_computation(tmp_path, cluster_name: str) -> None:  # type: ignore[no-untyped-def]
+    from redisdask.embedded import EmbeddedRedis
+
+    with (
+        EmbeddedRedis(data_dir=tmp_path) as server,
+        LocalCluster(n_workers=2, redis_url=server.url, cluster_name=cluster_name) as cluster,
+        Client(cluster) as client,
+    ):
+        futures = client.map(slow_inc, range(300))
+        total = client.submit(sum, futures)
+        poll(lambda: sum(f.done() for f in futures) >= 30)
+        server.restart()  # AOF on: the cluster's records survive, connections do not
+        assert client.gather(futures) == list(range(1, 301))
+        assert total.result(timeout=60) == sum(range(1, 301))
+        assert client.submit(inc, 1).result(timeout=20) == 2
+        assert all(p.poll() is None for p in cluster.subprocesses)  # nobody gave up
+
+
+def test_a_client_waits_for_redis_then_says_so_and_keeps_its_futures(
+    tmp_path,
+    cluster_name: str,  # type: ignore[no-untyped-def]
+) -> None:
+    from redisdask import ClusterConnectionError
+    from redisdask.embedded import EmbeddedRedis
+
+    with (
+        EmbeddedRedis(data_dir=tmp_path) as server,
+        LocalCluster(n_workers=1, redis_url=server.url, cluster_name=cluster_name) as cluster,
+        Client(cluster, **{"redis.down-deadline": 1.0}) as client,
+    ):
+        x = client.submit(inc, 1)
+        assert x.result(timeout=10) == 2
+        gate = client.submit(slow_inc, 10, 1.5)  # still running when Redis goes
+        server.kill()  # kill -9: no goodbye
+        started = time.monotonic()
+        with pytest.raises(ClusterConnectionError, match="unreachable for more than 1 s"):
+            gate.result()
+        assert time.monotonic() - started < 10
+        with pytest.raises(ClusterConnectionError):
+            client.submit(inc, 2)
+        server.start()  # same port, same AOF
+        assert gate.result(timeout=30) == 11  # the same future, kept
+        assert client.submit(inc, 2).result(timeout=30) == 3
