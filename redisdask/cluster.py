@@ -138,8 +138,9 @@ class LocalCluster:
         return proc
 
     def wait_for_workers(self, n: int, timeout: float = 30.0) -> None:
+        """Until ``n`` workers registered and a scheduler holds the lease."""
         deadline = time.monotonic() + timeout
-        while self.redis.hlen(self.keys.workers) < n:
+        while self.redis.hlen(self.keys.workers) < n or not self.redis.exists(self.keys.lease):
             for proc in [self.scheduler_process, *self.worker_processes]:
                 if proc is not None and proc.poll() is not None:
                     raise RedisDaskError(
