@@ -489,9 +489,11 @@ class Client:
         stale: set[str] = set()
         values: dict[str, Any] = {}
         tried: dict[str, set[str]] = defaultdict(set)
-        for _attempt in range(5):
-            if not remaining:
-                return values, stale
+        # a holder that just died is still named by the scheduler until it notices (well
+        # under a second; scheduler.worker-ttl at worst): wait that long, then give up
+        patience = time.monotonic() + self.config.scheduler.worker_ttl + 2.0
+        delay = 0.02
+        while remaining:
             by_worker: dict[str, list[str]] = defaultdict(list)
             unknown = []
             for key in remaining:
@@ -501,11 +503,22 @@ class Client:
                 else:
                     unknown.append(key)
             if unknown:
+                if time.monotonic() > patience:
+                    raise DataUnavailableError(
+                        f"could not fetch {sorted(unknown)[:5]} from any worker holding them "
+                        f"(tried {dict(tried)}); the workers may have died — resubmit the work"
+                    )
+                same_holders = False
                 for key, state in self._refresh_who_has(unknown).items():
                     if state is not None and state != "memory":
                         stale.add(key)
                         remaining.discard(key)
+                    elif set(self._state_for(key).who_has) <= tried[key]:
+                        same_holders = True
                     tried[key].clear()
+                if same_holders:
+                    time.sleep(delay)  # the same dead holders: let the scheduler notice
+                    delay = min(delay * 2, 0.5)
                 continue
             for address, wkeys in by_worker.items():
                 try:
@@ -522,11 +535,6 @@ class Client:
                         remaining.discard(key)
                     else:
                         tried[key].add(address)
-        if remaining:
-            raise DataUnavailableError(
-                f"could not fetch {sorted(remaining)[:5]} from any worker holding them "
-                f"(tried {dict(tried)}); the workers may have died — resubmit the work"
-            )
         return values, stale
 
     def _refresh_who_has(self, keys: list[str]) -> dict[str, str | None]:
