@@ -222,7 +222,8 @@ class AddWorker(Event):
 class RemoveWorker(Event):
     """A worker is gone.  ``how``: ``goodbye`` (it left on its own: nothing is blamed),
     ``connection`` (its Redis connections closed), ``heartbeat`` (its heartbeat expired) or
-    ``nanny`` (its nanny saw it die).  ``evidence``: what is known of its last moments (the
+    ``nanny`` (its nanny saw it die) or ``replaced`` (a new process registered at its
+    address before its death was noticed).  ``evidence``: what is known of its last moments (the
     last heartbeat; a nanny adds exit code, signal, memory, log tail)."""
 
     op: ClassVar[str] = "remove-worker"
@@ -703,6 +704,19 @@ class SchedulerState:
     # ------------------------------------------------------------------ worker events
 
     def _handle_add_worker(self, ev: AddWorker) -> None:
+        known = self.workers.get(ev.worker)
+        started = ev.info.get("started")
+        if known is not None and started and known.info.get("started") not in (None, started):
+            # a new process at the address of one that is gone (its port was reused before
+            # anyone noticed the death): what the old one held and ran is lost
+            self._handle_remove_worker(
+                RemoveWorker(
+                    ev.stimulus_id,
+                    worker=ev.worker,
+                    how="replaced",
+                    reason="a new worker process registered at its address (port reused)",
+                )
+            )
         if ev.worker not in self.workers:
             self.workers[ev.worker] = WorkerInfo(ev.worker, dict(ev.info))
         else:

@@ -1104,3 +1104,19 @@ def test_no_worker_task_keeps_its_dependencies():
     assert s.tasks["x"].state == "memory"  # y still needs it
     s.handle_stimulus(AddWorker("add", worker=W2))
     assert s.tasks["y"].state == "queued"
+
+
+def test_a_new_process_at_a_dead_workers_address_replaces_it():
+    """A killed worker's port reused by a restarted worker before the death was noticed."""
+    s = make()
+    s.handle_stimulus(AddWorker("a1", worker=W1, info={"started": 1.0, "name": "old"}))
+    s.handle_stimulus(AddWorker("a2", worker=W2, info={"started": 1.0}))
+    submit(s, "c", [task("x"), task("y")], ["x", "y"])
+    run(s, "x", W1)
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["y"]))
+    out = s.handle_stimulus(AddWorker("again", worker=W1, info={"started": 2.0, "name": "new"}))
+    assert states(s) == {"x": "queued", "y": "queued"}  # both redone
+    assert s.tasks["y"].suspicious == 1
+    assert s.workers[W1].info["name"] == "new" and not s.workers[W1].processing
+    [death] = [i for i in out if type(i).__name__ == "RecordDeath"]
+    assert death.record["how"] == "replaced" and death.record["name"] == "old"
