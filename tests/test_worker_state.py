@@ -543,3 +543,30 @@ def test_random_event_sequences(seed: int) -> None:
         raise AssertionError(f"seed={seed} after {driver.n} events: {e!r}") from e
     ws = driver.ws
     assert not ws.tasks and not ws.data and not ws.in_flight_workers, f"seed={seed}: {ws.tasks}"
+
+
+def test_a_dependency_being_fetched_is_computed_here_when_claimed():
+    """Its holder died; the scheduler recomputes it on this worker, which was waiting to
+    fetch it for a dependent: the worker computes it instead of waiting forever."""
+    ws = WorkerState(address="tcp://10.0.0.9:1", nthreads=1, validate=True)
+    out = ws.handle_stimulus(
+        ComputeTaskEvent("y", b"spec-y", (2.0,), {"x": (["tcp://dead:1"], 8)}, "c-y")
+    )
+    assert [i.worker for i in out if isinstance(i, GatherDep)] == ["tcp://dead:1"]
+    out = ws.handle_stimulus(GatherDepNetworkFailureEvent("tcp://dead:1", ["x"], "refused", "fail"))
+    assert ws.tasks["x"].state == "missing"
+    out = ws.handle_stimulus(ComputeTaskEvent("x", b"spec-x", (1.0,), {}, "c-x"))
+    assert [i.key for i in out if isinstance(i, Execute)] == ["x"]
+    out = ws.handle_stimulus(ExecuteSuccessEvent("x", 1, 8, "int", 0.0, 0.1, "done-x"))
+    assert [i.key for i in out if isinstance(i, Execute)] == ["y"]
+    assert [i.key for i in out if isinstance(i, TaskFinishedMsg)] == ["x"]
+
+
+def test_a_dependency_in_flight_is_computed_here_if_the_transfer_fails():
+    ws = WorkerState(address="tcp://10.0.0.9:1", nthreads=1, validate=True)
+    ws.handle_stimulus(ComputeTaskEvent("y", b"spec-y", (2.0,), {"x": (["tcp://dead:1"], 8)}, "c"))
+    assert ws.tasks["x"].state == "flight"
+    assert not ws.handle_stimulus(ComputeTaskEvent("x", b"spec-x", (1.0,), {}, "c-x"))
+    out = ws.handle_stimulus(GatherDepNetworkFailureEvent("tcp://dead:1", ["x"], "gone", "f"))
+    assert [i.key for i in out if isinstance(i, Execute)] == ["x"]
+    assert ws.tasks["x"].state == "executing"

@@ -321,6 +321,7 @@ class TaskState:
     start: float | None = None
     stop: float | None = None
     error: ExecuteFailureEvent | None = None
+    deferred: ComputeTaskEvent | None = None  # claimed while in flight
 
     def __repr__(self) -> str:
         return f"<TaskState {self.key!r} {self.state}>"
@@ -458,8 +459,13 @@ class WorkerState:
         if ts.state == "error":
             self._emit_erred(ts, sid)
             return
-        if ts.state in ("waiting", "ready", "executing", "fetch", "flight", "missing"):
-            return  # duplicate claim, or already on its way here
+        if ts.state in ("waiting", "ready", "executing"):
+            return  # a duplicate claim
+        if ts.state == "flight":
+            ts.deferred = ev  # the transfer may still bring it; if it fails, compute it
+            return
+        # fetch or missing: its data was lost elsewhere and the scheduler asks this worker
+        # to compute it: stop waiting for a transfer and set it up like any claimed task
         if ts.state == "cancelled":  # freed while running, now claimed again: resume
             self._transition(ts, ts.previous or "executing", sid)
             return
@@ -731,6 +737,23 @@ class WorkerState:
         ts.coming_from = worker
         self._set_state(ts, "flight", sid)
 
+    # Claimed for computation while waiting to be fetched (its data was lost elsewhere).
+    def _transition_fetch_waiting(self, ts: TaskState, sid: str) -> None:
+        self._stop_fetching(ts)
+        self._set_state(ts, "waiting", sid)
+
+    def _transition_fetch_ready(self, ts: TaskState, sid: str) -> None:
+        self._stop_fetching(ts)
+        self._set_state(ts, "ready", sid)
+        self._push_ready(ts)
+
+    _transition_missing_waiting = _transition_fetch_waiting
+    _transition_missing_ready = _transition_fetch_ready
+
+    def _stop_fetching(self, ts: TaskState) -> None:
+        for worker in list(ts.who_has):
+            self._forget_holder(ts, worker)
+
     def _transition_fetch_missing(self, ts: TaskState, sid: str) -> None:
         self._set_state(ts, "missing", sid)
         self._newly_missing.append(ts.key)
@@ -870,6 +893,10 @@ class WorkerState:
         """A fetch (or, for a cancelled task, a computation) did not produce the data."""
         if ts.state == "cancelled" and not ts.dependents:
             self._transition(ts, "released", sid)
+        elif ts.deferred is not None:  # claimed meanwhile: compute it here
+            self._transition(ts, "missing", sid)
+            claim, ts.deferred = ts.deferred, None
+            self._handle_compute(claim)
         else:
             self._transition(ts, "fetch" if ts.who_has else "missing", sid)
 
