@@ -216,6 +216,7 @@ class Client:
         self._refcount: dict[str, int] = defaultdict(int)
         self._pending_release: deque[str] = deque()
         self._send_lock = threading.Lock()
+        self._versions = versions()
         self._down_since: float | None = None  # when Redis was found unreachable
         self._generation = 0
         self._peers = comm.BlockingPool(self.secret, timeout=self.timeout)
@@ -753,7 +754,12 @@ class Client:
             self.keys.clients,
             self.id,
             schema.pack(
-                {"host": socket.gethostname(), "pid": os.getpid(), "last_seen": time.time()}
+                {
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "last_seen": time.time(),
+                    "versions": self._versions,
+                }
             ),
         )
         pipe.execute()

@@ -158,9 +158,10 @@ class Scheduler:
     def run(self, standby: bool = False) -> None:
         """Lead the cluster until stopped.  A lost Redis is waited for (with backoff) and
         then the lease, the state and the pending entries are taken up again."""
-        schema.ensure_cluster(self.redis, self.keys)
         while not self._stopping:
             try:
+                # again after Redis was away: one that came back empty needs it all anew
+                schema.ensure_cluster(self.redis, self.keys)
                 self.acquire_lease(standby or self.token is not None)
                 self.state = self._load()
                 self.watch = WorkerWatch(self.keys, self.worker_ttl)
@@ -508,6 +509,7 @@ class WorkerWatch:
         self.missing: dict[str, int] = {}  # worker -> consecutive looks without connections
         self.seen_on: dict[str, str] = {}  # worker -> Redis run_id when last seen connected
         self.run_id = ""  # of the Redis server at the previous look
+        self.warned = False
 
     def check(self, r: redis.Redis, workers: dict[str, Any]) -> list[Event]:
         if not workers:
@@ -518,7 +520,19 @@ class WorkerWatch:
         pipe.info("server")
         for address in addresses:
             pipe.exists(self.keys.worker_alive(address))
-        connections, server, *alive = pipe.execute()
+        connections, server, *alive = pipe.execute(raise_on_error=False)
+        if isinstance(connections, Exception):  # e.g. an ACL without CLIENT: heartbeats only
+            if not self.warned:
+                logger.warning(
+                    "CLIENT LIST refused (%s): dead workers are noticed by their "
+                    "heartbeats only (scheduler.worker-ttl)",
+                    connections,
+                )
+                self.warned = True
+            connections = []
+            self.seen_on.clear()
+        if isinstance(server, Exception):
+            server = {}
         names = {c.get("name", "") for c in connections}
         run_id = server.get("run_id", "")
         dead: dict[str, tuple[str, str]] = {}

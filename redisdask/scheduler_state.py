@@ -1153,6 +1153,7 @@ class SchedulerState:
                     "traceback_text": "",
                     "killed": b"",
                     "suspicious": 0,
+                    "deaths": b"",
                 },
             )
         )
@@ -1223,6 +1224,8 @@ class SchedulerState:
         }
         if ts.killed:
             fields["killed"] = ts.killed
+            fields["suspicious"] = ts.suspicious
+            fields["deaths"] = _pack(ts.deaths)
         return fields
 
     def _erred_msg(self, ts: TaskState) -> dict[str, Any]:
