@@ -104,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 batch_size=config.scheduler.batch_size,
                 allowed_failures=args.allowed_failures,
                 worker_ttl=config.scheduler.worker_ttl,
+                client_ttl=config.scheduler.client_ttl,
                 connect_timeout=config.redis.connect_timeout,
             )
         elif args.command == "worker":

@@ -34,6 +34,7 @@ from redisdask.scheduler_state import (
     HOLDS_DEPENDENCIES,
     AddWorker,
     ClientMsg,
+    CloseClient,
     Dequeue,
     Enqueue,
     Event,
@@ -74,6 +75,7 @@ class Scheduler:
         connect_timeout: float = 5.0,
         allowed_failures: int = 3,
         worker_ttl: float = 3.0,
+        client_ttl: float = 30.0,
     ) -> None:
         self.keys = Keys(cluster)
         self.redis_url = redis_url
@@ -87,7 +89,9 @@ class Scheduler:
         self.allowed_failures = allowed_failures
         self.state = SchedulerState(validate=validate, allowed_failures=allowed_failures)
         self.worker_ttl = worker_ttl
+        self.client_ttl = client_ttl
         self.watch = WorkerWatch(self.keys, worker_ttl)
+        self.trust_clients_at = 0.0
         self._stopping = False
 
     # ------------------------------------------------------------------ lease
@@ -165,6 +169,7 @@ class Scheduler:
                 self.acquire_lease(standby or self.token is not None)
                 self.state = self._load()
                 self.watch = WorkerWatch(self.keys, self.worker_ttl)
+                self.trust_clients_at = time.monotonic() + self.client_ttl
                 self._event("scheduler-start", scheduler=self.id, token=self.token)
                 self._lead()
             except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -198,6 +203,7 @@ class Scheduler:
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + CHECK_INTERVAL
                 dead = self.watch.check(self.redis, self.state.workers)
+                dead += self._gone_clients()
                 if dead:
                     self.process([], dead)
                 # every entry is acknowledged by the write that applies it, so anything
@@ -225,6 +231,24 @@ class Scheduler:
                 continue
             for batch in _by_size(entries, MAX_BATCH_BYTES):
                 self.process(batch)
+
+    def _gone_clients(self) -> list[Event]:
+        """Clients whose heartbeat key expired: their keys are released as if they had
+        closed (a crashed notebook must not pin results in the cluster forever)."""
+        if time.monotonic() < self.trust_clients_at or not self.state.clients:
+            return []
+        clients = list(self.state.clients)
+        pipe = self.redis.pipeline(transaction=False)
+        for client in clients:
+            pipe.exists(self.keys.client_alive(client))
+        gone = [c for c, alive in zip(clients, pipe.execute(), strict=True) if not alive]
+        for client in gone:
+            logger.warning(
+                "client %s stopped heartbeating for %g s: releasing its keys",
+                client,
+                self.client_ttl,
+            )
+        return [CloseClient(f"client-ttl-{client}", client=client) for client in gone]
 
     def _load(self) -> SchedulerState:
         return load_state(self.redis, self.keys, self.validate, self.allowed_failures)

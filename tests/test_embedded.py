@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -84,8 +85,10 @@ def test_kill_then_restart_keeps_synced_data(tmp_path: Path) -> None:
         with server.client() as client:
             client.set("k", "v")
             client.execute_command("BGREWRITEAOF")  # force the write to disk before SIGKILL
+            deadline = time.monotonic() + 30
             while client.info("persistence")["aof_rewrite_in_progress"]:
-                time.sleep(0.01)
+                assert time.monotonic() < deadline, "AOF rewrite did not finish"
+                threading.Event().wait(0.01)
         old_pid = server.pid
         server.kill()
         assert old_pid is not None and _gone(old_pid)

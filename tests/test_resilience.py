@@ -318,3 +318,39 @@ def test_a_client_waits_for_redis_then_says_so_and_keeps_its_futures(
         server.start()  # same port, same AOF
         assert gate.result(timeout=30) == 11  # the same future, kept
         assert client.submit(inc, 2).result(timeout=30) == 3
+
+
+def test_a_vanished_clients_keys_are_released_after_its_ttl(
+    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("REDISDASK__SCHEDULER__CLIENT_TTL", "1")
+    monkeypatch.setenv("REDISDASK__CLIENT__HEARTBEAT_INTERVAL", "0.2")
+    with (
+        LocalCluster(n_workers=1, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        Client(cluster) as alive,
+    ):
+        kept = alive.submit(pow, 3, 100)
+        assert kept.result(timeout=20) == 3**100
+        script = (
+            "import sys, time\n"
+            "from redisdask import Client\n"
+            f"c = Client({redis_url!r}, cluster_name={cluster_name!r})\n"
+            "f = c.submit(pow, 2, 100)\n"
+            "assert f.result(timeout=20) == 2 ** 100\n"
+            "print(f.key, flush=True)\n"
+            "import threading\n"
+            "threading.Event().wait(60)\n"  # it hangs on to its future until killed
+        )
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        key = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        r = redis.Redis.from_url(redis_url)
+        keys = Keys(cluster_name)
+        assert r.hget(keys.task(key), "state") == b"memory"
+        proc.send_signal(signal.SIGKILL)  # no goodbye
+        proc.wait()
+        poll(lambda: not r.exists(keys.task(key)))  # released and forgotten
+        assert r.hget(keys.task(kept.key), "state") == b"memory"  # a live client keeps its
+        assert kept.result(timeout=10) == 3**100
