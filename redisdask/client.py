@@ -583,6 +583,23 @@ class Client:
         values = self._results(dep_futures, None)
         specs.run_spec(spec, values, specs.FunctionCache())
 
+    def replicate(self, futures: Any, n: int = 2, timeout: float | None = 30.0) -> None:
+        """Keep ``n`` copies of each future's data on distinct workers (fewer if there are
+        fewer workers); the scheduler makes up for a lost copy while one survives.
+        Returns when the copies are there."""
+        flat = [f for f in _flatten(futures) if isinstance(f, Future)]
+        self._results(flat, timeout)  # in memory first
+        keys = [f.key for f in flat]
+        self._send([{"op": "replicate", "client": self.id, "keys": keys, "n": int(n)}])
+        want = min(n, len(self.scheduler_info()["workers"]))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not all(len(holders) >= want for holders in self.who_has(flat).values()):
+            if deadline is not None and time.monotonic() > deadline:
+                raise FuturesTimeoutError(
+                    f"{want} copies of {len(keys)} keys not made within {timeout} s"
+                )
+            time.sleep(0.02)  # the copies are made worker to worker; their arrival is polled
+
     # ------------------------------------------------------------------ scatter
 
     def scatter(

@@ -681,6 +681,7 @@ def load_state(
         ts.restrict = tuple(rec.get(b"workers", b"").decode().split())
         ts.erred_on = rec.get(b"erred_on", b"").decode() or None
         ts.suspicious = int(rec.get(b"suspicious", 0) or 0)
+        ts.replicas = int(rec.get(b"replicas", 1) or 1)
         ts.deaths = schema.unpack(rec[b"deaths"]) if rec.get(b"deaths") else []
         ts.killed = rec.get(b"killed") or None
         ts.exception_blame = rec.get(b"exception_blame", b"").decode() or None

@@ -289,12 +289,23 @@ class ReleasedKeys(Event):
     keys: list[str] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class Replicate(Event):
+    """A client asks for ``n`` copies of each of ``keys`` on distinct workers, kept after
+    a loss while a copy survives."""
+
+    op: ClassVar[str] = "replicate"
+    client: str = ""
+    keys: list[str] = field(default_factory=list)
+    n: int = 2
+
+
 EVENTS: dict[str, type[Event]] = {
     cls.op: cls
     for cls in (
         UpdateGraph, ClientDesiresKeys, ClientReleasesKeys, CancelKeys, CloseClient,
         UpdateData, AddWorker, RemoveWorker, TaskClaimed, TaskFinished, TaskErred,
-        MissingData, AddKeys, ReleasedKeys,
+        MissingData, AddKeys, ReleasedKeys, Replicate,
     )
 }  # fmt: skip
 
@@ -417,6 +428,8 @@ class TaskState:
     deaths: list[dict[str, Any]] = field(default_factory=list)  # their death records
     lost_on: str | None = None  # the worker whose death lost its only copy
     killed: bytes | None = None  # msgpack {task, deaths} when erred with KilledWorker
+    replicas: int = 1  # copies wanted on distinct workers (client.replicate)
+    replicating: set[str] = field(default_factory=set)  # workers asked for a copy
     exception: bytes | None = None
     traceback: bytes | None = None
     exception_text: str = ""
@@ -789,6 +802,8 @@ class SchedulerState:
                 # lost its only copy: recompute if still needed
                 ts.lost_on = ws.address
                 self._lost_data(ts)
+            elif ts.state == "memory" and ts.replicas > 1:
+                self._ensure_replicas(ts)  # a copy survives: make up for the lost one
             elif ts.state == "memory":
                 self._emit(SetState(ev.stimulus_id, ts.key, "memory", self._memory_fields(ts)))
         for ts in list(self.tasks.values()):
@@ -916,9 +931,45 @@ class SchedulerState:
     def _handle_add_keys(self, ev: AddKeys) -> None:
         for key in ev.keys:
             ts = self.tasks.get(key)
+            if ts is not None:
+                ts.replicating.discard(ev.worker)
             if ts is not None and ts.state == "memory" and ev.worker in self.workers:
                 self._add_replica(ts, ev.worker)
                 self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
+
+    def _handle_replicate(self, ev: Replicate) -> None:
+        for key in ev.keys:
+            ts = self.tasks.get(key)
+            if ts is None or ts.state != "memory":
+                continue
+            ts.replicas = max(1, int(ev.n))
+            self._emit(SetState(ev.stimulus_id, key, "memory", {"replicas": ts.replicas}))
+            self._ensure_replicas(ts)
+
+    def _ensure_replicas(self, ts: TaskState) -> None:
+        """Ask workers without a copy to fetch one, until ``ts.replicas`` are (or will be)
+        held; the least loaded workers first."""
+        ts.replicating &= set(self.workers)
+        missing = ts.replicas - len(ts.who_has) - len(ts.replicating)
+        if missing <= 0 or not ts.who_has:
+            return
+        candidates = sorted(
+            (
+                ws
+                for a, ws in self.workers.items()
+                if a not in ts.who_has and a not in ts.replicating
+            ),
+            key=lambda ws: (len(ws.has_what), ws.address),
+        )
+        for ws in candidates[:missing]:
+            ts.replicating.add(ws.address)
+            self._emit(
+                WorkerMsg(
+                    self._stimulus_id,
+                    ws.address,
+                    {"op": "acquire-replicas", "who_has": {ts.key: sorted(ts.who_has)}},
+                )
+            )
 
     def _handle_released_keys(self, ev: ReleasedKeys) -> None:
         ws = self.workers.get(ev.worker)

@@ -354,3 +354,23 @@ def test_a_vanished_clients_keys_are_released_after_its_ttl(
         poll(lambda: not r.exists(keys.task(key)))  # released and forgotten
         assert r.hget(keys.task(kept.key), "state") == b"memory"  # a live client keeps its
         assert kept.result(timeout=10) == 3**100
+
+
+def test_replicated_scattered_data_survives_the_loss_of_a_holder(
+    redis_url: str, cluster_name: str
+) -> None:
+    with (
+        LocalCluster(n_workers=3, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        Client(cluster) as client,
+    ):
+        workers = client.scheduler_info()["workers"]
+        [x] = client.scatter([123], workers=[sorted(workers)[0]])
+        client.replicate([x], n=2)
+        holders = client.who_has(x)[x.key]
+        assert len(holders) == 2
+        os.kill(workers[holders[0]]["pid"], signal.SIGKILL)
+        r = redis.Redis.from_url(redis_url)
+        poll(lambda: not r.hexists(Keys(cluster_name).workers, holders[0]))
+        assert client.submit(inc, x).result(timeout=20) == 124  # no loss, no error
+        poll(lambda: len(client.who_has(x)[x.key]) == 2)  # back to two copies
+        assert holders[0] not in client.who_has(x)[x.key]

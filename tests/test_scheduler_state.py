@@ -31,6 +31,7 @@ from redisdask.scheduler_state import (
     MissingData,
     ReleasedKeys,
     RemoveWorker,
+    Replicate,
     SchedulerState,
     SetState,
     SetWants,
@@ -842,6 +843,7 @@ def test_from_dict_round_trips_every_event():
         MissingData("s", worker=W1, keys=["x"], errant_worker=W2),
         AddKeys("s", worker=W1, keys=["x"], nbytes={"x": 1}),
         ReleasedKeys("s", worker=W1, keys=["x"]),
+        Replicate("s", client="c", keys=["x"], n=3),
     ]
     assert {type(e).op for e in samples} == set(EVENTS)
     for ev in samples:
@@ -1120,3 +1122,18 @@ def test_a_new_process_at_a_dead_workers_address_replaces_it():
     assert s.workers[W1].info["name"] == "new" and not s.workers[W1].processing
     [death] = [i for i in out if type(i).__name__ == "RecordDeath"]
     assert death.record["how"] == "replaced" and death.record["name"] == "old"
+
+
+def test_replicate_asks_the_least_loaded_workers_and_restores_copies_after_a_loss():
+    s = make(W1, W2, W3)
+    submit(s, "c", [task("x")], ["x"])
+    run(s, "x", W1)
+    out = s.handle_stimulus(Replicate("r", client="c", keys=["x"], n=2))
+    [ask] = [i for i in of(out, WorkerMsg) if i.msg["op"] == "acquire-replicas"]
+    assert ask.msg["who_has"] == {"x": [W1]} and ask.worker in (W2, W3)
+    s.handle_stimulus(AddKeys("ak", worker=ask.worker, keys=["x"], nbytes={"x": 8}))
+    assert s.tasks["x"].who_has == {W1, ask.worker}
+    out = s.handle_stimulus(RemoveWorker("rm", worker=W1, how="connection", reason="killed"))
+    [again] = [i for i in of(out, WorkerMsg) if i.msg["op"] == "acquire-replicas"]
+    assert again.worker not in (W1, ask.worker)
+    assert s.tasks["x"].state == "memory"  # a copy survived: nothing recomputed

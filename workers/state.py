@@ -222,6 +222,14 @@ class PutDataEvent(StateMachineEvent):
 
 
 @dataclass(slots=True)
+class AcquireReplicasEvent(StateMachineEvent):
+    """The scheduler asks for a copy of keys held elsewhere (``client.replicate``)."""
+
+    who_has: dict[str, list[str]]
+    stimulus_id: str
+
+
+@dataclass(slots=True)
 class PauseEvent(StateMachineEvent):
     stimulus_id: str
 
@@ -322,6 +330,7 @@ class TaskState:
     stop: float | None = None
     error: ExecuteFailureEvent | None = None
     deferred: ComputeTaskEvent | None = None  # claimed while in flight
+    replica: bool = False  # fetched to be kept as a copy, reported with AddKeysMsg
 
     def __repr__(self) -> str:
         return f"<TaskState {self.key!r} {self.state}>"
@@ -392,6 +401,7 @@ class WorkerState:
             UpdateWhoHasEvent: self._handle_update_who_has,
             FreeKeysEvent: self._handle_free_keys,
             PutDataEvent: self._handle_put_data,
+            AcquireReplicasEvent: self._handle_acquire_replicas,
             PauseEvent: self._handle_pause,
             UnpauseEvent: self._handle_unpause,
         }
@@ -595,6 +605,21 @@ class WorkerState:
         if accepted:
             self._emit(AddKeysMsg(sorted(accepted), accepted, ev.stimulus_id))
 
+    def _handle_acquire_replicas(self, ev: AcquireReplicasEvent) -> None:
+        held: dict[str, int] = {}
+        for key, who_has in ev.who_has.items():
+            ts = self._ensure_task(key)
+            if ts.state == "memory":
+                ts.wanted = True
+                held[key] = ts.nbytes or 0
+                continue
+            ts.replica = True
+            self._add_who_has(ts, who_has)
+            if ts.state == "released":
+                self._transition(ts, "fetch" if ts.who_has else "missing", ev.stimulus_id)
+        if held:
+            self._emit(AddKeysMsg(sorted(held), held, ev.stimulus_id))
+
     def _handle_pause(self, ev: PauseEvent) -> None:
         self.paused = True
 
@@ -777,6 +802,9 @@ class WorkerState:
         self._store(ts, value, nbytes, sid)
         if ts.wanted:  # claimed while it was being fetched
             self._emit_finished(ts, sid)
+        elif ts.replica:  # a copy asked for: keep it and say so
+            ts.replica, ts.wanted = False, True
+            self._emit(AddKeysMsg([ts.key], {ts.key: nbytes}, sid))
 
     # Data pushed by the scheduler (PutDataEvent) short-cuts any state but a running one.
     def _transition_released_memory(self, ts: TaskState, sid: str, **kw: Any) -> None:
@@ -901,7 +929,7 @@ class WorkerState:
             self._transition(ts, "fetch" if ts.who_has else "missing", sid)
 
     def _release_if_unneeded(self, ts: TaskState, sid: str) -> None:
-        if ts.wanted or ts.dependents or ts.state == "cancelled":
+        if ts.wanted or ts.replica or ts.dependents or ts.state == "cancelled":
             return
         if ts.state in ("executing", "flight"):
             self._transition(ts, "cancelled", sid)
@@ -938,7 +966,10 @@ class WorkerState:
             check(ts.key == key, f"{ts} stored under {key!r}")
             check(ts.state in STATES and ts.state != "released", f"{ts} at rest")
             check(ts in self.by_state[ts.state], f"{ts} not indexed by state")
-            check(ts.wanted or ts.dependents or ts.state == "cancelled", f"{ts} unneeded")
+            check(
+                ts.wanted or ts.replica or ts.dependents or ts.state == "cancelled",
+                f"{ts} unneeded",
+            )
             for dep in ts.dependencies:
                 check(ts in dep.dependents, f"{ts} -> {dep} not symmetric")
                 check(self.tasks.get(dep.key) is dep, f"{dep} (dep of {ts}) forgotten")

@@ -595,14 +595,17 @@ def _inbox_events(entry_id: str, fields: dict[bytes, bytes]) -> list[ws.StateMac
             if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
                 raise TypeError(f"free-keys needs a list of keys, got {keys!r:.80}")
             events.append(ws.FreeKeysEvent(keys, sid))
-        elif op == "who-has":
+        elif op in ("who-has", "acquire-replicas"):
             who_has = msg["who_has"]
             if not isinstance(who_has, dict) or not all(
                 isinstance(k, str) and isinstance(v, list) and all(isinstance(w, str) for w in v)
                 for k, v in who_has.items()
             ):
                 raise TypeError(f"who-has needs {{key: [address]}}, got {who_has!r:.80}")
-            events.append(ws.UpdateWhoHasEvent(who_has, sid))
+            if op == "who-has":
+                events.append(ws.UpdateWhoHasEvent(who_has, sid))
+            else:
+                events.append(ws.AcquireReplicasEvent(who_has, sid))
         else:
             raise ValueError(f"unknown inbox message {msg!r:.80}")
     return events
