@@ -216,6 +216,7 @@ class Client:
         self._refcount: dict[str, int] = defaultdict(int)
         self._pending_release: deque[str] = deque()
         self._send_lock = threading.Lock()
+        self._restarted = threading.Event()
         self._versions = versions()
         self._down_since: float | None = None  # when Redis was found unreachable
         self._generation = 0
@@ -583,6 +584,24 @@ class Client:
         values = self._results(dep_futures, None)
         specs.run_spec(spec, values, specs.FunctionCache())
 
+    def restart(self, timeout: float = 30.0) -> None:
+        """Restart the cluster (as in Dask): every task is forgotten, every future of every
+        client becomes cancelled, every worker drops what it holds and runs.  Returns when
+        the scheduler has done it; the cluster is usable at once.  (Without nannies the
+        worker processes stay up and drop their state; issue 4 restarts them.)"""
+        self._check_running()
+        self._restarted.clear()
+        with self._lock:
+            for state in self._states.values():
+                state.cancel()
+            self._pending_release.clear()
+        self._send([{"op": "restart", "client": self.id}])
+        if not self._restarted.wait(timeout):
+            raise FuturesTimeoutError(
+                f"the scheduler did not restart the cluster within "
+                f"{timeout} s (is a scheduler running?)"
+            )
+
     def replicate(self, futures: Any, n: int = 2, timeout: float | None = 30.0) -> None:
         """Keep ``n`` copies of each future's data on distinct workers (fewer if there are
         fewer workers); the scheduler makes up for a lost copy while one survives.
@@ -825,6 +844,10 @@ class Client:
                     if state is not None:
                         exc, tb = _load_error(msg)
                         state.set_error(exc, tb)
+                elif op == "restarted":
+                    for state in self._states.values():
+                        state.cancel()
+                    self._restarted.set()
                 elif op == "cancelled-keys":
                     for key in msg["keys"]:
                         state = self._states.get(key)

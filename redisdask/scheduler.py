@@ -44,6 +44,7 @@ from redisdask.scheduler_state import (
     Instruction,
     RecordDeath,
     RemoveWorker,
+    ResetCluster,
     SchedulerState,
     SetState,
     SetWants,
@@ -444,6 +445,24 @@ class Scheduler:
                         schema.pack({"kind": "worker-died", "time": now, **summary}),
                     ]
                 )
+            elif isinstance(ins, ResetCluster):
+                # what this batch wrote so far was about tasks that are gone now
+                for pending in (
+                    task_fields,
+                    enqueue,
+                    enqueue_on,
+                    dequeue_on,
+                    exists,
+                    unclaims,
+                    free_keys,
+                ):
+                    pending.clear()
+                dequeue.clear()
+                forgotten.clear()
+                cmds.append(["DEL", k.ready, k.tasks])
+                cmds.extend(["DEL", k.task(key)] for key in ins.task_keys)
+                cmds.extend(["DEL", k.worker_processing(w), k.worker_ready(w)] for w in ins.workers)
+                cmds.extend(["DEL", k.client_wants(c)] for c in ins.clients)
             elif isinstance(ins, ForgetWorker):
                 cmds += [
                     [

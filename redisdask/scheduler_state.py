@@ -290,6 +290,15 @@ class ReleasedKeys(Event):
 
 
 @dataclass(slots=True)
+class Restart(Event):
+    """A client restarts the cluster: every task is forgotten, every future cancelled,
+    every worker drops what it holds."""
+
+    op: ClassVar[str] = "restart"
+    client: str = ""
+
+
+@dataclass(slots=True)
 class Replicate(Event):
     """A client asks for ``n`` copies of each of ``keys`` on distinct workers, kept after
     a loss while a copy survives."""
@@ -305,7 +314,7 @@ EVENTS: dict[str, type[Event]] = {
     for cls in (
         UpdateGraph, ClientDesiresKeys, ClientReleasesKeys, CancelKeys, CloseClient,
         UpdateData, AddWorker, RemoveWorker, TaskClaimed, TaskFinished, TaskErred,
-        MissingData, AddKeys, ReleasedKeys, Replicate,
+        MissingData, AddKeys, ReleasedKeys, Replicate, Restart,
     )
 }  # fmt: skip
 
@@ -395,6 +404,15 @@ class ForgetClient(Instruction):
 @dataclass(slots=True)
 class ForgetWorker(Instruction):
     worker: str
+
+
+@dataclass(slots=True)
+class ResetCluster(Instruction):
+    """Delete every task's record and queue, and the clients' wanted sets."""
+
+    task_keys: list[str]
+    workers: list[str]
+    clients: list[str]
 
 
 @dataclass(slots=True)
@@ -689,6 +707,21 @@ class SchedulerState:
                 {"op": "cancelled-keys", "keys": keys, "generation": ev.generation},
             )
         )
+
+    def _handle_restart(self, ev: Restart) -> None:
+        keys = list(self.tasks)
+        clients = list(self.clients)
+        self._emit(ResetCluster(ev.stimulus_id, keys, list(self.workers), clients))
+        for ws in self.workers.values():
+            ws.processing.clear()
+            ws.has_what.clear()
+            self._emit(WorkerMsg(ev.stimulus_id, ws.address, {"op": "restart"}))
+        for client in clients:
+            self._emit(ClientMsg(ev.stimulus_id, client, {"op": "restarted", "by": ev.client}))
+        self.tasks.clear()
+        self.unrunnable.clear()
+        self._candidates.clear()
+        self.clients = {client: set() for client in clients}
 
     def _handle_close_client(self, ev: CloseClient) -> None:
         self._release_wants(ev.client, [ts.key for ts in self.clients.get(ev.client, ())])

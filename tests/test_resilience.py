@@ -374,3 +374,23 @@ def test_replicated_scattered_data_survives_the_loss_of_a_holder(
         assert client.submit(inc, x).result(timeout=20) == 124  # no loss, no error
         poll(lambda: len(client.who_has(x)[x.key]) == 2)  # back to two copies
         assert holders[0] not in client.who_has(x)[x.key]
+
+
+def test_client_restart_cancels_everything_and_the_cluster_works_right_after(
+    client: Client,
+    cluster,  # type: ignore[no-untyped-def]
+) -> None:
+    with Client(cluster) as other:
+        theirs = other.submit(inc, 5)
+        assert theirs.result(timeout=10) == 6
+        running = client.map(slow_inc, range(40), delay=0.05)
+        done = client.submit(inc, 1)
+        assert done.result(timeout=10) == 2
+        client.restart()
+        assert all(f.cancelled() for f in [*running, done])
+        poll(lambda: theirs.cancelled())  # every client's futures
+        r = redis.Redis.from_url(cluster.redis_url)
+        keys = Keys(cluster.cluster_name)
+        assert r.scard(keys.tasks) == 0 and r.zcard(keys.ready) == 0
+        assert client.submit(inc, 10).result(timeout=10) == 11
+        assert other.submit(inc, 20).result(timeout=10) == 21

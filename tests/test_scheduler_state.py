@@ -32,6 +32,7 @@ from redisdask.scheduler_state import (
     ReleasedKeys,
     RemoveWorker,
     Replicate,
+    Restart,
     SchedulerState,
     SetState,
     SetWants,
@@ -844,6 +845,7 @@ def test_from_dict_round_trips_every_event():
         AddKeys("s", worker=W1, keys=["x"], nbytes={"x": 1}),
         ReleasedKeys("s", worker=W1, keys=["x"]),
         Replicate("s", client="c", keys=["x"], n=3),
+        Restart("s", client="c"),
     ]
     assert {type(e).op for e in samples} == set(EVENTS)
     for ev in samples:
@@ -1137,3 +1139,17 @@ def test_replicate_asks_the_least_loaded_workers_and_restores_copies_after_a_los
     [again] = [i for i in of(out, WorkerMsg) if i.msg["op"] == "acquire-replicas"]
     assert again.worker not in (W1, ask.worker)
     assert s.tasks["x"].state == "memory"  # a copy survived: nothing recomputed
+
+
+def test_restart_forgets_everything_and_tells_every_worker_and_client():
+    s = make(W1, W2)
+    submit(s, "c1", [task("x"), task("y", ["x"])], ["y"])
+    submit(s, "c2", [task("z")], ["z"])
+    run(s, "x", W1)
+    s.handle_stimulus(TaskClaimed("claim", worker=W2, keys=["y"]))
+    out = s.handle_stimulus(Restart("r", client="c1"))
+    assert s.tasks == {} and not s.workers[W2].processing and not s.workers[W1].has_what
+    assert {i.worker for i in of(out, WorkerMsg) if i.msg["op"] == "restart"} == {W1, W2}
+    assert {i.client for i in of(out, ClientMsg) if i.msg["op"] == "restarted"} == {"c1", "c2"}
+    submit(s, "c2", [task("z")], ["z"])  # usable right after
+    assert s.tasks["z"].state == "queued"

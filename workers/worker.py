@@ -460,7 +460,7 @@ class Worker:
                 continue
             self._inbox_id = entry_id.decode()
             try:
-                events.extend(_inbox_events(entry_id.decode(), fields))
+                events.extend(_inbox_events(entry_id.decode(), fields, list(self.state.tasks)))
             except (KeyError, TypeError, ValueError) as exc:
                 logger.warning("ignoring malformed inbox entry %s: %s", entry_id.decode(), exc)
         if events:
@@ -581,7 +581,9 @@ def script_entries(raw: list[Any]) -> list[tuple[bytes, dict[bytes, bytes]]]:
     return [(entry_id, dict(zip(flat[::2], flat[1::2], strict=True))) for entry_id, flat in raw]
 
 
-def _inbox_events(entry_id: str, fields: dict[bytes, bytes]) -> list[ws.StateMachineEvent]:
+def _inbox_events(
+    entry_id: str, fields: dict[bytes, bytes], held: list[str] = ()
+) -> list[ws.StateMachineEvent]:
     """Events from one inbox entry; ValueError/TypeError/KeyError when it is malformed."""
     messages = schema.unpack(fields[b"m"])
     if not isinstance(messages, list):
@@ -606,6 +608,8 @@ def _inbox_events(entry_id: str, fields: dict[bytes, bytes]) -> list[ws.StateMac
                 events.append(ws.UpdateWhoHasEvent(who_has, sid))
             else:
                 events.append(ws.AcquireReplicasEvent(who_has, sid))
+        elif op == "restart":  # the cluster was restarted: drop everything held or running
+            events.append(ws.FreeKeysEvent(list(held), sid))
         else:
             raise ValueError(f"unknown inbox message {msg!r:.80}")
     return events
