@@ -578,6 +578,15 @@ class Client:
                 "run again; keep a future of it to keep its history"
             )
         dep_keys = schema.unpack(deps) if deps else []
+        pipe = self.redis.pipeline(transaction=False)
+        for dep in dep_keys:
+            pipe.exists(self.keys.task(dep))
+        gone = [d for d, exists in zip(dep_keys, pipe.execute(), strict=True) if not exists]
+        if gone:
+            raise DataUnavailableError(
+                f"the graph history of {key!r}'s dependencies {gone[:5]} is gone, so it cannot "
+                "be run again; keep futures of the inputs you may want to debug with"
+            )
         dep_futures = [Future(k, self) for k in dep_keys]  # hold them while we need them
         if dep_keys:
             self._send([{"op": "client-desires-keys", "client": self.id, "keys": dep_keys}])

@@ -835,15 +835,16 @@ class SchedulerState:
                 # lost its only copy: recompute if still needed
                 ts.lost_on = ws.address
                 self._lost_data(ts)
-            elif ts.state == "memory" and ts.replicas > 1:
-                self._ensure_replicas(ts)  # a copy survives: make up for the lost one
             elif ts.state == "memory":
                 self._emit(SetState(ev.stimulus_id, ts.key, "memory", self._memory_fields(ts)))
+                if ts.replicas > 1:
+                    self._ensure_replicas(ts)  # a copy survives: make up for the lost one
         for ts in list(self.tasks.values()):
             stranded = ts.restrict and not any(w in self.workers for w in ts.restrict)
             if ts.state == "queued" and stranded:
                 self._transition(ts, "no-worker")
-        self._emit(ForgetWorker(ev.stimulus_id, ws.address))
+        if ev.how != "replaced":  # else the keys are the new process's, at the same address
+            self._emit(ForgetWorker(ev.stimulus_id, ws.address))
 
     def _death_record(
         self, ev: RemoveWorker, ws: WorkerInfo, processing: list[TaskState]

@@ -584,7 +584,8 @@ class WorkerState:
         for key in ev.keys:
             ts = self.tasks.get(key)
             if ts is not None:
-                ts.wanted = False
+                ts.wanted = ts.replica = False
+                ts.deferred = None
                 self._release_if_unneeded(ts, ev.stimulus_id)
 
     def _handle_put_data(self, ev: PutDataEvent) -> None:
@@ -799,12 +800,15 @@ class WorkerState:
         self, ts: TaskState, sid: str, value: object, nbytes: int
     ) -> None:
         ts.coming_from = None
+        ts.deferred = None
         self._store(ts, value, nbytes, sid)
         if ts.wanted:  # claimed while it was being fetched
             self._emit_finished(ts, sid)
         elif ts.replica:  # a copy asked for: keep it and say so
             ts.replica, ts.wanted = False, True
             self._emit(AddKeysMsg([ts.key], {ts.key: nbytes}, sid))
+        else:
+            self._release_if_unneeded(ts, sid)  # e.g. a copy freed while in flight
 
     # Data pushed by the scheduler (PutDataEvent) short-cuts any state but a running one.
     def _transition_released_memory(self, ts: TaskState, sid: str, **kw: Any) -> None:

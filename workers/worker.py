@@ -460,11 +460,16 @@ class Worker:
                 continue
             self._inbox_id = entry_id.decode()
             try:
-                events.extend(_inbox_events(entry_id.decode(), fields, list(self.state.tasks)))
+                events.extend(_inbox_events(entry_id.decode(), fields))
             except (KeyError, TypeError, ValueError) as exc:
                 logger.warning("ignoring malformed inbox entry %s: %s", entry_id.decode(), exc)
-        if events:
-            self.handle(*events)
+        while events:  # a restart frees what is held when it comes, after what precedes it
+            cut = next((i for i, e in enumerate(events) if isinstance(e, _Restart)), len(events))
+            if cut:
+                self.handle(*events[:cut])
+            if cut < len(events):
+                self.handle(ws.FreeKeysEvent(list(self.state.tasks), events[cut].stimulus_id))
+            events = events[cut + 1 :]
 
     # ------------------------------------------------------------------ reporting
 
@@ -581,9 +586,11 @@ def script_entries(raw: list[Any]) -> list[tuple[bytes, dict[bytes, bytes]]]:
     return [(entry_id, dict(zip(flat[::2], flat[1::2], strict=True))) for entry_id, flat in raw]
 
 
-def _inbox_events(
-    entry_id: str, fields: dict[bytes, bytes], held: list[str] = ()
-) -> list[ws.StateMachineEvent]:
+class _Restart(ws.FreeKeysEvent):
+    """Marks where a ``restart`` came in an inbox read (resolved by ``_handle_inbox``)."""
+
+
+def _inbox_events(entry_id: str, fields: dict[bytes, bytes]) -> list[ws.StateMachineEvent]:
     """Events from one inbox entry; ValueError/TypeError/KeyError when it is malformed."""
     messages = schema.unpack(fields[b"m"])
     if not isinstance(messages, list):
@@ -609,7 +616,7 @@ def _inbox_events(
             else:
                 events.append(ws.AcquireReplicasEvent(who_has, sid))
         elif op == "restart":  # the cluster was restarted: drop everything held or running
-            events.append(ws.FreeKeysEvent(list(held), sid))
+            events.append(_Restart([], sid))
         else:
             raise ValueError(f"unknown inbox message {msg!r:.80}")
     return events
