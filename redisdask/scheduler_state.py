@@ -43,6 +43,7 @@ from redisdask.errors import ProtocolError
 logger = logging.getLogger(__name__)
 
 PRIORITY_SCALE = 2**40  # submission sequence numbers stay below this
+NO_SCORE = float("nan")  # a report that does not say which run it answers
 # states in which a task keeps its dependencies from being released
 HOLDS_DEPENDENCIES = ("waiting", "queued", "processing", "no-worker")
 
@@ -125,6 +126,12 @@ _ITEM_CHECKS: dict[str, Any] = {
     ),
     "dict[str, list[str]]": lambda v: all(isinstance(k, str) and _is_strs(x) for k, x in v.items()),
 }
+
+
+def _stale(score: float, ts: TaskState) -> bool:
+    """A report for another run of the key than the current one (scores are unique per
+    submission: the run's position in submission order)."""
+    return score == score and score != ts.score  # NaN (no score given) is never stale
 
 
 def _pack(obj: Any) -> bytes:
@@ -235,9 +242,12 @@ class RemoveWorker(Event):
 
 @dataclass(slots=True)
 class TaskClaimed(Event):
+    """Written by the CLAIM script; ``scores`` say which run of each key was popped."""
+
     op: ClassVar[str] = "claimed"
     worker: str = ""
     keys: list[str] = field(default_factory=list)
+    scores: list[Any] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -249,6 +259,7 @@ class TaskFinished(Event):
     type: str = ""
     start: float = 0.0
     stop: float = 0.0
+    score: float = NO_SCORE  # the run it answers (a task's score is new at each submission)
 
 
 @dataclass(slots=True)
@@ -260,6 +271,7 @@ class TaskErred(Event):
     traceback: bytes | None = None
     exception_text: str = ""
     traceback_text: str = ""
+    score: float = NO_SCORE
 
 
 @dataclass(slots=True)
@@ -890,8 +902,19 @@ class SchedulerState:
 
     def _handle_claimed(self, ev: TaskClaimed) -> None:
         ws = self.workers.get(ev.worker)
-        for key in ev.keys:
+        scores = list(ev.scores) + [NO_SCORE] * (len(ev.keys) - len(ev.scores))
+        for key, score in zip(ev.keys, scores, strict=False):
             ts = self.tasks.get(key)
+            try:
+                stale = ts is not None and _stale(float(score), ts)
+            except (TypeError, ValueError):
+                stale = False
+            if stale:
+                # an earlier run of the key, popped just before it was cancelled.  No
+                # free-keys: the worker may hold or run the current run of the key by the
+                # time it reads it, and a free-keys cannot say which run it means
+                self._emit(Unclaim(ev.stimulus_id, ev.worker, key))
+                continue
             if ts is not None and ts.state == "processing" and ts.processing_on == ev.worker:
                 continue  # state reloaded from Redis after the claim: already known
             if ts is None or ts.state != "queued" or ws is None:
@@ -909,6 +932,8 @@ class SchedulerState:
     def _handle_task_finished(self, ev: TaskFinished) -> None:
         ts = self.tasks.get(ev.key)
         ws = self.workers.get(ev.worker)
+        if ts is not None and _stale(ev.score, ts):
+            return  # a result of an earlier run of this key, reported late: not this run's
         if ts is None or ws is None or ts.state != "processing" or ts.processing_on != ws.address:
             # a result nobody asked this worker for: a run of an earlier incarnation of the
             # key (cancelled, released, submitted again) or of a claim taken back.  Counting
@@ -924,6 +949,8 @@ class SchedulerState:
     def _handle_task_erred(self, ev: TaskErred) -> None:
         ts = self.tasks.get(ev.key)
         if ts is None or ts.state != "processing" or ts.processing_on != ev.worker:
+            return
+        if _stale(ev.score, ts):
             return
         self._emit(Unclaim(ev.stimulus_id, ev.worker, ts.key))
         if ts.retries > 0:

@@ -248,6 +248,7 @@ if #last > 0 then last_id = last[1][1] end
 local want = tonumber(ARGV[2])
 local out = {}
 local claimed = {}
+local scores = {}
 local function claim_from(zset)
   while #claimed < want do
     local popped = redis.call('ZPOPMIN', zset, want - #claimed)
@@ -277,6 +278,7 @@ local function claim_from(zset)
         end
         out[#out + 1] = {key, f[1], popped[i + 1], deps}
         claimed[#claimed + 1] = key
+        scores[#scores + 1] = popped[i + 1]
       end
     end
   end
@@ -285,7 +287,7 @@ claim_from(KEYS[6])
 claim_from(KEYS[1])
 if #claimed > 0 then
   redis.call('XADD', KEYS[4], '*', 'm',
-    cmsgpack.pack({{op = 'claimed', worker = ARGV[1], keys = claimed}}))
+    cmsgpack.pack({{op = 'claimed', worker = ARGV[1], keys = claimed, scores = scores}}))
 end
 return {out, last_id, redis.call('XRANGE', KEYS[7], '(' .. ARGV[5], '+')}
 """

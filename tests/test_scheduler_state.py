@@ -1153,3 +1153,22 @@ def test_restart_forgets_everything_and_tells_every_worker_and_client():
     assert {i.client for i in of(out, ClientMsg) if i.msg["op"] == "restarted"} == {"c1", "c2"}
     submit(s, "c2", [task("z")], ["z"])  # usable right after
     assert s.tasks["z"].state == "queued"
+
+
+def test_a_late_claim_or_result_of_an_earlier_run_of_a_key_is_not_this_runs():
+    """x popped by W1, then cancelled and submitted again (a new run, a new score) before
+    the scheduler read W1's claim: neither that claim nor its result count for the new run."""
+    s = make(W1, W2)
+    submit(s, "c", [task("x")], ["x"])
+    old = s.tasks["x"].score
+    s.handle_stimulus(CancelKeys("cancel", client="c", keys=["x"]))
+    submit(s, "c", [task("x")], ["x"])
+    assert s.tasks["x"].score != old
+    out = s.handle_stimulus(TaskClaimed("late", worker=W1, keys=["x"], scores=[old]))
+    assert s.tasks["x"].state == "queued" and not freed(out)  # the new run is untouched
+    s.handle_stimulus(TaskFinished("late", worker=W1, key="x", nbytes=1, score=old))
+    assert s.tasks["x"].state == "queued"
+    new = s.tasks["x"].score
+    s.handle_stimulus(TaskClaimed("claim", worker=W2, keys=["x"], scores=[new]))
+    s.handle_stimulus(TaskFinished("fin", worker=W2, key="x", nbytes=1, score=new))
+    assert s.tasks["x"].state == "memory" and s.tasks["x"].who_has == {W2}

@@ -308,6 +308,7 @@ class Worker:
                         "type": ins.type_name,
                         "start": ins.start,
                         "stop": ins.stop,
+                        **self._run_of(ins.key),
                     }
                 )
             elif isinstance(ins, ws.TaskErredMsg):
@@ -319,6 +320,7 @@ class Worker:
                         "traceback": ins.traceback,
                         "exception_text": ins.exception_text,
                         "traceback_text": ins.traceback_text,
+                        **self._run_of(ins.key),
                     }
                 )
             elif isinstance(ins, ws.MissingDataMsg):
@@ -346,6 +348,13 @@ class Worker:
             self._linger = asyncio.get_running_loop().call_later(
                 REPORT_LINGER, self._flush_wanted.set
             )
+
+    def _run_of(self, key: str) -> dict[str, float]:
+        """Which run of ``key`` a report answers: the score of the claim being run."""
+        ts = self.state.tasks.get(key)
+        if ts is None or not ts.priority:
+            return {}
+        return {"score": float(ts.priority[0])}
 
     def _report(self, msg: dict[str, Any]) -> None:
         msg["worker"] = self.address
