@@ -53,7 +53,7 @@ from typing import Any, TypeAlias
 
 import msgpack
 
-from redisdask import pickling
+from redisdask import errors, pickling
 
 logger = logging.getLogger(__name__)
 
@@ -84,11 +84,11 @@ _U64 = struct.Struct("<Q")
 # --------------------------------------------------------------------------- errors
 
 
-class CommError(Exception):
+class CommError(errors.RedisDaskError):
     """Base class of every error raised by this module."""
 
 
-class ProtocolError(CommError):
+class ProtocolError(CommError, errors.ProtocolError):
     """The peer sent bytes that do not follow the wire format."""
 
 

@@ -6,8 +6,14 @@
     ├── FencedError                                    a scheduler lost its lease
     ├── ProtocolError                                  a malformed stream entry or frame
     ├── CommError                                      peer-to-peer transport (redisdask.comm)
+    │   ├── ProtocolError (also the one above)         a malformed frame from a peer
+    │   ├── AuthenticationError                        the HMAC handshake failed
+    │   ├── CommClosedError (also ConnectionError)     a peer cannot be reached
+    │   └── SerializationError                         a value could not be (un)pickled
     ├── FutureCancelledError (also CancelledError)     the future's key was cancelled
     ├── DataUnavailableError                           no worker holds the data any more
+    ├── VersionMismatchError                           versions that cannot share pickles
+    │                                                  (redisdask.versions)
     └── KilledWorker                                   a task took too many workers down
 
 ``TypeError`` is raised as-is for an unpicklable function or argument at ``submit``, and
