@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
+from polling import poll
 
 from redisdask import Client, FutureCancelledError, as_completed, wait
 from redisdask.schema import Keys
@@ -221,17 +222,6 @@ def test_released_future_is_forgotten(client: Client, cluster) -> None:  # type:
     del f  # the last reference: the client releases the key in its next message
     client.submit(inc, 8).result(timeout=10)
     poll(lambda: not r.exists(keys.task(key)))
-
-
-def poll(condition, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    """Wait for ``condition()`` with a deadline (no sleeps as synchronisation)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        threading.Event().wait(0.01)
 
 
 def test_map_of_100000_is_sent_in_a_few_batched_entries(redis_url: str, cluster_name: str) -> None:

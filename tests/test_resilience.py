@@ -10,6 +10,7 @@ import time
 
 import pytest
 import redis
+from polling import poll
 
 from redisdask import Client, KilledWorker, LocalCluster
 from redisdask.errors import DataUnavailableError
@@ -39,13 +40,6 @@ def where() -> str:
 
 def suicide() -> None:
     os._exit(1)
-
-
-def poll(condition, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        threading.Event().wait(0.005)
 
 
 def deaths(r: redis.Redis, keys: Keys) -> list[dict]:

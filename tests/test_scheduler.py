@@ -5,11 +5,10 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 import redis
+from polling import poll
 
 from redisdask import Client, LocalCluster
 from redisdask.errors import FencedError
@@ -22,13 +21,6 @@ pytestmark = pytest.mark.timeout(60)
 
 def inc(x: int) -> int:
     return x + 1
-
-
-def poll(condition, timeout: float = 15.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        threading.Event().wait(0.01)
 
 
 def test_forget_and_resubmit_in_one_batch_writes_the_new_task_last(
