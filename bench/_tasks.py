@@ -23,3 +23,17 @@ def make_array(nbytes: int) -> Any:
 def consume(a: Any) -> int:
     """Touch the array cheaply (the point is the transfer, not the compute)."""
     return int(a.nbytes)
+
+
+def sleep_inc(x: int, delay: float = 0.05) -> int:
+    import time
+
+    time.sleep(delay)  # stands for 50 ms of work
+    return x + 1
+
+
+def exit_process(code: int) -> None:
+    """Kill the worker process running it, as a segfaulting extension would."""
+    import os
+
+    os._exit(code)

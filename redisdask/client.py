@@ -217,6 +217,7 @@ class Client:
         self._pending_release: deque[str] = deque()
         self._send_lock = threading.Lock()
         self._restarted = threading.Event()
+        self._retire_refused: dict[str, str] = {}  # worker -> why the scheduler refused
         self._versions = versions()
         self._down_since: float | None = None  # when Redis was found unreachable
         self._generation = 0
@@ -628,6 +629,71 @@ class Client:
                 )
             time.sleep(0.02)  # the copies are made worker to worker; their arrival is polled
 
+    def retire_workers(
+        self,
+        workers: str | list[str] | None = None,
+        n: int | None = None,
+        timeout: float | None = 60.0,
+    ) -> dict[str, Any]:
+        """Close workers gracefully (as in Dask): they claim nothing more, hand back the
+        tasks they claimed but did not start, finish the running ones, and leave once
+        every result that only they held has been copied to a worker that stays, so no
+        result is lost or recomputed.  ``workers``: addresses or names; or ``n``: that
+        many of the workers holding the least data.  Returns ``{address: info}`` of the
+        workers that left.  A retirement that would leave nobody to take their data is
+        refused (logged; those workers keep running and are not in the result)."""
+        self._check_running()
+        info = self.scheduler_info()["workers"]
+        if workers is not None:
+            by_name = {str(w.get("name")): a for a, w in info.items()}
+            wanted = [workers] if isinstance(workers, str) else list(workers)
+            unknown = [w for w in wanted if w not in info and w not in by_name]
+            if unknown:
+                raise ValueError(
+                    f"no worker with address or name {unknown} in cluster "
+                    f"{self.keys.cluster!r}; its workers are {sorted(info)}"
+                )
+            addresses = [w if w in info else by_name[w] for w in wanted]
+        elif n is not None:
+            held = self._held_bytes(list(info))
+            addresses = sorted(info, key=lambda a: (held[a], a))[: max(0, n)]
+        else:
+            raise ValueError("say which workers to retire: workers=[address or name] or n=")
+        if not addresses:
+            return {}
+        with self._lock:
+            for address in addresses:
+                self._retire_refused.pop(address, None)
+        self._send([{"op": "retire-workers", "client": self.id, "workers": addresses}])
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            present = set(self.redis.hkeys(self.keys.workers))
+            with self._lock:
+                refused = {
+                    a: self._retire_refused[a] for a in addresses if a in self._retire_refused
+                }
+            pending = [a for a in addresses if a.encode() in present and a not in refused]
+            if not pending:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise FuturesTimeoutError(
+                    f"workers {pending} did not retire within {timeout} s; they are still "
+                    "moving their data (or no worker that stays is reachable)"
+                )
+            time.sleep(0.02)  # the workers leave on their own; their departure is polled
+        for address, reason in refused.items():
+            logger.warning("worker %s was not retired: %s", address, reason)
+        return {a: info[a] for a in addresses if a not in refused}
+
+    def _held_bytes(self, addresses: list[str]) -> dict[str, int]:
+        """Bytes of results each worker holds, from its last heartbeat."""
+        held = dict.fromkeys(addresses, 0)
+        for address, raw in self.redis.hgetall(self.keys.heartbeats).items():
+            beat = schema.unpack(raw)
+            if address.decode() in held and isinstance(beat, dict):
+                held[address.decode()] = int(beat.get("managed") or 0)
+        return held
+
     # ------------------------------------------------------------------ scatter
 
     def scatter(
@@ -853,6 +919,9 @@ class Client:
                     if state is not None:
                         exc, tb = _load_error(msg)
                         state.set_error(exc, tb)
+                elif op == "retire-refused":
+                    for address in msg["workers"]:
+                        self._retire_refused[address] = str(msg.get("reason", ""))
                 elif op == "restarted":
                     for state in self._states.values():
                         state.cancel()

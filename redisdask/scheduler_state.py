@@ -321,12 +321,29 @@ class Replicate(Event):
     n: int = 2
 
 
+@dataclass(slots=True)
+class RetireWorkers(Event):
+    """Workers leave gracefully.  They stop claiming, hand back the tasks they claimed but
+    did not start, finish the ones running, and stay until every result that only they
+    hold has a copy on a worker that stays; then the scheduler tells them to close.
+
+    From a client (``client`` set), a retirement that would lose data because no worker
+    would stay is refused (``retire-refused``).  A worker retiring itself (``client``
+    empty: its lifetime ended, it got SIGTERM) repeats the request until it is told to
+    close, so a restarted scheduler picks it up; with nowhere to move its data it is told
+    to close at once (what it held is then recomputed from the graph history)."""
+
+    op: ClassVar[str] = "retire-workers"
+    client: str = ""
+    workers: list[str] = field(default_factory=list)
+
+
 EVENTS: dict[str, type[Event]] = {
     cls.op: cls
     for cls in (
         UpdateGraph, ClientDesiresKeys, ClientReleasesKeys, CancelKeys, CloseClient,
         UpdateData, AddWorker, RemoveWorker, TaskClaimed, TaskFinished, TaskErred,
-        MissingData, AddKeys, ReleasedKeys, Replicate, Restart,
+        MissingData, AddKeys, ReleasedKeys, Replicate, Restart, RetireWorkers,
     )
 }  # fmt: skip
 
@@ -480,6 +497,8 @@ class WorkerInfo:
     info: dict[str, Any] = field(default_factory=dict)
     processing: set[TaskState] = field(default_factory=set)
     has_what: set[TaskState] = field(default_factory=set)
+    retiring: bool = False  # handing its data to others before it closes
+    told_to_close: bool = False  # retired: its data is safe elsewhere
 
 
 class InvalidTransition(RuntimeError):
@@ -531,6 +550,9 @@ class SchedulerState:
             handler = getattr(self, "_handle_" + event.op.replace("-", "_"))
             handler(event)
             self._drain()
+        if any(ws.retiring for ws in self.workers.values()):
+            self._stimulus_id = "retire-" + self._stimulus_id
+            self._move_retiring_data()
         instructions, self._instructions = self._instructions, []
         if self.validate:
             self.validate_state()
@@ -1007,6 +1029,59 @@ class SchedulerState:
             self._emit(SetState(ev.stimulus_id, key, "memory", {"replicas": ts.replicas}))
             self._ensure_replicas(ts)
 
+    def _handle_retire_workers(self, ev: RetireWorkers) -> None:
+        leaving = [self.workers[a] for a in dict.fromkeys(ev.workers) if a in self.workers]
+        staying = [a for a, ws in self.workers.items() if not ws.retiring and a not in ev.workers]
+        if ev.client and not staying and any(ws.has_what for ws in leaving):
+            held = len(set().union(*(ws.has_what for ws in leaving)))
+            reason = (
+                f"no worker would stay to take the {held} results they hold; start more "
+                "workers first, or retire fewer"
+            )
+            msg = {"op": "retire-refused", "workers": [ws.address for ws in leaving]}
+            self._emit(ClientMsg(ev.stimulus_id, ev.client, {**msg, "reason": reason}))
+            return
+        for ws in leaving:
+            if not ws.retiring and ev.client:
+                self._emit(WorkerMsg(ev.stimulus_id, ws.address, {"op": "retire"}))
+            ws.retiring = True
+            if not ev.client:
+                ws.told_to_close = False  # it asks again: it may not have heard the answer
+            if not ev.client and not staying:
+                self._tell_to_close(ws, "retired; no worker stayed to take its data")
+
+    def _move_retiring_data(self) -> None:
+        """Ask staying workers for a copy of every result only retiring workers hold
+        (least loaded first); tell a retiring worker to close once it runs nothing and
+        holds nothing unique.  Runs after every batch while any worker is retiring."""
+        staying = {a for a, ws in self.workers.items() if not ws.retiring}
+        load: dict[str, int] = {}
+        requests: dict[str, dict[str, list[str]]] = {}
+        for ws in [w for w in self.workers.values() if w.retiring and not w.told_to_close]:
+            unique = [
+                ts for ts in ws.has_what if ts.state == "memory" and not (ts.who_has & staying)
+            ]
+            if not unique and not ws.processing:
+                self._tell_to_close(ws, "retired")
+                continue
+            for ts in sorted(unique, key=lambda t: t.score):
+                ts.replicating &= staying
+                if ts.replicating or not staying:
+                    continue
+                if not load:
+                    load = {a: sum(t.nbytes for t in self.workers[a].has_what) for a in staying}
+                target = min(load, key=lambda a: (load[a], a))
+                load[target] += ts.nbytes
+                ts.replicating.add(target)
+                requests.setdefault(target, {})[ts.key] = sorted(ts.who_has)
+        for target, who_has in requests.items():
+            msg = {"op": "acquire-replicas", "who_has": who_has}
+            self._emit(WorkerMsg(self._stimulus_id, target, msg))
+
+    def _tell_to_close(self, ws: WorkerInfo, reason: str) -> None:
+        ws.told_to_close = True
+        self._emit(WorkerMsg(self._stimulus_id, ws.address, {"op": "close", "reason": reason}))
+
     def _ensure_replicas(self, ts: TaskState) -> None:
         """Ask workers without a copy to fetch one, until ``ts.replicas`` are (or will be)
         held; the least loaded workers first."""
@@ -1018,7 +1093,7 @@ class SchedulerState:
             (
                 ws
                 for a, ws in self.workers.items()
-                if a not in ts.who_has and a not in ts.replicating
+                if a not in ts.who_has and a not in ts.replicating and not ws.retiring
             ),
             key=lambda ws: (len(ws.has_what), ws.address),
         )

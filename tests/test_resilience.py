@@ -388,3 +388,81 @@ def test_client_restart_cancels_everything_and_the_cluster_works_right_after(
         assert r.scard(keys.tasks) == 0 and r.zcard(keys.ready) == 0
         assert client.submit(inc, 10).result(timeout=10) == 11
         assert other.submit(inc, 20).result(timeout=10) == 21
+
+
+def counted_inc(x: int, url: str, counter: str) -> int:
+    redis.Redis.from_url(url).incr(counter)  # how many times tasks really ran
+    return x + 1
+
+
+def test_retire_workers_moves_their_data_so_nothing_is_lost_or_recomputed(
+    redis_url: str, cluster_name: str
+) -> None:
+    with (
+        LocalCluster(n_workers=3, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        Client(cluster) as client,
+    ):
+        r = redis.Redis.from_url(redis_url)
+        keys = Keys(cluster_name)
+        counter = f"{cluster_name}-runs"
+        futures = client.map(counted_inc, range(60), url=redis_url, counter=counter)
+        assert client.gather(futures) == list(range(1, 61))
+        workers = client.scheduler_info()["workers"]
+        victim = max(workers, key=lambda a: sum(a in h for h in client.who_has(futures).values()))
+        scattered = client.scatter(list(range(100, 110)), workers=[victim])
+        on_victim = [f for f, h in client.who_has(futures).items() if h == [victim]]
+        assert on_victim  # the retiree holds the only copy of some results
+        victim_pid = workers[victim]["pid"]
+        retired = client.retire_workers([workers[victim]["name"]])  # by name
+        assert list(retired) == [victim]
+        assert victim not in client.scheduler_info()["workers"]
+        process = next(p for p in cluster.worker_processes if p.pid == victim_pid)
+        assert process.wait(10) == 0  # it left on its own, cleanly
+        assert client.gather(futures) == list(range(1, 61))
+        assert client.gather(scattered) == list(range(100, 110))  # scattered data survived
+        assert int(r.get(counter)) == 60  # nothing recomputed
+        assert deaths(r, keys) == []  # a retirement is no death
+        assert all(victim not in h for h in client.who_has(futures + scattered).values())
+        assert client.submit(inc, 1).result() == 2  # the others keep working
+
+
+def test_retiring_the_last_worker_holding_data_is_refused(redis_url: str, cluster_name: str):
+    with (
+        LocalCluster(n_workers=1, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        Client(cluster) as client,
+    ):
+        future = client.submit(inc, 1)
+        assert future.result() == 2
+        [address] = client.scheduler_info()["workers"]
+        assert client.retire_workers([address]) == {}
+        assert list(client.scheduler_info()["workers"]) == [address]
+        assert client.submit(inc, future).result() == 3  # it still holds and claims
+        with pytest.raises(ValueError, match="no worker with address or name"):
+            client.retire_workers(["nobody"])
+        assert cluster.worker_processes[0].poll() is None
+
+
+def slow_counted_inc(x: int, url: str, counter: str) -> int:
+    threading.Event().wait(0.05)  # stands for real work
+    return counted_inc(x, url, counter)
+
+
+def test_a_worker_retired_mid_computation_hands_back_what_it_had_not_started(
+    redis_url: str, cluster_name: str
+) -> None:
+    with (
+        LocalCluster(
+            n_workers=3, threads_per_worker=2, redis_url=redis_url, cluster_name=cluster_name
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        r = redis.Redis.from_url(redis_url)
+        counter = f"{cluster_name}-runs"
+        futures = client.map(slow_counted_inc, range(120), url=redis_url, counter=counter)
+        poll(lambda: sum(f.done() for f in futures) >= 10)
+        retired = client.retire_workers(n=1)
+        assert len(retired) == 1
+        assert client.gather(futures) == list(range(1, 121))
+        assert int(r.get(counter)) == 120  # each task ran once: none lost, none run twice
+        assert len(client.scheduler_info()["workers"]) == 2
+        assert [p.poll() for p in cluster.worker_processes].count(0) == 1

@@ -29,10 +29,12 @@ from redisdask.scheduler_state import (
     Forget,
     Instruction,
     MissingData,
+    RecordDeath,
     ReleasedKeys,
     RemoveWorker,
     Replicate,
     Restart,
+    RetireWorkers,
     SchedulerState,
     SetState,
     SetWants,
@@ -846,6 +848,7 @@ def test_from_dict_round_trips_every_event():
         ReleasedKeys("s", worker=W1, keys=["x"]),
         Replicate("s", client="c", keys=["x"], n=3),
         Restart("s", client="c"),
+        RetireWorkers("s", client="c", workers=[W1]),
     ]
     assert {type(e).op for e in samples} == set(EVENTS)
     for ev in samples:
@@ -1172,3 +1175,68 @@ def test_a_late_claim_or_result_of_an_earlier_run_of_a_key_is_not_this_runs():
     s.handle_stimulus(TaskClaimed("claim", worker=W2, keys=["x"], scores=[new]))
     s.handle_stimulus(TaskFinished("fin", worker=W2, key="x", nbytes=1, score=new))
     assert s.tasks["x"].state == "memory" and s.tasks["x"].who_has == {W2}
+
+
+def acquire_asks(out: list[Instruction]) -> dict[str, dict[str, list[str]]]:
+    return {
+        i.worker: i.msg["who_has"] for i in of(out, WorkerMsg) if i.msg["op"] == "acquire-replicas"
+    }
+
+
+def closes(out: list[Instruction]) -> set[str]:
+    return {i.worker for i in of(out, WorkerMsg) if i.msg["op"] == "close"}
+
+
+def test_retiring_a_worker_copies_its_unique_data_then_tells_it_to_close():
+    s = make(W1, W2, W3)
+    submit(s, "c", [task("x"), task("y"), task("z"), task("slow")], ["x", "y", "z", "slow"])
+    run(s, "x", W1, nbytes=100)
+    run(s, "y", W1, nbytes=10)
+    run(s, "z", W2)
+    s.handle_stimulus(Replicate("r", client="c", keys=["z"], n=2))
+    s.handle_stimulus(AddKeys("ak", worker=W1, keys=["z"], nbytes={"z": 8}))
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["slow"]))
+    out = s.handle_stimulus(RetireWorkers("rw", client="c", workers=[W1]))
+    assert [i.worker for i in of(out, WorkerMsg) if i.msg["op"] == "retire"] == [W1]
+    asks = acquire_asks(out)
+    assert {k for who_has in asks.values() for k in who_has} == {"x", "y"}  # z has a copy
+    assert W1 not in asks and len(asks) == 2  # x and y go to different staying workers
+    for worker, who_has in asks.items():
+        assert not closes(s.handle_stimulus(AddKeys("ak", worker=worker, keys=list(who_has))))
+    # nothing unique left, but "slow" still runs there: it finishes, its result moves
+    out = s.handle_stimulus(TaskFinished("fin", worker=W1, key="slow", nbytes=1, type="int"))
+    [(target, who_has)] = acquire_asks(out).items()
+    assert who_has == {"slow": [W1]} and not closes(out)
+    out = s.handle_stimulus(AddKeys("ak", worker=target, keys=["slow"]))
+    assert closes(out) == {W1}
+    out = s.handle_stimulus(RemoveWorker("bye", worker=W1, reason="retired"))
+    assert not of(out, RecordDeath) and not freed(out)
+    assert all(s.tasks[k].state == "memory" for k in ["x", "y", "z", "slow"])
+
+
+def test_a_retiring_worker_is_no_target_for_copies_and_a_lost_target_is_replaced():
+    s = make(W1, W2, W3)
+    submit(s, "c", [task("x")], ["x"])
+    run(s, "x", W1)
+    s.handle_stimulus(RetireWorkers("rw", client="c", workers=[W2]))
+    out = s.handle_stimulus(RetireWorkers("rw", client="c", workers=[W1]))
+    assert list(acquire_asks(out)) == [W3]
+    out = s.handle_stimulus(RemoveWorker("rm", worker=W3, how="connection", reason="killed"))
+    assert not acquire_asks(out) and not closes(out)  # nobody stays: W1 waits
+    out = s.handle_stimulus(AddWorker("add", worker=W3, info={"started": 2.0}))
+    assert acquire_asks(out) == {W3: {"x": [W1]}}  # a worker joined: the copy is made there
+    out = s.handle_stimulus(RetireWorkers("again", workers=[W1]))  # W1 repeats its request
+    assert not acquire_asks(out) and not closes(out)  # asked once, not again
+
+
+def test_a_retirement_that_would_lose_data_is_refused_unless_the_worker_must_go():
+    s = make(W1)
+    submit(s, "c", [task("x")], ["x"])
+    run(s, "x", W1)
+    out = s.handle_stimulus(RetireWorkers("rw", client="c", workers=[W1]))
+    [refused] = client_msgs(out, "retire-refused", "c")
+    assert refused["workers"] == [W1] and "no worker would stay" in refused["reason"]
+    assert not s.workers[W1].retiring and not of(out, WorkerMsg)
+    # a worker retiring itself (SIGTERM, lifetime) with nowhere to go is let go at once
+    out = s.handle_stimulus(RetireWorkers("self", workers=[W1]))
+    assert closes(out) == {W1}

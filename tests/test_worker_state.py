@@ -26,6 +26,7 @@ from workers.state import (
     PauseEvent,
     PutDataEvent,
     ReleasedKeysMsg,
+    RetireEvent,
     StateMachineEvent,
     TaskErredMsg,
     TaskFinishedMsg,
@@ -313,6 +314,22 @@ def test_pause_stops_execute_but_not_gather() -> None:
     assert out == [Execute("x", "unpause")]
 
 
+def test_retire_hands_back_what_has_not_started_and_keeps_the_rest() -> None:
+    ws = make(nthreads=1)
+    ws.handle_stimulus(compute("running"), compute("queued"), compute("z", {"a": ([A], 1)}))
+    ws.handle_stimulus(PutDataEvent({"held": 1}, {"held": 8}, "put"))
+    out = ws.handle_stimulus(RetireEvent("retire"))
+    assert of(out, ReleasedKeysMsg) == [ReleasedKeysMsg(["queued", "z"], "retire")]
+    assert set(ws.tasks) == {"running", "held", "a"}  # "a" is in flight: cancelled
+    assert ws.tasks["a"].state == "cancelled" and ws.claim_budget() == 0
+    # a claim that crossed the retirement goes back too; what runs finishes here
+    assert ws.handle_stimulus(compute("late")) == [ReleasedKeysMsg(["late"], "compute-late")]
+    assert ws.handle_stimulus(success("running")) == [
+        TaskFinishedMsg("running", 28, "int", 1.0, 1.5, "done-running")
+    ]
+    assert set(ws.data) == {"running", "held"}
+
+
 def test_claim_budget_basics() -> None:
     ws = make(nthreads=4)
     assert ws.claim_budget() == 8
@@ -353,6 +370,7 @@ def all_event_kinds() -> list[StateMachineEvent]:
         PutDataEvent({"p": object()}, {"p": 8}, "put"),
         PauseEvent("pause"),
         UnpauseEvent("unpause"),
+        RetireEvent("retire"),
     ]
 
 

@@ -240,6 +240,15 @@ class UnpauseEvent(StateMachineEvent):
 
 
 @dataclass(slots=True)
+class RetireEvent(StateMachineEvent):
+    """This worker is leaving gracefully: claim nothing more and hand back the claimed
+    tasks that have not started; the running ones finish and their results stay here
+    until the scheduler has copied them elsewhere."""
+
+    stimulus_id: str
+
+
+@dataclass(slots=True)
 class Execute(Instruction):
     """Run ``tasks[key].run_spec`` in a thread; answer with ExecuteSuccess/FailureEvent."""
 
@@ -374,6 +383,7 @@ class WorkerState:
         self.rng = rng if rng is not None else random.Random(0)
         self.validate = validate
         self.paused = False
+        self.retiring = False
 
         self.tasks: dict[str, TaskState] = {}
         self.by_state: defaultdict[str, set[TaskState]] = defaultdict(set)
@@ -404,6 +414,7 @@ class WorkerState:
             AcquireReplicasEvent: self._handle_acquire_replicas,
             PauseEvent: self._handle_pause,
             UnpauseEvent: self._handle_unpause,
+            RetireEvent: self._handle_retire,
         }
         self._transitions: dict[tuple[str, str], Callable[..., None]] = {}
         for name in dir(type(self)):
@@ -441,7 +452,7 @@ class WorkerState:
         the average task takes much less than ``horizon`` seconds, enough to keep every
         thread busy for ``horizon`` (capped at 1000), so tiny tasks are claimed in batches.
         """
-        if self.paused:
+        if self.paused or self.retiring:
             return 0
         target = 2 * self.nthreads
         avg = self.avg_task_duration
@@ -460,6 +471,15 @@ class WorkerState:
 
     def _handle_compute(self, ev: ComputeTaskEvent) -> None:
         sid = ev.stimulus_id
+        known = self.tasks.get(ev.key)
+        if self.retiring and (known is None or known.state in ("fetch", "missing")):
+            # a claim that crossed the retirement, or one whose transfer here failed: hand
+            # it back (what runs, is fetched or is held here already is answered as usual)
+            self._emit(ReleasedKeysMsg([ev.key], sid))
+            if known is not None:
+                known.wanted = False
+                self._release_if_unneeded(known, sid)
+            return
         ts = self._ensure_task(ev.key)
         ts.wanted = True
         ts.run_spec, ts.priority = ev.run_spec, ev.priority
@@ -620,6 +640,17 @@ class WorkerState:
                 self._transition(ts, "fetch" if ts.who_has else "missing", ev.stimulus_id)
         if held:
             self._emit(AddKeysMsg(sorted(held), held, ev.stimulus_id))
+
+    def _handle_retire(self, ev: RetireEvent) -> None:
+        self.retiring = True
+        handed_back = []
+        for ts in sorted(self.tasks.values(), key=lambda t: t.key):
+            if ts.wanted and ts.state in ("waiting", "ready"):
+                ts.wanted = False
+                handed_back.append(ts.key)
+                self._release_if_unneeded(ts, ev.stimulus_id)
+        if handed_back:
+            self._emit(ReleasedKeysMsg(handed_back, ev.stimulus_id))
 
     def _handle_pause(self, ev: PauseEvent) -> None:
         self.paused = True

@@ -27,6 +27,7 @@ import threading
 import time
 import traceback as tb_module
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
@@ -47,6 +48,7 @@ REPORT_BATCH = 100  # reports per XADD at most while threads are busy
 REPORT_LINGER = 0.002  # seconds a report may wait for companions while threads are busy
 CLOSE_TIMEOUT = 2.0  # seconds background tasks get to stop when the worker closes
 HEARTBEAT_KEYS = 20  # executing task keys named in a heartbeat, at most
+RETIRE_REPEAT = 1.0  # seconds between a retiring worker's requests to be retired
 
 
 _task_thread = threading.local()  # .worker: the worker whose pool owns this thread
@@ -462,23 +464,53 @@ class Worker:
 
     def _handle_inbox(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
         """Apply scheduler messages, each entry once (the listener and the claim script
-        both deliver them); a malformed message is logged and skipped."""
-        events: list[ws.StateMachineEvent] = []
+        both deliver them), in order; a malformed message is logged and skipped."""
+        items: list[ws.StateMachineEvent | _Command] = []
         for entry_id, fields in entries:
             if _parse_id(entry_id) <= _parse_id(self._inbox_id):
                 continue
             self._inbox_id = entry_id.decode()
             try:
-                events.extend(_inbox_events(entry_id.decode(), fields))
+                items.extend(_inbox_events(entry_id.decode(), fields))
             except (KeyError, TypeError, ValueError) as exc:
                 logger.warning("ignoring malformed inbox entry %s: %s", entry_id.decode(), exc)
-        while events:  # a restart frees what is held when it comes, after what precedes it
-            cut = next((i for i, e in enumerate(events) if isinstance(e, _Restart)), len(events))
-            if cut:
-                self.handle(*events[:cut])
-            if cut < len(events):
-                self.handle(ws.FreeKeysEvent(list(self.state.tasks), events[cut].stimulus_id))
-            events = events[cut + 1 :]
+        batch: list[ws.StateMachineEvent] = []
+        for item in items:
+            if isinstance(item, _Command):
+                if batch:
+                    self.handle(*batch)
+                    batch = []
+                self._command(item)
+            else:
+                batch.append(item)
+        if batch:
+            self.handle(*batch)
+
+    def _command(self, command: _Command) -> None:
+        if command.op == "restart":  # drop everything held or running, as it is now
+            self.handle(ws.FreeKeysEvent(list(self.state.tasks), command.stimulus_id))
+        elif command.op == "retire":
+            self.retire()
+        elif command.op == "close" and self.status == "running":
+            self._closing = asyncio.ensure_future(self.close(command.reason))
+
+    def retire(self) -> None:
+        """Leave gracefully: claim nothing more, hand back the tasks claimed but not
+        started, finish the running ones, and close when the scheduler says that every
+        result only this worker held has a copy elsewhere (``client.retire_workers``)."""
+        if self.state.retiring or self.status != "running":
+            return
+        logger.info("Retiring worker %s: moving its data to other workers", self.address)
+        self.handle(ws.RetireEvent(f"retire-{time.time()}"))
+        self._spawn(self._keep_running(self._retire_loop))
+
+    async def _retire_loop(self) -> None:
+        """Ask the scheduler to retire this worker until it answers ``close``; asking
+        again is harmless, and a scheduler restarted meanwhile learns it this way."""
+        while self.status == "running":
+            self._report({"op": "retire-workers", "workers": [self.address]})
+            self._flush_wanted.set()
+            await asyncio.sleep(RETIRE_REPEAT)
 
     # ------------------------------------------------------------------ reporting
 
@@ -522,9 +554,10 @@ class Worker:
             "n_executing": len(self.state.executing),
             "ready": len(by_state.get("ready", ())),
             "in_memory": len(by_state.get("memory", ())),
+            "managed": sum(ts.nbytes or 0 for ts in by_state.get("memory", ())),
             "rss": self._process.memory_info().rss,
             "memory_limit": self.memory_limit,
-            "status": self.status,
+            "status": "retiring" if self.state.retiring else self.status,
         }
 
     # ------------------------------------------------------------------ peer-to-peer
@@ -595,16 +628,24 @@ def script_entries(raw: list[Any]) -> list[tuple[bytes, dict[bytes, bytes]]]:
     return [(entry_id, dict(zip(flat[::2], flat[1::2], strict=True))) for entry_id, flat in raw]
 
 
-class _Restart(ws.FreeKeysEvent):
-    """Marks where a ``restart`` came in an inbox read (resolved by ``_handle_inbox``)."""
+@dataclass(slots=True)
+class _Command:
+    """An inbox message for the driver rather than the state machine: ``restart`` (drop
+    everything), ``retire`` (leave gracefully), ``close`` (leave now)."""
+
+    op: str
+    stimulus_id: str
+    reason: str = ""
 
 
-def _inbox_events(entry_id: str, fields: dict[bytes, bytes]) -> list[ws.StateMachineEvent]:
+def _inbox_events(
+    entry_id: str, fields: dict[bytes, bytes]
+) -> list[ws.StateMachineEvent | _Command]:
     """Events from one inbox entry; ValueError/TypeError/KeyError when it is malformed."""
     messages = schema.unpack(fields[b"m"])
     if not isinstance(messages, list):
         raise TypeError("field 'm' is not a list of messages")
-    events: list[ws.StateMachineEvent] = []
+    events: list[ws.StateMachineEvent | _Command] = []
     for i, msg in enumerate(messages):
         sid = f"{entry_id}/{i}"
         op = msg.get("op") if isinstance(msg, dict) else None
@@ -624,8 +665,8 @@ def _inbox_events(entry_id: str, fields: dict[bytes, bytes]) -> list[ws.StateMac
                 events.append(ws.UpdateWhoHasEvent(who_has, sid))
             else:
                 events.append(ws.AcquireReplicasEvent(who_has, sid))
-        elif op == "restart":  # the cluster was restarted: drop everything held or running
-            events.append(_Restart([], sid))
+        elif op in ("restart", "retire", "close"):
+            events.append(_Command(op, sid, str(msg.get("reason", op))))
         else:
             raise ValueError(f"unknown inbox message {msg!r:.80}")
     return events
