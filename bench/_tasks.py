@@ -37,3 +37,25 @@ def exit_process(code: int) -> None:
     import os
 
     os._exit(code)
+
+
+def allocate_until_killed(limit: int, where: str, marker: str | None) -> None:
+    """Grow by 20 MB every 20 ms; note (in Redis at ``where``/``marker``, or in the file
+    ``where``) the moment the process passed 95% of ``limit``."""
+    import time
+
+    import psutil
+
+    process, blocks, noted = psutil.Process(), [], False
+    while True:
+        blocks.append(b"\x01" * 20_000_000)
+        if not noted and process.memory_info().rss > 0.95 * limit:
+            noted = True
+            if marker is None:
+                with open(where, "w") as f:
+                    f.write(repr(time.time()))
+            else:
+                import redis
+
+                redis.Redis.from_url(where).set(marker, time.time())
+        time.sleep(0.02)

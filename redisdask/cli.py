@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import random
 import sys
 from collections.abc import Sequence
 
-from redisdask.config import ConfigError, load_config
+from redisdask import memory
+from redisdask.config import Config, ConfigError, load_config, parse_duration
 from redisdask.errors import RedisDaskError
 
 
@@ -67,9 +69,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="interface to serve data on")
     p.add_argument("--port", type=int, default=0)
     p.add_argument(
+        "--nworkers",
+        "--nprocs",
+        type=int,
+        default=1,
+        help="worker processes to start, each under a nanny of its own (default: 1)",
+    )
+    p.add_argument(
+        "--memory-limit",
+        default=config.worker.memory_limit,
+        help="bytes per worker process: 'auto' (total x min(1, nthreads / cores)), "
+        "4e9, '4GB', '4GiB', or 0 for none (default: %(default)s)",
+    )
+    p.add_argument(
+        "--local-directory",
+        default=config.worker.local_directory,
+        help="where spilled data and the nanny's worker logs go (default: the temp dir)",
+    )
+    p.add_argument(
         "--no-nanny",
         action="store_true",
-        help="run a bare worker (nannies arrive in a later release; this is the default now)",
+        help="run a bare worker: no supervision, restarts or death reasons from a nanny",
+    )
+    p.add_argument("--lifetime", default=None, help="retire after this long, e.g. '1 hour'")
+    p.add_argument(
+        "--lifetime-stagger",
+        default="0",
+        help="the lifetime is uniform in lifetime +- this (e.g. '5 minutes')",
+    )
+    p.add_argument(
+        "--lifetime-restart",
+        action="store_true",
+        help="the nanny starts a fresh worker when one reaches its lifetime",
     )
 
     p = sub.add_parser("demo", help="run a small computation on a local cluster")
@@ -81,6 +112,74 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="configuration")
     p.add_argument("action", choices=["show"], help="show: print the effective configuration")
     return parser
+
+
+def _worker(args: argparse.Namespace, config: Config) -> int:
+    """``redisdask worker``: nannies, each supervising a worker process, or a bare worker."""
+    try:
+        memory_limit = memory.memory_limit(
+            0 if args.memory_limit in ("0", 0, None) else args.memory_limit, args.nthreads
+        )
+        lifetime = parse_duration(args.lifetime) if args.lifetime is not None else None
+        stagger = parse_duration(args.lifetime_stagger)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if args.nworkers < 1:
+        raise ConfigError(f"--nworkers must be at least 1, got {args.nworkers}")
+    if args.no_nanny:
+        if args.nworkers > 1:
+            raise ConfigError("--nworkers > 1 needs nannies: drop --no-nanny")
+        from workers.worker import main as worker_main
+        from workers.worker import options_from_config
+
+        if lifetime is not None:
+            lifetime = max(1.0, lifetime + random.uniform(-stagger, stagger))
+        options = options_from_config(config)
+        if args.local_directory:
+            options["local_directory"] = args.local_directory
+        worker_main(
+            args.redis_url,
+            args.cluster,
+            **options,
+            nthreads=args.nthreads,
+            name=args.name,
+            host=args.host,
+            port=args.port,
+            memory_limit=memory_limit,
+            lifetime=lifetime,
+        )
+        return 0
+    from nanny.nanny import Nanny, run_nannies
+    from redisdask.connection import connect
+
+    # a wrong URL or a Redis that is down is the same for every restart: say so once
+    connect(args.redis_url, timeout=config.redis.connect_timeout).close()
+
+    worker_args = ["--nthreads", str(args.nthreads), "--host", args.host]
+    if args.port and args.nworkers == 1:
+        worker_args += ["--port", str(args.port)]
+    nannies = [
+        Nanny(
+            args.redis_url,
+            args.cluster,
+            index=i,
+            name=f"{args.name}-{i}" if args.name and args.nworkers > 1 else args.name,
+            worker_args=worker_args,
+            memory_limit=memory_limit,
+            terminate=config.worker.memory.terminate,
+            monitor_interval=config.worker.memory.monitor_interval,
+            heartbeat_interval=config.worker.heartbeat_interval,
+            worker_ttl=config.scheduler.worker_ttl,
+            hang_timeout=config.worker.hang_timeout,
+            local_directory=args.local_directory,
+            lifetime=lifetime,
+            lifetime_stagger=stagger,
+            lifetime_restart=args.lifetime_restart,
+            connect_timeout=config.redis.connect_timeout,
+        )
+        for i in range(args.nworkers)
+    ]
+    return run_nannies(nannies)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -108,19 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 connect_timeout=config.redis.connect_timeout,
             )
         elif args.command == "worker":
-            _setup_logging(config.logging.level, f"worker:{args.name or ''}")
-            from workers.worker import main as worker_main
-            from workers.worker import options_from_config
-
-            worker_main(
-                args.redis_url,
-                args.cluster,
-                **options_from_config(config),
-                nthreads=args.nthreads,
-                name=args.name,
-                host=args.host,
-                port=args.port,
-            )
+            role = "worker" if args.no_nanny else "nanny"
+            _setup_logging(config.logging.level, f"{role}:{args.name or ''}")
+            return _worker(args, config)
         elif args.command == "demo":
             _setup_logging("WARNING", "demo")
             try:
@@ -135,6 +224,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_demo(args.redis_url, n_workers=args.workers)
         elif args.command == "config":
             print(config.to_yaml(), end="")
+    except ConfigError as exc:
+        print(f"redisdask {args.command}: {exc}", file=sys.stderr)
+        return 2
     except RedisDaskError as exc:
         print(f"redisdask {args.command}: {exc}", file=sys.stderr)
         return 1

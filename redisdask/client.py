@@ -596,10 +596,14 @@ class Client:
 
     def restart(self, timeout: float = 30.0) -> None:
         """Restart the cluster (as in Dask): every task is forgotten, every future of every
-        client becomes cancelled, every worker drops what it holds and runs.  Returns when
-        the scheduler has done it; the cluster is usable at once.  (Without nannies the
-        worker processes stay up and drop their state; issue 4 restarts them.)"""
+        client becomes cancelled, every worker drops what it holds and runs, and a worker
+        under a nanny is replaced by a fresh process.  Returns when as many workers as
+        before are registered, the nannies' ones new; the cluster is usable at once."""
         self._check_running()
+        before = {
+            a.decode(): schema.unpack(v) for a, v in self.redis.hgetall(self.keys.workers).items()
+        }
+        deadline = time.monotonic() + timeout
         self._restarted.clear()
         with self._lock:
             for state in self._states.values():
@@ -611,6 +615,22 @@ class Client:
                 f"the scheduler did not restart the cluster within "
                 f"{timeout} s (is a scheduler running?)"
             )
+        old = {(a, w.get("started")) for a, w in before.items() if w.get("nanny")}
+
+        def back() -> bool:
+            now = {
+                a.decode(): schema.unpack(v)
+                for a, v in self.redis.hgetall(self.keys.workers).items()
+            }
+            fresh = [a for a, w in now.items() if (a, w.get("started")) not in old]
+            return len(fresh) >= len(before)
+
+        while not back():
+            if time.monotonic() > deadline:
+                raise FuturesTimeoutError(
+                    f"the workers did not come back within {timeout} s of the restart"
+                )
+            time.sleep(0.02)  # the nannies start new processes; their registration is polled
 
     def replicate(self, futures: Any, n: int = 2, timeout: float | None = 30.0) -> None:
         """Keep ``n`` copies of each future's data on distinct workers (fewer if there are

@@ -29,6 +29,9 @@ class LocalCluster:
 
     With ``processes=False`` the workers run in threads of this process, each on its own
     event loop (the scheduler is still a subprocess: it must be killable on its own).
+    With ``nanny=True`` each worker process runs under a nanny (``redisdask worker``'s
+    default), which restarts it when it dies and records why; ``worker_processes`` are
+    then the nannies' processes.
     """
 
     def __init__(
@@ -44,11 +47,13 @@ class LocalCluster:
         silence_logs: str = "WARNING",
         worker_options: dict[str, Any] | None = None,
         scheduler_options: dict[str, Any] | None = None,
+        nanny: bool = False,
     ) -> None:
         self.cluster_name = cluster_name or f"local-{uuid.uuid4().hex[:8]}"
         self.keys = Keys(self.cluster_name)
         self.n_workers = n_workers
         self.use_processes = processes
+        self.nanny = nanny and processes
         self.threads_per_worker = threads_per_worker
         self.worker_options = worker_options or {}
         self.scheduler_options = scheduler_options or {}
@@ -127,12 +132,17 @@ class LocalCluster:
             self.cluster_name,
             "--nthreads",
             str(self.threads_per_worker),
-            "--no-nanny",
         ]
+        if not self.nanny:
+            args.append("--no-nanny")
         if name:
             args += ["--name", name]
         for option, value in self.worker_options.items():
-            args += [f"--{option.replace('_', '-')}", str(value)]
+            flag = f"--{option.replace('_', '-')}"
+            if value is True:
+                args.append(flag)
+            elif value is not False and value is not None:
+                args += [flag, str(value)]
         proc = self._spawn(args, name or f"worker-{len(self.worker_processes)}")
         self.worker_processes.append(proc)
         return proc
@@ -165,6 +175,7 @@ class LocalCluster:
                 worker.close(timeout)
             except Exception:
                 logger.exception("an in-process worker did not close cleanly")
+        self._tell_workers_to_close()
         for proc in self.worker_processes:
             if proc.poll() is None:
                 proc.terminate()
@@ -178,6 +189,19 @@ class LocalCluster:
             self.embedded.stop()
         for f in self._logs:
             f.close()
+
+    def _tell_workers_to_close(self) -> None:
+        """The whole cluster stops, so its workers need not move their data to each other
+        (what SIGTERM alone would make them do): tell each to close now."""
+        try:
+            addresses = self.redis.hkeys(self.keys.workers)
+            pipe = self.redis.pipeline(transaction=False)
+            message = schema.entry([{"op": "close", "reason": "the cluster is closing"}])
+            for address in addresses:
+                pipe.xadd(self.keys.worker_inbox(address.decode()), message)
+            pipe.execute()
+        except Exception as exc:  # Redis gone: the signals below still stop them
+            logger.warning("could not tell the workers to close through Redis: %s", exc)
 
     def __enter__(self) -> LocalCluster:
         return self

@@ -34,6 +34,8 @@ from pydantic import (
     field_validator,
 )
 
+from redisdask import memory
+
 __all__ = ["Config", "ConfigError", "config_path", "load_config"]
 
 ENV_PREFIX = "REDISDASK__"
@@ -54,15 +56,32 @@ class ConfigError(ValueError):
 
 # --------------------------------------------------------------------------- value types
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?\s*$")
-_SCALE = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
-_SIZE = re.compile(r"^\s*\d+(\.\d*)?\s*([kmgtp]i?)?b?\s*$", re.IGNORECASE)
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+_SCALE = {
+    "": 1.0, "ms": 1e-3, "s": 1.0, "sec": 1.0, "secs": 1.0, "second": 1.0, "seconds": 1.0,
+    "m": 60.0, "min": 60.0, "mins": 60.0, "minute": 60.0, "minutes": 60.0,
+    "h": 3600.0, "hr": 3600.0, "hour": 3600.0, "hours": 3600.0,
+    "d": 86400.0, "day": 86400.0, "days": 86400.0,
+}  # fmt: skip
+
+
+def parse_duration(value: str | float) -> float:
+    """Seconds from ``"500ms"``, ``"3s"``, ``"5 minutes"``, ``"1 hour"`` or a number."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    match = _DURATION.match(str(value))
+    if match is None or match.group(2).lower() not in _SCALE:
+        raise ValueError(f"not a duration: {value!r} (write e.g. 30, '500ms', '5 minutes')")
+    return float(match.group(1)) * _SCALE[match.group(2).lower()]
 
 
 def _duration(value: Any) -> Any:
-    """Accept Dask-style ``"500ms"``/``"3s"`` strings as well as plain seconds."""
-    if isinstance(value, str) and (match := _DURATION.match(value)):
-        return float(match.group(1)) * _SCALE[match.group(2)]
+    """Accept Dask-style ``"500ms"``/``"3s"``/``"1 hour"`` strings as well as seconds."""
+    if isinstance(value, str):
+        try:
+            return parse_duration(value)
+        except ValueError:
+            return value  # the field's own validation names the problem
     return value
 
 
@@ -133,6 +152,7 @@ class WorkerConfig(Section):
     connection_limit: Annotated[int, Field(gt=0)] = 50
     transfer_batch_bytes: Annotated[int, Field(gt=0)] = 200_000_000
     claim_horizon: NonNegSeconds = 0.02  # seconds of estimated run time to claim ahead
+    hang_timeout: Seconds = 10.0  # silent and idle this long: the nanny restarts it
     memory: WorkerMemoryConfig = Field(default_factory=WorkerMemoryConfig)
 
     @field_validator("memory_limit")
@@ -141,8 +161,11 @@ class WorkerConfig(Section):
         """Dask's forms: "auto", bytes, a "4GiB"-style string, a fraction, or None/0."""
         if isinstance(value, bool) or (isinstance(value, int | float) and value < 0):
             raise ValueError("must be 'auto', a byte count, a size like '4GiB', or a fraction")
-        if isinstance(value, str) and value != "auto" and not _SIZE.match(value):
-            raise ValueError("must be 'auto', a byte count, a size like '4GiB', or a fraction")
+        if isinstance(value, str) and value != "auto":
+            try:
+                memory.memory_limit(value, 1)
+            except ValueError as exc:
+                raise ValueError(f"must be 'auto', a byte count, or a size: {exc}") from None
         return value
 
 

@@ -60,6 +60,7 @@ logger = logging.getLogger("redisdask.scheduler")
 
 MAX_ARGS = 2000  # Lua's unpack() limit is ~8000 arguments per command
 CHECK_INTERVAL = 0.2  # seconds between looks for dead workers (CLIENT LIST, heartbeats)
+NANNY_GRACE_LOOKS = 8  # looks without connections before a nanny's worker is dead (~1.5 s)
 MAX_BATCH_BYTES = 64 << 20  # one atomic write stays far below Redis's 512 MB per argument
 DEAD_LETTER_SAMPLE = 4096  # bytes of each field kept of a dead-lettered entry
 
@@ -537,8 +538,9 @@ class WorkerWatch:
 
     * **Connections**: a killed process's sockets close at once, so its named connections
       (``Keys.worker_connection``) vanish from ``CLIENT LIST``.  Absent in two looks in a
-      row counts as dead, unless Redis restarted since the worker was last seen (its
-      ``run_id`` changed): then everybody's connections were cut and reconnect.
+      row counts as dead (``NANNY_GRACE_LOOKS`` for a worker with a nanny, whose report
+      with the reason comes first), unless Redis restarted since the worker was last seen
+      (its ``run_id`` changed): then everybody's connections were cut and reconnect.
     * **Heartbeat**: the worker's ``alive`` key (PX ``worker-ttl``) expired: the silent
       cases (a hung process, a partition).
     A worker's own goodbye and a nanny's report arrive as messages instead.
@@ -589,7 +591,10 @@ class WorkerWatch:
                 self.seen_on[address] = run_id
             elif self.seen_on.get(address) == run_id:
                 self.missing[address] = self.missing.get(address, 0) + 1
-                if self.missing[address] >= 2:
+                # a nanny reports its worker's death at once, with the reason: give it
+                # the time to, before saying less from the connections alone
+                nanny = (getattr(workers[address], "info", None) or {}).get("nanny")
+                if self.missing[address] >= (NANNY_GRACE_LOOKS if nanny else 2):
                     dead[address] = (
                         "connection",
                         "its Redis connections closed (the process exited or was killed)",

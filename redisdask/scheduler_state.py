@@ -102,6 +102,7 @@ class Event:
 
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "str": str,
+    "bool": bool,
     "int": int,
     "float": (int, float),
     "list[str]": list,
@@ -327,15 +328,19 @@ class RetireWorkers(Event):
     did not start, finish the ones running, and stay until every result that only they
     hold has a copy on a worker that stays; then the scheduler tells them to close.
 
-    From a client (``client`` set), a retirement that would lose data because no worker
-    would stay is refused (``retire-refused``).  A worker retiring itself (``client``
-    empty: its lifetime ended, it got SIGTERM) repeats the request until it is told to
-    close, so a restarted scheduler picks it up; with nowhere to move its data it is told
-    to close at once (what it held is then recomputed from the graph history)."""
+    A client's request (``client`` set) that would lose data because no worker would stay
+    is refused (``retire-refused``).  A retiring worker repeats the request about itself
+    every second until it is told to close (``client`` empty): that says it claims no
+    more (every claim it made is ahead of it on the workers stream), re-asks for copies
+    nobody delivered, and lets a restarted scheduler resume.  ``force`` (its lifetime
+    ended, it got SIGTERM): it leaves anyway, so with no worker staying it is told to
+    close at once (what it held is then recomputed from the graph history); otherwise
+    it waits for a worker to join."""
 
     op: ClassVar[str] = "retire-workers"
     client: str = ""
     workers: list[str] = field(default_factory=list)
+    force: bool = False
 
 
 EVENTS: dict[str, type[Event]] = {
@@ -498,6 +503,8 @@ class WorkerInfo:
     processing: set[TaskState] = field(default_factory=set)
     has_what: set[TaskState] = field(default_factory=set)
     retiring: bool = False  # handing its data to others before it closes
+    retire_heard: bool = False  # it said itself that it retires: it claims no more
+    to_move: set[TaskState] = field(default_factory=set)  # results to copy elsewhere
     told_to_close: bool = False  # retired: its data is safe elsewhere
 
 
@@ -519,6 +526,7 @@ class SchedulerState:
         self._instructions: list[Instruction] = []
         self._candidates: deque[TaskState] = deque()
         self._stimulus_id = ""
+        self._retirement_changed = False  # something a retirement waits for happened
         self._transitions = {
             ("released", "waiting"): self._transition_released_waiting,
             ("waiting", "queued"): self._transition_waiting_queued,
@@ -550,8 +558,8 @@ class SchedulerState:
             handler = getattr(self, "_handle_" + event.op.replace("-", "_"))
             handler(event)
             self._drain()
-        if any(ws.retiring for ws in self.workers.values()):
-            self._stimulus_id = "retire-" + self._stimulus_id
+        if self._retirement_changed:
+            self._retirement_changed = False
             self._move_retiring_data()
         instructions, self._instructions = self._instructions, []
         if self.validate:
@@ -661,6 +669,7 @@ class SchedulerState:
         """The last copy of a task in memory is gone: its dependents wait for it again,
         and it is recomputed (or, without a task to recompute it, errs) if still needed."""
         ts.state = "released"
+        ts.replicating.clear()
         self._emit(SetState(self._stimulus_id, ts.key, "released", {"who_has": b""}))
         for dependent in sorted(ts.waiters, key=lambda t: t.score):
             if dependent.state in ("queued", "processing", "no-worker"):
@@ -801,6 +810,7 @@ class SchedulerState:
             self.workers[ev.worker] = WorkerInfo(ev.worker, dict(ev.info))
         else:
             self.workers[ev.worker].info.update(ev.info)
+        self._retirement_changed = True  # somewhere new to put a retiring worker's data
         if ev.resync:
             self._resync(self.workers[ev.worker], ev.resync)
         for ts in sorted(self.unrunnable, key=lambda t: t.score):
@@ -845,6 +855,10 @@ class SchedulerState:
         ws = self.workers.pop(ev.worker, None)
         if ws is None:
             return
+        self._retirement_changed = True  # a copy it held or was fetching may be gone
+        for other in self.workers.values():
+            if other.retiring:
+                other.to_move |= ws.has_what & other.has_what
         died = ev.how != "goodbye"
         processing = sorted(ws.processing, key=lambda t: t.score)
         if died:
@@ -890,6 +904,7 @@ class SchedulerState:
             "host": ws.info.get("host", ""),
             "pid": ws.info.get("pid"),
             "how": ev.how,
+            "kind": ev.evidence.get("kind") or ev.how,
             "reason": ev.reason,
             "processing": [t.key for t in processing],
             "executing": list(last.get("executing", [])),
@@ -990,7 +1005,14 @@ class SchedulerState:
             ts = self.tasks.get(key)
             if ts is None:
                 continue
-            if ev.errant_worker and ev.errant_worker in ts.who_has:
+            if ev.worker in ts.replicating:  # a copy that did not come: ask again
+                ts.replicating.discard(ev.worker)
+                self._retirement_changed = True
+            errant = self.workers.get(ev.errant_worker)
+            # a retiring holder is alive and keeps its data until it is told to close: a
+            # failed fetch from it is taken for a passing network failure
+            trusted = errant is not None and errant.retiring
+            if ev.errant_worker in ts.who_has and not trusted:
                 ts.who_has.discard(ev.errant_worker)
                 ws = self.workers.get(ev.errant_worker)
                 if ws is not None:
@@ -1012,6 +1034,7 @@ class SchedulerState:
                 self._lost_data(ts)
 
     def _handle_add_keys(self, ev: AddKeys) -> None:
+        self._retirement_changed = True
         for key in ev.keys:
             ts = self.tasks.get(key)
             if ts is not None:
@@ -1032,39 +1055,50 @@ class SchedulerState:
     def _handle_retire_workers(self, ev: RetireWorkers) -> None:
         leaving = [self.workers[a] for a in dict.fromkeys(ev.workers) if a in self.workers]
         staying = [a for a, ws in self.workers.items() if not ws.retiring and a not in ev.workers]
-        if ev.client and not staying and any(ws.has_what for ws in leaving):
-            held = len(set().union(*(ws.has_what for ws in leaving)))
+        if ev.client and not staying and any(ws.has_what or ws.processing for ws in leaving):
+            held = len(set().union(*(ws.has_what | ws.processing for ws in leaving)))
             reason = (
-                f"no worker would stay to take the {held} results they hold; start more "
-                "workers first, or retire fewer"
+                f"no worker would stay to take the {held} results they hold or compute; "
+                "start more workers first, or retire fewer"
             )
             msg = {"op": "retire-refused", "workers": [ws.address for ws in leaving]}
             self._emit(ClientMsg(ev.stimulus_id, ev.client, {**msg, "reason": reason}))
             return
+        self._retirement_changed = True
         for ws in leaving:
             if not ws.retiring and ev.client:
                 self._emit(WorkerMsg(ev.stimulus_id, ws.address, {"op": "retire"}))
-            ws.retiring = True
-            if not ev.client:
-                ws.told_to_close = False  # it asks again: it may not have heard the answer
-            if not ev.client and not staying:
+            if not ws.retiring:
+                ws.retiring = True
+                ws.to_move = set(ws.has_what)
+            if ev.client:
+                continue
+            # the worker's own word: it claims no more; repeated every second, it
+            # re-asks for the copies that have not arrived and for the close it missed
+            ws.retire_heard, ws.told_to_close = True, False
+            for ts in ws.to_move:
+                ts.replicating.clear()
+            if ev.force and not staying:
                 self._tell_to_close(ws, "retired; no worker stayed to take its data")
 
     def _move_retiring_data(self) -> None:
-        """Ask staying workers for a copy of every result only retiring workers hold
-        (least loaded first); tell a retiring worker to close once it runs nothing and
-        holds nothing unique.  Runs after every batch while any worker is retiring."""
+        """Ask staying workers (least loaded first) for a copy of every result that only
+        retiring workers hold; tell a retiring worker to close once it said it claims no
+        more, runs nothing and holds nothing unique.  Runs after a batch in which
+        something a retirement waits for happened (a copy arrived, a task finished there,
+        a worker came or went)."""
         staying = {a for a, ws in self.workers.items() if not ws.retiring}
         load: dict[str, int] = {}
         requests: dict[str, dict[str, list[str]]] = {}
+        sid = "retire-" + self._stimulus_id
         for ws in [w for w in self.workers.values() if w.retiring and not w.told_to_close]:
-            unique = [
-                ts for ts in ws.has_what if ts.state == "memory" and not (ts.who_has & staying)
-            ]
-            if not unique and not ws.processing:
+            ws.to_move = {
+                ts for ts in ws.to_move if ts.state == "memory" and not (ts.who_has & staying)
+            }
+            if not ws.to_move and not ws.processing and ws.retire_heard:
                 self._tell_to_close(ws, "retired")
                 continue
-            for ts in sorted(unique, key=lambda t: t.score):
+            for ts in sorted(ws.to_move, key=lambda t: t.score):
                 ts.replicating &= staying
                 if ts.replicating or not staying:
                     continue
@@ -1075,12 +1109,12 @@ class SchedulerState:
                 ts.replicating.add(target)
                 requests.setdefault(target, {})[ts.key] = sorted(ts.who_has)
         for target, who_has in requests.items():
-            msg = {"op": "acquire-replicas", "who_has": who_has}
-            self._emit(WorkerMsg(self._stimulus_id, target, msg))
+            self._emit(WorkerMsg(sid, target, {"op": "acquire-replicas", "who_has": who_has}))
 
     def _tell_to_close(self, ws: WorkerInfo, reason: str) -> None:
         ws.told_to_close = True
-        self._emit(WorkerMsg(self._stimulus_id, ws.address, {"op": "close", "reason": reason}))
+        msg = {"op": "close", "reason": reason}
+        self._emit(WorkerMsg("retire-" + self._stimulus_id, ws.address, msg))
 
     def _ensure_replicas(self, ts: TaskState) -> None:
         """Ask workers without a copy to fetch one, until ``ts.replicas`` are (or will be)
@@ -1241,6 +1275,9 @@ class SchedulerState:
         ts.processing_on = None
         ts.state = "memory"
         self._add_replica(ts, worker.address)
+        if worker.retiring:  # finished while its worker retires: to be copied elsewhere
+            worker.to_move.add(ts)
+            self._retirement_changed = True
         self._emit(SetState(self._stimulus_id, ts.key, "memory", self._memory_fields(ts)))
         for client in ts.who_wants:
             self._emit(ClientMsg(self._stimulus_id, client, self._memory_msg(ts)))
@@ -1311,6 +1348,9 @@ class SchedulerState:
         self._transition_waiting_released(ts)
 
     def _transition_memory_released(self, ts: TaskState) -> None:
+        for worker in ts.replicating - ts.who_has:  # fetching a copy nobody needs now
+            self._emit(WorkerMsg(self._stimulus_id, worker, {"op": "free-keys", "keys": [ts.key]}))
+        ts.replicating.clear()
         for worker in ts.who_has:
             ws = self.workers.get(worker)
             if ws is not None:
@@ -1450,6 +1490,7 @@ class SchedulerState:
             for client in ts.who_wants:
                 assert ts in self.clients.get(client, set()), (ts, client)
         for ws in self.workers.values():
+            assert ws.retiring or not (ws.told_to_close or ws.retire_heard), ws.address
             for ts in ws.processing:
                 assert ts.processing_on == ws.address, (ts, ws.address)
             for ts in ws.has_what:

@@ -1208,10 +1208,24 @@ def test_retiring_a_worker_copies_its_unique_data_then_tells_it_to_close():
     [(target, who_has)] = acquire_asks(out).items()
     assert who_has == {"slow": [W1]} and not closes(out)
     out = s.handle_stimulus(AddKeys("ak", worker=target, keys=["slow"]))
-    assert closes(out) == {W1}
+    assert not closes(out)  # W1 has not said yet that it claims no more
+    out = s.handle_stimulus(RetireWorkers("self", workers=[W1]))
+    assert closes(out) == {W1} and not acquire_asks(out)
     out = s.handle_stimulus(RemoveWorker("bye", worker=W1, reason="retired"))
     assert not of(out, RecordDeath) and not freed(out)
     assert all(s.tasks[k].state == "memory" for k in ["x", "y", "z", "slow"])
+
+
+def test_an_idle_worker_is_closed_only_after_its_own_word_that_it_claims_no_more():
+    s = make(W1, W2)
+    submit(s, "c", [task("x")], ["x"])
+    assert not closes(s.handle_stimulus(RetireWorkers("rw", client="c", workers=[W1])))
+    # a claim W1 made before it heard "retire" is read before W1's own request
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["x"]))
+    assert not closes(s.handle_stimulus(RetireWorkers("self", workers=[W1])))
+    out = s.handle_stimulus(TaskFinished("fin", worker=W1, key="x", nbytes=1))
+    assert acquire_asks(out) == {W2: {"x": [W1]}}
+    assert closes(s.handle_stimulus(AddKeys("ak", worker=W2, keys=["x"]))) == {W1}
 
 
 def test_a_retiring_worker_is_no_target_for_copies_and_a_lost_target_is_replaced():
@@ -1222,21 +1236,44 @@ def test_a_retiring_worker_is_no_target_for_copies_and_a_lost_target_is_replaced
     out = s.handle_stimulus(RetireWorkers("rw", client="c", workers=[W1]))
     assert list(acquire_asks(out)) == [W3]
     out = s.handle_stimulus(RemoveWorker("rm", worker=W3, how="connection", reason="killed"))
-    assert not acquire_asks(out) and not closes(out)  # nobody stays: W1 waits
+    assert not acquire_asks(out) and not closes(out)
+    out = s.handle_stimulus(RetireWorkers("self", workers=[W1]))  # its repeat, not forced
+    assert not closes(out)  # nobody stays: a client's retirement waits, it loses nothing
     out = s.handle_stimulus(AddWorker("add", worker=W3, info={"started": 2.0}))
     assert acquire_asks(out) == {W3: {"x": [W1]}}  # a worker joined: the copy is made there
-    out = s.handle_stimulus(RetireWorkers("again", workers=[W1]))  # W1 repeats its request
-    assert not acquire_asks(out) and not closes(out)  # asked once, not again
+    # a copy that did not come (the target failed to fetch) is asked for again; the
+    # retiring holder keeps its copy: it is alive, the failure taken for a passing one
+    out = s.handle_stimulus(MissingData("md", worker=W3, keys=["x"], errant_worker=W1))
+    assert acquire_asks(out) == {W3: {"x": [W1]}} and not freed(out)
+    assert s.tasks["x"].who_has == {W1}
+    # a target that never answers is asked again at the worker's next repeat
+    assert acquire_asks(s.handle_stimulus(RetireWorkers("again", workers=[W1]))) == {
+        W3: {"x": [W1]}
+    }
 
 
 def test_a_retirement_that_would_lose_data_is_refused_unless_the_worker_must_go():
     s = make(W1)
-    submit(s, "c", [task("x")], ["x"])
+    submit(s, "c", [task("x"), task("y")], ["x", "y"])
     run(s, "x", W1)
     out = s.handle_stimulus(RetireWorkers("rw", client="c", workers=[W1]))
     [refused] = client_msgs(out, "retire-refused", "c")
     assert refused["workers"] == [W1] and "no worker would stay" in refused["reason"]
     assert not s.workers[W1].retiring and not of(out, WorkerMsg)
-    # a worker retiring itself (SIGTERM, lifetime) with nowhere to go is let go at once
-    out = s.handle_stimulus(RetireWorkers("self", workers=[W1]))
+    s2 = make(W1)
+    submit(s2, "c", [task("y")], ["y"])
+    s2.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["y"]))  # only computing
+    out = s2.handle_stimulus(RetireWorkers("rw", client="c", workers=[W1]))
+    assert client_msgs(out, "retire-refused")
+    # a worker that must go (SIGTERM, lifetime) with nowhere to put its data goes now
+    out = s.handle_stimulus(RetireWorkers("self", workers=[W1], force=True))
     assert closes(out) == {W1}
+
+
+def test_a_copy_being_made_of_a_released_key_is_freed_on_its_target():
+    s = make(W1, W2)
+    submit(s, "c", [task("x")], ["x"])
+    run(s, "x", W1)
+    s.handle_stimulus(RetireWorkers("rw", client="c", workers=[W1]))
+    out = s.handle_stimulus(ClientReleasesKeys("rel", client="c", keys=["x"]))
+    assert freed(out, W2) == {"x"} and freed(out, W1) == {"x"}

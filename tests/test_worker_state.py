@@ -11,6 +11,7 @@ import msgpack
 import pytest
 
 from workers.state import (
+    AcquireReplicasEvent,
     AddKeysMsg,
     ComputeTaskEvent,
     Execute,
@@ -328,6 +329,30 @@ def test_retire_hands_back_what_has_not_started_and_keeps_the_rest() -> None:
         TaskFinishedMsg("running", 28, "int", 1.0, 1.5, "done-running")
     ]
     assert set(ws.data) == {"running", "held"}
+
+
+def test_acquire_replicas_of_a_key_that_erred_or_went_missing_here_fetches_it() -> None:
+    ws = make()
+    ws.handle_stimulus(compute("x"), failure("x"))  # erred here; since run elsewhere
+    out = ws.handle_stimulus(AcquireReplicasEvent({"x": [A]}, "acq"))
+    assert [g.keys for g in of(out, GatherDep)] == [{"x"}]
+    out = ws.handle_stimulus(GatherDepSuccessEvent(A, {"x": 1}, {"x": 8}, "g"))
+    assert out == [AddKeysMsg(["x"], {"x": 8}, "g")]
+    ws.handle_stimulus(compute("z", {"m": ([B], 8)}))
+    ws.handle_stimulus(GatherDepNetworkFailureEvent(B, ["m"], "down", "nf"))
+    assert ws.tasks["m"].state == "missing"
+    out = ws.handle_stimulus(AcquireReplicasEvent({"m": [A]}, "acq2"))
+    assert ws.tasks["m"].state == "flight" and of(out, GatherDep)
+
+
+def test_a_freed_run_asked_for_as_a_copy_keeps_its_result() -> None:
+    ws = make()
+    ws.handle_stimulus(compute("x"), FreeKeysEvent(["x"], "free"))
+    assert ws.tasks["x"].state == "cancelled"
+    ws.handle_stimulus(AcquireReplicasEvent({"x": [A]}, "acq"))
+    out = ws.handle_stimulus(success("x"))
+    assert of(out, AddKeysMsg) == [AddKeysMsg(["x"], {"x": 28}, "done-x")]
+    assert ws.data == {"x": 1}
 
 
 def test_claim_budget_basics() -> None:

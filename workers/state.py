@@ -524,7 +524,7 @@ class WorkerState:
         if ts is None:
             return
         ts.type_name, ts.start, ts.stop = ev.type_name, ev.start, ev.stop
-        if ts.state == "executing" or ts.dependents:
+        if ts.state == "executing" or ts.dependents or ts.replica:
             self._transition(ts, "memory", ev.stimulus_id, value=ev.value, nbytes=ev.nbytes)
         else:  # cancelled and nobody wants it: drop the result
             self._transition(ts, "released", ev.stimulus_id)
@@ -634,9 +634,12 @@ class WorkerState:
                 ts.wanted = True
                 held[key] = ts.nbytes or 0
                 continue
+            if ts.state == "error":  # a failed run here, since run again elsewhere
+                self._transition(ts, "released", ev.stimulus_id)
+                ts = self._ensure_task(key)
             ts.replica = True
             self._add_who_has(ts, who_has)
-            if ts.state == "released":
+            if ts.state == "released" or (ts.state == "missing" and ts.who_has):
                 self._transition(ts, "fetch" if ts.who_has else "missing", ev.stimulus_id)
         if held:
             self._emit(AddKeysMsg(sorted(held), held, ev.stimulus_id))
@@ -771,6 +774,9 @@ class WorkerState:
         ts.previous = ts.coming_from = None
         self._store(ts, value, nbytes, sid)
         self._unlink_dependencies(ts, sid)
+        if ts.replica:  # freed while running, then asked for as a copy: here it is
+            ts.replica, ts.wanted = False, True
+            self._emit(AddKeysMsg([ts.key], {ts.key: nbytes}, sid))
 
     def _transition_cancelled_fetch(self, ts: TaskState, sid: str) -> None:
         self.executing.discard(ts)

@@ -19,16 +19,23 @@ What it does, and the Redis or TCP call behind each:
 from __future__ import annotations
 
 import asyncio
+import faulthandler
+import gc
 import logging
+import math
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 import traceback as tb_module
+from collections.abc import MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import cloudpickle
 import psutil
@@ -36,11 +43,13 @@ import redis
 
 from redisdask import comm, schema
 from redisdask.connection import connect, connect_async
+from redisdask.memory import format_bytes
 from redisdask.schema import Keys
 from redisdask.spec import FunctionCache, run_spec
 from redisdask.versions import VersionMismatchError, pickle_breaking, versions
 from workers import state as ws
 from workers.sizeof import sizeof
+from workers.spill import SpillBuffer
 
 logger = logging.getLogger("redisdask.worker")
 
@@ -49,6 +58,12 @@ REPORT_LINGER = 0.002  # seconds a report may wait for companions while threads 
 CLOSE_TIMEOUT = 2.0  # seconds background tasks get to stop when the worker closes
 HEARTBEAT_KEYS = 20  # executing task keys named in a heartbeat, at most
 RETIRE_REPEAT = 1.0  # seconds between a retiring worker's requests to be retired
+GRACEFUL_TIMEOUT = 20.0  # seconds a worker stopped by SIGTERM may spend moving its data
+# set by a nanny for the worker it starts: the nanny's pid (a worker whose nanny died
+# leaves), and a file where the worker writes why it closed
+NANNY_PID_ENV = "REDISDASK_NANNY_PID"
+EXIT_REASON_ENV = "REDISDASK_EXIT_REASON_FILE"
+ADDRESS_FILE_ENV = "REDISDASK_ADDRESS_FILE"  # where a worker under a nanny writes its address
 
 
 _task_thread = threading.local()  # .worker: the worker whose pool owns this thread
@@ -89,6 +104,12 @@ class Worker:
         connection_limit: int = 50,
         transfer_batch_bytes: int = 200_000_000,
         connect_timeout: float = 5.0,
+        local_directory: str | None = None,
+        memory_target: float | Literal[False] = 0.60,
+        memory_spill: float | Literal[False] = 0.70,
+        memory_pause: float | Literal[False] = 0.80,
+        memory_monitor_interval: float = 0.2,
+        lifetime: float | None = None,
         validate: bool = False,
     ) -> None:
         self.redis_url = redis_url
@@ -104,6 +125,13 @@ class Worker:
         self.transfer_batch_bytes = transfer_batch_bytes
         self.connect_timeout = connect_timeout
         self.validate = validate
+        self.local_directory = Path(local_directory or tempfile.gettempdir()) / (
+            "redisdask-worker-space"
+        )
+        self.memory_target, self.memory_spill = memory_target, memory_spill
+        self.memory_pause = memory_pause
+        self.memory_monitor_interval = memory_monitor_interval
+        self.lifetime = lifetime
         self.address = ""
         self.status = "init"
         self.functions = FunctionCache()
@@ -124,6 +152,11 @@ class Worker:
         self._process = psutil.Process()
         self._closing: asyncio.Future[None] | None = None
         self._reconnecting: asyncio.Future[None] | None = None
+        self._exit_reason: str | None = None  # what the nanny is told, if not close()'s
+        self._retire_force = False
+        self._next_gc = 0.0  # the memory monitor collects garbage at most once a second
+        nanny = os.environ.get(NANNY_PID_ENV, "")
+        self.nanny_pid = int(nanny) if nanny.isdigit() else None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -138,16 +171,25 @@ class Worker:
         self.redis = connect_async(self.redis_url, timeout=self.connect_timeout, name=name)
         self.blocking_redis = connect_async(self.redis_url, timeout=self.connect_timeout, name=name)
         self.pool = comm.ConnectionPool(secret, limit=self.connection_limit)
+        self.data = self._data_store()
         self.state = ws.WorkerState(
             address=self.address,
             nthreads=self.nthreads,
+            data=self.data,
             validate=self.validate,
             transfer_batch_bytes=self.transfer_batch_bytes,
         )
         self.scripts = schema.Scripts(self.redis)  # type: ignore[arg-type]
         await self._register()
+        if path := os.environ.get(ADDRESS_FILE_ENV):
+            Path(path).write_text(self.address)  # for its nanny: which worker it is
         self.status = "running"
-        for loop in (self._claim_loop, self._listen_loop, self._heartbeat_loop, self._flush_loop):
+        loops = [self._claim_loop, self._listen_loop, self._heartbeat_loop, self._flush_loop]
+        if self.memory_limit and (self.memory_spill or self.memory_pause):
+            loops.append(self._memory_loop)
+        if self.lifetime is not None:
+            loops.append(self._lifetime_loop)
+        for loop in loops:
             self._spawn(self._keep_running(loop))
         logger.info(
             "Start worker %s (name %s) with %d threads on cluster %r",
@@ -157,6 +199,16 @@ class Worker:
             self.keys.cluster,
         )
         return self
+
+    def _data_store(self) -> MutableMapping[str, Any]:
+        """A dict, or with a memory limit a ``SpillBuffer`` that spills past ``target``
+        into a directory of its own under the local directory (removed at close)."""
+        if not self.memory_limit or not (self.memory_target or self.memory_spill):
+            return {}
+        self.local_directory.mkdir(parents=True, exist_ok=True)
+        self.spill_directory = Path(tempfile.mkdtemp(prefix="worker-", dir=self.local_directory))
+        target = self.memory_limit * self.memory_target if self.memory_target else math.inf
+        return SpillBuffer(self.spill_directory, target)
 
     def _ensure_cluster(self) -> bytes:
         """Create or join the cluster; refuse to join one whose pickles we cannot read."""
@@ -191,6 +243,8 @@ class Worker:
             "memory_limit": self.memory_limit,
             "versions": versions(),
             "started": self.started,
+            "nanny": self.nanny_pid,
+            "local_directory": str(self.local_directory),
         }
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(self.keys.workers, self.address, schema.pack(info))
@@ -270,9 +324,31 @@ class Worker:
         self.executor.shutdown(wait=False, cancel_futures=True)
         await self.redis.aclose()
         await self.blocking_redis.aclose()
+        if isinstance(self.data, SpillBuffer):
+            self.data.close()
+            shutil.rmtree(self.spill_directory, ignore_errors=True)
+        self._write_exit_reason(reason)
         self.status = "closed"
         logger.info("End worker %s (%s)", self.address, reason)
         self._stopped.set()
+
+    async def close_gracefully(self, reason: str, timeout: float = GRACEFUL_TIMEOUT) -> None:
+        """Retire (hand this worker's data to others), then close; close anyway after
+        ``timeout`` (no scheduler, or nowhere to put the data)."""
+        self._exit_reason = self._exit_reason or reason
+        self.retire(force=True)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._stopped.wait()), timeout)
+        except TimeoutError:
+            await self.close(f"{reason}; its data could not be moved within {timeout} s")
+
+    def _write_exit_reason(self, reason: str) -> None:
+        path = os.environ.get(EXIT_REASON_ENV)
+        if path:
+            try:
+                Path(path).write_text(self._exit_reason or reason)
+            except OSError as exc:
+                logger.warning("could not tell the nanny why this worker closed: %s", exc)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -489,15 +565,21 @@ class Worker:
     def _command(self, command: _Command) -> None:
         if command.op == "restart":  # drop everything held or running, as it is now
             self.handle(ws.FreeKeysEvent(list(self.state.tasks), command.stimulus_id))
+            if self.nanny_pid is not None and self.status == "running":
+                self._exit_reason = "restart"  # its nanny starts a fresh process
+                self._closing = asyncio.ensure_future(self.close("restart"))
         elif command.op == "retire":
             self.retire()
         elif command.op == "close" and self.status == "running":
             self._closing = asyncio.ensure_future(self.close(command.reason))
 
-    def retire(self) -> None:
+    def retire(self, force: bool = False) -> None:
         """Leave gracefully: claim nothing more, hand back the tasks claimed but not
         started, finish the running ones, and close when the scheduler says that every
-        result only this worker held has a copy elsewhere (``client.retire_workers``)."""
+        result only this worker held has a copy elsewhere (``client.retire_workers``).
+        ``force``: this worker leaves anyway (SIGTERM, lifetime): with no worker to take
+        its data, it is told to close at once."""
+        self._retire_force = self._retire_force or force
         if self.state.retiring or self.status != "running":
             return
         logger.info("Retiring worker %s: moving its data to other workers", self.address)
@@ -505,10 +587,12 @@ class Worker:
         self._spawn(self._keep_running(self._retire_loop))
 
     async def _retire_loop(self) -> None:
-        """Ask the scheduler to retire this worker until it answers ``close``; asking
-        again is harmless, and a scheduler restarted meanwhile learns it this way."""
+        """Ask the scheduler to retire this worker until it answers ``close``.  Asking
+        again re-asks for copies that did not come, and tells a scheduler restarted
+        meanwhile."""
         while self.status == "running":
-            self._report({"op": "retire-workers", "workers": [self.address]})
+            request = {"op": "retire-workers", "workers": [self.address]}
+            self._report({**request, "force": self._retire_force})
             self._flush_wanted.set()
             await asyncio.sleep(RETIRE_REPEAT)
 
@@ -536,6 +620,10 @@ class Worker:
     async def _heartbeat_loop(self) -> None:
         ttl = int(self.worker_ttl * 1000)
         while self.status == "running":
+            if self.nanny_pid is not None and os.getppid() != self.nanny_pid:
+                logger.error("the nanny of worker %s died; closing", self.address)
+                self._closing = asyncio.ensure_future(self.close("its nanny died"))
+                return
             pipe = self.redis.pipeline(transaction=False)
             pipe.set(self.keys.worker_alive(self.address), 1, px=ttl)
             pipe.hset(self.keys.heartbeats, self.address, schema.pack(self._metrics()))
@@ -554,11 +642,100 @@ class Worker:
             "n_executing": len(self.state.executing),
             "ready": len(by_state.get("ready", ())),
             "in_memory": len(by_state.get("memory", ())),
-            "managed": sum(ts.nbytes or 0 for ts in by_state.get("memory", ())),
-            "rss": self._process.memory_info().rss,
-            "memory_limit": self.memory_limit,
-            "status": "retiring" if self.state.retiring else self.status,
+            **self._memory_metrics(),
+            "status": (
+                "retiring"
+                if self.state.retiring
+                else "paused"
+                if self.state.paused
+                else self.status
+            ),
         }
+
+    def _memory_metrics(self) -> dict[str, int]:
+        """Bytes: ``managed`` (results in memory, by sizeof), ``spilled`` (on disk),
+        ``rss`` (the process), ``unmanaged`` (rss - managed), ``memory_limit``."""
+        rss = self._process.memory_info().rss
+        if isinstance(self.data, SpillBuffer):
+            managed, spilled = self.data.managed_in_memory, self.data.spilled_bytes
+        else:
+            managed = sum(ts.nbytes or 0 for ts in self.state.by_state.get("memory", ()))
+            spilled = 0
+        return {
+            "managed": managed,
+            "spilled": spilled,
+            "rss": rss,
+            "unmanaged": max(0, rss - managed),
+            "memory_limit": self.memory_limit,
+        }
+
+    # ------------------------------------------------------------------ memory
+
+    async def _memory_loop(self) -> None:
+        """Every ``memory_monitor_interval``: above ``spill`` x limit of process memory,
+        spill the least recently used results until below ``target``; above ``pause``,
+        run no new tasks (transfers go on) until below it again."""
+        limit = self.memory_limit
+        while self.status == "running":
+            rss = self._process.memory_info().rss
+            if self.memory_spill and rss > self.memory_spill * limit:
+                await self._spill_until_below_target(rss)
+                if time.monotonic() > self._next_gc:
+                    # freed values may sit in reference cycles, and idle receive buffers
+                    # are memory the worker can give back
+                    self._next_gc = time.monotonic() + 1.0
+                    await asyncio.to_thread(gc.collect)
+                    comm.BUFFER_CACHE.clear()
+                rss = self._process.memory_info().rss
+            paused = bool(self.memory_pause) and rss > self.memory_pause * limit
+            if paused != self.state.paused:
+                logger.warning(
+                    "Worker %s is at %s of its %s memory limit (%.0f%%): %s",
+                    self.address,
+                    format_bytes(rss),
+                    format_bytes(limit),
+                    100 * rss / limit,
+                    "pausing its thread pool" if paused else "resuming",
+                )
+                self.handle(
+                    ws.PauseEvent(f"pause-{time.time()}")
+                    if paused
+                    else ws.UnpauseEvent(f"unpause-{time.time()}")
+                )
+            await asyncio.sleep(self.memory_monitor_interval)  # a monitor is a timer by nature
+
+    async def _spill_until_below_target(self, rss: int) -> None:
+        if not isinstance(self.data, SpillBuffer):
+            return
+        target = (self.memory_target or self.memory_spill or 1.0) * self.memory_limit
+        freed = count = 0
+        while rss - freed > target:
+            spilled = self.data.evict()
+            if not spilled:
+                break
+            freed += spilled
+            count += 1
+            if count % 10 == 0:
+                await asyncio.sleep(0)  # let transfers and reports through
+        if count:
+            logger.info(
+                "Worker %s: process memory %s is above %.0f%% of its limit: spilled %d "
+                "results (%s) to disk",
+                self.address,
+                format_bytes(rss),
+                100 * (self.memory_spill or 0),
+                count,
+                format_bytes(freed),
+            )
+
+    # ------------------------------------------------------------------ lifetime
+
+    async def _lifetime_loop(self) -> None:
+        assert self.lifetime is not None
+        await asyncio.sleep(self.lifetime)  # the lifetime is a timer by nature
+        logger.info("Worker %s reached its lifetime: retiring", self.address)
+        self._exit_reason = "lifetime"
+        self.retire(force=True)
 
     # ------------------------------------------------------------------ peer-to-peer
 
@@ -706,6 +883,11 @@ def options_from_config(config: Any) -> dict[str, Any]:
         "connection_limit": config.worker.connection_limit,
         "transfer_batch_bytes": config.worker.transfer_batch_bytes,
         "connect_timeout": config.redis.connect_timeout,
+        "local_directory": config.worker.local_directory,
+        "memory_target": config.worker.memory.target,
+        "memory_spill": config.worker.memory.spill,
+        "memory_pause": config.worker.memory.pause,
+        "memory_monitor_interval": config.worker.memory.monitor_interval,
     }
 
 
@@ -755,6 +937,7 @@ class ThreadWorker:
 
 def main(redis_url: str, cluster: str, **kwargs: Any) -> None:
     """Run one worker in this process until SIGTERM/SIGINT, then leave gracefully."""
+    faulthandler.enable()  # a crash in compiled code prints every thread's Python stack
 
     async def run() -> None:
         worker = Worker(redis_url, cluster, **kwargs)
@@ -763,7 +946,11 @@ def main(redis_url: str, cluster: str, **kwargs: Any) -> None:
         closing: set[asyncio.Task[None]] = set()  # the loop holds tasks weakly: keep them
 
         def on_signal(sig: signal.Signals) -> None:
-            closing.add(asyncio.ensure_future(worker.close(f"signal {sig.name}")))
+            # the first signal: hand the data over, then leave; a second: leave now
+            if closing:
+                closing.add(asyncio.ensure_future(worker.close(f"signal {sig.name} (again)")))
+            else:
+                closing.add(asyncio.ensure_future(worker.close_gracefully(f"signal {sig.name}")))
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)

@@ -1,0 +1,16 @@
+# One image for every redisdask role: scheduler, worker (with its nannies), demo.
+# Build: docker build -t redisdask .   (compose.yaml builds it for you)
+FROM python:3.11-slim
+WORKDIR /opt/redisdask
+COPY pyproject.toml README.md ./
+COPY redisdask ./redisdask
+COPY workers ./workers
+COPY nanny ./nanny
+RUN pip install --no-cache-dir . \
+    && useradd --create-home --uid 1000 redisdask \
+    && mkdir -p /scratch && chown redisdask /scratch
+USER redisdask
+# spilled data and the nannies' worker logs
+ENV REDISDASK__WORKER__LOCAL_DIRECTORY=/scratch
+ENTRYPOINT ["redisdask"]
+CMD ["--help"]

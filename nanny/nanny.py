@@ -1,0 +1,428 @@
+"""The nanny: starts a worker process, watches it, restarts it, and says why it died.
+
+One ``Nanny`` per worker process; ``redisdask worker --nworkers N`` runs N of them on one
+event loop in one process.  Each nanny:
+
+* starts ``redisdask worker --no-nanny`` as a child in a session of its own (a Ctrl-C in
+  the terminal reaches the nanny, which stops its worker gracefully), with its stderr
+  piped: every line goes on to the nanny's stderr, into a rotating log file in the local
+  directory, and into a tail of the last ``LOG_TAIL`` lines kept for the death record;
+* every ``worker.memory.monitor-interval`` reads the worker's memory (psutil) and kills
+  it past ``worker.memory.terminate`` of its limit ("Worker exceeded 95% memory budget.
+  Restarting...");
+* every heartbeat interval **vouches** for a worker that is busy (its CPU at work) by
+  renewing its ``alive`` key, so a task holding the GIL in compiled code for minutes is
+  not taken for a dead worker; a worker silent for ``worker.hang-timeout`` while idle is
+  killed and restarted with the reason ``hung``;
+* when the process ends, classifies the end (``nanny.deaths``) and reports it: a
+  ``remove-worker`` with ``how: nanny`` on the workers stream, so the scheduler removes
+  the worker at once and its death record carries the nanny's evidence (exit code or
+  signal, memory, log tail, traceback, whether it was restarted); a graceful exit, or a
+  worker that never registered, is written to the deaths stream directly;
+* restarts it, with a backoff doubling from 0.2 s to 10 s while it keeps dying within
+  ``QUICK_DEATH`` s of its start, and gives up after ``MAX_START_FAILURES`` deaths in a row
+  before it could register (a worker that can never start: a bad configuration, a
+  version the cluster refuses).  A graceful exit is not restarted, except for
+  ``Client.restart()`` and at the end of the worker's lifetime with ``--lifetime-restart``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import logging.handlers
+import os
+import random
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import psutil
+import redis
+
+from nanny import deaths
+from redisdask import schema
+from redisdask.connection import connect_async, redact
+from redisdask.memory import format_bytes, oom_kills
+from redisdask.schema import Keys
+from workers.worker import ADDRESS_FILE_ENV, EXIT_REASON_ENV, GRACEFUL_TIMEOUT, NANNY_PID_ENV
+
+logger = logging.getLogger("redisdask.nanny")
+
+LOG_TAIL = 50  # lines of the worker's log kept for its death record
+LOG_FILE_BYTES = 10_000_000  # rotated at this size, two old files kept
+QUICK_DEATH = 10.0  # seconds: a worker dying sooner after its start backs off
+MAX_START_FAILURES = 3  # deaths in a row before registering: give up
+BUSY_CPU_PERCENT = 50.0  # a worker using this much of a core is at work, not hung
+
+
+class Nanny:
+    def __init__(
+        self,
+        redis_url: str,
+        cluster: str,
+        *,
+        index: int = 0,
+        name: str | None = None,
+        worker_args: list[str] | None = None,
+        memory_limit: int = 0,
+        terminate: float | Literal[False] = 0.95,
+        monitor_interval: float = 0.2,
+        heartbeat_interval: float = 0.5,
+        worker_ttl: float = 3.0,
+        hang_timeout: float = 10.0,
+        local_directory: str | Path | None = None,
+        lifetime: float | None = None,
+        lifetime_stagger: float = 0.0,
+        lifetime_restart: bool = False,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        self.redis_url, self.keys = redis_url, Keys(cluster)
+        self.name = name
+        self.label = name or f"worker-{os.getpid()}-{index}"
+        self.worker_args = list(worker_args or [])
+        self.memory_limit = memory_limit
+        self.terminate = terminate
+        self.monitor_interval = monitor_interval
+        self.heartbeat_interval = heartbeat_interval
+        self.worker_ttl = worker_ttl
+        self.hang_timeout = hang_timeout
+        base = Path(local_directory or tempfile.gettempdir())
+        self.local_directory = base / "redisdask-worker-space"
+        self.lifetime, self.lifetime_stagger = lifetime, lifetime_stagger
+        self.lifetime_restart = lifetime_restart
+        self.connect_timeout = connect_timeout
+        self.closing = False
+        self._closing = asyncio.Event()
+        self.process: asyncio.subprocess.Process | None = None
+        self.log_path = self.local_directory / f"{self.label}.log"
+        self.exit_reason_path = self.local_directory / f"{self.label}.exit-reason"
+        self.address_path = self.local_directory / f"{self.label}.address"
+        self.tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL)
+        self.restarts = 0
+        self._file_log = self._make_file_log()
+
+    def _make_file_log(self) -> logging.Logger:
+        self.local_directory.mkdir(parents=True, exist_ok=True)
+        file_log = logging.getLogger(f"redisdask.nanny.worker-log.{self.label}")
+        file_log.propagate = False
+        file_log.setLevel(logging.INFO)
+        if not file_log.handlers:
+            handler = logging.handlers.RotatingFileHandler(
+                self.log_path, maxBytes=LOG_FILE_BYTES, backupCount=2
+            )
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            file_log.addHandler(handler)
+        return file_log
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> int:
+        """Keep a worker running until asked to stop; 0, or 1 after giving up."""
+        name = f"rd-{self.keys.cluster}-nanny-{self.label}"
+        self.redis = connect_async(self.redis_url, timeout=self.connect_timeout, name=name)
+        start_failures = quick_deaths = 0
+        try:
+            while True:
+                started = time.monotonic()
+                watch = await self._run_worker_once()
+                uptime = time.monotonic() - started
+                if watch.address is None and watch.exit.returncode != 0 and not self.closing:
+                    start_failures += 1
+                else:
+                    start_failures = 0
+                quick_deaths = quick_deaths + 1 if uptime < QUICK_DEATH else 0
+                kind, reason = deaths.classify(watch.exit)
+                give_up = start_failures >= MAX_START_FAILURES
+                restart = self._should_restart(kind, watch.exit) and not give_up
+                await self._report(watch, kind, reason, restart)
+                if give_up:
+                    logger.error(
+                        "worker %s died %d times in a row before it could register (last: "
+                        "%s); not restarting it. Its log: %s",
+                        self.label,
+                        start_failures,
+                        reason,
+                        self.log_path,
+                    )
+                    return 1
+                if not restart:
+                    return 0
+                self.restarts += 1
+                delay = min(10.0, 0.1 * 2**quick_deaths) if quick_deaths else 0.0
+                if delay:
+                    logger.info("restarting worker %s in %.1f s", self.label, delay)
+                    await asyncio.sleep(delay)  # backoff: no hot loop of deaths
+                if self.closing:
+                    return 0
+        finally:
+            await self.redis.aclose()
+
+    def _should_restart(self, kind: str, exit: deaths.WorkerExit) -> bool:
+        if self.closing:
+            return False
+        if kind == "graceful":
+            return exit.exit_reason == "restart" or (
+                exit.exit_reason == "lifetime" and self.lifetime_restart
+            )
+        return True
+
+    def request_close(self) -> None:
+        """SIGTERM/Ctrl-C: the worker hands its data over and leaves; a second request
+        makes it leave now.  The nanny then ends without restarting it."""
+        self.closing = True
+        self._closing.set()
+        process = self.process
+        if process is not None and process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):  # it just exited
+                process.send_signal(signal.SIGTERM)
+
+    # ------------------------------------------------------------------ one worker's life
+
+    async def _run_worker_once(self) -> _Watch:
+        self.exit_reason_path.unlink(missing_ok=True)
+        self.address_path.unlink(missing_ok=True)
+        env = dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            REDISDASK__REDIS__URL=self.redis_url,  # not on a command line ps shows
+            **{
+                NANNY_PID_ENV: str(os.getpid()),
+                EXIT_REASON_ENV: str(self.exit_reason_path),
+                ADDRESS_FILE_ENV: str(self.address_path),
+            },
+        )
+        args = [sys.executable, "-m", "redisdask", "worker", "--cluster", self.keys.cluster]
+        args += ["--no-nanny", "--memory-limit", str(self.memory_limit), *self.worker_args]
+        args += ["--local-directory", str(self.local_directory.parent)]
+        if self.name:
+            args += ["--name", self.name]
+        if self.lifetime is not None:
+            stagger = random.uniform(-self.lifetime_stagger, self.lifetime_stagger)
+            args += ["--lifetime", str(max(1.0, self.lifetime + stagger))]
+        watch = _Watch(oom_kills_before=oom_kills())
+        self.tail.clear()
+        self.process = process = await asyncio.create_subprocess_exec(
+            *args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        if self.closing:  # asked to stop while it was starting
+            process.send_signal(signal.SIGTERM)
+        pump = asyncio.ensure_future(self._pump_log(process))
+        monitor = asyncio.ensure_future(self._monitor(process, watch))
+        kill_timer = asyncio.ensure_future(self._kill_if_stuck_closing(process))
+        returncode = await process.wait()
+        for task in (monitor, kill_timer):
+            task.cancel()
+        try:
+            await asyncio.wait_for(pump, 5.0)  # the rest of its output
+        except TimeoutError:
+            pump.cancel()
+        exit_reason = _read(self.exit_reason_path)
+        watch.address = watch.address or _read(self.address_path)
+        watch.exit = deaths.WorkerExit(
+            returncode=returncode,
+            killed_for=watch.killed_for,
+            rss=watch.rss,
+            memory_limit=self.memory_limit,
+            terminate=self.terminate or None,
+            silent_for=watch.silent_for,
+            log_tail=list(self.tail),
+            exit_reason=exit_reason,
+            oom_kills_before=watch.oom_kills_before,
+            oom_kills_after=oom_kills(),
+        )
+        watch.pid = process.pid
+        return watch
+
+    async def _pump_log(self, process: asyncio.subprocess.Process) -> None:
+        assert process.stdout is not None
+        while line := await process.stdout.readline():
+            text = line.decode(errors="replace").rstrip("\n")
+            self.tail.append(text)
+            self._file_log.info(text)
+            sys.stderr.write(text + "\n")
+
+    async def _kill_if_stuck_closing(self, process: asyncio.subprocess.Process) -> None:
+        """A worker asked to stop gets GRACEFUL_TIMEOUT to move its data, then a little
+        more; then it is killed."""
+        await self._closing.wait()
+        await asyncio.sleep(GRACEFUL_TIMEOUT + 5.0)  # the grace period is a timer by nature
+        if process.returncode is None:
+            logger.warning("worker %s did not stop in time; killing it", self.label)
+            with contextlib.suppress(ProcessLookupError):  # it just exited
+                process.kill()
+
+    async def _monitor(self, process: asyncio.subprocess.Process, watch: _Watch) -> None:
+        try:
+            proc = psutil.Process(process.pid)
+            proc.cpu_percent(None)  # the first call starts the measurement
+        except psutil.Error:
+            return
+        next_beat = time.monotonic() + self.heartbeat_interval
+        while process.returncode is None:
+            try:
+                rss = proc.memory_info().rss
+                status = proc.status()
+            except psutil.Error:
+                return
+            if rss:  # an exiting process reads as 0
+                watch.rss = rss
+            limit = self.memory_limit
+            if limit and self.terminate and rss > self.terminate * limit:
+                logger.warning(
+                    "Worker exceeded %.0f%% memory budget. Restarting... (worker %s, pid %d: "
+                    "process memory %s, limit %s)",
+                    100 * self.terminate,
+                    self.label,
+                    process.pid,
+                    format_bytes(rss),
+                    format_bytes(limit),
+                )
+                watch.killed_for = "memory"
+                process.kill()
+                return
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + self.heartbeat_interval
+                try:
+                    await self._vouch_or_judge(process, proc, status, watch)
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    logger.warning("nanny of %s cannot reach Redis: %s", self.label, exc)
+                if watch.killed_for:
+                    return
+            await asyncio.sleep(self.monitor_interval)  # the monitor is a timer by nature
+
+    async def _vouch_or_judge(
+        self,
+        process: asyncio.subprocess.Process,
+        proc: psutil.Process,
+        status: str,
+        watch: _Watch,
+    ) -> None:
+        watch.address = watch.address or _read(self.address_path)
+        if watch.address is None:
+            return  # not registered yet
+        busy = proc.cpu_percent(None) >= BUSY_CPU_PERCENT and status not in (
+            psutil.STATUS_STOPPED,
+            psutil.STATUS_ZOMBIE,
+        )
+        if busy:  # at work, maybe in compiled code holding the GIL: it is alive
+            ttl = int(self.worker_ttl * 1000)
+            await self.redis.set(self.keys.worker_alive(watch.address), 1, px=ttl)
+            return
+        raw = await self.redis.hget(self.keys.heartbeats, watch.address)
+        beat = schema.unpack(raw) if raw else {}
+        silent = time.time() - float(beat.get("time", time.time()))
+        if silent > self.hang_timeout and not self.closing:
+            logger.warning(
+                "worker %s (pid %d) is alive but sent no heartbeat for %.1f s while idle: "
+                "killing it (hung)",
+                self.label,
+                process.pid,
+                silent,
+            )
+            watch.killed_for, watch.silent_for = "hung", silent
+            process.kill()
+
+    # ------------------------------------------------------------------ reporting
+
+    async def _report(self, watch: _Watch, kind: str, reason: str, restarted: bool) -> None:
+        """Tell the scheduler (through Redis) why the worker ended."""
+        text = f"{reason}; {'restarted' if restarted else 'not restarted'}"
+        if kind == "graceful":
+            logger.info("worker %s (pid %s) %s", self.label, watch.pid, text)
+        else:
+            logger.warning("worker %s (pid %s) died: %s", self.label, watch.pid, text)
+        for attempt in range(20):  # Redis may be restarting: try for a few seconds
+            try:
+                await self._send_report(watch, kind, text, restarted)
+                return
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if attempt == 19:
+                    logger.error(
+                        "could not record the death of %s in Redis at %s: %s",
+                        self.label,
+                        redact(self.redis_url),
+                        exc,
+                    )
+                    return
+                await asyncio.sleep(min(2.0, 0.05 * 2**attempt))  # backoff while Redis is away
+
+    async def _send_report(self, watch: _Watch, kind: str, reason: str, restarted: bool) -> None:
+        last: dict[str, Any] = {}
+        if watch.address is not None:
+            raw = await self.redis.hget(self.keys.heartbeats, watch.address)
+            last = schema.unpack(raw) if raw else {}
+        evidence = deaths.evidence(watch.exit, kind, restarted, last)
+        if kind != "graceful" and watch.address is not None:
+            message = {
+                "op": "remove-worker",
+                "worker": watch.address,
+                "how": "nanny",
+                "reason": reason,
+                "evidence": evidence,
+            }
+            await self.redis.xadd(self.keys.worker_stream, schema.entry([message]))
+            return
+        # nothing for the scheduler to do: a goodbye was said, or it never registered
+        record = {
+            "time": time.time(),
+            "worker": watch.address or f"(not registered; pid {watch.pid})",
+            "name": self.name or watch.address or self.label,
+            "host": socket.gethostname(),
+            "pid": watch.pid,
+            "how": "nanny",
+            "kind": kind,
+            "reason": reason,
+            "processing": [],
+            "executing": list(last.get("executing", [])),
+            "evidence": evidence,
+            "stimulus_id": f"nanny-{self.label}-{time.time():.6f}",
+        }
+        await self.redis.xadd(
+            self.keys.deaths, {"m": schema.pack(record)}, maxlen=schema.DEATHS_MAXLEN
+        )
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text() or None
+    except OSError:
+        return None
+
+
+class _Watch:
+    """What the nanny learned while one worker process ran."""
+
+    __slots__ = ("address", "exit", "killed_for", "oom_kills_before", "pid", "rss", "silent_for")
+
+    def __init__(self, oom_kills_before: int | None) -> None:
+        self.address: str | None = None
+        self.killed_for: str | None = None
+        self.rss: int | None = None
+        self.silent_for: float | None = None
+        self.oom_kills_before = oom_kills_before
+        self.pid: int | None = None
+        self.exit = deaths.WorkerExit(returncode=0)
+
+
+def run_nannies(nannies: list[Nanny]) -> int:
+    """Run the nannies until they end; SIGTERM/SIGINT stop them gracefully (twice: now)."""
+
+    async def run() -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: [n.request_close() for n in nannies])
+        codes = await asyncio.gather(*(n.run() for n in nannies))
+        return max(codes, default=0)
+
+    return asyncio.run(run())

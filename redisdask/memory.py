@@ -1,0 +1,97 @@
+"""Memory sizes and limits, the way Dask users write them.
+
+* ``parse_bytes("4GB")``, ``parse_bytes("4e9")``, ``parse_bytes("300 MiB")``;
+* ``memory_limit("auto", nthreads)``: total memory x min(1, nthreads / cores), capped by
+  the cgroup's limit when the process runs in a container with one;
+* ``oom_kills()``: how many times the kernel's OOM killer struck in this cgroup, so a
+  nanny can tell an OOM kill from any other SIGKILL.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+import psutil
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "kib": 2**10,
+    "m": 10**6, "mb": 10**6, "mib": 2**20,
+    "g": 10**9, "gb": 10**9, "gib": 2**30,
+    "t": 10**12, "tb": 10**12, "tib": 2**40,
+}  # fmt: skip
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e[+-]?\d+)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def parse_bytes(value: str | int | float) -> int:
+    """``"4GB"`` -> 4_000_000_000; ``"4GiB"``, ``"4e9"``, ``"300 MB"``, ``1024`` work too."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, int | float):
+        if value < 0 or math.isnan(value):
+            raise ValueError(f"a size cannot be negative: {value!r}")
+        return int(value)
+    match = _SIZE.match(value)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"not a size: {value!r} (write bytes like 4000000000, '4e9', '4GB' or '4GiB')"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("kiB", 2**10)):
+        if abs(n) >= scale * 0.9:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def cgroup_memory_limit() -> int | None:
+    """The memory limit of this process's cgroup (v2 or v1), None when there is none."""
+    for path in (CGROUP / "memory.max", CGROUP / "memory" / "memory.limit_in_bytes"):
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**62:  # v1 says "no limit" with a huge number
+            return int(text)
+    return None
+
+
+def memory_limit(value: str | int | float | None, nthreads: int) -> int:
+    """Bytes a worker may use; 0 for no limit.  ``value``: ``"auto"`` (total memory x
+    min(1, nthreads / cores), capped by the cgroup's limit), a size (``"4GB"``,
+    ``4e9``), a fraction of the total (``0.5``), or ``0``/``None`` for no limit."""
+    total = psutil.virtual_memory().total
+    cgroup = cgroup_memory_limit()
+    if cgroup is not None:
+        total = min(total, cgroup)
+    if value is None:
+        return 0
+    if value == "auto":
+        cores = os.cpu_count() or 1
+        return int(total * min(1.0, nthreads / cores))
+    if isinstance(value, float) and 0 < value <= 1:
+        return int(total * value)
+    if isinstance(value, str) and re.fullmatch(r"\s*0?\.\d+\s*", value):
+        return int(total * float(value))
+    return parse_bytes(value)
+
+
+def oom_kills() -> int | None:
+    """The ``oom_kill`` count of this process's cgroup (v2 ``memory.events``), or None
+    where the machine does not expose it."""
+    try:
+        text = (CGROUP / "memory.events").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, count = line.partition(" ")
+        if name == "oom_kill" and count.strip().isdigit():
+            return int(count)
+    return None

@@ -1,0 +1,345 @@
+"""Nannies and memory, for real: workers under nannies killed for memory, crashing with
+an exit code or a segfault, killed with SIGKILL, spilling to disk, pausing, stopped with
+SIGTERM, restarted at the end of their lifetime.  Plus the pure death classification."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import redis
+from polling import poll
+
+from nanny.deaths import WorkerExit, classify
+from redisdask import Client, KilledWorker, LocalCluster
+from redisdask.schema import Keys, unpack
+
+pytestmark = pytest.mark.timeout(120)
+
+MB = 1_000_000
+
+
+def inc(x: int) -> int:
+    return x + 1
+
+
+def crash(code: int) -> None:
+    os._exit(code)
+
+
+def segfault() -> None:
+    import ctypes
+
+    ctypes.string_at(0)
+
+
+def hog(nbytes: int, seconds: float) -> int:
+    """Hold ``nbytes`` of resident memory for ``seconds``, then return."""
+    block = b"\x01" * nbytes
+    threading.Event().wait(seconds)  # stands for work done while holding the memory
+    return len(block)
+
+
+def allocate_forever(step: int) -> None:
+    blocks = []
+    while True:
+        blocks.append(b"\x01" * step)
+        threading.Event().wait(0.02)  # grows ~step every 20 ms, as a leaky task would
+
+
+def array(i: int, nbytes: int):  # type: ignore[no-untyped-def]
+    import numpy as np
+
+    return np.full(nbytes // 8, i, dtype="f8")
+
+
+def deaths(redis_url: str, cluster_name: str) -> list[dict]:
+    r = redis.Redis.from_url(redis_url)
+    return [unpack(f[b"m"]) for _id, f in r.xrange(Keys(cluster_name).deaths)]
+
+
+def workers_of(redis_url: str, cluster_name: str) -> dict[str, dict]:
+    r = redis.Redis.from_url(redis_url)
+    return {a.decode(): unpack(v) for a, v in r.hgetall(Keys(cluster_name).workers).items()}
+
+
+def heartbeat(redis_url: str, cluster_name: str, address: str) -> dict:
+    raw = redis.Redis.from_url(redis_url).hget(Keys(cluster_name).heartbeats, address)
+    return unpack(raw) if raw else {}
+
+
+# --------------------------------------------------------------------------- classify
+
+
+def test_each_kind_of_death_is_named_with_its_evidence() -> None:
+    limit = 300 * MB
+    kind, reason = classify(WorkerExit(-9, "memory", 290 * MB, limit, terminate=0.95))
+    assert kind == "memory" and "killed by its nanny" in reason and "95% terminate" in reason
+    assert "97% of its" in reason
+    assert classify(WorkerExit(-9, "hung", silent_for=12.0))[1].startswith(
+        "hung: no heartbeat for 12.0 s"
+    )
+    assert classify(WorkerExit(0, exit_reason="retired")) == ("graceful", "closed: retired")
+    kind, reason = classify(WorkerExit(-11, rss=50 * MB, memory_limit=limit))
+    assert kind == "signal" and "SIGSEGV" in reason and "segmentation fault" in reason
+    kind, reason = classify(WorkerExit(-9, rss=50 * MB, oom_kills_before=2, oom_kills_after=3))
+    assert kind == "memory" and "OOM killer" in reason and "2 -> 3" in reason
+    kind, reason = classify(WorkerExit(-9, rss=280 * MB, memory_limit=limit))
+    assert kind == "memory" and "most likely the kernel's OOM killer" in reason
+    assert classify(WorkerExit(-9, rss=50 * MB, memory_limit=limit))[0] == "signal"
+    tail = ["x", "Traceback (most recent call last):", '  File "w.py"', "ValueError: boom"]
+    kind, reason = classify(WorkerExit(1, log_tail=tail))
+    assert kind == "exception" and reason.endswith("ValueError: boom")
+    assert classify(WorkerExit(3)) == ("exit-code", "exited with code 3; memory unknown")
+
+
+# --------------------------------------------------------------------------- real nannies
+
+
+def test_crashes_are_recorded_with_exit_code_or_signal_and_the_worker_comes_back(
+    redis_url: str, cluster_name: str
+) -> None:
+    with (
+        LocalCluster(
+            n_workers=1,
+            nanny=True,
+            redis_url=redis_url,
+            cluster_name=cluster_name,
+            scheduler_options={"allowed_failures": 0},
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        with pytest.raises(KilledWorker, match="exited with code 3"):
+            client.submit(crash, 3).result(timeout=30)
+        with pytest.raises(KilledWorker, match="SIGSEGV"):
+            client.submit(segfault).result(timeout=30)
+        poll(lambda: len(workers_of(redis_url, cluster_name)) == 1)  # restarted each time
+        [address] = workers_of(redis_url, cluster_name)
+        pid = workers_of(redis_url, cluster_name)[address]["pid"]
+        os.kill(pid, signal.SIGKILL)  # the worker, not its nanny
+        poll(lambda: len(deaths(redis_url, cluster_name)) == 3, timeout=20)
+        assert client.submit(inc, 1).result(timeout=30) == 2  # work continues
+        exit_code, segv, killed = deaths(redis_url, cluster_name)
+        assert exit_code["how"] == "nanny" and exit_code["kind"] == "exit-code"
+        assert exit_code["evidence"]["exit_code"] == 3 and exit_code["evidence"]["restarted"]
+        assert segv["kind"] == "signal" and segv["evidence"]["signal"] == "SIGSEGV"
+        tail = "\n".join(segv["evidence"]["log_tail"])
+        assert "Segmentation fault" in tail and "in segfault" in tail  # where, from faulthandler
+        assert killed["kind"] == "signal" and killed["evidence"]["signal"] == "SIGKILL"
+        assert killed["pid"] == pid
+        assert cluster.worker_processes[0].poll() is None  # the nanny lives on
+
+
+def test_a_task_past_the_memory_limit_is_killed_by_the_nanny_and_named_in_killed_worker(
+    redis_url: str, cluster_name: str
+) -> None:
+    with (
+        LocalCluster(
+            n_workers=1,
+            nanny=True,
+            redis_url=redis_url,
+            cluster_name=cluster_name,
+            worker_options={"memory_limit": "300MB"},
+            scheduler_options={"allowed_failures": 1},
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        killed_at = time.monotonic()
+        with pytest.raises(KilledWorker) as info:
+            client.submit(allocate_forever, 20 * MB).result(timeout=60)
+        message = str(info.value)
+        assert message.count("killed by its nanny") == 2, message
+        assert "past the 95% terminate mark" in message and "of its 286.10 MiB limit" in message
+        records = deaths(redis_url, cluster_name)
+        assert [d["kind"] for d in records] == ["memory", "memory"]
+        for record in records:
+            evidence = record["evidence"]
+            assert evidence["rss"] > 0.95 * 300 * MB and evidence["memory_limit"] == 300 * MB
+            assert evidence["restarted"] is True
+        poll(lambda: len(workers_of(redis_url, cluster_name)) == 1, timeout=20)
+        print(f"two memory deaths and KilledWorker in {time.monotonic() - killed_at:.1f} s")
+        assert client.submit(inc, 1).result(timeout=30) == 2
+        assert cluster.worker_processes[0].poll() is None
+
+
+def test_results_past_target_spill_to_disk_and_come_back(
+    redis_url: str, cluster_name: str, tmp_path: Path
+) -> None:
+    with (
+        LocalCluster(
+            n_workers=1,
+            redis_url=redis_url,
+            cluster_name=cluster_name,
+            worker_options={"memory_limit": "400MB", "local_directory": str(tmp_path)},
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        futures = [client.submit(array, i, 40 * MB) for i in range(10)]  # 400 MB > 240 target
+        client.gather(futures[:1])
+        [address] = workers_of(redis_url, cluster_name)
+        poll(lambda: heartbeat(redis_url, cluster_name, address).get("spilled", 0) > 100 * MB)
+        space = tmp_path / "redisdask-worker-space"
+        files = [p for p in space.rglob("*") if p.is_file() and p.parent != space]
+        assert len(files) >= 3, files  # the least recently used went to disk
+        beat = heartbeat(redis_url, cluster_name, address)
+        assert beat["managed"] <= 240 * MB and beat["memory_limit"] == 400 * MB
+        for i, value in enumerate(client.gather(futures)):  # read back, peer to peer
+            assert value.shape == (5 * MB,) and value[0] == i and value[-1] == i
+        assert client.submit(sum, [1, 2]).result() == 3
+    assert not list(space.glob("worker-*"))  # removed when the worker closed
+
+
+def test_memory_pressure_pauses_the_thread_pool_until_it_passes(
+    redis_url: str, cluster_name: str
+) -> None:
+    with (
+        LocalCluster(
+            n_workers=1,
+            threads_per_worker=2,
+            redis_url=redis_url,
+            cluster_name=cluster_name,
+            worker_options={"memory_limit": "400MB"},
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        [address] = workers_of(redis_url, cluster_name)
+        holding = client.submit(hog, 340 * MB, 3.0)  # 85% of the limit for 3 s
+        poll(lambda: heartbeat(redis_url, cluster_name, address).get("status") == "paused")
+        paused_at = time.time()
+        waiting = client.submit(time.time, pure=False)  # a free thread, but paused
+        assert holding.result(timeout=30) == 340 * MB
+        started = waiting.result(timeout=30)
+        assert started > paused_at + 1.0  # it did not run while the worker was paused
+        poll(lambda: heartbeat(redis_url, cluster_name, address).get("status") == "running")
+        assert cluster.worker_processes[0].poll() is None
+
+
+def test_sigterm_stops_nanny_and_worker_gracefully_with_no_orphan(
+    redis_url: str, cluster_name: str, tmp_path: Path
+) -> None:
+    cluster = LocalCluster(
+        n_workers=2,
+        nanny=True,
+        redis_url=redis_url,
+        cluster_name=cluster_name,
+        log_directory=tmp_path,
+    )
+    try:
+        with Client(cluster) as client:
+            future = client.submit(inc, 41, workers=None)
+            assert future.result(timeout=30) == 42
+            holder = client.who_has([future])[future.key][0]
+            nanny = next(
+                p
+                for p in cluster.worker_processes
+                if psutil.Process(p.pid).children()[0].pid
+                == workers_of(redis_url, cluster_name)[holder]["pid"]
+            )
+            children = psutil.Process(nanny.pid).children(recursive=True)
+            nanny.send_signal(signal.SIGTERM)
+            assert nanny.wait(30) == 0
+            assert not [c for c in children if c.is_running() and c.status() != "zombie"]
+            assert holder not in workers_of(redis_url, cluster_name)
+            assert future.result() == 42  # its data went to the other worker first
+            assert client.who_has([future])[future.key] != [holder]
+    finally:
+        cluster.close()
+    log = "".join(p.read_text(errors="replace") for p in tmp_path.glob("*.log"))
+    assert "End worker" in log and "signal SIGTERM" in log
+    [graceful] = [d for d in deaths(redis_url, cluster_name) if d["worker"] == holder]
+    assert graceful["kind"] == "graceful" and graceful["reason"].startswith(
+        "closed: signal SIGTERM"
+    )
+
+
+def counted_inc(x: int, url: str, counter: str) -> int:
+    redis.Redis.from_url(url).incr(counter)
+    return x + 1
+
+
+def test_a_worker_reaching_its_lifetime_is_replaced_without_losing_a_result(
+    redis_url: str, cluster_name: str
+) -> None:
+    env = dict(os.environ, REDISDASK__REDIS__URL=redis_url, REDISDASK__LOGGING__LEVEL="WARNING")
+    with (
+        LocalCluster(
+            n_workers=1,
+            nanny=True,
+            redis_url=redis_url,
+            cluster_name=cluster_name,
+            worker_options={"lifetime": "4s", "lifetime_restart": True},
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        [(mortal, info)] = workers_of(redis_url, cluster_name).items()
+        steady = subprocess.Popen(  # a worker without a lifetime, to take the data
+            [sys.executable, "-m", "redisdask", "worker", "--cluster", cluster_name, "--no-nanny"],
+            env=env,
+        )
+        try:
+            poll(lambda: len(workers_of(redis_url, cluster_name)) == 2)
+            counter = f"{cluster_name}-runs"
+            futures = client.map(counted_inc, range(40), url=redis_url, counter=counter)
+            assert client.gather(futures) == list(range(1, 41))
+            assert any(mortal in h for h in client.who_has(futures).values())
+
+            def replaced() -> bool:
+                now = workers_of(redis_url, cluster_name)
+                return len(now) == 2 and all(w["started"] != info["started"] for w in now.values())
+
+            poll(replaced, timeout=40)
+            assert client.gather(futures) == list(range(1, 41))
+            assert int(redis.Redis.from_url(redis_url).get(counter)) == 40  # none recomputed
+            [record] = deaths(redis_url, cluster_name)
+            assert (
+                record["kind"] == "graceful" and record["reason"] == "closed: lifetime; restarted"
+            )
+            assert cluster.worker_processes[0].poll() is None  # the same nanny
+        finally:
+            steady.terminate()
+            steady.wait(30)
+
+
+def test_a_worker_that_cannot_start_is_given_up_on_with_a_clear_message(
+    redis_url: str, cluster_name: str
+) -> None:
+    env = dict(os.environ, REDISDASK__REDIS__URL=redis_url)
+    proc = subprocess.run(
+        [sys.executable, "-m", "redisdask", "worker", "--cluster", cluster_name, "--nthreads", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 1
+    assert "died 3 times in a row before it could register" in proc.stderr
+    records = deaths(redis_url, cluster_name)
+    assert len(records) == 3 and all(d["kind"] == "exception" for d in records)
+    assert "ValueError" in records[0]["evidence"]["traceback"]
+
+
+def test_restart_replaces_the_worker_processes_under_nannies(
+    redis_url: str, cluster_name: str
+) -> None:
+    with (
+        LocalCluster(n_workers=2, nanny=True, redis_url=redis_url, cluster_name=cluster_name),
+        Client(redis_url, cluster_name=cluster_name) as client,
+    ):
+        future = client.submit(inc, 1)
+        assert future.result(timeout=30) == 2
+        pids = {w["pid"] for w in workers_of(redis_url, cluster_name).values()}
+        client.restart(timeout=60)  # returns once the new processes registered
+        now = workers_of(redis_url, cluster_name)
+        assert len(now) == 2 and not pids & {w["pid"] for w in now.values()}
+        assert future.status == "cancelled"
+        assert client.submit(inc, 10).result(timeout=30) == 11
+        assert {d["reason"] for d in deaths(redis_url, cluster_name)} == {
+            "closed: restart; restarted"
+        }

@@ -1,0 +1,135 @@
+"""The worker's data store: results in memory, the least recently used spilled to disk.
+
+``SpillBuffer`` is a ``zict.Buffer`` (the library Dask's own spill buffer is built on):
+a ``dict`` of values in memory in front of files in the worker's local directory.  When
+the managed size (the sum of ``sizeof`` of the values in memory) passes ``target``
+bytes, the least recently used values are pickled to disk until it is below again; a
+value read back is loaded transparently (and becomes the most recently used).  The
+worker's memory monitor also spills on its own (``evict``) when the process's memory,
+whatever ``sizeof`` says, passes ``worker.memory.spill``.
+
+A value that cannot be written (disk full, a file system error) stays in memory and the
+error is logged once: losing data to a failed spill would be worse than using memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import pickle
+import struct
+import time
+from collections.abc import Hashable
+from pathlib import Path
+from typing import Any
+
+import zict
+
+from redisdask import comm
+from workers.sizeof import sizeof
+
+logger = logging.getLogger("redisdask.worker.spill")
+
+_COUNT = struct.Struct("!I")
+_LENGTH = struct.Struct("!Q")
+
+
+def dump(value: Any) -> list[Any]:
+    """Frames of ``value`` (pickle protocol 5, buffers out of band) behind their lengths."""
+    frames = comm.serialize(value)
+    lengths = [memoryview(f).nbytes for f in frames]
+    return [_COUNT.pack(len(frames)) + b"".join(_LENGTH.pack(n) for n in lengths), *frames]
+
+
+def load(blob: bytes | bytearray | memoryview) -> Any:
+    view = memoryview(blob)
+    (count,) = _COUNT.unpack_from(view)
+    offset = _COUNT.size
+    lengths = [_LENGTH.unpack_from(view, offset + i * _LENGTH.size)[0] for i in range(count)]
+    offset += count * _LENGTH.size
+    frames = []
+    for n in lengths:
+        frames.append(view[offset : offset + n])
+        offset += n
+    return pickle.loads(frames[0], buffers=frames[1:])
+
+
+class _SpillFailed(Exception):
+    pass
+
+
+class SpillBuffer(zict.Buffer[str, Any]):
+    """Results in memory up to ``target`` bytes, the rest on disk in ``directory``."""
+
+    def __init__(self, directory: str | Path, target: float) -> None:
+        self.directory = Path(directory)
+        super().__init__(
+            fast={},
+            slow=zict.Func(dump, load, zict.File(self.directory)),
+            n=target,
+            weight=_weight,
+        )
+        self.spilled_bytes = 0  # sizeof of the values on disk now
+        self.spill_count = 0
+        self.spill_seconds = 0.0
+        self.unspill_count = 0
+        self.unspill_seconds = 0.0
+        self._sizes: dict[str, int] = {}  # key -> sizeof, for the values on disk
+        self._failure_logged = False
+
+    @property
+    def managed_in_memory(self) -> int:
+        return int(self.fast.total_weight)
+
+    def fast_to_slow(self, key: str, value: Any) -> None:
+        start = time.perf_counter()
+        try:
+            super().fast_to_slow(key, value)
+        except Exception as exc:
+            if not self._failure_logged:
+                logger.error(
+                    "could not spill %r to %s (%s); keeping it in memory. Free disk space "
+                    "or give the worker another --local-directory",
+                    key,
+                    self.directory,
+                    exc,
+                )
+                self._failure_logged = True
+            raise _SpillFailed(str(exc)) from exc
+        self.spill_seconds += time.perf_counter() - start
+        self.spill_count += 1
+        size = _weight(key, value)
+        self._sizes[key] = size
+        self.spilled_bytes += size
+
+    def slow_to_fast(self, key: str) -> Any:
+        start = time.perf_counter()
+        try:
+            value = super().slow_to_fast(key)
+        except _SpillFailed:  # loaded, but what it was to push out stays in memory too
+            value = self.fast[key]
+        self.unspill_seconds += time.perf_counter() - start
+        self.unspill_count += 1
+        if key not in self.slow:  # a value heavier than target is read but stays on disk
+            self.spilled_bytes -= self._sizes.pop(key, 0)
+        return value
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        with contextlib.suppress(_SpillFailed):  # what failed to spill stays in memory
+            super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        self.spilled_bytes -= self._sizes.pop(key, 0)
+
+    def evict(self) -> int:
+        """Spill the least recently used value in memory; its size, or 0 if none could be."""
+        try:
+            _key, _value, weight = self.fast.evict()
+        except (KeyError, _SpillFailed):
+            return 0
+        return int(weight)
+
+
+def _weight(key: Hashable, value: Any) -> int:
+    return max(1, sizeof(value))
