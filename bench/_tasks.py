@@ -40,22 +40,32 @@ def exit_process(code: int) -> None:
 
 
 def allocate_until_killed(limit: int, where: str, marker: str | None) -> None:
-    """Grow by 20 MB every 20 ms; note (in Redis at ``where``/``marker``, or in the file
-    ``where``) the moment the process passed 95% of ``limit``."""
+    """Grow by 20 MB every 20 ms, noting ``time rss`` after each step from 80% of
+    ``limit`` on (in the Redis list ``marker`` at ``where``, or in the file ``where``),
+    so the moment the process passed 95% can be read back after it was killed."""
     import time
 
     import psutil
 
-    process, blocks, noted = psutil.Process(), [], False
+    process, blocks = psutil.Process(), []
+    note = None
+    if marker is not None:
+        import redis
+
+        r = redis.Redis.from_url(where)
+
+        def note(line: str) -> None:
+            r.rpush(marker, line)
+
     while True:
         blocks.append(b"\x01" * 20_000_000)
-        if not noted and process.memory_info().rss > 0.95 * limit:
-            noted = True
-            if marker is None:
-                with open(where, "w") as f:
-                    f.write(repr(time.time()))
+        rss = process.memory_info().rss
+        if rss > 0.8 * limit:
+            line = f"{time.time()!r} {rss}"
+            if note is not None:
+                note(line)
             else:
-                import redis
-
-                redis.Redis.from_url(where).set(marker, time.time())
+                with open(where, "a") as f:
+                    f.write(line + "\n")
+                    f.flush()
         time.sleep(0.02)

@@ -17,9 +17,12 @@ with SIGKILL on its own.  Every scenario starts a fresh cluster of each system a
 4. ``killed-worker``: one task calls ``os._exit(1)``; the time from its submission
    until the client raises ``KilledWorker`` (default ``allowed-failures`` 3, so it has to
    kill 4 workers).  This bench stands in for a nanny for both systems: it starts a new
-   worker process as soon as one died (polled every 20 ms).
+   worker process as soon as one died (polled every 20 ms);
+5. ``killed-worker-nannies``: the same with each system's own nannies (``redisdask
+   worker`` and ``dask worker`` with nannies) restarting the workers.
 
-    python bench/failures.py [--repeats 3] [--only redisdask|dask] [--json out.json]
+    python bench/failures.py [--repeats 3] [--only redisdask|dask] [--scenario NAME ...]
+                             [--json out.json]
 
 Times are medians of ``--repeats`` (fresh clusters each time).  The machine is shared
 and noisy: compare ratios, rerun before trusting one.
@@ -133,7 +136,7 @@ class System:
 class RedisDask(System):
     name = "redisdask"
 
-    def __init__(self, redis_url: str, logdir: Path) -> None:
+    def __init__(self, redis_url: str, logdir: Path, nanny: bool = False) -> None:
         import redis
 
         from redisdask import Client, KilledWorker, LocalCluster
@@ -141,7 +144,11 @@ class RedisDask(System):
 
         self.KilledWorker = KilledWorker
         self.cluster = LocalCluster(
-            n_workers=2, threads_per_worker=1, redis_url=redis_url, log_directory=logdir
+            n_workers=2,
+            threads_per_worker=1,
+            redis_url=redis_url,
+            log_directory=logdir,
+            nanny=nanny,
         )
         self.client = Client(self.cluster)
         self.redis = redis.Redis.from_url(redis_url)
@@ -185,7 +192,8 @@ def _free_port() -> int:
 class Dask(System):
     name = "dask"
 
-    def __init__(self, logdir: Path) -> None:
+    def __init__(self, logdir: Path, nanny: bool = False) -> None:
+        self.nanny = nanny
         import distributed
 
         self.KilledWorker = distributed.KilledWorker
@@ -222,7 +230,8 @@ class Dask(System):
 
     def start_worker(self) -> Any:
         self._n += 1
-        args = ["worker", self.address, "--no-nanny", "--nthreads", "1", "--no-dashboard"]
+        args = ["worker", self.address, "--nthreads", "1", "--no-dashboard"]
+        args.append("--nanny" if self.nanny else "--no-nanny")
         proc = self._spawn([*args, "--name", f"worker-{self._n}"], f"worker-{self._n}")
         self.workers.append(proc)
         return proc
@@ -311,11 +320,23 @@ def killed_worker(system: System) -> dict[str, Any]:
     return {"killed_worker_s": elapsed, "workers_killed": restarts}
 
 
+def killed_worker_nannies(system: System) -> dict[str, Any]:
+    """The same task, with each system's own nannies restarting the workers."""
+    t0 = time.perf_counter()
+    future = system.client.submit(_tasks.exit_process, 1, pure=False)
+    try:
+        future.result(timeout=TIMEOUT)
+    except system.KilledWorker:
+        return {"killed_worker_s": time.perf_counter() - t0}
+    raise AssertionError("the task returned")
+
+
 SCENARIOS: dict[str, Callable[[System], dict[str, Any]]] = {
     "baseline": baseline,
     "worker-kill": worker_kill,
     "scheduler-kill": scheduler_kill,
     "killed-worker": killed_worker,
+    "killed-worker-nannies": killed_worker_nannies,
 }
 
 
@@ -323,25 +344,32 @@ SCENARIOS: dict[str, Callable[[System], dict[str, Any]]] = {
 
 
 @contextlib.contextmanager
-def make(name: str, redis_url: str, logdir: Path) -> Iterator[System]:
-    system: System = RedisDask(redis_url, logdir) if name == "redisdask" else Dask(logdir)
+def make(name: str, redis_url: str, logdir: Path, nanny: bool) -> Iterator[System]:
+    system: System = (
+        RedisDask(redis_url, logdir, nanny) if name == "redisdask" else Dask(logdir, nanny)
+    )
     try:
         yield system
     finally:
         system.close()
 
 
-def run(names: list[str], repeats: int, logdir: Path) -> dict[str, dict[str, list[Any]]]:
+def run(
+    names: list[str], repeats: int, logdir: Path, only: list[str] | None = None
+) -> dict[str, dict[str, list[Any]]]:
     from redisdask.embedded import EmbeddedRedis
 
     results: dict[str, dict[str, list[Any]]] = {}
     with EmbeddedRedis() as redis_server:
         for scenario, fn in SCENARIOS.items():
+            if only and scenario not in only:
+                continue
             for r in range(repeats):
                 for name in names:  # interleaved, so drift in machine load hits both
                     print(f"[{name}] {scenario} #{r + 1} ...", file=sys.stderr, flush=True)
                     try:
-                        with make(name, redis_server.url, logdir) as system:
+                        nanny = scenario.endswith("-nannies")
+                        with make(name, redis_server.url, logdir, nanny) as system:
                             outcome = fn(system)
                     except Exception as exc:
                         outcome = {"error": f"{type(exc).__name__}: {exc}"[:300]}
@@ -361,6 +389,7 @@ ROWS = [  # scenario, field, label
     ("worker-kill", "total_s", "kill -9 of a worker: total s"),
     ("scheduler-kill", "total_s", "kill -9 of the scheduler + restart: total s"),
     ("killed-worker", "killed_worker_s", "task calling os._exit(1): KilledWorker after, s"),
+    ("killed-worker-nannies", "killed_worker_s", "  same, workers under nannies, s"),
 ]
 
 
@@ -397,13 +426,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="fresh clusters per scenario")
     parser.add_argument("--only", choices=["redisdask", "dask"], help="run one system")
     parser.add_argument("--json", metavar="PATH", help="also write every outcome here")
+    parser.add_argument(
+        "--scenario", action="append", choices=list(SCENARIOS), help="run only these"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     for noisy in ("distributed", "redisdask", "tornado", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.CRITICAL)
     names = [args.only] if args.only else ["redisdask", "dask"]
     with tempfile.TemporaryDirectory(prefix="rd-bench-failures-") as tmp:
-        results = run(names, args.repeats, Path(tmp))
+        results = run(names, args.repeats, Path(tmp), args.scenario)
     print(report(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

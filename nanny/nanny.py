@@ -85,7 +85,8 @@ class Nanny:
     ) -> None:
         self.redis_url, self.keys = redis_url, Keys(cluster)
         self.name = name
-        self.label = name or f"worker-{os.getpid()}-{index}"
+        # unique per host too: containers of one image all run their nanny as pid 1
+        self.label = name or f"worker-{socket.gethostname()}-{os.getpid()}-{index}"
         self.worker_args = list(worker_args or [])
         self.memory_limit = memory_limit
         self.terminate = terminate
@@ -102,14 +103,16 @@ class Nanny:
         self._closing = asyncio.Event()
         self.process: asyncio.subprocess.Process | None = None
         self.log_path = self.local_directory / f"{self.label}.log"
-        self.exit_reason_path = self.local_directory / f"{self.label}.exit-reason"
-        self.address_path = self.local_directory / f"{self.label}.address"
         self.tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL)
         self.restarts = 0
         self._file_log = self._make_file_log()
 
     def _make_file_log(self) -> logging.Logger:
         self.local_directory.mkdir(parents=True, exist_ok=True)
+        # what the worker tells its nanny, in a directory of this nanny's own
+        files = Path(tempfile.mkdtemp(prefix=f"nanny-{self.label}-", dir=self.local_directory))
+        self.exit_reason_path = files / "exit-reason"
+        self.address_path = files / "address"
         file_log = logging.getLogger(f"redisdask.nanny.worker-log.{self.label}")
         file_log.propagate = False
         file_log.setLevel(logging.INFO)
@@ -134,7 +137,9 @@ class Nanny:
                 watch = await self._run_worker_once()
                 uptime = time.monotonic() - started
                 if watch.address is None and watch.exit.returncode != 0 and not self.closing:
-                    start_failures += 1
+                    # a Redis that is away is no fault of the worker's: wait for it
+                    if await self._wait_for_redis():
+                        start_failures += 1
                 else:
                     start_failures = 0
                 quick_deaths = quick_deaths + 1 if uptime < QUICK_DEATH else 0
@@ -155,7 +160,7 @@ class Nanny:
                 if not restart:
                     return 0
                 self.restarts += 1
-                delay = min(10.0, 0.1 * 2**quick_deaths) if quick_deaths else 0.0
+                delay = min(10.0, 0.1 * 2 ** min(quick_deaths, 7)) if quick_deaths else 0.0
                 if delay:
                     logger.info("restarting worker %s in %.1f s", self.label, delay)
                     await asyncio.sleep(delay)  # backoff: no hot loop of deaths
@@ -163,6 +168,21 @@ class Nanny:
                     return 0
         finally:
             await self.redis.aclose()
+
+    async def _wait_for_redis(self) -> bool:
+        """True if Redis answered at once; else wait (with backoff) until it does."""
+        delay, first = 0.2, True
+        while not self.closing:
+            try:
+                await self.redis.ping()
+                return first
+            except redis.RedisError as exc:
+                if first:
+                    logger.warning("nanny of %s waits for Redis: %s", self.label, exc)
+                first = False
+            await asyncio.sleep(delay)  # backoff while Redis is away
+            delay = min(2.0, delay * 2)
+        return False
 
     def _should_restart(self, kind: str, exit: deaths.WorkerExit) -> bool:
         if self.closing:
@@ -245,11 +265,25 @@ class Nanny:
         return watch
 
     async def _pump_log(self, process: asyncio.subprocess.Process) -> None:
+        """Lines of the worker's output to our stderr, the log file and the tail (read in
+        chunks: a line of any length is split, never fatal)."""
         assert process.stdout is not None
-        while line := await process.stdout.readline():
-            text = line.decode(errors="replace").rstrip("\n")
-            self.tail.append(text)
-            self._file_log.info(text)
+        pending = b""
+        while chunk := await process.stdout.read(65536):
+            *lines, pending = (pending + chunk).split(b"\n")
+            if len(pending) > 65536:
+                lines.append(pending)
+                pending = b""
+            for line in lines:
+                self._log_line(line)
+        if pending:
+            self._log_line(pending)
+
+    def _log_line(self, line: bytes) -> None:
+        text = line.decode(errors="replace")
+        self.tail.append(text)
+        self._file_log.info(text)
+        with contextlib.suppress(OSError):  # our own stderr closed: the file still has it
             sys.stderr.write(text + "\n")
 
     async def _kill_if_stuck_closing(self, process: asyncio.subprocess.Process) -> None:
@@ -259,8 +293,7 @@ class Nanny:
         await asyncio.sleep(GRACEFUL_TIMEOUT + 5.0)  # the grace period is a timer by nature
         if process.returncode is None:
             logger.warning("worker %s did not stop in time; killing it", self.label)
-            with contextlib.suppress(ProcessLookupError):  # it just exited
-                process.kill()
+            _kill_group(process.pid)
 
     async def _monitor(self, process: asyncio.subprocess.Process, watch: _Watch) -> None:
         try:
@@ -274,6 +307,11 @@ class Nanny:
                 rss = proc.memory_info().rss
                 status = proc.status()
             except psutil.Error:
+                status = psutil.STATUS_ZOMBIE
+            if status == psutil.STATUS_ZOMBIE:
+                # it exited: end what its tasks started too, whose inherited pipes
+                # would otherwise keep us waiting
+                _kill_group(process.pid)
                 return
             if rss:  # an exiting process reads as 0
                 watch.rss = rss
@@ -289,14 +327,15 @@ class Nanny:
                     format_bytes(limit),
                 )
                 watch.killed_for = "memory"
-                process.kill()
+                _kill_group(process.pid)
                 return
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + self.heartbeat_interval
                 try:
                     await self._vouch_or_judge(process, proc, status, watch)
-                except (redis.ConnectionError, redis.TimeoutError) as exc:
-                    logger.warning("nanny of %s cannot reach Redis: %s", self.label, exc)
+                except redis.RedisError as exc:
+                    logger.warning("nanny of %s cannot use Redis: %s", self.label, exc)
+                    watch.heard_at = time.monotonic()  # silence now says nothing
                 if watch.killed_for:
                     return
             await asyncio.sleep(self.monitor_interval)  # the monitor is a timer by nature
@@ -308,9 +347,10 @@ class Nanny:
         status: str,
         watch: _Watch,
     ) -> None:
-        watch.address = watch.address or _read(self.address_path)
         if watch.address is None:
-            return  # not registered yet
+            watch.address = _read(self.address_path)
+            watch.heard_at = time.monotonic()
+            return  # not registered yet, or just now
         busy = proc.cpu_percent(None) >= BUSY_CPU_PERCENT and status not in (
             psutil.STATUS_STOPPED,
             psutil.STATUS_ZOMBIE,
@@ -318,10 +358,15 @@ class Nanny:
         if busy:  # at work, maybe in compiled code holding the GIL: it is alive
             ttl = int(self.worker_ttl * 1000)
             await self.redis.set(self.keys.worker_alive(watch.address), 1, px=ttl)
+            watch.heard_at = time.monotonic()
             return
-        raw = await self.redis.hget(self.keys.heartbeats, watch.address)
-        beat = schema.unpack(raw) if raw else {}
-        silent = time.time() - float(beat.get("time", time.time()))
+        # silence is measured on our own clock, from the last change of its heartbeat
+        # that we saw (a Redis back from its AOF holds old entries; a removed worker's
+        # entry is gone)
+        beat = await self.redis.hget(self.keys.heartbeats, watch.address)
+        if beat is not None and beat != watch.last_beat:
+            watch.last_beat, watch.heard_at = beat, time.monotonic()
+        silent = time.monotonic() - watch.heard_at
         if silent > self.hang_timeout and not self.closing:
             logger.warning(
                 "worker %s (pid %d) is alive but sent no heartbeat for %.1f s while idle: "
@@ -331,7 +376,7 @@ class Nanny:
                 silent,
             )
             watch.killed_for, watch.silent_for = "hung", silent
-            process.kill()
+            _kill_group(process.pid)
 
     # ------------------------------------------------------------------ reporting
 
@@ -346,7 +391,7 @@ class Nanny:
             try:
                 await self._send_report(watch, kind, text, restarted)
                 return
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except redis.RedisError as exc:
                 if attempt == 19:
                     logger.error(
                         "could not record the death of %s in Redis at %s: %s",
@@ -363,6 +408,7 @@ class Nanny:
             raw = await self.redis.hget(self.keys.heartbeats, watch.address)
             last = schema.unpack(raw) if raw else {}
         evidence = deaths.evidence(watch.exit, kind, restarted, last)
+        evidence.update(pid=watch.pid, host=socket.gethostname(), name=self.name or self.label)
         if kind != "graceful" and watch.address is not None:
             message = {
                 "op": "remove-worker",
@@ -403,7 +449,10 @@ def _read(path: Path) -> str | None:
 class _Watch:
     """What the nanny learned while one worker process ran."""
 
-    __slots__ = ("address", "exit", "killed_for", "oom_kills_before", "pid", "rss", "silent_for")
+    __slots__ = (
+        "address", "exit", "heard_at", "killed_for", "last_beat", "oom_kills_before", "pid",
+        "rss", "silent_for",
+    )  # fmt: skip
 
     def __init__(self, oom_kills_before: int | None) -> None:
         self.address: str | None = None
@@ -413,6 +462,23 @@ class _Watch:
         self.oom_kills_before = oom_kills_before
         self.pid: int | None = None
         self.exit = deaths.WorkerExit(returncode=0)
+        self.last_beat: bytes | None = None  # its heartbeat entry as last read
+        self.heard_at = time.monotonic()  # when we last saw a sign of life
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL the worker and every process its tasks started (its own session)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+async def _run_safely(nanny: Nanny) -> int:
+    """One nanny's failure is logged and ends it alone, not its siblings."""
+    try:
+        return await nanny.run()
+    except Exception:
+        logger.exception("the nanny of %s failed", nanny.label)
+        return 1
 
 
 def run_nannies(nannies: list[Nanny]) -> int:
@@ -422,7 +488,7 @@ def run_nannies(nannies: list[Nanny]) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: [n.request_close() for n in nannies])
-        codes = await asyncio.gather(*(n.run() for n in nannies))
+        codes = await asyncio.gather(*(_run_safely(n) for n in nannies))
         return max(codes, default=0)
 
     return asyncio.run(run())

@@ -74,13 +74,24 @@ def memory_limit(value: str | int | float | None, nthreads: int) -> int:
     if value is None:
         return 0
     if value == "auto":
-        cores = os.cpu_count() or 1
-        return int(total * min(1.0, nthreads / cores))
-    if isinstance(value, float) and 0 < value <= 1:
+        return int(total * min(1.0, nthreads / cpu_count()))
+    if isinstance(value, str) and re.fullmatch(r"\s*(0?\.\d+|1(\.0*)?)\s*", value):
+        value = float(value)
+    if isinstance(value, float) and 0 < value <= 1:  # a fraction, as in Dask
         return int(total * value)
-    if isinstance(value, str) and re.fullmatch(r"\s*0?\.\d+\s*", value):
-        return int(total * float(value))
-    return parse_bytes(value)
+    return min(parse_bytes(value), total)
+
+
+def cpu_count() -> float:
+    """Cores this process may use: the CPUs, or fewer under a cgroup CPU quota."""
+    cores = float(os.cpu_count() or 1)
+    try:
+        quota, period = (CGROUP / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return cores
+    if quota == "max":
+        return cores
+    return max(1.0, min(cores, int(quota) / int(period)))
 
 
 def oom_kills() -> int | None:

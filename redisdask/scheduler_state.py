@@ -854,6 +854,11 @@ class SchedulerState:
     def _handle_remove_worker(self, ev: RemoveWorker) -> None:
         ws = self.workers.pop(ev.worker, None)
         if ws is None:
+            if ev.how == "nanny":  # removed already (say, its heartbeat expired first):
+                # the nanny's word on why it ended is still the record worth keeping
+                known = ("name", "host", "pid")
+                gone = WorkerInfo(ev.worker, {k: ev.evidence.get(k) for k in known})
+                self._emit(RecordDeath(ev.stimulus_id, self._death_record(ev, gone, [])))
             return
         self._retirement_changed = True  # a copy it held or was fetching may be gone
         for other in self.workers.values():

@@ -31,6 +31,7 @@ def inc(x: int) -> int:
 
 
 def crash(code: int) -> None:
+    print("x" * 70_000, flush=True)  # a line longer than any line buffer
     os._exit(code)
 
 
@@ -343,3 +344,22 @@ def test_restart_replaces_the_worker_processes_under_nannies(
         assert {d["reason"] for d in deaths(redis_url, cluster_name)} == {
             "closed: restart; restarted"
         }
+
+
+def test_a_hung_worker_is_killed_and_restarted_by_its_nanny(
+    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REDISDASK__WORKER__HANG_TIMEOUT", "2")
+    with (
+        LocalCluster(n_workers=1, nanny=True, redis_url=redis_url, cluster_name=cluster_name),
+        Client(redis_url, cluster_name=cluster_name) as client,
+    ):
+        [info] = workers_of(redis_url, cluster_name).values()
+        os.kill(info["pid"], signal.SIGSTOP)  # alive, silent, idle
+        poll(lambda: any(d["kind"] == "hung" for d in deaths(redis_url, cluster_name)), 30)
+        [hung] = [d for d in deaths(redis_url, cluster_name) if d["kind"] == "hung"]
+        assert hung["reason"].startswith("hung: no heartbeat for") and hung["pid"] == info["pid"]
+        assert (
+            not psutil.pid_exists(info["pid"]) or psutil.Process(info["pid"]).status() == "zombie"
+        )
+        assert client.submit(inc, 1).result(timeout=30) == 2  # a fresh worker took over

@@ -1277,3 +1277,14 @@ def test_a_copy_being_made_of_a_released_key_is_freed_on_its_target():
     s.handle_stimulus(RetireWorkers("rw", client="c", workers=[W1]))
     out = s.handle_stimulus(ClientReleasesKeys("rel", client="c", keys=["x"]))
     assert freed(out, W2) == {"x"} and freed(out, W1) == {"x"}
+
+
+def test_a_nannys_report_after_the_worker_was_removed_is_still_recorded():
+    s = make(W1)
+    s.handle_stimulus(RemoveWorker("hb", worker=W1, how="heartbeat", reason="silent"))
+    evidence = {"kind": "hung", "pid": 42, "host": "h", "name": "w-0"}
+    out = s.handle_stimulus(
+        RemoveWorker("nanny", worker=W1, how="nanny", reason="hung: ...", evidence=evidence)
+    )
+    [record] = [i.record for i in of(out, RecordDeath)]
+    assert record["kind"] == "hung" and record["pid"] == 42 and record["name"] == "w-0"

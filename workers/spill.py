@@ -58,28 +58,45 @@ class _SpillFailed(Exception):
     pass
 
 
+class _SizedDisk(zict.Func[str, Any, Any]):
+    """The files, knowing the size of each value they hold (however zict deletes one)."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(dump, load, zict.File(directory))
+        self.sizes: dict[str, int] = {}
+        self.total = 0
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        self.total += _weight(key, value) - self.sizes.get(key, 0)
+        self.sizes[key] = _weight(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        self.total -= self.sizes.pop(key, 0)
+
+
 class SpillBuffer(zict.Buffer[str, Any]):
     """Results in memory up to ``target`` bytes, the rest on disk in ``directory``."""
 
     def __init__(self, directory: str | Path, target: float) -> None:
         self.directory = Path(directory)
-        super().__init__(
-            fast={},
-            slow=zict.Func(dump, load, zict.File(self.directory)),
-            n=target,
-            weight=_weight,
-        )
-        self.spilled_bytes = 0  # sizeof of the values on disk now
+        self.disk = _SizedDisk(self.directory)
+        super().__init__(fast={}, slow=self.disk, n=target, weight=_weight)
         self.spill_count = 0
         self.spill_seconds = 0.0
         self.unspill_count = 0
         self.unspill_seconds = 0.0
-        self._sizes: dict[str, int] = {}  # key -> sizeof, for the values on disk
         self._failure_logged = False
 
     @property
     def managed_in_memory(self) -> int:
         return int(self.fast.total_weight)
+
+    @property
+    def spilled_bytes(self) -> int:
+        """sizeof of the values on disk now."""
+        return self.disk.total
 
     def fast_to_slow(self, key: str, value: Any) -> None:
         start = time.perf_counter()
@@ -98,9 +115,6 @@ class SpillBuffer(zict.Buffer[str, Any]):
             raise _SpillFailed(str(exc)) from exc
         self.spill_seconds += time.perf_counter() - start
         self.spill_count += 1
-        size = _weight(key, value)
-        self._sizes[key] = size
-        self.spilled_bytes += size
 
     def slow_to_fast(self, key: str) -> Any:
         start = time.perf_counter()
@@ -110,17 +124,11 @@ class SpillBuffer(zict.Buffer[str, Any]):
             value = self.fast[key]
         self.unspill_seconds += time.perf_counter() - start
         self.unspill_count += 1
-        if key not in self.slow:  # a value heavier than target is read but stays on disk
-            self.spilled_bytes -= self._sizes.pop(key, 0)
         return value
 
     def __setitem__(self, key: str, value: Any) -> None:
         with contextlib.suppress(_SpillFailed):  # what failed to spill stays in memory
             super().__setitem__(key, value)
-
-    def __delitem__(self, key: str) -> None:
-        super().__delitem__(key)
-        self.spilled_bytes -= self._sizes.pop(key, 0)
 
     def evict(self) -> int:
         """Spill the least recently used value in memory; its size, or 0 if none could be."""

@@ -155,8 +155,11 @@ class Worker:
         self._exit_reason: str | None = None  # what the nanny is told, if not close()'s
         self._retire_force = False
         self._next_gc = 0.0  # the memory monitor collects garbage at most once a second
-        nanny = os.environ.get(NANNY_PID_ENV, "")
+        # taken out of the environment: processes that tasks start have no nanny
+        nanny = os.environ.pop(NANNY_PID_ENV, "")
         self.nanny_pid = int(nanny) if nanny.isdigit() else None
+        self._exit_reason_file = os.environ.pop(EXIT_REASON_ENV, None)
+        self._address_file = os.environ.pop(ADDRESS_FILE_ENV, None)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -181,8 +184,8 @@ class Worker:
         )
         self.scripts = schema.Scripts(self.redis)  # type: ignore[arg-type]
         await self._register()
-        if path := os.environ.get(ADDRESS_FILE_ENV):
-            Path(path).write_text(self.address)  # for its nanny: which worker it is
+        if self._address_file:
+            Path(self._address_file).write_text(self.address)  # for its nanny: which worker
         self.status = "running"
         loops = [self._claim_loop, self._listen_loop, self._heartbeat_loop, self._flush_loop]
         if self.memory_limit and (self.memory_spill or self.memory_pause):
@@ -343,10 +346,9 @@ class Worker:
             await self.close(f"{reason}; its data could not be moved within {timeout} s")
 
     def _write_exit_reason(self, reason: str) -> None:
-        path = os.environ.get(EXIT_REASON_ENV)
-        if path:
+        if self._exit_reason_file:
             try:
-                Path(path).write_text(self._exit_reason or reason)
+                Path(self._exit_reason_file).write_text(self._exit_reason or reason)
             except OSError as exc:
                 logger.warning("could not tell the nanny why this worker closed: %s", exc)
 
@@ -944,9 +946,14 @@ def main(redis_url: str, cluster: str, **kwargs: Any) -> None:
         await worker.start()
         loop = asyncio.get_running_loop()
         closing: set[asyncio.Task[None]] = set()  # the loop holds tasks weakly: keep them
+        first_signal: list[float] = []
 
         def on_signal(sig: signal.Signals) -> None:
-            # the first signal: hand the data over, then leave; a second: leave now
+            # the first signal: hand the data over, then leave; a second one (not the
+            # same stop sent to the whole process group and again by the nanny): now
+            if first_signal and time.monotonic() - first_signal[0] < 2.0:
+                return
+            first_signal.append(time.monotonic())
             if closing:
                 closing.add(asyncio.ensure_future(worker.close(f"signal {sig.name} (again)")))
             else:
