@@ -1,4 +1,4 @@
-"""The ``redisdask`` command: ``scheduler``, ``worker``, ``demo``, ``config show``.
+"""The ``redisdask`` command: ``scheduler``, ``worker``, ``inspect``, ``demo``, ``config show``.
 
 Every command that talks to a cluster takes the Redis URL as its first positional
 argument (default from config, else ``redis://127.0.0.1:6379/0``) and ``--cluster NAME``.
@@ -102,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the nanny starts a fresh worker when one reaches its lifetime",
     )
+
+    p = sub.add_parser("inspect", help="read-only answers from Redis about a cluster")
+    what = p.add_subparsers(dest="what", required=True)
+    q = what.add_parser("deaths", help="every recorded worker death, newest first: why it died")
+    _add_common(q, url, cluster)
+    q.add_argument("--worker", help="only this worker (address or name)")
+    q.add_argument("--since", help="only this recent, e.g. '1h', '30 minutes'")
+    q.add_argument("--json", action="store_true", help="machine-readable output")
 
     p = sub.add_parser("demo", help="run a small computation on a local cluster")
     p.add_argument(
@@ -210,6 +218,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             role = "worker" if args.no_nanny else "nanny"
             _setup_logging(config.logging.level, f"{role}:{args.name or ''}")
             return _worker(args, config)
+        elif args.command == "inspect":
+            from rich.console import Console
+
+            from redisdask import inspect
+            from redisdask.connection import connect
+            from redisdask.schema import Keys
+
+            try:
+                since = parse_duration(args.since) if args.since else None
+            except ValueError as exc:
+                raise ConfigError(f"--since: {exc}") from None
+            r = connect(args.redis_url, timeout=config.redis.connect_timeout)
+            try:
+                inspect.deaths_command(
+                    r,
+                    Keys(args.cluster),
+                    worker=args.worker,
+                    since=since,
+                    as_json=args.json,
+                    console=Console(),
+                )
+            finally:
+                r.close()
         elif args.command == "demo":
             _setup_logging("WARNING", "demo")
             try:
