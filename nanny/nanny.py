@@ -35,6 +35,7 @@ import logging
 import logging.handlers
 import os
 import random
+import shutil
 import signal
 import socket
 import sys
@@ -168,6 +169,7 @@ class Nanny:
                     return 0
         finally:
             await self.redis.aclose()
+            shutil.rmtree(self.address_path.parent, ignore_errors=True)
 
     async def _wait_for_redis(self) -> bool:
         """True if Redis answered at once; else wait (with backoff) until it does."""
