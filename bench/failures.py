@@ -183,7 +183,7 @@ class RedisDask(System):
         self.redis.close()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -198,7 +198,7 @@ class Dask(System):
 
         self.KilledWorker = distributed.KilledWorker
         self.logdir = logdir
-        self.port = _free_port()
+        self.port = free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.scheduler = self._spawn(
             ["scheduler", "--host", "127.0.0.1", "--port", str(self.port), "--no-dashboard"],

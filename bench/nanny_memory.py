@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,19 +40,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )
 
 import _tasks  # noqa: E402
+from failures import free_port, poll_until  # noqa: E402
 
 LIMIT = 300_000_000
 ARRAY = 10_000_000
 N_ARRAYS = 40
-
-
-def poll_until(condition: Callable[[], Any], timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not met within {timeout} s")
-        time.sleep(0.005)
-    return value
 
 
 def crossing(lines: list[str]) -> float:
@@ -62,12 +53,6 @@ def crossing(lines: list[str]) -> float:
     steps = [(float(t), int(rss)) for t, rss in (line.split() for line in lines)]
     above = [t for t, rss in steps if rss > 0.95 * LIMIT]
     return above[0] if above else steps[-1][0]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -122,7 +107,7 @@ def redisdask_runs(redis_url: str, repeats: int) -> dict[str, list[float]]:
             ),
         ]
         try:
-            poll_until(lambda: r.hlen(keys.workers) == 1)  # noqa: B023
+            poll_until(lambda: r.hlen(keys.workers) == 1, 60, 0.005)  # noqa: B023
             time.sleep(3)  # idle: let start-up allocations settle
             out["idle_rss_mb"].append(_tree_rss(procs[1].pid) / 1e6)
             [first] = r.hkeys(keys.workers)
@@ -133,7 +118,7 @@ def redisdask_runs(redis_url: str, repeats: int) -> dict[str, list[float]]:
                 def replacement() -> bool:
                     return any(a != first for a in r.hkeys(keys.workers))  # noqa: B023
 
-                poll_until(replacement)
+                poll_until(replacement, 60, 0.005)
                 registered = time.time()
                 crossed = crossing([x.decode() for x in r.lrange(marker, 0, -1)])
                 out["replaced_s"].append(registered - crossed)
@@ -153,7 +138,7 @@ def dask_runs(repeats: int) -> dict[str, list[float]]:
 
     out: dict[str, list[float]] = {"replaced_s": [], "idle_rss_mb": []}
     for _ in range(repeats):
-        port = _free_port()
+        port = free_port()
         address = f"tcp://127.0.0.1:{port}"
         base = [sys.executable, "-m"]
         procs = [
@@ -187,7 +172,7 @@ def dask_runs(repeats: int) -> dict[str, list[float]]:
                 def replacement() -> bool:
                     return any(a != first for a in client.scheduler_info()["workers"])  # noqa: B023
 
-                poll_until(replacement)
+                poll_until(replacement, 60, 0.005)
                 registered = time.time()
                 crossed = crossing(Path(marker).read_text().splitlines())
                 out["replaced_s"].append(registered - crossed)

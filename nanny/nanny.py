@@ -105,7 +105,6 @@ class Nanny:
         self.process: asyncio.subprocess.Process | None = None
         self.log_path = self.local_directory / f"{self.label}.log"
         self.tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL)
-        self.restarts = 0
         self._file_log = self._make_file_log()
 
     def _make_file_log(self) -> logging.Logger:
@@ -160,7 +159,6 @@ class Nanny:
                     return 1
                 if not restart:
                     return 0
-                self.restarts += 1
                 delay = min(10.0, 0.1 * 2 ** min(quick_deaths, 7)) if quick_deaths else 0.0
                 if delay:
                     logger.info("restarting worker %s in %.1f s", self.label, delay)

@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from redisdask import Client, KilledWorker, LocalCluster
+from redisdask.schema import Keys
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,6 +62,7 @@ def test_inspect_deaths_names_a_memory_death_with_its_figures_and_writes_nothing
     ):
         client.submit(allocate_forever, 20_000_000).result(timeout=60)
     r = redis.Redis.from_url(redis_url)
+    r.xadd(Keys(cluster_name).deaths, {"m": b"\xc1 not msgpack"})  # a stranger's entry
     before = calls(r)
     result = inspect(redis_url, "deaths", "--cluster", cluster_name, "--json")
     text = inspect(redis_url, "deaths", "--cluster", cluster_name, "--since", "1h")

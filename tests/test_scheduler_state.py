@@ -899,6 +899,8 @@ def test_from_dict_defaults_missing_optional_fields():
         {"op": "add-worker", "worker": W1, "info": []},
         {"op": "close-client", "client": "c", "stimulus_id": 7},
         {"op": "missing-data", "worker": W1, "keys": ["x"], "errant_worker": 3},
+        {"op": "retire-workers", "workers": W1},
+        {"op": "retire-workers", "workers": [W1], "force": "yes"},
     ],
 )
 def test_from_dict_rejects_malformed_messages(msg):
