@@ -49,10 +49,18 @@ import redis
 
 from nanny import deaths
 from redisdask import schema
+from redisdask.config import RetentionConfig
 from redisdask.connection import connect_async, redact
+from redisdask.events import death_fields
 from redisdask.memory import format_bytes, oom_kills
 from redisdask.schema import Keys
-from workers.worker import ADDRESS_FILE_ENV, EXIT_REASON_ENV, GRACEFUL_TIMEOUT, NANNY_PID_ENV
+from workers.worker import (
+    ADDRESS_FILE_ENV,
+    EXIT_REASON_ENV,
+    GRACEFUL_TIMEOUT,
+    NANNY_PID_ENV,
+    RESTARTS_ENV,
+)
 
 logger = logging.getLogger("redisdask.nanny")
 
@@ -83,8 +91,11 @@ class Nanny:
         lifetime_stagger: float = 0.0,
         lifetime_restart: bool = False,
         connect_timeout: float = 5.0,
+        retention: RetentionConfig | None = None,
     ) -> None:
         self.redis_url, self.keys = redis_url, Keys(cluster)
+        self.retention = retention or RetentionConfig()
+        self.restarts = 0  # workers started after the first
         self.name = name
         # unique per host too: containers of one image all run their nanny as pid 1
         self.label = name or f"worker-{socket.gethostname()}-{os.getpid()}-{index}"
@@ -165,6 +176,7 @@ class Nanny:
                     await asyncio.sleep(delay)  # backoff: no hot loop of deaths
                 if self.closing:
                     return 0
+                self.restarts += 1
         finally:
             await self.redis.aclose()
             shutil.rmtree(self.address_path.parent, ignore_errors=True)
@@ -216,6 +228,7 @@ class Nanny:
                 NANNY_PID_ENV: str(os.getpid()),
                 EXIT_REASON_ENV: str(self.exit_reason_path),
                 ADDRESS_FILE_ENV: str(self.address_path),
+                RESTARTS_ENV: str(self.restarts),
             },
         )
         args = [sys.executable, "-m", "redisdask", "worker", "--cluster", self.keys.cluster]
@@ -434,9 +447,11 @@ class Nanny:
             "evidence": evidence,
             "stimulus_id": f"nanny-{self.label}-{time.time():.6f}",
         }
-        await self.redis.xadd(
-            self.keys.deaths, {"m": schema.pack(record)}, maxlen=schema.DEATHS_MAXLEN
-        )
+        event = {"kind": "worker-died", "time": record["time"], **death_fields(record)}
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xadd(self.keys.deaths, {"m": schema.pack(record)}, maxlen=self.retention.deaths)
+        pipe.xadd(self.keys.events, {"m": schema.pack(event)}, maxlen=self.retention.events)
+        await pipe.execute()
 
 
 def _read(path: Path) -> str | None:

@@ -184,6 +184,7 @@ def _worker(args: argparse.Namespace, config: Config) -> int:
             lifetime_stagger=stagger,
             lifetime_restart=args.lifetime_restart,
             connect_timeout=config.redis.connect_timeout,
+            retention=config.retention,
         )
         for i in range(args.nworkers)
     ]
@@ -213,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 worker_ttl=config.scheduler.worker_ttl,
                 client_ttl=config.scheduler.client_ttl,
                 connect_timeout=config.redis.connect_timeout,
+                retention=config.retention,
             )
         elif args.command == "worker":
             role = "worker" if args.no_nanny else "nanny"

@@ -178,6 +178,17 @@ class LoggingConfig(Section):
     level: LogLevel = "INFO"
 
 
+class RetentionConfig(Section):
+    """How much history a cluster keeps in Redis: each stream is trimmed to exactly this
+    many entries on every write, so a cluster that runs for months does not grow Redis."""
+
+    events: Annotated[int, Field(gt=0)] = 10_000  # rd:{c}:events
+    deaths: Annotated[int, Field(gt=0)] = 10_000  # rd:{c}:deaths
+    story: Annotated[int, Field(gt=0)] = 5_000  # scheduler story entries (<= 100 transitions)
+    worker_story: Annotated[int, Field(gt=0)] = 500  # per worker, entries of <= 100 lines
+    worker_story_ttl: Seconds = 3600.0  # how long a departed worker's story is kept
+
+
 class Config(Section):
     """All settings. Attribute access is snake_case; ``get`` takes dotted dashed keys."""
 
@@ -187,6 +198,7 @@ class Config(Section):
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     client: ClientConfig = Field(default_factory=ClientConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    retention: RetentionConfig = Field(default_factory=RetentionConfig)
 
     def get(self, key: str, default: Any = ...) -> Any:
         """``config.get("worker.memory.target")``; sections come back as models."""

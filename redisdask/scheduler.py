@@ -22,14 +22,16 @@ import signal
 import socket
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 import redis
 
 from redisdask import schema
+from redisdask.config import RetentionConfig
 from redisdask.connection import connect, redact
 from redisdask.errors import FencedError, ProtocolError
+from redisdask.events import death_fields, event_command
 from redisdask.scheduler_state import (
     HOLDS_DEPENDENCIES,
     AddWorker,
@@ -42,6 +44,7 @@ from redisdask.scheduler_state import (
     ForgetClient,
     ForgetWorker,
     Instruction,
+    LogEvent,
     RecordDeath,
     RemoveWorker,
     ResetCluster,
@@ -49,6 +52,9 @@ from redisdask.scheduler_state import (
     SetState,
     SetWants,
     StoreTask,
+    TaskClaimed,
+    TaskErred,
+    TaskFinished,
     TaskState,
     Unclaim,
     WorkerMsg,
@@ -63,6 +69,8 @@ CHECK_INTERVAL = 0.2  # seconds between looks for dead workers (CLIENT LIST, hea
 NANNY_GRACE_LOOKS = 8  # looks without connections before a nanny's worker is dead (~1.5 s)
 MAX_BATCH_BYTES = 64 << 20  # one atomic write stays far below Redis's 512 MB per argument
 DEAD_LETTER_SAMPLE = 4096  # bytes of each field kept of a dead-lettered entry
+SUMMARY_INTERVAL = 0.5  # seconds between writes of the summary hash while tasks change
+THROUGHPUT_WINDOW = 60  # seconds of finished-task counts the summary keeps
 
 
 class Scheduler:
@@ -78,8 +86,10 @@ class Scheduler:
         allowed_failures: int = 3,
         worker_ttl: float = 3.0,
         client_ttl: float = 30.0,
+        retention: RetentionConfig | None = None,
     ) -> None:
         self.keys = Keys(cluster)
+        self.retention = retention or RetentionConfig()
         self.redis_url = redis_url
         self.redis = connect(redis_url, timeout=connect_timeout, name=f"rd-scheduler-{cluster}")
         self.scripts = schema.Scripts(self.redis)
@@ -95,6 +105,9 @@ class Scheduler:
         self.watch = WorkerWatch(self.keys, worker_ttl)
         self.trust_clients_at = 0.0
         self._stopping = False
+        self.previous: str | None = None  # the lease holder before us
+        self.redis_away: float | None = None  # seconds Redis was away before this lead
+        self.summary = Summary()
 
     # ------------------------------------------------------------------ lease
 
@@ -112,6 +125,8 @@ class Scheduler:
             )
             if token is not None:
                 self.token = token.decode()
+                holder = self.redis.hget(self.keys.scheduler, "id")
+                self.previous = holder.decode() if holder and holder.decode() != self.id else None
                 self.redis.hset(
                     self.keys.scheduler,
                     mapping={
@@ -172,7 +187,13 @@ class Scheduler:
                 self.state = self._load()
                 self.watch = WorkerWatch(self.keys, self.worker_ttl)
                 self.trust_clients_at = time.monotonic() + self.client_ttl
-                self._event("scheduler-start", scheduler=self.id, token=self.token)
+                self._event(
+                    "scheduler-start", scheduler=self.id, token=self.token, previous=self.previous
+                )
+                if self.redis_away is not None:
+                    self._event("redis-reconnected", process=self.id, away=self.redis_away)
+                    self.redis_away = None
+                self.summary = Summary.resumed(self.redis, self.keys)
                 self._lead()
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 self._wait_for_redis(exc)
@@ -190,9 +211,9 @@ class Scheduler:
                 self.redis.ping()
             except (redis.ConnectionError, redis.TimeoutError):
                 continue
+            self.redis_away = round(time.monotonic() - lost_at, 3)
             logger.warning(
-                "reconnected to Redis after %.1f s; reloading the state from it",
-                time.monotonic() - lost_at,
+                "reconnected to Redis after %.1f s; reloading the state from it", self.redis_away
             )
             return
 
@@ -229,7 +250,10 @@ class Scheduler:
                 pending = False
                 continue
             if not entries:
-                self.renew_lease()
+                if self.summary.due():
+                    self.apply([self.summary.command(self.keys, self.state, self.id)])
+                else:
+                    self.renew_lease()
                 continue
             for batch in _by_size(entries, MAX_BATCH_BYTES):
                 self.process(batch)
@@ -304,6 +328,10 @@ class Scheduler:
                 commands.append(self._dead_letter(stream, entry_id, fields, str(exc)))
         instructions = self.state.handle_stimulus(*events)
         commands = self.to_commands(instructions) + commands
+        commands += self._story(events, instructions)
+        self.summary.count(events)
+        if self.summary.due():
+            commands.append(self.summary.command(self.keys, self.state, self.id))
         for stream, ids in acks.items():
             commands.append(["XACK", stream, schema.SCHEDULER_GROUP, *ids])
             commands.append(["XDEL", stream, *ids])
@@ -426,26 +454,16 @@ class Scheduler:
                         "XADD",
                         k.deaths,
                         "MAXLEN",
-                        "~",
-                        schema.DEATHS_MAXLEN,
+                        self.retention.deaths,
                         "*",
                         "m",
                         schema.pack({"time": now, **ins.record}),
                     ]
                 )
-                summary = {key: ins.record[key] for key in ("worker", "how", "reason")}
-                cmds.append(
-                    [
-                        "XADD",
-                        k.events,
-                        "MAXLEN",
-                        "~",
-                        schema.EVENTS_MAXLEN,
-                        "*",
-                        "m",
-                        schema.pack({"kind": "worker-died", "time": now, **summary}),
-                    ]
-                )
+                fields = death_fields(ins.record)
+                cmds.append(self._event_command("worker-died", now, **fields))
+            elif isinstance(ins, LogEvent):
+                cmds.append(self._event_command(ins.kind, time.time(), **ins.fields))
             elif isinstance(ins, ResetCluster):
                 # what this batch wrote so far was about tasks that are gone now
                 for pending in (
@@ -465,6 +483,7 @@ class Scheduler:
                 cmds.extend(["DEL", k.worker_processing(w), k.worker_ready(w)] for w in ins.workers)
                 cmds.extend(["DEL", k.client_wants(c)] for c in ins.clients)
             elif isinstance(ins, ForgetWorker):
+                story_ttl_ms = int(self.retention.worker_story_ttl * 1000)
                 cmds += [
                     [
                         "DEL",
@@ -474,6 +493,8 @@ class Scheduler:
                     ],
                     ["HDEL", k.workers, ins.worker],
                     ["HDEL", k.heartbeats, ins.worker],
+                    # its story outlives it a while: "what was it doing?"
+                    ["PEXPIRE", k.worker_story(ins.worker), story_ttl_ms],
                 ]
             else:  # pragma: no cover - a new instruction without a translation is a bug
                 raise TypeError(f"no Redis translation for {ins!r}")
@@ -524,13 +545,94 @@ class Scheduler:
             )
         return cmds
 
+    def _event_command(self, kind: str, now: float, **fields: Any) -> list[Any]:
+        return event_command(self.keys.events, self.retention.events, kind, now, **fields)
+
     def _event(self, kind: str, **fields: Any) -> None:
-        self.redis.xadd(
-            self.keys.events,
-            {"m": schema.pack({"kind": kind, "time": time.time(), **fields})},
-            maxlen=schema.EVENTS_MAXLEN,
-            approximate=True,
-        )
+        self.redis.execute_command(*self._event_command(kind, time.time(), **fields))
+
+    def _story(self, events: list[Event], instructions: list[Instruction]) -> list[list[Any]]:
+        """The batch's task transitions for ``rd:{c}:story``: ``[key, state, stimulus_id]``
+        each, with what caused each stimulus (``[op, origin]``), in entries of at most
+        ``STORY_CHUNK`` transitions.  ``redisdask inspect task`` reads a task's story here."""
+        transitions: list[list[str]] = []
+        for ev in events:
+            if isinstance(ev, TaskClaimed):
+                transitions += ([key, "processing", ev.stimulus_id] for key in ev.keys)
+        for ins in instructions:
+            if isinstance(ins, SetState | StoreTask):
+                transitions.append([ins.key, ins.state, ins.stimulus_id])
+            elif isinstance(ins, Forget):
+                transitions.append([ins.key, "forgotten", ins.stimulus_id])
+        if not transitions:
+            return []
+        causes = {ev.stimulus_id: [ev.op, _origin(ev)] for ev in events}
+        now = time.time()
+        cmds = []
+        for i in range(0, len(transitions), schema.STORY_CHUNK):
+            chunk = transitions[i : i + schema.STORY_CHUNK]
+            used = {sid: causes[sid] for _, _, sid in chunk if sid in causes}
+            entry = schema.pack({"time": now, "transitions": chunk, "causes": used})
+            cmds.append(["XADD", self.keys.story, "MAXLEN", self.retention.story, "*", "m", entry])
+        return cmds
+
+
+def _origin(ev: Event) -> str:
+    """The process a stimulus came from: a worker, a client, or the scheduler itself."""
+    return getattr(ev, "worker", "") or getattr(ev, "client", "") or "scheduler"
+
+
+class Summary:
+    """Task counts per prefix and state and finished tasks per second, written to
+    ``rd:{c}:summary`` at most every ``SUMMARY_INTERVAL`` while anything changes, so that
+    ``status`` and ``monitor`` read one hash instead of every task."""
+
+    def __init__(self, finished_total: int = 0, erred_total: int = 0) -> None:
+        self.finished_total = finished_total
+        self.erred_total = erred_total
+        self.per_second: Counter[int] = Counter()
+        self.dirty = True
+        self.next_write = 0.0
+
+    @classmethod
+    def resumed(cls, r: redis.Redis, keys: Keys) -> Summary:
+        """Carry the totals on from the summary of the scheduler before us."""
+        totals = r.hmget(keys.summary, "finished_total", "erred_total")
+        return cls(*(int(v or 0) for v in totals))
+
+    def count(self, events: list[Event]) -> None:
+        self.dirty = True
+        second = int(time.time())
+        for ev in events:
+            if isinstance(ev, TaskFinished):
+                self.finished_total += 1
+                self.per_second[second] += 1
+            elif isinstance(ev, TaskErred):
+                self.erred_total += 1
+
+    def due(self) -> bool:
+        return self.dirty and time.monotonic() >= self.next_write
+
+    def command(self, keys: Keys, state: SchedulerState, scheduler_id: str) -> list[Any]:
+        self.dirty = False
+        self.next_write = time.monotonic() + SUMMARY_INTERVAL
+        now = time.time()
+        oldest = int(now) - THROUGHPUT_WINDOW
+        for second in [s for s in self.per_second if s < oldest]:
+            del self.per_second[second]
+        by_prefix: dict[str, Counter[str]] = defaultdict(Counter)
+        for ts in state.tasks.values():
+            by_prefix[ts.prefix][ts.state] += 1
+        fields = {
+            "time": now,
+            "scheduler": scheduler_id,
+            "prefixes": schema.pack({p: dict(c) for p, c in by_prefix.items()}),
+            "finished": schema.pack(sorted(self.per_second.items())),
+            "finished_total": self.finished_total,
+            "erred_total": self.erred_total,
+            "clients": len(state.clients),
+        }
+        return ["HSET", keys.summary, *[x for kv in fields.items() for x in kv]]
 
 
 class WorkerWatch:

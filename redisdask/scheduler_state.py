@@ -33,6 +33,7 @@ become the score of the Redis ready set, which a worker pops smallest-first.
 from __future__ import annotations
 
 import logging
+import re
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
@@ -46,6 +47,27 @@ PRIORITY_SCALE = 2**40  # submission sequence numbers stay below this
 NO_SCORE = float("nan")  # a report that does not say which run it answers
 # states in which a task keeps its dependencies from being released
 HOLDS_DEPENDENCIES = ("waiting", "queued", "processing", "no-worker")
+
+
+_HEX8 = re.compile(r"^[0-9a-f]{8}$")
+
+
+def key_prefix(key: str) -> str:
+    """The group a task key belongs to, as Dask's ``key_split`` finds it: ``"inc"`` for
+    ``"inc-5f3a9c..."``, ``"sum-chunk"`` for ``"sum-chunk-00ab12cd"``, ``"x"`` for the text
+    of a tuple key ``"('x-1a2b', 0)"``.  The monitor's progress rows are per prefix."""
+    words = key.split("-")
+    head = words[0]
+    if head.startswith("<"):  # "<lambda>", "<function f at 0x...>"
+        head = (head.strip("<>").split() or [""])[0].split(".")[-1]
+    elif head and not head[0].isalpha():
+        head = head.split(",")[0].strip("_'()\" ")
+    parts = [head]
+    for word in words[1:]:
+        if not word.isalpha() or _HEX8.match(word):
+            break
+        parts.append(word)
+    return "-".join(parts) or "other"
 
 
 def priority_score(user_priority: int, seq: int) -> float:
@@ -450,6 +472,15 @@ class ResetCluster(Instruction):
 
 
 @dataclass(slots=True)
+class LogEvent(Instruction):
+    """Append to the cluster's event log (what ``redisdask monitor`` and ``inspect events``
+    show): ``worker-joined``, ``worker-left``, ``killed-worker``, ..."""
+
+    kind: str
+    fields: dict[str, Any]
+
+
+@dataclass(slots=True)
 class RecordDeath(Instruction):
     """Append a worker's death record (the answer to "why did my worker die?")."""
 
@@ -463,6 +494,7 @@ class RecordDeath(Instruction):
 class TaskState:
     key: str
     state: str = "released"
+    prefix: str = field(init=False)  # key_prefix(key): its row in the monitor
     score: float = 0.0
     has_spec: bool = True
     dependencies: set[TaskState] = field(default_factory=set)
@@ -489,6 +521,9 @@ class TaskState:
     erred_on: str | None = None
     exception_blame: str | None = None  # the task whose error this one inherited
 
+    def __post_init__(self) -> None:
+        self.prefix = key_prefix(self.key)
+
     def __repr__(self) -> str:
         return f"<TaskState {self.key!r} {self.state}>"
 
@@ -506,6 +541,7 @@ class WorkerInfo:
     retire_heard: bool = False  # it said itself that it retires: it claims no more
     to_move: set[TaskState] = field(default_factory=set)  # results to copy elsewhere
     told_to_close: bool = False  # retired: its data is safe elsewhere
+    announced: bool = False  # its worker-joined event was logged
 
 
 class InvalidTransition(RuntimeError):
@@ -810,6 +846,14 @@ class SchedulerState:
             self.workers[ev.worker] = WorkerInfo(ev.worker, dict(ev.info))
         else:
             self.workers[ev.worker].info.update(ev.info)
+        ws = self.workers[ev.worker]
+        if ev.stimulus_id != "load" and not ws.announced:
+            # (a worker that registered before this scheduler loaded is announced when its
+            # add-worker message is read)
+            ws.announced = True
+            shown = ("name", "host", "nthreads", "memory_limit", "restarts")
+            fields = {k: ev.info[k] for k in shown if ev.info.get(k) is not None}
+            self._emit(LogEvent(ev.stimulus_id, "worker-joined", {"worker": ev.worker, **fields}))
         self._retirement_changed = True  # somewhere new to put a retiring worker's data
         if ev.resync:
             self._resync(self.workers[ev.worker], ev.resync)
@@ -869,6 +913,9 @@ class SchedulerState:
         if died:
             record = self._death_record(ev, ws, processing)
             self._emit(RecordDeath(ev.stimulus_id, record))
+        else:
+            fields = {"worker": ws.address, "name": ws.info.get("name"), "reason": ev.reason}
+            self._emit(LogEvent(ev.stimulus_id, "worker-left", fields))
         for ts in processing:
             ts.processing_on = None
             self._emit(Unclaim(ev.stimulus_id, ws.address, ts.key))
@@ -939,6 +986,8 @@ class SchedulerState:
         ts.traceback_text = ""
         ts.erred_on = ts.deaths[-1]["worker"] if ts.deaths else None
         ts.killed = _pack_deaths(ts)
+        fields = {"key": ts.key, "workers": [d["worker"] for d in ts.deaths]}
+        self._emit(LogEvent(self._stimulus_id, "killed-worker", fields))
         ts.state = "processing"  # funnel through the one erred transition
         self._transition_waiting_erred(ts)
 

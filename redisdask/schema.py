@@ -12,6 +12,8 @@ MULTI/EXEC stay valid on Redis Cluster, Valkey and managed Redis::
     rd:{c}:stream:dead-letter          stream  input entries that could not be decoded
     rd:{c}:events                      stream  cluster event log (capped)
     rd:{c}:deaths                      stream  one death record per worker death (capped)
+    rd:{c}:story                       stream  the scheduler's task transitions (capped)
+    rd:{c}:summary                     hash    task counts per prefix and state, throughput
     rd:{c}:ready                       zset    queued task keys, score = priority
     rd:{c}:ready-signal                stream  one entry per batch that queued work (capped)
     rd:{c}:tasks                       set     every task key the scheduler knows
@@ -22,6 +24,8 @@ MULTI/EXEC stay valid on Redis Cluster, Valkey and managed Redis::
     rd:{c}:worker:<addr>:processing    set     tasks claimed by that worker
     rd:{c}:worker:<addr>:ready         zset    queued tasks restricted to that worker
     rd:{c}:worker:<addr>:inbox         stream  scheduler -> worker messages
+    rd:{c}:worker:<addr>:story         stream  that worker's own story (capped; kept a
+                                               while after it left)
     rd:{c}:clients                     hash    client id -> msgpack info
     rd:{c}:client:<id>:alive           string  present while the client heartbeats (PX ttl)
     rd:{c}:client:<id>:events          stream  scheduler -> client messages
@@ -50,8 +54,7 @@ SCHEMA_VERSION = 1
 SCHEDULER_GROUP = "scheduler"
 SCHEDULER_CONSUMER = "scheduler"  # one consumer: only the lease holder ever reads
 READY_SIGNAL_MAXLEN = 1000
-EVENTS_MAXLEN = 10_000
-DEATHS_MAXLEN = 10_000
+STORY_CHUNK = 100  # transitions per entry of a story stream
 
 _CLUSTER_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
@@ -115,6 +118,14 @@ class Keys:
         return self.prefix + "deaths"
 
     @property
+    def story(self) -> str:
+        return self.prefix + "story"
+
+    @property
+    def summary(self) -> str:
+        return self.prefix + "summary"
+
+    @property
     def ready(self) -> str:
         return self.prefix + "ready"
 
@@ -156,6 +167,9 @@ class Keys:
 
     def worker_inbox(self, address: str) -> str:
         return f"{self.prefix}worker:{address}:inbox"
+
+    def worker_story(self, address: str) -> str:
+        return f"{self.prefix}worker:{address}:story"
 
     @property
     def clients(self) -> str:

@@ -48,6 +48,7 @@ when it finishes).
 from __future__ import annotations
 
 import heapq
+import itertools
 import random
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, MutableMapping
@@ -392,6 +393,7 @@ class WorkerState:
         self.has_what: defaultdict[str, set[str]] = defaultdict(set)  # peer -> keys
         self.avg_task_duration: float | None = None  # EWMA of stop - start
         self.story: deque[StoryEntry] = deque(maxlen=story_limit)
+        self.story_total = 0  # entries ever appended (the driver ships the new ones)
         # the events themselves, for replay (opt-in: they hold task results alive)
         self.stimulus_log: deque[StateMachineEvent] = deque(
             maxlen=story_limit if record_stimuli else 0
@@ -402,6 +404,7 @@ class WorkerState:
         self._instructions: list[Instruction] = []
         self._newly_missing: list[str] = []
         self._event_time: float | None = None
+        self.clock: float | None = None  # the driver's wall time of the current stimuli
         self._handlers: dict[type, Callable[[Any], None]] = {
             ComputeTaskEvent: self._handle_compute,
             ExecuteSuccessEvent: self._handle_execute_success,
@@ -433,7 +436,7 @@ class WorkerState:
         self._instructions = out = []
         for ev in events:
             self.stimulus_log.append(ev)
-            self._event_time = getattr(ev, "stop", None)
+            self._event_time = getattr(ev, "stop", None) or self.clock
             self._handlers[type(ev)](ev)
             self._ensure_computing(ev.stimulus_id)
             self._ensure_communicating(ev.stimulus_id)
@@ -461,6 +464,15 @@ class WorkerState:
             target = max(target, tiny)
         active = len(self.by_state["waiting"]) + len(self.by_state["ready"]) + len(self.executing)
         return max(0, target - active)
+
+    def _tell(self, entry: StoryEntry) -> None:
+        self.story.append(entry)
+        self.story_total += 1
+
+    def story_since(self, total: int) -> list[StoryEntry]:
+        """The entries appended after the first ``total`` (as many as are still kept)."""
+        new = min(self.story_total - total, len(self.story))
+        return list(itertools.islice(self.story, len(self.story) - new, None))
 
     def stories(self, *keys: str) -> list[StoryEntry]:
         """The story entries about ``keys``."""
@@ -551,7 +563,7 @@ class WorkerState:
         self.avg_task_duration = duration if avg is None else avg + EWMA_ALPHA * (duration - avg)
         ts = self.tasks.get(key)
         if ts is None:  # unknown key: a stale message, nothing to do
-            self.story.append((key, "forgotten", finish, sid, self._event_time))
+            self._tell((key, "forgotten", finish, sid, self._event_time))
             return None
         if ts.state == "executing" or (ts.state == "cancelled" and ts.previous == "executing"):
             return ts
@@ -711,7 +723,7 @@ class WorkerState:
 
     def _set_state(self, ts: TaskState, finish: str, sid: str) -> None:
         self.by_state[ts.state].discard(ts)
-        self.story.append((ts.key, ts.state, finish, sid, self._event_time))
+        self._tell((ts.key, ts.state, finish, sid, self._event_time))
         ts.state = finish
         if finish != "released":
             self.by_state[finish].add(ts)
@@ -991,7 +1003,7 @@ class WorkerState:
         for worker in list(ts.who_has):
             self._forget_holder(ts, worker)
         del self.tasks[ts.key]
-        self.story.append((ts.key, "released", "forgotten", sid, self._event_time))
+        self._tell((ts.key, "released", "forgotten", sid, self._event_time))
         self._unlink_dependencies(ts, sid)
 
     # -- invariants ------------------------------------------------------------------

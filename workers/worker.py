@@ -64,6 +64,7 @@ GRACEFUL_TIMEOUT = 20.0  # seconds a worker stopped by SIGTERM may spend moving 
 NANNY_PID_ENV = "REDISDASK_NANNY_PID"
 EXIT_REASON_ENV = "REDISDASK_EXIT_REASON_FILE"
 ADDRESS_FILE_ENV = "REDISDASK_ADDRESS_FILE"  # where a worker under a nanny writes its address
+RESTARTS_ENV = "REDISDASK_RESTARTS"  # how many workers this one's nanny started before it
 
 
 _task_thread = threading.local()  # .worker: the worker whose pool owns this thread
@@ -110,6 +111,7 @@ class Worker:
         memory_pause: float | Literal[False] = 0.80,
         memory_monitor_interval: float = 0.2,
         lifetime: float | None = None,
+        story_maxlen: int = 500,
         validate: bool = False,
     ) -> None:
         self.redis_url = redis_url
@@ -132,6 +134,9 @@ class Worker:
         self.memory_pause = memory_pause
         self.memory_monitor_interval = memory_monitor_interval
         self.lifetime = lifetime
+        self.story_maxlen = story_maxlen
+        self._story_sent = 0  # state.story_total when the story was last shipped to Redis
+        self._notes: list[list[Any]] = []  # the driver's own story lines: pauses, spills
         self.address = ""
         self.status = "init"
         self.functions = FunctionCache()
@@ -160,6 +165,8 @@ class Worker:
         self.nanny_pid = int(nanny) if nanny.isdigit() else None
         self._exit_reason_file = os.environ.pop(EXIT_REASON_ENV, None)
         self._address_file = os.environ.pop(ADDRESS_FILE_ENV, None)
+        restarts = os.environ.pop(RESTARTS_ENV, "")
+        self.restarts = int(restarts) if restarts.isdigit() else 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -247,10 +254,12 @@ class Worker:
             "versions": versions(),
             "started": self.started,
             "nanny": self.nanny_pid,
+            "restarts": self.restarts,
             "local_directory": str(self.local_directory),
         }
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(self.keys.workers, self.address, schema.pack(info))
+        pipe.persist(self.keys.worker_story(self.address))  # a predecessor's had a TTL
         pipe.set(self.keys.worker_alive(self.address), 1, px=int(self.worker_ttl * 1000))
         pipe.hset(self.keys.heartbeats, self.address, schema.pack(self._metrics()))
         message: dict[str, Any] = {"op": "add-worker", "worker": self.address, "info": info}
@@ -374,6 +383,7 @@ class Worker:
     # ------------------------------------------------------------------ state machine
 
     def handle(self, *events: ws.StateMachineEvent) -> None:
+        self.state.clock = time.time()  # when, in the story
         for ins in self.state.handle_stimulus(*events):
             if isinstance(ins, ws.Execute):
                 self._execute(ins.key, ins.stimulus_id)
@@ -631,8 +641,33 @@ class Worker:
             pipe.hset(self.keys.heartbeats, self.address, schema.pack(self._metrics()))
             # what the inbox listener read is trimmed here, off the task path
             pipe.xtrim(self.keys.worker_inbox(self.address), minid=self._inbox_id)
+            for chunk in self._new_story():
+                pipe.xadd(
+                    self.keys.worker_story(self.address),
+                    {"m": schema.pack(chunk)},
+                    maxlen=self.story_maxlen,
+                    approximate=False,
+                )
             await pipe.execute()
             await asyncio.sleep(self.heartbeat_interval)  # a heartbeat is a timer by nature
+
+    def _note(self, kind: str, detail: str) -> None:
+        """A line of this worker's story that no task transition tells (pause, spill)."""
+        self._notes.append([time.time(), "", kind, detail, ""])
+
+    def _new_story(self) -> list[list[list[Any]]]:
+        """What happened since the last heartbeat, for ``rd:{c}:worker:<addr>:story``: rows
+        ``[time, key, start, finish, stimulus_id]`` (notes have no key), in chunks."""
+        rows = [
+            [t or 0.0, key, start, finish, sid]
+            for key, start, finish, sid, t in self.state.story_since(self._story_sent)
+        ]
+        self._story_sent = self.state.story_total
+        rows += self._notes
+        self._notes = []
+        rows.sort(key=lambda row: row[0])
+        step = schema.STORY_CHUNK
+        return [rows[i : i + step] for i in range(0, len(rows), step)]
 
     def _metrics(self) -> dict[str, Any]:
         """What a heartbeat carries; the last one is the evidence of a death record."""
@@ -699,6 +734,10 @@ class Worker:
                     100 * rss / limit,
                     "pausing its thread pool" if paused else "resuming",
                 )
+                self._note(
+                    "pause" if paused else "unpause",
+                    f"process memory {format_bytes(rss)} of {format_bytes(limit)}",
+                )
                 self.handle(
                     ws.PauseEvent(f"pause-{time.time()}")
                     if paused
@@ -720,6 +759,7 @@ class Worker:
             if count % 10 == 0:
                 await asyncio.sleep(0)  # let transfers and reports through
         if count:
+            self._note("spill", f"{count} results ({format_bytes(freed)}) to disk")
             logger.info(
                 "Worker %s: process memory %s is above %.0f%% of its limit: spilled %d "
                 "results (%s) to disk",
@@ -880,6 +920,7 @@ def options_from_config(config: Any) -> dict[str, Any]:
     """``Worker`` keyword arguments from a loaded ``redisdask.config.Config``."""
     return {
         "heartbeat_interval": config.worker.heartbeat_interval,
+        "story_maxlen": config.retention.worker_story,
         "worker_ttl": config.scheduler.worker_ttl,
         "claim_horizon": config.worker.claim_horizon,
         "connection_limit": config.worker.connection_limit,

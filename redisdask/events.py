@@ -1,0 +1,75 @@
+"""The cluster event log, ``rd:{c}:events``: what happened to the cluster, one line each.
+
+Anyone may append (the scheduler, nannies); ``redisdask monitor`` shows the newest and
+``redisdask inspect events --follow`` tails it.  Each entry's field ``m`` is a msgpack map
+with ``kind`` and ``time`` and, per kind:
+
+==================== =========================================================== ===========
+kind                 fields                                                      written by
+==================== =========================================================== ===========
+scheduler-start      scheduler, token, previous (the holder it took over from)   scheduler
+redis-reconnected    process, away (seconds Redis was unreachable)               scheduler
+worker-joined        worker, name, host, nthreads, memory_limit, restarts        scheduler
+worker-left          worker, name, reason (it closed or retired on its own)      scheduler
+worker-died          worker, name, how, kind, reason, rss, memory_limit,         scheduler,
+                     restarted (the full record is on ``rd:{c}:deaths``)         nanny
+killed-worker        key, workers (the task erred with KilledWorker)             scheduler
+==================== =========================================================== ===========
+
+The stream is trimmed to ``retention.events`` entries on every append.  Readers must
+accept kinds and fields they do not know: the log is for people, and a newer process may
+write more.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redisdask import schema
+from redisdask.memory import format_bytes
+
+
+def event_command(stream: str, maxlen: int, kind: str, now: float, **fields: Any) -> list[Any]:
+    """The XADD of one event, trimmed to ``maxlen`` entries."""
+    event = schema.pack({"kind": kind, "time": now, **fields})
+    return ["XADD", stream, "MAXLEN", maxlen, "*", "m", event]
+
+
+def death_fields(record: dict[str, Any]) -> dict[str, Any]:
+    """What a ``worker-died`` event carries of a death record."""
+    evidence = record.get("evidence") or {}
+    fields = {k: record.get(k) for k in ("worker", "name", "how", "kind", "reason")}
+    for name in ("rss", "memory_limit", "restarted"):
+        if evidence.get(name) is not None:
+            fields[name] = evidence[name]
+    return fields
+
+
+def describe(event: dict[str, Any]) -> str:
+    """One line for people: ``worker w1 died (memory): ...``."""
+    kind = str(event.get("kind", "?"))
+    who = event.get("name") or event.get("worker") or "?"
+    if kind == "worker-joined":
+        extra = f", restart {event['restarts']}" if event.get("restarts") else ""
+        return f"worker {who} joined ({event.get('nthreads', '?')} threads{extra})"
+    if kind == "worker-left":
+        return f"worker {who} left: {event.get('reason') or 'closed'}"
+    if kind == "worker-died":
+        memory = ""
+        if event.get("rss") and event.get("memory_limit"):
+            rss, limit = event["rss"], event["memory_limit"]
+            memory = f" at {format_bytes(rss)} of {format_bytes(limit)}"
+        return f"worker {who} died ({event.get('kind') or event.get('how')}){memory}: " + str(
+            event.get("reason", "")
+        )
+    if kind == "killed-worker":
+        workers = event.get("workers") or []
+        return f"KilledWorker: {event.get('key')} was running on {len(workers)} workers that died"
+    if kind == "scheduler-start":
+        previous = event.get("previous")
+        took = f", taking over from {previous}" if previous else ""
+        return f"scheduler {event.get('scheduler')} leads (token {event.get('token')}){took}"
+    if kind == "redis-reconnected":
+        return f"{event.get('process')} reconnected to Redis after {event.get('away', 0):.1f} s"
+    rest = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("kind", "time"))
+    return f"{kind}: {rest}"
