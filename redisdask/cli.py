@@ -1,4 +1,5 @@
-"""The ``redisdask`` command: ``scheduler``, ``worker``, ``inspect``, ``demo``, ``config show``.
+"""The ``redisdask`` command: ``scheduler``, ``worker``, ``status``, ``monitor``, ``inspect``,
+``demo``, ``config show``.
 
 Every command that talks to a cluster takes the Redis URL as its first positional
 argument (default from config, else ``redis://127.0.0.1:6379/0``) and ``--cluster NAME``.
@@ -103,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the nanny starts a fresh worker when one reaches its lifetime",
     )
 
+    p = sub.add_parser("status", help="a one-shot summary of a cluster (read-only)")
+    _add_common(p, url, cluster)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("monitor", help="a live dashboard of a cluster (read-only; q quits)")
+    _add_common(p, url, cluster)
+    p.add_argument("--interval", type=float, default=0.5, help="seconds between frames")
+
     p = sub.add_parser("inspect", help="read-only answers from Redis about a cluster")
     what = p.add_subparsers(dest="what", required=True)
     q = what.add_parser("deaths", help="every recorded worker death, newest first: why it died")
@@ -110,6 +119,22 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--worker", help="only this worker (address or name)")
     q.add_argument("--since", help="only this recent, e.g. '1h', '30 minutes'")
     q.add_argument("--json", action="store_true", help="machine-readable output")
+    q = what.add_parser("task", help="a task's state, error, dependencies and story")
+    q.add_argument("key", help="the task's key (a future's .key)")
+    _add_common(q, url, cluster)
+    q.add_argument("--json", action="store_true", help="machine-readable output")
+    q = what.add_parser("worker", help="a live or dead worker: info, story, data")
+    q.add_argument("worker", help="its address or name")
+    _add_common(q, url, cluster)
+    q.add_argument("--json", action="store_true", help="machine-readable output")
+    q = what.add_parser("keys", help="the cluster's keys in Redis by kind, with memory")
+    _add_common(q, url, cluster)
+    q.add_argument("--json", action="store_true", help="machine-readable output")
+    q = what.add_parser("events", help="the cluster event log (--follow: tail -f)")
+    _add_common(q, url, cluster)
+    q.add_argument("--follow", "-f", action="store_true", help="print new events as they come")
+    q.add_argument("-n", "--count", type=int, default=50, help="how many recent events")
+    q.add_argument("--json", action="store_true", help="JSON (one object per line with -f)")
 
     p = sub.add_parser("demo", help="run a small computation on a local cluster")
     p.add_argument(
@@ -191,6 +216,80 @@ def _worker(args: argparse.Namespace, config: Config) -> int:
     return run_nannies(nannies)
 
 
+def _read_only(args: argparse.Namespace, config: Config) -> int:
+    """``status``, ``monitor`` and ``inspect ...``: they only ever read Redis."""
+    from rich.console import Console
+
+    from redisdask import inspect
+    from redisdask.connection import connect, redact
+    from redisdask.schema import Keys
+
+    console = Console()
+    keys = Keys(args.cluster)
+    since = None
+    if getattr(args, "since", None):
+        try:
+            since = parse_duration(args.since)
+        except ValueError as exc:
+            raise ConfigError(f"--since: {exc}") from None
+    r = connect(args.redis_url, timeout=config.redis.connect_timeout)
+    try:
+        if args.command == "monitor":
+            from redisdask.monitor import run_monitor
+
+            return run_monitor(r, keys, redact(args.redis_url), interval=args.interval)
+        if args.command == "status":
+            from redisdask.snapshot import read_snapshot
+            from redisdask.views import status_view
+
+            snap = read_snapshot(r, keys)
+            if args.json:
+                inspect.print_json(console, snap.to_dict())
+            else:
+                console.print(status_view(snap, redact(args.redis_url), console.width))
+            return 0
+        if args.what == "deaths":
+            inspect.deaths_command(
+                r, keys, worker=args.worker, since=since, as_json=args.json, console=console
+            )
+        elif args.what == "task":
+            task = inspect.read_task(r, keys, args.key)
+            if args.json:
+                inspect.print_json(console, task)
+            else:
+                inspect.render_task(task, console)
+            if task["state"] == "unknown" and not task["story"]:
+                print(f"redisdask inspect task: no task {args.key!r} in cluster {args.cluster!r}",
+                      file=sys.stderr)  # fmt: skip
+                return 1
+        elif args.what == "worker":
+            worker = inspect.read_worker(r, keys, args.worker)
+            if worker is None:
+                print(
+                    f"redisdask inspect worker: no worker {args.worker!r}, live or dead, in "
+                    f"cluster {args.cluster!r} (redisdask status lists the live ones)",
+                    file=sys.stderr,
+                )
+                return 1
+            if args.json:
+                inspect.print_json(console, worker)
+            else:
+                inspect.render_worker(worker, console)
+        elif args.what == "keys":
+            rows = inspect.read_keys(r, keys)
+            if args.json:
+                inspect.print_json(console, rows)
+            else:
+                inspect.render_keys(rows, keys, console)
+        elif args.what == "events":
+            inspect.events_command(
+                r, keys, count=args.count, follow=args.follow, as_json=args.json, console=console
+            )
+    finally:
+        r.close()
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()
@@ -220,29 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             role = "worker" if args.no_nanny else "nanny"
             _setup_logging(config.logging.level, f"{role}:{args.name or ''}")
             return _worker(args, config)
-        elif args.command == "inspect":
-            from rich.console import Console
-
-            from redisdask import inspect
-            from redisdask.connection import connect
-            from redisdask.schema import Keys
-
-            try:
-                since = parse_duration(args.since) if args.since else None
-            except ValueError as exc:
-                raise ConfigError(f"--since: {exc}") from None
-            r = connect(args.redis_url, timeout=config.redis.connect_timeout)
-            try:
-                inspect.deaths_command(
-                    r,
-                    Keys(args.cluster),
-                    worker=args.worker,
-                    since=since,
-                    as_json=args.json,
-                    console=Console(),
-                )
-            finally:
-                r.close()
+        elif args.command in ("inspect", "status", "monitor"):
+            return _read_only(args, config)
         elif args.command == "demo":
             _setup_logging("WARNING", "demo")
             try:

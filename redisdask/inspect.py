@@ -6,12 +6,22 @@ work from any machine that can reach Redis and never change what they look at.
 * ``deaths``: every recorded worker death (and, under nannies, every graceful exit),
   newest first, with its kind, reason, memory figures, the tasks it was running and the
   tail of its log: the direct answer to "why did my worker die?".
+* ``task KEY``: its record, dependencies and dependents, where it ran or is held, its
+  error, and its story: every transition the scheduler and the workers logged, with the
+  time and the process that caused it.
+* ``worker W``: a live or dead worker's info, last heartbeat, story and data.
+* ``keys``: the cluster's keys in Redis by kind, counted, with ``MEMORY USAGE`` sampled.
+* ``events [--follow]``: the cluster event log, ``tail -f`` style.
+
+Nothing is ever unpickled: a task's exception is shown from the text the worker recorded
+next to the pickle.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import redis
@@ -21,10 +31,16 @@ from rich.table import Table
 from rich.text import Text
 
 from redisdask import schema
+from redisdask.events import describe
 from redisdask.memory import format_bytes
 from redisdask.schema import Keys
 
 LOG_LINES = 15  # lines of a death's log tail shown (``--json`` gives all of them)
+SCAN_LIMIT = 200_000  # tasks read to find dependents or a worker's data (else: skipped)
+PAGE = 1000  # entries or keys per read
+MEMORY_SAMPLES = 20  # keys per kind whose MEMORY USAGE is asked (the rest extrapolated)
+TEXT_FIELDS = ("state", "worker", "who_has", "workers", "type", "exception_text",
+               "traceback_text", "erred_on", "exception_blame")  # fmt: skip
 
 
 def read_deaths(
@@ -111,3 +127,404 @@ def _plain(value: Any) -> Any:
     if isinstance(value, bytes):
         return value.decode(errors="replace")
     return str(value)
+
+
+def print_json(console: Console, data: Any) -> None:
+    console.print_json(json.dumps(data, default=_plain))
+
+
+# --------------------------------------------------------------------------- stories
+
+
+def _read_stream_matching(r: redis.Redis, stream: str, needle: bytes) -> Iterator[Any]:
+    """The unpacked entries of ``stream`` (oldest first) whose payload contains ``needle``:
+    a substring test on the raw bytes skips most entries without unpacking them."""
+    low = "-"
+    while True:
+        entries = r.xrange(stream, low, "+", count=PAGE)
+        for _, fields in entries:
+            raw = fields.get(b"m", b"")
+            if needle in raw:
+                try:
+                    yield schema.unpack(raw)
+                except (ValueError, TypeError):
+                    continue
+        if len(entries) < PAGE:
+            return
+        low = "(" + entries[-1][0].decode()
+
+
+def task_story(r: redis.Redis, keys: Keys, key: str) -> list[dict[str, Any]]:
+    """The scheduler's transitions of ``key``, oldest first: time, state, the stimulus and
+    what caused it (op and origin: a worker address, a client id, or the scheduler)."""
+    story = []
+    for entry in _read_stream_matching(r, keys.story, key.encode()):
+        causes = entry.get("causes") or {}
+        for row in entry.get("transitions") or []:
+            if len(row) == 3 and row[0] == key:
+                op, origin = (causes.get(row[2]) or ["?", "?"])[:2]
+                story.append(
+                    {
+                        "time": entry.get("time"),
+                        "state": row[1],
+                        "stimulus_id": row[2],
+                        "cause": op,
+                        "origin": origin,
+                    }
+                )
+    return story
+
+
+def worker_story(
+    r: redis.Redis, keys: Keys, address: str, key: str | None = None, limit: int = 200
+) -> list[dict[str, Any]]:
+    """A worker's own story (``key``: only about that task), oldest first."""
+    rows: list[dict[str, Any]] = []
+    stream = keys.worker_story(address)
+    entries = (
+        _read_stream_matching(r, stream, key.encode())
+        if key is not None
+        else (_unpack_entry(f) for _, f in reversed(r.xrevrange(stream, count=limit)))
+    )
+    for entry in entries:
+        for row in entry or []:
+            if not isinstance(row, list) or len(row) != 5 or (key is not None and row[1] != key):
+                continue
+            when, task, start, finish, sid = row
+            rows.append(
+                {
+                    "time": when,
+                    "worker": address,
+                    "key": task,
+                    "start": start,
+                    "finish": finish,
+                    "stimulus_id": sid,
+                }
+            )
+    return rows[-limit:]
+
+
+def _unpack_entry(fields: dict[bytes, bytes]) -> Any:
+    try:
+        return schema.unpack(fields.get(b"m", b"\xc0"))
+    except (ValueError, TypeError):
+        return None
+
+
+# --------------------------------------------------------------------------- tasks
+
+
+def _scan_tasks(r: redis.Redis, keys: Keys, *fields: str) -> Iterator[tuple[str, list[Any]]]:
+    """``(key, [field values])`` of every task (up to ``SCAN_LIMIT``), read in pipelines."""
+    batch: list[str] = []
+
+    def flush() -> Iterator[tuple[str, list[Any]]]:
+        pipe = r.pipeline(transaction=False)
+        for key in batch:
+            pipe.hmget(keys.task(key), *fields)
+        yield from zip(batch, pipe.execute(), strict=True)
+        batch.clear()
+
+    for seen, raw in enumerate(r.sscan_iter(keys.tasks, count=PAGE), 1):
+        batch.append(raw.decode(errors="replace"))
+        if len(batch) >= PAGE:
+            yield from flush()
+        if seen >= SCAN_LIMIT:
+            break
+    if batch:
+        yield from flush()
+
+
+def read_task(r: redis.Redis, keys: Keys, key: str) -> dict[str, Any]:
+    """Everything Redis knows of a task; ``state`` is ``unknown`` if it has no record
+    (never submitted, or forgotten: its story may still tell what became of it)."""
+    raw = r.hgetall(keys.task(key))
+    task: dict[str, Any] = {"key": key, "state": "unknown"}
+    for name in TEXT_FIELDS:
+        if name.encode() in raw:
+            task[name] = raw[name.encode()].decode(errors="replace")
+    for name, kind in (("score", float), ("retries", int), ("nbytes", int), ("suspicious", int)):
+        value = raw.get(name.encode())
+        if value not in (None, b""):
+            task[name] = kind(float(value))
+    task["who_has"] = (task.get("who_has") or "").split()
+    task["restricted_to"] = (task.pop("workers", "") or "").split()
+    task["dependencies"] = _unpack_or(raw.get(b"deps"), [])
+    task["deaths"] = _unpack_or(raw.get(b"deaths"), [])
+    task["spec_bytes"] = len(raw.get(b"spec", b""))
+    dependents, scanned = [], 0
+    for other, (deps,) in _scan_tasks(r, keys, "deps"):
+        scanned += 1
+        if deps and key.encode() in deps and key in _unpack_or(deps, []):
+            dependents.append(other)
+    task["dependents"] = sorted(dependents)
+    task["dependents_complete"] = scanned < SCAN_LIMIT
+    task["story"] = task_story(r, keys, key)
+    holders = {task.get("worker"), task.get("erred_on"), *task["who_has"]}
+    holders |= {row["origin"] for row in task["story"] if row["origin"].startswith("tcp://")}
+    task["worker_story"] = sorted(
+        (row for w in sorted(h for h in holders if h) for row in worker_story(r, keys, w, key)),
+        key=lambda row: row["time"] or 0,
+    )
+    return task
+
+
+def _unpack_or(raw: bytes | None, default: Any) -> Any:
+    if not raw:
+        return default
+    try:
+        return schema.unpack(raw)
+    except (ValueError, TypeError):
+        return default
+
+
+def render_task(task: dict[str, Any], console: Console) -> None:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    rows = [
+        ("key", task["key"]),
+        ("state", task["state"]),
+        ("running on", task.get("worker") or "-"),
+        ("held by", ", ".join(task["who_has"]) or "-"),
+        ("size", format_bytes(task["nbytes"]) if task.get("nbytes") else "-"),
+        ("type", task.get("type") or "-"),
+        ("restricted to", ", ".join(task["restricted_to"]) or "any worker"),
+        ("retries left", str(task.get("retries", 0))),
+        ("suspicious", str(task.get("suspicious", 0))),
+        ("dependencies", ", ".join(task["dependencies"]) or "-"),
+        ("dependents", ", ".join(task["dependents"]) or "-"),
+    ]
+    for name, value in rows:
+        grid.add_row(name, Text(str(value)))
+    console.print(Panel(grid, title=f"task {task['key']}", title_align="left"))
+    if task.get("exception_text"):
+        text = task["exception_text"] + "\n" + (task.get("traceback_text") or "")
+        console.print(Panel(Text(text.strip()), title="error", border_style="red"))
+    story = Table(title="story (scheduler)", title_justify="left", expand=True)
+    for column in ("time", "state", "cause", "from", "stimulus"):
+        story.add_column(column, overflow="fold")
+    for row in task["story"]:
+        story.add_row(
+            _when(row["time"]), row["state"], row["cause"], Text(row["origin"]),
+            Text(row["stimulus_id"], style="dim"),
+        )  # fmt: skip
+    if not task["story"]:
+        story.add_row("", Text("no transitions kept (older than retention.story?)", style="dim"))
+    console.print(story)
+    if task["worker_story"]:
+        console.print(_worker_story_table(task["worker_story"], "story (workers)"))
+
+
+def _worker_story_table(rows: list[dict[str, Any]], title: str) -> Table:
+    table = Table(title=title, title_justify="left", expand=True)
+    for column in ("time", "worker", "key", "transition", "stimulus"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        move = f"{row['start']} -> {row['finish']}" if row["key"] else row["start"]
+        detail = row["stimulus_id"] if row["key"] else row["finish"]
+        table.add_row(
+            _when(row["time"]), Text(row["worker"]), Text(row["key"] or "-"), move,
+            Text(str(detail), style="dim"),
+        )  # fmt: skip
+    return table
+
+
+def _when(t: float | None) -> str:
+    if not t:
+        return "-"
+    return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 1000) % 1000:03d}"
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def read_worker(r: redis.Redis, keys: Keys, who: str, story: int = 200) -> dict[str, Any] | None:
+    """A live worker by address or name; else the newest death record of one."""
+    workers = {a.decode(): _unpack_or(i, {}) for a, i in r.hgetall(keys.workers).items()}
+    address = next((a for a, i in workers.items() if who in (a, i.get("name"))), None)
+    death = None
+    if address is None:
+        found = read_deaths(r, keys, worker=who, limit=100_000)
+        if not found:
+            return None
+        death = found[0]
+        address = str(death.get("worker"))
+    beat = _unpack_or(r.hget(keys.heartbeats, address), {})
+    if death is not None:
+        beat = (death.get("evidence") or {}).get("last_heartbeat") or {}
+    data = []
+    needle = address.encode()
+    for key, (who_has, nbytes, kind) in _scan_tasks(r, keys, "who_has", "nbytes", "type"):
+        if who_has and needle in who_has and address in who_has.decode().split():
+            size = int(float(nbytes or 0))
+            data.append({"key": key, "nbytes": size, "type": (kind or b"").decode()})
+    return {
+        "address": address,
+        "alive": death is None,
+        "info": workers.get(address) or {k: death.get(k) for k in ("name", "host", "pid")},
+        "last_heartbeat": beat,
+        "processing": sorted(m.decode() for m in r.smembers(keys.worker_processing(address))),
+        "data": sorted(data, key=lambda d: -d["nbytes"]),
+        "death": death,
+        "story": worker_story(r, keys, address, limit=story),
+    }
+
+
+def render_worker(worker: dict[str, Any], console: Console) -> None:
+    info, beat = worker["info"], worker["last_heartbeat"]
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    status = beat.get("status", "?") if worker["alive"] else "dead"
+    rows = [
+        ("address", worker["address"]),
+        ("name", info.get("name")),
+        ("host / pid", f"{info.get('host')} / {info.get('pid')}"),
+        ("status", status),
+        ("threads", info.get("nthreads")),
+        ("restarts", info.get("restarts", 0)),
+        ("memory", _memory_line(beat)),
+        ("executing", ", ".join(beat.get("executing") or []) or "-"),
+        ("processing", ", ".join(worker["processing"]) or "-"),
+    ]
+    if worker["death"]:
+        rows.append(("died", f"{worker['death'].get('kind')}: {worker['death'].get('reason')}"))
+    for name, value in rows:
+        grid.add_row(name, Text(str(value)))
+    console.print(Panel(grid, title=f"worker {info.get('name') or worker['address']}"))
+    data = Table(title=f"{len(worker['data'])} results held", title_justify="left", expand=True)
+    for column in ("key", "size", "type"):
+        data.add_column(column, overflow="fold")
+    for d in worker["data"][:50]:
+        data.add_row(Text(d["key"]), format_bytes(d["nbytes"]), Text(d["type"]))
+    console.print(data)
+    console.print(_worker_story_table(worker["story"], "story (newest last)"))
+
+
+def _memory_line(beat: dict[str, Any]) -> str:
+    if not beat:
+        return "-"
+    line = f"{format_bytes(beat.get('rss') or 0)} process"
+    if beat.get("memory_limit"):
+        line += f" of {format_bytes(beat['memory_limit'])} limit"
+    line += f"; managed {format_bytes(beat.get('managed') or 0)}"
+    if beat.get("spilled"):
+        line += f", spilled {format_bytes(beat['spilled'])}"
+    return line
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def read_keys(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
+    """The cluster's keys by kind (``task:*``, ``worker:*:story``, ...): count, Redis type
+    and memory, ``MEMORY USAGE`` of up to ``MEMORY_SAMPLES`` keys per kind extrapolated."""
+    kinds: dict[str, list[bytes]] = {}
+    prefix = keys.prefix.encode()
+    # (cluster names are letters, digits and "._-": nothing in the prefix is a glob)
+    for raw in r.scan_iter(match=keys.prefix + "*", count=PAGE):
+        kinds.setdefault(_kind(raw[len(prefix) :].decode(errors="replace")), []).append(raw)
+    rows = []
+    for kind, names in sorted(kinds.items()):
+        sample = names[:MEMORY_SAMPLES]
+        pipe = r.pipeline(transaction=False)
+        pipe.type(sample[0])
+        for name in sample:
+            pipe.memory_usage(name, samples=5)
+        redis_type, *usages = pipe.execute()
+        measured = [u for u in usages if u is not None]
+        mean = sum(measured) / len(measured) if measured else 0
+        rows.append(
+            {
+                "kind": kind,
+                "count": len(names),
+                "type": redis_type.decode(),
+                "sampled": len(measured),
+                "bytes": int(mean * len(names)),
+            }
+        )
+    return sorted(rows, key=lambda row: -row["bytes"])
+
+
+def _kind(name: str) -> str:
+    """``task:inc-1`` -> ``task:*``; ``worker:tcp://h:1:story`` -> ``worker:*:story``."""
+    head, _, rest = name.partition(":")
+    if head == "task":
+        return "task:*"
+    if head in ("worker", "client") and rest:
+        return f"{head}:*:{rest.rsplit(':', 1)[-1]}"
+    return name
+
+
+def render_keys(rows: list[dict[str, Any]], keys: Keys, console: Console) -> None:
+    total = sum(row["bytes"] for row in rows)
+    table = Table(
+        title=f"keys of cluster {keys.cluster} ({keys.prefix}*): about {format_bytes(total)}",
+        title_justify="left",
+    )
+    for column in ("kind", "type", "count", "memory", "sampled"):
+        table.add_column(column, justify="right" if column in ("count", "memory") else "left")
+    for row in rows:
+        table.add_row(
+            Text(row["kind"]), row["type"], f"{row['count']:,}", format_bytes(row["bytes"]),
+            f"{row['sampled']}",
+        )  # fmt: skip
+    console.print(table)
+
+
+# --------------------------------------------------------------------------- events
+
+
+def read_events(r: redis.Redis, keys: Keys, count: int = 50) -> list[dict[str, Any]]:
+    """The newest ``count`` events, oldest first."""
+    entries = reversed(r.xrevrange(keys.events, count=count))
+    return [e for e in (_event(i, f) for i, f in entries) if e]
+
+
+def _event(entry_id: bytes, fields: dict[bytes, bytes]) -> dict[str, Any] | None:
+    event = _unpack_entry(fields)
+    if not isinstance(event, dict):
+        return None
+    event["id"] = entry_id.decode()
+    return event
+
+
+def follow_events(r: redis.Redis, keys: Keys, after: str = "$") -> Iterator[dict[str, Any]]:
+    """Events as they are appended (XREAD BLOCK), forever."""
+    last = after
+    while True:
+        reply = r.xread({keys.events: last}, block=1000, count=PAGE)
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                last = entry_id.decode()
+                event = _event(entry_id, fields)
+                if event:
+                    yield event
+
+
+def events_command(
+    r: redis.Redis, keys: Keys, *, count: int, follow: bool, as_json: bool, console: Console
+) -> None:
+    events = read_events(r, keys, count)
+    if as_json and not follow:
+        print_json(console, events)
+        return
+    last = events[-1]["id"] if events else "0-0"
+    try:
+        for event in events:
+            _print_event(event, as_json, console)
+        if follow:
+            for event in follow_events(r, keys, last):
+                _print_event(event, as_json, console)
+    except KeyboardInterrupt:
+        return
+
+
+def _print_event(event: dict[str, Any], as_json: bool, console: Console) -> None:
+    if as_json:  # one object per line: a stream a script can read line by line
+        console.out(json.dumps(event, default=_plain), highlight=False)
+        return
+    line = Text(_when(event.get("time")) + "  ", style="dim")
+    line.append(describe(event))
+    console.print(line)

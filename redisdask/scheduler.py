@@ -323,7 +323,7 @@ class Scheduler:
         for stream, entry_id, fields in entries:
             acks[stream].append(entry_id)
             try:
-                events.extend(decode_entry(entry_id, fields))
+                events.extend(decode_entry(entry_id, fields, stream.rsplit(":", 1)[-1]))
             except ProtocolError as exc:
                 commands.append(self._dead_letter(stream, entry_id, fields, str(exc)))
         instructions = self.state.handle_stimulus(*events)
@@ -758,8 +758,10 @@ def _chunked(head: list[Any], items: list[Any], step: int = 1) -> list[list[Any]
     return [head + items[i : i + size] for i in range(0, len(items), size)]
 
 
-def decode_entry(entry_id: bytes, fields: dict[bytes, bytes]) -> list[Event]:
-    """Decode one stream entry into events; ProtocolError when it is malformed."""
+def decode_entry(entry_id: bytes, fields: dict[bytes, bytes], stream: str = "") -> list[Event]:
+    """Decode one stream entry into events; ProtocolError when it is malformed.  The
+    stimulus ids name the stream, the entry and the message: ``workers:1700000000000-0/2``
+    (entry ids are unique per stream only)."""
     raw = fields.get(b"m")
     if raw is None:
         raise ProtocolError(f"entry has no 'm' field (fields: {sorted(fields)[:5]})")
@@ -769,7 +771,7 @@ def decode_entry(entry_id: bytes, fields: dict[bytes, bytes]) -> list[Event]:
         raise ProtocolError(f"field 'm' is not msgpack: {exc}") from exc
     if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
         raise ProtocolError(f"field 'm' should be a list of maps, got {type(msgs).__name__}")
-    sid = entry_id.decode()
+    sid = f"{stream}:{entry_id.decode()}" if stream else entry_id.decode()
     return [Event.from_dict(m, f"{sid}/{i}") for i, m in enumerate(msgs)]
 
 

@@ -110,6 +110,7 @@ class Worker:
         memory_spill: float | Literal[False] = 0.70,
         memory_pause: float | Literal[False] = 0.80,
         memory_monitor_interval: float = 0.2,
+        memory_terminate: float | Literal[False] = 0.95,
         lifetime: float | None = None,
         story_maxlen: int = 500,
         validate: bool = False,
@@ -133,6 +134,7 @@ class Worker:
         self.memory_target, self.memory_spill = memory_target, memory_spill
         self.memory_pause = memory_pause
         self.memory_monitor_interval = memory_monitor_interval
+        self.memory_terminate = memory_terminate
         self.lifetime = lifetime
         self.story_maxlen = story_maxlen
         self._story_sent = 0  # state.story_total when the story was last shipped to Redis
@@ -256,6 +258,13 @@ class Worker:
             "nanny": self.nanny_pid,
             "restarts": self.restarts,
             "local_directory": str(self.local_directory),
+            # the marks of its memory bar in the monitor (terminate: its nanny's, if any)
+            "memory_fractions": {
+                "target": self.memory_target,
+                "spill": self.memory_spill,
+                "pause": self.memory_pause,
+                "terminate": self.memory_terminate if self.nanny_pid else False,
+            },
         }
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(self.keys.workers, self.address, schema.pack(info))
@@ -464,7 +473,7 @@ class Worker:
     ) -> ws.StateMachineEvent:
         """Runs in a pool thread: the task, then the checks its result must pass."""
         start = time.time()
-        sid = f"execute-{key}-{stimulus_id}"
+        sid = f"execute-{start:.6f}"  # a new stimulus: not a chain of every run before it
         try:
             value = run_spec(spec, deps, self.functions)
             try:
@@ -679,6 +688,7 @@ class Worker:
             "n_executing": len(self.state.executing),
             "ready": len(by_state.get("ready", ())),
             "in_memory": len(by_state.get("memory", ())),
+            "cpu": self._process.cpu_percent(),  # since the previous heartbeat
             **self._memory_metrics(),
             "status": (
                 "retiring"
@@ -793,14 +803,14 @@ class Worker:
             self._report({"op": "missing-data", "keys": keys, "errant_worker": worker})
             self.handle(
                 ws.GatherDepNetworkFailureEvent(
-                    worker, keys, str(exc), f"gather-fail-{stimulus_id}"
+                    worker, keys, str(exc), f"gather-fail-{time.time():.6f}"
                 )
             )
             return
         for key, err in errors.items():
             logger.warning("peer %s could not send %r: %s", worker, key, err)
         nbytes = {k: sizeof(v) for k, v in data.items()}
-        self.handle(ws.GatherDepSuccessEvent(worker, data, nbytes, f"gather-{stimulus_id}"))
+        self.handle(ws.GatherDepSuccessEvent(worker, data, nbytes, f"gather-{time.time():.6f}"))
 
     async def _handle_rpc(
         self, header: dict[str, Any], frames: list[memoryview]
@@ -931,6 +941,7 @@ def options_from_config(config: Any) -> dict[str, Any]:
         "memory_spill": config.worker.memory.spill,
         "memory_pause": config.worker.memory.pause,
         "memory_monitor_interval": config.worker.memory.monitor_interval,
+        "memory_terminate": config.worker.memory.terminate,
     }
 
 

@@ -1,0 +1,311 @@
+"""Rich renderables of a ``Snapshot``: the pieces ``redisdask status`` prints once and
+``redisdask monitor`` redraws twice a second.
+
+Everything recorded in Redis (names, reasons, keys) is shown as ``Text``, never parsed
+as markup: a task key like ``"[red]x"`` is shown as written.  Widths are explicit so
+that a narrow terminal drops columns instead of wrapping every row.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from redisdask.events import describe
+from redisdask.memory import format_bytes
+from redisdask.snapshot import PrefixView, Snapshot, WorkerView
+
+NARROW = 100  # columns below which the tables drop their less vital columns
+SPARKS = " ▁▂▃▄▅▆▇█"
+MARKS = {"target": ("┊", "yellow"), "spill": ("┊", "dark_orange"), "pause": ("│", "red"),
+         "terminate": ("┃", "bold red")}  # fmt: skip
+EVENT_STYLES = {
+    "worker-died": "red",
+    "killed-worker": "bold red",
+    "worker-joined": "green",
+    "worker-left": "yellow",
+    "scheduler-start": "cyan",
+    "redis-reconnected": "magenta",
+}
+
+
+def clock(t: float | None) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t)) if t else "--:--:--"
+
+
+def ago(seconds: float | None) -> str:
+    if seconds is None:
+        return "never"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+# --------------------------------------------------------------------------- header
+
+
+def header(snap: Snapshot, url: str) -> Text:
+    """Who leads, since when; the Redis server; task totals."""
+    text = Text()
+    text.append(f"cluster {snap.cluster}", style="bold")
+    text.append(f"  on {url}\n", style="dim")
+    sched = snap.scheduler
+    if snap.has_scheduler:
+        text.append("scheduler ", style="bold")
+        text.append(sched.get("id", "?"))
+        since = float(sched["since"]) if sched.get("since") else None
+        text.append(
+            f"  leads since {clock(since)} ({ago(snap.time - since if since else None)}), "
+            f"token {sched.get('token', '?')}, lease {snap.lease_ttl_ms / 1000:.1f}s left\n"
+        )
+    elif sched:
+        text.append("no scheduler holds the lease", style="bold red")
+        text.append(f" (the last was {sched.get('id', '?')})\n")
+    else:
+        text.append(f"waiting for a scheduler on {url}\n", style="bold yellow")
+    info = snap.redis
+    if info:
+        text.append("redis ", style="bold")
+        text.append(
+            f"{info.get('redis_version', '?')}  {format_bytes(int(info.get('used_memory') or 0))} "
+            f"used  {int(info.get('instantaneous_ops_per_sec') or 0):,} ops/s  "
+            f"{info.get('connected_clients', '?')} connections\n"
+        )
+    text.append("tasks ", style="bold")
+    text.append_text(state_counts(snap.states))
+    rate = snap.finished[-5:]
+    per_second = sum(rate) / len(rate) if rate else 0.0
+    text.append(
+        f"   finished {snap.finished_total:,} ({per_second:,.0f}/s)  erred {snap.erred_total:,}"
+        f"  clients {snap.clients}"
+    )
+    return text
+
+
+def state_counts(states: dict[str, int]) -> Text:
+    order = ("waiting", "no-worker", "queued", "processing", "memory", "erred", "released")
+    styles = {"processing": "blue", "memory": "green", "erred": "red", "no-worker": "yellow"}
+    text = Text()
+    shown = [s for s in order if states.get(s)] + sorted(set(states) - set(order))
+    for state in shown or ["no tasks"]:
+        if state == "no tasks":
+            text.append("none", style="dim")
+            break
+        text.append(f"{states[state]:,} ", style=styles.get(state, ""))
+        text.append(f"{state}  ", style="dim")
+    return text
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def memory_bar(w: WorkerView, width: int) -> Text:
+    """``width`` cells for the memory limit: managed (green), unmanaged (blue), the
+    target/spill/pause/terminate marks; then the figures and what is spilled."""
+    bar = Text()
+    if not w.memory_limit:
+        return bar.append(f"{format_bytes(w.rss)} (no limit)", style="dim")
+    limit = w.memory_limit
+    managed = min(width, round(width * w.managed / limit))
+    unmanaged = min(width - managed, round(width * w.unmanaged / limit))
+    cells: list[tuple[str, str]] = [("█", "green")] * managed + [("█", "blue")] * unmanaged
+    cells += [("·", "grey37")] * (width - len(cells))
+    for name, (char, style) in MARKS.items():
+        fraction = w.fractions.get(name)
+        if fraction and not isinstance(fraction, bool) and 0 < fraction <= 1:
+            i = min(width - 1, int(width * fraction))
+            if cells[i][0] == "·":
+                cells[i] = (char, style)
+            else:
+                cells[i] = (cells[i][0], f"{cells[i][1]} on {style}")
+    for char, style in cells:
+        bar.append(char, style=style)
+    used = w.managed + w.unmanaged
+    bar.append(f" {format_bytes(used)}/{format_bytes(limit)}")
+    if w.spilled:
+        bar.append(f" +{format_bytes(w.spilled)} spilled", style="dark_orange")
+    return bar
+
+
+def workers_table(snap: Snapshot, width: int = 120) -> Table:
+    narrow = width < NARROW
+    table = Table(
+        title=f"{len(snap.workers)} workers", title_justify="left", expand=True, padding=(0, 1)
+    )
+    table.add_column("worker", overflow="ellipsis", no_wrap=True, ratio=2)
+    if not narrow:
+        table.add_column("host", overflow="ellipsis", no_wrap=True, ratio=1)
+        table.add_column("thr", justify="right")
+    table.add_column("status", no_wrap=True)
+    table.add_column("run/rdy", justify="right", no_wrap=True)
+    bar_width = max(10, min(40, width // 4))
+    table.add_column("memory (managed █ unmanaged █ marks ┊┊│┃)", no_wrap=True)
+    if not narrow:
+        table.add_column("cpu", justify="right")
+        table.add_column("beat", justify="right")
+        table.add_column("restarts", justify="right")
+    if not snap.workers:
+        table.add_row(Text("no workers registered", style="dim"))
+    for w in snap.workers:
+        status_style = {"running": "green", "paused": "red", "retiring": "yellow"}.get(w.status, "")
+        stale = w.heartbeat_age is not None and w.heartbeat_age > 3.0
+        row: list[RenderableType] = [Text(w.name, style="bold" if w.name != w.address else "")]
+        if not narrow:
+            row += [Text(w.host), str(w.nthreads)]
+        row += [
+            Text(w.status, style=status_style),
+            f"{w.executing}/{w.ready}",
+            memory_bar(w, bar_width),
+        ]
+        if not narrow:
+            row += [
+                f"{w.cpu:.0f}%",
+                Text(ago(w.heartbeat_age), style="red" if stale else ""),
+                Text(str(w.restarts), style="yellow" if w.restarts else "dim"),
+            ]
+        table.add_row(*row)
+    return table
+
+
+# --------------------------------------------------------------------------- tasks
+
+
+def progress_bar(p: PrefixView, width: int) -> Text:
+    """Dask's progress bar: memory (green), erred (red), processing (blue), waiting
+    (grey), released (dim) cells, in proportion to the prefix's tasks."""
+    bar = Text()
+    total = p.total or 1
+    parts = [
+        (p.memory, "green"),
+        (p.erred, "red"),
+        (p.processing, "blue"),
+        (p.waiting, "grey50"),
+        (p.released, "grey23"),
+    ]
+    used = 0
+    for n, style in parts:
+        cells = round(width * n / total) if n else 0
+        cells = min(cells, width - used)
+        bar.append("█" * cells, style=style)
+        used += cells
+    if used < width:
+        bar.append("█" * (width - used), style="grey23")
+    return bar
+
+
+def progress_table(snap: Snapshot, width: int = 120, limit: int = 12) -> Table:
+    narrow = width < NARROW
+    table = Table(title="progress by task prefix", title_justify="left", expand=True)
+    table.add_column("prefix", overflow="ellipsis", no_wrap=True, ratio=1)
+    table.add_column("bar", no_wrap=True)
+    for column in ("waiting", "processing", "memory", "erred") + (() if narrow else ("released",)):
+        table.add_column(column, justify="right")
+    bar_width = max(10, min(50, width // 3))
+    prefixes = sorted(snap.prefixes, key=lambda p: (-(p.waiting + p.processing), p.prefix))
+    for p in prefixes[:limit]:
+        row: list[RenderableType] = [
+            Text(p.prefix),
+            progress_bar(p, bar_width),
+            f"{p.waiting:,}",
+            f"{p.processing:,}",
+            f"{p.memory:,}",
+            Text(f"{p.erred:,}", style="red" if p.erred else ""),
+        ]
+        if not narrow:
+            row.append(f"{p.released:,}")
+        table.add_row(*row)
+    if len(prefixes) > limit:
+        table.add_row(Text(f"... {len(prefixes) - limit} more prefixes", style="dim"))
+    if not prefixes:
+        table.add_row(Text("no tasks", style="dim"))
+    return table
+
+
+def sparkline(values: Sequence[int], width: int) -> Text:
+    """The newest ``width`` values as block characters, scaled to the largest."""
+    values = list(values)[-width:]
+    top = max(values, default=0)
+    text = Text()
+    for v in values:
+        level = 0 if not v else max(1, round(v / top * (len(SPARKS) - 1)))
+        text.append(SPARKS[level], style="green")
+    return text
+
+
+def throughput(snap: Snapshot, width: int = 120) -> Text:
+    spark_width = max(10, min(len(snap.finished), width - 30))
+    text = Text("finished/s ", style="bold")
+    text.append_text(sparkline(snap.finished, spark_width))
+    peak = max(snap.finished, default=0)
+    text.append(f"  now {snap.finished[-1] if snap.finished else 0:,}  peak {peak:,}  (60 s)")
+    return text
+
+
+# --------------------------------------------------------------------------- events
+
+
+def events_table(events: list[dict[str, Any]], limit: int = 10) -> Table:
+    table = Table(title="recent events", title_justify="left", expand=True, show_header=False)
+    table.add_column("time", no_wrap=True, style="dim")
+    table.add_column("event", overflow="ellipsis", no_wrap=True, ratio=1)
+    for event in events[:limit]:
+        style = EVENT_STYLES.get(str(event.get("kind")), "")
+        table.add_row(clock(event.get("time")), Text(describe(event), style=style))
+    if not events:
+        table.add_row("", Text("no events yet", style="dim"))
+    return table
+
+
+def deaths_table(deaths: list[dict[str, Any]]) -> Table:
+    table = Table(title="recent worker deaths", title_justify="left", expand=True)
+    for column in ("when", "worker", "kind", "reason"):
+        table.add_column(column, overflow="fold")
+    for d in deaths:
+        table.add_row(
+            clock(d.get("time")),
+            Text(str(d.get("name") or d.get("worker"))),
+            Text(str(d.get("kind") or d.get("how"))),
+            Text(str(d.get("reason", ""))),
+        )
+    if not deaths:
+        table.add_row("", Text("none recorded", style="dim"))
+    return table
+
+
+# --------------------------------------------------------------------------- screens
+
+
+def status_view(snap: Snapshot, url: str, width: int = 120) -> Group:
+    """``redisdask status``: who leads, the workers, counts per state, recent deaths."""
+    return Group(
+        header(snap, url),
+        workers_table(snap, width),
+        progress_table(snap, width),
+        deaths_table(snap.deaths),
+    )
+
+
+def dashboard(snap: Snapshot, url: str, width: int = 120, height: int = 40) -> Group:
+    """One frame of ``redisdask monitor``; rows are dropped from the bottom up (events,
+    then prefixes) when the terminal is short."""
+    workers_rows = len(snap.workers) or 1
+    spare = height - 6 - (workers_rows + 4) - 2
+    prefix_rows = max(1, min(12, spare // 2 - 4))
+    event_rows = max(0, spare - (prefix_rows + 4) - 3)
+    parts: list[RenderableType] = [
+        header(snap, url),
+        workers_table(snap, width),
+        progress_table(snap, width, limit=prefix_rows),
+        throughput(snap, width),
+    ]
+    if event_rows:
+        parts.append(events_table(snap.events, limit=event_rows))
+    parts.append(Text("q or Ctrl-C quits", style="dim"))
+    return Group(*parts)
