@@ -11,8 +11,9 @@ scheduler-start      scheduler, token, previous (the holder it took over from)  
 redis-reconnected    process, away (seconds Redis was unreachable)               scheduler
 worker-joined        worker, name, host, nthreads, memory_limit, restarts        scheduler
 worker-left          worker, name, reason (it closed or retired on its own)      scheduler
-worker-died          worker, name, how, kind, reason, rss, memory_limit,         scheduler,
-                     restarted (the full record is on ``rd:{c}:deaths``)         nanny
+worker-died          worker, name, how, cause (the death's kind: memory, signal,  scheduler,
+                     ...), reason, rss, memory_limit, restarted (the full        nanny
+                     record is on ``rd:{c}:deaths``)
 killed-worker        key, workers (the task erred with KilledWorker)             scheduler
 ==================== =========================================================== ===========
 
@@ -38,7 +39,8 @@ def event_command(stream: str, maxlen: int, kind: str, now: float, **fields: Any
 def death_fields(record: dict[str, Any]) -> dict[str, Any]:
     """What a ``worker-died`` event carries of a death record."""
     evidence = record.get("evidence") or {}
-    fields = {k: record.get(k) for k in ("worker", "name", "how", "kind", "reason")}
+    fields = {k: record.get(k) for k in ("worker", "name", "how", "reason")}
+    fields["cause"] = record.get("kind") or record.get("how")
     for name in ("rss", "memory_limit", "restarted"):
         if evidence.get(name) is not None:
             fields[name] = evidence[name]
@@ -59,7 +61,7 @@ def describe(event: dict[str, Any]) -> str:
         if event.get("rss") and event.get("memory_limit"):
             rss, limit = event["rss"], event["memory_limit"]
             memory = f" at {format_bytes(rss)} of {format_bytes(limit)}"
-        return f"worker {who} died ({event.get('kind') or event.get('how')}){memory}: " + str(
+        return f"worker {who} died ({event.get('cause') or event.get('how')}){memory}: " + str(
             event.get("reason", "")
         )
     if kind == "killed-worker":

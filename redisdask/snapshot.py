@@ -164,8 +164,6 @@ def _worker_view(
 
 
 def _read_summary(snap: Snapshot, summary: dict[bytes, bytes], now: float, window: int) -> None:
-    if not summary:
-        return
     prefixes = _unpack(summary.get(b"prefixes"))
     states: dict[str, int] = {}
     for prefix, counts in sorted(prefixes.items()):
@@ -181,7 +179,7 @@ def _read_summary(snap: Snapshot, summary: dict[bytes, bytes], now: float, windo
     try:
         per_second = dict(schema.unpack(summary.get(b"finished") or b"\x90"))
     except (ValueError, TypeError):
-        per_second = {}
+        per_second = {}  # a stranger's value: no throughput rather than no monitor
     last = int(now) - 1  # the current second is not over yet
     snap.finished = [int(per_second.get(s, 0)) for s in range(last - window + 1, last + 1)]
     snap.finished_total = int(summary.get(b"finished_total") or 0)

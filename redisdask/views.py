@@ -22,8 +22,8 @@ from redisdask.snapshot import PrefixView, Snapshot, WorkerView
 
 NARROW = 100  # columns below which the tables drop their less vital columns
 SPARKS = " ▁▂▃▄▅▆▇█"
-MARKS = {"target": ("┊", "yellow"), "spill": ("┊", "dark_orange"), "pause": ("│", "red"),
-         "terminate": ("┃", "bold red")}  # fmt: skip
+MARKS = {"target": ("┆", "yellow"), "spill": ("┊", "dark_orange"), "pause": ("╏", "red"),
+         "terminate": ("║", "bold red")}  # fmt: skip
 EVENT_STYLES = {
     "worker-died": "red",
     "killed-worker": "bold red",
@@ -146,7 +146,8 @@ def workers_table(snap: Snapshot, width: int = 120) -> Table:
     table.add_column("status", no_wrap=True)
     table.add_column("run/rdy", justify="right", no_wrap=True)
     bar_width = max(10, min(40, width // 4))
-    table.add_column("memory (managed █ unmanaged █ marks ┊┊│┃)", no_wrap=True)
+    legend = "memory: managed █ unmanaged █ | target ┆ spill ┊ pause ╏ kill ║"
+    table.add_column(legend, no_wrap=True)
     if not narrow:
         table.add_column("cpu", justify="right")
         table.add_column("beat", justify="right")

@@ -61,3 +61,19 @@ def _ship_test_functions_by_value(request: pytest.FixtureRequest) -> None:
     """Worker processes cannot import test modules: pickle their functions by value."""
     if request.module.__name__ in sys.modules:
         cloudpickle.register_pickle_by_value(request.module)
+
+
+@pytest.fixture(scope="session")
+def read_only_url(redis_server: EmbeddedRedis) -> str:
+    """The session's Redis as a user that may only read: the observing tools run as it,
+    so any write they tried would fail the test (Redis refuses it)."""
+    import redis
+
+    password = uuid.uuid4().hex
+    r = redis.Redis.from_url(redis_server.url)
+    r.execute_command(
+        "ACL", "SETUSER", "observer", "on", f">{password}", "~*", "resetchannels", "-@all",
+        "+@read", "+@connection", "+info", "+memory|usage", "+select",
+    )  # fmt: skip
+    r.close()
+    return redis_server.url.replace("redis://", f"redis://observer:{password}@", 1)

@@ -1,0 +1,270 @@
+"""``redisdask status`` and ``monitor`` against real clusters: what they draw, that they
+only read (they run as a Redis user that may not write), and the retention caps that keep
+the event and story streams bounded."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import redis
+from rich.console import Console
+
+from redisdask import Client, LocalCluster
+from redisdask.connection import connect
+from redisdask.inspect import read_deaths
+from redisdask.schema import Keys
+from redisdask.snapshot import SNAPSHOT_COMMANDS, read_snapshot
+from redisdask.views import dashboard, status_view
+from tests.polling import poll
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def inc(x: int) -> int:
+    return x + 1
+
+
+def wait_for_file(path: str) -> str:
+    """A task that stays ``processing`` until the test creates ``path``."""
+    import os
+    import threading
+
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        threading.Event().wait(0.02)
+    return path
+
+
+def render(renderable: object, width: int) -> str:
+    console = Console(width=width, record=True, file=io.StringIO(), color_system=None)
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_status_and_monitor_frames_show_workers_memory_progress_and_a_death(
+    redis_url: str, read_only_url: str, cluster_name: str, tmp_path: Path
+) -> None:
+    release = str(tmp_path / "release")
+    with (
+        LocalCluster(
+            n_workers=3,
+            threads_per_worker=2,  # one stays free while a task waits for the file
+            redis_url=redis_url,
+            cluster_name=cluster_name,
+            worker_options={"memory_limit": "1GB"},
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        incs = client.map(inc, range(40))
+        total = client.submit(sum, incs)
+        assert total.result(timeout=30) == sum(range(1, 41))
+        survivor = client.scheduler_info()["workers"]
+        by_name = {info["name"]: address for address, info in survivor.items()}
+        blocked = client.submit(wait_for_file, release, workers=[by_name["worker-0"]])
+        cluster.worker_processes[2].kill()  # kill -9 worker-2
+        keys = Keys(cluster_name)
+        poll(lambda: read_deaths(cluster.redis, keys), timeout=30)
+        r = connect(read_only_url)
+        # (worker-2's results are recomputed on the others: the futures still want them)
+        expected = {"memory": 41, "processing": 1}
+        poll(lambda: read_snapshot(r, keys).states == expected, timeout=30)
+        snap = read_snapshot(r, keys)
+        status = render(status_view(snap, "redis://example:6379/0"), 150)
+        frame = render(dashboard(snap, "redis://example:6379/0", 150, 60), 150)
+        (tmp_path / "release").touch()
+        assert blocked.result(timeout=30) == release
+    r.close()
+
+    assert f"cluster {cluster_name}" in status
+    assert "scheduler scheduler-" in status and "lease" in status
+    worker_rows = [line for line in status.splitlines() if "running" in line]
+    assert {"worker-0", "worker-1"} <= {w for line in worker_rows for w in line.split()}
+    assert not any("worker-2" in line for line in worker_rows)  # dead: gone from the table
+    assert all("/0.93 GiB" in line for line in worker_rows)  # usage against the 1 GB limit
+    # the target, spill and pause marks; no terminate mark: no nanny watches these workers
+    assert all("┆" in row and "┊" in row and "╏" in row for row in worker_rows)
+    assert not any("║" in row for row in worker_rows)
+    inc_row = next(line for line in status.splitlines() if line.startswith("│ inc "))
+    assert [c.strip() for c in inc_row.split("│")[3:7]] == ["0", "0", "40", "0"]  # w/p/m/e
+    assert any(line.startswith("│ sum ") for line in status.splitlines())
+    wait_row = next(line for line in status.splitlines() if line.startswith("│ wait_for_file"))
+    assert wait_row.split("│")[4].strip() == "1", wait_row  # processing
+    assert "worker-2" in status and "its Redis connections closed" in status  # the death
+
+    assert "finished/s" in frame and "q or Ctrl-C quits" in frame
+    assert "worker worker-2 died (connection)" in frame  # the event log
+    assert "worker worker-0 joined" in frame
+    assert "█" in frame  # progress bars
+
+    narrow = render(dashboard(snap, "redis://example:6379/0", 70, 30), 70)
+    assert "worker-0" in narrow and "host" not in narrow  # columns dropped, rows kept
+    assert max(len(line) for line in narrow.splitlines()) <= 70
+
+
+def test_status_json_and_waiting_for_a_scheduler(read_only_url: str, cluster_name: str) -> None:
+    r = connect(read_only_url)
+    snap = read_snapshot(r, Keys(cluster_name))  # nothing exists yet
+    r.close()
+    assert not snap.has_scheduler and snap.workers == []
+    assert "waiting for a scheduler on redis://h:1/0" in render(
+        dashboard(snap, "redis://h:1/0"), 100
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "redisdask", "status", read_only_url, "--cluster", cluster_name,
+         "--json"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["cluster"] == cluster_name and data["has_scheduler"] is False
+    assert data["workers"] == [] and len(data["finished"]) == 60
+
+
+def test_status_json_of_a_running_cluster(
+    read_only_url: str, cluster: LocalCluster, client: Client
+) -> None:
+    assert sum(client.gather(client.map(inc, range(30)))) == sum(range(1, 31))
+    r = connect(cluster.redis_url)
+    poll(lambda: r.hget(cluster.keys.summary, "finished_total") == b"30")
+    r.close()
+    result = subprocess.run(
+        [sys.executable, "-m", "redisdask", "status", read_only_url, "--cluster",
+         cluster.cluster_name, "--json"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["has_scheduler"] and data["scheduler"]["id"].startswith("scheduler-")
+    assert sorted(w["name"] for w in data["workers"]) == ["worker-0", "worker-1"]
+    assert all(w["status"] == "running" and w["rss"] > 0 for w in data["workers"])
+    assert data["states"] == {"memory": 30} and data["finished_total"] == 30
+    assert sum(data["finished"]) == 30  # all within the last minute
+    assert [p["prefix"] for p in data["prefixes"]] == ["inc"]
+
+
+def test_one_snapshot_is_one_round_trip_of_a_few_reads(redis_url: str, cluster_name: str) -> None:
+    """The Redis cost of a monitor frame, measured: commands per snapshot."""
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+
+    def calls() -> int:
+        return sum(v["calls"] for v in r.info("commandstats").values())
+
+    before = calls()
+    for _ in range(10):
+        read_snapshot(r, keys)
+    per_snapshot = (calls() - before - 1) / 10  # (the INFO commandstats of calls())
+    assert per_snapshot == SNAPSHOT_COMMANDS
+    r.close()
+
+
+# --------------------------------------------------------------------------- the real monitor
+
+
+def _spawn_monitor(url: str, cluster: str) -> tuple[int, int]:
+    """``redisdask monitor`` in a pseudo-terminal of 120x40 (its controlling terminal)."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: become the monitor
+        os.environ.update(COLUMNS="120", LINES="40", TERM="xterm-256color")
+        os.execv(
+            sys.executable,
+            [sys.executable, "-m", "redisdask", "monitor", url, "--cluster", cluster],
+        )
+    return pid, fd
+
+
+def _read_until(fd: int, needle: bytes, timeout: float = 30.0) -> bytes:
+    out = b""
+    deadline = time.monotonic() + timeout
+    while needle not in out:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"{needle!r} not drawn within {timeout} s; got {out[-2000:]!r}"
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if ready:
+            try:
+                out += os.read(fd, 65536)
+            except OSError:  # the child closed the terminal
+                break
+    return out
+
+
+def _exit_code(pid: int, timeout: float = 15.0) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError(f"the monitor did not exit within {timeout} s")
+        time.sleep(0.02)  # polling a child's exit status
+
+
+def test_monitor_draws_a_live_cluster_in_a_terminal_and_quits_on_q(
+    read_only_url: str, cluster: LocalCluster, client: Client
+) -> None:
+    assert client.submit(inc, 1).result(timeout=30) == 2
+    pid, fd = _spawn_monitor(read_only_url, cluster.cluster_name)
+    try:
+        drawn = _read_until(fd, b"worker-1")
+        _read_until(fd, b"finished/s")
+        assert b"\x1b[?1049h" in drawn  # the alternate screen: full-screen, restored at exit
+        os.write(fd, b"q")
+        assert _exit_code(pid) == 0
+    finally:
+        os.close(fd)
+        if psutil.pid_exists(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_monitor_waits_for_a_cluster_and_quits_on_ctrl_c(
+    read_only_url: str, cluster_name: str
+) -> None:
+    pid, fd = _spawn_monitor(read_only_url, cluster_name)
+    try:
+        _read_until(fd, b"waiting for a scheduler")
+        os.write(fd, b"\x03")  # Ctrl-C, through the terminal: SIGINT to the monitor
+        assert _exit_code(pid) == 0
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- retention
+
+
+def test_event_and_story_streams_stay_within_their_caps(
+    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key, value in {"EVENTS": "4", "DEATHS": "1", "STORY": "3", "WORKER_STORY": "2"}.items():
+        monkeypatch.setenv(f"REDISDASK__RETENTION__{key}", value)
+    keys = Keys(cluster_name)
+    with (
+        LocalCluster(n_workers=3, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        Client(cluster) as client,
+    ):
+        for i in range(20):  # many batches: many story entries
+            assert client.submit(inc, i).result(timeout=30) == i + 1
+        assert sum(client.gather(client.map(inc, range(500)))) == sum(range(1, 501))
+        for process in cluster.worker_processes[1:]:
+            process.kill()  # two deaths, two more events
+        poll(lambda: len(client.scheduler_info()["workers"]) == 1, timeout=30)
+        r = cluster.redis
+        worker = next(iter(client.scheduler_info()["workers"]))
+        poll(lambda: r.xlen(keys.worker_story(worker)) == 2)
+        assert r.xlen(keys.events) == 4  # of 6+: scheduler-start, 3 joined, 2 died
+        assert r.xlen(keys.deaths) == 1
+        assert r.xlen(keys.story) == 3
+        kinds = [json.dumps(e) for e in read_deaths(r, keys)]
+        assert len(kinds) == 1
