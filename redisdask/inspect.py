@@ -95,14 +95,16 @@ def render_deaths(records: list[dict[str, Any]], console: Console) -> None:
         )
         table.add_row(*(Text(c) for c in cells))  # recorded text is never markup
     console.print(table)
-    newest = records[0]
+    # the log of the newest real death: a graceful exit's log rarely says much
+    newest = next((d for d in records if d.get("kind") != "graceful"), records[0])
     tail = (newest.get("evidence") or {}).get("log_tail") or []
     if tail:
         console.print(
             Panel(
                 Text("\n".join(tail[-LOG_LINES:])),
                 title=f"last {min(len(tail), LOG_LINES)} log lines of "
-                f"{newest.get('name') or newest.get('worker')} (newest death)",
+                f"{newest.get('name') or newest.get('worker')} "
+                f"({newest.get('kind') or newest.get('how')}, {_when(newest.get('time'))})",
             )
         )
 

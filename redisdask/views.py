@@ -134,27 +134,39 @@ def memory_bar(w: WorkerView, width: int) -> Text:
     return bar
 
 
-def workers_table(snap: Snapshot, width: int = 120) -> Table:
+def workers_table(
+    snap: Snapshot, width: int = 120, limit: int | None = None, legend: bool = True
+) -> Table:
     narrow = width < NARROW
     table = Table(
-        title=f"{len(snap.workers)} workers", title_justify="left", expand=True, padding=(0, 1)
+        title=f"{len(snap.workers)} workers",
+        title_justify="left",
+        caption="memory: managed █ unmanaged █, marks: target ┆ spill ┊ pause ╏ kill ║"
+        if legend
+        else None,
+        caption_justify="left",
+        expand=True,
+        padding=(0, 1),
     )
-    table.add_column("worker", overflow="ellipsis", no_wrap=True, ratio=2)
+    table.add_column("worker", overflow="ellipsis", no_wrap=True, ratio=2, min_width=8)
     if not narrow:
         table.add_column("host", overflow="ellipsis", no_wrap=True, ratio=1)
         table.add_column("thr", justify="right")
     table.add_column("status", no_wrap=True)
     table.add_column("run/rdy", justify="right", no_wrap=True)
-    bar_width = max(10, min(40, width // 4))
-    legend = "memory: managed █ unmanaged █ | target ┆ spill ┊ pause ╏ kill ║"
-    table.add_column(legend, no_wrap=True)
+    # what the other columns, borders and the figures after the bar take
+    bar_width = max(8, min(40, width - (60 if narrow else 100)))
+    table.add_column("memory", no_wrap=True)
     if not narrow:
         table.add_column("cpu", justify="right")
         table.add_column("beat", justify="right")
         table.add_column("restarts", justify="right")
     if not snap.workers:
         table.add_row(Text("no workers registered", style="dim"))
-    for w in snap.workers:
+    shown = snap.workers
+    if limit is not None and len(shown) > limit:
+        shown = shown[: max(1, limit - 1)]  # and a line that says how many more
+    for w in shown:
         status_style = {"running": "green", "paused": "red", "retiring": "yellow"}.get(w.status, "")
         stale = w.heartbeat_age is not None and w.heartbeat_age > 3.0
         row: list[RenderableType] = [Text(w.name, style="bold" if w.name != w.address else "")]
@@ -172,6 +184,8 @@ def workers_table(snap: Snapshot, width: int = 120) -> Table:
                 Text(str(w.restarts), style="yellow" if w.restarts else "dim"),
             ]
         table.add_row(*row)
+    if len(shown) < len(snap.workers):
+        table.add_row(Text(f"+{len(snap.workers) - len(shown)} more", style="dim"))
     return table
 
 
@@ -204,13 +218,14 @@ def progress_bar(p: PrefixView, width: int) -> Text:
 def progress_table(snap: Snapshot, width: int = 120, limit: int = 12) -> Table:
     narrow = width < NARROW
     table = Table(title="progress by task prefix", title_justify="left", expand=True)
-    table.add_column("prefix", overflow="ellipsis", no_wrap=True, ratio=1)
+    table.add_column("prefix", overflow="ellipsis", no_wrap=True, ratio=1, min_width=8)
     table.add_column("bar", no_wrap=True)
     for column in ("waiting", "processing", "memory", "erred") + (() if narrow else ("released",)):
         table.add_column(column, justify="right")
-    bar_width = max(10, min(50, width // 3))
+    bar_width = max(6, min(50, width - (55 if narrow else 75)))
     prefixes = sorted(snap.prefixes, key=lambda p: (-(p.waiting + p.processing), p.prefix))
-    for p in prefixes[:limit]:
+    shown = prefixes if len(prefixes) <= limit else prefixes[: max(1, limit - 1)]
+    for p in shown:
         row: list[RenderableType] = [
             Text(p.prefix),
             progress_bar(p, bar_width),
@@ -222,8 +237,8 @@ def progress_table(snap: Snapshot, width: int = 120, limit: int = 12) -> Table:
         if not narrow:
             row.append(f"{p.released:,}")
         table.add_row(*row)
-    if len(prefixes) > limit:
-        table.add_row(Text(f"... {len(prefixes) - limit} more prefixes", style="dim"))
+    if len(shown) < len(prefixes):
+        table.add_row(Text(f"+{len(prefixes) - len(shown)} more", style="dim"))
     if not prefixes:
         table.add_row(Text("no tasks", style="dim"))
     return table
@@ -241,7 +256,7 @@ def sparkline(values: Sequence[int], width: int) -> Text:
 
 
 def throughput(snap: Snapshot, width: int = 120) -> Text:
-    spark_width = max(10, min(len(snap.finished), width - 30))
+    spark_width = max(10, min(len(snap.finished), width - 45))
     text = Text("finished/s ", style="bold")
     text.append_text(sparkline(snap.finished, spark_width))
     peak = max(snap.finished, default=0)
@@ -294,19 +309,21 @@ def status_view(snap: Snapshot, url: str, width: int = 120) -> Group:
 
 
 def dashboard(snap: Snapshot, url: str, width: int = 120, height: int = 40) -> Group:
-    """One frame of ``redisdask monitor``; rows are dropped from the bottom up (events,
-    then prefixes) when the terminal is short."""
-    workers_rows = len(snap.workers) or 1
-    spare = height - 6 - (workers_rows + 4) - 2
-    prefix_rows = max(1, min(12, spare // 2 - 4))
-    event_rows = max(0, spare - (prefix_rows + 4) - 3)
+    """One frame of ``redisdask monitor``, fitted to ``height`` lines: the header and the
+    workers first; prefixes, then events, get what is left."""
+    spare = height - (4 if width >= NARROW else 6) - 2  # header; throughput and footer
+    legend = height >= 30
+    worker_rows = min(max(1, len(snap.workers)), max(1, spare - 5 - 6 - legend))
+    spare -= worker_rows + 5 + legend
+    prefix_rows = max(1, min(12, max(1, len(snap.prefixes)), spare - 5))
+    spare -= prefix_rows + 5
     parts: list[RenderableType] = [
         header(snap, url),
-        workers_table(snap, width),
+        workers_table(snap, width, limit=worker_rows, legend=legend),
         progress_table(snap, width, limit=prefix_rows),
         throughput(snap, width),
     ]
-    if event_rows:
-        parts.append(events_table(snap.events, limit=event_rows))
+    if spare >= 4:
+        parts.append(events_table(snap.events, limit=spare - 3))
     parts.append(Text("q or Ctrl-C quits", style="dim"))
     return Group(*parts)

@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from redisdask import Client, KilledWorker, LocalCluster
+from redisdask.inspect import read_deaths
 from redisdask.schema import Keys
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,9 +36,11 @@ def calls(r: redis.Redis) -> dict[str, int]:
     return {k.removeprefix("cmdstat_"): v["calls"] for k, v in r.info("commandstats").items()}
 
 
-def inspect(redis_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+def inspect(redis_url: str, *args: str, after: int = 1) -> subprocess.CompletedProcess[str]:
+    """``redisdask inspect WHAT [positionals] URL [options]``: the URL after ``after`` args."""
+    args = (*args[:after], redis_url, *args[after:])
     return subprocess.run(
-        [sys.executable, "-m", "redisdask", "inspect", *args, redis_url],
+        [sys.executable, "-m", "redisdask", "inspect", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -46,7 +49,7 @@ def inspect(redis_url: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_inspect_deaths_names_a_memory_death_with_its_figures_and_writes_nothing(
-    redis_url: str, cluster_name: str
+    redis_url: str, read_only_url: str, cluster_name: str
 ) -> None:
     with (
         LocalCluster(
@@ -58,9 +61,28 @@ def test_inspect_deaths_names_a_memory_death_with_its_figures_and_writes_nothing
             scheduler_options={"allowed_failures": 0},
         ) as cluster,
         Client(cluster) as client,
-        pytest.raises(KilledWorker),
     ):
-        client.submit(allocate_forever, 20_000_000).result(timeout=60)
+        future = client.submit(allocate_forever, 20_000_000)
+        with pytest.raises(KilledWorker):
+            future.result(timeout=60)
+        # while the cluster runs, as a Redis user that cannot write
+        task = inspect(
+            read_only_url, "task", future.key, "--cluster", cluster_name, "--json", after=2
+        )
+        task_text = inspect(read_only_url, "task", future.key, "--cluster", cluster_name, after=2)
+        keys = inspect(read_only_url, "keys", "--cluster", cluster_name, "--json")
+        events = inspect(read_only_url, "events", "--cluster", cluster_name, "--json")
+        dead_address = read_deaths(cluster.redis, Keys(cluster_name))[0]["worker"]
+        worker = inspect(
+            read_only_url, "worker", dead_address, "--cluster", cluster_name, "--json", after=2
+        )
+    check_task(task, task_text, future.key)
+    check_keys_and_events(keys, events)
+    assert worker.returncode == 0, worker.stderr
+    dead = json.loads(worker.stdout)
+    assert dead["alive"] is False and dead["death"]["kind"] == "memory"
+    assert dead["last_heartbeat"]["memory_limit"] == 300_000_000
+    assert any(row["key"] == future.key for row in dead["story"])  # what it was doing
     r = redis.Redis.from_url(redis_url)
     r.xadd(Keys(cluster_name).deaths, {"m": b"\xc1 not msgpack"})  # a stranger's entry
     before = calls(r)
@@ -82,3 +104,38 @@ def test_inspect_deaths_names_a_memory_death_with_its_figures_and_writes_nothing
     assert not increased & WRITES, increased  # read-only
     other = inspect(redis_url, "deaths", "--cluster", cluster_name, "--worker", "nobody")
     assert "No worker deaths recorded." in other.stdout
+
+
+def check_task(
+    result: subprocess.CompletedProcess[str], text: subprocess.CompletedProcess[str], key: str
+) -> None:
+    assert result.returncode == 0, result.stderr
+    task = json.loads(result.stdout)
+    assert task["state"] == "erred" and task["suspicious"] == 1
+    assert task["exception_text"].startswith("KilledWorker:")
+    [death] = task["deaths"]
+    assert death["kind"] == "memory" and death["evidence"]["memory_limit"] == 300_000_000
+    states = [row["state"] for row in task["story"]]
+    assert states[:2] == ["released", "queued"] and states[-1] == "erred"
+    assert "processing" in states
+    claim = next(row for row in task["story"] if row["state"] == "processing")
+    assert claim["cause"] == "claimed" and claim["origin"] == death["worker"]
+    died = task["story"][-1]
+    assert died["cause"] == "remove-worker" and died["origin"] == death["worker"]
+    assert [r["finish"] for r in task["worker_story"]][:2] == ["ready", "executing"]
+    assert text.returncode == 0, text.stderr
+    assert "KilledWorker" in text.stdout and "story (scheduler)" in text.stdout
+
+
+def check_keys_and_events(
+    keys: subprocess.CompletedProcess[str], events: subprocess.CompletedProcess[str]
+) -> None:
+    assert keys.returncode == 0, keys.stderr
+    kinds = {row["kind"]: row for row in json.loads(keys.stdout)}
+    assert kinds["task:*"]["count"] == 1 and kinds["task:*"]["bytes"] > 0
+    assert kinds["deaths"]["type"] == "stream" and kinds["events"]["count"] == 1
+    assert {"meta", "lease", "workers", "heartbeats", "summary", "story"} <= set(kinds)
+    assert events.returncode == 0, events.stderr
+    described = [e["kind"] for e in json.loads(events.stdout)]
+    assert described[0] == "scheduler-start" and "worker-died" in described
+    assert described.count("worker-joined") == 2 and "killed-worker" in described

@@ -28,6 +28,7 @@ from redisdask.scheduler_state import (
     Event,
     Forget,
     Instruction,
+    LogEvent,
     MissingData,
     RecordDeath,
     ReleasedKeys,
@@ -46,6 +47,7 @@ from redisdask.scheduler_state import (
     UpdateData,
     UpdateGraph,
     WorkerMsg,
+    key_prefix,
     priority_score,
 )
 
@@ -1290,3 +1292,49 @@ def test_a_nannys_report_after_the_worker_was_removed_is_still_recorded():
     )
     [record] = [i.record for i in of(out, RecordDeath)]
     assert record["kind"] == "hung" and record["pid"] == 42 and record["name"] == "w-0"
+
+
+# --------------------------------------------------------------------------- event log
+
+
+def test_the_event_log_hears_of_joins_goodbyes_and_killed_workers():
+    s = SchedulerState(validate=True, allowed_failures=0)
+    joined = s.handle_stimulus(
+        AddWorker("a1", worker=W1, info={"name": "w1", "nthreads": 2, "restarts": 3})
+    )
+    assert [(e.kind, e.fields) for e in of(joined, LogEvent)] == [
+        ("worker-joined", {"worker": W1, "name": "w1", "nthreads": 2, "restarts": 3})
+    ]
+    assert not of(s.handle_stimulus(AddWorker("a1-again", worker=W1)), LogEvent)  # once
+    s.handle_stimulus(AddWorker("a2", worker=W2))
+    submit(s, "c", [task("boom")], ["boom"])
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["boom"]))
+    died = s.handle_stimulus(RemoveWorker("rw", worker=W1, how="nanny", reason="memory"))
+    assert [(e.kind, e.fields) for e in of(died, LogEvent)] == [
+        ("killed-worker", {"key": "boom", "workers": [W1]})
+    ]
+    left = s.handle_stimulus(RemoveWorker("bye", worker=W2, how="goodbye", reason="closed"))
+    assert [(e.kind, e.fields["reason"]) for e in of(left, LogEvent)] == [("worker-left", "closed")]
+
+
+def test_a_worker_loaded_from_redis_is_announced_when_its_own_message_arrives():
+    s = SchedulerState(validate=True)
+    assert not of(s.handle_stimulus(AddWorker("load", worker=W1)), LogEvent)
+    assert len(of(s.handle_stimulus(AddWorker("workers:1-0/0", worker=W1)), LogEvent)) == 1
+
+
+@pytest.mark.parametrize(
+    ("key", "prefix"),
+    [
+        ("inc-5f3a9c00aa11", "inc"),
+        ("sum-chunk-00ab12cd", "sum-chunk"),
+        ("load-data-7", "load-data"),
+        ("('x-1a2b', 0)", "x"),
+        ("<lambda>-da39a3ee5e6b", "lambda"),
+        ("f-deadbeef", "f"),
+        ("plain", "plain"),
+        ("", "other"),
+    ],
+)
+def test_key_prefix_groups_keys_like_dask(key: str, prefix: str):
+    assert key_prefix(key) == prefix
