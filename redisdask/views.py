@@ -138,8 +138,10 @@ def workers_table(
     snap: Snapshot, width: int = 120, limit: int | None = None, legend: bool = True
 ) -> Table:
     narrow = width < NARROW
+    shown = snap.workers if limit is None else snap.workers[: max(1, limit)]
+    hidden = len(snap.workers) - len(shown)
     table = Table(
-        title=f"{len(snap.workers)} workers",
+        title=f"{len(snap.workers)} workers" + (f" ({hidden} not shown)" if hidden else ""),
         title_justify="left",
         caption="memory: managed █ unmanaged █, marks: target ┆ spill ┊ pause ╏ kill ║"
         if legend
@@ -163,9 +165,6 @@ def workers_table(
         table.add_column("restarts", justify="right")
     if not snap.workers:
         table.add_row(Text("no workers registered", style="dim"))
-    shown = snap.workers
-    if limit is not None and len(shown) > limit:
-        shown = shown[: max(1, limit - 1)]  # and a line that says how many more
     for w in shown:
         status_style = {"running": "green", "paused": "red", "retiring": "yellow"}.get(w.status, "")
         stale = w.heartbeat_age is not None and w.heartbeat_age > 3.0
@@ -184,8 +183,6 @@ def workers_table(
                 Text(str(w.restarts), style="yellow" if w.restarts else "dim"),
             ]
         table.add_row(*row)
-    if len(shown) < len(snap.workers):
-        table.add_row(Text(f"+{len(snap.workers) - len(shown)} more", style="dim"))
     return table
 
 
@@ -217,14 +214,16 @@ def progress_bar(p: PrefixView, width: int) -> Text:
 
 def progress_table(snap: Snapshot, width: int = 120, limit: int = 12) -> Table:
     narrow = width < NARROW
-    table = Table(title="progress by task prefix", title_justify="left", expand=True)
+    prefixes = sorted(snap.prefixes, key=lambda p: (-(p.waiting + p.processing), p.prefix))
+    shown = prefixes[: max(1, limit)]
+    hidden = len(prefixes) - len(shown)
+    title = "progress by task prefix" + (f" ({hidden} not shown)" if hidden else "")
+    table = Table(title=title, title_justify="left", expand=True)
     table.add_column("prefix", overflow="ellipsis", no_wrap=True, ratio=1, min_width=8)
     table.add_column("bar", no_wrap=True)
     for column in ("waiting", "processing", "memory", "erred") + (() if narrow else ("released",)):
         table.add_column(column, justify="right")
     bar_width = max(6, min(50, width - (55 if narrow else 75)))
-    prefixes = sorted(snap.prefixes, key=lambda p: (-(p.waiting + p.processing), p.prefix))
-    shown = prefixes if len(prefixes) <= limit else prefixes[: max(1, limit - 1)]
     for p in shown:
         row: list[RenderableType] = [
             Text(p.prefix),
@@ -237,8 +236,6 @@ def progress_table(snap: Snapshot, width: int = 120, limit: int = 12) -> Table:
         if not narrow:
             row.append(f"{p.released:,}")
         table.add_row(*row)
-    if len(shown) < len(prefixes):
-        table.add_row(Text(f"+{len(prefixes) - len(shown)} more", style="dim"))
     if not prefixes:
         table.add_row(Text("no tasks", style="dim"))
     return table
