@@ -6,6 +6,7 @@ __version__ = "0.1.0"
 
 from redisdask.client import Client, Future, as_completed, wait
 from redisdask.cluster import LocalCluster
+from redisdask.diagnostics import progress
 from redisdask.errors import (
     ClusterConnectionError,
     FutureCancelledError,
@@ -23,5 +24,6 @@ __all__ = [
     "RedisDaskError",
     "__version__",
     "as_completed",
+    "progress",
     "wait",
 ]

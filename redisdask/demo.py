@@ -64,7 +64,7 @@ def run_demo(redis_url: str | None = None, n_workers: int = 2) -> int:
             squares = client.map(square, range(200))
             total_sq = client.submit(sum, squares)
             everything = [*chunks, *shifted, *summaries, *squares, total_sq, level[0]]
-            progress(everything, description=f"{len(everything)} tasks", console=console)
+            progress(everything, console=console)
             s, s2, n, _ = level[0].result()
             sum_of_squares = total_sq.result()
             per_chunk = client.gather(summaries)

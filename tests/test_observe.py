@@ -20,7 +20,7 @@ import pytest
 import redis
 from rich.console import Console
 
-from redisdask import Client, LocalCluster
+from redisdask import Client, LocalCluster, progress
 from redisdask.connection import connect
 from redisdask.inspect import read_deaths
 from redisdask.schema import Keys
@@ -268,3 +268,30 @@ def test_event_and_story_streams_stay_within_their_caps(
         assert r.xlen(keys.story) == 3
         kinds = [json.dumps(e) for e in read_deaths(r, keys)]
         assert len(kinds) == 1
+
+
+# --------------------------------------------------------------------------- client progress
+
+
+def divide(x: int) -> float:
+    return 1 / x
+
+
+def test_progress_draws_a_bar_per_prefix_counts_errors_and_times_out(
+    client: Client, tmp_path: Path
+) -> None:
+    incs = client.map(inc, range(20))
+    bad = client.submit(divide, 0)
+    terminal = Console(force_terminal=True, record=True, file=io.StringIO(), width=100)
+    progress({"incs": incs, "bad": [bad]}, console=terminal, timeout=30)
+    drawn = terminal.export_text()
+    assert "inc" in drawn and "20/20" in drawn
+    assert "divide" in drawn and "1/1" in drawn and "1 erred" in drawn
+    log = Console(file=io.StringIO(), force_terminal=False, record=True)
+    progress([incs, bad], console=log, timeout=30)
+    assert log.export_text() == "21 tasks: 20 done, 1 erred\n"  # one line, no bars
+    blocked = client.submit(wait_for_file, str(tmp_path / "never"))
+    with pytest.raises(TimeoutError, match="1 of 1 futures"):
+        progress(blocked, console=log, timeout=0.3)
+    (tmp_path / "never").touch()
+    assert blocked.result(timeout=30)
