@@ -9,23 +9,14 @@ Exit codes: 0 success, 1 failure at run time, 2 bad usage or configuration.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import random
 import sys
 from collections.abc import Sequence
 
-from redisdask import memory
+from redisdask import logs, memory
 from redisdask.config import Config, ConfigError, load_config, parse_duration
 from redisdask.errors import RedisDaskError
-
-
-def _setup_logging(level: str, role: str) -> None:
-    logging.basicConfig(
-        level=level,
-        format=f"%(asctime)s %(levelname)-7s {role}[{os.getpid()}] %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
 
 
 def _add_common(parser: argparse.ArgumentParser, default_url: str, default_cluster: str) -> None:
@@ -300,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = load_config()
     try:
         if args.command == "scheduler":
-            _setup_logging(config.logging.level, "scheduler")
+            logs.setup(config.logging.level, "scheduler")
             from redisdask.scheduler import main as scheduler_main
 
             scheduler_main(
@@ -317,12 +308,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         elif args.command == "worker":
             role = "worker" if args.no_nanny else "nanny"
-            _setup_logging(config.logging.level, f"{role}:{args.name or ''}")
+            logs.setup(config.logging.level, role, args.name)
             return _worker(args, config)
         elif args.command in ("inspect", "status", "monitor"):
             return _read_only(args, config)
         elif args.command == "demo":
-            _setup_logging("WARNING", "demo")
+            logs.setup("WARNING", "demo")
             try:
                 from redisdask.demo import run_demo
             except ModuleNotFoundError as exc:

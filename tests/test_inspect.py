@@ -100,7 +100,7 @@ def test_inspect_deaths_names_a_memory_death_with_its_figures_and_writes_nothing
     assert text.returncode == 0 and "killed by its nanny" in text.stdout
     assert "memory" in text.stdout and "MiB" in text.stdout
     assert "pausing its thread pool" in text.stdout  # the log tail, brackets and all
-    assert "WARNING worker:worker-0[" in text.stdout
+    assert "WARNING worker worker-0[" in text.stdout  # the one log format
     assert not increased & WRITES, increased  # read-only
     other = inspect(redis_url, "deaths", "--cluster", cluster_name, "--worker", "nobody")
     assert "No worker deaths recorded." in other.stdout

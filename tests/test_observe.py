@@ -8,6 +8,7 @@ import io
 import json
 import os
 import pty
+import re
 import select
 import signal
 import subprocess
@@ -295,3 +296,38 @@ def test_progress_draws_a_bar_per_prefix_counts_errors_and_times_out(
         progress(blocked, console=log, timeout=0.3)
     (tmp_path / "never").touch()
     assert blocked.result(timeout=30)
+
+
+# --------------------------------------------------------------------------- logging
+
+LOG_LINE = re.compile(
+    r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) +"
+    r"(?P<role>scheduler|nanny|worker)(?: (?P<name>\S+))?\[(?P<pid>\d+)\] redisdask\.\S+: "
+)
+
+
+def test_every_process_logs_one_format_with_its_role_and_name(
+    redis_url: str, cluster_name: str, tmp_path: Path
+) -> None:
+    with (
+        LocalCluster(
+            n_workers=1, nanny=True, redis_url=redis_url, cluster_name=cluster_name,
+            log_directory=tmp_path, worker_options={"local_directory": str(tmp_path)},
+        ) as cluster,
+        Client(cluster) as client,
+    ):  # fmt: skip
+        assert client.submit(inc, 1).result(timeout=30) == 2
+    lines = [
+        line
+        for log in tmp_path.glob("*.log")
+        for line in log.read_text().splitlines()
+        if " redisdask." in line
+    ]
+    parsed = [LOG_LINE.match(line) for line in lines]
+    assert all(parsed), [line for line, m in zip(lines, parsed, strict=True) if not m]
+    roles = {(m["role"], m["name"]) for m in parsed if m}
+    assert ("scheduler", None) in roles
+    assert ("nanny", "worker-0") in roles and ("worker", "worker-0") in roles
+    # the nanny's own file of its worker's output: the same lines, as the worker wrote them
+    [worker_log] = (tmp_path / "redisdask-worker-space").glob("worker-0.log")
+    assert "worker worker-0[" in worker_log.read_text()

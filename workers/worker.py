@@ -41,7 +41,7 @@ import cloudpickle
 import psutil
 import redis
 
-from redisdask import comm, schema
+from redisdask import comm, logs, schema
 from redisdask.connection import connect, connect_async
 from redisdask.memory import format_bytes
 from redisdask.schema import Keys
@@ -996,6 +996,7 @@ def main(redis_url: str, cluster: str, **kwargs: Any) -> None:
     async def run() -> None:
         worker = Worker(redis_url, cluster, **kwargs)
         await worker.start()
+        logs.set_name(worker.name or worker.address)  # its address, if it had no name
         loop = asyncio.get_running_loop()
         closing: set[asyncio.Task[None]] = set()  # the loop holds tasks weakly: keep them
         first_signal: list[float] = []
