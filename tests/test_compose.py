@@ -29,10 +29,12 @@ def test_every_service_command_is_a_valid_redisdask_command() -> None:
         for name, s in services().items()
         if s.get("image", "").startswith("redisdask")
     }
-    assert set(commands) == {"scheduler", "scheduler-standby", "worker"}
+    assert set(commands) == {"scheduler", "scheduler-standby", "worker", "monitor"}
     for name, command in commands.items():
         args = parser.parse_args(command)  # exits (SystemExit) on an unknown flag
-        assert args.command in ("scheduler", "worker"), name
+        assert args.command in ("scheduler", "worker", "monitor"), name
+    monitor = services()["monitor"]
+    assert monitor["tty"] and monitor["stdin_open"] and monitor["profiles"] == ["tools"]
     assert parser.parse_args(commands["scheduler-standby"]).standby
     worker = parser.parse_args(commands["worker"])
     assert worker.nworkers == 2 and not worker.no_nanny and worker.host == "0.0.0.0"

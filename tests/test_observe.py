@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
+from polling import poll
 from rich.console import Console
 
 from redisdask import Client, LocalCluster, progress
@@ -27,7 +28,6 @@ from redisdask.inspect import read_deaths
 from redisdask.schema import Keys
 from redisdask.snapshot import SNAPSHOT_COMMANDS, read_snapshot
 from redisdask.views import dashboard, status_view
-from tests.polling import poll
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -331,3 +331,24 @@ def test_every_process_logs_one_format_with_its_role_and_name(
     # the nanny's own file of its worker's output: the same lines, as the worker wrote them
     [worker_log] = (tmp_path / "redisdask-worker-space").glob("worker-0.log")
     assert "worker worker-0[" in worker_log.read_text()
+
+
+def test_inspect_events_follow_prints_new_events_as_they_come(
+    read_only_url: str, cluster: LocalCluster
+) -> None:
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "redisdask", "inspect", "events", read_only_url, "--cluster",
+         cluster.cluster_name, "--follow", "--json"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert follower.stdout is not None
+        seen = [json.loads(follower.stdout.readline())["kind"] for _ in range(3)]
+        assert seen == ["scheduler-start", "worker-joined", "worker-joined"]  # the history
+        cluster.start_worker(name="late")  # then what happens next, as it happens
+        late = json.loads(follower.stdout.readline())
+        assert late["kind"] == "worker-joined" and late["name"] == "late"
+        follower.send_signal(signal.SIGINT)
+        assert follower.wait(timeout=15) == 0
+    finally:
+        follower.kill()

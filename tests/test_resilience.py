@@ -14,6 +14,7 @@ from polling import poll
 
 from redisdask import Client, KilledWorker, LocalCluster
 from redisdask.errors import DataUnavailableError
+from redisdask.inspect import read_events
 from redisdask.schema import Keys, unpack
 
 pytestmark = pytest.mark.timeout(90)
@@ -189,6 +190,7 @@ def test_a_paused_scheduler_is_fenced_out_by_the_standby_that_took_over(
         standby = cluster.start_scheduler(standby=True)
         assert client.submit(inc, 1).result(timeout=10) == 2
         token = r.get(keys.lease)
+        old_id = r.hget(keys.scheduler, "id").decode()
         old.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
         try:
             poll(lambda: r.get(keys.lease) not in (None, token))  # the standby leads
@@ -201,6 +203,9 @@ def test_a_paused_scheduler_is_fenced_out_by_the_standby_that_took_over(
         assert standby.poll() is None
         assert client.gather(client.map(inc, range(10))) == list(range(1, 11))
         assert r.xlen(keys.dead_letter) == 0
+        # the event log tells of the failover
+        starts = [e for e in read_events(r, keys) if e["kind"] == "scheduler-start"]
+        assert [e["previous"] for e in starts] == [None, old_id]
 
 
 def test_versions_are_recorded_and_checked(client: Client, cluster) -> None:  # type: ignore[no-untyped-def]
@@ -285,6 +290,10 @@ def test_a_restarted_redis_under_a_running_computation(tmp_path, cluster_name: s
         assert total.result(timeout=60) == sum(range(1, 301))
         assert client.submit(inc, 1).result(timeout=20) == 2
         assert all(p.poll() is None for p in cluster.subprocesses)  # nobody gave up
+        [back] = [
+            e for e in read_events(cluster.redis, cluster.keys) if e["kind"] == "redis-reconnected"
+        ]
+        assert back["process"].startswith("scheduler-") and back["away"] > 0
 
 
 def test_a_client_waits_for_redis_then_says_so_and_keeps_its_futures(
