@@ -53,7 +53,6 @@ from redisdask.scheduler_state import (
     SetWants,
     StoreTask,
     TaskClaimed,
-    TaskErred,
     TaskFinished,
     TaskState,
     Unclaim,
@@ -329,7 +328,7 @@ class Scheduler:
         instructions = self.state.handle_stimulus(*events)
         commands = self.to_commands(instructions) + commands
         commands += self._story(events, instructions)
-        self.summary.count(events)
+        self.summary.count(events, instructions)
         if self.summary.due():
             commands.append(self.summary.command(self.keys, self.state, self.id))
         for stream, ids in acks.items():
@@ -600,15 +599,17 @@ class Summary:
         totals = r.hmget(keys.summary, "finished_total", "erred_total")
         return cls(*(int(v or 0) for v in totals))
 
-    def count(self, events: list[Event]) -> None:
+    def count(self, events: list[Event], instructions: list[Instruction]) -> None:
+        """Results reported (``task-finished``) and tasks that erred, whatever made them
+        err: their own exception, a dependency's, or ``KilledWorker``."""
         self.dirty = True
-        second = int(time.time())
-        for ev in events:
-            if isinstance(ev, TaskFinished):
-                self.finished_total += 1
-                self.per_second[second] += 1
-            elif isinstance(ev, TaskErred):
-                self.erred_total += 1
+        finished = sum(isinstance(ev, TaskFinished) for ev in events)
+        if finished:
+            self.finished_total += finished
+            self.per_second[int(time.time())] += finished
+        self.erred_total += sum(
+            isinstance(ins, SetState) and ins.state == "erred" for ins in instructions
+        )
 
     def due(self) -> bool:
         return self.dirty and time.monotonic() >= self.next_write

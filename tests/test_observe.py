@@ -135,9 +135,12 @@ def test_status_json_and_waiting_for_a_scheduler(read_only_url: str, cluster_nam
 def test_status_json_of_a_running_cluster(
     read_only_url: str, cluster: LocalCluster, client: Client
 ) -> None:
-    assert sum(client.gather(client.map(inc, range(30)))) == sum(range(1, 31))
+    incs = client.map(inc, range(30))  # held: their results stay in memory
+    assert sum(client.gather(incs)) == sum(range(1, 31))
+    bad = client.submit(divide, 0)
+    assert isinstance(bad.exception(timeout=30), ZeroDivisionError)
     r = connect(cluster.redis_url)
-    poll(lambda: r.hget(cluster.keys.summary, "finished_total") == b"30")
+    poll(lambda: r.hget(cluster.keys.summary, "erred_total") == b"1")
     r.close()
     result = subprocess.run(
         [sys.executable, "-m", "redisdask", "status", read_only_url, "--cluster",
@@ -149,9 +152,10 @@ def test_status_json_of_a_running_cluster(
     assert data["has_scheduler"] and data["scheduler"]["id"].startswith("scheduler-")
     assert sorted(w["name"] for w in data["workers"]) == ["worker-0", "worker-1"]
     assert all(w["status"] == "running" and w["rss"] > 0 for w in data["workers"])
-    assert data["states"] == {"memory": 30} and data["finished_total"] == 30
+    assert data["states"] == {"memory": 30, "erred": 1}
+    assert data["finished_total"] == 30 and data["erred_total"] == 1
     assert sum(data["finished"]) == 30  # all within the last minute
-    assert [p["prefix"] for p in data["prefixes"]] == ["inc"]
+    assert [p["prefix"] for p in data["prefixes"]] == ["divide", "inc"]
 
 
 def test_one_snapshot_is_one_round_trip_of_a_few_reads(redis_url: str, cluster_name: str) -> None:
