@@ -356,3 +356,24 @@ def test_inspect_events_follow_prints_new_events_as_they_come(
         assert follower.wait(timeout=15) == 0
     finally:
         follower.kill()
+
+
+def test_the_monitor_outlives_a_redis_that_goes_away_and_comes_back(
+    tmp_path: Path, cluster_name: str
+) -> None:
+    from redisdask.embedded import EmbeddedRedis
+
+    with EmbeddedRedis(data_dir=tmp_path) as server:
+        pid, fd = _spawn_monitor(server.url, cluster_name)
+        try:
+            _read_until(fd, b"waiting for a scheduler")
+            server.kill()  # kill -9: the monitor says so and keeps trying
+            _read_until(fd, b"cannot read Redis")
+            server.start()  # same port, same data
+            _read_until(fd, b"waiting for a scheduler")
+            os.write(fd, b"q")
+            assert _exit_code(pid) == 0
+        finally:
+            os.close(fd)
+            if psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGKILL)
