@@ -161,10 +161,14 @@ def task_story(r: redis.Redis, keys: Keys, key: str) -> list[dict[str, Any]]:
     what caused it (op and origin: a worker address, a client id, or the scheduler)."""
     story = []
     for entry in _read_stream_matching(r, keys.story, key.encode()):
-        causes = entry.get("causes") or {}
-        for row in entry.get("transitions") or []:
-            if len(row) == 3 and row[0] == key:
-                op, origin = (causes.get(row[2]) or ["?", "?"])[:2]
+        if not isinstance(entry, dict):
+            continue  # not the scheduler's: a stranger's entry is skipped
+        causes = entry.get("causes") if isinstance(entry.get("causes"), dict) else {}
+        transitions = entry.get("transitions")
+        for row in transitions if isinstance(transitions, list) else []:
+            if isinstance(row, list) and len(row) == 3 and row[0] == key:
+                cause = causes.get(row[2]) if isinstance(row[2], str) else None
+                op, origin = cause if isinstance(cause, list) and len(cause) == 2 else ["?", "?"]
                 story.append(
                     {
                         "time": entry.get("time"),
@@ -189,7 +193,7 @@ def worker_story(
         else (_unpack_entry(f) for _, f in reversed(r.xrevrange(stream, count=limit)))
     )
     for entry in entries:
-        for row in entry or []:
+        for row in entry if isinstance(entry, list) else []:
             if not isinstance(row, list) or len(row) != 5 or (key is not None and row[1] != key):
                 continue
             when, task, start, finish, sid = row
@@ -263,7 +267,7 @@ def read_task(r: redis.Redis, keys: Keys, key: str) -> dict[str, Any]:
     task["dependents_complete"] = scanned < SCAN_LIMIT
     task["story"] = task_story(r, keys, key)
     holders = {task.get("worker"), task.get("erred_on"), *task["who_has"]}
-    holders |= {row["origin"] for row in task["story"] if row["origin"].startswith("tcp://")}
+    holders |= {str(row["origin"]) for row in task["story"] if str(row["origin"]).startswith("tcp")}
     task["worker_story"] = sorted(
         (row for w in sorted(h for h in holders if h) for row in worker_story(r, keys, w, key)),
         key=lambda row: row["time"] or 0,

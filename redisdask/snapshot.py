@@ -140,6 +140,15 @@ def _unpack(raw: bytes | None) -> dict[str, Any]:
 def _worker_view(
     address: str, info: dict[str, Any], beat: dict[str, Any], now: float
 ) -> WorkerView:
+    try:
+        return _parse_worker(address, info, beat, now)
+    except (TypeError, ValueError, KeyError):  # a stranger's values: a row, not a crash
+        return WorkerView(address=address, name=address, status="unreadable")
+
+
+def _parse_worker(
+    address: str, info: dict[str, Any], beat: dict[str, Any], now: float
+) -> WorkerView:
     fractions = info.get("memory_fractions")
     return WorkerView(
         address=address,
@@ -155,7 +164,11 @@ def _worker_view(
         spilled=int(beat.get("spilled") or 0),
         rss=int(beat.get("rss") or 0),
         memory_limit=int(beat.get("memory_limit") or info.get("memory_limit") or 0),
-        fractions=dict(fractions) if isinstance(fractions, dict) else {},
+        fractions={
+            str(k): v
+            for k, v in (fractions.items() if isinstance(fractions, dict) else ())
+            if isinstance(v, int | float)
+        },
         cpu=float(beat.get("cpu") or 0.0),
         heartbeat_age=now - float(beat["time"]) if beat.get("time") else None,
         restarts=int(info.get("restarts") or 0),

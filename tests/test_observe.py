@@ -377,3 +377,30 @@ def test_the_monitor_outlives_a_redis_that_goes_away_and_comes_back(
             os.close(fd)
             if psutil.pid_exists(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_strangers_entries_are_shown_or_skipped_never_fatal(
+    redis_url: str, cluster_name: str
+) -> None:
+    from redisdask import schema
+    from redisdask.inspect import read_events, read_task, read_worker
+
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    odd = "tcp://10.9.9.9:1"
+    for stream in (keys.events, keys.story, keys.deaths, keys.worker_story(odd)):
+        r.xadd(stream, {"m": b"\xc1 not msgpack"})
+        r.xadd(stream, {"m": schema.pack([1, "k", 2])})
+        r.xadd(stream, {"m": schema.pack({"transitions": 5, "kind": ["k"]})})
+        r.xadd(stream, {"m": schema.pack({"transitions": [["k", "memory", ["x"]]], "causes": 1})})
+    r.hset(keys.workers, odd, schema.pack({"name": "k", "nthreads": "many",
+                                           "memory_fractions": {"pause": "high"}}))  # fmt: skip
+    r.hset(keys.heartbeats, odd, schema.pack({"time": "yesterday"}))
+    snap = read_snapshot(r, keys)
+    assert [w.status for w in snap.workers] == ["unreadable"]
+    assert "unreadable" in render(status_view(snap, "redis://h/0"), 120)
+    assert render(dashboard(snap, "redis://h/0"), 120)
+    assert read_task(r, keys, "k")["state"] == "unknown"
+    assert all(isinstance(e, dict) for e in read_events(r, keys))
+    assert read_worker(r, keys, odd) is not None
+    r.close()
