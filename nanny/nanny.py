@@ -447,10 +447,16 @@ class Nanny:
             "evidence": evidence,
             "stimulus_id": f"nanny-{self.label}-{time.time():.6f}",
         }
-        event = {"kind": "worker-died", "time": record["time"], **death_fields(record)}
         pipe = self.redis.pipeline(transaction=False)
-        pipe.xadd(self.keys.deaths, {"m": schema.pack(record)}, maxlen=self.retention.deaths)
-        pipe.xadd(self.keys.events, {"m": schema.pack(event)}, maxlen=self.retention.events)
+        keep_deaths, keep_events = self.retention.deaths, self.retention.events
+        pipe.xadd(
+            self.keys.deaths, {"m": schema.pack(record)}, maxlen=keep_deaths, approximate=False
+        )
+        if kind != "graceful":  # (a graceful one's worker-left came from the scheduler)
+            event = {"kind": "worker-died", "time": record["time"], **death_fields(record)}
+            pipe.xadd(
+                self.keys.events, {"m": schema.pack(event)}, maxlen=keep_events, approximate=False
+            )
         await pipe.execute()
 
 

@@ -179,8 +179,9 @@ class LoggingConfig(Section):
 
 
 class RetentionConfig(Section):
-    """How much history a cluster keeps in Redis: each stream is trimmed to exactly this
-    many entries on every write, so a cluster that runs for months does not grow Redis."""
+    """How much history a cluster keeps in Redis: the event, death and story streams are
+    trimmed to exactly this many entries at every append, so a cluster that runs for
+    months does not grow Redis."""
 
     events: Annotated[int, Field(gt=0)] = 10_000  # rd:{c}:events
     deaths: Annotated[int, Field(gt=0)] = 10_000  # rd:{c}:deaths

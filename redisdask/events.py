@@ -58,9 +58,9 @@ def describe(event: dict[str, Any]) -> str:
         return f"worker {who} left: {event.get('reason') or 'closed'}"
     if kind == "worker-died":
         memory = ""
-        if event.get("rss") and event.get("memory_limit"):
-            rss, limit = event["rss"], event["memory_limit"]
-            memory = f" at {format_bytes(rss)} of {format_bytes(limit)}"
+        rss, limit = event.get("rss"), event.get("memory_limit")
+        if _number(rss) and _number(limit):
+            memory = f" at {format_bytes(int(rss))} of {format_bytes(int(limit))}"
         return f"worker {who} died ({event.get('cause') or event.get('how')}){memory}: " + str(
             event.get("reason", "")
         )
@@ -72,6 +72,13 @@ def describe(event: dict[str, Any]) -> str:
         took = f", taking over from {previous}" if previous else ""
         return f"scheduler {event.get('scheduler')} leads (token {event.get('token')}){took}"
     if kind == "redis-reconnected":
-        return f"{event.get('process')} reconnected to Redis after {event.get('away', 0):.1f} s"
+        away = event.get("away")
+        after = f" after {away:.1f} s" if _number(away) else ""
+        return f"{event.get('process')} reconnected to Redis{after}"
     rest = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("kind", "time"))
     return f"{kind}: {rest}"
+
+
+def _number(value: Any) -> bool:
+    """A recorded figure worth showing (events may come from strangers)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0

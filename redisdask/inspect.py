@@ -336,9 +336,9 @@ def _worker_story_table(rows: list[dict[str, Any]], title: str) -> Table:
     return table
 
 
-def _when(t: float | None) -> str:
-    if not t:
-        return "-"
+def _when(t: Any) -> str:
+    if not isinstance(t, int | float) or isinstance(t, bool) or not t:
+        return "-"  # none, or a stranger's non-number
     return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 1000) % 1000:03d}"
 
 
@@ -347,7 +347,10 @@ def _when(t: float | None) -> str:
 
 def read_worker(r: redis.Redis, keys: Keys, who: str, story: int = 200) -> dict[str, Any] | None:
     """A live worker by address or name; else the newest death record of one."""
-    workers = {a.decode(): _unpack_or(i, {}) for a, i in r.hgetall(keys.workers).items()}
+    workers = {
+        a.decode(errors="replace"): _unpack_or(i, {}) for a, i in r.hgetall(keys.workers).items()
+    }
+    workers = {a: i if isinstance(i, dict) else {} for a, i in workers.items()}
     address = next((a for a, i in workers.items() if who in (a, i.get("name"))), None)
     death = None
     if address is None:
@@ -368,7 +371,7 @@ def read_worker(r: redis.Redis, keys: Keys, who: str, story: int = 200) -> dict[
     return {
         "address": address,
         "alive": death is None,
-        "info": workers.get(address) or {k: death.get(k) for k in ("name", "host", "pid")},
+        "info": workers.get(address) or {k: (death or {}).get(k) for k in ("name", "host", "pid")},
         "last_heartbeat": beat,
         "processing": sorted(m.decode() for m in r.smembers(keys.worker_processing(address))),
         "data": sorted(data, key=lambda d: -d["nbytes"]),
@@ -516,7 +519,7 @@ def events_command(
     if as_json and not follow:
         print_json(console, events)
         return
-    last = events[-1]["id"] if events else "0-0"
+    last = events[-1]["id"] if events else "$"  # (-n 0: from now on)
     try:
         for event in events:
             _print_event(event, as_json, console)

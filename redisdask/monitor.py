@@ -79,6 +79,8 @@ def run_monitor(
                         "(q quits)",
                         style="bold red",
                     )
+                except Exception as exc:  # a value no process of ours wrote: say, go on
+                    frame = Text(f"cannot draw this frame: {exc!r} (q quits)", style="red")
                 live.update(frame, refresh=True)
                 if QUIT_KEYS & set(_wait_for_key(interval, keys_ready)):
                     return 0

@@ -35,6 +35,7 @@ from redisdask.events import death_fields, event_command
 from redisdask.scheduler_state import (
     HOLDS_DEPENDENCIES,
     AddWorker,
+    ClaimAccepted,
     ClientMsg,
     CloseClient,
     Dequeue,
@@ -52,8 +53,6 @@ from redisdask.scheduler_state import (
     SetState,
     SetWants,
     StoreTask,
-    TaskClaimed,
-    TaskFinished,
     TaskState,
     Unclaim,
     WorkerMsg,
@@ -69,7 +68,9 @@ NANNY_GRACE_LOOKS = 8  # looks without connections before a nanny's worker is de
 MAX_BATCH_BYTES = 64 << 20  # one atomic write stays far below Redis's 512 MB per argument
 DEAD_LETTER_SAMPLE = 4096  # bytes of each field kept of a dead-lettered entry
 SUMMARY_INTERVAL = 0.5  # seconds between writes of the summary hash while tasks change
+SUMMARY_SHARE = 0.05  # the most of the scheduler's time the summary's passes may take
 THROUGHPUT_WINDOW = 60  # seconds of finished-task counts the summary keeps
+MAX_PREFIXES = 100  # task prefixes counted apart in the summary; the rest are "other"
 
 
 class Scheduler:
@@ -328,7 +329,7 @@ class Scheduler:
         instructions = self.state.handle_stimulus(*events)
         commands = self.to_commands(instructions) + commands
         commands += self._story(events, instructions)
-        self.summary.count(events, instructions)
+        self.summary.count(self.state, changed=bool(instructions))
         if self.summary.due():
             commands.append(self.summary.command(self.keys, self.state, self.id))
         for stream, ids in acks.items():
@@ -463,6 +464,8 @@ class Scheduler:
                 cmds.append(self._event_command("worker-died", now, **fields))
             elif isinstance(ins, LogEvent):
                 cmds.append(self._event_command(ins.kind, time.time(), **ins.fields))
+            elif isinstance(ins, ClaimAccepted):
+                pass  # the claim script wrote it; the story tells it
             elif isinstance(ins, ResetCluster):
                 # what this batch wrote so far was about tasks that are gone now
                 for pending in (
@@ -555,11 +558,10 @@ class Scheduler:
         each, with what caused each stimulus (``[op, origin]``), in entries of at most
         ``STORY_CHUNK`` transitions.  ``redisdask inspect task`` reads a task's story here."""
         transitions: list[list[str]] = []
-        for ev in events:
-            if isinstance(ev, TaskClaimed):
-                transitions += ([key, "processing", ev.stimulus_id] for key in ev.keys)
         for ins in instructions:
-            if isinstance(ins, SetState | StoreTask):
+            if isinstance(ins, ClaimAccepted):
+                transitions.append([ins.key, "processing", ins.stimulus_id])
+            elif isinstance(ins, SetState | StoreTask):
                 transitions.append([ins.key, ins.state, ins.stimulus_id])
             elif isinstance(ins, Forget):
                 transitions.append([ins.key, "forgotten", ins.stimulus_id])
@@ -583,8 +585,10 @@ def _origin(ev: Event) -> str:
 
 class Summary:
     """Task counts per prefix and state and finished tasks per second, written to
-    ``rd:{c}:summary`` at most every ``SUMMARY_INTERVAL`` while anything changes, so that
-    ``status`` and ``monitor`` read one hash instead of every task."""
+    ``rd:{c}:summary`` while anything changes, so that ``status`` and ``monitor`` read one
+    hash instead of every task.  Counting is a pass over the tasks in memory, so the
+    interval between writes grows with what a pass costs: at least ``SUMMARY_INTERVAL``,
+    and the passes never take more than ``SUMMARY_SHARE`` of the scheduler's time."""
 
     def __init__(self, finished_total: int = 0, erred_total: int = 0) -> None:
         self.finished_total = finished_total
@@ -592,6 +596,8 @@ class Summary:
         self.per_second: Counter[int] = Counter()
         self.dirty = True
         self.next_write = 0.0
+        self._state: SchedulerState | None = None  # whose counters were last read
+        self._seen = (0, 0)  # its (n_finished, n_erred) then
 
     @classmethod
     def resumed(cls, r: redis.Redis, keys: Keys) -> Summary:
@@ -599,24 +605,25 @@ class Summary:
         totals = r.hmget(keys.summary, "finished_total", "erred_total")
         return cls(*(int(v or 0) for v in totals))
 
-    def count(self, events: list[Event], instructions: list[Instruction]) -> None:
-        """Results reported (``task-finished``) and tasks that erred, whatever made them
-        err: their own exception, a dependency's, or ``KilledWorker``."""
-        self.dirty = True
-        finished = sum(isinstance(ev, TaskFinished) for ev in events)
+    def count(self, state: SchedulerState, changed: bool) -> None:
+        """Take in what the last batch did: results in and tasks erred (whatever made them
+        err: their own exception, a dependency's, ``KilledWorker``)."""
+        if state is not self._state:  # a reloaded state counts from zero again
+            self._state, self._seen = state, (0, 0)
+        finished = state.n_finished - self._seen[0]
+        self.erred_total += state.n_erred - self._seen[1]
+        self._seen = (state.n_finished, state.n_erred)
         if finished:
             self.finished_total += finished
             self.per_second[int(time.time())] += finished
-        self.erred_total += sum(
-            isinstance(ins, SetState) and ins.state == "erred" for ins in instructions
-        )
+        self.dirty = self.dirty or changed
 
     def due(self) -> bool:
         return self.dirty and time.monotonic() >= self.next_write
 
     def command(self, keys: Keys, state: SchedulerState, scheduler_id: str) -> list[Any]:
+        started = time.monotonic()
         self.dirty = False
-        self.next_write = time.monotonic() + SUMMARY_INTERVAL
         now = time.time()
         oldest = int(now) - THROUGHPUT_WINDOW
         for second in [s for s in self.per_second if s < oldest]:
@@ -624,6 +631,12 @@ class Summary:
         by_prefix: dict[str, Counter[str]] = defaultdict(Counter)
         for ts in state.tasks.values():
             by_prefix[ts.prefix][ts.state] += 1
+        if len(by_prefix) > MAX_PREFIXES:  # keys with no hash in them: each its own prefix
+            ranked = sorted(by_prefix, key=lambda p: -sum(by_prefix[p].values()))
+            other: Counter[str] = Counter()
+            for prefix in ranked[MAX_PREFIXES - 1 :]:
+                other.update(by_prefix.pop(prefix))
+            by_prefix["other"] = other
         fields = {
             "time": now,
             "scheduler": scheduler_id,
@@ -633,6 +646,8 @@ class Summary:
             "erred_total": self.erred_total,
             "clients": len(state.clients),
         }
+        spent = time.monotonic() - started
+        self.next_write = time.monotonic() + max(SUMMARY_INTERVAL, spent / SUMMARY_SHARE)
         return ["HSET", keys.summary, *[x for kv in fields.items() for x in kv]]
 
 

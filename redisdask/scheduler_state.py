@@ -472,6 +472,15 @@ class ResetCluster(Instruction):
 
 
 @dataclass(slots=True)
+class ClaimAccepted(Instruction):
+    """A worker's claim of a queued task stands (the claim script already wrote it to
+    Redis): nothing to write, a line of the task's story."""
+
+    key: str
+    worker: str
+
+
+@dataclass(slots=True)
 class LogEvent(Instruction):
     """Append to the cluster's event log (what ``redisdask monitor`` and ``inspect events``
     show): ``worker-joined``, ``worker-left``, ``killed-worker``, ..."""
@@ -563,6 +572,10 @@ class SchedulerState:
         self._candidates: deque[TaskState] = deque()
         self._stimulus_id = ""
         self._retirement_changed = False  # something a retirement waits for happened
+        # results that came in and tasks that erred, since this state was built (metrics
+        # for the summary the monitor shows)
+        self.n_finished = 0
+        self.n_erred = 0
         self._transitions = {
             ("released", "waiting"): self._transition_released_waiting,
             ("waiting", "queued"): self._transition_waiting_queued,
@@ -1315,6 +1328,7 @@ class SchedulerState:
         ts.state = "processing"
         ts.processing_on = worker.address
         worker.processing.add(ts)  # Redis already says so: the claim script wrote it
+        self._emit(ClaimAccepted(self._stimulus_id, ts.key, worker.address))
 
     def _transition_processing_memory(self, ts: TaskState, worker: WorkerInfo) -> None:
         if ts.state == "queued":  # a late result (its worker was removed): leave the ready set
@@ -1328,6 +1342,7 @@ class SchedulerState:
         self._emit(Unclaim(self._stimulus_id, worker.address, ts.key))
         ts.processing_on = None
         ts.state = "memory"
+        self.n_finished += 1
         self._add_replica(ts, worker.address)
         if worker.retiring:  # finished while its worker retires: to be copied elsewhere
             worker.to_move.add(ts)
@@ -1367,6 +1382,7 @@ class SchedulerState:
         while todo:
             ts = todo.pop()
             ts.state = "erred"
+            self.n_erred += 1
             ts.waiting_on.clear()
             self._emit(SetState(self._stimulus_id, ts.key, "erred", self._erred_fields(ts)))
             for client in ts.who_wants:

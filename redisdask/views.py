@@ -34,8 +34,11 @@ EVENT_STYLES = {
 }
 
 
-def clock(t: float | None) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(t)) if t else "--:--:--"
+def clock(t: Any) -> str:
+    """``HH:MM:SS`` of a recorded time (a stranger's non-number shows as dashes)."""
+    if not isinstance(t, int | float) or isinstance(t, bool) or not t:
+        return "--:--:--"
+    return time.strftime("%H:%M:%S", time.localtime(t))
 
 
 def ago(seconds: float | None) -> str:

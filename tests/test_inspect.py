@@ -7,9 +7,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import redis
+from polling import poll
 
 from redisdask import Client, KilledWorker, LocalCluster
 from redisdask.inspect import read_deaths
@@ -23,9 +25,13 @@ WRITES = {
 }  # fmt: skip
 
 
-def allocate_forever(step: int) -> None:
+def allocate_forever(step: int, start: str | None = None) -> None:
+    """Leak ``step`` bytes every 20 ms, once the file ``start`` exists (if given)."""
+    import os
     import threading
 
+    while start is not None and not os.path.exists(start):
+        threading.Event().wait(0.01)
     blocks = []
     while True:
         blocks.append(b"\x01" * step)
@@ -49,7 +55,7 @@ def inspect(redis_url: str, *args: str, after: int = 1) -> subprocess.CompletedP
 
 
 def test_inspect_deaths_names_a_memory_death_with_its_figures_and_writes_nothing(
-    redis_url: str, read_only_url: str, cluster_name: str
+    redis_url: str, read_only_url: str, cluster_name: str, tmp_path: Path
 ) -> None:
     with (
         LocalCluster(
@@ -62,7 +68,13 @@ def test_inspect_deaths_names_a_memory_death_with_its_figures_and_writes_nothing
         ) as cluster,
         Client(cluster) as client,
     ):
-        future = client.submit(allocate_forever, 20_000_000)
+        go = tmp_path / "go"
+        future = client.submit(allocate_forever, 2_000_000, str(go))
+        # the worker's story has shipped its claim (with a heartbeat) before the leak starts
+        [address] = client.scheduler_info()["workers"]
+        story = Keys(cluster_name).worker_story(address)
+        poll(lambda: any(future.key.encode() in f[b"m"] for _, f in cluster.redis.xrange(story)))
+        go.touch()
         with pytest.raises(KilledWorker):
             future.result(timeout=60)
         # while the cluster runs, as a Redis user that cannot write

@@ -19,6 +19,7 @@ from redisdask.scheduler_state import (
     AddKeys,
     AddWorker,
     CancelKeys,
+    ClaimAccepted,
     ClientDesiresKeys,
     ClientMsg,
     ClientReleasesKeys,
@@ -161,7 +162,8 @@ def test_single_task_lifecycle():
     out = s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["x"]))
     assert s.tasks["x"].state == "processing" and s.tasks["x"].processing_on == W1
     assert s.tasks["x"] in s.workers[W1].processing
-    assert out == []  # the claim script already wrote everything
+    # the claim script already wrote everything: the instruction is for the story only
+    assert [type(i) for i in out] == [ClaimAccepted]
 
     out = s.handle_stimulus(TaskFinished("fin", worker=W1, key="x", nbytes=28, type="int"))
     ts = s.tasks["x"]
@@ -1338,3 +1340,16 @@ def test_a_worker_loaded_from_redis_is_announced_when_its_own_message_arrives():
 )
 def test_key_prefix_groups_keys_like_dask(key: str, prefix: str):
     assert key_prefix(key) == prefix
+
+
+def test_claims_that_stand_are_told_and_only_real_results_and_errors_are_counted():
+    s = make(W1, W2)
+    submit(s, "c", [task("a"), task("b")], ["a", "b"])
+    out = s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["a", "nobody-knows"]))
+    assert [(i.key, i.worker) for i in of(out, ClaimAccepted)] == [("a", W1)]
+    s.handle_stimulus(TaskFinished("fin", worker=W1, key="a", nbytes=8, type="int"))
+    s.handle_stimulus(TaskFinished("again", worker=W1, key="a", nbytes=8, type="int"))
+    s.handle_stimulus(TaskFinished("stranger", worker=W2, key="zzz", nbytes=8, type="int"))
+    assert (s.n_finished, s.n_erred) == (1, 0)  # the duplicate and the unknown key: ignored
+    fail(s, "b", worker=W2)
+    assert (s.n_finished, s.n_erred) == (1, 1)

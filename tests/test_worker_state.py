@@ -613,3 +613,18 @@ def test_a_dependency_in_flight_is_computed_here_if_the_transfer_fails():
     out = ws.handle_stimulus(GatherDepNetworkFailureEvent("tcp://dead:1", ["x"], "gone", "f"))
     assert [i.key for i in out if isinstance(i, Execute)] == ["x"]
     assert ws.tasks["x"].state == "executing"
+
+
+def test_story_since_gives_what_was_appended_even_after_the_story_wrapped():
+    from workers.state import WorkerState
+
+    state = WorkerState(story_limit=3)
+    for i in range(2):
+        state._tell((f"k{i}", "a", "b", "s", None))
+    assert [e[0] for e in state.story_since(0)] == ["k0", "k1"]
+    mark = state.story_total
+    for i in range(2, 7):
+        state._tell((f"k{i}", "a", "b", "s", None))
+    assert state.story_total == 7
+    assert [e[0] for e in state.story_since(mark)] == ["k4", "k5", "k6"]  # the kept ones
+    assert state.story_since(state.story_total) == []

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import faulthandler
 import gc
+import itertools
 import logging
 import math
 import os
@@ -67,6 +68,7 @@ ADDRESS_FILE_ENV = "REDISDASK_ADDRESS_FILE"  # where a worker under a nanny writ
 RESTARTS_ENV = "REDISDASK_RESTARTS"  # how many workers this one's nanny started before it
 
 
+_STIMULI = itertools.count()  # makes the worker's own stimulus ids unique (thread-safe)
 _task_thread = threading.local()  # .worker: the worker whose pool owns this thread
 
 
@@ -473,7 +475,7 @@ class Worker:
     ) -> ws.StateMachineEvent:
         """Runs in a pool thread: the task, then the checks its result must pass."""
         start = time.time()
-        sid = f"execute-{start:.6f}"  # a new stimulus: not a chain of every run before it
+        sid = f"execute-{start:.6f}-{next(_STIMULI)}"  # new: no chain of every run before
         try:
             value = run_spec(spec, deps, self.functions)
             try:
@@ -803,14 +805,18 @@ class Worker:
             self._report({"op": "missing-data", "keys": keys, "errant_worker": worker})
             self.handle(
                 ws.GatherDepNetworkFailureEvent(
-                    worker, keys, str(exc), f"gather-fail-{time.time():.6f}"
+                    worker, keys, str(exc), f"gather-fail-{time.time():.6f}-{next(_STIMULI)}"
                 )
             )
             return
         for key, err in errors.items():
             logger.warning("peer %s could not send %r: %s", worker, key, err)
         nbytes = {k: sizeof(v) for k, v in data.items()}
-        self.handle(ws.GatherDepSuccessEvent(worker, data, nbytes, f"gather-{time.time():.6f}"))
+        self.handle(
+            ws.GatherDepSuccessEvent(
+                worker, data, nbytes, f"gather-{time.time():.6f}-{next(_STIMULI)}"
+            )
+        )
 
     async def _handle_rpc(
         self, header: dict[str, Any], frames: list[memoryview]
