@@ -397,9 +397,9 @@ class Worker:
         self.state.clock = time.time()  # when, in the story
         for ins in self.state.handle_stimulus(*events):
             if isinstance(ins, ws.Execute):
-                self._execute(ins.key, ins.stimulus_id)
+                self._execute(ins.key)
             elif isinstance(ins, ws.GatherDep):
-                self._spawn(self._gather(ins.worker, sorted(ins.keys), ins.stimulus_id))
+                self._spawn(self._gather(ins.worker, sorted(ins.keys)))
             elif isinstance(ins, ws.TaskFinishedMsg):
                 self._report(
                     {
@@ -463,16 +463,14 @@ class Worker:
 
     # ------------------------------------------------------------------ execution
 
-    def _execute(self, key: str, stimulus_id: str) -> None:
+    def _execute(self, key: str) -> None:
         ts = self.state.tasks[key]
         deps = {d.key: self.state.data[d.key] for d in ts.dependencies}
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self.executor, self._run, key, ts.run_spec, deps, stimulus_id)
+        future = loop.run_in_executor(self.executor, self._run, key, ts.run_spec, deps)
         future.add_done_callback(lambda f: self.handle(f.result()) if not f.cancelled() else None)
 
-    def _run(
-        self, key: str, spec: bytes, deps: dict[str, Any], stimulus_id: str
-    ) -> ws.StateMachineEvent:
+    def _run(self, key: str, spec: bytes, deps: dict[str, Any]) -> ws.StateMachineEvent:
         """Runs in a pool thread: the task, then the checks its result must pass."""
         start = time.time()
         sid = f"execute-{start:.6f}-{next(_STIMULI)}"  # new: no chain of every run before
@@ -793,7 +791,7 @@ class Worker:
 
     # ------------------------------------------------------------------ peer-to-peer
 
-    async def _gather(self, worker: str, keys: list[str], stimulus_id: str) -> None:
+    async def _gather(self, worker: str, keys: list[str]) -> None:
         try:
             header, frames = await self.pool.rpc(worker, {"op": "get-data", "keys": keys})
             if header.get("status") != "OK":
