@@ -1,9 +1,21 @@
-"""Task functions for bench/throughput.py, in their own module so that both redisdask
-and Dask pickle them by reference (``_tasks.noop``) rather than by value."""
+"""Task functions for the benchmarks, in their own module so that both redisdask and Dask
+pickle them by reference (``_tasks.noop``) rather than by value.
+
+Importing it puts ``bench/`` on ``PYTHONPATH``, so that the worker processes a benchmark
+starts (of both systems) can import it too.
+"""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
+
+BENCH_DIR = str(Path(__file__).resolve().parent)
+if BENCH_DIR not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in [BENCH_DIR, os.environ.get("PYTHONPATH", "")] if p
+    )
 
 
 def noop(x: Any) -> Any:

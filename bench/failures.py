@@ -46,13 +46,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))  # _tasks pickles by reference in both systems
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in [str(BENCH_DIR), os.environ.get("PYTHONPATH", "")] if p
-)
-
-import _tasks  # noqa: E402
+import _tasks
 
 N_TASKS = 200
 TASK_SECONDS = 0.05

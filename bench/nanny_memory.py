@@ -31,16 +31,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _tasks
 import psutil
-
-BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in [str(BENCH_DIR), os.environ.get("PYTHONPATH", "")] if p
-)
-
-import _tasks  # noqa: E402
-from failures import free_port, poll_until  # noqa: E402
+from failures import free_port, poll_until
 
 LIMIT = 300_000_000
 ARRAY = 10_000_000

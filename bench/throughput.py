@@ -37,16 +37,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-BENCH_DIR = Path(__file__).resolve().parent
-# Task functions live in bench/_tasks.py so they pickle by reference; the worker
-# processes (both systems) find the module through PYTHONPATH.
-sys.path.insert(0, str(BENCH_DIR))
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in [str(BENCH_DIR), os.environ.get("PYTHONPATH", "")] if p
-)
-
-import _tasks  # noqa: E402
-import psutil  # noqa: E402
+import _tasks
+import psutil
 
 N_MAP = 10_000
 N_SEQ = 200

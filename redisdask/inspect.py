@@ -34,6 +34,7 @@ from redisdask import schema
 from redisdask.events import describe
 from redisdask.memory import format_bytes
 from redisdask.schema import Keys
+from redisdask.views import clock
 
 LOG_LINES = 15  # lines of a death's log tail shown (``--json`` gives all of them)
 SCAN_LIMIT = 200_000  # tasks read to find dependents or a worker's data (else: skipped)
@@ -56,12 +57,9 @@ def read_deaths(
     low = f"{int((time.time() - since) * 1000)}-0" if since is not None else "-"
     records = []
     for entry_id, fields in r.xrevrange(keys.deaths, "+", low, count=limit):
-        try:
-            record = schema.unpack(fields[b"m"])
-        except (KeyError, ValueError, TypeError):
+        record = schema.unpack_or(fields.get(b"m"), None, dict)
+        if record is None:
             continue  # not ours: a stranger's entry is no record
-        if not isinstance(record, dict):
-            continue
         if worker is not None and worker not in (record.get("worker"), record.get("name")):
             continue
         record["id"] = entry_id.decode()
@@ -104,7 +102,7 @@ def render_deaths(records: list[dict[str, Any]], console: Console) -> None:
                 Text("\n".join(tail[-LOG_LINES:])),
                 title=f"last {min(len(tail), LOG_LINES)} log lines of "
                 f"{newest.get('name') or newest.get('worker')} "
-                f"({newest.get('kind') or newest.get('how')}, {_when(newest.get('time'))})",
+                f"({newest.get('kind') or newest.get('how')}, {clock(newest.get('time'))})",
             )
         )
 
@@ -146,11 +144,8 @@ def _read_stream_matching(r: redis.Redis, stream: str, needle: bytes) -> Iterato
         entries = r.xrange(stream, low, "+", count=PAGE)
         for _, fields in entries:
             raw = fields.get(b"m", b"")
-            if needle in raw:
-                try:
-                    yield schema.unpack(raw)
-                except (ValueError, TypeError):
-                    continue
+            if needle in raw and (entry := schema.unpack_or(raw, None)) is not None:
+                yield entry
         if len(entries) < PAGE:
             return
         low = "(" + entries[-1][0].decode()
@@ -187,11 +182,11 @@ def worker_story(
     """A worker's own story (``key``: only about that task), oldest first."""
     rows: list[dict[str, Any]] = []
     stream = keys.worker_story(address)
-    entries = (
-        _read_stream_matching(r, stream, key.encode())
-        if key is not None
-        else (_unpack_entry(f) for _, f in reversed(r.xrevrange(stream, count=limit)))
-    )
+    if key is not None:
+        entries = list(_read_stream_matching(r, stream, key.encode()))
+    else:
+        newest_first = r.xrevrange(stream, count=limit)
+        entries = [schema.unpack_or(f.get(b"m"), None) for _, f in reversed(newest_first)]
     for entry in entries:
         for row in entry if isinstance(entry, list) else []:
             if not isinstance(row, list) or len(row) != 5 or (key is not None and row[1] != key):
@@ -208,13 +203,6 @@ def worker_story(
                 }
             )
     return rows[-limit:]
-
-
-def _unpack_entry(fields: dict[bytes, bytes]) -> Any:
-    try:
-        return schema.unpack(fields.get(b"m", b"\xc0"))
-    except (ValueError, TypeError):
-        return None
 
 
 # --------------------------------------------------------------------------- tasks
@@ -255,13 +243,13 @@ def read_task(r: redis.Redis, keys: Keys, key: str) -> dict[str, Any]:
             task[name] = kind(float(value))
     task["who_has"] = (task.get("who_has") or "").split()
     task["restricted_to"] = (task.pop("workers", "") or "").split()
-    task["dependencies"] = _unpack_or(raw.get(b"deps"), [])
-    task["deaths"] = _unpack_or(raw.get(b"deaths"), [])
+    task["dependencies"] = schema.unpack_or(raw.get(b"deps"), [])
+    task["deaths"] = schema.unpack_or(raw.get(b"deaths"), [])
     task["spec_bytes"] = len(raw.get(b"spec", b""))
     dependents, scanned = [], 0
     for other, (deps,) in _scan_tasks(r, keys, "deps"):
         scanned += 1
-        if deps and key.encode() in deps and key in _unpack_or(deps, []):
+        if deps and key.encode() in deps and key in schema.unpack_or(deps, []):
             dependents.append(other)
     task["dependents"] = sorted(dependents)
     task["dependents_complete"] = scanned < SCAN_LIMIT
@@ -273,15 +261,6 @@ def read_task(r: redis.Redis, keys: Keys, key: str) -> dict[str, Any]:
         key=lambda row: row["time"] or 0,
     )
     return task
-
-
-def _unpack_or(raw: bytes | None, default: Any) -> Any:
-    if not raw:
-        return default
-    try:
-        return schema.unpack(raw)
-    except (ValueError, TypeError):
-        return default
 
 
 def render_task(task: dict[str, Any], console: Console) -> None:
@@ -312,7 +291,7 @@ def render_task(task: dict[str, Any], console: Console) -> None:
         story.add_column(column, overflow="fold")
     for row in task["story"]:
         story.add_row(
-            _when(row["time"]), row["state"], row["cause"], Text(row["origin"]),
+            clock(row["time"], millis=True), row["state"], row["cause"], Text(row["origin"]),
             Text(row["stimulus_id"], style="dim"),
         )  # fmt: skip
     if not task["story"]:
@@ -330,16 +309,10 @@ def _worker_story_table(rows: list[dict[str, Any]], title: str) -> Table:
         move = f"{row['start']} -> {row['finish']}" if row["key"] else row["start"]
         detail = row["stimulus_id"] if row["key"] else row["finish"]
         table.add_row(
-            _when(row["time"]), Text(row["worker"]), Text(row["key"] or "-"), move,
+            clock(row["time"], millis=True), Text(row["worker"]), Text(row["key"] or "-"), move,
             Text(str(detail), style="dim"),
         )  # fmt: skip
     return table
-
-
-def _when(t: Any) -> str:
-    if not isinstance(t, int | float) or isinstance(t, bool) or not t:
-        return "-"  # none, or a stranger's non-number
-    return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 1000) % 1000:03d}"
 
 
 # --------------------------------------------------------------------------- workers
@@ -348,9 +321,9 @@ def _when(t: Any) -> str:
 def read_worker(r: redis.Redis, keys: Keys, who: str, story: int = 200) -> dict[str, Any] | None:
     """A live worker by address or name; else the newest death record of one."""
     workers = {
-        a.decode(errors="replace"): _unpack_or(i, {}) for a, i in r.hgetall(keys.workers).items()
+        a.decode(errors="replace"): schema.unpack_or(i, {}, dict)
+        for a, i in r.hgetall(keys.workers).items()
     }
-    workers = {a: i if isinstance(i, dict) else {} for a, i in workers.items()}
     address = next((a for a, i in workers.items() if who in (a, i.get("name"))), None)
     death = None
     if address is None:
@@ -359,7 +332,7 @@ def read_worker(r: redis.Redis, keys: Keys, who: str, story: int = 200) -> dict[
             return None
         death = found[0]
         address = str(death.get("worker"))
-    beat = _unpack_or(r.hget(keys.heartbeats, address), {})
+    beat = schema.unpack_or(r.hget(keys.heartbeats, address), {}, dict)
     if death is not None:
         beat = (death.get("evidence") or {}).get("last_heartbeat") or {}
     data = []
@@ -492,10 +465,9 @@ def read_events(r: redis.Redis, keys: Keys, count: int = 50) -> list[dict[str, A
 
 
 def _event(entry_id: bytes, fields: dict[bytes, bytes]) -> dict[str, Any] | None:
-    event = _unpack_entry(fields)
-    if not isinstance(event, dict):
-        return None
-    event["id"] = entry_id.decode()
+    event = schema.unpack_or(fields.get(b"m"), None, dict)
+    if event is not None:
+        event["id"] = entry_id.decode()
     return event
 
 
@@ -534,6 +506,6 @@ def _print_event(event: dict[str, Any], as_json: bool, console: Console) -> None
     if as_json:  # one object per line: a stream a script can read line by line
         console.out(json.dumps(event, default=_plain), highlight=False)
         return
-    line = Text(_when(event.get("time")) + "  ", style="dim")
+    line = Text(clock(event.get("time"), millis=True) + "  ", style="dim")
     line.append(describe(event))
     console.print(line)

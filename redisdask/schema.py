@@ -202,6 +202,19 @@ def unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
+def unpack_or(raw: bytes | None, default: Any, kind: type | None = None) -> Any:
+    """``raw`` unpacked, or ``default`` when it is missing, not msgpack, or (given
+    ``kind``) not of that type: readers of what anyone may have written show what they
+    can instead of failing."""
+    if not raw:
+        return default
+    try:
+        value = unpack(raw)
+    except (ValueError, TypeError):
+        return default
+    return default if kind is not None and not isinstance(value, kind) else value
+
+
 def entry(messages: Sequence[dict[str, Any]]) -> dict[str, bytes]:
     """The fields of one stream entry carrying ``messages``."""
     return {"m": pack(list(messages))}

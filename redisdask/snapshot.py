@@ -128,13 +128,7 @@ def read_snapshot(
 
 
 def _unpack(raw: bytes | None) -> dict[str, Any]:
-    if not raw:
-        return {}
-    try:
-        value = schema.unpack(raw)
-    except (ValueError, TypeError):
-        return {}  # a stranger's value: show the worker with what is known
-    return value if isinstance(value, dict) else {}
+    return schema.unpack_or(raw, {}, dict)  # a stranger's value: show what is known
 
 
 def _worker_view(

@@ -34,11 +34,12 @@ EVENT_STYLES = {
 }
 
 
-def clock(t: Any) -> str:
-    """``HH:MM:SS`` of a recorded time (a stranger's non-number shows as dashes)."""
+def clock(t: Any, millis: bool = False) -> str:
+    """``HH:MM:SS`` (``.mmm``) of a recorded time; a stranger's non-number shows dashes."""
     if not isinstance(t, int | float) or isinstance(t, bool) or not t:
         return "--:--:--"
-    return time.strftime("%H:%M:%S", time.localtime(t))
+    text = time.strftime("%H:%M:%S", time.localtime(t))
+    return text + f".{int(t * 1000) % 1000:03d}" if millis else text
 
 
 def ago(seconds: float | None) -> str:

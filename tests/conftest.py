@@ -61,6 +61,8 @@ def _ship_test_functions_by_value(request: pytest.FixtureRequest) -> None:
     """Worker processes cannot import test modules: pickle their functions by value."""
     if request.module.__name__ in sys.modules:
         cloudpickle.register_pickle_by_value(request.module)
+    if "tasklib" in sys.modules:  # tests/tasklib.py: task functions modules share
+        cloudpickle.register_pickle_by_value(sys.modules["tasklib"])
 
 
 @pytest.fixture(scope="session")

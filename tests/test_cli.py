@@ -48,14 +48,18 @@ def test_bad_usage_exits_2() -> None:
     assert run("no-such-command").returncode == 2
 
 
-@pytest.mark.parametrize("role", ["scheduler", "worker"])
-def test_unreachable_redis_exits_1_with_a_clear_message(role: str) -> None:
+@pytest.mark.parametrize(
+    "command",
+    [["scheduler"], ["worker"], ["status"], ["monitor"], ["inspect", "deaths"],
+     ["inspect", "events", "--follow"]],
+)  # fmt: skip
+def test_unreachable_redis_exits_1_with_a_clear_message(command: list[str]) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    result = run(
-        role, f"redis://127.0.0.1:{port}/0", env={"REDISDASK__REDIS__CONNECT_TIMEOUT": "2"}
-    )
+    where = 2 if command[0] == "inspect" else 1  # the URL follows the (sub)command
+    args = [*command[:where], f"redis://127.0.0.1:{port}/0", *command[where:]]
+    result = run(*args, env={"REDISDASK__REDIS__CONNECT_TIMEOUT": "2"})
     assert result.returncode == 1
     assert f"127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 from polling import poll
+from tasklib import allocate_forever
 
 from redisdask import Client, KilledWorker, LocalCluster
 from redisdask.inspect import read_deaths
@@ -23,19 +24,6 @@ WRITES = {
     "xadd", "set", "hset", "del", "unlink", "xtrim", "xack", "xdel", "evalsha", "eval",
     "sadd", "srem", "zadd", "zrem", "expire", "pexpire", "incr", "hdel", "rpush", "hsetnx",
 }  # fmt: skip
-
-
-def allocate_forever(step: int, start: str | None = None) -> None:
-    """Leak ``step`` bytes every 20 ms, once the file ``start`` exists (if given)."""
-    import os
-    import threading
-
-    while start is not None and not os.path.exists(start):
-        threading.Event().wait(0.01)
-    blocks = []
-    while True:
-        blocks.append(b"\x01" * step)
-        threading.Event().wait(0.02)  # grows as a leaky task would
 
 
 def calls(r: redis.Redis) -> dict[str, int]:

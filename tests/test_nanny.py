@@ -16,6 +16,7 @@ import psutil
 import pytest
 import redis
 from polling import poll
+from tasklib import allocate_forever
 
 from nanny.deaths import WorkerExit, classify
 from redisdask import Client, KilledWorker, LocalCluster
@@ -46,13 +47,6 @@ def hog(nbytes: int, seconds: float) -> int:
     block = b"\x01" * nbytes
     threading.Event().wait(seconds)  # stands for work done while holding the memory
     return len(block)
-
-
-def allocate_forever(step: int) -> None:
-    blocks = []
-    while True:
-        blocks.append(b"\x01" * step)
-        threading.Event().wait(0.02)  # grows ~step every 20 ms, as a leaky task would
 
 
 def array(i: int, nbytes: int):  # type: ignore[no-untyped-def]

@@ -4,6 +4,7 @@ the event and story streams bounded."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -21,6 +23,7 @@ import pytest
 import redis
 from polling import poll
 from rich.console import Console
+from tasklib import wait_for_file
 
 from redisdask import Client, LocalCluster, progress
 from redisdask.connection import connect
@@ -34,17 +37,6 @@ pytestmark = pytest.mark.timeout(120)
 
 def inc(x: int) -> int:
     return x + 1
-
-
-def wait_for_file(path: str) -> str:
-    """A task that stays ``processing`` until the test creates ``path``."""
-    import os
-    import threading
-
-    deadline = time.monotonic() + 60
-    while not os.path.exists(path) and time.monotonic() < deadline:
-        threading.Event().wait(0.02)
-    return path
 
 
 def render(renderable: object, width: int) -> str:
@@ -183,8 +175,10 @@ def test_one_snapshot_is_one_round_trip_of_a_few_reads(tmp_path: Path, cluster_n
 # --------------------------------------------------------------------------- the real monitor
 
 
-def _spawn_monitor(url: str, cluster: str) -> tuple[int, int]:
-    """``redisdask monitor`` in a pseudo-terminal of 120x40 (its controlling terminal)."""
+@contextlib.contextmanager
+def monitor_in_a_terminal(url: str, cluster: str) -> Iterator[tuple[int, int]]:
+    """``redisdask monitor`` in a pseudo-terminal of 120x40 (its controlling terminal):
+    ``(pid, fd)``; the child is killed and the terminal closed on the way out."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: become the monitor
         os.environ.update(COLUMNS="120", LINES="40", TERM="xterm-256color")
@@ -192,7 +186,13 @@ def _spawn_monitor(url: str, cluster: str) -> tuple[int, int]:
             sys.executable,
             [sys.executable, "-m", "redisdask", "monitor", url, "--cluster", cluster],
         )
-    return pid, fd
+    try:
+        yield pid, fd
+    finally:
+        os.close(fd)
+        if psutil.pid_exists(pid):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
 
 
 def _read_until(fd: int, needle: bytes, timeout: float = 30.0) -> bytes:
@@ -211,45 +211,37 @@ def _read_until(fd: int, needle: bytes, timeout: float = 30.0) -> bytes:
 
 
 def _exit_code(pid: int, timeout: float = 15.0) -> int:
-    deadline = time.monotonic() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
+    status: list[int] = []
+
+    def exited() -> bool:
+        done, code = os.waitpid(pid, os.WNOHANG)
         if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise AssertionError(f"the monitor did not exit within {timeout} s")
-        time.sleep(0.02)  # polling a child's exit status
+            status.append(os.waitstatus_to_exitcode(code))
+        return bool(done)
+
+    poll(exited, timeout)
+    return status[0]
 
 
 def test_monitor_draws_a_live_cluster_in_a_terminal_and_quits_on_q(
     read_only_url: str, cluster: LocalCluster, client: Client
 ) -> None:
     assert client.submit(inc, 1).result(timeout=30) == 2
-    pid, fd = _spawn_monitor(read_only_url, cluster.cluster_name)
-    try:
+    with monitor_in_a_terminal(read_only_url, cluster.cluster_name) as (pid, fd):
         drawn = _read_until(fd, b"worker-1")
         _read_until(fd, b"finished/s")
         assert b"\x1b[?1049h" in drawn  # the alternate screen: full-screen, restored at exit
         os.write(fd, b"q")
         assert _exit_code(pid) == 0
-    finally:
-        os.close(fd)
-        if psutil.pid_exists(pid):
-            os.kill(pid, signal.SIGKILL)
 
 
 def test_monitor_waits_for_a_cluster_and_quits_on_ctrl_c(
     read_only_url: str, cluster_name: str
 ) -> None:
-    pid, fd = _spawn_monitor(read_only_url, cluster_name)
-    try:
+    with monitor_in_a_terminal(read_only_url, cluster_name) as (pid, fd):
         _read_until(fd, b"waiting for a scheduler")
         os.write(fd, b"\x03")  # Ctrl-C, through the terminal: SIGINT to the monitor
         assert _exit_code(pid) == 0
-    finally:
-        os.close(fd)
 
 
 # --------------------------------------------------------------------------- retention
@@ -367,20 +359,17 @@ def test_the_monitor_outlives_a_redis_that_goes_away_and_comes_back(
 ) -> None:
     from redisdask.embedded import EmbeddedRedis
 
-    with EmbeddedRedis(data_dir=tmp_path) as server:
-        pid, fd = _spawn_monitor(server.url, cluster_name)
-        try:
-            _read_until(fd, b"waiting for a scheduler")
-            server.kill()  # kill -9: the monitor says so and keeps trying
-            _read_until(fd, b"cannot read Redis")
-            server.start()  # same port, same data
-            _read_until(fd, b"waiting for a scheduler")
-            os.write(fd, b"q")
-            assert _exit_code(pid) == 0
-        finally:
-            os.close(fd)
-            if psutil.pid_exists(pid):
-                os.kill(pid, signal.SIGKILL)
+    with (
+        EmbeddedRedis(data_dir=tmp_path) as server,
+        monitor_in_a_terminal(server.url, cluster_name) as (pid, fd),
+    ):
+        _read_until(fd, b"waiting for a scheduler")
+        server.kill()  # kill -9: the monitor says so and keeps trying
+        _read_until(fd, b"cannot read Redis")
+        server.start()  # same port, same data
+        _read_until(fd, b"waiting for a scheduler")
+        os.write(fd, b"q")
+        assert _exit_code(pid) == 0
 
 
 def test_strangers_entries_are_shown_or_skipped_never_fatal(
