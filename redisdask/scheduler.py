@@ -225,10 +225,7 @@ class Scheduler:
         while not self._stopping:
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + CHECK_INTERVAL
-                dead = self.watch.check(self.redis, self.state.workers)
-                dead += self._gone_clients()
-                if dead:
-                    self.process([], dead)
+                self.look_for_the_dead()
                 # every entry is acknowledged by the write that applies it, so anything
                 # pending now was read by a stale scheduler before it found itself fenced
                 pending = True
@@ -257,6 +254,25 @@ class Scheduler:
                 continue
             for batch in _by_size(entries, MAX_BATCH_BYTES):
                 self.process(batch)
+
+    def look_for_the_dead(self) -> None:
+        """Remove the workers and clients that are gone.  A process that leaves says
+        goodbye on its stream before its connections and its ``alive`` key go, so the
+        entries waiting now are applied first: one that left is not also recorded dead."""
+        dead = self.watch.check(self.redis, self.state.workers) + self._gone_clients()
+        if not dead:
+            return
+        reply = self.redis.xreadgroup(
+            schema.SCHEDULER_GROUP,
+            schema.SCHEDULER_CONSUMER,
+            {self.keys.worker_stream: ">", self.keys.client_stream: ">"},
+            count=self.batch_size,
+        )
+        entries = [(s.decode(), eid, fields) for s, items in reply or [] for eid, fields in items]
+        *first, last = _by_size(entries, MAX_BATCH_BYTES)
+        for batch in first:
+            self.process(batch)
+        self.process(last, dead)
 
     def _gone_clients(self) -> list[Event]:
         """Clients whose heartbeat key expired: their keys are released as if they had
@@ -320,12 +336,14 @@ class Scheduler:
     ) -> None:
         commands: list[list[Any]] = []
         acks: dict[str, list[bytes]] = defaultdict(list)
+        received: list[Event] = []
         for stream, entry_id, fields in entries:
             acks[stream].append(entry_id)
             try:
-                events.extend(decode_entry(entry_id, fields, stream.rsplit(":", 1)[-1]))
+                received.extend(decode_entry(entry_id, fields, stream.rsplit(":", 1)[-1]))
             except ProtocolError as exc:
                 commands.append(self._dead_letter(stream, entry_id, fields, str(exc)))
+        events = received + events  # what the processes said, then the scheduler's verdicts
         instructions = self.state.handle_stimulus(*events)
         commands = self.to_commands(instructions) + commands
         commands += self._story(events, instructions)

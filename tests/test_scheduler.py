@@ -14,7 +14,7 @@ from redisdask import Client, LocalCluster
 from redisdask.errors import FencedError
 from redisdask.scheduler import Scheduler
 from redisdask.scheduler_state import Forget, StoreTask
-from redisdask.schema import SCHEDULER_GROUP, Keys, ensure_cluster, entry
+from redisdask.schema import SCHEDULER_GROUP, Keys, ensure_cluster, entry, pack, unpack
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -264,3 +264,37 @@ def test_a_stopped_scheduler_hands_the_lease_over_at_once(
         cluster.start_scheduler()
         with Client(cluster) as client:
             assert client.submit(inc, 1).result(timeout=15) == 2
+
+
+def test_a_worker_that_said_goodbye_as_its_heartbeat_went_is_not_recorded_dead(
+    redis_url: str, cluster_name: str
+) -> None:
+    """A closing worker writes its goodbye, then deletes its ``alive`` key.  A look for
+    the dead that falls between the two writes and the scheduler's next read must apply
+    the goodbye first: the worker left, it did not die."""
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ensure_cluster(r, keys)
+    scheduler = Scheduler(redis_url, cluster_name, validate=True)
+    scheduler.acquire_lease()
+    worker = "tcp://10.0.0.1:9000"
+    info = {"name": "leaving", "nthreads": 1}
+    r.hset(keys.workers, worker, pack(info))
+    r.set(keys.worker_alive(worker), 1, px=60_000)
+    r.xadd(keys.worker_stream, entry([{"op": "add-worker", "worker": worker, "info": info}]))
+    scheduler.look_for_the_dead()  # nobody is dead: nothing read, nothing applied
+    reply = r.xreadgroup(SCHEDULER_GROUP, "scheduler", {keys.worker_stream: ">"})
+    scheduler.process([(keys.worker_stream, eid, f) for _s, items in reply for eid, f in items])
+    assert worker in scheduler.state.workers
+    scheduler.watch.trust_heartbeats_at = 0.0  # (a scheduler that has run a while)
+
+    goodbye = {"op": "remove-worker", "worker": worker, "reason": "closed"}
+    r.xadd(keys.worker_stream, entry([goodbye]))  # what Worker.close does, in its order
+    r.delete(keys.worker_alive(worker))
+    scheduler.look_for_the_dead()
+
+    assert worker not in scheduler.state.workers and not r.hexists(keys.workers, worker)
+    assert r.xlen(keys.deaths) == 0
+    kinds = [unpack(f[b"m"])["kind"] for _, f in r.xrange(keys.events)]
+    assert "worker-left" in kinds and "worker-died" not in kinds
+    assert r.xpending(keys.worker_stream, SCHEDULER_GROUP)["pending"] == 0
