@@ -12,6 +12,7 @@ from redisdask.errors import (
     FutureCancelledError,
     KilledWorker,
     RedisDaskError,
+    TaskInterrupted,
 )
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "KilledWorker",
     "LocalCluster",
     "RedisDaskError",
+    "TaskInterrupted",
     "__version__",
     "as_completed",
     "progress",

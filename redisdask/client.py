@@ -13,10 +13,12 @@ tells the scheduler to release a key when its last future is garbage-collected.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import itertools
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -30,7 +32,7 @@ import redis
 
 from redisdask import comm, schema
 from redisdask import spec as specs
-from redisdask.config import load_config
+from redisdask.config import load_config, parse_duration
 from redisdask.connection import connect, redact
 from redisdask.errors import (
     ClusterConnectionError,
@@ -38,13 +40,20 @@ from redisdask.errors import (
     FutureCancelledError,
     KilledWorker,
     RedisDaskError,
+    TaskInterrupted,
 )
+from redisdask.memory import format_bytes
 from redisdask.schema import Keys
 from redisdask.versions import VersionMismatchError, mismatches, table, versions
 
 logger = logging.getLogger("redisdask.client")
 
 SUBMIT_BATCH_BYTES = 16 << 20  # specs per stream entry, so the scheduler's writes stay small
+# the largest spec (function and arguments) a task may carry: it travels through Redis,
+# whose bulk strings stop at 512 MB, once from the client and again in the scheduler's
+# fenced write
+MAX_SPEC_BYTES = 256 << 20
+SEND_ATTEMPTS = 3  # writes refused while Redis answers PING before the client gives up
 
 
 # --------------------------------------------------------------------------- futures
@@ -55,6 +64,7 @@ class _FutureState:
 
     __slots__ = (
         "callbacks",
+        "cancel_reason",
         "event",
         "exception",
         "finishes",
@@ -75,6 +85,7 @@ class _FutureState:
         self.callbacks: list[Callable[[], None]] = []
         self.generation = 0  # the client's submission counter when last (re)submitted
         self.finishes = 0  # how many key-in-memory messages arrived (to spot stale ones)
+        self.cancel_reason = "it was cancelled"
 
     def _set(self, status: str) -> None:
         self.status = status
@@ -95,8 +106,10 @@ class _FutureState:
         self.exception, self.traceback = exception, traceback
         self._set("error")
 
-    def cancel(self) -> None:
-        if self.status == "pending" or self.status == "finished":
+    def cancel(self, reason: str = "it was cancelled") -> None:
+        if self.status != "cancelled":
+            self.who_has, self.exception, self.traceback = [], None, None
+            self.cancel_reason = reason
             self._set("cancelled")
 
     def reset(self) -> None:
@@ -105,10 +118,24 @@ class _FutureState:
 
 
 class Future:
-    """A remotely running computation; ``result()`` brings its value here."""
+    """A remotely running computation; ``result()`` brings its value here.
 
-    def __init__(self, key: str, client: Client, *, _state: _FutureState | None = None) -> None:
-        self.key = key
+    ``key`` is the task's key in its dask form (a str, or a tuple like ``("x", 0)``);
+    inside the cluster the key is its string form, ``_key``.  ``__dask_future__`` makes
+    dask treat a future inside a graph or a ``delayed`` call as a dependency on its key."""
+
+    __dask_future__ = True
+
+    def __init__(
+        self,
+        key: str,
+        client: Client,
+        *,
+        dask_key: Hashable | None = None,
+        _state: _FutureState | None = None,
+    ) -> None:
+        self._key = key
+        self.key: Hashable = key if dask_key is None else dask_key
         self.client = client
         self._state = _state or client._state_for(key)
         client._inc_ref(key)
@@ -135,14 +162,14 @@ class Future:
             self.client._check_redis()
             self._state.event.wait(0.25 if left is None else min(left, 0.25))
 
-    def result(self, timeout: float | None = None) -> Any:
-        return self.client._results([self], timeout)[self.key]
+    def result(self, timeout: float | str | None = None) -> Any:
+        return self.client._results([self], _seconds(timeout))[self._key]
 
     def _raise_if_failed(self) -> None:
         if self._state.status == "error":
             raise self._state.exception.with_traceback(self._state.traceback)  # type: ignore[union-attr]
         if self._state.status == "cancelled":
-            raise FutureCancelledError(self.key)
+            raise FutureCancelledError(self._key, self._state.cancel_reason)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self._wait(timeout)
@@ -166,7 +193,7 @@ class Future:
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self.client._dec_ref(self.key)
+            self.client._dec_ref(self._key)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # at interpreter shutdown anything goes
@@ -175,8 +202,12 @@ class Future:
     def __reduce__(self) -> Any:
         raise TypeError(
             f"a Future ({self.key!r}) cannot be pickled on its own; pass it as an argument of "
-            "submit/map (directly or nested in lists, tuples and dicts) to depend on it"
+            "submit/map or of a dask.delayed call (directly or nested in lists, tuples and "
+            "dicts) to depend on it"
         )
+
+    def __dask_tokenize__(self) -> Any:
+        return ("redisdask.Future", self._key)
 
     def __repr__(self) -> str:
         return f"<Future: {self.status}, key: {self.key}>"
@@ -211,6 +242,7 @@ class Client:
         self.redis = connect(self.redis_url, timeout=self.timeout, name=f"rd-client-{self.id}")
         self.secret = schema.ensure_cluster(self.redis, self.keys)
         self.status = "running"
+        self.asynchronous = False  # dask asks before using a client as its scheduler
         self._lock = threading.RLock()
         self._states: dict[str, _FutureState] = {}
         self._refcount: dict[str, int] = defaultdict(int)
@@ -231,8 +263,10 @@ class Client:
             target=self._event_loop, name=f"{self.id}-events", daemon=True
         )
         self._thread.start()
+        self._dask_config: Any = None
         if set_as_default:
             _set_default(self)
+            self._dask_config = _make_dask_default(self)
 
     # ------------------------------------------------------------------ submission
 
@@ -240,22 +274,35 @@ class Client:
         self,
         func: Callable[..., Any],
         *args: Any,
-        key: str | None = None,
-        pure: bool = True,
-        retries: int = 0,
+        key: Hashable | None = None,
+        workers: str | Iterable[str] | None = None,
+        resources: dict[str, float] | None = None,
+        retries: int | None = None,
         priority: int = 0,
-        workers: str | list[str] | None = None,
+        fifo_timeout: str | float = "100 ms",
+        allow_other_workers: bool = False,
+        actor: bool = False,
+        actors: bool = False,
+        pure: bool = True,
         **kwargs: Any,
     ) -> Future:
         """Run ``func(*args, **kwargs)`` on the cluster; futures in arguments are
-        dependencies.  Raises ``TypeError`` at once if anything is unpicklable."""
+        dependencies.  The keywords are distributed's; ``fifo_timeout`` is accepted and
+        has no effect here (the cluster breaks ties by submission order).  Raises
+        ``TypeError`` at once if anything is unpicklable."""
         self._check_running()
         if not callable(func):
             raise TypeError(f"submit() needs a callable as its first argument, got {func!r}")
+        _refuse_unsupported(resources, actor or actors)
         function_bytes = specs.dumps_function(func)
-        options = _options(retries, priority, workers)
-        task = self._make_task(func, function_bytes, args, kwargs, key, pure, options)
-        future = Future(task["key"], self)
+        options = _options(retries, priority, workers, allow_other_workers)
+        task_key = None if key is None else _check_key(key)
+        task = self._make_task(func, function_bytes, args, kwargs, task_key, pure, options)
+        future = Future(task["key"], self, dask_key=key)
+        cancelled = self._cancelled_dependency(task)
+        if cancelled is not None:
+            future._state.cancel(f"it depends on {cancelled!r}, which was cancelled")
+            return future
         self._send_graph([task], [task["key"]])
         return future
 
@@ -263,28 +310,54 @@ class Client:
         self,
         func: Callable[..., Any],
         *iterables: Iterable[Any],
-        key: str | list[str] | None = None,
-        pure: bool = True,
-        retries: int = 0,
+        key: str | list[Hashable] | None = None,
+        workers: str | Iterable[str] | None = None,
+        retries: int | None = None,
+        resources: dict[str, float] | None = None,
         priority: int = 0,
-        workers: str | list[str] | None = None,
+        allow_other_workers: bool = False,
+        fifo_timeout: str | float = "100 ms",
+        actor: bool = False,
+        actors: bool = False,
+        pure: bool = True,
+        batch_size: int | None = None,
         **kwargs: Any,
     ) -> list[Future]:
-        """``submit`` for each item of the iterables, in a few batched round trips."""
+        """``submit`` for each item of the iterables, in a few batched round trips.
+
+        ``key`` is a list of keys, one per item, or a prefix: the keys are then
+        ``<prefix>-<token of the function and the item's arguments>``, as in
+        distributed, so two maps with one prefix and other items never share keys."""
         self._check_running()
+        if not callable(func):
+            raise TypeError(f"map() needs a callable as its first argument, got {func!r}")
+        _refuse_unsupported(resources, actor or actors)
         function_bytes = specs.dumps_function(func)
         items = list(zip(*iterables, strict=False))
-        keys = key if isinstance(key, list) else [None] * len(items)
+        if isinstance(key, list | tuple) and not (isinstance(key, tuple) and _is_dask_key(key)):
+            if len(key) != len(items):
+                raise ValueError(f"map() got {len(key)} keys for {len(items)} items")
+            keys: list[Hashable | None] = list(key)
+        else:
+            keys = [None] * len(items)
         prefix = key if isinstance(key, str) else None
-        options = _options(retries, priority, workers)
+        options = _options(retries, priority, workers, allow_other_workers)
         tasks = []
-        for i, args in enumerate(items):
-            task_key = keys[i] if keys[i] is not None else (f"{prefix}-{i}" if prefix else None)
+        for args, task_key in zip(items, keys, strict=True):
+            name = None if task_key is None else _check_key(task_key)
             tasks.append(
-                self._make_task(func, function_bytes, args, kwargs, task_key, pure, options)
+                self._make_task(func, function_bytes, args, kwargs, name, pure, options, prefix)
             )
-        futures = [Future(t["key"], self) for t in tasks]
-        self._send_graph(tasks, [t["key"] for t in tasks])
+        futures = [Future(t["key"], self, dask_key=k) for t, k in zip(tasks, keys, strict=True)]
+        sendable = []
+        for task, future in zip(tasks, futures, strict=True):
+            cancelled = self._cancelled_dependency(task)
+            if cancelled is None:
+                sendable.append(task)
+            else:
+                future._state.cancel(f"it depends on {cancelled!r}, which was cancelled")
+        if sendable:
+            self._send_graph(sendable, [t["key"] for t in sendable])
         return futures
 
     def _make_task(
@@ -296,21 +369,39 @@ class Client:
         key: str | None,
         pure: bool,
         options: dict[str, Any],
+        prefix: str | None = None,
     ) -> dict[str, Any]:
         deps: set[str] = set()
         args = specs.replace_refs(args, self._future_key, deps)
         kwargs = specs.replace_refs(kwargs, self._future_key, deps)
         spec = specs.dumps_spec(function_bytes, args, kwargs, func)
+        if len(spec) > MAX_SPEC_BYTES:
+            raise ValueError(
+                f"the arguments of {specs.funcname(func)} pickle to {format_bytes(len(spec))}, "
+                f"more than a task may carry ({format_bytes(MAX_SPEC_BYTES)}: tasks travel "
+                "through Redis). Send large data to the workers with client.scatter(data) and "
+                "pass the future it returns instead"
+            )
         if key is None:
             tok = specs.token(spec) if pure else uuid.uuid4().hex
-            key = f"{specs.funcname(func)}-{tok}"
+            key = f"{prefix or specs.funcname(func)}-{tok}"
         return {"key": key, "spec": spec, "deps": sorted(deps), **options}
+
+    def _cancelled_dependency(self, task: dict[str, Any]) -> str | None:
+        """The first dependency of ``task`` whose future was cancelled, if any: its task is
+        gone from the cluster, so the dependent is cancelled too (as in distributed)."""
+        with self._lock:
+            for dep in task["deps"]:
+                state = self._states.get(dep)
+                if state is not None and state.status == "cancelled":
+                    return dep
+        return None
 
     def _future_key(self, obj: Any) -> str | None:
         if isinstance(obj, Future):
             if obj.client is not self:
                 raise ValueError(f"future {obj.key!r} belongs to another client")
-            return obj.key
+            return obj._key
         return None
 
     def _send_graph(self, tasks: list[dict[str, Any]], wanted: list[str]) -> None:
@@ -363,6 +454,7 @@ class Client:
             if releases:
                 entries = (releases, *entries)
             delay = 0.05
+            refused = 0  # failures while Redis itself answers: the write is the problem
             while True:
                 try:
                     pipe = self.redis.pipeline(transaction=False)
@@ -372,10 +464,30 @@ class Client:
                     self._redis_back()
                     return
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
-                    self._redis_lost(exc)
-                    self._check_redis()
+                    if self._redis_answers():
+                        refused += 1
+                        if refused >= SEND_ATTEMPTS:
+                            size = sum(len(schema.entry(m)["m"]) for m in entries)
+                            raise ClusterConnectionError(
+                                f"Redis at {redact(self.redis_url)} answers but dropped the "
+                                f"connection on each of {refused} attempts to write "
+                                f"{format_bytes(size)} to the clients stream ({exc}); a "
+                                "write that large may pass Redis's limits "
+                                "(proto-max-bulk-len, client-query-buffer-limit): send large "
+                                "data with client.scatter"
+                            ) from exc
+                    else:
+                        self._redis_lost(exc)
+                        self._check_redis()
                     time.sleep(delay)  # backoff while Redis is away
                     delay = min(delay * 2, 1.0)
+
+    def _redis_answers(self) -> bool:
+        try:
+            self.redis.ping()
+        except (redis.ConnectionError, redis.TimeoutError):
+            return False
+        return True
 
     def _redis_lost(self, exc: Exception) -> None:
         if self._down_since is None:
@@ -413,12 +525,178 @@ class Client:
                 "and work again once Redis is back"
             )
 
-    def get(self, dsk: Mapping[Hashable, Any], keys: Any, **kwargs: Any) -> Any:
-        """Compute a dask-style dict graph; ``keys`` may be one key or nested lists."""
+    def get(
+        self,
+        dsk: Any,
+        keys: Any,
+        workers: str | Iterable[str] | None = None,
+        allow_other_workers: bool | None = None,
+        resources: dict[str, float] | None = None,
+        sync: bool = True,
+        retries: int | None = None,
+        priority: int = 0,
+        fifo_timeout: str | float = "60s",
+        actors: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Compute a dask graph, as dask's schedulers do: ``dask.compute(x,
+        scheduler=client.get)``.  ``dsk`` is a dask expression, a HighLevelGraph or a
+        dict (old-style tuples, ``dask._task_spec`` nodes, futures as dependencies);
+        ``keys`` one key or nested lists of keys.  Returns the values in the shape of
+        ``keys``, or futures with ``sync=False``."""
         self._check_running()
+        _refuse_unsupported(resources, bool(actors))
+        flat = list(_flatten_lists(keys))  # lists give the shape; tuples are dask keys
+        futures = self._graph_to_futures(dsk, flat, workers, allow_other_workers, retries, priority)
+        packed = _pack_lists(keys, lambda k: futures[k])
+        if not sync:
+            return packed
+        try:
+            return self.gather(packed)
+        finally:
+            for f in futures.values():
+                f.release()
+
+    def compute(
+        self,
+        collections: Any,
+        sync: bool = False,
+        optimize_graph: bool = True,
+        workers: str | Iterable[str] | None = None,
+        allow_other_workers: bool = False,
+        resources: dict[str, float] | None = None,
+        retries: int = 0,
+        priority: int = 0,
+        fifo_timeout: str | float = "60s",
+        actors: Any = None,
+        traverse: bool = True,
+        **kwargs: Any,
+    ) -> Any:
+        """Compute dask collections on the cluster, as distributed does: a future per
+        collection (a list for a list, one for one), or the values with ``sync=True``.
+        Non-dask items of a list pass through unchanged."""
+        self._check_running()
+        dask = _import_dask("Client.compute")
+        from dask._expr import FinalizeCompute
+        from dask.base import collections_to_expr
+
+        _refuse_unsupported(resources, bool(actors))
+        singleton = not isinstance(collections, list | tuple | set | frozenset)
+        items = [collections] if singleton else list(collections)
+        if traverse:
+            items = [
+                dask.delayed(a) if isinstance(a, list | set | tuple | dict | Iterator) else a
+                for a in items
+            ]
+        variables = [a for a in items if dask.is_dask_collection(a)]
+        futures: dict[Hashable, Future] = {}
+        names: list[Hashable] = []
+        if variables:
+            expr = FinalizeCompute(collections_to_expr(variables, optimize_graph, **kwargs))
+            expr = expr.optimize()
+            names = list(_flatten_lists(expr.__dask_keys__()))
+            futures = self._graph_to_futures(
+                expr, names, workers, allow_other_workers, retries, priority
+            )
+        out: list[Any] = []
+        done = iter(names)
+        for item in items:
+            out.append(futures[next(done)] if dask.is_dask_collection(item) else item)
+        result = self.gather(out) if sync else out
+        return result[0] if singleton else result
+
+    def persist(
+        self,
+        collections: Any,
+        optimize_graph: bool = True,
+        workers: str | Iterable[str] | None = None,
+        allow_other_workers: bool | None = None,
+        resources: dict[str, float] | None = None,
+        retries: int | None = None,
+        priority: int = 0,
+        fifo_timeout: str | float = "60s",
+        actors: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Start computing dask collections on the cluster and return, at once, equal
+        collections whose graphs are the futures of the results (as distributed does):
+        computing them later fetches the results instead of computing them again."""
+        self._check_running()
+        dask = _import_dask("Client.persist")
+        from dask.base import collections_to_expr
+
+        _refuse_unsupported(resources, bool(actors))
+        singleton = not isinstance(collections, list | tuple | set | frozenset)
+        items = [collections] if singleton else list(collections)
+        if not all(dask.is_dask_collection(c) for c in items):
+            raise TypeError("Client.persist takes dask collections (arrays, dataframes, ...)")
+        expr = collections_to_expr(items, optimize_graph).optimize()
+        keys = expr.__dask_keys__()
+        futures = self._graph_to_futures(
+            expr, list(_flatten_lists(keys)), workers, allow_other_workers, retries, priority
+        )
+        result = []
+        for collection, collection_keys in zip(items, keys, strict=True):
+            rebuild, args = collection.__dask_postpersist__()
+            result.append(rebuild({k: futures[k] for k in _flatten_lists(collection_keys)}, *args))
+        return result[0] if singleton else result
+
+    def _graph_to_futures(
+        self,
+        dsk: Any,
+        keys: list[Hashable],
+        workers: str | Iterable[str] | None,
+        allow_other_workers: bool | None,
+        retries: int | None,
+        priority: int | None,
+    ) -> dict[Hashable, Future]:
+        """Send a dask graph (see ``get``); a future for each of ``keys``."""
+        wanted = [_check_key(k) for k in keys]
+        call = {"workers": workers, "retries": retries, "priority": priority,
+                "allow_other_workers": allow_other_workers}  # fmt: skip
+        if _dask_installed():
+            from redisdask import dask_graph
+
+            graph = dask_graph.to_graph(dsk, call, self._has_live_future)
+            tasks = graph.tasks
+            for task in tasks:
+                task.update(
+                    _options(
+                        task.pop("retries", None),
+                        task.pop("priority", None),
+                        task.pop("workers", None),
+                        task.pop("allow_other_workers", None),
+                    )
+                )
+            known = set(graph.dask_keys) | graph.external
+        else:
+            if not isinstance(dsk, Mapping):
+                raise ImportError(_DASK_MISSING.format(what="a dask collection"))
+            tasks = _toposort(
+                self._legacy_tasks(dsk, _options(retries, priority, workers, allow_other_workers))
+            )
+            known = {t["key"] for t in tasks}
+        absent = [k for k, name in zip(keys, wanted, strict=True) if name not in known]
+        if absent:
+            raise KeyError(f"keys {absent[:5]} are not in the graph (nor futures of this client)")
+        futures = {k: Future(name, self, dask_key=k) for k, name in zip(keys, wanted, strict=True)}
+        self._send_graph(tasks, list(dict.fromkeys(wanted)))
+        return futures
+
+    def _has_live_future(self, key: str) -> bool:
+        with self._lock:
+            state = self._states.get(key)
+            return state is not None and state.status != "cancelled"
+
+    def _legacy_tasks(
+        self, dsk: Mapping[Hashable, Any], options: dict[str, Any]
+    ) -> list[dict[str, Any]]:
+        """Tasks of an old-style dict graph of tuples, without dask installed."""
         graph_keys = set(dsk)
 
         def to_ref(obj: Any) -> str | None:
+            if isinstance(obj, Future):
+                return self._future_key(obj)
             try:
                 return specs.stringify(obj) if obj in graph_keys else None
             except TypeError:  # unhashable
@@ -429,38 +707,31 @@ class Client:
             func, args = specs.graph_task(value, graph_keys)
             deps: set[str] = set()
             args = specs.replace_refs(args, to_ref, deps)
-            tasks.append(
-                {
-                    "key": specs.stringify(key),
-                    "deps": sorted(deps),
-                    "priority": 0,
-                    "retries": kwargs.get("retries", 0),
-                    "spec": specs.dumps_spec(specs.dumps_function(func), args, {}, func),
-                }
-            )
-        flat = list(_flatten_lists(keys))  # lists give the shape; tuples are dask keys
-        wanted = [specs.stringify(k) for k in flat]
-        futures = [Future(k, self) for k in wanted]
-        self._send_graph(_toposort(tasks), wanted)
-        try:
-            results = dict(zip(wanted, self.gather(futures), strict=True))
-        finally:
-            for f in futures:
-                f.release()
-        return _pack_lists(keys, lambda k: results[specs.stringify(k)])
+            spec = specs.dumps_spec(specs.dumps_function(func), args, {}, func)
+            tasks.append({"key": _check_key(key), "deps": sorted(deps), "spec": spec, **options})
+        return tasks
 
     # ------------------------------------------------------------------ results
 
     def gather(self, futures: Any, errors: str = "raise") -> Any:
-        """Wait for futures (also nested in lists, tuples and dicts) and fetch their values."""
+        """Wait for futures (also nested in lists, tuples, sets and dicts) and fetch their
+        values.  ``errors="raise"`` raises the first error as soon as it happens;
+        ``"skip"`` leaves the erred and cancelled futures out of the result."""
+        if errors not in ("raise", "skip"):
+            raise ValueError(f"errors= is 'raise' or 'skip', got {errors!r}")
         flat = [f for f in _flatten(futures) if isinstance(f, Future)]
-        values = self._results(flat, None, skip_errors=errors != "raise")
-        return _pack_like(futures, lambda f: values.get(f.key) if isinstance(f, Future) else f)
+        values = self._results(flat, None, skip_errors=errors == "skip")
+        packed = _pack_like(
+            futures,
+            lambda f: values.get(f._key, _SKIPPED) if isinstance(f, Future) else f,
+        )
+        return None if packed is _SKIPPED else packed
 
     def _results(
         self, futures: list[Future], timeout: float | None, skip_errors: bool = False
     ) -> dict[str, Any]:
-        """Wait for ``futures`` and fetch their values from the workers.
+        """Wait for ``futures`` and fetch their values from the workers; without
+        ``skip_errors``, raise the first error as soon as one of them errs.
 
         The news that a key finished can be stale: it may be about an earlier run of the
         same key (cancelled, released, submitted again).  When no holder has the value and
@@ -469,12 +740,11 @@ class Client:
         values: dict[str, Any] = {}
         pending = futures
         while pending:
-            for f in pending:
-                f._wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            self._wait_for(pending, deadline, stop_on_error=not skip_errors)
             if not skip_errors:
                 for f in pending:
                     f._raise_if_failed()
-            finished = {f.key: f._state.finishes for f in pending if f.status == "finished"}
+            finished = {f._key: f._state.finishes for f in pending if f.status == "finished"}
             got, stale = self._gather_keys(list(finished))
             values.update(got)
             with self._lock:
@@ -482,8 +752,49 @@ class Client:
                     state = self._states.get(key)
                     if state is not None and state.finishes == finished[key]:
                         state.reset()  # no newer news arrived meanwhile
-            pending = [f for f in pending if f.key in stale]
+            # what is still to come: stale news, or a future reset meanwhile by another
+            # thread's gather of the same key (never left out of the result silently)
+            pending = [
+                f
+                for f in pending
+                if f._key not in values and not (skip_errors and f.status in _FAILED)
+            ]
         return values
+
+    def _wait_for(self, futures: list[Future], deadline: float | None, stop_on_error: bool) -> None:
+        """Return when every future is done, or (``stop_on_error``) as soon as one erred or
+        was cancelled.  Each finishing future wakes this thread once (done callbacks), so
+        waiting for 100,000 futures costs no scan per wake-up.  While Redis is away, gives
+        up after ``redis.down-deadline`` (the futures are kept)."""
+        finished: deque[_FutureState] = deque()  # appended to by the done callbacks
+        woken = threading.Event()
+        remaining = 0
+        with self._lock:
+            for f in futures:
+                state = f._state
+                if not state.event.is_set():
+                    remaining += 1
+                    state.callbacks.append(
+                        lambda state=state: (finished.append(state), woken.set())  # type: ignore[misc]
+                    )
+                elif stop_on_error and state.status in ("error", "cancelled"):
+                    return
+        while remaining:
+            woken.clear()
+            while finished:
+                remaining -= 1
+                if stop_on_error and finished.popleft().status in ("error", "cancelled"):
+                    return
+            if not remaining:
+                return
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                undone = sum(not f.done() for f in futures)
+                raise FuturesTimeoutError(
+                    f"{undone} of {len(futures)} futures did not finish within the timeout"
+                )
+            self._check_redis()
+            woken.wait(0.25 if left is None else min(left, 0.25))
 
     def _gather_keys(self, keys: list[str]) -> tuple[dict[str, Any], set[str]]:
         """Fetch values from the workers holding them, one request per worker.  Returns
@@ -555,7 +866,7 @@ class Client:
         return states
 
     def who_has(self, futures: Any = None) -> dict[str, list[str]]:
-        keys = [f.key for f in _flatten(futures)] if futures is not None else list(self._states)
+        keys = [f._key for f in _flatten(futures)] if futures is not None else list(self._states)
         self._refresh_who_has(keys)
         return {k: list(self._state_for(k).who_has) for k in keys}
 
@@ -570,8 +881,8 @@ class Client:
         future._wait(None)
         if future.status != "error":
             raise ValueError(f"task {future.key!r} did not err (its status is {future.status})")
-        blame = (self.redis.hget(self.keys.task(future.key), "exception_blame") or b"").decode()
-        key = blame or future.key
+        blame = (self.redis.hget(self.keys.task(future._key), "exception_blame") or b"").decode()
+        key = blame or future._key
         spec, deps = self.redis.hmget(self.keys.task(key), ["spec", "deps"])
         if spec is None:
             raise DataUnavailableError(
@@ -606,7 +917,7 @@ class Client:
         deadline = time.monotonic() + timeout
         self._restarted.clear()
         with self._lock:
-            for state in self._states.values():
+            for state in list(self._states.values()):
                 state.cancel()
             self._pending_release.clear()
         self._send([{"op": "restart", "client": self.id}])
@@ -638,7 +949,7 @@ class Client:
         Returns when the copies are there."""
         flat = [f for f in _flatten(futures) if isinstance(f, Future)]
         self._results(flat, timeout)  # in memory first
-        keys = [f.key for f in flat]
+        keys = [f._key for f in flat]
         self._send([{"op": "replicate", "client": self.id, "keys": keys, "n": int(n)}])
         want = min(n, len(self.scheduler_info()["workers"]))
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -719,11 +1030,19 @@ class Client:
     def scatter(
         self,
         data: Any,
-        workers: list[str] | None = None,
+        workers: str | Iterable[str] | None = None,
         broadcast: bool = False,
+        direct: bool | None = None,
         hash: bool = True,
+        timeout: float | str | None = None,
+        asynchronous: bool | None = None,
     ) -> Any:
-        """Send data straight to workers; returns futures in the shape of ``data``."""
+        """Send data straight to workers; returns futures in the shape of ``data`` (a
+        list, tuple, set or dict of them, or one).  Keys name the data by a token of the
+        whole value (``dask.tokenize`` with dask installed, else a hash of every pickled
+        frame), so equal data gets one key and different data never shares one.
+        ``workers``: addresses (or one).  ``direct`` and ``timeout`` are accepted for
+        distributed's sake: data always goes straight to the workers here."""
         self._check_running()
         if isinstance(data, dict):
             items = list(data.items())
@@ -731,15 +1050,28 @@ class Client:
             items = [(None, v) for v in data]
         else:
             items = [(None, data)]
-        targets = workers or sorted(self.scheduler_info()["workers"])
+        live = sorted(self.scheduler_info()["workers"])
+        if isinstance(workers, str):
+            workers = [workers]
+        targets = list(workers) if workers else live
+        unknown = [w for w in targets if w not in live]
+        if unknown:
+            raise ValueError(
+                f"cannot scatter to {unknown}: no such worker in cluster "
+                f"{self.keys.cluster!r}; its workers are {live}"
+            )
         if not targets:
             raise RedisDaskError("no workers to scatter to: start workers (or wait for them) first")
         keyed: dict[str, Any] = {}
+        item_keys: list[str] = []  # one per item (equal items share a key and a future)
         for name, value in items:
-            head = comm.serialize(value)
-            tok = specs.token(bytes(head[0])) if hash else uuid.uuid4().hex
-            key = specs.stringify(name) if name is not None else f"{type(value).__name__}-{tok}"
+            if name is not None:
+                key = _check_key(name)
+            else:
+                tok = _value_token(value) if hash else uuid.uuid4().hex
+                key = f"{type(value).__name__}-{tok}"
             keyed[key] = value
+            item_keys.append(key)
         who_has: dict[str, list[str]] = defaultdict(list)
         by_worker: dict[str, dict[str, Any]] = defaultdict(dict)
         for i, (key, value) in enumerate(keyed.items()):
@@ -769,19 +1101,15 @@ class Client:
         futures = {k: Future(k, self) for k in keyed}
         self._send([msg])
         if isinstance(data, dict):
-            return futures
+            return dict(zip(data, (futures[key] for key in item_keys), strict=True))
         if isinstance(data, list | tuple | set | frozenset):
-            return (
-                type(data)(futures.values())
-                if not isinstance(data, set | frozenset)
-                else list(futures.values())
-            )
+            return type(data)(futures[key] for key in item_keys)
         return next(iter(futures.values()))
 
     # ------------------------------------------------------------------ cancel
 
     def cancel(self, futures: Any) -> None:
-        keys = [f.key for f in _flatten(futures) if isinstance(f, Future)]
+        keys = [f._key for f in _flatten(futures) if isinstance(f, Future)]
         with self._lock:
             for key in keys:
                 self._state_for(key).cancel()
@@ -943,8 +1271,8 @@ class Client:
                     for address in msg["workers"]:
                         self._retire_refused[address] = str(msg.get("reason", ""))
                 elif op == "restarted":
-                    for state in self._states.values():
-                        state.cancel()
+                    for state in list(self._states.values()):
+                        state.cancel("the cluster was restarted")
                     self._restarted.set()
                 elif op == "cancelled-keys":
                     for key in msg["keys"]:
@@ -963,8 +1291,8 @@ class Client:
             return
         self.status = "closing"
         with self._lock:
-            for state in self._states.values():
-                state.cancel()
+            for state in list(self._states.values()):
+                state.cancel(f"its client {self.id} closed")
         self._stop.set()
         try:
             pipe = self.redis.pipeline(transaction=True)
@@ -985,6 +1313,9 @@ class Client:
         self.status = "closed"
         if _default_client[0] is self:
             _default_client[0] = None
+        if self._dask_config is not None:  # dask's scheduler as it was before this client
+            self._dask_config.__exit__(None, None, None)
+            self._dask_config = None
 
     def __enter__(self) -> Client:
         return self
@@ -1039,12 +1370,58 @@ def _chunks(
     return chunks
 
 
-def _options(retries: int, priority: int, workers: str | list[str] | None) -> dict[str, Any]:
-    """Per-task options as the scheduler reads them from an update-graph message."""
-    options: dict[str, Any] = {"priority": int(priority), "retries": int(retries)}
-    if workers:
-        options["workers"] = [workers] if isinstance(workers, str) else list(workers)
+def _options(
+    retries: int | None,
+    priority: int | None,
+    workers: str | Iterable[str] | None,
+    allow_other_workers: bool | None = False,
+) -> dict[str, Any]:
+    """Per-task options as the scheduler reads them from an update-graph message.
+
+    ``allow_other_workers=True`` makes ``workers`` a preference in distributed; the
+    scheduler here has no preferences, only restrictions, so the task may run anywhere."""
+    options: dict[str, Any] = {"priority": int(priority or 0), "retries": int(retries or 0)}
+    if workers and not allow_other_workers:
+        names = [workers] if isinstance(workers, str) else list(workers)
+        if not all(isinstance(w, str) for w in names):
+            raise TypeError(
+                f"workers= takes worker addresses, names or hosts as str, got {workers!r}"
+            )
+        options["workers"] = names
     return options
+
+
+def _refuse_unsupported(resources: Any, actor: bool) -> None:
+    """Say so instead of passing distributed's keywords to the function or ignoring them."""
+    if resources:
+        raise NotImplementedError(
+            f"resources={resources!r}: worker resources are not supported by redisdask yet; "
+            "restrict the task with workers= instead"
+        )
+    if actor:
+        raise NotImplementedError("actors are not supported by redisdask")
+
+
+def _is_dask_key(key: Any) -> bool:
+    """A key dask accepts: str, bytes, int, float, or a tuple of those (nested)."""
+    if isinstance(key, str | bytes | int | float):
+        return True
+    return isinstance(key, tuple) and all(_is_dask_key(k) for k in key)
+
+
+def _check_key(key: Hashable) -> str:
+    """The cluster's string form of a dask key; ``TypeError`` for anything dask refuses."""
+    if not _is_dask_key(key):
+        raise TypeError(
+            f"unexpected key type {type(key).__name__} ({key!r}): a key is a str, bytes, "
+            "int, float or a tuple of those, as in dask"
+        )
+    return specs.stringify(key)
+
+
+def _seconds(timeout: float | str | None) -> float | None:
+    """A timeout in seconds from a number or a string such as ``"1s"`` or ``"100 ms"``."""
+    return None if timeout is None else parse_duration(timeout)
 
 
 def _load_error(msg: dict[str, Any]) -> tuple[BaseException, Any]:
@@ -1056,6 +1433,11 @@ def _load_error(msg: dict[str, Any]) -> tuple[BaseException, Any]:
         exc = RedisDaskError(
             f"the task raised an exception that could not be unpickled here: {err}; "
             f"it was: {msg.get('exception_text')}"
+        )
+    if exc is not None and not isinstance(exc, Exception):
+        exc = TaskInterrupted(
+            f"the task raised {exc!r}, which is no Exception (it would end this program if "
+            "raised here)"
         )
     if exc is None and msg.get("killed"):
         evidence = schema.unpack(msg["killed"])
@@ -1071,6 +1453,38 @@ def _load_error(msg: dict[str, Any]) -> tuple[BaseException, Any]:
         except Exception:
             tb = None
     return exc, tb
+
+
+_FAILED = ("error", "cancelled")
+_SKIPPED = object()  # gather(errors="skip"): the place of a failed future, dropped
+
+
+def _value_token(value: Any) -> str:
+    """A token of the whole value: ``dask.tokenize`` (deterministic for numpy, pandas and
+    friends) with dask installed, else a hash over every pickled frame, out-of-band
+    buffers included."""
+    if _dask_installed():
+        from dask.base import tokenize
+
+        return tokenize(value, ensure_deterministic=False)
+    return specs.token(*(bytes(frame) for frame in comm.serialize(value)))
+
+
+_DASK_MISSING = "{what} needs dask, which is not installed here: pip install 'redisdask[dask]'"
+
+
+def _dask_installed() -> bool:
+    if "dask" in sys.modules:
+        return True
+    return importlib.util.find_spec("dask") is not None
+
+
+def _import_dask(what: str) -> Any:
+    try:
+        import dask
+    except ImportError as exc:
+        raise ImportError(_DASK_MISSING.format(what=what)) from exc
+    return dask
 
 
 def _sizeof(value: Any) -> int:
@@ -1109,10 +1523,14 @@ def _pack_lists(template: Any, leaf: Callable[[Any], Any]) -> Any:
 
 
 def _pack_like(template: Any, leaf: Callable[[Any], Any]) -> Any:
-    if isinstance(template, list | tuple):
-        return type(template)(_pack_like(x, leaf) for x in template)
+    """``template`` with each leaf replaced by ``leaf(x)``; leaves that become
+    ``_SKIPPED`` are left out of their list, tuple, set or dict."""
+    if isinstance(template, list | tuple | set | frozenset):
+        items = (_pack_like(x, leaf) for x in template)
+        return type(template)(x for x in items if x is not _SKIPPED)
     if isinstance(template, dict):
-        return {k: _pack_like(v, leaf) for k, v in template.items()}
+        packed = {k: _pack_like(v, leaf) for k, v in template.items()}
+        return {k: v for k, v in packed.items() if v is not _SKIPPED}
     return leaf(template)
 
 
@@ -1121,6 +1539,22 @@ _default_client: list[Client | None] = [None]
 
 def _set_default(client: Client) -> None:
     _default_client[0] = client
+
+
+def _make_dask_default(client: Client) -> Any:
+    """With dask installed, make ``client`` dask's scheduler (``x.compute()``,
+    ``dask.compute``, ``dask.persist`` run on the cluster), as distributed's default
+    client is, with the shuffle and rechunk methods that work on any cluster; returns
+    what restores dask's config as it was (``__exit__``)."""
+    if not _dask_installed():
+        return None
+    import dask
+
+    wanted = {"scheduler": client}
+    for name in ("dataframe.shuffle.method", "array.rechunk.method"):
+        if dask.config.get(name, None) is None:  # the user's choice stands
+            wanted[name] = "tasks"
+    return dask.config.set(wanted)
 
 
 def default_client() -> Client:
@@ -1139,9 +1573,11 @@ class DoneAndNotDoneFutures(NamedTuple):
 
 
 def wait(
-    fs: Any, timeout: float | None = None, return_when: str = "ALL_COMPLETED"
+    fs: Any, timeout: float | str | None = None, return_when: str = "ALL_COMPLETED"
 ) -> DoneAndNotDoneFutures:
-    """Wait until all (or the first, ``return_when="FIRST_COMPLETED"``) futures finish."""
+    """Wait until all (or the first, ``return_when="FIRST_COMPLETED"``) futures finish.
+    ``timeout``: seconds, or a string such as ``"1s"`` or ``"500ms"``."""
+    timeout = _seconds(timeout)
     futures = [f for f in _flatten(fs) if isinstance(f, Future)]
     deadline = None if timeout is None else time.monotonic() + timeout
     if return_when == "FIRST_COMPLETED":
@@ -1170,13 +1606,13 @@ class as_completed:
         self,
         futures: Iterable[Future] = (),
         with_results: bool = False,
-        timeout: float | None = None,
+        timeout: float | str | None = None,
     ) -> None:
         self._queue: deque[Future] = deque()
         self._cond = threading.Condition()
         self._pending = 0
         self.with_results = with_results
-        self.timeout = timeout
+        self.timeout = _seconds(timeout)
         self._counter = itertools.count()
         for f in futures:
             self.add(f)

@@ -12,6 +12,8 @@
     │   └── SerializationError                         a value could not be (un)pickled
     ├── FutureCancelledError (also CancelledError)     the future's key was cancelled
     ├── DataUnavailableError                           no worker holds the data any more
+    ├── TaskInterrupted                                a task raised a BaseException that
+    │                                                  is no Exception (SystemExit, ...)
     ├── VersionMismatchError                           versions that cannot share pickles
     │                                                  (redisdask.versions)
     └── KilledWorker                                   a task took too many workers down
@@ -58,6 +60,12 @@ class FutureCancelledError(RedisDaskError, CancelledError):
 
 class DataUnavailableError(RedisDaskError):
     """No live worker holds a key's data any more."""
+
+
+class TaskInterrupted(RedisDaskError):
+    """A task raised ``SystemExit``, ``KeyboardInterrupt`` or another ``BaseException``
+    that is no ``Exception``.  Re-raised as itself it would end the client's program, so
+    the task fails with this instead; the message names the original."""
 
 
 class KilledWorker(RedisDaskError):

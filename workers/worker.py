@@ -44,6 +44,7 @@ import redis
 
 from redisdask import comm, logs, schema
 from redisdask.connection import connect, connect_async
+from redisdask.errors import TaskInterrupted
 from redisdask.memory import format_bytes
 from redisdask.schema import Keys
 from redisdask.spec import FunctionCache, run_spec
@@ -913,6 +914,13 @@ def _failure_event(
 
     text = "".join(tb_module.format_exception_only(type(exc), exc)).strip()
     tb_text = "".join(tb_module.format_exception(type(exc), exc, exc.__traceback__))
+    if not isinstance(exc, Exception):  # SystemExit & co must not end the client's program
+        exc = TaskInterrupted(
+            f"task {key!r} raised {text or type(exc).__name__}, which is no Exception: it "
+            "was caught on the worker and the task failed (sys.exit() or an interrupt in "
+            "task code); raise an Exception to fail a task"
+        ).with_traceback(exc.__traceback__)
+        text = f"TaskInterrupted: {exc}"
     try:
         exc_blob = cloudpickle.dumps(exc)
         cloudpickle.loads(exc_blob)
