@@ -121,10 +121,9 @@ class Future:
     """A remotely running computation; ``result()`` brings its value here.
 
     ``key`` is the task's key in its dask form (a str, or a tuple like ``("x", 0)``);
-    inside the cluster the key is its string form, ``_key``.  ``__dask_future__`` makes
-    dask treat a future inside a graph or a ``delayed`` call as a dependency on its key."""
-
-    __dask_future__ = True
+    inside the cluster the key is its string form, ``_key``.  A future inside the
+    arguments of a task, a dask graph or a ``delayed`` call is a dependency on its key
+    (see ``spec.dumps_spec``)."""
 
     def __init__(
         self,
@@ -200,11 +199,7 @@ class Future:
             self.release()
 
     def __reduce__(self) -> Any:
-        raise TypeError(
-            f"a Future ({self.key!r}) cannot be pickled on its own; pass it as an argument of "
-            "submit/map or of a dask.delayed call (directly or nested in lists, tuples and "
-            "dicts) to depend on it"
-        )
+        return specs.reduce_future(self, self._key)
 
     def __dask_tokenize__(self) -> Any:
         return ("redisdask.Future", self._key)
@@ -246,7 +241,8 @@ class Client:
         self._lock = threading.RLock()
         self._states: dict[str, _FutureState] = {}
         self._refcount: dict[str, int] = defaultdict(int)
-        self._pending_release: deque[str] = deque()
+        # keys whose last future went, to release with the next send (an ordered set)
+        self._pending_release: dict[str, None] = {}
         self._send_lock = threading.Lock()
         self._restarted = threading.Event()
         self._retire_refused: dict[str, str] = {}  # worker -> why the scheduler refused
@@ -374,7 +370,9 @@ class Client:
         deps: set[str] = set()
         args = specs.replace_refs(args, self._future_key, deps)
         kwargs = specs.replace_refs(kwargs, self._future_key, deps)
-        spec = specs.dumps_spec(function_bytes, args, kwargs, func)
+        found: list[Future] = []  # futures deeper inside objects of other types
+        spec = specs.dumps_spec(function_bytes, args, kwargs, func, futures=found)
+        deps.update(self._future_key(f) for f in found)
         if len(spec) > MAX_SPEC_BYTES:
             raise ValueError(
                 f"the arguments of {specs.funcname(func)} pickle to {format_bytes(len(spec))}, "
@@ -398,6 +396,7 @@ class Client:
         return None
 
     def _future_key(self, obj: Any) -> str | None:
+        """The key of ``obj`` if it is a future (of this client: else ``ValueError``)."""
         if isinstance(obj, Future):
             if obj.client is not self:
                 raise ValueError(f"future {obj.key!r} belongs to another client")
@@ -415,9 +414,11 @@ class Client:
                     state.reset()
                 state.generation = self._generation
         chunks = _chunks(tasks, self.config.client.submit_batch, SUBMIT_BATCH_BYTES)
+        submitted = [t["key"] for t in tasks]
         if len(chunks) == 1:
             self._send(
-                [{"op": "update-graph", "client": self.id, "tasks": tasks, "wanted": wanted}]
+                [{"op": "update-graph", "client": self.id, "tasks": tasks, "wanted": wanted}],
+                resubmitted=submitted,
             )
             return
         # A graph sent in several entries: a chunk's tasks that later chunks depend on are
@@ -433,8 +434,10 @@ class Client:
             later_deps.update(d for t in chunk for d in t["deps"])
         bridges.reverse()
         entries = []
+        outside = set(wanted) - set(submitted)  # futures the graph depends on, held already
         for chunk, bridge in zip(chunks, bridges, strict=True):
-            keys = {t["key"] for t in chunk}
+            keys = {t["key"] for t in chunk} | outside
+            outside = set()
             want = [k for k in wanted if k in keys] + bridge
             entries.append(
                 [{"op": "update-graph", "client": self.id, "tasks": chunk, "wanted": want}]
@@ -442,15 +445,15 @@ class Client:
         bridge_keys = [k for bridge in bridges for k in bridge]
         if bridge_keys:
             entries.append([{"op": "client-releases-keys", "client": self.id, "keys": bridge_keys}])
-        self._send(*entries)
+        self._send(*entries, resubmitted=submitted)
 
-    def _send(self, *entries: list[dict[str, Any]]) -> None:
+    def _send(self, *entries: list[dict[str, Any]], resubmitted: Iterable[str] = ()) -> None:
         """XADD entries to the clients stream in one pipeline, pending releases first.
 
         One lock orders every send of this client: a release popped by the heartbeat thread
         can never land after a resubmission of the same key by the user's thread."""
         with self._send_lock:
-            releases = self._release_messages()
+            releases = self._release_messages(resubmitted)
             if releases:
                 entries = (releases, *entries)
             delay = 0.05
@@ -657,7 +660,7 @@ class Client:
         if _dask_installed():
             from redisdask import dask_graph
 
-            graph = dask_graph.to_graph(dsk, call, self._has_live_future)
+            graph = dask_graph.to_graph(dsk, call, self._future_key, self._has_live_future)
             tasks = graph.tasks
             for task in tasks:
                 task.update(
@@ -676,7 +679,11 @@ class Client:
                 self._legacy_tasks(dsk, _options(retries, priority, workers, allow_other_workers))
             )
             known = {t["key"] for t in tasks}
-        absent = [k for k, name in zip(keys, wanted, strict=True) if name not in known]
+        absent = [
+            k
+            for k, name in zip(keys, wanted, strict=True)
+            if name not in known and not self._has_live_future(name)
+        ]
         if absent:
             raise KeyError(f"keys {absent[:5]} are not in the graph (nor futures of this client)")
         futures = {k: Future(name, self, dask_key=k) for k, name in zip(keys, wanted, strict=True)}
@@ -1191,14 +1198,19 @@ class Client:
             if self._refcount[key] <= 0:
                 del self._refcount[key]
                 self._states.pop(key, None)
-                self._pending_release.append(key)
+                self._pending_release[key] = None
 
-    def _release_messages(self) -> list[dict[str, Any]]:
-        keys = []
-        while self._pending_release:
-            keys.append(self._pending_release.popleft())
+    def _release_messages(self, resubmitted: Iterable[str] = ()) -> list[dict[str, Any]]:
+        """The release of every key whose last future went.  A key that has futures
+        again is released only if it is being submitted again now, in the same pipeline
+        after the release: the scheduler then forgets the old run before it reads the new
+        graph, so a key reused for another computation (``get({"y": ...}, "y")`` twice)
+        is computed anew.  Otherwise it stays pending while it has futures."""
+        again = set(resubmitted)
         with self._lock:
-            keys = [k for k in keys if k not in self._refcount]
+            keys = [k for k in self._pending_release if k not in self._refcount or k in again]
+            for key in keys:
+                del self._pending_release[key]
         if not keys:
             return []
         return [{"op": "client-releases-keys", "client": self.id, "keys": keys}]

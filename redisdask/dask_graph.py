@@ -10,9 +10,9 @@ kind of node dask has, nested or not, runs exactly as dask's own schedulers run 
 
 Keys keep their dask form at the edges (``Future.key``, the results of ``get``); inside
 the cluster a key is its string form (``spec.stringify``).  A dependency that is not in
-the graph is a future the client already holds (a persisted collection, a future passed
-to ``delayed``): dask turns a ``Future`` into such a reference because redisdask's
-``Future`` says ``__dask_future__``.
+the graph is a future the client already holds: a persisted collection's graph is its
+futures, and a future passed to ``delayed`` or put in a graph stays inside a node, where
+pickling the node finds it (``spec.dumps_spec``) and the worker puts its value.
 
 Tasks are sent in dask's own order (``dask.order``), dependencies first, so the
 cluster's submission order — which breaks ties between ready tasks — is dask's
@@ -22,14 +22,13 @@ only when dask is used.
 
 from __future__ import annotations
 
-import copy
 import heapq
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import dask
-from dask._task_spec import GraphNode, Task, TaskRef, convert_legacy_graph, parse_input
+from dask._task_spec import DataNode, GraphNode, convert_legacy_graph
 from dask.order import order
 
 from redisdask import spec as specs
@@ -84,14 +83,16 @@ def graph_of(dsk: Any) -> tuple[Mapping[Key, Any], dict[str, dict[Key, Any]]]:
 def to_graph(
     dsk: Any,
     options: Mapping[str, Any],
+    future_key: Callable[[Any], str | None],
     known: Callable[[str], bool],
 ) -> Graph:
     """Translate ``dsk`` into redisdask tasks.
 
     ``options`` are the call's own (``priority``, ``retries``, ``workers``), which the
     annotations of single keys override, as in distributed; ``dask.annotate`` blocks
-    active now count as call options.  ``known(key)`` says whether a dependency outside
-    the graph is a future of this client; any other outside dependency is an error."""
+    active now count as call options.  ``future_key(obj)`` is the key of a future of
+    this client (``None`` for anything else); ``known(key)`` says whether a key outside
+    the graph is one that this client holds a live future of."""
     graph, annotations = graph_of(dsk)
     nodes: dict[Key, GraphNode] = convert_legacy_graph(graph)
     defaults = {k: v for k, v in dask.get_annotations().items() if k in ANNOTATIONS}
@@ -99,91 +100,53 @@ def to_graph(
     strings = {key: specs.stringify(key) for key in nodes}
     external: set[str] = set()
 
-    def references(key: Key, node: GraphNode) -> dict[Key, specs.TaskRef]:
-        """The node's dependencies as the worker will substitute them."""
+    def outside(name: str, needed_by: Key) -> None:
+        if not known(name):
+            raise ValueError(
+                f"task {needed_by!r} depends on {name!r}, which is neither in the graph nor "
+                "a future of this client (was the future released or cancelled?)"
+            )
+        external.add(name)
+
+    tasks: dict[Key, dict[str, Any]] = {}
+    for key, node in list(nodes.items()):
+        if isinstance(node, DataNode) and future_key(node.value) == strings[key]:
+            # a persisted collection's graph: the key *is* that future
+            outside(strings[key], key)
+            del nodes[key]
+            continue
         deps: dict[Key, specs.TaskRef] = {}
         for dep in node.dependencies:
             name = strings.get(dep)
             if name is None:
                 name = specs.stringify(dep)
-                if not known(name):
-                    raise ValueError(
-                        f"task {key!r} depends on {dep!r}, which is neither in the graph nor "
-                        "a future of this client (was the future released or cancelled?)"
-                    )
-                external.add(name)
+                outside(name, key)
             deps[dep] = specs.TaskRef(name)
-        return deps
-
-    tasks: dict[Key, dict[str, Any]] = {}
-    for key, node in list(nodes.items()):
-        try:
-            deps = references(key, node)
-            spec = specs.dumps_spec(RUN_NODE, (node, deps), {}, node)
-        except TypeError:  # a Future inside a delayed call's arguments, say
-            resolved = _resolve_futures(node)
-            if resolved is node:
-                raise
-            nodes[key] = node = resolved
-            deps = references(key, node)
-            spec = specs.dumps_spec(RUN_NODE, (node, deps), {}, node)
+        found: list[Any] = []  # futures inside the node: dask leaves them as they are
+        spec = specs.dumps_spec(RUN_NODE, (node, deps), {}, node, futures=found)
+        names = {ref.key for ref in deps.values()}
+        for future in found:
+            name = future_key(future)
+            if name is None:  # pragma: no cover - only our futures pickle as references
+                raise TypeError(f"{future!r} is not a future of this client")
+            outside(name, key)
+            names.add(name)
         task_options = dict(defaults)
         for name, per_key in annotations.items():
             if name in ANNOTATIONS and key in per_key:
                 task_options[name] = per_key[key]
-        tasks[key] = {
-            "key": strings[key],
-            "deps": sorted(ref.key for ref in deps.values()),
-            "spec": spec,
-            **task_options,
-        }
-    ranks = order(nodes) if len(nodes) > 1 else dict.fromkeys(nodes, 0)
+        tasks[key] = {"key": strings[key], "deps": sorted(names), "spec": spec, **task_options}
+    try:
+        ranks = order(nodes) if len(nodes) > 1 else dict.fromkeys(nodes, 0)
+    except RuntimeError as exc:  # dask.order names the keys on a cycle
+        if "Cycle" not in str(exc):
+            raise
+        raise ValueError(f"the graph has a cycle: {exc}") from None
     return Graph(
         tasks=_in_order(tasks, nodes, ranks),
         dask_keys={name: key for key, name in strings.items()},
         external=external,
     )
-
-
-def _is_future(obj: Any) -> bool:
-    return getattr(obj, "__dask_future__", False) is True and not isinstance(obj, TaskRef)
-
-
-def _holds_future(obj: Any) -> bool:
-    if _is_future(obj):
-        return True
-    if isinstance(obj, list | tuple | set | frozenset):
-        return any(_holds_future(x) for x in obj)
-    if isinstance(obj, dict):
-        return any(_holds_future(x) for x in obj.values())
-    return False
-
-
-def _resolve_futures(obj: Any) -> Any:
-    """``obj`` with every redisdask ``Future`` in a task's arguments made a dependency
-    dask's nodes resolve (an ``Alias`` of its key).  distributed's futures *are* dask
-    ``TaskRef``s; ours are not (so that redisdask never needs dask), and dask's
-    ``delayed`` leaves such objects in the arguments as they are."""
-    if isinstance(obj, Task):
-        args = tuple(_resolve_futures(a) for a in obj.args)
-        kwargs = {k: _resolve_futures(v) for k, v in obj.kwargs.items()}
-        same = all(a is b for a, b in zip(args, obj.args, strict=True))
-        if same and all(kwargs[k] is obj.kwargs[k] for k in kwargs):
-            return obj
-        new = copy.copy(obj)
-        new.args, new.kwargs = args, kwargs
-        deps: set[Key] = set()
-        for a in (*args, *kwargs.values()):
-            if isinstance(a, TaskRef):
-                deps.add(a.key)
-            elif isinstance(a, GraphNode):
-                deps |= a.dependencies
-        new._dependencies = frozenset(deps)
-        new._token = new._repr = None
-        return new
-    if _holds_future(obj):
-        return parse_input(obj)  # a future becomes an Alias; containers become nodes
-    return obj
 
 
 def _in_order(

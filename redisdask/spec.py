@@ -6,13 +6,16 @@ unpickles it once (``FunctionCache``).  Dependencies inside the arguments — fu
 nested in lists, tuples, sets and dicts, and keys of a dict graph — are replaced by
 ``TaskRef(key)`` markers before pickling; the worker substitutes the dependencies' values.
 A nested dask-style task ``(func, *args)`` inside a graph becomes a ``SubTask`` that the
-worker evaluates in place.
+worker evaluates in place.  A future anywhere else inside the arguments (in an object of
+any kind, in a dask graph node) is pickled as a reference to its key and unpickled on the
+worker as the dependency's value (``reduce_future``).
 
 The scheduler never unpickles a spec: to it the spec is opaque bytes, the graph history.
 """
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
@@ -57,8 +60,17 @@ def dumps_function(func: Any) -> bytes:
 
 
 def dumps_spec(
-    function_bytes: bytes, args: tuple[Any, ...], kwargs: dict[str, Any], func: Any = None
+    function_bytes: bytes,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    func: Any = None,
+    futures: list[Any] | None = None,
 ) -> bytes:
+    """Pickle a task.  Given a ``futures`` list, a ``Future`` anywhere inside the
+    arguments (in any object, a dask node, a closure) is pickled as a reference to its
+    key, appended to ``futures``: the task must then depend on those keys, and the
+    worker puts each one's value in its place (``run_spec``)."""
+    token = _collector.set(futures)
     try:
         return pickling.dumps((function_bytes, args, kwargs))
     except Exception as exc:
@@ -68,6 +80,43 @@ def dumps_spec(
             f"failed with {type(exc).__name__}: {exc}. Arguments are pickled to reach the "
             "workers; pass picklable objects, or create the object inside the function"
         ) from exc
+    finally:
+        _collector.reset(token)
+
+
+# The futures met while pickling a spec (None: futures may not be pickled now), and the
+# dependencies' values while a worker unpickles one.
+_collector: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
+    "redisdask_futures", default=None
+)
+_values: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
+    "redisdask_values", default=None
+)
+
+
+def reduce_future(future: Any, key: str) -> tuple[Any, tuple[str]]:
+    """``Future.__reduce__``: inside ``dumps_spec(..., futures=...)`` a reference to the
+    future's value; anywhere else a ``TypeError`` (a future has no meaning on its own)."""
+    collected = _collector.get()
+    if collected is None:
+        raise TypeError(
+            f"a Future ({key!r}) cannot be pickled on its own; pass it as an argument of "
+            "submit/map or of a dask.delayed call (nested anywhere in the arguments) to "
+            "depend on it"
+        )
+    collected.append(future)
+    return _future_value, (key,)
+
+
+def _future_value(key: str) -> Any:
+    """Unpickled on a worker in place of a future: the value of the dependency ``key``."""
+    values = _values.get()
+    if values is None or key not in values:
+        raise RuntimeError(
+            f"the value of future {key!r} is not available here: a future inside a task's "
+            "arguments is a dependency, and only a worker running that task has its value"
+        )
+    return values[key]
 
 
 def _first_unpicklable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
@@ -147,7 +196,11 @@ class FunctionCache:
 
 def run_spec(spec: bytes, data: Mapping[str, Any], functions: FunctionCache) -> Any:
     """Unpickle and run a task with its dependencies' values from ``data``."""
-    function_bytes, args, kwargs = cloudpickle.loads(spec)
+    token = _values.set(data)
+    try:
+        function_bytes, args, kwargs = cloudpickle.loads(spec)
+    finally:
+        _values.reset(token)
     func = functions.get(function_bytes)
     return func(*substitute(args, data), **substitute(kwargs, data))
 
