@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
         "redis_url", nargs="?", default=None, help="Redis URL (default: start an embedded Redis)"
     )
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument(
+        "--dask", action="store_true", help="only the dask.array and dask.dataframe part"
+    )
 
     p = sub.add_parser("config", help="configuration")
     p.add_argument("action", choices=["show"], help="show: print the effective configuration")
@@ -323,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 return 1
 
-            return run_demo(args.redis_url, n_workers=args.workers)
+            return run_demo(args.redis_url, n_workers=args.workers, only_dask=args.dask)
         elif args.command == "config":
             print(config.to_yaml(), end="")
     except ConfigError as exc:

@@ -466,15 +466,21 @@ class Client:
                     pipe.execute()  # a retry after a lost reply may repeat an entry: harmless
                     self._redis_back()
                     return
+                except redis.ResponseError as exc:
+                    raise RedisDaskError(
+                        f"Redis at {redact(self.redis_url)} refused a write of "
+                        f"{format_bytes(_entries_size(entries))} to the clients stream: {exc}; "
+                        "send large data with client.scatter"
+                    ) from exc
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     if self._redis_answers():
                         refused += 1
                         if refused >= SEND_ATTEMPTS:
-                            size = sum(len(schema.entry(m)["m"]) for m in entries)
                             raise ClusterConnectionError(
                                 f"Redis at {redact(self.redis_url)} answers but dropped the "
                                 f"connection on each of {refused} attempts to write "
-                                f"{format_bytes(size)} to the clients stream ({exc}); a "
+                                f"{format_bytes(_entries_size(entries))} to the clients "
+                                f"stream ({exc}); a "
                                 "write that large may pass Redis's limits "
                                 "(proto-max-bulk-len, client-query-buffer-limit): send large "
                                 "data with client.scatter"
@@ -784,13 +790,14 @@ class Client:
                     state.callbacks.append(
                         lambda state=state: (finished.append(state), woken.set())  # type: ignore[misc]
                     )
-                elif stop_on_error and state.status in ("error", "cancelled"):
+                elif stop_on_error and state.status in _FAILED:
                     return
         while remaining:
             woken.clear()
             while finished:
                 remaining -= 1
-                if stop_on_error and finished.popleft().status in ("error", "cancelled"):
+                status = finished.popleft().status
+                if stop_on_error and status in _FAILED:
                     return
             if not remaining:
                 return
@@ -1363,6 +1370,10 @@ def _toposort(tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
         stuck = next(k for k, deps in missing.items() if deps)
         raise ValueError(f"the graph has a cycle: {stuck!r} depends (indirectly) on itself")
     return order
+
+
+def _entries_size(entries: tuple[list[dict[str, Any]], ...]) -> int:
+    return sum(len(schema.entry(messages)["m"]) for messages in entries)
 
 
 def _chunks(

@@ -62,19 +62,23 @@ WORKLOADS: dict[str, Callable[[], Any]] = {
     "array-rechunk": lambda: _array().rechunk((200, 100)).sum(axis=1),
     "array-matmul": lambda: (_array() @ _array().T)[:50, :50],
     "array-map-blocks": lambda: _array().map_blocks(lambda b: b * 2 + 1).std(),
-    "bag-map-filter-fold": lambda: db.from_sequence(range(500), npartitions=5)
-    .map(inc)
-    .filter(lambda x: x % 3 == 0)
-    .fold(operator.add),
+    "bag-map-filter-fold": lambda: (
+        db.from_sequence(range(500), npartitions=5)
+        .map(inc)
+        .filter(lambda x: x % 3 == 0)
+        .fold(operator.add)
+    ),
     "bag-frequencies": lambda: db.from_sequence(
         [f"w{i % 17}" for i in range(400)], npartitions=4
     ).frequencies(sort=True),
     "bag-foldby": lambda: db.from_sequence(range(300), npartitions=3).foldby(
         lambda x: x % 7, operator.add, 0
     ),
-    "bag-groupby": lambda: db.from_sequence(range(100), npartitions=4)
-    .groupby(lambda x: x % 5, shuffle="tasks")
-    .map(lambda kv: (kv[0], sorted(kv[1]))),
+    "bag-groupby": lambda: (
+        db.from_sequence(range(100), npartitions=4)
+        .groupby(lambda x: x % 5, shuffle="tasks")
+        .map(lambda kv: (kv[0], sorted(kv[1])))
+    ),
     "df-column-arithmetic": lambda: (_ddf().b * 2 + _ddf().c).sum(),
     "df-groupby-agg": lambda: _ddf().groupby("a").agg({"b": "mean", "c": "max"}),
     "df-set-index": lambda: _ddf().set_index("c").b,
