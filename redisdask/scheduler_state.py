@@ -1024,7 +1024,7 @@ class SchedulerState:
             if ts is None or ts.state != "queued" or ws is None:
                 # released while the claim was in flight: tell the worker to drop it
                 self._emit(Unclaim(ev.stimulus_id, ev.worker, key))
-                self._emit(WorkerMsg(ev.stimulus_id, ev.worker, {"op": "free-keys", "keys": [key]}))
+                self._free(ev.worker, key)
                 if ts is not None and ts.state == "queued":
                     # claimed by a worker removed meanwhile: the claim popped it from the
                     # ready set and marked it processing in Redis; put it back
@@ -1043,9 +1043,7 @@ class SchedulerState:
             # key (cancelled, released, submitted again) or of a claim taken back.  Counting
             # it would name a holder that is about to drop it; let it drop it now.
             if ts is None or ev.worker not in ts.who_has:
-                self._emit(
-                    WorkerMsg(ev.stimulus_id, ev.worker, {"op": "free-keys", "keys": [ev.key]})
-                )
+                self._free(ev.worker, ev.key)
             return
         ts.nbytes, ts.type = int(ev.nbytes), ev.type
         self._transition(ts, "memory", worker=ws)
@@ -1060,6 +1058,9 @@ class SchedulerState:
         if ts.retries > 0:
             ts.retries -= 1
             self._emit(SetState(ev.stimulus_id, ts.key, ts.state, {"retries": ts.retries}))
+            # the worker keeps the failed run until told: it must not answer the retry
+            # with it (the free-keys reaches it before any claim of the retry)
+            self._free(ev.worker, ts.key)
             self._transition(ts, "queued")
             return
         ts.exception, ts.traceback = ev.exception, ev.traceback
@@ -1085,9 +1086,7 @@ class SchedulerState:
                 if ws is not None:
                     # no longer counted as a holder: it must not keep an orphan copy
                     ws.has_what.discard(ts)
-                    self._emit(
-                        WorkerMsg(ev.stimulus_id, ws.address, {"op": "free-keys", "keys": [key]})
-                    )
+                    self._free(ws.address, key)
             if ts.state == "memory" and ts.who_has:
                 self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
                 self._emit(
@@ -1304,7 +1303,7 @@ class SchedulerState:
             if ws is not None:
                 ws.processing.discard(ts)
             self._emit(Unclaim(self._stimulus_id, worker, ts.key))
-            self._emit(WorkerMsg(self._stimulus_id, worker, {"op": "free-keys", "keys": [ts.key]}))
+            self._free(worker, ts.key)
         ts.processing_on = None
 
     def _transition_no_worker_waiting(self, ts: TaskState) -> None:
@@ -1355,6 +1354,10 @@ class SchedulerState:
             dep.waiters.discard(ts)
             self._maybe_release(dep)
         self._maybe_release(ts)
+
+    def _free(self, worker: str, key: str) -> None:
+        """Tell a worker to drop what it holds of ``key`` (a result, a failed run)."""
+        self._emit(WorkerMsg(self._stimulus_id, worker, {"op": "free-keys", "keys": [key]}))
 
     def _wake_waiters(self, ts: TaskState) -> None:
         for dependent in sorted(ts.waiters, key=lambda t: t.score):
@@ -1419,13 +1422,13 @@ class SchedulerState:
 
     def _transition_memory_released(self, ts: TaskState) -> None:
         for worker in ts.replicating - ts.who_has:  # fetching a copy nobody needs now
-            self._emit(WorkerMsg(self._stimulus_id, worker, {"op": "free-keys", "keys": [ts.key]}))
+            self._free(worker, ts.key)
         ts.replicating.clear()
         for worker in ts.who_has:
             ws = self.workers.get(worker)
             if ws is not None:
                 ws.has_what.discard(ts)
-            self._emit(WorkerMsg(self._stimulus_id, worker, {"op": "free-keys", "keys": [ts.key]}))
+            self._free(worker, ts.key)
         ts.who_has.clear()
         ts.state = "released"
         self._emit(SetState(self._stimulus_id, ts.key, "released", {"who_has": b""}))
@@ -1433,6 +1436,8 @@ class SchedulerState:
         self._maybe_forget(ts)
 
     def _transition_erred_released(self, ts: TaskState) -> None:
+        if ts.exception_blame is None and ts.killed is None and ts.erred_on in self.workers:
+            self._free(ts.erred_on, ts.key)  # it raised there: the worker keeps the error
         ts.state = "released"
         ts.exception = ts.traceback = None
         ts.exception_text = ts.traceback_text = ""

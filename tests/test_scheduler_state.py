@@ -402,6 +402,37 @@ def test_retries_then_success():
     assert s.tasks["x"].state == "memory" and client_msgs(out, "key-in-memory", "c")
 
 
+def test_a_retry_tells_the_worker_that_failed_to_drop_the_failed_run():
+    s = make(W1)
+    submit(s, "c", [task("x", retries=1)], ["x"])
+    out = fail(s, "x", W1)
+    assert s.tasks["x"].state == "queued" and freed(out, W1) == {"x"}
+    # written before the task is queued again, so any claim of the retry comes after it
+    first_free = next(i for i, ins in enumerate(out) if isinstance(ins, WorkerMsg))
+    assert first_free < next(i for i, ins in enumerate(out) if isinstance(ins, Enqueue))
+
+
+def test_releasing_an_erred_task_tells_the_worker_it_raised_on_and_only_that_one():
+    s = make(W1, W2)
+    submit(s, "c", [task("a"), task("b", ["a"])], ["a", "b"])
+    fail(s, "a", W2)
+    assert s.tasks["b"].erred_on == W2  # inherited
+    out = s.handle_stimulus(ClientReleasesKeys("rel", client="c", keys=["a", "b"]))
+    assert s.tasks == {}
+    assert freed(out, W2) == {"a"} and not freed(out, W1)  # b never ran anywhere
+    # a KilledWorker's last worker is dead: nobody to tell
+    s = make(W1)
+    submit(s, "c", [task("k")], ["k"])
+    for i in range(4):
+        worker = f"tcp://10.0.1.{i}:1"
+        s.handle_stimulus(AddWorker(f"add{i}", worker=worker))
+        s.handle_stimulus(TaskClaimed(f"claim{i}", worker=worker, keys=["k"]))
+        s.handle_stimulus(RemoveWorker(f"rm{i}", worker=worker, how="connection", reason="x"))
+    assert s.tasks["k"].state == "erred" and s.tasks["k"].killed
+    out = s.handle_stimulus(ClientReleasesKeys("rel", client="c", keys=["k"]))
+    assert not freed(out) and not of(out, WorkerMsg)
+
+
 def test_error_from_a_worker_not_processing_the_task_is_ignored():
     s = make(W1, W2)
     submit(s, "c", [task("x")], ["x"])
