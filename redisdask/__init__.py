@@ -12,6 +12,7 @@ from redisdask.errors import (
     FutureCancelledError,
     KilledWorker,
     RedisDaskError,
+    SchedulerRejectedError,
 )
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "KilledWorker",
     "LocalCluster",
     "RedisDaskError",
+    "SchedulerRejectedError",
     "__version__",
     "as_completed",
     "progress",

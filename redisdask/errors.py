@@ -12,6 +12,8 @@
     │   └── SerializationError                         a value could not be (un)pickled
     ├── FutureCancelledError (also CancelledError)     the future's key was cancelled
     ├── DataUnavailableError                           no worker holds the data any more
+    ├── SchedulerRejectedError                         the scheduler refused to run a task
+    │                                                  (a malformed submission, a cycle)
     ├── VersionMismatchError                           versions that cannot share pickles
     │                                                  (redisdask.versions)
     └── KilledWorker                                   a task took too many workers down
@@ -58,6 +60,11 @@ class FutureCancelledError(RedisDaskError, CancelledError):
 
 class DataUnavailableError(RedisDaskError):
     """No live worker holds a key's data any more."""
+
+
+class SchedulerRejectedError(RedisDaskError):
+    """The scheduler refused to run a task: the message that submitted it was malformed
+    (it was dead-lettered), or its graph had a cycle.  The message says which and why."""
 
 
 class KilledWorker(RedisDaskError):

@@ -47,6 +47,7 @@ from redisdask.scheduler_state import (
     Instruction,
     LogEvent,
     RecordDeath,
+    RejectedGraph,
     RemoveWorker,
     ResetCluster,
     SchedulerState,
@@ -343,6 +344,8 @@ class Scheduler:
                 received.extend(decode_entry(entry_id, fields, stream.rsplit(":", 1)[-1]))
             except ProtocolError as exc:
                 commands.append(self._dead_letter(stream, entry_id, fields, str(exc)))
+                if stream == self.keys.client_stream:  # its client must not wait forever
+                    received.extend(rejected_graphs(entry_id, fields, str(exc), "clients"))
         events = received + events  # what the processes said, then the scheduler's verdicts
         instructions = self.state.handle_stimulus(*events)
         commands = self.to_commands(instructions) + commands
@@ -807,6 +810,40 @@ def decode_entry(entry_id: bytes, fields: dict[bytes, bytes], stream: str = "") 
         raise ProtocolError(f"field 'm' should be a list of maps, got {type(msgs).__name__}")
     sid = f"{stream}:{entry_id.decode()}" if stream else entry_id.decode()
     return [Event.from_dict(m, f"{sid}/{i}") for i, m in enumerate(msgs)]
+
+
+def rejected_graphs(
+    entry_id: bytes, fields: dict[bytes, bytes], reason: str, stream: str = ""
+) -> list[RejectedGraph]:
+    """For a refused entry of the clients stream: one ``RejectedGraph`` per update-graph
+    message in it that still names its client and some str keys (its ``wanted`` keys and
+    its tasks' keys), so that client's futures err instead of waiting forever.  What
+    cannot be read (not msgpack, no client, keys that are not str) is skipped: there is
+    nobody or nothing to tell."""
+    try:
+        msgs = schema.unpack(fields.get(b"m") or b"")
+    except Exception:
+        return []
+    if not isinstance(msgs, list):
+        return []
+    sid = f"{stream}:{entry_id.decode()}" if stream else entry_id.decode()
+    rejected = []
+    for i, msg in enumerate(msgs):
+        if not isinstance(msg, dict) or msg.get("op") != "update-graph":
+            continue
+        client, wanted, tasks = msg.get("client"), msg.get("wanted"), msg.get("tasks")
+        keys = [k for k in wanted if isinstance(k, str)] if isinstance(wanted, list) else []
+        if isinstance(tasks, list):
+            keys += [
+                t["key"] for t in tasks if isinstance(t, dict) and isinstance(t.get("key"), str)
+            ]
+        if isinstance(client, str) and client and keys:
+            rejected.append(
+                RejectedGraph(
+                    f"{sid}/{i}", client=client, keys=list(dict.fromkeys(keys)), reason=reason
+                )
+            )
+    return rejected
 
 
 # --------------------------------------------------------------------------- recovery

@@ -198,6 +198,19 @@ class UpdateGraph(Event):
 
 
 @dataclass(slots=True)
+class RejectedGraph(Event):
+    """The driver refused a client's message (it failed validation and was
+    dead-lettered, ``reason`` says why): the client is told that the keys it named will
+    not run, instead of waiting forever.  Made by the driver only, never read from a
+    stream (so it is not in ``EVENTS``)."""
+
+    op: ClassVar[str] = "rejected-graph"
+    client: str = ""
+    keys: list[str] = field(default_factory=list)
+    reason: str = ""
+
+
+@dataclass(slots=True)
 class ClientDesiresKeys(Event):
     op: ClassVar[str] = "client-desires-keys"
     client: str = ""
@@ -669,6 +682,20 @@ class SchedulerState:
                 self._make_needed(ts)
         for ts in new:  # submitted, but neither wanted nor needed by a wanted task
             self._maybe_forget(ts)
+
+    def _handle_rejected_graph(self, ev: RejectedGraph) -> None:
+        wanted = self.clients.setdefault(ev.client, set())  # forgotten with the client
+        for key in dict.fromkeys(ev.keys):
+            ts = self.tasks.get(key)
+            if ts is not None and ts in wanted:
+                continue  # an earlier message of this client submitted it: it runs
+            text = (
+                f"SchedulerRejectedError: the scheduler refused the message that submitted "
+                f"{key!r}, so nothing in it will run: {ev.reason}. The message is kept in "
+                "the cluster's dead-letter stream; fix what wrote it and submit again"
+            )
+            msg = {"op": "task-erred", "key": key, "exception_text": text, "rejected": True}
+            self._emit(ClientMsg(ev.stimulus_id, ev.client, msg))
 
     def _make_needed(self, root: TaskState) -> None:
         """Bring ``root`` and every released dependency it needs towards memory."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from redisdask import Client, ClusterConnectionError
+from redisdask import Client, ClusterConnectionError, Future, SchedulerRejectedError
 from redisdask.comm import encode_message, parse_address
 from redisdask.schema import Keys, entry
 
@@ -113,6 +113,26 @@ def test_malformed_stream_entry_is_dead_lettered(client: Client, cluster) -> Non
     assert any("no 'm' field" in e for e in errors)
     assert any("unknown op 'no-such-op'" in e for e in errors)
     assert cluster.scheduler_process.poll() is None
+
+
+def test_a_refused_submission_errs_the_clients_futures_instead_of_hanging(
+    client: Client,
+    cluster,  # type: ignore[no-untyped-def]
+) -> None:
+    """A task key that is not a str (msgpack turned a tuple into a list) fails validation:
+    the entry is dead-lettered, and the client's futures of its keys raise."""
+    r = redis.Redis.from_url(cluster.redis_url)
+    keys = Keys(cluster.cluster_name)
+    y = Future("y-refused", client)
+    bad = {"key": ["x", 0], "spec": None, "deps": []}
+    good = {"key": "y-refused", "spec": None, "deps": []}
+    message = {"op": "update-graph", "client": client.id, "tasks": [bad, good], "wanted": [y.key]}
+    r.xadd(keys.client_stream, entry([message]))
+    with pytest.raises(SchedulerRejectedError, match="refused the message") as info:
+        y.result(timeout=10)
+    assert "task without a str 'key'" in str(info.value)
+    assert r.xlen(keys.dead_letter) == 1
+    assert client.submit(inc, 1).result(timeout=10) == 2  # and the scheduler goes on
 
 
 def test_huge_malformed_entries_are_dead_lettered_within_bounds(

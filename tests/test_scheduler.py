@@ -12,7 +12,7 @@ from polling import poll
 
 from redisdask import Client, LocalCluster
 from redisdask.errors import FencedError
-from redisdask.scheduler import Scheduler
+from redisdask.scheduler import Scheduler, rejected_graphs
 from redisdask.scheduler_state import Forget, StoreTask
 from redisdask.schema import SCHEDULER_GROUP, Keys, ensure_cluster, entry, pack, unpack
 
@@ -36,6 +36,27 @@ def test_forget_and_resubmit_in_one_batch_writes_the_new_task_last(
     assert deletes and writes and max(deletes) < min(writes)
     assert ["SADD", scheduler.keys.tasks, "x"] in cmds
     assert not any(c[0] == "SREM" and c[1] == scheduler.keys.tasks for c in cmds)
+
+
+def test_a_refused_update_graph_still_names_its_client_and_keys_to_tell() -> None:
+    tuple_key = {"key": ["x", 0], "spec": b"s", "deps": []}  # msgpack made the tuple a list
+    m = entry(
+        [
+            {
+                "op": "update-graph",
+                "client": "c1",
+                "tasks": [tuple_key, {"key": "y"}],
+                "wanted": ["y", 3],
+            },
+            {"op": "update-graph", "client": 7, "tasks": [], "wanted": ["z"]},  # nobody to tell
+            {"op": "client-releases-keys", "client": "c1", "keys": ["q"]},
+        ]
+    )["m"]
+    [rejected] = rejected_graphs(b"1-0", {b"m": m}, "bad key", "clients")
+    assert (rejected.client, rejected.keys, rejected.reason) == ("c1", ["y"], "bad key")
+    assert rejected.stimulus_id == "clients:1-0/0"
+    assert rejected_graphs(b"1-1", {b"m": b"\xc1"}, "not msgpack") == []
+    assert rejected_graphs(b"1-2", {b"junk": b"1"}, "no m") == []
 
 
 def test_a_batch_and_its_acknowledgement_land_together(redis_url: str, cluster_name: str) -> None:

@@ -32,6 +32,7 @@ from redisdask.scheduler_state import (
     LogEvent,
     MissingData,
     RecordDeath,
+    RejectedGraph,
     ReleasedKeys,
     RemoveWorker,
     Replicate,
@@ -439,6 +440,21 @@ def test_error_from_a_worker_not_processing_the_task_is_ignored():
     s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["x"]))
     out = s.handle_stimulus(TaskErred("e", worker=W2, key="x", exception_text="boom"))
     assert out == [] and s.tasks["x"].state == "processing"
+
+
+def test_a_rejected_graph_errs_the_clients_keys_it_does_not_already_have_running():
+    s = make(W1)
+    submit(s, "c", [task("old")], ["old"])
+    reason = "malformed 'update-graph' message: task without a str 'key'"
+    ev = RejectedGraph("rej", client="c", keys=["y", "old", "y", "z"], reason=reason)
+    out = s.handle_stimulus(ev)
+    msgs = client_msgs(out, "task-erred", "c")
+    assert [m["key"] for m in msgs] == ["y", "z"]  # "old" runs from an earlier message
+    for m in msgs:
+        assert m["rejected"] is True and reason in m["exception_text"]
+        assert m["exception_text"].startswith("SchedulerRejectedError: ")
+    assert out == of(out, ClientMsg) and "rejected-graph" not in EVENTS  # internal only
+    assert s.tasks["old"].state == "queued"
 
 
 # --------------------------------------------------------------------------- clients
