@@ -432,6 +432,8 @@ class Scheduler:
                     f["spec"] = ins.spec
                 exists[ins.key] = True
             elif isinstance(ins, Enqueue):
+                if ins.queued_on:  # for CLAIM: the other ready sets to take it out of
+                    task_fields.setdefault(ins.key, {})["queued_on"] = " ".join(ins.queued_on)
                 if ins.workers:
                     for worker in ins.workers:
                         enqueue_on[worker, ins.key] = ins.score
@@ -878,6 +880,10 @@ def load_state(
         ts.type = rec.get(b"type", b"").decode()
         ts.retries = int(rec.get(b"retries", 0) or 0)
         ts.restrict = tuple(rec.get(b"workers", b"").decode().split())
+        if ts.state == "queued" and ts.restrict:
+            # (a record from before queued_on existed: its workers were addresses)
+            queued_on = rec.get(b"queued_on", rec.get(b"workers", b"")).decode().split()
+            ts.queued_on = tuple(w for w in queued_on if w in state.workers)
         ts.erred_on = rec.get(b"erred_on", b"").decode() or None
         ts.suspicious = int(rec.get(b"suspicious", 0) or 0)
         ts.replicas = int(rec.get(b"replicas", 1) or 1)

@@ -24,7 +24,10 @@ Task states::
 * ``released``: nobody needs the result now, but a dependent may still need the task's
   graph history to recompute it, so the task (and its spec in Redis) is kept.
 * ``no-worker``: ready, but restricted (``workers=``) to workers none of which is alive;
-  queued as soon as one of them joins.
+  queued as soon as one of them joins.  A restriction entry names a worker by its
+  address, its name, or its host (the host of its address, or the hostname it reported),
+  as in Dask; a queued restricted task sits in the own ready set of every live worker it
+  matches, including one that joins while it waits.
 
 Priorities: user ``priority=`` first (higher runs first), then submission order.  They
 become the score of the Redis ready set, which a worker pops smallest-first.
@@ -68,6 +71,12 @@ def key_prefix(key: str) -> str:
             break
         parts.append(word)
     return "-".join(parts) or "other"
+
+
+def address_host(address: str) -> str:
+    """The host of a worker address: ``"127.0.0.1"`` for ``"tcp://127.0.0.1:4242"``."""
+    host = address.partition("://")[2].rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 def priority_score(user_priority: int, seq: int) -> float:
@@ -195,6 +204,8 @@ class UpdateGraph(Event):
             for name in ("priority", "retries"):
                 if not isinstance(t.get(name, 0), int):
                     raise ValueError(f"task {t['key']!r}: {name!r} should be int")
+            if not _is_strs(t.get("workers") or []):
+                raise ValueError(f"task {t['key']!r}: 'workers' should be a list of str")
 
 
 @dataclass(slots=True)
@@ -420,11 +431,14 @@ class SetState(Instruction):
 
 @dataclass(slots=True)
 class Enqueue(Instruction):
-    """Put a task in the ready set, or in the listed workers' own ready sets."""
+    """Put a task in the ready set, or in the listed workers' own ready sets.
+    ``queued_on``: every worker whose ready set holds it after this one (those listed and
+    those it was in already), for the task hash, where the CLAIM script reads it."""
 
     key: str
     score: float
     workers: tuple[str, ...] = ()
+    queued_on: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -529,7 +543,8 @@ class TaskState:
     nbytes: int = 0
     type: str = ""
     retries: int = 0
-    restrict: tuple[str, ...] = ()  # worker addresses it may run on (empty: any)
+    restrict: tuple[str, ...] = ()  # worker addresses, names or hosts it may run on
+    queued_on: tuple[str, ...] = ()  # queued and restricted: the workers whose sets hold it
     suspicious: int = 0  # workers that died while it was processing there
     deaths: list[dict[str, Any]] = field(default_factory=list)  # their death records
     lost_on: str | None = None  # the worker whose death lost its only copy
@@ -585,6 +600,7 @@ class SchedulerState:
         self._candidates: deque[TaskState] = deque()
         self._stimulus_id = ""
         self._retirement_changed = False  # something a retirement waits for happened
+        self._aliases: dict[str, set[str]] | None = None  # address/name/host -> addresses
         # results that came in and tasks that erred, since this state was built (metrics
         # for the summary the monitor shows)
         self.n_finished = 0
@@ -886,6 +902,7 @@ class SchedulerState:
             self.workers[ev.worker] = WorkerInfo(ev.worker, dict(ev.info))
         else:
             self.workers[ev.worker].info.update(ev.info)
+        self._aliases = None  # its name or host may be new
         ws = self.workers[ev.worker]
         if ev.stimulus_id != "load" and not ws.announced:
             # (a worker that registered before this scheduler loaded is announced when its
@@ -898,8 +915,15 @@ class SchedulerState:
         if ev.resync:
             self._resync(self.workers[ev.worker], ev.resync)
         for ts in sorted(self.unrunnable, key=lambda t: t.score):
-            if ev.worker in ts.restrict:
+            if ev.worker in self._allowed(ts):
                 self._transition(ts, "queued")
+        for ts in self.tasks.values():  # queued for others it matches too: for it as well
+            if ts.state != "queued" or not ts.restrict or ev.worker in ts.queued_on:
+                continue
+            if ev.worker in self._allowed(ts):
+                ts.queued_on += (ev.worker,)
+                enqueue = Enqueue(ev.stimulus_id, ts.key, ts.score, (ev.worker,), ts.queued_on)
+                self._emit(enqueue)
 
     def _resync(self, ws: WorkerInfo, report: dict[str, Any]) -> None:
         """Reconcile with what a worker says it holds and runs (after Redis lost writes:
@@ -937,6 +961,7 @@ class SchedulerState:
 
     def _handle_remove_worker(self, ev: RemoveWorker) -> None:
         ws = self.workers.pop(ev.worker, None)
+        self._aliases = None
         if ws is None:
             if ev.how == "nanny":  # removed already (say, its heartbeat expired first):
                 # the nanny's word on why it ended is still the record worth keeping
@@ -980,9 +1005,13 @@ class SchedulerState:
                 if ts.replicas > 1:
                     self._ensure_replicas(ts)  # a copy survives: make up for the lost one
         for ts in list(self.tasks.values()):
-            stranded = ts.restrict and not any(w in self.workers for w in ts.restrict)
-            if ts.state == "queued" and stranded:
-                self._transition(ts, "no-worker")
+            if ts.state == "queued" and ws.address in ts.queued_on:
+                # out of its ready set (which a new process at the address would
+                # inherit): the task goes there again only if that one matches too
+                self._emit(Dequeue(ev.stimulus_id, ts.key, (ws.address,)))
+                ts.queued_on = tuple(w for w in ts.queued_on if w != ws.address)
+                if not self._allowed(ts):
+                    self._transition(ts, "no-worker")
         if ev.how != "replaced":  # else the keys are the new process's, at the same address
             self._emit(ForgetWorker(ev.stimulus_id, ws.address))
 
@@ -1283,7 +1312,7 @@ class SchedulerState:
             self._transition(ts, "queued")
 
     def _transition_waiting_queued(self, ts: TaskState) -> None:
-        if ts.restrict and not any(w in self.workers for w in ts.restrict):
+        if ts.restrict and not self._allowed(ts):
             self._transition_waiting_no_worker(ts)
             return
         ts.state = "queued"
@@ -1292,8 +1321,25 @@ class SchedulerState:
 
     def _enqueue(self, ts: TaskState) -> None:
         """Into the shared ready set, or the own ready sets of its live allowed workers."""
-        workers = tuple(w for w in ts.restrict if w in self.workers)
-        self._emit(Enqueue(self._stimulus_id, ts.key, ts.score, workers))
+        ts.queued_on = self._allowed(ts) if ts.restrict else ()
+        self._emit(Enqueue(self._stimulus_id, ts.key, ts.score, ts.queued_on, ts.queued_on))
+
+    def _dequeue(self, ts: TaskState) -> None:
+        self._emit(Dequeue(self._stimulus_id, ts.key, ts.queued_on))
+        ts.queued_on = ()
+
+    def _allowed(self, ts: TaskState) -> tuple[str, ...]:
+        """The live workers a restricted task may run on: each entry of its restriction
+        matches the workers with that address, name, or host."""
+        if self._aliases is None:
+            aliases: dict[str, set[str]] = {}
+            for address, ws in self.workers.items():
+                names = (address, ws.info.get("name"), address_host(address), ws.info.get("host"))
+                for name in names:
+                    if isinstance(name, str) and name:
+                        aliases.setdefault(name, set()).add(address)
+            self._aliases = aliases
+        return tuple(sorted({a for entry in ts.restrict for a in self._aliases.get(entry, ())}))
 
     def _transition_waiting_no_worker(self, ts: TaskState) -> None:
         ts.state = "no-worker"
@@ -1305,7 +1351,7 @@ class SchedulerState:
         self._transition_waiting_queued(ts)
 
     def _transition_queued_no_worker(self, ts: TaskState) -> None:
-        self._emit(Dequeue(self._stimulus_id, ts.key, ts.restrict))
+        self._dequeue(ts)
         self._transition_waiting_no_worker(ts)
 
     def _transition_no_worker_released(self, ts: TaskState) -> None:
@@ -1314,7 +1360,7 @@ class SchedulerState:
 
     def _transition_queued_waiting(self, ts: TaskState) -> None:
         """A dependency of a queued task lost its data: wait for it again."""
-        self._emit(Dequeue(self._stimulus_id, ts.key, ts.restrict))
+        self._dequeue(ts)
         self._wait_again(ts)
 
     def _transition_processing_waiting(self, ts: TaskState) -> None:
@@ -1352,13 +1398,14 @@ class SchedulerState:
 
     def _transition_queued_processing(self, ts: TaskState, worker: WorkerInfo) -> None:
         ts.state = "processing"
+        ts.queued_on = ()  # the claim took it out of every ready set
         ts.processing_on = worker.address
         worker.processing.add(ts)  # Redis already says so: the claim script wrote it
         self._emit(ClaimAccepted(self._stimulus_id, ts.key, worker.address))
 
     def _transition_processing_memory(self, ts: TaskState, worker: WorkerInfo) -> None:
         if ts.state == "queued":  # a late result (its worker was removed): leave the ready set
-            self._emit(Dequeue(self._stimulus_id, ts.key, ts.restrict))
+            self._dequeue(ts)
         elif ts.processing_on is not None and ts.processing_on != worker.address:
             other = self.workers.get(ts.processing_on)  # racing another worker's run of it
             if other is not None:
@@ -1440,7 +1487,7 @@ class SchedulerState:
         self._release_dependencies(ts)
 
     def _transition_queued_released(self, ts: TaskState) -> None:
-        self._emit(Dequeue(self._stimulus_id, ts.key, ts.restrict))
+        self._dequeue(ts)
         self._transition_waiting_released(ts)
 
     def _transition_processing_released(self, ts: TaskState) -> None:
@@ -1586,6 +1633,9 @@ class SchedulerState:
                 assert ts.waiting_on, ts
             if ts.state in ("queued", "no-worker"):
                 assert all(d.state == "memory" for d in ts.dependencies), ts
+            # a queued restricted task sits in the ready sets of live workers only
+            assert bool(ts.queued_on) == (ts.state == "queued" and bool(ts.restrict)), ts
+            assert all(w in self.workers for w in ts.queued_on), (ts, ts.queued_on)
             if ts.state in HOLDS_DEPENDENCIES:
                 for dep in ts.dependencies:
                     assert ts in dep.waiters, (ts, dep)

@@ -273,6 +273,19 @@ def test_tasks_allowed_on_several_workers_leave_no_stale_queue_entries(
     assert client.gather(client.map(inc, range(100, 110))) == list(range(101, 111))
 
 
+def test_a_restriction_may_name_a_worker_or_a_host(client: Client) -> None:
+    """As in Dask: ``workers=`` takes addresses, worker names and hosts."""
+    info = client.scheduler_info()["workers"]
+    for address, worker in info.items():
+        assert (
+            client.submit(where, workers=worker["name"], pure=False).result(timeout=10) == address
+        )
+    hosts = {"127.0.0.1", next(iter(info.values()))["host"]}  # of the address; the hostname
+    for host in hosts:
+        ran = client.gather([client.submit(where, workers=host, pure=False) for _ in range(4)])
+        assert set(ran) <= set(info)
+
+
 def test_cancel_then_submit_the_same_key_again(client: Client) -> None:
     for i in range(5):
         f = client.submit(inc, 1000 + i)

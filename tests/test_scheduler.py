@@ -87,6 +87,48 @@ def test_a_batch_and_its_acknowledgement_land_together(redis_url: str, cluster_n
     assert r.xlen(keys.client_stream) == 0
 
 
+def test_a_task_restricted_by_host_is_claimed_once_and_leaves_every_ready_set(
+    redis_url: str, cluster_name: str
+) -> None:
+    """The restriction names a host; the scheduler queues the task on both workers there
+    and writes their addresses in ``queued_on``, which CLAIM reads to clear the other's
+    ready set; a reload keeps them."""
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ensure_cluster(r, keys)
+    a, b = "tcp://10.9.9.9:1", "tcp://10.9.9.9:2"
+    for address, name in ((a, "wa"), (b, "wb")):
+        r.hset(keys.workers, address, pack({"name": name, "host": "box"}))
+    scheduler = Scheduler(redis_url, cluster_name, validate=True)
+    scheduler.acquire_lease()
+    scheduler.state = scheduler._load()
+    task = {"key": "x", "spec": b"s", "deps": [], "workers": ["10.9.9.9"]}
+    r.xadd(
+        keys.client_stream,
+        entry([{"op": "update-graph", "client": "c", "wanted": ["x"], "tasks": [task]}]),
+    )
+    entries = r.xreadgroup(SCHEDULER_GROUP, "scheduler", {keys.client_stream: ">"})
+    scheduler.process([(keys.client_stream, eid, f) for _s, items in entries for eid, f in items])
+    assert r.zscore(keys.worker_ready(a), "x") is not None
+    assert r.zscore(keys.worker_ready(b), "x") is not None
+    assert r.hmget(keys.task("x"), "workers", "queued_on") == [b"10.9.9.9", f"{a} {b}".encode()]
+    assert scheduler._load().tasks["x"].queued_on == (a, b)
+    claim_keys = [
+        keys.ready,
+        keys.workers,
+        keys.worker_processing(b),
+        keys.worker_stream,
+        keys.ready_signal,
+        keys.worker_ready(b),
+        keys.worker_inbox(b),
+    ]
+    claimed, _last, _inbox = scheduler.scripts.claim(
+        keys=claim_keys, args=[b, 5, keys.task_prefix, keys.prefix, "0-0"]
+    )
+    assert [task[0] for task in claimed] == [b"x"]
+    assert r.zcard(keys.worker_ready(a)) == r.zcard(keys.worker_ready(b)) == 0
+
+
 def test_a_fenced_scheduler_cannot_write(redis_url: str, cluster_name: str) -> None:
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cluster_name)

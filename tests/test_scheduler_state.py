@@ -28,6 +28,7 @@ from redisdask.scheduler_state import (
     Enqueue,
     Event,
     Forget,
+    ForgetWorker,
     Instruction,
     LogEvent,
     MissingData,
@@ -982,29 +983,55 @@ def test_accepted_messages_never_crash_the_machine():
 
 
 class Model:
-    """What Redis would hold: the ready set and each worker's processing set."""
+    """What Redis would hold: the ready sets (shared and per worker), each restricted
+    task's ``queued_on`` field and each worker's processing set."""
 
     def __init__(self) -> None:
         self.ready: dict[str, float] = {}
+        self.worker_ready: dict[str, dict[str, float]] = {}
+        self.queued_on: dict[str, tuple[str, ...]] = {}
         self.processing: dict[str, set[str]] = {}
 
     def apply(self, instructions: list[Instruction]) -> None:
         for ins in instructions:
             if isinstance(ins, Enqueue):
-                self.ready[ins.key] = ins.score
+                if ins.queued_on:
+                    self.queued_on[ins.key] = ins.queued_on
+                for w in ins.workers:
+                    self.worker_ready.setdefault(w, {})[ins.key] = ins.score
+                if not ins.workers:
+                    self.ready[ins.key] = ins.score
             elif isinstance(ins, Dequeue):
                 self.ready.pop(ins.key, None)
+                for w in ins.workers:
+                    self.worker_ready.get(w, {}).pop(ins.key, None)
             elif isinstance(ins, Unclaim):
                 self.processing.get(ins.worker, set()).discard(ins.key)
+            elif isinstance(ins, ForgetWorker):
+                self.worker_ready.pop(ins.worker, None)
 
     def claim(self, s: SchedulerState, worker: str, n: int) -> list[str]:
+        """As the CLAIM script: its own ready set first, stale entries dropped, a claimed
+        key taken out of the other ready sets its ``queued_on`` names."""
         if worker not in s.workers:  # the claim script refuses unregistered workers
             return []
-        keys = sorted(self.ready, key=self.ready.__getitem__)[:n]
-        for k in keys:
-            del self.ready[k]
+        keys: list[str] = []
+        for zset in (self.worker_ready.get(worker, {}), self.ready):
+            while zset and len(keys) < n:
+                key = min(zset, key=zset.__getitem__)
+                del zset[key]
+                ts = s.tasks.get(key)
+                if ts is None or ts.state != "queued" or key in keys:
+                    continue  # stale
+                keys.append(key)
+                for other in self.queued_on.get(key, ()):
+                    if other != worker:
+                        self.worker_ready.get(other, {}).pop(key, None)
         self.processing.setdefault(worker, set()).update(keys)
         return keys
+
+    def has_work(self) -> bool:
+        return bool(self.ready) or any(self.worker_ready.values())
 
 
 def _random_events(rng: random.Random, s: SchedulerState, model: Model, step: int):
@@ -1019,10 +1046,14 @@ def _random_events(rng: random.Random, s: SchedulerState, model: Model, step: in
         new = rng.sample(keys, n)
         tasks = []
         for i, k in enumerate(new):
-            pool = [x for x in keys if x < k] if rng.random() < 0.9 else keys[:2]
+            pool = [x for x in keys if x < k]  # (acyclic: cycles are refused)
             deps = rng.sample(pool, min(len(pool), rng.randint(0, 2)))
             deps = [d for d in deps if d != k]
-            tasks.append(task(k, deps, priority=rng.choice([0, 0, 1]), retries=rng.randint(0, 1)))
+            extra: dict[str, Any] = {}
+            if rng.random() < 0.2:  # a restriction by address, name or host
+                extra["workers"] = rng.sample(RESTRICTIONS, rng.randint(1, 2))
+            priority, retries = rng.choice([0, 0, 1]), rng.randint(0, 1)
+            tasks.append(task(k, deps, priority=priority, retries=retries, **extra))
             del i
         wanted = rng.sample(new, rng.randint(1, n))
         return UpdateGraph(sid, client=rng.choice(clients), tasks=tasks, wanted=wanted)
@@ -1035,7 +1066,7 @@ def _random_events(rng: random.Random, s: SchedulerState, model: Model, step: in
     if r < 0.31:
         return CloseClient(sid, client=rng.choice(clients))
     if r < 0.34:
-        return AddWorker(sid, worker=rng.choice(workers))
+        return add_named(sid, rng.choice(workers))
     if r < 0.37:
         return RemoveWorker(sid, worker=rng.choice(workers), reason="random")
     if r < 0.39:
@@ -1067,7 +1098,16 @@ def _random_events(rng: random.Random, s: SchedulerState, model: Model, step: in
         ts = s.tasks[k]
         w = rng.choice(sorted(ts.who_has) or [ts.processing_on or rng.choice(workers)])
         return ReleasedKeys(sid, worker=w, keys=[k])
-    return AddWorker(sid, worker=rng.choice(workers))
+    return add_named(sid, rng.choice(workers))
+
+
+# restrictions the random graphs use: W1 by address, W2 by name, W3 by host
+RESTRICTIONS = [W1, "name-2", "10.0.0.3"]
+
+
+def add_named(sid: str, worker: str) -> AddWorker:
+    """A worker joins with a name: ``name-2`` for ``tcp://10.0.0.2:8000``."""
+    return AddWorker(sid, worker=worker, info={"name": f"name-{worker.split('.')[-1][0]}"})
 
 
 @pytest.mark.timeout(60)
@@ -1080,9 +1120,13 @@ def test_randomized(seed):
         ev = _random_events(rng, s, model, step)
         try:
             model.apply(s.handle_stimulus(ev))
-            # Redis' ready set and processing sets agree with the machine
+            # Redis' ready sets and processing sets agree with the machine
             queued = {k for k, ts in s.tasks.items() if ts.state == "queued"}
-            assert set(model.ready) == queued, set(model.ready) ^ queued
+            claimable = set(model.ready) | {
+                k for w in s.workers for k in model.worker_ready.get(w, {})
+            }
+            assert set(model.ready) <= queued, set(model.ready) - queued
+            assert queued <= claimable, queued - claimable
             for w, ws in s.workers.items():
                 assert model.processing.get(w, set()) >= {t.key for t in ws.processing}
         except Exception as exc:
@@ -1091,16 +1135,16 @@ def test_randomized(seed):
     for step in range(400, 2000):
         for w in (W1, W2, W3):
             if w not in s.workers:
-                model.apply(s.handle_stimulus(AddWorker(f"a{step}", worker=w)))
-        ev = TaskClaimed(f"d{step}", worker=W1, keys=model.claim(s, W1, 4))
-        model.apply(s.handle_stimulus(ev))
+                model.apply(s.handle_stimulus(add_named(f"a{step}", w)))
+            ev = TaskClaimed(f"d{step}", worker=w, keys=model.claim(s, w, 4))
+            model.apply(s.handle_stimulus(ev))
         evs = [
             TaskFinished(f"d{step}", worker=ts.processing_on, key=ts.key, nbytes=1)
             for ts in s.tasks.values()
             if ts.state == "processing" and ts.processing_on is not None
         ]
         model.apply(s.handle_stimulus(*evs))
-        if not model.ready and not any(ts.state == "processing" for ts in s.tasks.values()):
+        if not model.has_work() and not any(ts.state == "processing" for ts in s.tasks.values()):
             break
     pending = {k: ts.state for k, ts in s.tasks.items() if ts.state in ("waiting", "queued")}
     assert not pending, f"seed={seed}: stuck tasks {pending}"
@@ -1153,6 +1197,82 @@ def test_restricted_tasks_go_only_to_live_allowed_workers():
     out = submit(s, "c", [task("x", workers=[W1, W2])], ["x"])
     [enqueue] = of(out, Enqueue)
     assert enqueue.workers == (W1,)  # W2 is not registered: no zset that leaks
+
+
+def named(*workers: tuple[str, str, str]) -> SchedulerState:
+    """Workers given as (address, name, hostname)."""
+    s = SchedulerState(validate=True)
+    for address, name, host in workers:
+        s.handle_stimulus(
+            AddWorker(f"add-{name}", worker=address, info={"name": name, "host": host})
+        )
+    return s
+
+
+W1_AGAIN = "tcp://10.0.0.1:9000"  # another worker on W1's host
+
+
+def test_a_restriction_names_workers_by_address_name_or_host():
+    s = named((W1, "alice", "box-1"), (W1_AGAIN, "carol", "box-1"), (W2, "bob", "box-2"))
+    cases = {
+        "by-address": ([W2], (W2,)),
+        "by-name": (["bob"], (W2,)),
+        "by-address-host": (["10.0.0.1"], (W1, W1_AGAIN)),
+        "by-hostname": (["box-1"], (W1, W1_AGAIN)),
+        "mixed": (["alice", "box-2"], (W1, W2)),
+    }
+    for key, (restriction, expected) in cases.items():
+        out = submit(s, "c", [task(key, workers=restriction)], [key])
+        [enqueue] = of(out, Enqueue)
+        assert (enqueue.workers, enqueue.queued_on) == (expected, expected), key
+        assert s.tasks[key].state == "queued"
+    # taken out of the ready sets by address, whatever the restriction said
+    out = s.handle_stimulus(CancelKeys("cx", client="c", keys=["by-name", "by-hostname"]))
+    assert sorted((d.key, d.workers) for d in of(out, Dequeue)) == [
+        ("by-hostname", (W1, W1_AGAIN)),
+        ("by-name", (W2,)),
+    ]
+
+
+def test_a_restricted_task_waits_for_a_matching_worker_and_is_queued_on_each_that_joins():
+    s = named((W2, "bob", "box-2"))
+    submit(s, "c", [task("x", workers=["alice", "box-1"])], ["x"])
+    assert s.tasks["x"].state == "no-worker"
+    out = s.handle_stimulus(AddWorker("a", worker=W1, info={"name": "alice", "host": "box-1"}))
+    assert s.tasks["x"].state == "queued" and [e.workers for e in of(out, Enqueue)] == [(W1,)]
+    # another worker on box-1 joins: x goes into its ready set too, and the task hash
+    # names both sets for the claim script
+    info = {"name": "carol", "host": "box-1"}
+    out = s.handle_stimulus(AddWorker("a2", worker=W1_AGAIN, info=info))
+    [enqueue] = of(out, Enqueue)
+    assert (enqueue.workers, enqueue.queued_on) == ((W1_AGAIN,), (W1, W1_AGAIN))
+    assert not of(out, SetState)  # still queued: no new state, no story line
+    # a worker that does not match changes nothing
+    assert not of(s.handle_stimulus(AddWorker("a3", worker=W3, info={"name": "dan"})), Enqueue)
+    out = s.handle_stimulus(RemoveWorker("rm", worker=W1, how="connection", reason="x"))
+    assert s.tasks["x"].state == "queued" and s.tasks["x"].queued_on == (W1_AGAIN,)
+    assert [(d.key, d.workers) for d in of(out, Dequeue)] == [("x", (W1,))]
+    out = s.handle_stimulus(RemoveWorker("rm2", worker=W1_AGAIN, reason="bye"))
+    assert s.tasks["x"].state == "no-worker"
+    assert [(d.key, d.workers) for d in of(out, Dequeue)] == [("x", (W1_AGAIN,)), ("x", ())]
+    # a new process at a dead worker's address inherits its ready set, not its tasks
+    s.handle_stimulus(AddWorker("a5", worker=W2, info={"name": "alice", "started": 1.0}))
+    assert s.tasks["x"].queued_on == (W2,)
+    out = s.handle_stimulus(AddWorker("a6", worker=W2, info={"name": "eve", "started": 2.0}))
+    assert s.tasks["x"].state == "no-worker" and ("x", (W2,)) in [
+        (d.key, d.workers) for d in of(out, Dequeue)
+    ]
+    assert not of(out, Enqueue)
+    s.handle_stimulus(AddWorker("a4", worker=W1, info={"name": "alice"}))
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["x"]))
+    assert s.tasks["x"].state == "processing" and s.tasks["x"].queued_on == ()
+
+
+def test_a_restriction_must_be_a_list_of_str():
+    with pytest.raises(ProtocolError, match="'workers' should be a list of str"):
+        Event.from_dict(
+            {"op": "update-graph", "client": "c", "tasks": [{"key": "x", "workers": 5}]}
+        )
 
 
 def test_no_worker_task_keeps_its_dependencies():
