@@ -890,6 +890,7 @@ def load_state(
         ts.deaths = schema.unpack(rec[b"deaths"]) if rec.get(b"deaths") else []
         ts.killed = rec.get(b"killed") or None
         ts.exception_blame = rec.get(b"exception_blame", b"").decode() or None
+        ts.rejected = bool(rec.get(b"rejected"))
         if ts.state == "no-worker":
             state.unrunnable.add(ts)
         ts.who_has = {w for w in rec.get(b"who_has", b"").decode().split() if w in state.workers}

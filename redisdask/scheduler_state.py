@@ -166,6 +166,89 @@ def _stale(score: float, ts: TaskState) -> bool:
     return score == score and score != ts.score  # NaN (no score given) is never stale
 
 
+def _cycles(roots: list[TaskState], within: set[TaskState]) -> list[list[TaskState]]:
+    """The strongly connected components of the dependency graph restricted to
+    ``within`` that hold a cycle (several tasks, or one depending on itself), reached from
+    ``roots``: Tarjan's algorithm without recursion."""
+    index: dict[TaskState, int] = {}
+    low: dict[TaskState, int] = {}
+    stack: list[TaskState] = []
+    on_stack: set[TaskState] = set()
+    found: list[list[TaskState]] = []
+    for root in roots:
+        if root in index:
+            continue
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        work = [(root, iter(root.dependencies))]
+        while work:
+            ts, deps = work[-1]
+            for dep in deps:
+                if dep not in within:
+                    continue
+                if dep not in index:
+                    index[dep] = low[dep] = len(index)
+                    stack.append(dep)
+                    on_stack.add(dep)
+                    work.append((dep, iter(dep.dependencies)))
+                    break
+                if dep in on_stack:
+                    low[ts] = min(low[ts], index[dep])
+            else:
+                work.pop()
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[ts])
+                if low[ts] == index[ts]:
+                    members = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        members.append(member)
+                        if member is ts:
+                            break
+                    if len(members) > 1 or ts in ts.dependencies:
+                        found.append(members)
+    return found
+
+
+def _cycle_text(members: list[TaskState]) -> str:
+    """The error of the tasks on a cycle: one cycle through them, shortest first found."""
+    inside = set(members)
+    start = min(members, key=lambda t: t.key)
+    parent: dict[TaskState, TaskState] = {}
+    queue = deque([start])
+    path: list[TaskState] = []
+    while queue and not path:
+        ts = queue.popleft()
+        for dep in sorted(ts.dependencies & inside, key=lambda t: t.key):
+            if dep is start:  # back round: start -> ... -> ts -> start
+                path = [ts]
+                while path[-1] is not start:
+                    path.append(parent[path[-1]])
+                path.reverse()
+                break
+            if dep not in parent:
+                parent[dep] = ts
+                queue.append(dep)
+    others = len(members) - len(path)
+    also = f", and {others} more tasks are on cycles with it" if others else ""
+    if len(path) == 1:
+        return (
+            f"SchedulerRejectedError: task {start.key!r} depends on itself, so it can never "
+            f"run{also}; fix its dependencies and submit it again"
+        )
+    names = [repr(t.key) for t in path] + [repr(start.key)]
+    if len(names) > 12:
+        names = [*names[:10], f"... ({len(names) - 11} more)", names[-1]]
+    return (
+        "SchedulerRejectedError: the graph has a cycle, so none of its tasks can run: "
+        f"{' -> '.join(names)} (each depends on the next){also}; fix the dependencies and "
+        "submit the graph again"
+    )
+
+
 def _pack(obj: Any) -> bytes:
     import msgpack
 
@@ -557,6 +640,7 @@ class TaskState:
     traceback_text: str = ""
     erred_on: str | None = None
     exception_blame: str | None = None  # the task whose error this one inherited
+    rejected: bool = False  # erred because the scheduler refused to run it (a cycle)
 
     def __post_init__(self) -> None:
         self.prefix = key_prefix(self.key)
@@ -652,6 +736,7 @@ class SchedulerState:
     def _handle_update_graph(self, ev: UpdateGraph) -> None:
         self.clients.setdefault(ev.client, set())
         new: list[TaskState] = []
+        stores: dict[str, StoreTask] = {}  # new tasks' records, written once deps are known
         deps_of: dict[str, list[str]] = {}
         for spec in ev.tasks:
             deps_of[spec["key"]] = list(spec.get("deps", ()))
@@ -667,20 +752,19 @@ class SchedulerState:
                 )
                 self.tasks[key] = ts
                 new.append(ts)
-                self._emit(
-                    StoreTask(
-                        ev.stimulus_id,
-                        key,
-                        spec.get("spec"),
-                        list(spec.get("deps", ())),
-                        ts.score,
-                        "released",
-                        ts.retries,
-                        ts.restrict,
-                    )
+                stores[key] = StoreTask(
+                    ev.stimulus_id,
+                    key,
+                    spec.get("spec"),
+                    list(spec.get("deps", ())),
+                    ts.score,
+                    "released",
+                    ts.retries,
+                    ts.restrict,
                 )
             elif ts.state == "released" and not ts.who_has and spec.get("spec") is not None:
                 new.append(ts)  # resubmitted after release: recompute
+        grown: list[TaskState] = []  # tasks given dependencies they did not have
         for ts in new:
             for dep_key in deps_of[ts.key]:
                 dep = self.tasks.get(dep_key)
@@ -688,8 +772,19 @@ class SchedulerState:
                     # a dependency nobody submitted: treat as lost data
                     dep = self.tasks[dep_key] = TaskState(dep_key, has_spec=False)
                     self._emit(StoreTask(ev.stimulus_id, dep_key, None, [], 0.0, "released"))
-                ts.dependencies.add(dep)
-                dep.dependents.add(ts)
+                if dep not in ts.dependencies:
+                    if not grown or grown[-1] is not ts:
+                        grown.append(ts)
+                    ts.dependencies.add(dep)
+                    dep.dependents.add(ts)
+        refused = self._cut_cycles(grown, {self.tasks[key] for key in stores})
+        for ts in refused:
+            if ts.key in stores:
+                stores[ts.key].deps = []  # what it kept: nothing
+        for store in stores.values():
+            self._emit(store)
+        for ts, text in refused.items():
+            self._refuse(ts, text)
         self._add_wants(ev.client, ev.wanted)
         # a task runs if someone wants it or a wanted task needs it
         for key in ev.wanted:
@@ -698,6 +793,43 @@ class SchedulerState:
                 self._make_needed(ts)
         for ts in new:  # submitted, but neither wanted nor needed by a wanted task
             self._maybe_forget(ts)
+
+    def _cut_cycles(self, grown: list[TaskState], fresh: set[TaskState]) -> dict[TaskState, str]:
+        """Find the cycles that the dependencies added by a submission closed (a graph
+        that reached the scheduler unchecked: the client refuses cycles) and cut them out:
+        each task of the submission on a cycle loses its dependencies.  Returns those
+        tasks, each with the text of its error, which names its cycle.
+
+        Every new cycle passes through an added dependency, so the search covers only the
+        submission's new tasks (``fresh``) and the older tasks that lead to an older one
+        that gained dependencies (usually none).  Iterative: a 100,000-task chain is fine."""
+        if not grown:
+            return {}
+        within = set(fresh)
+        todo = [ts for ts in grown if ts not in fresh]
+        while todo:  # an older task on a cycle leads (through dependents) to a grown one
+            ts = todo.pop()
+            if ts not in within:
+                within.add(ts)
+                todo.extend(ts.dependents)
+        refused: dict[TaskState, str] = {}
+        cut = set(grown)
+        for members in _cycles(grown, within):
+            text = _cycle_text(members)
+            for ts in sorted(cut.intersection(members), key=lambda t: t.key):
+                for dep in ts.dependencies:
+                    dep.dependents.discard(ts)
+                ts.dependencies.clear()
+                refused[ts] = text
+        return refused
+
+    def _refuse(self, ts: TaskState, text: str) -> None:
+        """Err a task the scheduler will not run; the client raises SchedulerRejectedError."""
+        ts.exception = ts.traceback = None
+        ts.exception_text, ts.traceback_text = text, ""
+        ts.exception_blame = ts.erred_on = None
+        ts.rejected = True
+        self._transition_waiting_erred(ts)
 
     def _handle_rejected_graph(self, ev: RejectedGraph) -> None:
         wanted = self.clients.setdefault(ev.client, set())  # forgotten with the client
@@ -1479,6 +1611,7 @@ class SchedulerState:
         ts.exception_blame = source.exception_blame or source.key
         ts.erred_on = source.erred_on
         ts.killed = source.killed
+        ts.rejected = source.rejected
 
     def _transition_waiting_released(self, ts: TaskState) -> None:
         ts.state = "released"
@@ -1516,7 +1649,7 @@ class SchedulerState:
         ts.exception = ts.traceback = None
         ts.exception_text = ts.traceback_text = ""
         ts.exception_blame = ts.erred_on = ts.killed = None
-        ts.suspicious, ts.deaths = 0, []
+        ts.suspicious, ts.deaths, ts.rejected = 0, [], False
         self._emit(
             SetState(
                 self._stimulus_id,
@@ -1528,6 +1661,7 @@ class SchedulerState:
                     "exception_text": "",
                     "traceback_text": "",
                     "killed": b"",
+                    "rejected": b"",
                     "suspicious": 0,
                     "deaths": b"",
                 },
@@ -1602,10 +1736,15 @@ class SchedulerState:
             fields["killed"] = ts.killed
             fields["suspicious"] = ts.suspicious
             fields["deaths"] = _pack(ts.deaths)
+        if ts.rejected:
+            fields["rejected"] = 1
         return fields
 
     def _erred_msg(self, ts: TaskState) -> dict[str, Any]:
-        return {"op": "task-erred", "key": ts.key, **self._erred_fields(ts)}
+        msg = {"op": "task-erred", "key": ts.key, **self._erred_fields(ts)}
+        if ts.rejected:
+            msg["rejected"] = True
+        return msg
 
     # ------------------------------------------------------------------ validation
 
