@@ -381,6 +381,19 @@ class TaskClaimed(Event):
 
 
 @dataclass(slots=True)
+class Holding(Event):
+    """A worker's periodic word on the claimed tasks it has not finished: ``keys``, of
+    the tasks it claimed before its previous holding report (the workers stream orders
+    the reports, claims and results exactly; see the worker's ``_report_holding``).  A
+    task processing there that two reports in a row do not list is queued again: its
+    claim's reply never reached the worker (Redis died in between)."""
+
+    op: ClassVar[str] = "holding"
+    worker: str = ""
+    keys: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class TaskFinished(Event):
     op: ClassVar[str] = "task-finished"
     worker: str = ""
@@ -477,7 +490,7 @@ EVENTS: dict[str, type[Event]] = {
     for cls in (
         UpdateGraph, ClientDesiresKeys, ClientReleasesKeys, CancelKeys, CloseClient,
         UpdateData, AddWorker, RemoveWorker, TaskClaimed, TaskFinished, TaskErred,
-        MissingData, AddKeys, ReleasedKeys, Replicate, Restart, RetireWorkers,
+        MissingData, AddKeys, ReleasedKeys, Replicate, Restart, RetireWorkers, Holding,
     )
 }  # fmt: skip
 
@@ -623,6 +636,8 @@ class TaskState:
     who_wants: set[str] = field(default_factory=set)
     who_has: set[str] = field(default_factory=set)
     processing_on: str | None = None
+    claimed_before: int = 0  # processing: its worker's holding reports read before the claim
+    unlisted: int = 0  # processing: holding reports in a row since then that lacked it
     nbytes: int = 0
     type: str = ""
     retries: int = 0
@@ -663,6 +678,7 @@ class WorkerInfo:
     to_move: set[TaskState] = field(default_factory=set)  # results to copy elsewhere
     told_to_close: bool = False  # retired: its data is safe elsewhere
     announced: bool = False  # its worker-joined event was logged
+    holding_reports: int = 0  # its holding reports read (since this scheduler loaded)
 
 
 class InvalidTransition(RuntimeError):
@@ -1067,10 +1083,7 @@ class SchedulerState:
                 ts.nbytes = held[ts.key]
                 self._transition(ts, "memory", worker=ws)
             elif ts.key not in running:  # it does not know the task: queue it again
-                ts.processing_on = None
-                ws.processing.discard(ts)
-                self._emit(Unclaim(self._stimulus_id, ws.address, ts.key))
-                self._transition(ts, "queued")
+                self._queue_again(ws, ts)
         stray = []
         for key in held:
             ts = self.tasks.get(key)
@@ -1090,6 +1103,30 @@ class SchedulerState:
                     self._stimulus_id, ws.address, {"op": "free-keys", "keys": sorted(set(stray))}
                 )
             )
+
+    def _handle_holding(self, ev: Holding) -> None:
+        ws = self.workers.get(ev.worker)
+        if ws is None:
+            return
+        listed = set(ev.keys)
+        read_before = ws.holding_reports
+        ws.holding_reports += 1
+        for ts in sorted(ws.processing, key=lambda t: t.score):
+            if ts.key in listed:
+                ts.unlisted = 0
+            elif ts.claimed_before < read_before:  # claimed before the worker's previous
+                ts.unlisted += 1  # report, so this one would list it if it had it
+                if ts.unlisted >= 2:
+                    fields = {"key": ts.key, "worker": ws.address}
+                    self._emit(LogEvent(ev.stimulus_id, "lost-claim", fields))
+                    self._queue_again(ws, ts)
+
+    def _queue_again(self, ws: WorkerInfo, ts: TaskState) -> None:
+        """A task processing on a worker that does not know it: queue it again."""
+        ts.processing_on = None
+        ws.processing.discard(ts)
+        self._emit(Unclaim(self._stimulus_id, ws.address, ts.key))
+        self._transition(ts, "queued")
 
     def _handle_remove_worker(self, ev: RemoveWorker) -> None:
         ws = self.workers.pop(ev.worker, None)
@@ -1208,7 +1245,11 @@ class SchedulerState:
                 self._emit(Unclaim(ev.stimulus_id, ev.worker, key))
                 continue
             if ts is not None and ts.state == "processing" and ts.processing_on == ev.worker:
-                continue  # state reloaded from Redis after the claim: already known
+                # state reloaded from Redis after the claim: already known (and from
+                # here on in the stream, its worker's holding reports account for it)
+                if ws is not None:
+                    ts.claimed_before = ws.holding_reports
+                continue
             if ts is None or ts.state != "queued" or ws is None:
                 # released while the claim was in flight: tell the worker to drop it
                 self._emit(Unclaim(ev.stimulus_id, ev.worker, key))
@@ -1531,6 +1572,7 @@ class SchedulerState:
     def _transition_queued_processing(self, ts: TaskState, worker: WorkerInfo) -> None:
         ts.state = "processing"
         ts.queued_on = ()  # the claim took it out of every ready set
+        ts.claimed_before, ts.unlisted = worker.holding_reports, 0
         ts.processing_on = worker.address
         worker.processing.add(ts)  # Redis already says so: the claim script wrote it
         self._emit(ClaimAccepted(self._stimulus_id, ts.key, worker.address))

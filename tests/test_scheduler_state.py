@@ -29,6 +29,7 @@ from redisdask.scheduler_state import (
     Event,
     Forget,
     ForgetWorker,
+    Holding,
     Instruction,
     LogEvent,
     MissingData,
@@ -526,6 +527,82 @@ def test_chains_submitted_one_task_at_a_time_search_no_older_task():
     assert s.tasks["t2999"].state == "waiting"
 
 
+def holding(s: SchedulerState, *keys: str, worker: str = W1) -> list[Instruction]:
+    return s.handle_stimulus(Holding("hold", worker=worker, keys=list(keys)))
+
+
+def test_a_claim_its_worker_never_got_is_queued_again_after_two_reports_without_it():
+    """Redis ran a claim script but died before the reply reached the worker: the task
+    is processing there, and the worker knows nothing of it."""
+    s = make(W1, W2)
+    submit(s, "c", [task("x"), task("y")], ["x", "y"])
+    holding(s)  # the worker's report before its claims
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["x", "y"]))
+    # the next report may not list them yet: a claim made just before it was read
+    assert not of(holding(s, "y"), Enqueue)
+    out = holding(s, "y")  # listed y; x missing once
+    assert s.tasks["x"].state == "processing" and not of(out, Enqueue)
+    out = holding(s, "y")  # x missing twice in a row: the worker never got it
+    assert s.tasks["x"].state == "queued" and [e.key for e in of(out, Enqueue)] == ["x"]
+    assert [u.key for u in of(out, Unclaim)] == ["x"] and s.workers[W1].processing == {s.tasks["y"]}
+    [lost] = of(out, LogEvent)
+    assert lost.kind == "lost-claim" and lost.fields == {"key": "x", "worker": W1}
+    assert [(i.key, i.state) for i in of(out, SetState)] == [("x", "queued")]  # its story
+    s.handle_stimulus(TaskClaimed("claim2", worker=W2, keys=["x"]))
+    s.handle_stimulus(TaskFinished("fin", worker=W2, key="x", nbytes=1))
+    assert s.tasks["x"].state == "memory"
+
+
+def test_a_task_listed_again_is_never_queued_again():
+    s = make(W1)
+    submit(s, "c", [task("x")], ["x"])
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["x"]))
+    for listed in ([], [], ["x"], [], ["x"], [], ["x"]):  # never two misses in a row
+        assert not of(holding(s, *listed), Enqueue)
+    assert s.tasks["x"].state == "processing"
+    assert not of(holding(s, worker=W3), Instruction)  # an unknown worker's: ignored
+
+
+def test_holding_reports_count_from_the_load_for_tasks_loaded_as_processing():
+    """After a reload nothing says which report came before a claim: the first report
+    read counts for nothing, and a claim already known moves its mark."""
+    s = make(W1)
+    submit(s, "c", [task("x"), task("y")], ["x", "y"])
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["x", "y"]))
+    for ts in s.tasks.values():  # as load_state leaves them
+        ts.claimed_before = 0
+    s.workers[W1].holding_reports = 0
+    holding(s)
+    s.handle_stimulus(TaskClaimed("again", worker=W1, keys=["y"]))  # pending, re-read
+    holding(s, "y")
+    out = holding(s, "y")
+    assert [e.key for e in of(out, Enqueue)] == ["x"]
+    assert s.tasks["y"].state == "processing"
+
+
+def test_a_resync_after_redis_lost_writes_trusts_the_worker_about_itself():
+    """A worker back after Redis restarted reports what it holds and runs; where Redis
+    (and so the reloaded scheduler) says otherwise, the worker's word wins."""
+    s = make(W1, W2)
+    tasks = [task(k) for k in ("done", "lost", "runs", "theirs", "gone")]
+    submit(s, "c", tasks, ["done", "lost", "runs", "theirs"])
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["done", "lost", "runs"]))
+    s.handle_stimulus(TaskClaimed("claim2", worker=W2, keys=["theirs"]))
+    report = {"keys": {"done": 8, "gone": 3}, "processing": ["runs", "theirs"]}
+    out = s.handle_stimulus(AddWorker("back", worker=W1, resync=report))
+    # finished, its report lost: in memory there; never got: queued again; runs: kept
+    assert states(s) == {
+        "done": "memory",
+        "lost": "queued",
+        "runs": "processing",
+        "theirs": "processing",
+    }
+    assert s.tasks["done"].who_has == {W1} and s.tasks["theirs"].processing_on == W2
+    # what it runs or holds that is not its own (claimed in a Redis that forgot it, or
+    # forgotten meanwhile) it must drop
+    assert freed(out, W1) == {"gone", "theirs"} and not freed(out, W2)
+
+
 # --------------------------------------------------------------------------- clients
 
 
@@ -969,6 +1046,7 @@ def test_from_dict_round_trips_every_event():
         Replicate("s", client="c", keys=["x"], n=3),
         Restart("s", client="c"),
         RetireWorkers("s", client="c", workers=[W1]),
+        Holding("s", worker=W1, keys=["x"]),
     ]
     assert {type(e).op for e in samples} == set(EVENTS)
     for ev in samples:
@@ -1109,6 +1187,10 @@ def _random_events(rng: random.Random, s: SchedulerState, model: Model, step: in
     sid = f"r{step}"
     r = rng.random()
     known = list(s.tasks)
+    if rng.random() < 0.05:  # a worker's holding report, listing some of its claims
+        w = rng.choice(workers)
+        mine = sorted(t.key for t in s.workers[w].processing) if w in s.workers else []
+        return Holding(sid, worker=w, keys=rng.sample(mine, rng.randint(0, len(mine))))
     if r < 0.15:
         n = rng.randint(1, 4)
         new = rng.sample(keys, n)

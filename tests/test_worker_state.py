@@ -229,6 +229,22 @@ def test_free_keys_of_executing_task_cancels_it() -> None:
     assert "x" not in ws.data and "x" not in ws.tasks
 
 
+def test_strays_freed_after_a_resync_are_all_dropped() -> None:
+    """The scheduler's answer to a resync that reported tasks not this worker's: one
+    running, one waiting for the thread, one held. None is reported to it afterwards."""
+    ws = make()
+    ws.handle_stimulus(compute("held"), success("held"), compute("runs"), compute("queued"))
+    assert [ws.tasks[k].state for k in ("held", "runs", "queued")] == [
+        "memory",
+        "executing",
+        "ready",
+    ]
+    assert ws.handle_stimulus(FreeKeysEvent(["held", "runs", "queued"], "free")) == []
+    assert set(ws.tasks) == {"runs"} and ws.tasks["runs"].state == "cancelled" and not ws.data
+    assert ws.handle_stimulus(success("runs")) == [ReleasedKeysMsg(["runs"], "done-runs")]
+    assert ws.tasks == {}
+
+
 def test_cancelled_task_claimed_again_resumes() -> None:
     ws = make()
     ws.handle_stimulus(compute("x"))
