@@ -347,6 +347,29 @@ def test_busy_workers_lose_no_claims(client: Client, cluster) -> None:  # type: 
     assert "lost-claim" not in kinds
 
 
+def test_redis_killed_again_and_again_under_a_running_computation(
+    tmp_path,  # type: ignore[no-untyped-def]
+    cluster_name: str,
+) -> None:
+    """kill -9 of Redis (AOF everysec: it may come back without its last writes) three
+    times while tasks are claimed, run and reported: every task still finishes."""
+    from redisdask.embedded import EmbeddedRedis
+
+    with (
+        EmbeddedRedis(data_dir=tmp_path) as server,
+        LocalCluster(n_workers=2, redis_url=server.url, cluster_name=cluster_name) as cluster,
+        Client(cluster) as client,
+    ):
+        futures = client.map(slow_inc, range(400), delay=0.01)
+        total = client.submit(sum, futures)
+        for done in (50, 150, 250):
+            poll(lambda n=done: sum(f.done() for f in futures) >= n, timeout=60)
+            server.kill()
+            server.start()  # same port, same AOF
+        assert client.gather(futures) == list(range(1, 401))
+        assert total.result(timeout=60) == sum(range(1, 401))
+
+
 def test_a_client_waits_for_redis_then_says_so_and_keeps_its_futures(
     tmp_path,
     cluster_name: str,  # type: ignore[no-untyped-def]
