@@ -13,6 +13,7 @@ from redisdask.errors import (
     KilledWorker,
     RedisDaskError,
     TaskInterrupted,
+    SchedulerRejectedError,
 )
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "LocalCluster",
     "RedisDaskError",
     "TaskInterrupted",
+    "SchedulerRejectedError",
     "__version__",
     "as_completed",
     "progress",

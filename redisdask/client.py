@@ -1465,6 +1465,10 @@ def _load_error(msg: dict[str, Any]) -> tuple[BaseException, Any]:
     if exc is None and msg.get("killed"):
         evidence = schema.unpack(msg["killed"])
         exc = KilledWorker(evidence["task"], evidence["deaths"], msg.get("exception_text", ""))
+    if exc is None and msg.get("rejected"):
+        from redisdask.errors import SchedulerRejectedError
+
+        exc = SchedulerRejectedError(msg.get("exception_text") or "the scheduler refused it")
     if exc is None:
         exc = DataUnavailableError(msg.get("exception_text") or "task erred")
     tb = None

@@ -14,6 +14,8 @@
     ├── DataUnavailableError                           no worker holds the data any more
     ├── TaskInterrupted                                a task raised a BaseException that
     │                                                  is no Exception (SystemExit, ...)
+    ├── SchedulerRejectedError                         the scheduler refused to run a task
+    │                                                  (a malformed submission, a cycle)
     ├── VersionMismatchError                           versions that cannot share pickles
     │                                                  (redisdask.versions)
     └── KilledWorker                                   a task took too many workers down
@@ -66,6 +68,11 @@ class TaskInterrupted(RedisDaskError):
     """A task raised ``SystemExit``, ``KeyboardInterrupt`` or another ``BaseException``
     that is no ``Exception``.  Re-raised as itself it would end the client's program, so
     the task fails with this instead; the message names the original."""
+
+
+class SchedulerRejectedError(RedisDaskError):
+    """The scheduler refused to run a task: the message that submitted it was malformed
+    (it was dead-lettered), or its graph had a cycle.  The message says which and why."""
 
 
 class KilledWorker(RedisDaskError):

@@ -15,6 +15,8 @@ worker-died          worker, name, how, cause (the death's kind: memory, signal,
                      ...), reason, rss, memory_limit, restarted (the full        nanny
                      record is on ``rd:{c}:deaths``)
 killed-worker        key, workers (the task erred with KilledWorker)             scheduler
+lost-claim           key, worker (processing there, but the worker does not      scheduler
+                     have it: its claim's reply was lost; queued again)
 ==================== =========================================================== ===========
 
 The stream is trimmed to ``retention.events`` entries on every append.  Readers must
@@ -67,6 +69,11 @@ def describe(event: dict[str, Any]) -> str:
     if kind == "killed-worker":
         workers = event.get("workers") or []
         return f"KilledWorker: {event.get('key')} was running on {len(workers)} workers that died"
+    if kind == "lost-claim":
+        return (
+            f"{event.get('key')} was processing on {who}, which never got it (the claim's "
+            "reply was lost): queued again"
+        )
     if kind == "scheduler-start":
         previous = event.get("previous")
         took = f", taking over from {previous}" if previous else ""

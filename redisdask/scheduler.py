@@ -47,6 +47,7 @@ from redisdask.scheduler_state import (
     Instruction,
     LogEvent,
     RecordDeath,
+    RejectedGraph,
     RemoveWorker,
     ResetCluster,
     SchedulerState,
@@ -343,6 +344,8 @@ class Scheduler:
                 received.extend(decode_entry(entry_id, fields, stream.rsplit(":", 1)[-1]))
             except ProtocolError as exc:
                 commands.append(self._dead_letter(stream, entry_id, fields, str(exc)))
+                if stream == self.keys.client_stream:  # its client must not wait forever
+                    received.extend(rejected_graphs(entry_id, fields, str(exc), "clients"))
         events = received + events  # what the processes said, then the scheduler's verdicts
         instructions = self.state.handle_stimulus(*events)
         commands = self.to_commands(instructions) + commands
@@ -429,6 +432,8 @@ class Scheduler:
                     f["spec"] = ins.spec
                 exists[ins.key] = True
             elif isinstance(ins, Enqueue):
+                if ins.queued_on:  # for CLAIM: the other ready sets to take it out of
+                    task_fields.setdefault(ins.key, {})["queued_on"] = " ".join(ins.queued_on)
                 if ins.workers:
                     for worker in ins.workers:
                         enqueue_on[worker, ins.key] = ins.score
@@ -809,6 +814,40 @@ def decode_entry(entry_id: bytes, fields: dict[bytes, bytes], stream: str = "") 
     return [Event.from_dict(m, f"{sid}/{i}") for i, m in enumerate(msgs)]
 
 
+def rejected_graphs(
+    entry_id: bytes, fields: dict[bytes, bytes], reason: str, stream: str = ""
+) -> list[RejectedGraph]:
+    """For a refused entry of the clients stream: one ``RejectedGraph`` per update-graph
+    message in it that still names its client and some str keys (its ``wanted`` keys and
+    its tasks' keys), so that client's futures err instead of waiting forever.  What
+    cannot be read (not msgpack, no client, keys that are not str) is skipped: there is
+    nobody or nothing to tell."""
+    try:
+        msgs = schema.unpack(fields.get(b"m") or b"")
+    except Exception:
+        return []
+    if not isinstance(msgs, list):
+        return []
+    sid = f"{stream}:{entry_id.decode()}" if stream else entry_id.decode()
+    rejected = []
+    for i, msg in enumerate(msgs):
+        if not isinstance(msg, dict) or msg.get("op") != "update-graph":
+            continue
+        client, wanted, tasks = msg.get("client"), msg.get("wanted"), msg.get("tasks")
+        keys = [k for k in wanted if isinstance(k, str)] if isinstance(wanted, list) else []
+        if isinstance(tasks, list):
+            keys += [
+                t["key"] for t in tasks if isinstance(t, dict) and isinstance(t.get("key"), str)
+            ]
+        if isinstance(client, str) and client and keys:
+            rejected.append(
+                RejectedGraph(
+                    f"{sid}/{i}", client=client, keys=list(dict.fromkeys(keys)), reason=reason
+                )
+            )
+    return rejected
+
+
 # --------------------------------------------------------------------------- recovery
 
 
@@ -841,12 +880,17 @@ def load_state(
         ts.type = rec.get(b"type", b"").decode()
         ts.retries = int(rec.get(b"retries", 0) or 0)
         ts.restrict = tuple(rec.get(b"workers", b"").decode().split())
+        if ts.state == "queued" and ts.restrict:
+            # (a record from before queued_on existed: its workers were addresses)
+            queued_on = rec.get(b"queued_on", rec.get(b"workers", b"")).decode().split()
+            ts.queued_on = tuple(w for w in queued_on if w in state.workers)
         ts.erred_on = rec.get(b"erred_on", b"").decode() or None
         ts.suspicious = int(rec.get(b"suspicious", 0) or 0)
         ts.replicas = int(rec.get(b"replicas", 1) or 1)
         ts.deaths = schema.unpack(rec[b"deaths"]) if rec.get(b"deaths") else []
         ts.killed = rec.get(b"killed") or None
         ts.exception_blame = rec.get(b"exception_blame", b"").decode() or None
+        ts.rejected = bool(rec.get(b"rejected"))
         if ts.state == "no-worker":
             state.unrunnable.add(ts)
         ts.who_has = {w for w in rec.get(b"who_has", b"").decode().split() if w in state.workers}

@@ -24,7 +24,10 @@ Task states::
 * ``released``: nobody needs the result now, but a dependent may still need the task's
   graph history to recompute it, so the task (and its spec in Redis) is kept.
 * ``no-worker``: ready, but restricted (``workers=``) to workers none of which is alive;
-  queued as soon as one of them joins.
+  queued as soon as one of them joins.  A restriction entry names a worker by its
+  address, its name, or its host (the host of its address, or the hostname it reported),
+  as in Dask; a queued restricted task sits in the own ready set of every live worker it
+  matches, including one that joins while it waits.
 
 Priorities: user ``priority=`` first (higher runs first), then submission order.  They
 become the score of the Redis ready set, which a worker pops smallest-first.
@@ -68,6 +71,12 @@ def key_prefix(key: str) -> str:
             break
         parts.append(word)
     return "-".join(parts) or "other"
+
+
+def address_host(address: str) -> str:
+    """The host of a worker address: ``"127.0.0.1"`` for ``"tcp://127.0.0.1:4242"``."""
+    host = address.partition("://")[2].rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 def priority_score(user_priority: int, seq: int) -> float:
@@ -157,6 +166,89 @@ def _stale(score: float, ts: TaskState) -> bool:
     return score == score and score != ts.score  # NaN (no score given) is never stale
 
 
+def _cycles(roots: list[TaskState], within: set[TaskState]) -> list[list[TaskState]]:
+    """The strongly connected components of the dependency graph restricted to
+    ``within`` that hold a cycle (several tasks, or one depending on itself), reached from
+    ``roots``: Tarjan's algorithm without recursion."""
+    index: dict[TaskState, int] = {}
+    low: dict[TaskState, int] = {}
+    stack: list[TaskState] = []
+    on_stack: set[TaskState] = set()
+    found: list[list[TaskState]] = []
+    for root in roots:
+        if root in index:
+            continue
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        work = [(root, iter(root.dependencies))]
+        while work:
+            ts, deps = work[-1]
+            for dep in deps:
+                if dep not in within:
+                    continue
+                if dep not in index:
+                    index[dep] = low[dep] = len(index)
+                    stack.append(dep)
+                    on_stack.add(dep)
+                    work.append((dep, iter(dep.dependencies)))
+                    break
+                if dep in on_stack:
+                    low[ts] = min(low[ts], index[dep])
+            else:
+                work.pop()
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[ts])
+                if low[ts] == index[ts]:
+                    members = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        members.append(member)
+                        if member is ts:
+                            break
+                    if len(members) > 1 or ts in ts.dependencies:
+                        found.append(members)
+    return found
+
+
+def _cycle_text(members: list[TaskState]) -> str:
+    """The error of the tasks on a cycle: one cycle through them, shortest first found."""
+    inside = set(members)
+    start = min(members, key=lambda t: t.key)
+    parent: dict[TaskState, TaskState] = {}
+    queue = deque([start])
+    path: list[TaskState] = []
+    while queue and not path:
+        ts = queue.popleft()
+        for dep in sorted(ts.dependencies & inside, key=lambda t: t.key):
+            if dep is start:  # back round: start -> ... -> ts -> start
+                path = [ts]
+                while path[-1] is not start:
+                    path.append(parent[path[-1]])
+                path.reverse()
+                break
+            if dep not in parent:
+                parent[dep] = ts
+                queue.append(dep)
+    others = len(members) - len(path)
+    also = f", and {others} more tasks are on cycles with it" if others else ""
+    if len(path) == 1:
+        return (
+            f"SchedulerRejectedError: task {start.key!r} depends on itself, so it can never "
+            f"run{also}; fix its dependencies and submit it again"
+        )
+    names = [repr(t.key) for t in path] + [repr(start.key)]
+    if len(names) > 12:
+        names = [*names[:10], f"... ({len(names) - 11} more)", names[-1]]
+    return (
+        "SchedulerRejectedError: the graph has a cycle, so none of its tasks can run: "
+        f"{' -> '.join(names)} (each depends on the next){also}; fix the dependencies and "
+        "submit the graph again"
+    )
+
+
 def _pack(obj: Any) -> bytes:
     import msgpack
 
@@ -195,6 +287,21 @@ class UpdateGraph(Event):
             for name in ("priority", "retries"):
                 if not isinstance(t.get(name, 0), int):
                     raise ValueError(f"task {t['key']!r}: {name!r} should be int")
+            if not _is_strs(t.get("workers") or []):
+                raise ValueError(f"task {t['key']!r}: 'workers' should be a list of str")
+
+
+@dataclass(slots=True)
+class RejectedGraph(Event):
+    """The driver refused a client's message (it failed validation and was
+    dead-lettered, ``reason`` says why): the client is told that the keys it named will
+    not run, instead of waiting forever.  Made by the driver only, never read from a
+    stream (so it is not in ``EVENTS``)."""
+
+    op: ClassVar[str] = "rejected-graph"
+    client: str = ""
+    keys: list[str] = field(default_factory=list)
+    reason: str = ""
 
 
 @dataclass(slots=True)
@@ -271,6 +378,19 @@ class TaskClaimed(Event):
     worker: str = ""
     keys: list[str] = field(default_factory=list)
     scores: list[Any] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Holding(Event):
+    """A worker's periodic word on the claimed tasks it has not finished: ``keys``, of
+    the tasks it claimed before its previous holding report (the workers stream orders
+    the reports, claims and results exactly; see the worker's ``_report_holding``).  A
+    task processing there that two reports in a row do not list is queued again: its
+    claim's reply never reached the worker (Redis died in between)."""
+
+    op: ClassVar[str] = "holding"
+    worker: str = ""
+    keys: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -370,7 +490,7 @@ EVENTS: dict[str, type[Event]] = {
     for cls in (
         UpdateGraph, ClientDesiresKeys, ClientReleasesKeys, CancelKeys, CloseClient,
         UpdateData, AddWorker, RemoveWorker, TaskClaimed, TaskFinished, TaskErred,
-        MissingData, AddKeys, ReleasedKeys, Replicate, Restart, RetireWorkers,
+        MissingData, AddKeys, ReleasedKeys, Replicate, Restart, RetireWorkers, Holding,
     )
 }  # fmt: skip
 
@@ -407,11 +527,14 @@ class SetState(Instruction):
 
 @dataclass(slots=True)
 class Enqueue(Instruction):
-    """Put a task in the ready set, or in the listed workers' own ready sets."""
+    """Put a task in the ready set, or in the listed workers' own ready sets.
+    ``queued_on``: every worker whose ready set holds it after this one (those listed and
+    those it was in already), for the task hash, where the CLAIM script reads it."""
 
     key: str
     score: float
     workers: tuple[str, ...] = ()
+    queued_on: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -513,10 +636,13 @@ class TaskState:
     who_wants: set[str] = field(default_factory=set)
     who_has: set[str] = field(default_factory=set)
     processing_on: str | None = None
+    claimed_before: int = 0  # processing: its worker's holding reports read before the claim
+    unlisted: int = 0  # processing: holding reports in a row since then that lacked it
     nbytes: int = 0
     type: str = ""
     retries: int = 0
-    restrict: tuple[str, ...] = ()  # worker addresses it may run on (empty: any)
+    restrict: tuple[str, ...] = ()  # worker addresses, names or hosts it may run on
+    queued_on: tuple[str, ...] = ()  # queued and restricted: the workers whose sets hold it
     suspicious: int = 0  # workers that died while it was processing there
     deaths: list[dict[str, Any]] = field(default_factory=list)  # their death records
     lost_on: str | None = None  # the worker whose death lost its only copy
@@ -529,6 +655,7 @@ class TaskState:
     traceback_text: str = ""
     erred_on: str | None = None
     exception_blame: str | None = None  # the task whose error this one inherited
+    rejected: bool = False  # erred because the scheduler refused to run it (a cycle)
 
     def __post_init__(self) -> None:
         self.prefix = key_prefix(self.key)
@@ -551,6 +678,7 @@ class WorkerInfo:
     to_move: set[TaskState] = field(default_factory=set)  # results to copy elsewhere
     told_to_close: bool = False  # retired: its data is safe elsewhere
     announced: bool = False  # its worker-joined event was logged
+    holding_reports: int = 0  # its holding reports read (since this scheduler loaded)
 
 
 class InvalidTransition(RuntimeError):
@@ -572,6 +700,7 @@ class SchedulerState:
         self._candidates: deque[TaskState] = deque()
         self._stimulus_id = ""
         self._retirement_changed = False  # something a retirement waits for happened
+        self._aliases: dict[str, set[str]] | None = None  # address/name/host -> addresses
         # results that came in and tasks that erred, since this state was built (metrics
         # for the summary the monitor shows)
         self.n_finished = 0
@@ -623,6 +752,7 @@ class SchedulerState:
     def _handle_update_graph(self, ev: UpdateGraph) -> None:
         self.clients.setdefault(ev.client, set())
         new: list[TaskState] = []
+        stores: dict[str, StoreTask] = {}  # new tasks' records, written once deps are known
         deps_of: dict[str, list[str]] = {}
         for spec in ev.tasks:
             deps_of[spec["key"]] = list(spec.get("deps", ()))
@@ -638,20 +768,19 @@ class SchedulerState:
                 )
                 self.tasks[key] = ts
                 new.append(ts)
-                self._emit(
-                    StoreTask(
-                        ev.stimulus_id,
-                        key,
-                        spec.get("spec"),
-                        list(spec.get("deps", ())),
-                        ts.score,
-                        "released",
-                        ts.retries,
-                        ts.restrict,
-                    )
+                stores[key] = StoreTask(
+                    ev.stimulus_id,
+                    key,
+                    spec.get("spec"),
+                    list(spec.get("deps", ())),
+                    ts.score,
+                    "released",
+                    ts.retries,
+                    ts.restrict,
                 )
             elif ts.state == "released" and not ts.who_has and spec.get("spec") is not None:
                 new.append(ts)  # resubmitted after release: recompute
+        grown: list[TaskState] = []  # tasks given dependencies they did not have
         for ts in new:
             for dep_key in deps_of[ts.key]:
                 dep = self.tasks.get(dep_key)
@@ -659,8 +788,19 @@ class SchedulerState:
                     # a dependency nobody submitted: treat as lost data
                     dep = self.tasks[dep_key] = TaskState(dep_key, has_spec=False)
                     self._emit(StoreTask(ev.stimulus_id, dep_key, None, [], 0.0, "released"))
-                ts.dependencies.add(dep)
-                dep.dependents.add(ts)
+                if dep not in ts.dependencies:
+                    if not grown or grown[-1] is not ts:
+                        grown.append(ts)
+                    ts.dependencies.add(dep)
+                    dep.dependents.add(ts)
+        refused = self._cut_cycles(grown, {self.tasks[key] for key in stores})
+        for ts in refused:
+            if ts.key in stores:
+                stores[ts.key].deps = []  # what it kept: nothing
+        for store in stores.values():
+            self._emit(store)
+        for ts, text in refused.items():
+            self._refuse(ts, text)
         self._add_wants(ev.client, ev.wanted)
         # a task runs if someone wants it or a wanted task needs it
         for key in ev.wanted:
@@ -669,6 +809,57 @@ class SchedulerState:
                 self._make_needed(ts)
         for ts in new:  # submitted, but neither wanted nor needed by a wanted task
             self._maybe_forget(ts)
+
+    def _cut_cycles(self, grown: list[TaskState], fresh: set[TaskState]) -> dict[TaskState, str]:
+        """Find the cycles that the dependencies added by a submission closed (a graph
+        that reached the scheduler unchecked: the client refuses cycles) and cut them out:
+        each task of the submission on a cycle loses its dependencies.  Returns those
+        tasks, each with the text of its error, which names its cycle.
+
+        Every new cycle passes through an added dependency, so the search covers only the
+        submission's new tasks (``fresh``) and the older tasks that lead to an older one
+        that gained dependencies (usually none).  Iterative: a 100,000-task chain is fine."""
+        if not grown:
+            return {}
+        within = set(fresh)
+        todo = [ts for ts in grown if ts not in fresh]
+        while todo:  # an older task on a cycle leads (through dependents) to a grown one
+            ts = todo.pop()
+            if ts not in within:
+                within.add(ts)
+                todo.extend(ts.dependents)
+        refused: dict[TaskState, str] = {}
+        cut = set(grown)
+        for members in _cycles(grown, within):
+            text = _cycle_text(members)
+            for ts in sorted(cut.intersection(members), key=lambda t: t.key):
+                for dep in ts.dependencies:
+                    dep.dependents.discard(ts)
+                ts.dependencies.clear()
+                refused[ts] = text
+        return refused
+
+    def _refuse(self, ts: TaskState, text: str) -> None:
+        """Err a task the scheduler will not run; the client raises SchedulerRejectedError."""
+        ts.exception = ts.traceback = None
+        ts.exception_text, ts.traceback_text = text, ""
+        ts.exception_blame = ts.erred_on = None
+        ts.rejected = True
+        self._transition_waiting_erred(ts)
+
+    def _handle_rejected_graph(self, ev: RejectedGraph) -> None:
+        wanted = self.clients.setdefault(ev.client, set())  # forgotten with the client
+        for key in dict.fromkeys(ev.keys):
+            ts = self.tasks.get(key)
+            if ts is not None and ts in wanted:
+                continue  # an earlier message of this client submitted it: it runs
+            text = (
+                f"SchedulerRejectedError: the scheduler refused the message that submitted "
+                f"{key!r}, so nothing in it will run: {ev.reason}. The message is kept in "
+                "the cluster's dead-letter stream; fix what wrote it and submit again"
+            )
+            msg = {"op": "task-erred", "key": key, "exception_text": text, "rejected": True}
+            self._emit(ClientMsg(ev.stimulus_id, ev.client, msg))
 
     def _make_needed(self, root: TaskState) -> None:
         """Bring ``root`` and every released dependency it needs towards memory."""
@@ -859,6 +1050,7 @@ class SchedulerState:
             self.workers[ev.worker] = WorkerInfo(ev.worker, dict(ev.info))
         else:
             self.workers[ev.worker].info.update(ev.info)
+        self._aliases = None  # its name or host may be new
         ws = self.workers[ev.worker]
         if ev.stimulus_id != "load" and not ws.announced:
             # (a worker that registered before this scheduler loaded is announced when its
@@ -871,8 +1063,15 @@ class SchedulerState:
         if ev.resync:
             self._resync(self.workers[ev.worker], ev.resync)
         for ts in sorted(self.unrunnable, key=lambda t: t.score):
-            if ev.worker in ts.restrict:
+            if ev.worker in self._allowed(ts):
                 self._transition(ts, "queued")
+        for ts in self.tasks.values():  # queued for others it matches too: for it as well
+            if ts.state != "queued" or not ts.restrict or ev.worker in ts.queued_on:
+                continue
+            if ev.worker in self._allowed(ts):
+                ts.queued_on += (ev.worker,)
+                enqueue = Enqueue(ev.stimulus_id, ts.key, ts.score, (ev.worker,), ts.queued_on)
+                self._emit(enqueue)
 
     def _resync(self, ws: WorkerInfo, report: dict[str, Any]) -> None:
         """Reconcile with what a worker says it holds and runs (after Redis lost writes:
@@ -884,10 +1083,7 @@ class SchedulerState:
                 ts.nbytes = held[ts.key]
                 self._transition(ts, "memory", worker=ws)
             elif ts.key not in running:  # it does not know the task: queue it again
-                ts.processing_on = None
-                ws.processing.discard(ts)
-                self._emit(Unclaim(self._stimulus_id, ws.address, ts.key))
-                self._transition(ts, "queued")
+                self._queue_again(ws, ts)
         stray = []
         for key in held:
             ts = self.tasks.get(key)
@@ -908,8 +1104,33 @@ class SchedulerState:
                 )
             )
 
+    def _handle_holding(self, ev: Holding) -> None:
+        ws = self.workers.get(ev.worker)
+        if ws is None:
+            return
+        listed = set(ev.keys)
+        read_before = ws.holding_reports
+        ws.holding_reports += 1
+        for ts in sorted(ws.processing, key=lambda t: t.score):
+            if ts.key in listed:
+                ts.unlisted = 0
+            elif ts.claimed_before < read_before:  # claimed before the worker's previous
+                ts.unlisted += 1  # report, so this one would list it if it had it
+                if ts.unlisted >= 2:
+                    fields = {"key": ts.key, "worker": ws.address}
+                    self._emit(LogEvent(ev.stimulus_id, "lost-claim", fields))
+                    self._queue_again(ws, ts)
+
+    def _queue_again(self, ws: WorkerInfo, ts: TaskState) -> None:
+        """A task processing on a worker that does not know it: queue it again."""
+        ts.processing_on = None
+        ws.processing.discard(ts)
+        self._emit(Unclaim(self._stimulus_id, ws.address, ts.key))
+        self._transition(ts, "queued")
+
     def _handle_remove_worker(self, ev: RemoveWorker) -> None:
         ws = self.workers.pop(ev.worker, None)
+        self._aliases = None
         if ws is None:
             if ev.how == "nanny":  # removed already (say, its heartbeat expired first):
                 # the nanny's word on why it ended is still the record worth keeping
@@ -953,9 +1174,13 @@ class SchedulerState:
                 if ts.replicas > 1:
                     self._ensure_replicas(ts)  # a copy survives: make up for the lost one
         for ts in list(self.tasks.values()):
-            stranded = ts.restrict and not any(w in self.workers for w in ts.restrict)
-            if ts.state == "queued" and stranded:
-                self._transition(ts, "no-worker")
+            if ts.state == "queued" and ws.address in ts.queued_on:
+                # out of its ready set (which a new process at the address would
+                # inherit): the task goes there again only if that one matches too
+                self._emit(Dequeue(ev.stimulus_id, ts.key, (ws.address,)))
+                ts.queued_on = tuple(w for w in ts.queued_on if w != ws.address)
+                if not self._allowed(ts):
+                    self._transition(ts, "no-worker")
         if ev.how != "replaced":  # else the keys are the new process's, at the same address
             self._emit(ForgetWorker(ev.stimulus_id, ws.address))
 
@@ -1020,11 +1245,15 @@ class SchedulerState:
                 self._emit(Unclaim(ev.stimulus_id, ev.worker, key))
                 continue
             if ts is not None and ts.state == "processing" and ts.processing_on == ev.worker:
-                continue  # state reloaded from Redis after the claim: already known
+                # state reloaded from Redis after the claim: already known (and from
+                # here on in the stream, its worker's holding reports account for it)
+                if ws is not None:
+                    ts.claimed_before = ws.holding_reports
+                continue
             if ts is None or ts.state != "queued" or ws is None:
                 # released while the claim was in flight: tell the worker to drop it
                 self._emit(Unclaim(ev.stimulus_id, ev.worker, key))
-                self._emit(WorkerMsg(ev.stimulus_id, ev.worker, {"op": "free-keys", "keys": [key]}))
+                self._free(ev.worker, key)
                 if ts is not None and ts.state == "queued":
                     # claimed by a worker removed meanwhile: the claim popped it from the
                     # ready set and marked it processing in Redis; put it back
@@ -1043,9 +1272,7 @@ class SchedulerState:
             # key (cancelled, released, submitted again) or of a claim taken back.  Counting
             # it would name a holder that is about to drop it; let it drop it now.
             if ts is None or ev.worker not in ts.who_has:
-                self._emit(
-                    WorkerMsg(ev.stimulus_id, ev.worker, {"op": "free-keys", "keys": [ev.key]})
-                )
+                self._free(ev.worker, ev.key)
             return
         ts.nbytes, ts.type = int(ev.nbytes), ev.type
         self._transition(ts, "memory", worker=ws)
@@ -1060,6 +1287,9 @@ class SchedulerState:
         if ts.retries > 0:
             ts.retries -= 1
             self._emit(SetState(ev.stimulus_id, ts.key, ts.state, {"retries": ts.retries}))
+            # the worker keeps the failed run until told: it must not answer the retry
+            # with it (the free-keys reaches it before any claim of the retry)
+            self._free(ev.worker, ts.key)
             self._transition(ts, "queued")
             return
         ts.exception, ts.traceback = ev.exception, ev.traceback
@@ -1085,9 +1315,7 @@ class SchedulerState:
                 if ws is not None:
                     # no longer counted as a holder: it must not keep an orphan copy
                     ws.has_what.discard(ts)
-                    self._emit(
-                        WorkerMsg(ev.stimulus_id, ws.address, {"op": "free-keys", "keys": [key]})
-                    )
+                    self._free(ws.address, key)
             if ts.state == "memory" and ts.who_has:
                 self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
                 self._emit(
@@ -1257,7 +1485,7 @@ class SchedulerState:
             self._transition(ts, "queued")
 
     def _transition_waiting_queued(self, ts: TaskState) -> None:
-        if ts.restrict and not any(w in self.workers for w in ts.restrict):
+        if ts.restrict and not self._allowed(ts):
             self._transition_waiting_no_worker(ts)
             return
         ts.state = "queued"
@@ -1266,8 +1494,25 @@ class SchedulerState:
 
     def _enqueue(self, ts: TaskState) -> None:
         """Into the shared ready set, or the own ready sets of its live allowed workers."""
-        workers = tuple(w for w in ts.restrict if w in self.workers)
-        self._emit(Enqueue(self._stimulus_id, ts.key, ts.score, workers))
+        ts.queued_on = self._allowed(ts) if ts.restrict else ()
+        self._emit(Enqueue(self._stimulus_id, ts.key, ts.score, ts.queued_on, ts.queued_on))
+
+    def _dequeue(self, ts: TaskState) -> None:
+        self._emit(Dequeue(self._stimulus_id, ts.key, ts.queued_on))
+        ts.queued_on = ()
+
+    def _allowed(self, ts: TaskState) -> tuple[str, ...]:
+        """The live workers a restricted task may run on: each entry of its restriction
+        matches the workers with that address, name, or host."""
+        if self._aliases is None:
+            aliases: dict[str, set[str]] = {}
+            for address, ws in self.workers.items():
+                names = (address, ws.info.get("name"), address_host(address), ws.info.get("host"))
+                for name in names:
+                    if isinstance(name, str) and name:
+                        aliases.setdefault(name, set()).add(address)
+            self._aliases = aliases
+        return tuple(sorted({a for entry in ts.restrict for a in self._aliases.get(entry, ())}))
 
     def _transition_waiting_no_worker(self, ts: TaskState) -> None:
         ts.state = "no-worker"
@@ -1279,7 +1524,7 @@ class SchedulerState:
         self._transition_waiting_queued(ts)
 
     def _transition_queued_no_worker(self, ts: TaskState) -> None:
-        self._emit(Dequeue(self._stimulus_id, ts.key, ts.restrict))
+        self._dequeue(ts)
         self._transition_waiting_no_worker(ts)
 
     def _transition_no_worker_released(self, ts: TaskState) -> None:
@@ -1288,7 +1533,7 @@ class SchedulerState:
 
     def _transition_queued_waiting(self, ts: TaskState) -> None:
         """A dependency of a queued task lost its data: wait for it again."""
-        self._emit(Dequeue(self._stimulus_id, ts.key, ts.restrict))
+        self._dequeue(ts)
         self._wait_again(ts)
 
     def _transition_processing_waiting(self, ts: TaskState) -> None:
@@ -1304,7 +1549,7 @@ class SchedulerState:
             if ws is not None:
                 ws.processing.discard(ts)
             self._emit(Unclaim(self._stimulus_id, worker, ts.key))
-            self._emit(WorkerMsg(self._stimulus_id, worker, {"op": "free-keys", "keys": [ts.key]}))
+            self._free(worker, ts.key)
         ts.processing_on = None
 
     def _transition_no_worker_waiting(self, ts: TaskState) -> None:
@@ -1326,13 +1571,15 @@ class SchedulerState:
 
     def _transition_queued_processing(self, ts: TaskState, worker: WorkerInfo) -> None:
         ts.state = "processing"
+        ts.queued_on = ()  # the claim took it out of every ready set
+        ts.claimed_before, ts.unlisted = worker.holding_reports, 0
         ts.processing_on = worker.address
         worker.processing.add(ts)  # Redis already says so: the claim script wrote it
         self._emit(ClaimAccepted(self._stimulus_id, ts.key, worker.address))
 
     def _transition_processing_memory(self, ts: TaskState, worker: WorkerInfo) -> None:
         if ts.state == "queued":  # a late result (its worker was removed): leave the ready set
-            self._emit(Dequeue(self._stimulus_id, ts.key, ts.restrict))
+            self._dequeue(ts)
         elif ts.processing_on is not None and ts.processing_on != worker.address:
             other = self.workers.get(ts.processing_on)  # racing another worker's run of it
             if other is not None:
@@ -1355,6 +1602,10 @@ class SchedulerState:
             dep.waiters.discard(ts)
             self._maybe_release(dep)
         self._maybe_release(ts)
+
+    def _free(self, worker: str, key: str) -> None:
+        """Tell a worker to drop what it holds of ``key`` (a result, a failed run)."""
+        self._emit(WorkerMsg(self._stimulus_id, worker, {"op": "free-keys", "keys": [key]}))
 
     def _wake_waiters(self, ts: TaskState) -> None:
         for dependent in sorted(ts.waiters, key=lambda t: t.score):
@@ -1402,6 +1653,7 @@ class SchedulerState:
         ts.exception_blame = source.exception_blame or source.key
         ts.erred_on = source.erred_on
         ts.killed = source.killed
+        ts.rejected = source.rejected
 
     def _transition_waiting_released(self, ts: TaskState) -> None:
         ts.state = "released"
@@ -1410,7 +1662,7 @@ class SchedulerState:
         self._release_dependencies(ts)
 
     def _transition_queued_released(self, ts: TaskState) -> None:
-        self._emit(Dequeue(self._stimulus_id, ts.key, ts.restrict))
+        self._dequeue(ts)
         self._transition_waiting_released(ts)
 
     def _transition_processing_released(self, ts: TaskState) -> None:
@@ -1419,13 +1671,13 @@ class SchedulerState:
 
     def _transition_memory_released(self, ts: TaskState) -> None:
         for worker in ts.replicating - ts.who_has:  # fetching a copy nobody needs now
-            self._emit(WorkerMsg(self._stimulus_id, worker, {"op": "free-keys", "keys": [ts.key]}))
+            self._free(worker, ts.key)
         ts.replicating.clear()
         for worker in ts.who_has:
             ws = self.workers.get(worker)
             if ws is not None:
                 ws.has_what.discard(ts)
-            self._emit(WorkerMsg(self._stimulus_id, worker, {"op": "free-keys", "keys": [ts.key]}))
+            self._free(worker, ts.key)
         ts.who_has.clear()
         ts.state = "released"
         self._emit(SetState(self._stimulus_id, ts.key, "released", {"who_has": b""}))
@@ -1433,11 +1685,13 @@ class SchedulerState:
         self._maybe_forget(ts)
 
     def _transition_erred_released(self, ts: TaskState) -> None:
+        if ts.exception_blame is None and ts.killed is None and ts.erred_on in self.workers:
+            self._free(ts.erred_on, ts.key)  # it raised there: the worker keeps the error
         ts.state = "released"
         ts.exception = ts.traceback = None
         ts.exception_text = ts.traceback_text = ""
         ts.exception_blame = ts.erred_on = ts.killed = None
-        ts.suspicious, ts.deaths = 0, []
+        ts.suspicious, ts.deaths, ts.rejected = 0, [], False
         self._emit(
             SetState(
                 self._stimulus_id,
@@ -1449,6 +1703,7 @@ class SchedulerState:
                     "exception_text": "",
                     "traceback_text": "",
                     "killed": b"",
+                    "rejected": b"",
                     "suspicious": 0,
                     "deaths": b"",
                 },
@@ -1523,10 +1778,15 @@ class SchedulerState:
             fields["killed"] = ts.killed
             fields["suspicious"] = ts.suspicious
             fields["deaths"] = _pack(ts.deaths)
+        if ts.rejected:
+            fields["rejected"] = 1
         return fields
 
     def _erred_msg(self, ts: TaskState) -> dict[str, Any]:
-        return {"op": "task-erred", "key": ts.key, **self._erred_fields(ts)}
+        msg = {"op": "task-erred", "key": ts.key, **self._erred_fields(ts)}
+        if ts.rejected:
+            msg["rejected"] = True
+        return msg
 
     # ------------------------------------------------------------------ validation
 
@@ -1554,6 +1814,9 @@ class SchedulerState:
                 assert ts.waiting_on, ts
             if ts.state in ("queued", "no-worker"):
                 assert all(d.state == "memory" for d in ts.dependencies), ts
+            # a queued restricted task sits in the ready sets of live workers only
+            assert bool(ts.queued_on) == (ts.state == "queued" and bool(ts.restrict)), ts
+            assert all(w in self.workers for w in ts.queued_on), (ts, ts.queued_on)
             if ts.state in HOLDS_DEPENDENCIES:
                 for dep in ts.dependencies:
                     assert ts in dep.waiters, (ts, dep)

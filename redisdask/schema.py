@@ -259,7 +259,10 @@ return token
 # inbox.  ARGV: worker address, n, task key prefix, cluster key prefix, the last inbox
 # id the worker read.  The claim is recorded in Redis (task state, processing set) and
 # announced to the scheduler in the same atomic step, so a claimed task is never
-# invisible.  Fewer than n claimed means both ready sets are empty.
+# invisible.  Fewer than n claimed means both ready sets are empty.  A task restricted
+# to several workers is taken out of the other workers' ready sets that hold it: the
+# addresses in its hash's ``queued_on`` field (the scheduler writes it as it queues the
+# task; ``workers`` holds the restriction as given, which may name hosts or names).
 # Returns {tasks, last ready-signal id, inbox entries after ARGV[5]}; each task is
 # {key, spec, score, {{dep, who_has, nbytes}...}}.  The inbox entries were written before
 # anything claimed here was queued (e.g. free-keys of an earlier run of a key that is
@@ -283,7 +286,7 @@ local function claim_from(zset)
     for i = 1, #popped, 2 do
       local key = popped[i]
       local tkey = ARGV[3] .. key
-      local f = redis.call('HMGET', tkey, 'spec', 'deps', 'state', 'workers')
+      local f = redis.call('HMGET', tkey, 'spec', 'deps', 'state', 'queued_on')
       -- a key no longer queued (claimed through another allowed worker's set,
       -- released, forgotten) is a stale entry: drop it and keep popping
       if f[1] and f[3] == 'queued' then

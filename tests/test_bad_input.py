@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from redisdask import Client, ClusterConnectionError
+from redisdask import Client, ClusterConnectionError, Future, SchedulerRejectedError
 from redisdask.comm import encode_message, parse_address
 from redisdask.schema import Keys, entry
 
@@ -113,6 +113,49 @@ def test_malformed_stream_entry_is_dead_lettered(client: Client, cluster) -> Non
     assert any("no 'm' field" in e for e in errors)
     assert any("unknown op 'no-such-op'" in e for e in errors)
     assert cluster.scheduler_process.poll() is None
+
+
+def test_a_refused_submission_errs_the_clients_futures_instead_of_hanging(
+    client: Client,
+    cluster,  # type: ignore[no-untyped-def]
+) -> None:
+    """A task key that is not a str (msgpack turned a tuple into a list) fails validation:
+    the entry is dead-lettered, and the client's futures of its keys raise."""
+    r = redis.Redis.from_url(cluster.redis_url)
+    keys = Keys(cluster.cluster_name)
+    y = Future("y-refused", client)
+    bad = {"key": ["x", 0], "spec": None, "deps": []}
+    good = {"key": "y-refused", "spec": None, "deps": []}
+    message = {"op": "update-graph", "client": client.id, "tasks": [bad, good], "wanted": [y.key]}
+    r.xadd(keys.client_stream, entry([message]))
+    with pytest.raises(SchedulerRejectedError, match="refused the message") as info:
+        y.result(timeout=10)
+    assert "task without a str 'key'" in str(info.value)
+    assert r.xlen(keys.dead_letter) == 1
+    assert client.submit(inc, 1).result(timeout=10) == 2  # and the scheduler goes on
+
+
+def test_a_graph_with_a_cycle_that_reaches_the_scheduler_errs_instead_of_hanging(
+    client: Client,
+    cluster,  # type: ignore[no-untyped-def]
+) -> None:
+    """The client refuses cycles; a message written by anything else must not leave the
+    futures of a cycle, a self-dependency or their dependents waiting forever."""
+    r = redis.Redis.from_url(cluster.redis_url)
+    keys = Keys(cluster.cluster_name)
+    graph = {"cyc-a": ["cyc-b"], "cyc-b": ["cyc-a"], "self-c": ["self-c"], "dep-d": ["cyc-a"]}
+    futures = {key: Future(key, client) for key in graph}
+    tasks = [{"key": key, "spec": b"never run", "deps": deps} for key, deps in graph.items()]
+    message = {"op": "update-graph", "client": client.id, "tasks": tasks, "wanted": list(graph)}
+    r.xadd(keys.client_stream, entry([message]))
+    for key in ("cyc-a", "cyc-b", "dep-d"):
+        with pytest.raises(SchedulerRejectedError, match="the graph has a cycle") as info:
+            futures[key].result(timeout=10)
+        assert "'cyc-a' -> 'cyc-b' -> 'cyc-a'" in str(info.value)
+    with pytest.raises(SchedulerRejectedError, match="task 'self-c' depends on itself"):
+        futures["self-c"].result(timeout=10)
+    assert r.hget(keys.task("cyc-a"), "rejected") == b"1"
+    assert client.submit(inc, 1).result(timeout=10) == 2  # and the scheduler goes on
 
 
 def test_huge_malformed_entries_are_dead_lettered_within_bounds(

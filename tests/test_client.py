@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import operator
+import os
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -11,7 +14,7 @@ import pytest
 import redis
 from polling import poll
 
-from redisdask import Client, FutureCancelledError, as_completed, wait
+from redisdask import Client, FutureCancelledError, LocalCluster, as_completed, wait
 from redisdask.schema import Keys
 
 pytestmark = pytest.mark.timeout(60)
@@ -270,6 +273,19 @@ def test_tasks_allowed_on_several_workers_leave_no_stale_queue_entries(
     assert client.gather(client.map(inc, range(100, 110))) == list(range(101, 111))
 
 
+def test_a_restriction_may_name_a_worker_or_a_host(client: Client) -> None:
+    """As in Dask: ``workers=`` takes addresses, worker names and hosts."""
+    info = client.scheduler_info()["workers"]
+    for address, worker in info.items():
+        assert (
+            client.submit(where, workers=worker["name"], pure=False).result(timeout=10) == address
+        )
+    hosts = {"127.0.0.1", next(iter(info.values()))["host"]}  # of the address; the hostname
+    for host in hosts:
+        ran = client.gather([client.submit(where, workers=host, pure=False) for _ in range(4)])
+        assert set(ran) <= set(info)
+
+
 def test_cancel_then_submit_the_same_key_again(client: Client) -> None:
     for i in range(5):
         f = client.submit(inc, 1000 + i)
@@ -324,3 +340,55 @@ def test_released_results_leave_the_workers_memory(redis_url: str, cluster_name:
         client.submit(inc, -1).result(timeout=10)  # carries the last releases
         data = [w.worker.state.data for w in cluster.thread_workers]
         poll(lambda: sum(len(d) for d in data) == 1, timeout=15)  # only inc(-1) is left
+
+
+# ------------------------------------------------------------------ a failed run is not kept
+
+
+@pytest.fixture
+def lone_worker(redis_url: str, cluster_name: str) -> Iterator[LocalCluster]:
+    """One worker: every run and every retry of a task happens on it."""
+    with LocalCluster(n_workers=1, redis_url=redis_url, cluster_name=cluster_name) as cluster:
+        yield cluster
+
+
+def count_and_fail(redis_url: str, counter: str) -> None:
+    runs = redis.Redis.from_url(redis_url).incr(counter)
+    raise ValueError(f"run {runs} failed")
+
+
+def fail_the_first_time(path: str) -> str:
+    if not os.path.exists(path):
+        open(path, "w").close()  # a marker file
+        raise ValueError("the first run failed")
+    return "the second run worked"
+
+
+def test_retries_run_the_function_again_on_the_worker_where_it_failed(
+    lone_worker: LocalCluster,
+) -> None:
+    r = redis.Redis.from_url(lone_worker.redis_url)
+    counter = f"runs-{lone_worker.cluster_name}"
+    with Client(lone_worker) as client:
+        f = client.submit(count_and_fail, lone_worker.redis_url, counter, retries=3)
+        with pytest.raises(ValueError, match="run 4 failed"):
+            f.result(timeout=20)
+    assert int(r.get(counter)) == 4  # the first run and three retries, all on one worker
+
+
+def test_a_key_that_erred_and_was_released_runs_again_when_submitted_again(
+    lone_worker: LocalCluster, tmp_path: Path
+) -> None:
+    r = redis.Redis.from_url(lone_worker.redis_url)
+    keys = Keys(lone_worker.cluster_name)
+    marker = str(tmp_path / "ran-once")
+    with Client(lone_worker) as first:
+        f = first.submit(fail_the_first_time, marker)
+        with pytest.raises(ValueError, match="the first run failed"):
+            f.result(timeout=10)
+        key = f.key
+    poll(lambda: not r.exists(keys.task(key)))  # released with its client, and forgotten
+    with Client(lone_worker) as second:  # another client's graph, the same (pure) key
+        g = second.submit(fail_the_first_time, marker)
+        assert g.key == key
+        assert g.result(timeout=10) == "the second run worked"

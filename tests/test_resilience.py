@@ -15,7 +15,7 @@ from polling import poll
 from redisdask import Client, KilledWorker, LocalCluster
 from redisdask.errors import DataUnavailableError
 from redisdask.inspect import read_events
-from redisdask.schema import Keys, unpack
+from redisdask.schema import Keys, entry, unpack
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -37,6 +37,12 @@ def where() -> str:
     from workers import get_worker
 
     return get_worker().address
+
+
+def wait_for_gate(redis_url: str, gate: str) -> str:
+    """Holds a worker thread until the test pushes to ``gate`` (BLPOP, not a sleep)."""
+    assert redis.Redis.from_url(redis_url).blpop([gate], timeout=60) is not None
+    return "opened"
 
 
 def suicide() -> None:
@@ -294,6 +300,74 @@ def test_a_restarted_redis_under_a_running_computation(tmp_path, cluster_name: s
         backs = [e for e in events if e["kind"] == "redis-reconnected"]
         assert backs and all(b["process"].startswith("scheduler-") for b in backs)
         assert all(b["away"] > 0 for b in backs)
+
+
+def test_a_claim_whose_reply_never_reached_its_worker_is_queued_again(
+    redis_url: str, cluster_name: str
+) -> None:
+    """As when Redis dies after running a claim script and before answering it: Redis
+    and the scheduler say the task is processing on a live worker that knows nothing of
+    it.  Written here by hand, as the script would, without the worker hearing of it."""
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    gate = f"gate-{cluster_name}"
+    with (
+        LocalCluster(n_workers=1, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        Client(cluster) as client,
+    ):
+        [worker] = client.scheduler_info()["workers"]
+        blocker = client.submit(wait_for_gate, redis_url, gate, pure=False)
+        filler = client.submit(inc, 1)
+        poll(lambda: r.scard(keys.worker_processing(worker)) == 2)  # it claims no more
+        x = client.submit(inc, 41)
+        poll(lambda: r.zscore(keys.ready, x.key) is not None)
+        score = r.zscore(keys.ready, x.key)
+        claim = {"op": "claimed", "worker": worker, "keys": [x.key], "scores": [score]}
+        pipe = r.pipeline(transaction=True)  # what CLAIM writes, in one step
+        pipe.zrem(keys.ready, x.key)
+        pipe.hset(keys.task(x.key), mapping={"state": "processing", "worker": worker})
+        pipe.sadd(keys.worker_processing(worker), x.key)
+        pipe.xadd(keys.worker_stream, entry([claim]))
+        assert pipe.execute()[0] == 1
+        r.lpush(gate, 1)
+        assert client.gather([blocker, filler]) == ["opened", 2]
+        assert x.result(timeout=20) == 42
+        lost = [e for e in read_events(cluster.redis, cluster.keys) if e["kind"] == "lost-claim"]
+        assert [(e["key"], e["worker"]) for e in lost] == [(x.key, worker)]
+
+
+def test_busy_workers_lose_no_claims(client: Client, cluster) -> None:  # type: ignore[no-untyped-def]
+    """Claims, results and holding reports racing for seconds on busy workers: no task
+    is ever taken for a lost claim (each would be run twice)."""
+    slow = client.map(slow_inc, range(40), delay=0.05)  # claimed two by two, held a while
+    tiny = client.map(inc, range(8_000))  # claimed by the hundred
+    assert client.gather(slow) == list(range(1, 41))
+    assert client.gather(tiny) == list(range(1, 8_001))
+    kinds = {e["kind"] for e in read_events(cluster.redis, cluster.keys)}
+    assert "lost-claim" not in kinds
+
+
+def test_redis_killed_again_and_again_under_a_running_computation(
+    tmp_path,  # type: ignore[no-untyped-def]
+    cluster_name: str,
+) -> None:
+    """kill -9 of Redis (AOF everysec: it may come back without its last writes) three
+    times while tasks are claimed, run and reported: every task still finishes."""
+    from redisdask.embedded import EmbeddedRedis
+
+    with (
+        EmbeddedRedis(data_dir=tmp_path) as server,
+        LocalCluster(n_workers=2, redis_url=server.url, cluster_name=cluster_name) as cluster,
+        Client(cluster) as client,
+    ):
+        futures = client.map(slow_inc, range(400), delay=0.01)
+        total = client.submit(sum, futures)
+        for done in (50, 150, 250):
+            poll(lambda n=done: sum(f.done() for f in futures) >= n, timeout=60)
+            server.kill()
+            server.start()  # same port, same AOF
+        assert client.gather(futures) == list(range(1, 401))
+        assert total.result(timeout=60) == sum(range(1, 401))
 
 
 def test_a_client_waits_for_redis_then_says_so_and_keeps_its_futures(

@@ -12,7 +12,7 @@ from polling import poll
 
 from redisdask import Client, LocalCluster
 from redisdask.errors import FencedError
-from redisdask.scheduler import Scheduler
+from redisdask.scheduler import Scheduler, rejected_graphs
 from redisdask.scheduler_state import Forget, StoreTask
 from redisdask.schema import SCHEDULER_GROUP, Keys, ensure_cluster, entry, pack, unpack
 
@@ -36,6 +36,27 @@ def test_forget_and_resubmit_in_one_batch_writes_the_new_task_last(
     assert deletes and writes and max(deletes) < min(writes)
     assert ["SADD", scheduler.keys.tasks, "x"] in cmds
     assert not any(c[0] == "SREM" and c[1] == scheduler.keys.tasks for c in cmds)
+
+
+def test_a_refused_update_graph_still_names_its_client_and_keys_to_tell() -> None:
+    tuple_key = {"key": ["x", 0], "spec": b"s", "deps": []}  # msgpack made the tuple a list
+    m = entry(
+        [
+            {
+                "op": "update-graph",
+                "client": "c1",
+                "tasks": [tuple_key, {"key": "y"}],
+                "wanted": ["y", 3],
+            },
+            {"op": "update-graph", "client": 7, "tasks": [], "wanted": ["z"]},  # nobody to tell
+            {"op": "client-releases-keys", "client": "c1", "keys": ["q"]},
+        ]
+    )["m"]
+    [rejected] = rejected_graphs(b"1-0", {b"m": m}, "bad key", "clients")
+    assert (rejected.client, rejected.keys, rejected.reason) == ("c1", ["y"], "bad key")
+    assert rejected.stimulus_id == "clients:1-0/0"
+    assert rejected_graphs(b"1-1", {b"m": b"\xc1"}, "not msgpack") == []
+    assert rejected_graphs(b"1-2", {b"junk": b"1"}, "no m") == []
 
 
 def test_a_batch_and_its_acknowledgement_land_together(redis_url: str, cluster_name: str) -> None:
@@ -64,6 +85,48 @@ def test_a_batch_and_its_acknowledgement_land_together(redis_url: str, cluster_n
     assert r.zscore(keys.ready, "x") is not None
     assert r.xpending(keys.client_stream, SCHEDULER_GROUP)["pending"] == 0
     assert r.xlen(keys.client_stream) == 0
+
+
+def test_a_task_restricted_by_host_is_claimed_once_and_leaves_every_ready_set(
+    redis_url: str, cluster_name: str
+) -> None:
+    """The restriction names a host; the scheduler queues the task on both workers there
+    and writes their addresses in ``queued_on``, which CLAIM reads to clear the other's
+    ready set; a reload keeps them."""
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ensure_cluster(r, keys)
+    a, b = "tcp://10.9.9.9:1", "tcp://10.9.9.9:2"
+    for address, name in ((a, "wa"), (b, "wb")):
+        r.hset(keys.workers, address, pack({"name": name, "host": "box"}))
+    scheduler = Scheduler(redis_url, cluster_name, validate=True)
+    scheduler.acquire_lease()
+    scheduler.state = scheduler._load()
+    task = {"key": "x", "spec": b"s", "deps": [], "workers": ["10.9.9.9"]}
+    r.xadd(
+        keys.client_stream,
+        entry([{"op": "update-graph", "client": "c", "wanted": ["x"], "tasks": [task]}]),
+    )
+    entries = r.xreadgroup(SCHEDULER_GROUP, "scheduler", {keys.client_stream: ">"})
+    scheduler.process([(keys.client_stream, eid, f) for _s, items in entries for eid, f in items])
+    assert r.zscore(keys.worker_ready(a), "x") is not None
+    assert r.zscore(keys.worker_ready(b), "x") is not None
+    assert r.hmget(keys.task("x"), "workers", "queued_on") == [b"10.9.9.9", f"{a} {b}".encode()]
+    assert scheduler._load().tasks["x"].queued_on == (a, b)
+    claim_keys = [
+        keys.ready,
+        keys.workers,
+        keys.worker_processing(b),
+        keys.worker_stream,
+        keys.ready_signal,
+        keys.worker_ready(b),
+        keys.worker_inbox(b),
+    ]
+    claimed, _last, _inbox = scheduler.scripts.claim(
+        keys=claim_keys, args=[b, 5, keys.task_prefix, keys.prefix, "0-0"]
+    )
+    assert [task[0] for task in claimed] == [b"x"]
+    assert r.zcard(keys.worker_ready(a)) == r.zcard(keys.worker_ready(b)) == 0
 
 
 def test_a_fenced_scheduler_cannot_write(redis_url: str, cluster_name: str) -> None:

@@ -28,10 +28,13 @@ from redisdask.scheduler_state import (
     Enqueue,
     Event,
     Forget,
+    ForgetWorker,
+    Holding,
     Instruction,
     LogEvent,
     MissingData,
     RecordDeath,
+    RejectedGraph,
     ReleasedKeys,
     RemoveWorker,
     Replicate,
@@ -402,12 +405,202 @@ def test_retries_then_success():
     assert s.tasks["x"].state == "memory" and client_msgs(out, "key-in-memory", "c")
 
 
+def test_a_retry_tells_the_worker_that_failed_to_drop_the_failed_run():
+    s = make(W1)
+    submit(s, "c", [task("x", retries=1)], ["x"])
+    out = fail(s, "x", W1)
+    assert s.tasks["x"].state == "queued" and freed(out, W1) == {"x"}
+    # written before the task is queued again, so any claim of the retry comes after it
+    first_free = next(i for i, ins in enumerate(out) if isinstance(ins, WorkerMsg))
+    assert first_free < next(i for i, ins in enumerate(out) if isinstance(ins, Enqueue))
+
+
+def test_releasing_an_erred_task_tells_the_worker_it_raised_on_and_only_that_one():
+    s = make(W1, W2)
+    submit(s, "c", [task("a"), task("b", ["a"])], ["a", "b"])
+    fail(s, "a", W2)
+    assert s.tasks["b"].erred_on == W2  # inherited
+    out = s.handle_stimulus(ClientReleasesKeys("rel", client="c", keys=["a", "b"]))
+    assert s.tasks == {}
+    assert freed(out, W2) == {"a"} and not freed(out, W1)  # b never ran anywhere
+    # a KilledWorker's last worker is dead: nobody to tell
+    s = make(W1)
+    submit(s, "c", [task("k")], ["k"])
+    for i in range(4):
+        worker = f"tcp://10.0.1.{i}:1"
+        s.handle_stimulus(AddWorker(f"add{i}", worker=worker))
+        s.handle_stimulus(TaskClaimed(f"claim{i}", worker=worker, keys=["k"]))
+        s.handle_stimulus(RemoveWorker(f"rm{i}", worker=worker, how="connection", reason="x"))
+    assert s.tasks["k"].state == "erred" and s.tasks["k"].killed
+    out = s.handle_stimulus(ClientReleasesKeys("rel", client="c", keys=["k"]))
+    assert not freed(out) and not of(out, WorkerMsg)
+
+
 def test_error_from_a_worker_not_processing_the_task_is_ignored():
     s = make(W1, W2)
     submit(s, "c", [task("x")], ["x"])
     s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["x"]))
     out = s.handle_stimulus(TaskErred("e", worker=W2, key="x", exception_text="boom"))
     assert out == [] and s.tasks["x"].state == "processing"
+
+
+def test_a_rejected_graph_errs_the_clients_keys_it_does_not_already_have_running():
+    s = make(W1)
+    submit(s, "c", [task("old")], ["old"])
+    reason = "malformed 'update-graph' message: task without a str 'key'"
+    ev = RejectedGraph("rej", client="c", keys=["y", "old", "y", "z"], reason=reason)
+    out = s.handle_stimulus(ev)
+    msgs = client_msgs(out, "task-erred", "c")
+    assert [m["key"] for m in msgs] == ["y", "z"]  # "old" runs from an earlier message
+    for m in msgs:
+        assert m["rejected"] is True and reason in m["exception_text"]
+        assert m["exception_text"].startswith("SchedulerRejectedError: ")
+    assert out == of(out, ClientMsg) and "rejected-graph" not in EVENTS  # internal only
+    assert s.tasks["old"].state == "queued"
+
+
+def test_a_self_dependency_errs_at_once_instead_of_waiting_forever():
+    s = make(W1)
+    out = submit(s, "c", [task("a", ["a"]), task("b", ["a"])], ["a", "b"])
+    assert states(s) == {"a": "erred", "b": "erred"} and not of(out, Enqueue)
+    msgs = {m["key"]: m for m in client_msgs(out, "task-erred", "c")}
+    assert msgs["a"]["rejected"] is True and msgs["b"]["rejected"] is True
+    assert "task 'a' depends on itself" in msgs["a"]["exception_text"]
+    assert msgs["b"]["exception_text"] == msgs["a"]["exception_text"]
+    assert msgs["b"]["exception_blame"] == "a"
+    [store_a] = [i for i in of(out, StoreTask) if i.key == "a"]
+    assert store_a.deps == []  # the history keeps no cycle (a reload rebuilds none)
+    erred = [i for i in of(out, SetState) if i.key == "a" and i.state == "erred"]
+    assert erred[0].fields["rejected"] == 1
+    s.handle_stimulus(ClientReleasesKeys("rel", client="c", keys=["a", "b"]))
+    assert s.tasks == {}  # and nothing is kept forever
+
+
+def test_a_cycle_errs_the_tasks_on_it_and_their_dependents_and_names_them():
+    s = make(W1)
+    tasks = [task("a", ["b"]), task("b", ["c"]), task("c", ["a"]), task("x"), task("d", ["a", "x"])]
+    out = submit(s, "c", tasks, ["d", "x"])
+    # a, b and c are cut apart and erred; nobody wants them: only a stays, as d's history
+    assert states(s) == {"a": "released", "d": "erred", "x": "queued"}
+    [msg] = client_msgs(out, "task-erred", "c")
+    assert msg["key"] == "d" and msg["rejected"] is True and msg["exception_blame"] in "abc"
+    assert "cycle" in msg["exception_text"]
+    assert "'a' -> 'b' -> 'c' -> 'a'" in msg["exception_text"]
+    run(s, "x")
+    s.handle_stimulus(ClientReleasesKeys("rel", client="c", keys=["d", "x"]))
+    assert s.tasks == {}
+
+
+def test_a_cycle_of_a_thousand_tasks_is_found_without_recursion():
+    n = 1000
+    s = make(W1)
+    tasks = [task(f"t{i}", [f"t{(i + 1) % n}"]) for i in range(n)]
+    out = submit(s, "c", tasks, ["t0"])
+    assert states(s) == {"t0": "erred"}  # the others, cut apart and not wanted: forgotten
+    [msg] = client_msgs(out, "task-erred", "c")
+    assert "'t0' -> 't1' -> " in msg["exception_text"] and "(990 more)" in msg["exception_text"]
+
+
+def test_a_cycle_closed_through_an_older_task_errs_only_the_resubmitted_one():
+    """o was submitted depending on p, which nobody submitted; p, submitted later,
+    depends on o: the new dependency closes the cycle, and p is refused."""
+    s = make(W1)
+    submit(s, "c", [task("o", ["p"])], ["o"])
+    assert states(s) == {"o": "erred", "p": "released"}  # p: no task to compute it
+    out = submit(s, "c2", [task("p", ["o"])], ["p"])
+    assert s.tasks["p"].state == "erred" and s.tasks["p"].rejected
+    [msg] = client_msgs(out, "task-erred", "c2")
+    assert "'o' -> 'p' -> 'o'" in msg["exception_text"]
+    assert not s.tasks["p"].dependencies  # the cycle is cut
+
+
+def test_chains_submitted_one_task_at_a_time_search_no_older_task():
+    """The cycle search is confined to the new tasks: a 3,000-task chain submitted task
+    by task stays linear (each submission looks at one task, not the chain below)."""
+    s = SchedulerState()
+    s.handle_stimulus(AddWorker("a", worker=W1))
+    start = time.perf_counter()
+    submit(s, "c", [task("t0")], ["t0"])
+    for i in range(1, 3000):
+        submit(s, "c", [task(f"t{i}", [f"t{i - 1}"])], [f"t{i}"])
+    assert time.perf_counter() - start < 2.0
+    assert s.tasks["t2999"].state == "waiting"
+
+
+def holding(s: SchedulerState, *keys: str, worker: str = W1) -> list[Instruction]:
+    return s.handle_stimulus(Holding("hold", worker=worker, keys=list(keys)))
+
+
+def test_a_claim_its_worker_never_got_is_queued_again_after_two_reports_without_it():
+    """Redis ran a claim script but died before the reply reached the worker: the task
+    is processing there, and the worker knows nothing of it."""
+    s = make(W1, W2)
+    submit(s, "c", [task("x"), task("y")], ["x", "y"])
+    holding(s)  # the worker's report before its claims
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["x", "y"]))
+    # the next report may not list them yet: a claim made just before it was read
+    assert not of(holding(s, "y"), Enqueue)
+    out = holding(s, "y")  # listed y; x missing once
+    assert s.tasks["x"].state == "processing" and not of(out, Enqueue)
+    out = holding(s, "y")  # x missing twice in a row: the worker never got it
+    assert s.tasks["x"].state == "queued" and [e.key for e in of(out, Enqueue)] == ["x"]
+    assert [u.key for u in of(out, Unclaim)] == ["x"] and s.workers[W1].processing == {s.tasks["y"]}
+    [lost] = of(out, LogEvent)
+    assert lost.kind == "lost-claim" and lost.fields == {"key": "x", "worker": W1}
+    assert [(i.key, i.state) for i in of(out, SetState)] == [("x", "queued")]  # its story
+    s.handle_stimulus(TaskClaimed("claim2", worker=W2, keys=["x"]))
+    s.handle_stimulus(TaskFinished("fin", worker=W2, key="x", nbytes=1))
+    assert s.tasks["x"].state == "memory"
+
+
+def test_a_task_listed_again_is_never_queued_again():
+    s = make(W1)
+    submit(s, "c", [task("x")], ["x"])
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["x"]))
+    for listed in ([], [], ["x"], [], ["x"], [], ["x"]):  # never two misses in a row
+        assert not of(holding(s, *listed), Enqueue)
+    assert s.tasks["x"].state == "processing"
+    assert not of(holding(s, worker=W3), Instruction)  # an unknown worker's: ignored
+
+
+def test_holding_reports_count_from_the_load_for_tasks_loaded_as_processing():
+    """After a reload nothing says which report came before a claim: the first report
+    read counts for nothing, and a claim already known moves its mark."""
+    s = make(W1)
+    submit(s, "c", [task("x"), task("y")], ["x", "y"])
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["x", "y"]))
+    for ts in s.tasks.values():  # as load_state leaves them
+        ts.claimed_before = 0
+    s.workers[W1].holding_reports = 0
+    holding(s)
+    s.handle_stimulus(TaskClaimed("again", worker=W1, keys=["y"]))  # pending, re-read
+    holding(s, "y")
+    out = holding(s, "y")
+    assert [e.key for e in of(out, Enqueue)] == ["x"]
+    assert s.tasks["y"].state == "processing"
+
+
+def test_a_resync_after_redis_lost_writes_trusts_the_worker_about_itself():
+    """A worker back after Redis restarted reports what it holds and runs; where Redis
+    (and so the reloaded scheduler) says otherwise, the worker's word wins."""
+    s = make(W1, W2)
+    tasks = [task(k) for k in ("done", "lost", "runs", "theirs", "gone")]
+    submit(s, "c", tasks, ["done", "lost", "runs", "theirs"])
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["done", "lost", "runs"]))
+    s.handle_stimulus(TaskClaimed("claim2", worker=W2, keys=["theirs"]))
+    report = {"keys": {"done": 8, "gone": 3}, "processing": ["runs", "theirs"]}
+    out = s.handle_stimulus(AddWorker("back", worker=W1, resync=report))
+    # finished, its report lost: in memory there; never got: queued again; runs: kept
+    assert states(s) == {
+        "done": "memory",
+        "lost": "queued",
+        "runs": "processing",
+        "theirs": "processing",
+    }
+    assert s.tasks["done"].who_has == {W1} and s.tasks["theirs"].processing_on == W2
+    # what it runs or holds that is not its own (claimed in a Redis that forgot it, or
+    # forgotten meanwhile) it must drop
+    assert freed(out, W1) == {"gone", "theirs"} and not freed(out, W2)
 
 
 # --------------------------------------------------------------------------- clients
@@ -853,6 +1046,7 @@ def test_from_dict_round_trips_every_event():
         Replicate("s", client="c", keys=["x"], n=3),
         Restart("s", client="c"),
         RetireWorkers("s", client="c", workers=[W1]),
+        Holding("s", worker=W1, keys=["x"]),
     ]
     assert {type(e).op for e in samples} == set(EVENTS)
     for ev in samples:
@@ -935,29 +1129,55 @@ def test_accepted_messages_never_crash_the_machine():
 
 
 class Model:
-    """What Redis would hold: the ready set and each worker's processing set."""
+    """What Redis would hold: the ready sets (shared and per worker), each restricted
+    task's ``queued_on`` field and each worker's processing set."""
 
     def __init__(self) -> None:
         self.ready: dict[str, float] = {}
+        self.worker_ready: dict[str, dict[str, float]] = {}
+        self.queued_on: dict[str, tuple[str, ...]] = {}
         self.processing: dict[str, set[str]] = {}
 
     def apply(self, instructions: list[Instruction]) -> None:
         for ins in instructions:
             if isinstance(ins, Enqueue):
-                self.ready[ins.key] = ins.score
+                if ins.queued_on:
+                    self.queued_on[ins.key] = ins.queued_on
+                for w in ins.workers:
+                    self.worker_ready.setdefault(w, {})[ins.key] = ins.score
+                if not ins.workers:
+                    self.ready[ins.key] = ins.score
             elif isinstance(ins, Dequeue):
                 self.ready.pop(ins.key, None)
+                for w in ins.workers:
+                    self.worker_ready.get(w, {}).pop(ins.key, None)
             elif isinstance(ins, Unclaim):
                 self.processing.get(ins.worker, set()).discard(ins.key)
+            elif isinstance(ins, ForgetWorker):
+                self.worker_ready.pop(ins.worker, None)
 
     def claim(self, s: SchedulerState, worker: str, n: int) -> list[str]:
+        """As the CLAIM script: its own ready set first, stale entries dropped, a claimed
+        key taken out of the other ready sets its ``queued_on`` names."""
         if worker not in s.workers:  # the claim script refuses unregistered workers
             return []
-        keys = sorted(self.ready, key=self.ready.__getitem__)[:n]
-        for k in keys:
-            del self.ready[k]
+        keys: list[str] = []
+        for zset in (self.worker_ready.get(worker, {}), self.ready):
+            while zset and len(keys) < n:
+                key = min(zset, key=zset.__getitem__)
+                del zset[key]
+                ts = s.tasks.get(key)
+                if ts is None or ts.state != "queued" or key in keys:
+                    continue  # stale
+                keys.append(key)
+                for other in self.queued_on.get(key, ()):
+                    if other != worker:
+                        self.worker_ready.get(other, {}).pop(key, None)
         self.processing.setdefault(worker, set()).update(keys)
         return keys
+
+    def has_work(self) -> bool:
+        return bool(self.ready) or any(self.worker_ready.values())
 
 
 def _random_events(rng: random.Random, s: SchedulerState, model: Model, step: int):
@@ -967,15 +1187,23 @@ def _random_events(rng: random.Random, s: SchedulerState, model: Model, step: in
     sid = f"r{step}"
     r = rng.random()
     known = list(s.tasks)
+    if rng.random() < 0.05:  # a worker's holding report, listing some of its claims
+        w = rng.choice(workers)
+        mine = sorted(t.key for t in s.workers[w].processing) if w in s.workers else []
+        return Holding(sid, worker=w, keys=rng.sample(mine, rng.randint(0, len(mine))))
     if r < 0.15:
         n = rng.randint(1, 4)
         new = rng.sample(keys, n)
         tasks = []
         for i, k in enumerate(new):
-            pool = [x for x in keys if x < k] if rng.random() < 0.9 else keys[:2]
+            # now and then a dependency on k0 or k1 or the task itself: a cycle
+            pool = [x for x in keys if x < k] if rng.random() < 0.9 else [*keys[:2], k]
             deps = rng.sample(pool, min(len(pool), rng.randint(0, 2)))
-            deps = [d for d in deps if d != k]
-            tasks.append(task(k, deps, priority=rng.choice([0, 0, 1]), retries=rng.randint(0, 1)))
+            extra: dict[str, Any] = {}
+            if rng.random() < 0.2:  # a restriction by address, name or host
+                extra["workers"] = rng.sample(RESTRICTIONS, rng.randint(1, 2))
+            priority, retries = rng.choice([0, 0, 1]), rng.randint(0, 1)
+            tasks.append(task(k, deps, priority=priority, retries=retries, **extra))
             del i
         wanted = rng.sample(new, rng.randint(1, n))
         return UpdateGraph(sid, client=rng.choice(clients), tasks=tasks, wanted=wanted)
@@ -988,7 +1216,7 @@ def _random_events(rng: random.Random, s: SchedulerState, model: Model, step: in
     if r < 0.31:
         return CloseClient(sid, client=rng.choice(clients))
     if r < 0.34:
-        return AddWorker(sid, worker=rng.choice(workers))
+        return add_named(sid, rng.choice(workers))
     if r < 0.37:
         return RemoveWorker(sid, worker=rng.choice(workers), reason="random")
     if r < 0.39:
@@ -1020,7 +1248,16 @@ def _random_events(rng: random.Random, s: SchedulerState, model: Model, step: in
         ts = s.tasks[k]
         w = rng.choice(sorted(ts.who_has) or [ts.processing_on or rng.choice(workers)])
         return ReleasedKeys(sid, worker=w, keys=[k])
-    return AddWorker(sid, worker=rng.choice(workers))
+    return add_named(sid, rng.choice(workers))
+
+
+# restrictions the random graphs use: W1 by address, W2 by name, W3 by host
+RESTRICTIONS = [W1, "name-2", "10.0.0.3"]
+
+
+def add_named(sid: str, worker: str) -> AddWorker:
+    """A worker joins with a name: ``name-2`` for ``tcp://10.0.0.2:8000``."""
+    return AddWorker(sid, worker=worker, info={"name": f"name-{worker.split('.')[-1][0]}"})
 
 
 @pytest.mark.timeout(60)
@@ -1033,9 +1270,13 @@ def test_randomized(seed):
         ev = _random_events(rng, s, model, step)
         try:
             model.apply(s.handle_stimulus(ev))
-            # Redis' ready set and processing sets agree with the machine
+            # Redis' ready sets and processing sets agree with the machine
             queued = {k for k, ts in s.tasks.items() if ts.state == "queued"}
-            assert set(model.ready) == queued, set(model.ready) ^ queued
+            claimable = set(model.ready) | {
+                k for w in s.workers for k in model.worker_ready.get(w, {})
+            }
+            assert set(model.ready) <= queued, set(model.ready) - queued
+            assert queued <= claimable, queued - claimable
             for w, ws in s.workers.items():
                 assert model.processing.get(w, set()) >= {t.key for t in ws.processing}
         except Exception as exc:
@@ -1044,16 +1285,16 @@ def test_randomized(seed):
     for step in range(400, 2000):
         for w in (W1, W2, W3):
             if w not in s.workers:
-                model.apply(s.handle_stimulus(AddWorker(f"a{step}", worker=w)))
-        ev = TaskClaimed(f"d{step}", worker=W1, keys=model.claim(s, W1, 4))
-        model.apply(s.handle_stimulus(ev))
+                model.apply(s.handle_stimulus(add_named(f"a{step}", w)))
+            ev = TaskClaimed(f"d{step}", worker=w, keys=model.claim(s, w, 4))
+            model.apply(s.handle_stimulus(ev))
         evs = [
             TaskFinished(f"d{step}", worker=ts.processing_on, key=ts.key, nbytes=1)
             for ts in s.tasks.values()
             if ts.state == "processing" and ts.processing_on is not None
         ]
         model.apply(s.handle_stimulus(*evs))
-        if not model.ready and not any(ts.state == "processing" for ts in s.tasks.values()):
+        if not model.has_work() and not any(ts.state == "processing" for ts in s.tasks.values()):
             break
     pending = {k: ts.state for k, ts in s.tasks.items() if ts.state in ("waiting", "queued")}
     assert not pending, f"seed={seed}: stuck tasks {pending}"
@@ -1106,6 +1347,82 @@ def test_restricted_tasks_go_only_to_live_allowed_workers():
     out = submit(s, "c", [task("x", workers=[W1, W2])], ["x"])
     [enqueue] = of(out, Enqueue)
     assert enqueue.workers == (W1,)  # W2 is not registered: no zset that leaks
+
+
+def named(*workers: tuple[str, str, str]) -> SchedulerState:
+    """Workers given as (address, name, hostname)."""
+    s = SchedulerState(validate=True)
+    for address, name, host in workers:
+        s.handle_stimulus(
+            AddWorker(f"add-{name}", worker=address, info={"name": name, "host": host})
+        )
+    return s
+
+
+W1_AGAIN = "tcp://10.0.0.1:9000"  # another worker on W1's host
+
+
+def test_a_restriction_names_workers_by_address_name_or_host():
+    s = named((W1, "alice", "box-1"), (W1_AGAIN, "carol", "box-1"), (W2, "bob", "box-2"))
+    cases = {
+        "by-address": ([W2], (W2,)),
+        "by-name": (["bob"], (W2,)),
+        "by-address-host": (["10.0.0.1"], (W1, W1_AGAIN)),
+        "by-hostname": (["box-1"], (W1, W1_AGAIN)),
+        "mixed": (["alice", "box-2"], (W1, W2)),
+    }
+    for key, (restriction, expected) in cases.items():
+        out = submit(s, "c", [task(key, workers=restriction)], [key])
+        [enqueue] = of(out, Enqueue)
+        assert (enqueue.workers, enqueue.queued_on) == (expected, expected), key
+        assert s.tasks[key].state == "queued"
+    # taken out of the ready sets by address, whatever the restriction said
+    out = s.handle_stimulus(CancelKeys("cx", client="c", keys=["by-name", "by-hostname"]))
+    assert sorted((d.key, d.workers) for d in of(out, Dequeue)) == [
+        ("by-hostname", (W1, W1_AGAIN)),
+        ("by-name", (W2,)),
+    ]
+
+
+def test_a_restricted_task_waits_for_a_matching_worker_and_is_queued_on_each_that_joins():
+    s = named((W2, "bob", "box-2"))
+    submit(s, "c", [task("x", workers=["alice", "box-1"])], ["x"])
+    assert s.tasks["x"].state == "no-worker"
+    out = s.handle_stimulus(AddWorker("a", worker=W1, info={"name": "alice", "host": "box-1"}))
+    assert s.tasks["x"].state == "queued" and [e.workers for e in of(out, Enqueue)] == [(W1,)]
+    # another worker on box-1 joins: x goes into its ready set too, and the task hash
+    # names both sets for the claim script
+    info = {"name": "carol", "host": "box-1"}
+    out = s.handle_stimulus(AddWorker("a2", worker=W1_AGAIN, info=info))
+    [enqueue] = of(out, Enqueue)
+    assert (enqueue.workers, enqueue.queued_on) == ((W1_AGAIN,), (W1, W1_AGAIN))
+    assert not of(out, SetState)  # still queued: no new state, no story line
+    # a worker that does not match changes nothing
+    assert not of(s.handle_stimulus(AddWorker("a3", worker=W3, info={"name": "dan"})), Enqueue)
+    out = s.handle_stimulus(RemoveWorker("rm", worker=W1, how="connection", reason="x"))
+    assert s.tasks["x"].state == "queued" and s.tasks["x"].queued_on == (W1_AGAIN,)
+    assert [(d.key, d.workers) for d in of(out, Dequeue)] == [("x", (W1,))]
+    out = s.handle_stimulus(RemoveWorker("rm2", worker=W1_AGAIN, reason="bye"))
+    assert s.tasks["x"].state == "no-worker"
+    assert [(d.key, d.workers) for d in of(out, Dequeue)] == [("x", (W1_AGAIN,)), ("x", ())]
+    # a new process at a dead worker's address inherits its ready set, not its tasks
+    s.handle_stimulus(AddWorker("a5", worker=W2, info={"name": "alice", "started": 1.0}))
+    assert s.tasks["x"].queued_on == (W2,)
+    out = s.handle_stimulus(AddWorker("a6", worker=W2, info={"name": "eve", "started": 2.0}))
+    assert s.tasks["x"].state == "no-worker" and ("x", (W2,)) in [
+        (d.key, d.workers) for d in of(out, Dequeue)
+    ]
+    assert not of(out, Enqueue)
+    s.handle_stimulus(AddWorker("a4", worker=W1, info={"name": "alice"}))
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["x"]))
+    assert s.tasks["x"].state == "processing" and s.tasks["x"].queued_on == ()
+
+
+def test_a_restriction_must_be_a_list_of_str():
+    with pytest.raises(ProtocolError, match="'workers' should be a list of str"):
+        Event.from_dict(
+            {"op": "update-graph", "client": "c", "tasks": [{"key": "x", "workers": 5}]}
+        )
 
 
 def test_no_worker_task_keeps_its_dependencies():

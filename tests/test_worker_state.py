@@ -229,6 +229,22 @@ def test_free_keys_of_executing_task_cancels_it() -> None:
     assert "x" not in ws.data and "x" not in ws.tasks
 
 
+def test_strays_freed_after_a_resync_are_all_dropped() -> None:
+    """The scheduler's answer to a resync that reported tasks not this worker's: one
+    running, one waiting for the thread, one held. None is reported to it afterwards."""
+    ws = make()
+    ws.handle_stimulus(compute("held"), success("held"), compute("runs"), compute("queued"))
+    assert [ws.tasks[k].state for k in ("held", "runs", "queued")] == [
+        "memory",
+        "executing",
+        "ready",
+    ]
+    assert ws.handle_stimulus(FreeKeysEvent(["held", "runs", "queued"], "free")) == []
+    assert set(ws.tasks) == {"runs"} and ws.tasks["runs"].state == "cancelled" and not ws.data
+    assert ws.handle_stimulus(success("runs")) == [ReleasedKeysMsg(["runs"], "done-runs")]
+    assert ws.tasks == {}
+
+
 def test_cancelled_task_claimed_again_resumes() -> None:
     ws = make()
     ws.handle_stimulus(compute("x"))
@@ -343,6 +359,47 @@ def test_acquire_replicas_of_a_key_that_erred_or_went_missing_here_fetches_it() 
     assert ws.tasks["m"].state == "missing"
     out = ws.handle_stimulus(AcquireReplicasEvent({"m": [A]}, "acq2"))
     assert ws.tasks["m"].state == "flight" and of(out, GatherDep)
+
+
+def test_a_key_in_error_claimed_again_is_a_new_run_not_the_old_error() -> None:
+    """A retry (same score) or a new submission (new score) of a key that erred here: the
+    scheduler queues a key only to have it run, so the claim runs it again."""
+    ws = make()
+    ws.handle_stimulus(compute("x", priority=(5.0,)), failure("x"))
+    assert ws.tasks["x"].state == "error"
+    for priority in ((5.0,), (9.0,)):  # the retry, then a later submission
+        out = ws.handle_stimulus(compute("x", priority=priority))
+        assert out == [Execute("x", "compute-x")] and not of(out, TaskErredMsg)
+        assert ws.tasks["x"].error is None and ws.tasks["x"].priority == priority
+        out = ws.handle_stimulus(failure("x"))
+        assert [m.key for m in of(out, TaskErredMsg)] == ["x"]
+    out = ws.handle_stimulus(compute("x"), success("x", value=7))
+    assert of(out, TaskFinishedMsg) and ws.data == {"x": 7}
+
+
+def test_a_key_in_error_claimed_again_with_dependencies_fetches_them_first() -> None:
+    ws = make()
+    ws.handle_stimulus(compute("x"), failure("x"))
+    out = ws.handle_stimulus(compute("x", {"a": ([A], 8)}))
+    assert ws.tasks["x"].state == "waiting" and [g.keys for g in of(out, GatherDep)] == [{"a"}]
+    out = ws.handle_stimulus(GatherDepSuccessEvent(A, {"a": 1}, {"a": 8}, "g"))
+    assert out == [Execute("x", "g")]
+
+
+def test_a_dependent_of_a_key_that_erred_here_fetches_the_result_held_elsewhere() -> None:
+    """x erred here, was run again on A; y, placed here, needs x: it must fetch A's
+    result, not wait forever on the failed run (and the failed run is not reported)."""
+    ws = make()
+    ws.handle_stimulus(compute("x"), failure("x"))
+    out = ws.handle_stimulus(compute("y", {"x": ([A], 8)}))
+    assert [(g.worker, g.keys) for g in of(out, GatherDep)] == [(A, {"x"})]
+    out = ws.handle_stimulus(GatherDepSuccessEvent(A, {"x": 1}, {"x": 8}, "g"))
+    assert out == [Execute("y", "g")]  # no task-finished/erred for x: it is A's
+    out = ws.handle_stimulus(success("y"))
+    assert [m.key for m in of(out, TaskFinishedMsg)] == ["y"] and set(ws.tasks) == {"y"}
+    ws.handle_stimulus(compute("z"), failure("z"))
+    out = ws.handle_stimulus(compute("w", {"z": ([], 8)}))  # no holder known yet
+    assert ws.tasks["z"].state == "missing" and of(out, MissingDataMsg)
 
 
 def test_a_freed_run_asked_for_as_a_copy_keeps_its_result() -> None:
@@ -519,8 +576,11 @@ class RandomDriver:
             pool = [f"t{rng.randint(0, 30)}", f"d{rng.randint(0, 15)}"]
             key = pool[0] if rng.random() < 0.9 else pool[1]
             if key not in self.graph:  # a key's dependencies never change
-                dep_keys = {f"d{rng.randint(0, 15)}" for _ in range(rng.randint(0, 3))}
-                self.graph[key] = sorted(dep_keys - {key})
+                # and never form a cycle (the scheduler refuses those): d<i> needs only
+                # d<j> with j < i
+                top = int(key[1:]) - 1 if key[0] == "d" else 15
+                n = rng.randint(0, 3) if top >= 0 else 0
+                self.graph[key] = sorted({f"d{rng.randint(0, top)}" for _ in range(n)})
             deps = {d: (self.holders(), rng.randint(1, 20)) for d in self.graph[key]}
             prio = (rng.randint(0, 5), self.n)
             return ComputeTaskEvent(key, b"spec", prio, deps, sid)

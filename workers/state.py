@@ -26,6 +26,10 @@ Task states and the transitions implemented here::
             │        │   ▼       │  └──► cancelled ──► released | memory | flight | fetch
             └──────► missing ◄───┘
 
+    ComputeTaskEvent of a key in error (a retry or a new submission: a new run):
+        error ──► waiting | ready;  of a dependent, for a dependency in error here:
+        error ──► fetch | missing (its result is elsewhere).  A failed run is never
+        answered again: the scheduler queues a key only when it wants it run.
     PutDataEvent: released | waiting | ready | fetch | flight | missing | error ──► memory
     FreeKeysEvent: any resting state ──► released (then forgotten); running ──► cancelled
 
@@ -498,9 +502,9 @@ class WorkerState:
         if ts.state == "memory":  # claimed again: repeat the answer
             self._emit_finished(ts, sid)
             return
-        if ts.state == "error":
-            self._emit_erred(ts, sid)
-            return
+        # error: a run here failed and the scheduler queued the key again (a retry, or a
+        # new submission of it): the scheduler only queues what it wants run, so every
+        # claim of a key in error is a new run, set up below like any claimed task
         if ts.state in ("waiting", "ready", "executing"):
             return  # a duplicate claim
         if ts.state == "flight":
@@ -519,9 +523,13 @@ class WorkerState:
                 dep.priority = ev.priority
             if dep.nbytes is None:
                 dep.nbytes = nbytes
+            if dep.state == "error":
+                # a failed run of it here is not the result the scheduler has in memory
+                # elsewhere: that result is fetched, and the failed run is not reported
+                dep.wanted = False
             if dep.state != "memory":
                 self._add_who_has(dep, who_has)
-            if dep.state == "released":
+            if dep.state in ("released", "error"):
                 self._transition(dep, "fetch" if dep.who_has else "missing", sid)
             elif dep.state == "missing" and dep.who_has:
                 self._transition(dep, "fetch", sid)
@@ -647,11 +655,10 @@ class WorkerState:
                 held[key] = ts.nbytes or 0
                 continue
             if ts.state == "error":  # a failed run here, since run again elsewhere
-                self._transition(ts, "released", ev.stimulus_id)
-                ts = self._ensure_task(key)
+                ts.wanted = False
             ts.replica = True
             self._add_who_has(ts, who_has)
-            if ts.state == "released" or (ts.state == "missing" and ts.who_has):
+            if ts.state in ("released", "error") or (ts.state == "missing" and ts.who_has):
                 self._transition(ts, "fetch" if ts.who_has else "missing", ev.stimulus_id)
         if held:
             self._emit(AddKeysMsg(sorted(held), held, ev.stimulus_id))
@@ -880,6 +887,26 @@ class WorkerState:
     def _transition_error_memory(self, ts: TaskState, sid: str, **kw: Any) -> None:
         ts.error = None
         self._store(ts, kw["value"], kw["nbytes"], sid)
+
+    # A key in error is claimed again (a new run), or needed here as a dependency whose
+    # result another worker holds: the failed run is dropped, never answered again.
+    def _transition_error_waiting(self, ts: TaskState, sid: str) -> None:
+        ts.error = None
+        self._set_state(ts, "waiting", sid)
+
+    def _transition_error_ready(self, ts: TaskState, sid: str) -> None:
+        ts.error = None
+        self._set_state(ts, "ready", sid)
+        self._push_ready(ts)
+
+    def _transition_error_fetch(self, ts: TaskState, sid: str) -> None:
+        ts.error = None
+        self._set_state(ts, "fetch", sid)
+
+    def _transition_error_missing(self, ts: TaskState, sid: str) -> None:
+        ts.error = None
+        self._set_state(ts, "missing", sid)
+        self._newly_missing.append(ts.key)
 
     # Release: every resting state but the running ones (those go to `cancelled`).
     def _transition_waiting_released(self, ts: TaskState, sid: str) -> None:

@@ -149,6 +149,12 @@ class Worker:
             nthreads, thread_name_prefix="rd-task", initializer=_bind_task_thread, initargs=(self,)
         )
         self._outbox: list[dict[str, Any]] = []
+        self._flush_lock = asyncio.Lock()  # report batches land in the order they were made
+        # held from a claim to the state machine applying its reply, and from making a
+        # holding report to its landing: so the workers stream orders them exactly
+        self._claim_lock = asyncio.Lock()
+        self._holding_reports = 0  # holding reports made so far
+        self._claimed_before: dict[str, int] = {}  # claimed key -> holding reports before it
         self._wake = asyncio.Event()
         self._stopped = asyncio.Event()
         self._flush_wanted = asyncio.Event()
@@ -499,21 +505,27 @@ class Worker:
         while self.status == "running":
             budget = self.state.claim_budget(self.claim_horizon)
             if budget > 0 and self._may_have_work():
-                try:
-                    claimed, last_id, inbox = await self._claim(budget)
-                except redis.ResponseError as exc:
-                    if "UNKNOWN_WORKER" not in str(exc):
-                        raise
-                    # declared dead (say, a heartbeat missed while this process was
-                    # stopped): its work went to others; a fresh start is the safe way back
-                    logger.error("this worker was removed from the cluster; leaving")
-                    self.failure = exc
-                    self._closing = asyncio.ensure_future(self.close("removed by the scheduler"))
-                    return
-                self._empty_at = _parse_id(last_id) if len(claimed) < budget else None
-                self._handle_inbox(script_entries(inbox))
-                if claimed:
-                    self.handle(*[self._compute_event(c) for c in claimed])
+                async with self._claim_lock:
+                    try:
+                        claimed, last_id, inbox = await self._claim(budget)
+                    except redis.ResponseError as exc:
+                        if "UNKNOWN_WORKER" not in str(exc):
+                            raise
+                        # declared dead (say, a heartbeat missed while this process was
+                        # stopped): its work went to others; a fresh start is the safe way
+                        logger.error("this worker was removed from the cluster; leaving")
+                        self.failure = exc
+                        self._closing = asyncio.ensure_future(
+                            self.close("removed by the scheduler")
+                        )
+                        return
+                    self._empty_at = _parse_id(last_id) if len(claimed) < budget else None
+                    self._handle_inbox(script_entries(inbox))
+                    if claimed:
+                        events = [self._compute_event(c) for c in claimed]
+                        for ev in events:
+                            self._claimed_before[ev.key] = self._holding_reports
+                        self.handle(*events)
                 continue
             self._wake.clear()
             await self._wake.wait()
@@ -627,17 +639,41 @@ class Worker:
             await self._flush()
 
     async def _flush(self) -> None:
-        if self._linger is not None:
-            self._linger.cancel()
-            self._linger = None
-        if not self._outbox:
-            return
-        batch, self._outbox = self._outbox, []
-        try:
-            await self.redis.xadd(self.keys.worker_stream, schema.entry(batch))
-        except BaseException:
-            self._outbox[:0] = batch  # not sent: keep the reports for the next attempt
-            raise
+        async with self._flush_lock:
+            if self._linger is not None:
+                self._linger.cancel()
+                self._linger = None
+            if not self._outbox:
+                return
+            batch, self._outbox = self._outbox, []
+            try:
+                await self.redis.xadd(self.keys.worker_stream, schema.entry(batch))
+            except BaseException:
+                self._outbox[:0] = batch  # not sent: keep the reports for the next attempt
+                raise
+
+    async def _report_holding(self) -> None:
+        """Tell the scheduler which of its claims this worker still has (claimed, not
+        finished nor handed back): those claimed before its previous holding report.
+
+        A claim whose reply never reached this worker (Redis died between running the
+        claim script and answering) leaves a task the scheduler counts as processing
+        here; the scheduler queues it again when two reports in a row do not list it.
+        No claim is made or applied from making the list until it lands, and it goes
+        after every report made before it: so the scheduler, reading the workers stream
+        in order, knows exactly which claims and which results the list has seen."""
+        async with self._claim_lock:
+            tasks = self.state.tasks
+            keys = []
+            for key, before in list(self._claimed_before.items()):
+                ts = tasks.get(key)
+                if ts is None or not ts.wanted or ts.state in ("memory", "error", "cancelled"):
+                    del self._claimed_before[key]  # finished, handed back or freed
+                elif before < self._holding_reports:
+                    keys.append(key)
+            self._holding_reports += 1
+            self._report({"op": "holding", "keys": sorted(keys)})
+            await self._flush()
 
     async def _heartbeat_loop(self) -> None:
         ttl = int(self.worker_ttl * 1000)
@@ -659,6 +695,7 @@ class Worker:
                     approximate=False,
                 )
             await pipe.execute()
+            await self._report_holding()
             await asyncio.sleep(self.heartbeat_interval)  # a heartbeat is a timer by nature
 
     def _note(self, kind: str, detail: str) -> None:
