@@ -12,8 +12,8 @@ from redisdask.errors import (
     FutureCancelledError,
     KilledWorker,
     RedisDaskError,
-    TaskInterrupted,
     SchedulerRejectedError,
+    TaskInterrupted,
 )
 
 __all__ = [
@@ -24,8 +24,8 @@ __all__ = [
     "KilledWorker",
     "LocalCluster",
     "RedisDaskError",
-    "TaskInterrupted",
     "SchedulerRejectedError",
+    "TaskInterrupted",
     "__version__",
     "as_completed",
     "progress",
