@@ -330,12 +330,14 @@ class Client:
         _refuse_unsupported(resources, actor or actors)
         function_bytes = specs.dumps_function(func)
         items = list(zip(*iterables, strict=False))
-        if isinstance(key, list | tuple) and not (isinstance(key, tuple) and _is_dask_key(key)):
+        if isinstance(key, list):
             if len(key) != len(items):
                 raise ValueError(f"map() got {len(key)} keys for {len(items)} items")
             keys: list[Hashable | None] = list(key)
-        else:
+        elif key is None or isinstance(key, str):
             keys = [None] * len(items)
+        else:
+            raise TypeError(f"map(key=) takes a prefix (str) or a list of keys, got {key!r}")
         prefix = key if isinstance(key, str) else None
         options = _options(retries, priority, workers, allow_other_workers)
         tasks = []
