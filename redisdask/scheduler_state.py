@@ -20,7 +20,8 @@ Task states::
   workers claim it.  The scheduler never pushes: workers pull.
 * ``processing``: a worker claimed it (the claim script told us which).
 * ``memory``: a worker holds the result; ``who_has`` lists the holders.
-* ``erred``: the function raised (after ``retries``) or a dependency erred.
+* ``erred``: the function raised (after ``retries``), a dependency erred, or the scheduler
+  refused to run it (its graph had a cycle).
 * ``released``: nobody needs the result now, but a dependent may still need the task's
   graph history to recompute it, so the task (and its spec in Redis) is kept.
 * ``no-worker``: ready, but restricted (``workers=``) to workers none of which is alive;
@@ -1019,6 +1020,8 @@ class SchedulerState:
                 ts = self.tasks[key] = TaskState(key, has_spec=False)
                 self._emit(StoreTask(ev.stimulus_id, key, None, [], 0.0, "released"))
             elif ts.state in ("waiting", "queued", "processing", "no-worker", "erred"):
+                if ts.erred_on in holders:  # the value put there replaced its failed run:
+                    ts.erred_on = None  # no free-keys for it
                 self._transition(ts, "released")  # the scattered data replaces the task's run
             ts.nbytes = int(ev.nbytes.get(key, 0))
             ts.type = str(ev.types.get(key, ""))
@@ -1111,15 +1114,19 @@ class SchedulerState:
         listed = set(ev.keys)
         read_before = ws.holding_reports
         ws.holding_reports += 1
-        for ts in sorted(ws.processing, key=lambda t: t.score):
+        lost = []
+        for ts in ws.processing:
             if ts.key in listed:
                 ts.unlisted = 0
             elif ts.claimed_before < read_before:  # claimed before the worker's previous
                 ts.unlisted += 1  # report, so this one would list it if it had it
                 if ts.unlisted >= 2:
-                    fields = {"key": ts.key, "worker": ws.address}
-                    self._emit(LogEvent(ev.stimulus_id, "lost-claim", fields))
-                    self._queue_again(ws, ts)
+                    lost.append(ts)
+        for ts in sorted(lost, key=lambda t: t.score):
+            self._emit(
+                LogEvent(ev.stimulus_id, "lost-claim", {"key": ts.key, "worker": ws.address})
+            )
+            self._queue_again(ws, ts)
 
     def _queue_again(self, ws: WorkerInfo, ts: TaskState) -> None:
         """A task processing on a worker that does not know it: queue it again."""

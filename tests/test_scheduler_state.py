@@ -436,6 +436,21 @@ def test_releasing_an_erred_task_tells_the_worker_it_raised_on_and_only_that_one
     assert not freed(out) and not of(out, WorkerMsg)
 
 
+def test_scattering_onto_a_key_that_erred_on_the_same_worker_keeps_the_scattered_value():
+    """The value was put on the worker (replacing its failed run) before update-data:
+    releasing the error must not free it there."""
+    s = make(W1, W2)
+    submit(s, "c", [task("x")], ["x"])
+    fail(s, "x", W1)
+    out = s.handle_stimulus(UpdateData("sc", client="c", who_has={"x": [W1]}))
+    assert s.tasks["x"].state == "memory" and s.tasks["x"].who_has == {W1}
+    assert not freed(out)
+    submit(s, "c", [task("z")], ["z"])
+    fail(s, "z", W2)
+    out = s.handle_stimulus(UpdateData("sc2", client="c", who_has={"z": [W1]}))
+    assert freed(out, W2) == {"z"} and not freed(out, W1)
+
+
 def test_error_from_a_worker_not_processing_the_task_is_ignored():
     s = make(W1, W2)
     submit(s, "c", [task("x")], ["x"])

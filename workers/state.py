@@ -57,6 +57,7 @@ import random
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field, fields
+from functools import partialmethod
 from typing import Any, ClassVar
 
 STATES: frozenset[str] = frozenset(
@@ -888,25 +889,17 @@ class WorkerState:
         ts.error = None
         self._store(ts, kw["value"], kw["nbytes"], sid)
 
-    # A key in error is claimed again (a new run), or needed here as a dependency whose
-    # result another worker holds: the failed run is dropped, never answered again.
-    def _transition_error_waiting(self, ts: TaskState, sid: str) -> None:
+    def _leave_error(self, ts: TaskState, sid: str, finish: str) -> None:
+        """A key in error is claimed again (a new run), or needed here as a dependency
+        whose result another worker holds: the failed run is dropped, never answered
+        again, and the task goes on as a released one would."""
         ts.error = None
-        self._set_state(ts, "waiting", sid)
+        self._transitions["released", finish](ts, sid)
 
-    def _transition_error_ready(self, ts: TaskState, sid: str) -> None:
-        ts.error = None
-        self._set_state(ts, "ready", sid)
-        self._push_ready(ts)
-
-    def _transition_error_fetch(self, ts: TaskState, sid: str) -> None:
-        ts.error = None
-        self._set_state(ts, "fetch", sid)
-
-    def _transition_error_missing(self, ts: TaskState, sid: str) -> None:
-        ts.error = None
-        self._set_state(ts, "missing", sid)
-        self._newly_missing.append(ts.key)
+    _transition_error_waiting = partialmethod(_leave_error, finish="waiting")
+    _transition_error_ready = partialmethod(_leave_error, finish="ready")
+    _transition_error_fetch = partialmethod(_leave_error, finish="fetch")
+    _transition_error_missing = partialmethod(_leave_error, finish="missing")
 
     # Release: every resting state but the running ones (those go to `cancelled`).
     def _transition_waiting_released(self, ts: TaskState, sid: str) -> None:
