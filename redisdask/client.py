@@ -54,6 +54,7 @@ SUBMIT_BATCH_BYTES = 16 << 20  # specs per stream entry, so the scheduler's writ
 # fenced write
 MAX_SPEC_BYTES = 256 << 20
 SEND_ATTEMPTS = 3  # writes refused while Redis answers PING before the client gives up
+MAX_KEYS_PER_MESSAGE = 1000  # values per get-data/put-data message to one worker
 
 
 # --------------------------------------------------------------------------- futures
@@ -850,7 +851,7 @@ class Client:
                     time.sleep(delay)  # the same dead holders: let the scheduler notice
                     delay = min(delay * 2, 0.5)
                 continue
-            for address, wkeys in by_worker.items():
+            for address, wkeys in _batches(by_worker, MAX_KEYS_PER_MESSAGE):
                 try:
                     header, frames = self._peers.rpc(address, {"op": "get-data", "keys": wkeys})
                     got, errs = comm.deserialize_dict(header, frames)
@@ -1095,7 +1096,8 @@ class Client:
             for address in chosen:
                 by_worker[address][key] = value
                 who_has[key].append(address)
-        for address, values in by_worker.items():
+        for address, chunk in _batches(by_worker, MAX_KEYS_PER_MESSAGE):
+            values = {key: by_worker[address][key] for key in chunk}
             header, frames, errors = comm.serialize_dict(values)
             if errors:
                 raise TypeError(next(iter(errors.values())))
@@ -1372,6 +1374,14 @@ def _toposort(tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
         stuck = next(k for k, deps in missing.items() if deps)
         raise ValueError(f"the graph has a cycle: {stuck!r} depends (indirectly) on itself")
     return order
+
+
+def _batches(by_worker: Mapping[str, Iterable[str]], size: int) -> Iterator[tuple[str, list[str]]]:
+    """``(worker, keys)`` in batches of at most ``size`` keys per message."""
+    for worker, keys in by_worker.items():
+        keys = list(keys)
+        for i in range(0, len(keys), size):
+            yield worker, keys[i : i + size]
 
 
 def _entries_size(entries: tuple[list[dict[str, Any]], ...]) -> int:

@@ -199,3 +199,14 @@ def test_distributed_names_are_accepted_by_get(client: Client) -> None:
     assert futures[0].result(timeout=10) == 2
     tag = uuid.uuid4().hex
     assert client.get({tag: (inc, 2)}, tag, allow_other_workers=True) == 3
+
+
+def test_more_values_than_one_message_may_carry(client: Client) -> None:
+    """12,000 results on one worker: fetched by the client and by another worker in
+    several messages (one message of them all passed the transport's limits)."""
+    a, b = sorted(client.scheduler_info()["workers"])
+    futures = client.map(inc, range(12_000), workers=[a])
+    assert client.gather(futures) == list(range(1, 12_001))
+    assert client.submit(sum, futures, workers=[b]).result(timeout=60) == sum(range(1, 12_001))
+    scattered = client.scatter(list(range(12_000)), workers=b)
+    assert client.gather(scattered)[-1] == 11_999

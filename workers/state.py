@@ -68,6 +68,7 @@ STATES: frozenset[str] = frozenset(
 )  # fmt: skip
 
 DEFAULT_TRANSFER_BATCH_BYTES = 200_000_000
+MAX_TRANSFER_KEYS = 1000  # keys per GatherDep: one message's header stays small
 DEFAULT_TRANSFER_CONCURRENCY = 4
 MAX_CLAIM = 1000
 EWMA_ALPHA = 0.2
@@ -712,7 +713,9 @@ class WorkerState:
                 if other.state != "fetch" or peer not in other.who_has:
                     continue
                 nbytes = other.nbytes or 0
-                if batch and total + nbytes > self.transfer_batch_bytes:
+                if batch and (
+                    total + nbytes > self.transfer_batch_bytes or len(batch) >= MAX_TRANSFER_KEYS
+                ):
                     break
                 batch.append(other)
                 total += nbytes
