@@ -81,3 +81,19 @@ def allocate_until_killed(limit: int, where: str, marker: str | None) -> None:
                     f.write(line + "\n")
                     f.flush()
         time.sleep(0.02)
+
+
+def dask_local_cluster() -> Any:
+    """Dask's own ``LocalCluster`` as every benchmark here runs it: 2 worker processes x
+    1 thread, no dashboard, quiet."""
+    import logging
+
+    import distributed
+
+    return distributed.LocalCluster(
+        n_workers=2,
+        threads_per_worker=1,
+        processes=True,
+        dashboard_address=None,
+        silence_logs=logging.ERROR,
+    )

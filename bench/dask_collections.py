@@ -18,7 +18,6 @@ Numbers are noisy on a shared machine: compare ratios, rerun before trusting one
 from __future__ import annotations
 
 import argparse
-import logging
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import _tasks  # noqa: F401  (puts bench/ on the workers' PYTHONPATH)
+import _tasks  # puts bench/ on the workers' PYTHONPATH
 import dask
 import dask.array as da
 import dask.dataframe as dd
@@ -99,13 +98,7 @@ def run_dask(repeats: int, expected: dict[str, Any]) -> dict[str, float]:
     import distributed
 
     with (
-        distributed.LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=None,
-            silence_logs=logging.ERROR,
-        ) as cluster,
+        _tasks.dask_local_cluster() as cluster,
         distributed.Client(cluster),
     ):
         print("[dask distributed]", file=sys.stderr)

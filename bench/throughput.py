@@ -301,13 +301,7 @@ def run_dask(args: argparse.Namespace) -> Bench:
 
     t0 = time.perf_counter()
     with (
-        distributed.LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=None,
-            silence_logs=logging.ERROR,
-        ) as cluster,
+        _tasks.dask_local_cluster() as cluster,
         distributed.Client(cluster) as client,
     ):
         print(f"[dask] cluster up in {time.perf_counter() - t0:.1f} s", file=sys.stderr)

@@ -684,7 +684,7 @@ class Client:
         else:
             if not isinstance(dsk, Mapping):
                 raise ImportError(_DASK_MISSING.format(what="a dask collection"))
-            tasks = _toposort(
+            tasks = specs.toposort(
                 self._legacy_tasks(dsk, _options(retries, priority, workers, allow_other_workers))
             )
             known = {t["key"] for t in tasks}
@@ -1351,29 +1351,6 @@ class Client:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _toposort(tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Dependencies before dependents (Kahn); ``ValueError`` naming a key on a cycle."""
-    by_key = {t["key"]: t for t in tasks}
-    missing = {t["key"]: {d for d in t["deps"] if d in by_key} for t in tasks}
-    dependents: dict[str, list[str]] = defaultdict(list)
-    for key, deps in missing.items():
-        for dep in deps:
-            dependents[dep].append(key)
-    ready = deque(key for key, deps in missing.items() if not deps)
-    order = []
-    while ready:
-        key = ready.popleft()
-        order.append(by_key[key])
-        for dependent in dependents[key]:
-            missing[dependent].discard(key)
-            if not missing[dependent]:
-                ready.append(dependent)
-    if len(order) < len(tasks):
-        stuck = next(k for k, deps in missing.items() if deps)
-        raise ValueError(f"the graph has a cycle: {stuck!r} depends (indirectly) on itself")
-    return order
 
 
 def _batches(by_worker: Mapping[str, Iterable[str]], size: int) -> Iterator[tuple[str, list[str]]]:

@@ -22,8 +22,7 @@ only when dask is used.
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,44 +141,9 @@ def to_graph(
         if "Cycle" not in str(exc):
             raise
         raise ValueError(f"the graph has a cycle: {exc}") from None
+    rank_of = {strings[key]: rank for key, rank in ranks.items()}
     return Graph(
-        tasks=_in_order(tasks, nodes, ranks),
+        tasks=specs.toposort(list(tasks.values()), rank_of),
         dask_keys={name: key for key, name in strings.items()},
         external=external,
     )
-
-
-def _in_order(
-    tasks: dict[Key, dict[str, Any]], nodes: Mapping[Key, GraphNode], ranks: Mapping[Key, int]
-) -> list[dict[str, Any]]:
-    """Tasks in dask's order, but never a dependent before its dependencies (Kahn's
-    algorithm, taking the best-ranked ready node first)."""
-    missing = {key: {d for d in node.dependencies if d in nodes} for key, node in nodes.items()}
-    dependents: dict[Key, list[Key]] = {key: [] for key in nodes}
-    for key, deps in missing.items():
-        for dep in deps:
-            dependents[dep].append(key)
-    ready = [(ranks.get(key, 0), i, key) for i, key in enumerate(nodes) if not missing[key]]
-    heapq.heapify(ready)
-    position = {key: i for i, key in enumerate(nodes)}
-    out: list[dict[str, Any]] = []
-    while ready:
-        _, _, key = heapq.heappop(ready)
-        out.append(tasks[key])
-        for dependent in dependents[key]:
-            missing[dependent].discard(key)
-            if not missing[dependent]:
-                heapq.heappush(ready, (ranks.get(dependent, 0), position[dependent], dependent))
-    if len(out) < len(tasks):
-        stuck = next(key for key, deps in missing.items() if deps)
-        raise ValueError(f"the graph has a cycle: {stuck!r} depends (indirectly) on itself")
-    return out
-
-
-def flatten_keys(keys: Any) -> Iterable[Key]:
-    """The keys of a (nested) list of keys; tuples are keys, lists give the shape."""
-    if isinstance(keys, list):
-        for item in keys:
-            yield from flatten_keys(item)
-    else:
-        yield keys

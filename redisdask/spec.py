@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextvars
 import hashlib
+import heapq
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -206,6 +207,35 @@ def run_spec(spec: bytes, data: Mapping[str, Any], functions: FunctionCache) -> 
 
 
 # --------------------------------------------------------------------------- dict graphs
+
+
+def toposort(
+    tasks: list[dict[str, Any]], rank: Mapping[str, float] | None = None
+) -> list[dict[str, Any]]:
+    """Tasks (``{"key", "deps", ...}``) with dependencies before dependents: Kahn's
+    algorithm, taking the best-ranked ready task first (the given order without ranks).
+    ``ValueError`` naming a key on a cycle."""
+    rank = rank or {}
+    position = {t["key"]: i for i, t in enumerate(tasks)}
+    missing = {t["key"]: {d for d in t["deps"] if d in position} for t in tasks}
+    dependents: dict[str, list[str]] = {key: [] for key in position}
+    for key, deps in missing.items():
+        for dep in deps:
+            dependents[dep].append(key)
+    ready = [(rank.get(key, 0), position[key], key) for key, deps in missing.items() if not deps]
+    heapq.heapify(ready)
+    order: list[dict[str, Any]] = []
+    while ready:
+        key = heapq.heappop(ready)[2]
+        order.append(tasks[position[key]])
+        for dependent in dependents[key]:
+            missing[dependent].discard(key)
+            if not missing[dependent]:
+                heapq.heappush(ready, (rank.get(dependent, 0), position[dependent], dependent))
+    if len(order) < len(tasks):
+        stuck = next(key for key, deps in missing.items() if deps)
+        raise ValueError(f"the graph has a cycle: {stuck!r} depends (indirectly) on itself")
+    return order
 
 
 def stringify(key: Hashable) -> str:
