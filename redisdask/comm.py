@@ -217,7 +217,7 @@ class Limits:
     max_header_size: int = 1 << 20
     # a value may carry many buffers (a DataFrame: one per column), so a message of a
     # thousand values may carry tens of thousands of frames; 8 bytes of length each
-    max_frames: int = 1_000_000
+    max_frames: int = 500_000
     max_message_size: int = 1 << 40
 
 

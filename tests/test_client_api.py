@@ -93,8 +93,8 @@ def test_gather_raises_the_first_error_without_waiting_for_the_rest(
         with pytest.raises(ZeroDivisionError):
             client.gather([slow, bad])  # was: waited for `slow` first
         assert not slow.done()
-        with pytest.raises(ZeroDivisionError):
-            client.get({"a": (wait_for_file, str(release)), "b": (div, 1, 0)}, ["a", "b"])
+        with pytest.raises(ZeroDivisionError):  # "a" waits for `slow`
+            client.get({"a": (inc, slow), "b": (div, 1, 0)}, ["a", "b"])
     finally:
         release.touch()
 

@@ -223,7 +223,7 @@ def test_free_keys_of_executing_task_cancels_it() -> None:
     ws.handle_stimulus(compute("x"))
     assert ws.handle_stimulus(FreeKeysEvent(["x"], "free")) == []
     assert ws.tasks["x"].state == "cancelled"
-    assert ws.claim_budget() == 1  # the thread is still busy
+    assert ws.claim_budget() == 0  # the thread is still busy
     out = ws.handle_stimulus(success("x"))
     assert out == [ReleasedKeysMsg(["x"], "done-x")]
     assert "x" not in ws.data and "x" not in ws.tasks
@@ -414,15 +414,29 @@ def test_a_freed_run_asked_for_as_a_copy_keeps_its_result() -> None:
 
 def test_claim_budget_basics() -> None:
     ws = make(nthreads=4)
-    assert ws.claim_budget() == 8
+    assert ws.claim_budget() == 4  # durations unknown: one per thread
     for i in range(3):
         ws.handle_stimulus(compute(f"x{i}"))
-    assert ws.claim_budget() == 5
-    for i in range(5):
-        ws.handle_stimulus(compute(f"y{i}"))
-    assert ws.claim_budget() == 0
-    ws.handle_stimulus(success("x0", start=0.0, stop=1.0))  # slow task: no batching
     assert ws.claim_budget() == 1
+    ws.handle_stimulus(compute("y0"))
+    assert ws.claim_budget() == 0
+    ws.handle_stimulus(success("x0", start=0.0, stop=1.0))  # slow task: no claiming ahead
+    assert ws.claim_budget() == 1
+
+
+def test_claim_budget_claims_ahead_only_for_short_tasks() -> None:
+    """A task claimed ahead waits behind the running ones: only short tasks are worth it
+    (a long one would keep it from an idle worker)."""
+    ws = make(nthreads=2)
+    ws.handle_stimulus(compute("long"))
+    ws.handle_stimulus(success("long", start=0.0, stop=5.0))
+    ws.handle_stimulus(compute("a"), compute("b"))
+    assert ws.claim_budget() == 0
+    short = make(nthreads=2)
+    short.handle_stimulus(compute("s"))
+    short.handle_stimulus(success("s", start=0.0, stop=0.05))
+    short.handle_stimulus(compute("a"), compute("b"))
+    assert short.claim_budget() == 2  # one more queued per thread
 
 
 def test_claim_budget_tiny_tasks() -> None:

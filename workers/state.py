@@ -71,6 +71,7 @@ DEFAULT_TRANSFER_BATCH_BYTES = 200_000_000
 MAX_TRANSFER_KEYS = 1000  # keys per GatherDep: one message's header stays small
 DEFAULT_TRANSFER_CONCURRENCY = 4
 MAX_CLAIM = 1000
+PREFETCH_BELOW = 0.1  # seconds: tasks shorter on average are claimed ahead of a free thread
 EWMA_ALPHA = 0.2
 
 
@@ -457,17 +458,20 @@ class WorkerState:
     def claim_budget(self, horizon: float = 0.02) -> int:
         """How many more tasks the driver should claim now.
 
-        Keeps ``2 * nthreads`` tasks claimed-but-unfinished (one queued per thread); when
-        the average task takes much less than ``horizon`` seconds, enough to keep every
-        thread busy for ``horizon`` (capped at 1000), so tiny tasks are claimed in batches.
+        One task per thread, no more, unless tasks are known to be short: a task claimed
+        ahead waits behind whatever the threads run, however long that takes, while
+        another worker may sit idle (there is no work stealing).  Tasks that average under
+        ``PREFETCH_BELOW`` seconds keep one more queued per thread, which hides the claim
+        round trip; tasks much shorter than ``horizon`` are claimed in batches that keep
+        every thread busy for ``horizon`` (capped at 1000).
         """
         if self.paused or self.retiring:
             return 0
-        target = 2 * self.nthreads
+        target = self.nthreads
         avg = self.avg_task_duration
-        if avg is not None:
+        if avg is not None and avg < PREFETCH_BELOW:
             tiny = MAX_CLAIM if avg <= 0 else min(MAX_CLAIM, int(self.nthreads * horizon / avg))
-            target = max(target, tiny)
+            target = max(2 * self.nthreads, tiny)
         active = len(self.by_state["waiting"]) + len(self.by_state["ready"]) + len(self.executing)
         return max(0, target - active)
 
