@@ -821,6 +821,7 @@ class SchedulerState:
         self._emit(ForgetClient(ev.stimulus_id, ev.client))
 
     def _handle_update_data(self, ev: UpdateData) -> None:
+        recorded: dict[str, list[str]] = {}  # worker -> keys it now holds for us
         for key, holders in ev.who_has.items():
             ts = self.tasks.get(key)
             if ts is None:
@@ -833,10 +834,17 @@ class SchedulerState:
             ts.type = str(ev.types.get(key, ""))
             for worker in holders:
                 self._add_replica(ts, worker)
+                if worker in self.workers:
+                    recorded.setdefault(worker, []).append(key)
             if ts.state != "memory":
                 ts.state = "memory"
                 self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
                 self._wake_waiters(ts)
+        # the data reached the workers over TCP, before this message; a free-keys this
+        # scheduler sent them earlier (for a released copy of the same key) may reach them
+        # after it: this tells them which free-keys are about the new copies
+        for worker, keys in recorded.items():
+            self._emit(WorkerMsg(ev.stimulus_id, worker, {"op": "keys-recorded", "keys": keys}))
         self._add_wants(ev.client, list(ev.who_has))
 
     # ------------------------------------------------------------------ worker events

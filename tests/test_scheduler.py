@@ -13,7 +13,7 @@ from polling import poll
 from redisdask import Client, LocalCluster
 from redisdask.errors import FencedError
 from redisdask.scheduler import Scheduler
-from redisdask.scheduler_state import Forget, StoreTask
+from redisdask.scheduler_state import Forget, StoreTask, WorkerMsg
 from redisdask.schema import SCHEDULER_GROUP, Keys, ensure_cluster, entry, pack, unpack
 
 pytestmark = pytest.mark.timeout(60)
@@ -36,6 +36,30 @@ def test_forget_and_resubmit_in_one_batch_writes_the_new_task_last(
     assert deletes and writes and max(deletes) < min(writes)
     assert ["SADD", scheduler.keys.tasks, "x"] in cmds
     assert not any(c[0] == "SREM" and c[1] == scheduler.keys.tasks for c in cmds)
+
+
+def test_a_workers_messages_keep_their_order_when_free_keys_are_merged(
+    redis_url: str, cluster_name: str
+) -> None:
+    """free-keys of one batch are merged, but never moved past another message to the
+    same worker: a keys-recorded made after a free-keys of the same key must reach the
+    worker after it (or the worker drops data scattered to it again)."""
+    scheduler = Scheduler(redis_url, cluster_name)
+    w = "tcp://10.0.0.1:1"
+    cmds = scheduler.to_commands(
+        [
+            WorkerMsg("s", w, {"op": "free-keys", "keys": ["a"]}),
+            WorkerMsg("s", w, {"op": "free-keys", "keys": ["d"]}),
+            WorkerMsg("s", w, {"op": "keys-recorded", "keys": ["d"]}),
+            WorkerMsg("s", w, {"op": "free-keys", "keys": ["b"]}),
+        ]
+    )
+    (xadd,) = [c for c in cmds if c[0] == "XADD" and c[1] == scheduler.keys.worker_inbox(w)]
+    assert unpack(xadd[-1]) == [
+        {"op": "free-keys", "keys": ["a", "d"]},
+        {"op": "keys-recorded", "keys": ["d"]},
+        {"op": "free-keys", "keys": ["b"]},
+    ]
 
 
 def test_a_batch_and_its_acknowledgement_land_together(redis_url: str, cluster_name: str) -> None:

@@ -547,6 +547,34 @@ def test_update_data_scatter_and_dependent_runs():
     assert s.tasks == {}
 
 
+def test_scattered_again_after_a_release_the_holder_hears_free_keys_then_keys_recorded():
+    """The new copy reached the worker over TCP before this update-data; the free-keys
+    for the released copy may reach it later.  keys-recorded, after that free-keys in the
+    worker's inbox, tells it which free-keys were about older copies (issue 10, item 11)."""
+    s = make(W1, W2)
+    scatter = {"who_has": {"d": [W1]}, "nbytes": {"d": 8}, "types": {"d": "int"}}
+    out = s.handle_stimulus(UpdateData("sc1", client="c", **scatter))
+    assert [(i.worker, i.msg) for i in of(out, WorkerMsg)] == [
+        (W1, {"op": "keys-recorded", "keys": ["d"]})
+    ]
+    out = s.handle_stimulus(
+        ClientReleasesKeys("rel", client="c", keys=["d"]),
+        UpdateData("sc2", client="c", **scatter),
+    )
+    assert [(i.worker, i.msg["op"], i.msg["keys"]) for i in of(out, WorkerMsg)] == [
+        (W1, "free-keys", ["d"]),
+        (W1, "keys-recorded", ["d"]),
+    ]
+    assert s.tasks["d"].state == "memory" and s.tasks["d"].who_has == {W1}
+    # a holder that is not registered (gone meanwhile) is told nothing
+    out = s.handle_stimulus(
+        UpdateData("sc3", client="c", who_has={"e": [W2, W3]}, nbytes={}, types={})
+    )
+    assert [(i.worker, i.msg) for i in of(out, WorkerMsg)] == [
+        (W2, {"op": "keys-recorded", "keys": ["e"]})
+    ]
+
+
 def test_scatter_wakes_a_waiting_dependent():
     s = make(W1)
     out = submit(s, "c", [task("f", ["d"])], ["f"])
