@@ -1096,6 +1096,13 @@ class SchedulerState:
                     self._emit(
                         WorkerMsg(ev.stimulus_id, ws.address, {"op": "free-keys", "keys": [key]})
                     )
+            if ev.worker in ts.who_has:
+                # it misses a key counted as held by itself: its copy is gone (answering
+                # with its own address would leave its dependents waiting for ever)
+                ts.who_has.discard(ev.worker)
+                reporter = self.workers.get(ev.worker)
+                if reporter is not None:
+                    reporter.has_what.discard(ts)
             if ts.state == "memory" and ts.who_has:
                 self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
                 self._emit(

@@ -758,6 +758,37 @@ def test_missing_data_about_a_peer():
     assert s.tasks["b"].state == "memory"
 
 
+def test_missing_data_from_a_recorded_holder_drops_it_as_a_holder():
+    """A worker that misses a key the scheduler counts it as holding has lost its copy.
+    Answering its who-has with its own address left its dependent waiting for ever
+    (the soak's hang, issue 10 item 11): it is no holder any more."""
+    s = make(W1, W2)
+    submit(s, "c", [task("a"), task("b", ["a"])], ["b"])
+    run(s, "a", W1)
+    s.handle_stimulus(AddKeys("ak", worker=W2, keys=["a"]))
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["b"]))
+    out = s.handle_stimulus(MissingData("md", worker=W1, keys=["a"], errant_worker=""))
+    assert s.tasks["a"].who_has == {W2} and s.tasks["a"] not in s.workers[W1].has_what
+    (msg,) = [i for i in of(out, WorkerMsg) if i.msg["op"] == "who-has"]
+    assert msg.worker == W1 and msg.msg["who_has"] == {"a": [W2]}
+    # the only copy: a is computed again, b taken back meanwhile
+    s.handle_stimulus(AddKeys("ak2", worker=W1, keys=["a"]))
+    s.handle_stimulus(ReleasedKeys("rk", worker=W2, keys=["a"]))
+    out = s.handle_stimulus(MissingData("md2", worker=W1, keys=["a"], errant_worker=""))
+    assert states(s) == {"a": "queued", "b": "waiting"} and freed(out, W1) == {"b"}
+
+
+def test_scattered_data_its_holder_misses_errs_its_dependents_instead_of_hanging():
+    s = make(W1)
+    s.handle_stimulus(UpdateData("sc", client="c", who_has={"d": [W1]}, nbytes={}, types={}))
+    submit(s, "c", [task("f", ["d"])], ["f"])
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["f"]))
+    out = s.handle_stimulus(MissingData("md", worker=W1, keys=["d"], errant_worker=""))
+    assert states(s) == {"d": "erred", "f": "erred"}
+    (msg,) = client_msgs(out, "task-erred", "c")[-1:]
+    assert "DataUnavailableError" in msg["exception_text"]
+
+
 def test_missing_data_of_the_last_copy_sends_queued_dependent_back():
     s = make(W1, W2)
     submit(s, "c", [task("a"), task("b", ["a"])], ["b"])
