@@ -453,3 +453,47 @@ def test_soak_short(redis_url: str, cluster_name: str, tmp_path: Path) -> None:
 def test_soak_long(redis_url: str, cluster_name: str, tmp_path: Path) -> None:
     run = soak(redis_url, cluster_name, LONG_SECONDS, tmp_path)
     assert run.rounds >= 10, f"only {run.rounds} rounds in {LONG_SECONDS} s"
+
+
+# ------------------------------------------------------ known bug (a), in the soak's terms
+
+KNOWN_BUG_A = (
+    "known bug (a) of issue 10, fixed on branch sched-fixes: a worker never forgets a task "
+    "that erred on it (the scheduler does not tell it when it releases or retries the task)"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=KNOWN_BUG_A)
+@pytest.mark.timeout(60)
+def test_a_task_retried_on_the_worker_where_it_erred_runs_again(
+    client: Client, tmp_path: Path
+) -> None:
+    """The soak's flaky task, with its retry claimed by the worker where its first run
+    failed: that worker answered the retry with the first run's error (it never ran it
+    again), so the future erred although its retry would have succeeded."""
+    a = sorted(client.scheduler_info()["workers"])[0]
+    x = client.submit(flaky, 5, str(tmp_path / "marker"), retries=1, workers=[a])
+    assert x.result(timeout=10) == 35
+
+
+@pytest.mark.xfail(strict=True, reason=KNOWN_BUG_A)
+@pytest.mark.timeout(60)
+def test_a_dependent_on_the_worker_where_its_dependency_once_erred_runs(
+    cluster: LocalCluster, client: Client, tmp_path: Path
+) -> None:
+    """The soak's hang with flaky tasks: a's first run erred there, its retry ran on b, and
+    a dependent claimed by a waited for ever for the dependency a still held as erred.
+    The same state, deterministically: the erred key is released and forgotten, then
+    submitted again and run on b."""
+    a, b = sorted(client.scheduler_info()["workers"])
+    marker = str(tmp_path / "marker")
+    x = client.submit(flaky, 5, marker, workers=[a])
+    assert "first run fails" in str(x.exception(timeout=10))  # (no traceback holds x)
+    key = x.key
+    del x
+    client.submit(inc, 0).result(timeout=10)  # a send: carries the release
+    r = redis.Redis.from_url(cluster.redis_url)
+    poll(lambda: not r.exists(Keys(cluster.cluster_name).task(key)))  # forgotten
+    y = client.submit(flaky, 5, marker, workers=[b])
+    assert y.key == key and y.result(timeout=10) == 35
+    assert client.submit(inc, y, workers=[a]).result(timeout=10) == 36
