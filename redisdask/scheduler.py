@@ -455,6 +455,11 @@ class Scheduler:
                 if ins.msg.get("op") == "free-keys":
                     free_keys[ins.worker].extend(ins.msg["keys"])
                 else:
+                    # the worker reads its messages in the order they were made: free-keys
+                    # made before this one go before it (keys-recorded must follow them)
+                    merged = free_keys.pop(ins.worker, None)
+                    if merged:
+                        worker_msgs[ins.worker].append({"op": "free-keys", "keys": merged})
                     worker_msgs[ins.worker].append(ins.msg)
             elif isinstance(ins, Forget):
                 task_fields.pop(ins.key, None)

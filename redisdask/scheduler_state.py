@@ -1013,6 +1013,7 @@ class SchedulerState:
         self._emit(ForgetClient(ev.stimulus_id, ev.client))
 
     def _handle_update_data(self, ev: UpdateData) -> None:
+        recorded: dict[str, list[str]] = {}  # worker -> keys it now holds for us
         for key, holders in ev.who_has.items():
             ts = self.tasks.get(key)
             if ts is None:
@@ -1027,10 +1028,17 @@ class SchedulerState:
             ts.type = str(ev.types.get(key, ""))
             for worker in holders:
                 self._add_replica(ts, worker)
+                if worker in self.workers:
+                    recorded.setdefault(worker, []).append(key)
             if ts.state != "memory":
                 ts.state = "memory"
                 self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
                 self._wake_waiters(ts)
+        # the data reached the workers over TCP, before this message; a free-keys this
+        # scheduler sent them earlier (for a released copy of the same key) may reach them
+        # after it: this tells them which free-keys are about the new copies
+        for worker, keys in recorded.items():
+            self._emit(WorkerMsg(ev.stimulus_id, worker, {"op": "keys-recorded", "keys": keys}))
         self._add_wants(ev.client, list(ev.who_has))
 
     # ------------------------------------------------------------------ worker events
@@ -1323,6 +1331,13 @@ class SchedulerState:
                     # no longer counted as a holder: it must not keep an orphan copy
                     ws.has_what.discard(ts)
                     self._free(ws.address, key)
+            if ev.worker in ts.who_has:
+                # it misses a key counted as held by itself: its copy is gone (answering
+                # with its own address would leave its dependents waiting for ever)
+                ts.who_has.discard(ev.worker)
+                reporter = self.workers.get(ev.worker)
+                if reporter is not None:
+                    reporter.has_what.discard(ts)
             if ts.state == "memory" and ts.who_has:
                 self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
                 self._emit(

@@ -199,6 +199,7 @@ def test_malformed_inbox_messages_leave_the_worker_working(
     workers = sorted(client.nthreads())
     for w in workers:
         r.xadd(keys.worker_inbox(w), entry([{"op": "free-keys"}]))  # no keys
+        r.xadd(keys.worker_inbox(w), entry([{"op": "keys-recorded", "keys": [3]}]))
         r.xadd(keys.worker_inbox(w), entry([{"op": "who-has", "who_has": "x"}, 7]))
         r.xadd(keys.worker_inbox(w), {"m": b"\xc1"})
     for w in workers:  # each still claims and runs its own work

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 import redis
 from polling import poll
@@ -181,6 +182,34 @@ def test_scatter_and_broadcast(client: Client) -> None:
     y = client.scatter({"big": 5}, broadcast=True)["big"]
     assert sorted(client.who_has(y)[y.key]) == sorted(client.scheduler_info()["workers"])
     assert client.submit(inc, y).result(timeout=10) == 6
+
+
+def test_scattering_a_released_value_again_keeps_the_new_copy(
+    cluster: LocalCluster, client: Client
+) -> None:
+    """A value scattered again (same key) to the worker that held its released copy:
+    the scheduler's free-keys for the old copy reaches the worker after the new data
+    did, and must not drop it.  It did (issue 10, item 11): the scheduler named the
+    worker as the holder, a dependent claimed there waited for the data forever."""
+    a = sorted(client.scheduler_info()["workers"])[0]
+    r = redis.Redis.from_url(cluster.redis_url)
+    keys = Keys(cluster.cluster_name)
+    [x] = client.scatter([41], workers=[a])
+    key = x.key
+    poll(lambda: r.hget(keys.task(key), "state") == b"memory")
+    scheduler = psutil.Process(cluster.scheduler_process.pid)  # type: ignore[union-attr]
+    scheduler.suspend()  # the release and the new scatter's news wait for it, in order
+    try:
+        poll(lambda: scheduler.status() == psutil.STATUS_STOPPED)
+        del x
+        z = client.submit(inc, 0)  # a send: carries the release of the scattered key
+        [x] = client.scatter([41], workers=[a])  # the data reaches the worker at once
+        assert x.key == key
+    finally:
+        scheduler.resume()
+    y = client.submit(inc, x, workers=[a])
+    assert y.result(timeout=10) == 42
+    assert x.result(timeout=10) == 41 and z.result(timeout=10) == 1
 
 
 def test_wait_as_completed_and_callbacks(client: Client) -> None:

@@ -13,7 +13,7 @@ from polling import poll
 from redisdask import Client, LocalCluster
 from redisdask.errors import FencedError
 from redisdask.scheduler import Scheduler, rejected_graphs
-from redisdask.scheduler_state import Forget, StoreTask
+from redisdask.scheduler_state import Forget, StoreTask, WorkerMsg
 from redisdask.schema import SCHEDULER_GROUP, Keys, ensure_cluster, entry, pack, unpack
 
 pytestmark = pytest.mark.timeout(60)
@@ -57,6 +57,30 @@ def test_a_refused_update_graph_still_names_its_client_and_keys_to_tell() -> Non
     assert rejected.stimulus_id == "clients:1-0/0"
     assert rejected_graphs(b"1-1", {b"m": b"\xc1"}, "not msgpack") == []
     assert rejected_graphs(b"1-2", {b"junk": b"1"}, "no m") == []
+
+
+def test_a_workers_messages_keep_their_order_when_free_keys_are_merged(
+    redis_url: str, cluster_name: str
+) -> None:
+    """free-keys of one batch are merged, but never moved past another message to the
+    same worker: a keys-recorded made after a free-keys of the same key must reach the
+    worker after it (or the worker drops data scattered to it again)."""
+    scheduler = Scheduler(redis_url, cluster_name)
+    w = "tcp://10.0.0.1:1"
+    cmds = scheduler.to_commands(
+        [
+            WorkerMsg("s", w, {"op": "free-keys", "keys": ["a"]}),
+            WorkerMsg("s", w, {"op": "free-keys", "keys": ["d"]}),
+            WorkerMsg("s", w, {"op": "keys-recorded", "keys": ["d"]}),
+            WorkerMsg("s", w, {"op": "free-keys", "keys": ["b"]}),
+        ]
+    )
+    (xadd,) = [c for c in cmds if c[0] == "XADD" and c[1] == scheduler.keys.worker_inbox(w)]
+    assert unpack(xadd[-1]) == [
+        {"op": "free-keys", "keys": ["a", "d"]},
+        {"op": "keys-recorded", "keys": ["d"]},
+        {"op": "free-keys", "keys": ["b"]},
+    ]
 
 
 def test_a_batch_and_its_acknowledgement_land_together(redis_url: str, cluster_name: str) -> None:

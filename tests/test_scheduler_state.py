@@ -755,6 +755,34 @@ def test_update_data_scatter_and_dependent_runs():
     assert s.tasks == {}
 
 
+def test_scattered_again_after_a_release_the_holder_hears_free_keys_then_keys_recorded():
+    """The new copy reached the worker over TCP before this update-data; the free-keys
+    for the released copy may reach it later.  keys-recorded, after that free-keys in the
+    worker's inbox, tells it which free-keys were about older copies (issue 10, item 11)."""
+    s = make(W1, W2)
+    scatter = {"who_has": {"d": [W1]}, "nbytes": {"d": 8}, "types": {"d": "int"}}
+    out = s.handle_stimulus(UpdateData("sc1", client="c", **scatter))
+    assert [(i.worker, i.msg) for i in of(out, WorkerMsg)] == [
+        (W1, {"op": "keys-recorded", "keys": ["d"]})
+    ]
+    out = s.handle_stimulus(
+        ClientReleasesKeys("rel", client="c", keys=["d"]),
+        UpdateData("sc2", client="c", **scatter),
+    )
+    assert [(i.worker, i.msg["op"], i.msg["keys"]) for i in of(out, WorkerMsg)] == [
+        (W1, "free-keys", ["d"]),
+        (W1, "keys-recorded", ["d"]),
+    ]
+    assert s.tasks["d"].state == "memory" and s.tasks["d"].who_has == {W1}
+    # a holder that is not registered (gone meanwhile) is told nothing
+    out = s.handle_stimulus(
+        UpdateData("sc3", client="c", who_has={"e": [W2, W3]}, nbytes={}, types={})
+    )
+    assert [(i.worker, i.msg) for i in of(out, WorkerMsg)] == [
+        (W2, {"op": "keys-recorded", "keys": ["e"]})
+    ]
+
+
 def test_scatter_wakes_a_waiting_dependent():
     s = make(W1)
     out = submit(s, "c", [task("f", ["d"])], ["f"])
@@ -936,6 +964,37 @@ def test_missing_data_about_a_peer():
     assert s.tasks["b"].state == "queued"
     run(s, "b", W3)
     assert s.tasks["b"].state == "memory"
+
+
+def test_missing_data_from_a_recorded_holder_drops_it_as_a_holder():
+    """A worker that misses a key the scheduler counts it as holding has lost its copy.
+    Answering its who-has with its own address left its dependent waiting for ever
+    (the soak's hang, issue 10 item 11): it is no holder any more."""
+    s = make(W1, W2)
+    submit(s, "c", [task("a"), task("b", ["a"])], ["b"])
+    run(s, "a", W1)
+    s.handle_stimulus(AddKeys("ak", worker=W2, keys=["a"]))
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["b"]))
+    out = s.handle_stimulus(MissingData("md", worker=W1, keys=["a"], errant_worker=""))
+    assert s.tasks["a"].who_has == {W2} and s.tasks["a"] not in s.workers[W1].has_what
+    (msg,) = [i for i in of(out, WorkerMsg) if i.msg["op"] == "who-has"]
+    assert msg.worker == W1 and msg.msg["who_has"] == {"a": [W2]}
+    # the only copy: a is computed again, b taken back meanwhile
+    s.handle_stimulus(AddKeys("ak2", worker=W1, keys=["a"]))
+    s.handle_stimulus(ReleasedKeys("rk", worker=W2, keys=["a"]))
+    out = s.handle_stimulus(MissingData("md2", worker=W1, keys=["a"], errant_worker=""))
+    assert states(s) == {"a": "queued", "b": "waiting"} and freed(out, W1) == {"b"}
+
+
+def test_scattered_data_its_holder_misses_errs_its_dependents_instead_of_hanging():
+    s = make(W1)
+    s.handle_stimulus(UpdateData("sc", client="c", who_has={"d": [W1]}, nbytes={}, types={}))
+    submit(s, "c", [task("f", ["d"])], ["f"])
+    s.handle_stimulus(TaskClaimed("claim", worker=W1, keys=["f"]))
+    out = s.handle_stimulus(MissingData("md", worker=W1, keys=["d"], errant_worker=""))
+    assert states(s) == {"d": "erred", "f": "erred"}
+    (msg,) = client_msgs(out, "task-erred", "c")[-1:]
+    assert "DataUnavailableError" in msg["exception_text"]
 
 
 def test_missing_data_of_the_last_copy_sends_queued_dependent_back():

@@ -23,6 +23,7 @@ from workers.state import (
     GatherDepSuccessEvent,
     Instruction,
     InvalidTransition,
+    KeysRecordedEvent,
     MissingDataMsg,
     PauseEvent,
     PutDataEvent,
@@ -314,8 +315,45 @@ def test_put_data() -> None:
     out = ws.handle_stimulus(PutDataEvent({"p": [1, 2]}, {"p": 80}, "scatter"))
     assert out == [AddKeysMsg(["p"], {"p": 80}, "scatter")]
     assert ws.data == {"p": [1, 2]} and ws.tasks["p"].state == "memory"
+    assert ws.handle_stimulus(KeysRecordedEvent(["p"], "recorded")) == []
     ws.handle_stimulus(FreeKeysEvent(["p"], "free"))
     assert ws.data == {}
+
+
+def test_a_free_keys_sent_for_an_older_copy_leaves_data_scattered_again() -> None:
+    """Scattered data comes over TCP, free-keys through the inbox: a free-keys sent for
+    the released copy of a key can be read after the same key was scattered here again.
+    Until the scheduler has recorded the new copy (keys-recorded, in inbox order after
+    that free-keys), a free-keys is about an older copy (issue 10, item 11)."""
+    ws = make()
+    ws.handle_stimulus(PutDataEvent({"p": 1}, {"p": 8}, "put-1"))
+    ws.handle_stimulus(KeysRecordedEvent(["p"], "recorded-1"))
+    ws.handle_stimulus(PutDataEvent({"p": 1}, {"p": 8}, "put-2"))  # scattered again
+    assert ws.handle_stimulus(FreeKeysEvent(["p"], "free-the-first")) == []
+    assert ws.data == {"p": 1} and ws.tasks["p"].state == "memory"
+    ws.handle_stimulus(KeysRecordedEvent(["p"], "recorded-2"))
+    ws.handle_stimulus(FreeKeysEvent(["p"], "free-the-second"))
+    assert ws.data == {} and ws.tasks == {}
+
+
+def test_each_copy_put_waits_for_its_own_record() -> None:
+    ws = make()
+    ws.handle_stimulus(PutDataEvent({"p": 1}, {"p": 8}, "put-1"))
+    ws.handle_stimulus(PutDataEvent({"p": 1}, {"p": 8}, "put-2"))
+    ws.handle_stimulus(KeysRecordedEvent(["p"], "recorded-1"))
+    ws.handle_stimulus(FreeKeysEvent(["p"], "free-sent-before-record-2"))
+    assert ws.data == {"p": 1}
+    ws.handle_stimulus(KeysRecordedEvent(["p"], "recorded-2"), KeysRecordedEvent(["p"], "late"))
+    ws.handle_stimulus(FreeKeysEvent(["p"], "free"))
+    assert ws.data == {}
+
+
+def test_a_restart_drops_copies_not_recorded_yet() -> None:
+    ws = make()
+    ws.handle_stimulus(PutDataEvent({"p": 1}, {"p": 8}, "put"))
+    ws.handle_stimulus(FreeKeysEvent(["p"], "restart", force=True))
+    assert ws.data == {} and ws.tasks == {}
+    assert ws.handle_stimulus(KeysRecordedEvent(["p"], "late")) == []  # nothing to record
 
 
 def test_pause_stops_execute_but_not_gather() -> None:
@@ -573,6 +611,7 @@ class RandomDriver:
         self.executing: set[str] = set()
         self.gathering: dict[str, set[str]] = {}
         self.graph: dict[str, list[str]] = {}
+        self.puts: list[str] = []  # keys put here that the "scheduler" has not recorded
         self.n = 0
 
     def holders(self) -> list[str]:
@@ -620,9 +659,12 @@ class RandomDriver:
             missing = sorted(t.key for t in ws.by_state["missing"])
             keys = missing or [f"d{rng.randint(0, 15)}"]
             return UpdateWhoHasEvent({k: self.holders() for k in keys}, sid)
-        if choice < 0.92:
+        if choice < 0.89 or (choice < 0.92 and not self.puts):
             key = rng.choice([f"p{rng.randint(0, 5)}", f"d{rng.randint(0, 15)}"])
+            self.puts.append(key)
             return PutDataEvent({key: key}, {key: 4}, sid)
+        if choice < 0.92:
+            return KeysRecordedEvent([self.puts.pop(rng.randrange(len(self.puts)))], sid)
         return PauseEvent(sid) if rng.random() < 0.5 and not ws.paused else UnpauseEvent(sid)
 
     def feed(self, ev: StateMachineEvent) -> None:
@@ -653,6 +695,7 @@ def test_random_event_sequences(seed: int) -> None:
                 data = {k: 0 for k in keys}
                 driver.feed(GatherDepSuccessEvent(worker, data, {}, f"drain-{worker}"))
         missing = sorted(t.key for t in driver.ws.by_state["missing"])
+        driver.feed(KeysRecordedEvent(driver.puts, "record-all"))
         driver.feed(FreeKeysEvent(sorted(driver.ws.tasks), "free-all"))
         driver.feed(UpdateWhoHasEvent({k: [] for k in missing}, "end"))
         assert not driver.ws.executing

@@ -32,6 +32,7 @@ Task states and the transitions implemented here::
         answered again: the scheduler queues a key only when it wants it run.
     PutDataEvent: released | waiting | ready | fetch | flight | missing | error ──► memory
     FreeKeysEvent: any resting state ──► released (then forgotten); running ──► cancelled
+                   (not a copy put here that the scheduler has not recorded yet, below)
 
 * ``released`` is transient: a task that is neither *wanted* (claimed by / pushed to this
   worker, so the scheduler expects it here) nor needed by a dependent is forgotten at
@@ -41,6 +42,12 @@ Task states and the transitions implemented here::
   dropped (``ReleasedKeysMsg`` for a computation) unless the task was wanted again.
 * ``missing``: no known holder; ``MissingDataMsg`` asks the scheduler, whose answer comes
   back as ``UpdateWhoHasEvent``.
+* Scattered data (``PutDataEvent``) comes straight from a client over TCP, while
+  ``free-keys`` come from the scheduler through the inbox, so a ``free-keys`` sent for an
+  earlier copy of the same key (released by the client, then scattered again) can be read
+  after the new copy arrived.  Each copy put here stays until the scheduler has recorded
+  it (``KeysRecordedEvent``, its answer to the client's ``update-data``); a
+  ``FreeKeysEvent`` read before that was sent for an older copy and leaves it alone.
 * ``constrained`` (resource restrictions), ``long-running`` (secede) and
   ``rescheduled`` are declared for later issues; no event reaches them yet.
 
@@ -217,6 +224,19 @@ class UpdateWhoHasEvent(StateMachineEvent):
 
 @dataclass(slots=True)
 class FreeKeysEvent(StateMachineEvent):
+    """Drop ``keys``; ``force`` (a cluster restart) drops also copies put here that the
+    scheduler has not recorded yet."""
+
+    keys: list[str]
+    stimulus_id: str
+    force: bool = False
+
+
+@dataclass(slots=True)
+class KeysRecordedEvent(StateMachineEvent):
+    """The scheduler recorded this worker as a holder of ``keys`` that a client scattered
+    here: a later ``free-keys`` of them is about these copies."""
+
     keys: list[str]
     stimulus_id: str
 
@@ -348,6 +368,7 @@ class TaskState:
     error: ExecuteFailureEvent | None = None
     deferred: ComputeTaskEvent | None = None  # claimed while in flight
     replica: bool = False  # fetched to be kept as a copy, reported with AddKeysMsg
+    unrecorded: int = 0  # copies put here (scatter) that the scheduler has not recorded yet
 
     def __repr__(self) -> str:
         return f"<TaskState {self.key!r} {self.state}>"
@@ -420,6 +441,7 @@ class WorkerState:
             GatherDepNetworkFailureEvent: self._handle_gather_network_failure,
             UpdateWhoHasEvent: self._handle_update_who_has,
             FreeKeysEvent: self._handle_free_keys,
+            KeysRecordedEvent: self._handle_keys_recorded,
             PutDataEvent: self._handle_put_data,
             AcquireReplicasEvent: self._handle_acquire_replicas,
             PauseEvent: self._handle_pause,
@@ -629,7 +651,10 @@ class WorkerState:
     def _handle_free_keys(self, ev: FreeKeysEvent) -> None:
         for key in ev.keys:
             ts = self.tasks.get(key)
+            if ts is not None and ts.unrecorded and not ev.force:
+                continue  # sent for an older copy: the scheduler has not recorded this one
             if ts is not None:
+                ts.unrecorded = 0
                 ts.wanted = ts.replica = False
                 ts.deferred = None
                 self._release_if_unneeded(ts, ev.stimulus_id)
@@ -648,9 +673,16 @@ class WorkerState:
                 ts.wanted = False  # no TaskFinishedMsg: AddKeysMsg below says it all
                 self._transition(ts, "memory", ev.stimulus_id, value=value, nbytes=nbytes)
             ts.wanted = True
+            ts.unrecorded += 1  # until the scheduler's keys-recorded for this copy
             accepted[key] = nbytes
         if accepted:
             self._emit(AddKeysMsg(sorted(accepted), accepted, ev.stimulus_id))
+
+    def _handle_keys_recorded(self, ev: KeysRecordedEvent) -> None:
+        for key in ev.keys:
+            ts = self.tasks.get(key)
+            if ts is not None and ts.unrecorded:
+                ts.unrecorded -= 1
 
     def _handle_acquire_replicas(self, ev: AcquireReplicasEvent) -> None:
         held: dict[str, int] = {}
@@ -1084,6 +1116,7 @@ class WorkerState:
                 check(not ts.who_has, f"{ts} has holders {ts.who_has}")
             elif ts.state == "error":
                 check(ts.error is not None, f"{ts} without error")
+            check(ts.unrecorded == 0 or ts.state == "memory", f"{ts} put, not in memory")
             if ts.state == "flight" or (ts.state == "cancelled" and ts.previous == "flight"):
                 peer = ts.coming_from
                 check(peer is not None, f"{ts} in flight from nowhere")

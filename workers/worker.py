@@ -598,7 +598,7 @@ class Worker:
 
     def _command(self, command: _Command) -> None:
         if command.op == "restart":  # drop everything held or running, as it is now
-            self.handle(ws.FreeKeysEvent(list(self.state.tasks), command.stimulus_id))
+            self.handle(ws.FreeKeysEvent(list(self.state.tasks), command.stimulus_id, force=True))
             if self.nanny_pid is not None and self.status == "running":
                 self._exit_reason = "restart"  # its nanny starts a fresh process
                 self._closing = asyncio.ensure_future(self.close("restart"))
@@ -920,11 +920,14 @@ def _inbox_events(
     for i, msg in enumerate(messages):
         sid = f"{entry_id}/{i}"
         op = msg.get("op") if isinstance(msg, dict) else None
-        if op == "free-keys":
+        if op in ("free-keys", "keys-recorded"):
             keys = msg["keys"]
             if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-                raise TypeError(f"free-keys needs a list of keys, got {keys!r:.80}")
-            events.append(ws.FreeKeysEvent(keys, sid))
+                raise TypeError(f"{op} needs a list of keys, got {keys!r:.80}")
+            if op == "free-keys":
+                events.append(ws.FreeKeysEvent(keys, sid))
+            else:
+                events.append(ws.KeysRecordedEvent(keys, sid))
         elif op in ("who-has", "acquire-replicas"):
             who_has = msg["who_has"]
             if not isinstance(who_has, dict) or not all(
