@@ -54,7 +54,6 @@ SUBMIT_BATCH_BYTES = 16 << 20  # specs per stream entry, so the scheduler's writ
 # fenced write
 MAX_SPEC_BYTES = 256 << 20
 SEND_ATTEMPTS = 3  # writes refused while Redis answers PING before the client gives up
-MAX_KEYS_PER_MESSAGE = 1000  # values per get-data/put-data message to one worker
 
 
 # --------------------------------------------------------------------------- futures
@@ -851,7 +850,7 @@ class Client:
                     time.sleep(delay)  # the same dead holders: let the scheduler notice
                     delay = min(delay * 2, 0.5)
                 continue
-            for address, wkeys in _batches(by_worker, MAX_KEYS_PER_MESSAGE):
+            for address, wkeys in _batches(by_worker, comm.MAX_KEYS_PER_MESSAGE):
                 try:
                     header, frames = self._peers.rpc(address, {"op": "get-data", "keys": wkeys})
                     got, errs = comm.deserialize_dict(header, frames)
@@ -1096,7 +1095,7 @@ class Client:
             for address in chosen:
                 by_worker[address][key] = value
                 who_has[key].append(address)
-        for address, chunk in _batches(by_worker, MAX_KEYS_PER_MESSAGE):
+        for address, chunk in _batches(by_worker, comm.MAX_KEYS_PER_MESSAGE):
             values = {key: by_worker[address][key] for key in chunk}
             header, frames, errors = comm.serialize_dict(values)
             if errors:

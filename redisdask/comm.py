@@ -210,6 +210,11 @@ def deserialize_dict(
 # -------------------------------------------------------------------------- framing
 
 
+# values per get-data/put-data message: a header of a thousand keys stays far below
+# ``Limits.max_header_size`` (client gathers, scatters and worker fetches batch by it)
+MAX_KEYS_PER_MESSAGE = 1000
+
+
 @dataclass(frozen=True)
 class Limits:
     """Sanity limits enforced on every received message."""

@@ -210,3 +210,18 @@ def test_more_values_than_one_message_may_carry(client: Client) -> None:
     assert client.submit(sum, futures, workers=[b]).result(timeout=60) == sum(range(1, 12_001))
     scattered = client.scatter(list(range(12_000)), workers=b)
     assert client.gather(scattered)[-1] == 11_999
+
+
+def test_without_dask_dict_graphs_and_scatter_tokens_still_work(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The paths taken on a machine without dask: old-style tuple graphs (futures inside)
+    and scatter keys from a hash over every frame."""
+    import redisdask.client as client_module
+
+    monkeypatch.setattr(client_module, "_dask_installed", lambda: False)
+    x = client.submit(inc, 1)
+    graph = {"y": (inc, "z"), "z": (sum, [x, 10]), ("t", 0): (inc, "y")}
+    assert client.get(graph, [("t", 0), "y"]) == [14, 13]
+    fa, fb = client.scatter([np.zeros(1000), np.ones(1000)])
+    assert fa.key != fb.key and client.gather(fb).sum() == 1000

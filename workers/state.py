@@ -67,6 +67,8 @@ from dataclasses import dataclass, field, fields
 from functools import partialmethod
 from typing import Any, ClassVar
 
+from redisdask.comm import MAX_KEYS_PER_MESSAGE
+
 STATES: frozenset[str] = frozenset(
     {
         "released", "waiting", "fetch", "flight", "missing", "ready", "constrained",
@@ -75,7 +77,6 @@ STATES: frozenset[str] = frozenset(
 )  # fmt: skip
 
 DEFAULT_TRANSFER_BATCH_BYTES = 200_000_000
-MAX_TRANSFER_KEYS = 1000  # keys per GatherDep: one message's header stays small
 DEFAULT_TRANSFER_CONCURRENCY = 4
 MAX_CLAIM = 1000
 PREFETCH_BELOW = 0.1  # seconds: tasks shorter on average are claimed ahead of a free thread
@@ -750,7 +751,7 @@ class WorkerState:
                     continue
                 nbytes = other.nbytes or 0
                 if batch and (
-                    total + nbytes > self.transfer_batch_bytes or len(batch) >= MAX_TRANSFER_KEYS
+                    total + nbytes > self.transfer_batch_bytes or len(batch) >= MAX_KEYS_PER_MESSAGE
                 ):
                     break
                 batch.append(other)
