@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     from distributed.spill import SpillBuffer as DaskSpillBuffer
 
     from redisdask.embedded import EmbeddedRedis
-    from workers.spill import SpillBuffer
+    from redisdask.workers.spill import SpillBuffer
 
     results: dict[str, dict[str, list[float]]] = {"redisdask": {}, "dask": {}}
     results["redisdask"].update(spill_throughput(lambda d: SpillBuffer(d, 1), args.repeats))

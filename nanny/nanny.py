@@ -47,14 +47,14 @@ from typing import Any, Literal
 import psutil
 import redis
 
-from nanny import deaths
 from redisdask import schema
 from redisdask.config import RetentionConfig
 from redisdask.connection import connect_async, redact
 from redisdask.events import death_fields
 from redisdask.memory import format_bytes, oom_kills
+from redisdask.nanny import deaths
 from redisdask.schema import Keys
-from workers.worker import (
+from redisdask.workers.worker import (
     ADDRESS_FILE_ENV,
     EXIT_REASON_ENV,
     GRACEFUL_TIMEOUT,

@@ -156,8 +156,8 @@ def _worker(args: argparse.Namespace, config: Config) -> int:
     if args.no_nanny:
         if args.nworkers > 1:
             raise ConfigError("--nworkers > 1 needs nannies: drop --no-nanny")
-        from workers.worker import main as worker_main
-        from workers.worker import options_from_config
+        from redisdask.workers.worker import main as worker_main
+        from redisdask.workers.worker import options_from_config
 
         if lifetime is not None:
             lifetime = max(1.0, lifetime + random.uniform(-stagger, stagger))
@@ -176,8 +176,8 @@ def _worker(args: argparse.Namespace, config: Config) -> int:
             lifetime=lifetime,
         )
         return 0
-    from nanny.nanny import Nanny, run_nannies
     from redisdask.connection import connect
+    from redisdask.nanny.nanny import Nanny, run_nannies
 
     # a wrong URL or a Redis that is down is the same for every restart: say so once
     connect(args.redis_url, timeout=config.redis.connect_timeout).close()

@@ -114,7 +114,7 @@ class LocalCluster:
     def start_worker(self, name: str | None = None) -> Any:
         """Start a worker process (or, with ``processes=False``, a worker thread)."""
         if not self.use_processes:
-            from workers.worker import ThreadWorker, options_from_config
+            from redisdask.workers.worker import ThreadWorker, options_from_config
 
             options = {**options_from_config(load_config()), **self.worker_options}
             worker = ThreadWorker(

@@ -35,7 +35,7 @@ def shift(chunk: np.ndarray, other: np.ndarray) -> np.ndarray:
 
 
 def summarise(chunk: np.ndarray) -> tuple[float, float, int, str]:
-    from workers import get_worker
+    from redisdask.workers import get_worker
 
     return float(chunk.sum()), float((chunk**2).sum()), chunk.size, get_worker().name or ""
 

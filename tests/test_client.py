@@ -34,7 +34,7 @@ def div(a: float, b: float) -> float:
 
 
 def where() -> str:
-    from workers import get_worker
+    from redisdask.workers import get_worker
 
     return get_worker().address
 

@@ -62,3 +62,8 @@ def test_the_dockerfile_installs_every_package_and_runs_the_cli() -> None:
     for package in ("redisdask", "workers", "nanny"):
         assert f"COPY {package} ./{package}" in text
     assert 'ENTRYPOINT ["redisdask"]' in text and "python:3.11" in text
+    # the processes must not start in the source folder, where ./redisdask would shadow the
+    # installed package (which holds redisdask.workers and redisdask.nanny)
+    workdirs = [line.split()[1] for line in text.splitlines() if line.startswith("WORKDIR")]
+    copied_to = workdirs[0]
+    assert len(workdirs) == 2 and workdirs[-1] != copied_to

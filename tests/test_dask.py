@@ -31,7 +31,7 @@ def inc(x: int) -> int:
 
 
 def where(*_: Any) -> tuple[str, int]:
-    from workers import get_worker
+    from redisdask.workers import get_worker
 
     return get_worker().address, os.getpid()
 

@@ -18,8 +18,8 @@ import redis
 from polling import poll
 from tasklib import allocate_forever
 
-from nanny.deaths import WorkerExit, classify
 from redisdask import Client, KilledWorker, LocalCluster
+from redisdask.nanny.deaths import WorkerExit, classify
 from redisdask.schema import Keys, unpack
 
 pytestmark = pytest.mark.timeout(120)

@@ -34,7 +34,7 @@ def slow_inc(x: int, delay: float = 0.02) -> int:
 
 
 def where() -> str:
-    from workers import get_worker
+    from redisdask.workers import get_worker
 
     return get_worker().address
 

@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from redisdask.schema import Keys, Scripts, ensure_cluster, entry, pack
-from workers.worker import _inbox_events, script_entries
+from redisdask.workers.worker import _inbox_events, script_entries
 
 pytestmark = pytest.mark.timeout(30)
 

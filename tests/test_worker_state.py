@@ -10,7 +10,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from workers.state import (
+from redisdask.workers.state import (
     AcquireReplicasEvent,
     AddKeysMsg,
     ComputeTaskEvent,
@@ -733,7 +733,7 @@ def test_a_dependency_in_flight_is_computed_here_if_the_transfer_fails():
 
 
 def test_story_since_gives_what_was_appended_even_after_the_story_wrapped():
-    from workers.state import WorkerState
+    from redisdask.workers.state import WorkerState
 
     state = WorkerState(story_limit=3)
     for i in range(2):

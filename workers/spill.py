@@ -26,7 +26,7 @@ from typing import Any
 import zict
 
 from redisdask import comm
-from workers.sizeof import sizeof
+from redisdask.workers.sizeof import sizeof
 
 logger = logging.getLogger("redisdask.worker.spill")
 

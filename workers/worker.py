@@ -49,9 +49,9 @@ from redisdask.memory import format_bytes
 from redisdask.schema import Keys
 from redisdask.spec import FunctionCache, run_spec
 from redisdask.versions import VersionMismatchError, pickle_breaking, versions
-from workers import state as ws
-from workers.sizeof import sizeof
-from workers.spill import SpillBuffer
+from redisdask.workers import state as ws
+from redisdask.workers.sizeof import sizeof
+from redisdask.workers.spill import SpillBuffer
 
 logger = logging.getLogger("redisdask.worker")
 
