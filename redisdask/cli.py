@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import os
 import random
 import sys
@@ -93,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     config = load_config()
     url, cluster = config.redis.url, config.cluster.name
     parser = argparse.ArgumentParser(prog="redisdask", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"redisdask {importlib.metadata.version('redisdask')}",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("scheduler", help="run the scheduler (one holds the lease; others stand by)")

@@ -105,3 +105,17 @@ def test_a_flag_overrides_the_config_and_is_validated_like_it() -> None:
     assert from_flag.returncode == 2
     assert "Input should be greater than or equal to 0" in from_env.stderr
     assert "Input should be greater than or equal to 0" in from_flag.stderr
+
+
+def test_version_has_one_source() -> None:
+    """`redisdask --version`, `redisdask.__version__` and pyproject.toml agree."""
+    import tomllib
+    from pathlib import Path
+
+    import redisdask
+
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    declared = tomllib.loads(pyproject.read_text())["project"]["version"]
+    result = run("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"redisdask {declared}" == f"redisdask {redisdask.__version__}"
