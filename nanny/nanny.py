@@ -53,14 +53,8 @@ from redisdask.connection import connect_async, redact
 from redisdask.events import death_fields
 from redisdask.memory import format_bytes, oom_kills
 from redisdask.nanny import deaths
+from redisdask.nanny_contract import GRACEFUL_TIMEOUT, worker_environment
 from redisdask.schema import Keys
-from redisdask.workers.worker import (
-    ADDRESS_FILE_ENV,
-    EXIT_REASON_ENV,
-    GRACEFUL_TIMEOUT,
-    NANNY_PID_ENV,
-    RESTARTS_ENV,
-)
 
 logger = logging.getLogger("redisdask.nanny")
 
@@ -224,12 +218,9 @@ class Nanny:
             os.environ,
             PYTHONUNBUFFERED="1",
             REDISDASK__REDIS__URL=self.redis_url,  # not on a command line ps shows
-            **{
-                NANNY_PID_ENV: str(os.getpid()),
-                EXIT_REASON_ENV: str(self.exit_reason_path),
-                ADDRESS_FILE_ENV: str(self.address_path),
-                RESTARTS_ENV: str(self.restarts),
-            },
+            **worker_environment(
+                os.getpid(), self.exit_reason_path, self.address_path, self.restarts
+            ),
         )
         args = [sys.executable, "-m", "redisdask", "worker", "--cluster", self.keys.cluster]
         args += ["--no-nanny", "--memory-limit", str(self.memory_limit), *self.worker_args]
