@@ -39,6 +39,7 @@ import psutil
 import redis
 
 from redisdask import comm, logs, nanny_contract, schema
+from redisdask.backoff import Backoff
 from redisdask.connection import connect, connect_async
 from redisdask.errors import TaskInterrupted
 from redisdask.nanny_contract import GRACEFUL_TIMEOUT
@@ -297,10 +298,9 @@ class Worker:
     async def _reconnect(self, exc: Exception) -> None:
         logger.warning("lost Redis (%s); reconnecting with backoff", exc)
         lost_at = time.monotonic()
-        delay = 0.05
+        backoff = Backoff(base=0.05, cap=2.0)
         while self.status == "running":
-            await asyncio.sleep(delay)  # backoff while Redis is away
-            delay = min(delay * 2, 2.0)
+            await asyncio.sleep(backoff.next())  # backoff while Redis is away
             try:
                 await self._register(resync=True)
             except (redis.ConnectionError, redis.TimeoutError):
