@@ -37,6 +37,7 @@ from pydantic import (
 )
 
 from redisdask import memory
+from redisdask.errors import ConfigError  # defined there, in the tree; importable here too
 
 __all__ = ["Config", "ConfigError", "config_path", "load_config"]
 
@@ -46,14 +47,6 @@ DEFAULT_PATH = Path("~/.config/redisdask/redisdask.yaml")
 DEFAULT_SOURCE = "defaults"
 
 Key = tuple[str, ...]
-
-
-class ConfigError(ValueError):
-    """An invalid setting; the message names the dotted key, the value and its source."""
-
-    def __init__(self, message: str, key: str = "", value: Any = None, source: str = "") -> None:
-        super().__init__(message)
-        self.key, self.value, self.source = key, value, source
 
 
 # --------------------------------------------------------------------------- value types

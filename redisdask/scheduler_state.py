@@ -43,7 +43,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
-from redisdask.errors import ProtocolError
+from redisdask.errors import ProtocolError, RedisDaskError
 
 logger = logging.getLogger(__name__)
 
@@ -682,8 +682,8 @@ class WorkerInfo:
     holding_reports: int = 0  # its holding reports read (since this scheduler loaded)
 
 
-class InvalidTransition(RuntimeError):
-    pass
+class InvalidTransition(RedisDaskError, RuntimeError):
+    """A bug: a stimulus asked a task to move along an edge the table does not have."""
 
 
 class SchedulerState:
