@@ -220,6 +220,8 @@ def _pack_deaths(ts: TaskState) -> bytes:
 
 
 # --------------------------------------------------------------------------- events
+# The events that travel (the client, worker and nanny messages) are the message classes
+# of ``redisdask.protocol``; only the scheduler's own stimuli are defined here.
 
 
 @dataclass(slots=True)
