@@ -32,6 +32,7 @@ import redis
 
 from redisdask import comm, schema
 from redisdask import spec as specs
+from redisdask.backoff import Backoff
 from redisdask.config import load_config, parse_duration
 from redisdask.connection import connect, redact
 from redisdask.errors import (
@@ -256,7 +257,10 @@ class Client:
         self.keys = Keys(cluster_name or self.config.cluster.name)
         self.timeout = timeout if timeout is not None else self.config.redis.connect_timeout
         self.id = f"client-{uuid.uuid4().hex[:12]}"
-        self.redis = connect(self.redis_url, timeout=self.timeout, name=f"rd-client-{self.id}")
+        # its connection failures are ClusterConnectionError (redisdask.connection)
+        self.redis = connect(
+            self.redis_url, timeout=self.timeout, name=f"rd-client-{self.id}", cluster_errors=True
+        )
         self.secret = schema.ensure_cluster(self.redis, self.keys)
         self.status = "running"
         self.asynchronous = False  # dask asks before using a client as its scheduler
@@ -466,7 +470,7 @@ class Client:
             entries.append([ClientReleasesKeys(self.id, bridge_keys)])
         self._send(*entries, resubmitted=submitted)
 
-    def _send(self, *messages: list[Event], resubmitted: Iterable[str] = ()) -> None:
+    def _send(self, *batches: list[Event], resubmitted: Iterable[str] = ()) -> None:
         """XADD entries to the clients stream in one pipeline, pending releases first.
 
         One lock orders every send of this client: a release popped by the heartbeat thread
@@ -474,9 +478,9 @@ class Client:
         with self._send_lock:
             releases = self._release_messages(resubmitted)
             if releases:
-                messages = (releases, *messages)
-            entries = tuple(dicts(entry) for entry in messages)
-            delay = 0.05
+                batches = (releases, *batches)
+            entries = tuple(dicts(batch) for batch in batches)
+            backoff = Backoff(base=0.05, cap=1.0)
             refused = 0  # failures while Redis itself answers: the write is the problem
             while True:
                 try:
@@ -492,7 +496,7 @@ class Client:
                         f"{format_bytes(_entries_size(entries))} to the clients stream: {exc}; "
                         "send large data with client.scatter"
                     ) from exc
-                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                except ClusterConnectionError as exc:
                     if self._redis_answers():
                         refused += 1
                         if refused >= SEND_ATTEMPTS:
@@ -508,13 +512,12 @@ class Client:
                     else:
                         self._redis_lost(exc)
                         self._check_redis()
-                    time.sleep(delay)  # backoff while Redis is away
-                    delay = min(delay * 2, 1.0)
+                    time.sleep(backoff.next())  # backoff while Redis is away
 
     def _redis_answers(self) -> bool:
         try:
             self.redis.ping()
-        except (redis.ConnectionError, redis.TimeoutError):
+        except ClusterConnectionError:
             return False
         return True
 
@@ -546,7 +549,7 @@ class Client:
                 self.redis.ping()  # back meanwhile? (the event thread may not know yet)
                 self._redis_back()
                 return
-            except (redis.ConnectionError, redis.TimeoutError):
+            except ClusterConnectionError:
                 pass
             raise ClusterConnectionError(
                 f"Redis at {redact(self.redis_url)} has been unreachable for more than "
@@ -840,7 +843,7 @@ class Client:
         # a holder that just died is still named by the scheduler until it notices (well
         # under a second; scheduler.worker-ttl at worst): wait that long, then give up
         patience = time.monotonic() + self.config.scheduler.worker_ttl + 2.0
-        delay = 0.02
+        backoff = Backoff(base=0.02, cap=0.5)
         while remaining:
             by_worker: dict[str, list[str]] = defaultdict(list)
             unknown = []
@@ -865,8 +868,7 @@ class Client:
                         same_holders = True
                     tried[key].clear()
                 if same_holders:
-                    time.sleep(delay)  # the same dead holders: let the scheduler notice
-                    delay = min(delay * 2, 0.5)
+                    time.sleep(backoff.next())  # the same dead holders: let the scheduler notice
                 continue
             for address, wkeys in _batches(by_worker, comm.MAX_KEYS_PER_MESSAGE):
                 try:
@@ -1276,7 +1278,8 @@ class Client:
                     if self._pending_release:
                         self._send()
                 self._redis_back()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # (its own reads raise redis-py's errors, the heartbeat and sends ours)
+            except (redis.ConnectionError, redis.TimeoutError, ClusterConnectionError) as exc:
                 if self._stop.is_set():
                     return
                 self._redis_lost(exc)
@@ -1338,7 +1341,7 @@ class Client:
             pipe.xadd(self.keys.client_stream, schema.entry([CloseClient(self.id).to_dict()]))
             pipe.delete(self.keys.client_alive(self.id))
             pipe.execute()
-        except redis.RedisError as exc:
+        except (redis.RedisError, ClusterConnectionError) as exc:
             logger.warning("client %s could not say goodbye to Redis: %s", self.id, exc)
         self._thread.join(timeout=5)
         self._peers.close()

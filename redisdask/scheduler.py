@@ -28,6 +28,7 @@ from typing import Any
 import redis
 
 from redisdask import schema
+from redisdask.backoff import Backoff
 from redisdask.config import RetentionConfig
 from redisdask.connection import connect, redact
 from redisdask.errors import FencedError, ProtocolError
@@ -205,10 +206,9 @@ class Scheduler:
             "lost Redis at %s (%s); reconnecting with backoff", redact(self.redis_url), exc
         )
         lost_at = time.monotonic()
-        delay = 0.05
+        backoff = Backoff(base=0.05, cap=2.0)
         while not self._stopping:
-            time.sleep(delay)  # backoff while Redis is away
-            delay = min(delay * 2, 2.0)
+            time.sleep(backoff.next())  # backoff while Redis is away
             try:
                 self.redis.ping()
             except (redis.ConnectionError, redis.TimeoutError):

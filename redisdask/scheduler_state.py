@@ -43,6 +43,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from redisdask.errors import RedisDaskError
 from redisdask.protocol import (
     NO_SCORE,
     AcquireReplicas,
@@ -427,8 +428,8 @@ class WorkerInfo:
     holding_reports: int = 0  # its holding reports read (since this scheduler loaded)
 
 
-class InvalidTransition(RuntimeError):
-    pass
+class InvalidTransition(RedisDaskError, RuntimeError):
+    """A bug: a stimulus asked a task to move along an edge the table does not have."""
 
 
 class SchedulerState:

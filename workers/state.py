@@ -69,6 +69,7 @@ from functools import partialmethod
 from typing import Any, ClassVar
 
 from redisdask.comm import MAX_KEYS_PER_MESSAGE
+from redisdask.errors import RedisDaskError
 from redisdask.protocol import NO_SCORE, AddKeys, MissingData, ReleasedKeys, TaskErred, TaskFinished
 
 STATES: frozenset[str] = frozenset(
@@ -85,7 +86,7 @@ PREFETCH_BELOW = 0.1  # seconds: tasks shorter on average are claimed ahead of a
 EWMA_ALPHA = 0.2
 
 
-class InvalidTransition(Exception):
+class InvalidTransition(RedisDaskError):
     """A stimulus asked a task to move along an edge the state machine does not have."""
 
     def __init__(self, key: str, start: str, finish: str, stimulus_id: str) -> None:
@@ -93,7 +94,7 @@ class InvalidTransition(Exception):
         super().__init__(f"{key!r}: invalid transition {start} -> {finish} ({stimulus_id})")
 
 
-class InvalidTaskState(AssertionError):
+class InvalidTaskState(RedisDaskError, AssertionError):
     """``validate_state`` found a broken invariant."""
 
 
