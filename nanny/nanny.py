@@ -55,6 +55,7 @@ from redisdask.events import death_fields
 from redisdask.memory import format_bytes, oom_kills
 from redisdask.nanny import deaths
 from redisdask.nanny_contract import GRACEFUL_TIMEOUT, worker_environment
+from redisdask.protocol import RemoveWorker
 from redisdask.schema import Keys
 
 logger = logging.getLogger("redisdask.nanny")
@@ -417,14 +418,8 @@ class Nanny:
         evidence = deaths.evidence(watch.exit, kind, restarted, last)
         evidence.update(pid=watch.pid, host=socket.gethostname(), name=self.name or self.label)
         if kind != "graceful" and watch.address is not None:
-            message = {
-                "op": "remove-worker",
-                "worker": watch.address,
-                "how": "nanny",
-                "reason": reason,
-                "evidence": evidence,
-            }
-            await self.redis.xadd(self.keys.worker_stream, schema.entry([message]))
+            message = RemoveWorker(watch.address, reason=reason, how="nanny", evidence=evidence)
+            await self.redis.xadd(self.keys.worker_stream, schema.entry([message.to_dict()]))
             return
         # nothing for the scheduler to do: a goodbye was said, or it never registered
         record = {

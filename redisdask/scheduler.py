@@ -33,6 +33,7 @@ from redisdask.config import RetentionConfig
 from redisdask.connection import connect, redact
 from redisdask.errors import FencedError, ProtocolError
 from redisdask.events import death_fields, event_command
+from redisdask.protocol import SCHEDULER_EVENTS, FreeKeys, parse
 from redisdask.scheduler_state import (
     HOLDS_DEPENDENCIES,
     AddWorker,
@@ -291,7 +292,7 @@ class Scheduler:
                 client,
                 self.client_ttl,
             )
-        return [CloseClient(f"client-ttl-{client}", client=client) for client in gone]
+        return [CloseClient(client=client, stimulus_id=f"client-ttl-{client}") for client in gone]
 
     def _load(self) -> SchedulerState:
         return load_state(self.redis, self.keys, self.validate, self.allowed_failures)
@@ -450,17 +451,17 @@ class Scheduler:
             elif isinstance(ins, Unclaim):
                 unclaims[ins.worker].append(ins.key)
             elif isinstance(ins, ClientMsg):
-                client_msgs[ins.client].append(ins.msg)
+                client_msgs[ins.client].append(ins.msg.to_dict())
             elif isinstance(ins, WorkerMsg):
-                if ins.msg.get("op") == "free-keys":
-                    free_keys[ins.worker].extend(ins.msg["keys"])
+                if isinstance(ins.msg, FreeKeys):
+                    free_keys[ins.worker].extend(ins.msg.keys)
                 else:
                     # the worker reads its messages in the order they were made: free-keys
                     # made before this one go before it (keys-recorded must follow them)
                     merged = free_keys.pop(ins.worker, None)
                     if merged:
-                        worker_msgs[ins.worker].append({"op": "free-keys", "keys": merged})
-                    worker_msgs[ins.worker].append(ins.msg)
+                        worker_msgs[ins.worker].append(FreeKeys(merged).to_dict())
+                    worker_msgs[ins.worker].append(ins.msg.to_dict())
             elif isinstance(ins, Forget):
                 task_fields.pop(ins.key, None)
                 forgotten.append(ins.key)
@@ -547,7 +548,7 @@ class Scheduler:
         for worker, keys in unclaims.items():
             cmds.extend(_chunked(["SREM", k.worker_processing(worker)], keys))
         for worker, keys in free_keys.items():
-            worker_msgs[worker].append({"op": "free-keys", "keys": keys})
+            worker_msgs[worker].append(FreeKeys(keys).to_dict())
         for worker, msgs in worker_msgs.items():
             cmds.append(["XADD", k.worker_inbox(worker), "*", "m", schema.pack(msgs)])
         for client, msgs in client_msgs.items():
@@ -770,11 +771,11 @@ class WorkerWatch:
             age = f"; last heartbeat {time.time() - last['time']:.1f} s ago" if last else ""
             events.append(
                 RemoveWorker(
-                    f"watch-{how}-{time.time():.6f}",
                     worker=address,
                     reason=reason + age,
                     how=how,
                     evidence={"last_heartbeat": last},
+                    stimulus_id=f"watch-{how}-{time.time():.6f}",
                 )
             )
             logger.warning("worker %s is dead (%s): %s%s", address, how, reason, age)
@@ -816,7 +817,7 @@ def decode_entry(entry_id: bytes, fields: dict[bytes, bytes], stream: str = "") 
     if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
         raise ProtocolError(f"field 'm' should be a list of maps, got {type(msgs).__name__}")
     sid = f"{stream}:{entry_id.decode()}" if stream else entry_id.decode()
-    return [Event.from_dict(m, f"{sid}/{i}") for i, m in enumerate(msgs)]
+    return [parse(m, SCHEDULER_EVENTS, f"{sid}/{i}") for i, m in enumerate(msgs)]
 
 
 def rejected_graphs(
@@ -847,7 +848,10 @@ def rejected_graphs(
         if isinstance(client, str) and client and keys:
             rejected.append(
                 RejectedGraph(
-                    f"{sid}/{i}", client=client, keys=list(dict.fromkeys(keys)), reason=reason
+                    client=client,
+                    keys=list(dict.fromkeys(keys)),
+                    reason=reason,
+                    stimulus_id=f"{sid}/{i}",
                 )
             )
     return rejected
@@ -863,7 +867,9 @@ def load_state(
     seq = r.hget(keys.meta, "seq")
     state = SchedulerState(validate=validate, seq=int(seq or 0), allowed_failures=allowed_failures)
     for address, info in r.hgetall(keys.workers).items():
-        state.handle_stimulus(AddWorker("load", worker=address.decode(), info=schema.unpack(info)))
+        state.handle_stimulus(
+            AddWorker(worker=address.decode(), info=schema.unpack(info), stimulus_id="load")
+        )
     task_keys = [k.decode() for k in r.smembers(keys.tasks)]
     records: dict[str, dict[bytes, bytes]] = {}
     for i in range(0, len(task_keys), 1000):

@@ -40,15 +40,50 @@ import logging
 import re
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from redisdask.errors import ProtocolError, RedisDaskError
+from redisdask.errors import RedisDaskError
+from redisdask.protocol import (
+    NO_SCORE,
+    AcquireReplicas,
+    AddKeys,
+    AddWorker,
+    CancelKeys,
+    CancelledKeys,
+    ClientDesiresKeys,
+    ClientEvent,
+    ClientReleasesKeys,
+    CloseClient,
+    CloseWorker,
+    Event,
+    FreeKeys,
+    Holding,
+    InboxMessage,
+    KeyErred,
+    KeyInMemory,
+    KeysRecorded,
+    MissingData,
+    ReleasedKeys,
+    RemoveWorker,
+    Replicate,
+    Restart,
+    Restarted,
+    RestartWorker,
+    RetireRefused,
+    RetireWorker,
+    RetireWorkers,
+    TaskClaimed,
+    TaskErred,
+    TaskFinished,
+    UpdateData,
+    UpdateGraph,
+    WhoHas,
+)
 
 logger = logging.getLogger(__name__)
 
 PRIORITY_SCALE = 2**40  # submission sequence numbers stay below this
-NO_SCORE = float("nan")  # a report that does not say which run it answers
 # states in which a task keeps its dependencies from being released
 HOLDS_DEPENDENCIES = ("waiting", "queued", "processing", "no-worker")
 
@@ -83,82 +118,6 @@ def address_host(address: str) -> str:
 def priority_score(user_priority: int, seq: int) -> float:
     """Ready-set score: smaller runs first; exact in a double for |priority| < 2**12."""
     return float(-user_priority * PRIORITY_SCALE + seq)
-
-
-# --------------------------------------------------------------------------- events
-
-
-@dataclass(slots=True)
-class Event:
-    """A stimulus.  ``op`` names it on the wire; ``stimulus_id`` identifies it in stories."""
-
-    op: ClassVar[str] = ""
-    stimulus_id: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"op": self.op, **asdict(self)}
-
-    @classmethod
-    def from_dict(cls, msg: dict[str, Any], stimulus_id: str | None = None) -> Event:
-        """Build an event from a decoded stream message, validating its fields."""
-        op = msg.get("op")
-        event_cls = EVENTS.get(op) if isinstance(op, str) else None
-        if event_cls is None:
-            raise ProtocolError(f"unknown op {msg.get('op')!r} in message {_preview(msg)}")
-        kwargs: dict[str, Any] = {}
-        for f in fields(event_cls):
-            if f.name == "stimulus_id":
-                kwargs[f.name] = stimulus_id or msg.get("stimulus_id") or "replay"
-            elif f.name in msg:
-                kwargs[f.name] = msg[f.name]
-        try:
-            event = event_cls(**kwargs)
-            event.validate()
-        except (TypeError, ValueError) as exc:
-            raise ProtocolError(
-                f"malformed {event_cls.op!r} message {_preview(msg)}: {exc}"
-            ) from exc
-        return event
-
-    def validate(self) -> None:
-        """Raise ValueError when a field has the wrong type (messages come from strangers)."""
-        for f in fields(self):
-            value = getattr(self, f.name)
-            expected = _FIELD_TYPES.get(f.type if isinstance(f.type, str) else "")
-            if expected is not None and not isinstance(value, expected):
-                raise ValueError(f"field {f.name!r} should be {f.type}, got {type(value).__name__}")
-            items_ok = _ITEM_CHECKS.get(f.type if isinstance(f.type, str) else "")
-            if items_ok is not None and not items_ok(value):
-                raise ValueError(f"field {f.name!r} should be {f.type}: {_preview(value)}")
-
-
-_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
-    "str": str,
-    "bool": bool,
-    "int": int,
-    "float": (int, float),
-    "list[str]": list,
-    "list[dict[str, Any]]": list,
-    "dict[str, Any]": dict,
-    "dict[str, int]": dict,
-    "dict[str, list[str]]": dict,
-    "bytes | None": (bytes, type(None)),
-}
-
-
-def _is_strs(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(x, str) for x in value)
-
-
-_ITEM_CHECKS: dict[str, Any] = {
-    "list[str]": _is_strs,
-    "list[dict[str, Any]]": lambda v: all(isinstance(x, dict) for x in v),
-    "dict[str, Any]": lambda v: all(isinstance(k, str) for k in v),
-    "dict[str, int]": lambda v: all(
-        isinstance(k, str) and isinstance(x, int) for k, x in v.items()
-    ),
-    "dict[str, list[str]]": lambda v: all(isinstance(k, str) and _is_strs(x) for k, x in v.items()),
-}
 
 
 def _stale(score: float, ts: TaskState) -> bool:
@@ -261,35 +220,9 @@ def _pack_deaths(ts: TaskState) -> bytes:
     return _pack({"task": ts.key, "deaths": ts.deaths})
 
 
-def _preview(msg: Any) -> str:
-    text = repr(msg)
-    return text if len(text) < 200 else text[:200] + "..."
-
-
-@dataclass(slots=True)
-class UpdateGraph(Event):
-    """A client submits tasks.  Each task: {key, spec: bytes|None, deps: [keys],
-    priority: int, retries: int}.  ``wanted`` are the keys the client holds futures for."""
-
-    op: ClassVar[str] = "update-graph"
-    client: str = ""
-    tasks: list[dict[str, Any]] = field(default_factory=list)
-    wanted: list[str] = field(default_factory=list)
-
-    def validate(self) -> None:
-        Event.validate(self)  # (zero-argument super() does not work in slots dataclasses)
-        for t in self.tasks:
-            if not isinstance(t.get("key"), str):
-                raise ValueError(f"task without a str 'key': {_preview(t)}")
-            if not isinstance(t.get("spec"), bytes | None):
-                raise ValueError(f"task {t['key']!r}: 'spec' should be bytes or None")
-            if not _is_strs(t.get("deps", [])):
-                raise ValueError(f"task {t['key']!r}: 'deps' should be a list of str")
-            for name in ("priority", "retries"):
-                if not isinstance(t.get(name, 0), int):
-                    raise ValueError(f"task {t['key']!r}: {name!r} should be int")
-            if not _is_strs(t.get("workers") or []):
-                raise ValueError(f"task {t['key']!r}: 'workers' should be a list of str")
+# --------------------------------------------------------------------------- events
+# The events that travel (the client, worker and nanny messages) are the message classes
+# of ``redisdask.protocol``; only the scheduler's own stimuli are defined here.
 
 
 @dataclass(slots=True)
@@ -297,203 +230,12 @@ class RejectedGraph(Event):
     """The driver refused a client's message (it failed validation and was
     dead-lettered, ``reason`` says why): the client is told that the keys it named will
     not run, instead of waiting forever.  Made by the driver only, never read from a
-    stream (so it is not in ``EVENTS``)."""
+    stream (so it is in no ``protocol`` registry)."""
 
     op: ClassVar[str] = "rejected-graph"
-    client: str = ""
+    client: str
     keys: list[str] = field(default_factory=list)
     reason: str = ""
-
-
-@dataclass(slots=True)
-class ClientDesiresKeys(Event):
-    op: ClassVar[str] = "client-desires-keys"
-    client: str = ""
-    keys: list[str] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class ClientReleasesKeys(Event):
-    op: ClassVar[str] = "client-releases-keys"
-    client: str = ""
-    keys: list[str] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class CancelKeys(Event):
-    op: ClassVar[str] = "cancel-keys"
-    client: str = ""
-    keys: list[str] = field(default_factory=list)
-    generation: int = 0  # the client's submission counter, echoed in cancelled-keys
-
-
-@dataclass(slots=True)
-class CloseClient(Event):
-    op: ClassVar[str] = "close-client"
-    client: str = ""
-
-
-@dataclass(slots=True)
-class UpdateData(Event):
-    """A client scattered data straight to workers: who_has {key: [worker]}."""
-
-    op: ClassVar[str] = "update-data"
-    client: str = ""
-    who_has: dict[str, list[str]] = field(default_factory=dict)
-    nbytes: dict[str, int] = field(default_factory=dict)
-    types: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class AddWorker(Event):
-    """A worker (re)joins.  After losing Redis it sends ``resync``: the keys it holds
-    ``{"keys": {key: nbytes}}`` and the claimed tasks it still has
-    ``{"processing": [key]}``, so the scheduler can reconcile what Redis forgot."""
-
-    op: ClassVar[str] = "add-worker"
-    worker: str = ""
-    info: dict[str, Any] = field(default_factory=dict)
-    resync: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class RemoveWorker(Event):
-    """A worker is gone.  ``how``: ``goodbye`` (it left on its own: nothing is blamed),
-    ``connection`` (its Redis connections closed), ``heartbeat`` (its heartbeat expired) or
-    ``nanny`` (its nanny saw it die) or ``replaced`` (a new process registered at its
-    address before its death was noticed).  ``evidence``: what is known of its last moments (the
-    last heartbeat; a nanny adds exit code, signal, memory, log tail)."""
-
-    op: ClassVar[str] = "remove-worker"
-    worker: str = ""
-    reason: str = ""
-    how: str = "goodbye"
-    evidence: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class TaskClaimed(Event):
-    """Written by the CLAIM script; ``scores`` say which run of each key was popped."""
-
-    op: ClassVar[str] = "claimed"
-    worker: str = ""
-    keys: list[str] = field(default_factory=list)
-    scores: list[Any] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class Holding(Event):
-    """A worker's periodic word on the claimed tasks it has not finished: ``keys``, of
-    the tasks it claimed before its previous holding report (the workers stream orders
-    the reports, claims and results exactly; see the worker's ``_report_holding``).  A
-    task processing there that two reports in a row do not list is queued again: its
-    claim's reply never reached the worker (Redis died in between)."""
-
-    op: ClassVar[str] = "holding"
-    worker: str = ""
-    keys: list[str] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class TaskFinished(Event):
-    op: ClassVar[str] = "task-finished"
-    worker: str = ""
-    key: str = ""
-    nbytes: int = 0
-    type: str = ""
-    start: float = 0.0
-    stop: float = 0.0
-    score: float = NO_SCORE  # the run it answers (a task's score is new at each submission)
-
-
-@dataclass(slots=True)
-class TaskErred(Event):
-    op: ClassVar[str] = "task-erred"
-    worker: str = ""
-    key: str = ""
-    exception: bytes | None = None
-    traceback: bytes | None = None
-    exception_text: str = ""
-    traceback_text: str = ""
-    score: float = NO_SCORE
-
-
-@dataclass(slots=True)
-class MissingData(Event):
-    """A worker could not get ``keys`` from ``errant_worker`` (or from anyone)."""
-
-    op: ClassVar[str] = "missing-data"
-    worker: str = ""
-    keys: list[str] = field(default_factory=list)
-    errant_worker: str = ""
-
-
-@dataclass(slots=True)
-class AddKeys(Event):
-    op: ClassVar[str] = "add-keys"
-    worker: str = ""
-    keys: list[str] = field(default_factory=list)
-    nbytes: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class ReleasedKeys(Event):
-    """A worker dropped ``keys`` (e.g. a cancelled task's late result)."""
-
-    op: ClassVar[str] = "released-keys"
-    worker: str = ""
-    keys: list[str] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class Restart(Event):
-    """A client restarts the cluster: every task is forgotten, every future cancelled,
-    every worker drops what it holds."""
-
-    op: ClassVar[str] = "restart"
-    client: str = ""
-
-
-@dataclass(slots=True)
-class Replicate(Event):
-    """A client asks for ``n`` copies of each of ``keys`` on distinct workers, kept after
-    a loss while a copy survives."""
-
-    op: ClassVar[str] = "replicate"
-    client: str = ""
-    keys: list[str] = field(default_factory=list)
-    n: int = 2
-
-
-@dataclass(slots=True)
-class RetireWorkers(Event):
-    """Workers leave gracefully.  They stop claiming, hand back the tasks they claimed but
-    did not start, finish the ones running, and stay until every result that only they
-    hold has a copy on a worker that stays; then the scheduler tells them to close.
-
-    A client's request (``client`` set) that would lose data because no worker would stay
-    is refused (``retire-refused``).  A retiring worker repeats the request about itself
-    every second until it is told to close (``client`` empty): that says it claims no
-    more (every claim it made is ahead of it on the workers stream), re-asks for copies
-    nobody delivered, and lets a restarted scheduler resume.  ``force`` (its lifetime
-    ended, it got SIGTERM): it leaves anyway, so with no worker staying it is told to
-    close at once (what it held is then recomputed from the graph history); otherwise
-    it waits for a worker to join."""
-
-    op: ClassVar[str] = "retire-workers"
-    client: str = ""
-    workers: list[str] = field(default_factory=list)
-    force: bool = False
-
-
-EVENTS: dict[str, type[Event]] = {
-    cls.op: cls
-    for cls in (
-        UpdateGraph, ClientDesiresKeys, ClientReleasesKeys, CancelKeys, CloseClient,
-        UpdateData, AddWorker, RemoveWorker, TaskClaimed, TaskFinished, TaskErred,
-        MissingData, AddKeys, ReleasedKeys, Replicate, Restart, RetireWorkers, Holding,
-    )
-}  # fmt: skip
 
 
 # --------------------------------------------------------------------------- instructions
@@ -566,14 +308,18 @@ class SetWants(Instruction):
 
 @dataclass(slots=True)
 class ClientMsg(Instruction):
+    """Send ``msg`` to ``client``'s events stream."""
+
     client: str
-    msg: dict[str, Any]
+    msg: ClientEvent
 
 
 @dataclass(slots=True)
 class WorkerMsg(Instruction):
+    """Send ``msg`` to ``worker``'s inbox."""
+
     worker: str
-    msg: dict[str, Any]
+    msg: InboxMessage
 
 
 @dataclass(slots=True)
@@ -859,7 +605,7 @@ class SchedulerState:
                 f"{key!r}, so nothing in it will run: {ev.reason}. The message is kept in "
                 "the cluster's dead-letter stream; fix what wrote it and submit again"
             )
-            msg = {"op": "task-erred", "key": key, "exception_text": text, "rejected": True}
+            msg = KeyErred(key, exception_text=text, rejected=True)
             self._emit(ClientMsg(ev.stimulus_id, ev.client, msg))
 
     def _make_needed(self, root: TaskState) -> None:
@@ -988,7 +734,7 @@ class SchedulerState:
             ClientMsg(
                 self._stimulus_id,
                 ev.client,
-                {"op": "cancelled-keys", "keys": keys, "generation": ev.generation},
+                CancelledKeys(keys, generation=ev.generation),
             )
         )
 
@@ -999,9 +745,9 @@ class SchedulerState:
         for ws in self.workers.values():
             ws.processing.clear()
             ws.has_what.clear()
-            self._emit(WorkerMsg(ev.stimulus_id, ws.address, {"op": "restart"}))
+            self._emit(WorkerMsg(ev.stimulus_id, ws.address, RestartWorker()))
         for client in clients:
-            self._emit(ClientMsg(ev.stimulus_id, client, {"op": "restarted", "by": ev.client}))
+            self._emit(ClientMsg(ev.stimulus_id, client, Restarted(by=ev.client)))
         self.tasks.clear()
         self.unrunnable.clear()
         self._candidates.clear()
@@ -1038,7 +784,7 @@ class SchedulerState:
         # scheduler sent them earlier (for a released copy of the same key) may reach them
         # after it: this tells them which free-keys are about the new copies
         for worker, keys in recorded.items():
-            self._emit(WorkerMsg(ev.stimulus_id, worker, {"op": "keys-recorded", "keys": keys}))
+            self._emit(WorkerMsg(ev.stimulus_id, worker, KeysRecorded(keys)))
         self._add_wants(ev.client, list(ev.who_has))
 
     # ------------------------------------------------------------------ worker events
@@ -1051,10 +797,10 @@ class SchedulerState:
             # anyone noticed the death): what the old one held and ran is lost
             self._handle_remove_worker(
                 RemoveWorker(
-                    ev.stimulus_id,
                     worker=ev.worker,
                     how="replaced",
                     reason="a new worker process registered at its address (port reused)",
+                    stimulus_id=ev.stimulus_id,
                 )
             )
         if ev.worker not in self.workers:
@@ -1109,11 +855,7 @@ class SchedulerState:
             if ts is None or ts.processing_on != ws.address:
                 stray.append(key)  # claimed in a Redis that forgot it: someone else's now
         if stray:
-            self._emit(
-                WorkerMsg(
-                    self._stimulus_id, ws.address, {"op": "free-keys", "keys": sorted(set(stray))}
-                )
-            )
+            self._emit(WorkerMsg(self._stimulus_id, ws.address, FreeKeys(sorted(set(stray)))))
 
     def _handle_holding(self, ev: Holding) -> None:
         ws = self.workers.get(ev.worker)
@@ -1340,13 +1082,8 @@ class SchedulerState:
                     reporter.has_what.discard(ts)
             if ts.state == "memory" and ts.who_has:
                 self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
-                self._emit(
-                    WorkerMsg(
-                        ev.stimulus_id,
-                        ev.worker,
-                        {"op": "who-has", "who_has": {key: sorted(ts.who_has)}},
-                    )
-                )
+                who_has = {key: sorted(ts.who_has)}
+                self._emit(WorkerMsg(ev.stimulus_id, ev.worker, WhoHas(who_has)))
             elif ts.state == "memory":
                 self._lost_data(ts)
 
@@ -1378,13 +1115,13 @@ class SchedulerState:
                 f"no worker would stay to take the {held} results they hold or compute; "
                 "start more workers first, or retire fewer"
             )
-            msg = {"op": "retire-refused", "workers": [ws.address for ws in leaving]}
-            self._emit(ClientMsg(ev.stimulus_id, ev.client, {**msg, "reason": reason}))
+            msg = RetireRefused([ws.address for ws in leaving], reason=reason)
+            self._emit(ClientMsg(ev.stimulus_id, ev.client, msg))
             return
         self._retirement_changed = True
         for ws in leaving:
             if not ws.retiring and ev.client:
-                self._emit(WorkerMsg(ev.stimulus_id, ws.address, {"op": "retire"}))
+                self._emit(WorkerMsg(ev.stimulus_id, ws.address, RetireWorker()))
             if not ws.retiring:
                 ws.retiring = True
                 ws.to_move = set(ws.has_what)
@@ -1426,12 +1163,11 @@ class SchedulerState:
                 ts.replicating.add(target)
                 requests.setdefault(target, {})[ts.key] = sorted(ts.who_has)
         for target, who_has in requests.items():
-            self._emit(WorkerMsg(sid, target, {"op": "acquire-replicas", "who_has": who_has}))
+            self._emit(WorkerMsg(sid, target, AcquireReplicas(who_has)))
 
     def _tell_to_close(self, ws: WorkerInfo, reason: str) -> None:
         ws.told_to_close = True
-        msg = {"op": "close", "reason": reason}
-        self._emit(WorkerMsg("retire-" + self._stimulus_id, ws.address, msg))
+        self._emit(WorkerMsg("retire-" + self._stimulus_id, ws.address, CloseWorker(reason)))
 
     def _ensure_replicas(self, ts: TaskState) -> None:
         """Ask workers without a copy to fetch one, until ``ts.replicas`` are (or will be)
@@ -1450,13 +1186,8 @@ class SchedulerState:
         )
         for ws in candidates[:missing]:
             ts.replicating.add(ws.address)
-            self._emit(
-                WorkerMsg(
-                    self._stimulus_id,
-                    ws.address,
-                    {"op": "acquire-replicas", "who_has": {ts.key: sorted(ts.who_has)}},
-                )
-            )
+            who_has = {ts.key: sorted(ts.who_has)}
+            self._emit(WorkerMsg(self._stimulus_id, ws.address, AcquireReplicas(who_has)))
 
     def _handle_released_keys(self, ev: ReleasedKeys) -> None:
         ws = self.workers.get(ev.worker)
@@ -1627,7 +1358,7 @@ class SchedulerState:
 
     def _free(self, worker: str, key: str) -> None:
         """Tell a worker to drop what it holds of ``key`` (a result, a failed run)."""
-        self._emit(WorkerMsg(self._stimulus_id, worker, {"op": "free-keys", "keys": [key]}))
+        self._emit(WorkerMsg(self._stimulus_id, worker, FreeKeys([key])))
 
     def _wake_waiters(self, ts: TaskState) -> None:
         for dependent in sorted(ts.waiters, key=lambda t: t.score):
@@ -1778,14 +1509,8 @@ class SchedulerState:
     def _memory_fields(self, ts: TaskState) -> dict[str, Any]:
         return {"who_has": " ".join(sorted(ts.who_has)), "nbytes": ts.nbytes, "type": ts.type}
 
-    def _memory_msg(self, ts: TaskState) -> dict[str, Any]:
-        return {
-            "op": "key-in-memory",
-            "key": ts.key,
-            "who_has": sorted(ts.who_has),
-            "nbytes": ts.nbytes,
-            "type": ts.type,
-        }
+    def _memory_msg(self, ts: TaskState) -> KeyInMemory:
+        return KeyInMemory(ts.key, sorted(ts.who_has), nbytes=ts.nbytes, type=ts.type)
 
     def _erred_fields(self, ts: TaskState) -> dict[str, Any]:
         fields = {
@@ -1804,10 +1529,19 @@ class SchedulerState:
             fields["rejected"] = 1
         return fields
 
-    def _erred_msg(self, ts: TaskState) -> dict[str, Any]:
-        msg = {"op": "task-erred", "key": ts.key, **self._erred_fields(ts)}
-        if ts.rejected:
-            msg["rejected"] = True
+    def _erred_msg(self, ts: TaskState) -> KeyErred:
+        msg = KeyErred(
+            ts.key,
+            exception=ts.exception or b"",
+            traceback=ts.traceback or b"",
+            exception_text=ts.exception_text,
+            traceback_text=ts.traceback_text,
+            erred_on=ts.erred_on or "",
+            exception_blame=ts.exception_blame or "",
+            rejected=ts.rejected,
+        )
+        if ts.killed:
+            msg.killed, msg.suspicious, msg.deaths = ts.killed, ts.suspicious, _pack(ts.deaths)
         return msg
 
     # ------------------------------------------------------------------ validation

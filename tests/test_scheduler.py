@@ -12,6 +12,7 @@ from polling import poll
 
 from redisdask import Client, LocalCluster
 from redisdask.errors import FencedError
+from redisdask.protocol import FreeKeys, KeysRecorded
 from redisdask.scheduler import Scheduler, rejected_graphs
 from redisdask.scheduler_state import Forget, StoreTask, WorkerMsg
 from redisdask.schema import SCHEDULER_GROUP, Keys, ensure_cluster, entry, pack, unpack
@@ -69,10 +70,10 @@ def test_a_workers_messages_keep_their_order_when_free_keys_are_merged(
     w = "tcp://10.0.0.1:1"
     cmds = scheduler.to_commands(
         [
-            WorkerMsg("s", w, {"op": "free-keys", "keys": ["a"]}),
-            WorkerMsg("s", w, {"op": "free-keys", "keys": ["d"]}),
-            WorkerMsg("s", w, {"op": "keys-recorded", "keys": ["d"]}),
-            WorkerMsg("s", w, {"op": "free-keys", "keys": ["b"]}),
+            WorkerMsg("s", w, FreeKeys(["a"])),
+            WorkerMsg("s", w, FreeKeys(["d"])),
+            WorkerMsg("s", w, KeysRecorded(["d"])),
+            WorkerMsg("s", w, FreeKeys(["b"])),
         ]
     )
     (xadd,) = [c for c in cmds if c[0] == "XADD" and c[1] == scheduler.keys.worker_inbox(w)]

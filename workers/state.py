@@ -1,12 +1,13 @@
 """The worker's task state machine: pure, synchronous, sans-I/O.
 
-``WorkerState.handle_stimulus(*events) -> list[Instruction]`` is the only entry point
-that changes state.  It never touches a socket, Redis, a thread or a clock: the async
-driver feeds it *events* (something happened: a task was claimed, a computation
+``WorkerState.handle_stimulus(*events) -> list[Instruction | Report]`` is the only entry
+point that changes state.  It never touches a socket, Redis, a thread or a clock: the
+async driver feeds it *events* (something happened: a task was claimed, a computation
 finished, a peer answered) and carries out the *instructions* it returns (run a task,
-fetch data from a peer, tell the scheduler something).  Every timestamp comes from an
-event, so a recorded sequence of events replays to the same instructions, and the whole
-machine can be unit-tested in microseconds.  Modelled on Dask's
+fetch data from a peer) and sends the *reports* (``redisdask.protocol`` messages to the
+scheduler: a task finished or erred, data missing, keys added or released).  Every
+timestamp comes from an event, so a recorded sequence of events replays to the same
+instructions, and the whole machine can be unit-tested in microseconds.  Modelled on Dask's
 ``distributed/worker_state_machine.py``, much reduced.
 
 Task states and the transitions implemented here::
@@ -39,8 +40,8 @@ Task states and the transitions implemented here::
   once (removed from ``tasks`` and its value from ``data``).
 * ``cancelled``: the scheduler freed a task whose computation (or fetch) is still under
   way.  It keeps its thread (or peer) until the result arrives; the result is then
-  dropped (``ReleasedKeysMsg`` for a computation) unless the task was wanted again.
-* ``missing``: no known holder; ``MissingDataMsg`` asks the scheduler, whose answer comes
+  dropped (``ReleasedKeys`` for a computation) unless the task was wanted again.
+* ``missing``: no known holder; ``MissingData`` asks the scheduler, whose answer comes
   back as ``UpdateWhoHasEvent``.
 * Scattered data (``PutDataEvent``) comes straight from a client over TCP, while
   ``free-keys`` come from the scheduler through the inbox, so a ``free-keys`` sent for an
@@ -69,6 +70,7 @@ from typing import Any, ClassVar
 
 from redisdask.comm import MAX_KEYS_PER_MESSAGE
 from redisdask.errors import RedisDaskError
+from redisdask.protocol import NO_SCORE, AddKeys, MissingData, ReleasedKeys, TaskErred, TaskFinished
 
 STATES: frozenset[str] = frozenset(
     {
@@ -178,7 +180,7 @@ class ExecuteSuccessEvent(StateMachineEvent):
     key: str
     value: object
     nbytes: int
-    type_name: str
+    type: str
     start: float
     stop: float
     stimulus_id: str
@@ -301,48 +303,9 @@ class GatherDep(Instruction):
         return kwargs
 
 
-@dataclass(slots=True)
-class TaskFinishedMsg(Instruction):
-    key: str
-    nbytes: int
-    type_name: str
-    start: float
-    stop: float
-    stimulus_id: str
-
-
-@dataclass(slots=True)
-class TaskErredMsg(Instruction):
-    key: str
-    exception: bytes
-    traceback: bytes | None
-    exception_text: str
-    traceback_text: str
-    start: float
-    stop: float
-    stimulus_id: str
-
-
-@dataclass(slots=True)
-class MissingDataMsg(Instruction):
-    """``keys`` have no known holder left; ``worker`` is the peer that failed, if any."""
-
-    keys: list[str]
-    worker: str | None
-    stimulus_id: str
-
-
-@dataclass(slots=True)
-class AddKeysMsg(Instruction):
-    keys: list[str]
-    nbytes: dict[str, int]
-    stimulus_id: str
-
-
-@dataclass(slots=True)
-class ReleasedKeysMsg(Instruction):
-    keys: list[str]
-    stimulus_id: str
+# What the machine tells the scheduler: the protocol's worker -> scheduler messages
+# themselves, which the driver sends as they are (one definition of each field).
+Report = TaskFinished | TaskErred | MissingData | AddKeys | ReleasedKeys
 
 
 # ---------------------------------------------------------------------------------------
@@ -364,16 +327,22 @@ class TaskState:
     coming_from: str | None = None  # peer of the GatherDep in flight
     previous: str | None = None  # state before `cancelled`: executing or flight
     nbytes: int | None = None
-    type_name: str | None = None
+    type: str | None = None  # the result's type name
     start: float | None = None
     stop: float | None = None
     error: ExecuteFailureEvent | None = None
     deferred: ComputeTaskEvent | None = None  # claimed while in flight
-    replica: bool = False  # fetched to be kept as a copy, reported with AddKeysMsg
+    replica: bool = False  # fetched to be kept as a copy, reported with AddKeys
     unrecorded: int = 0  # copies put here (scatter) that the scheduler has not recorded yet
 
     def __repr__(self) -> str:
         return f"<TaskState {self.key!r} {self.state}>"
+
+
+def _run_score(ts: TaskState) -> float:
+    """Which run of its key a report answers: the score of the claim that ran (the first
+    item of the priority the claim gave), for the scheduler to tell a late result."""
+    return float(ts.priority[0]) if ts.priority else NO_SCORE
 
 
 def _host(address: str) -> str:
@@ -431,7 +400,7 @@ class WorkerState:
 
         self._ready_heap: list[tuple[tuple[Any, ...], int, TaskState]] = []
         self._seq = 0
-        self._instructions: list[Instruction] = []
+        self._instructions: list[Instruction | Report] = []
         self._newly_missing: list[str] = []
         self._event_time: float | None = None
         self.clock: float | None = None  # the driver's wall time of the current stimuli
@@ -462,7 +431,7 @@ class WorkerState:
 
     # -- public API ------------------------------------------------------------------
 
-    def handle_stimulus(self, *events: StateMachineEvent) -> list[Instruction]:
+    def handle_stimulus(self, *events: StateMachineEvent) -> list[Instruction | Report]:
         """Apply events in order; return the instructions for the driver to carry out."""
         self._instructions = out = []
         for ev in events:
@@ -473,7 +442,15 @@ class WorkerState:
             self._ensure_communicating(ev.stimulus_id)
             if self._newly_missing:
                 worker = getattr(ev, "worker", None)
-                self._emit(MissingDataMsg(sorted(self._newly_missing), worker, ev.stimulus_id))
+                missing = sorted(self._newly_missing)
+                self._emit(
+                    MissingData(
+                        self.address,
+                        missing,
+                        errant_worker=worker or "",
+                        stimulus_id=ev.stimulus_id,
+                    )
+                )
                 self._newly_missing = []
             if self.validate:
                 self.validate_state()
@@ -521,7 +498,7 @@ class WorkerState:
         if self.retiring and (known is None or known.state in ("fetch", "missing")):
             # a claim that crossed the retirement, or one whose transfer here failed: hand
             # it back (what runs, is fetched or is held here already is answered as usual)
-            self._emit(ReleasedKeysMsg([ev.key], sid))
+            self._emit(ReleasedKeys(self.address, [ev.key], stimulus_id=sid))
             if known is not None:
                 known.wanted = False
                 self._release_if_unneeded(known, sid)
@@ -573,12 +550,12 @@ class WorkerState:
         ts = self._finished_execution(ev.key, ev.start, ev.stop, "memory", ev.stimulus_id)
         if ts is None:
             return
-        ts.type_name, ts.start, ts.stop = ev.type_name, ev.start, ev.stop
+        ts.type, ts.start, ts.stop = ev.type, ev.start, ev.stop
         if ts.state == "executing" or ts.dependents or ts.replica:
             self._transition(ts, "memory", ev.stimulus_id, value=ev.value, nbytes=ev.nbytes)
         else:  # cancelled and nobody wants it: drop the result
             self._transition(ts, "released", ev.stimulus_id)
-            self._emit(ReleasedKeysMsg([ev.key], ev.stimulus_id))
+            self._emit(ReleasedKeys(self.address, [ev.key], stimulus_id=ev.stimulus_id))
 
     def _handle_execute_failure(self, ev: ExecuteFailureEvent) -> None:
         ts = self._finished_execution(ev.key, ev.start, ev.stop, "error", ev.stimulus_id)
@@ -591,7 +568,7 @@ class WorkerState:
             self._after_failed_fetch(ts, ev.stimulus_id)
         else:
             self._transition(ts, "released", ev.stimulus_id)
-            self._emit(ReleasedKeysMsg([ev.key], ev.stimulus_id))
+            self._emit(ReleasedKeys(self.address, [ev.key], stimulus_id=ev.stimulus_id))
 
     def _finished_execution(
         self, key: str, start: float, stop: float, finish: str, sid: str
@@ -672,13 +649,15 @@ class WorkerState:
                 self.data[key] = value
                 ts.nbytes = nbytes
             else:
-                ts.wanted = False  # no TaskFinishedMsg: AddKeysMsg below says it all
+                ts.wanted = False  # no TaskFinished: AddKeys below says it all
                 self._transition(ts, "memory", ev.stimulus_id, value=value, nbytes=nbytes)
             ts.wanted = True
             ts.unrecorded += 1  # until the scheduler's keys-recorded for this copy
             accepted[key] = nbytes
         if accepted:
-            self._emit(AddKeysMsg(sorted(accepted), accepted, ev.stimulus_id))
+            self._emit(
+                AddKeys(self.address, sorted(accepted), accepted, stimulus_id=ev.stimulus_id)
+            )
 
     def _handle_keys_recorded(self, ev: KeysRecordedEvent) -> None:
         for key in ev.keys:
@@ -701,7 +680,7 @@ class WorkerState:
             if ts.state in ("released", "error") or (ts.state == "missing" and ts.who_has):
                 self._transition(ts, "fetch" if ts.who_has else "missing", ev.stimulus_id)
         if held:
-            self._emit(AddKeysMsg(sorted(held), held, ev.stimulus_id))
+            self._emit(AddKeys(self.address, sorted(held), held, stimulus_id=ev.stimulus_id))
 
     def _handle_retire(self, ev: RetireEvent) -> None:
         self.retiring = True
@@ -712,7 +691,7 @@ class WorkerState:
                 handed_back.append(ts.key)
                 self._release_if_unneeded(ts, ev.stimulus_id)
         if handed_back:
-            self._emit(ReleasedKeysMsg(handed_back, ev.stimulus_id))
+            self._emit(ReleasedKeys(self.address, handed_back, stimulus_id=ev.stimulus_id))
 
     def _handle_pause(self, ev: PauseEvent) -> None:
         self.paused = True
@@ -837,7 +816,7 @@ class WorkerState:
         self._unlink_dependencies(ts, sid)
         if ts.replica:  # freed while running, then asked for as a copy: here it is
             ts.replica, ts.wanted = False, True
-            self._emit(AddKeysMsg([ts.key], {ts.key: nbytes}, sid))
+            self._emit(AddKeys(self.address, [ts.key], {ts.key: nbytes}, stimulus_id=sid))
 
     def _transition_cancelled_fetch(self, ts: TaskState, sid: str) -> None:
         self.executing.discard(ts)
@@ -904,7 +883,7 @@ class WorkerState:
             self._emit_finished(ts, sid)
         elif ts.replica:  # a copy asked for: keep it and say so
             ts.replica, ts.wanted = False, True
-            self._emit(AddKeysMsg([ts.key], {ts.key: nbytes}, sid))
+            self._emit(AddKeys(self.address, [ts.key], {ts.key: nbytes}, stimulus_id=sid))
         else:
             self._release_if_unneeded(ts, sid)  # e.g. a copy freed while in flight
 
@@ -969,13 +948,20 @@ class WorkerState:
 
     # -- helpers ---------------------------------------------------------------------
 
-    def _emit(self, instruction: Instruction) -> None:
+    def _emit(self, instruction: Instruction | Report) -> None:
         self._instructions.append(instruction)
 
     def _emit_finished(self, ts: TaskState, sid: str) -> None:
         self._emit(
-            TaskFinishedMsg(
-                ts.key, ts.nbytes or 0, ts.type_name or "", ts.start or 0.0, ts.stop or 0.0, sid
+            TaskFinished(
+                self.address,
+                ts.key,
+                nbytes=ts.nbytes or 0,
+                type=ts.type or "",
+                start=ts.start or 0.0,
+                stop=ts.stop or 0.0,
+                score=_run_score(ts),
+                stimulus_id=sid,
             )
         )
 
@@ -983,15 +969,15 @@ class WorkerState:
         e = ts.error
         assert e is not None
         self._emit(
-            TaskErredMsg(
+            TaskErred(
+                self.address,
                 ts.key,
-                e.exception,
-                e.traceback,
-                e.exception_text,
-                e.traceback_text,
-                e.start,
-                e.stop,
-                sid,
+                exception=e.exception,
+                traceback=e.traceback,
+                exception_text=e.exception_text,
+                traceback_text=e.traceback_text,
+                score=_run_score(ts),
+                stimulus_id=sid,
             )
         )
 
@@ -1009,8 +995,8 @@ class WorkerState:
         """Enter `memory`: keep the value and wake up the dependents waiting for it."""
         self.data[ts.key] = value
         ts.nbytes = nbytes
-        if ts.type_name is None:
-            ts.type_name = type(value).__name__
+        if ts.type is None:
+            ts.type = type(value).__name__
         self._set_state(ts, "memory", sid)
         for dependent in ts.dependents:
             dependent.waiting_for_data.discard(ts)

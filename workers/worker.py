@@ -41,8 +41,23 @@ import redis
 from redisdask import comm, logs, nanny_contract, schema
 from redisdask.backoff import Backoff
 from redisdask.connection import connect, connect_async
-from redisdask.errors import TaskInterrupted
+from redisdask.errors import ProtocolError, TaskInterrupted
 from redisdask.nanny_contract import GRACEFUL_TIMEOUT
+from redisdask.protocol import (
+    SCHEDULER_TO_WORKER,
+    AcquireReplicas,
+    AddWorker,
+    CloseWorker,
+    FreeKeys,
+    Holding,
+    KeysRecorded,
+    Message,
+    MissingData,
+    RemoveWorker,
+    RetireWorkers,
+    WhoHas,
+    parse,
+)
 from redisdask.schema import Keys
 from redisdask.spec import FunctionCache, run_spec
 from redisdask.versions import VersionMismatchError, pickle_breaking, versions
@@ -269,10 +284,10 @@ class Worker:
         pipe.persist(self.keys.worker_story(self.address))  # a predecessor's had a TTL
         pipe.set(self.keys.worker_alive(self.address), 1, px=int(self.worker_ttl * 1000))
         pipe.hset(self.keys.heartbeats, self.address, schema.pack(self._metrics()))
-        message: dict[str, Any] = {"op": "add-worker", "worker": self.address, "info": info}
+        message = AddWorker(self.address, info=info)
         if resync:  # what Redis may have forgotten: the scheduler reconciles with it
             tasks = self.state.tasks.values()
-            message["resync"] = {
+            message.resync = {
                 "keys": {ts.key: ts.nbytes or 0 for ts in tasks if ts.state == "memory"},
                 "processing": [
                     ts.key
@@ -280,7 +295,7 @@ class Worker:
                     if ts.wanted and ts.state not in ("memory", "released", "error")
                 ],
             }
-        pipe.xadd(self.keys.worker_stream, schema.entry([message]))
+        pipe.xadd(self.keys.worker_stream, schema.entry([message.to_dict()]))
         await pipe.execute()
 
     async def _keep_running(self, loop: Any) -> None:
@@ -332,7 +347,7 @@ class Worker:
             for task in stuck:  # a library swallowed the cancellation: do not hang on it
                 logger.warning("background task %s ignored cancellation", task.get_coro())
         try:
-            self._outbox.append({"op": "remove-worker", "worker": self.address, "reason": reason})
+            self._report(RemoveWorker(self.address, reason=reason))
             await self._flush()
             await self.redis.delete(self.keys.worker_alive(self.address))
         except redis.RedisError as exc:
@@ -393,38 +408,8 @@ class Worker:
                 self._execute(ins.key)
             elif isinstance(ins, ws.GatherDep):
                 self._spawn(self._gather(ins.worker, sorted(ins.keys)))
-            elif isinstance(ins, ws.TaskFinishedMsg):
-                self._report(
-                    {
-                        "op": "task-finished",
-                        "key": ins.key,
-                        "nbytes": ins.nbytes,
-                        "type": ins.type_name,
-                        "start": ins.start,
-                        "stop": ins.stop,
-                        **self._run_of(ins.key),
-                    }
-                )
-            elif isinstance(ins, ws.TaskErredMsg):
-                self._report(
-                    {
-                        "op": "task-erred",
-                        "key": ins.key,
-                        "exception": ins.exception,
-                        "traceback": ins.traceback,
-                        "exception_text": ins.exception_text,
-                        "traceback_text": ins.traceback_text,
-                        **self._run_of(ins.key),
-                    }
-                )
-            elif isinstance(ins, ws.MissingDataMsg):
-                self._report(
-                    {"op": "missing-data", "keys": ins.keys, "errant_worker": ins.worker or ""}
-                )
-            elif isinstance(ins, ws.AddKeysMsg):
-                self._report({"op": "add-keys", "keys": ins.keys, "nbytes": ins.nbytes})
-            elif isinstance(ins, ws.ReleasedKeysMsg):
-                self._report({"op": "released-keys", "keys": ins.keys})
+            elif isinstance(ins, ws.Report):
+                self._report(ins)
             else:  # pragma: no cover
                 raise TypeError(f"worker driver cannot carry out {ins!r}")
         self._wake.set()
@@ -443,16 +428,12 @@ class Worker:
                 REPORT_LINGER, self._flush_wanted.set
             )
 
-    def _run_of(self, key: str) -> dict[str, float]:
-        """Which run of ``key`` a report answers: the score of the claim being run."""
-        ts = self.state.tasks.get(key)
-        if ts is None or not ts.priority:
-            return {}
-        return {"score": float(ts.priority[0])}
-
-    def _report(self, msg: dict[str, Any]) -> None:
-        msg["worker"] = self.address
-        self._outbox.append(msg)
+    def _report(self, msg: Message) -> None:
+        """Queue a message for the workers stream; every one names this worker (a
+        ``retire-workers`` too, whose class is shared with the clients' stream)."""
+        message = msg.to_dict()
+        message["worker"] = self.address
+        self._outbox.append(message)
 
     # ------------------------------------------------------------------ execution
 
@@ -568,7 +549,7 @@ class Worker:
             self._inbox_id = entry_id.decode()
             try:
                 items.extend(_inbox_events(entry_id.decode(), fields))
-            except (KeyError, TypeError, ValueError) as exc:
+            except (ProtocolError, KeyError, TypeError, ValueError) as exc:
                 logger.warning("ignoring malformed inbox entry %s: %s", entry_id.decode(), exc)
         batch: list[ws.StateMachineEvent] = []
         for item in items:
@@ -611,8 +592,7 @@ class Worker:
         again re-asks for copies that did not come, and tells a scheduler restarted
         meanwhile."""
         while self.status == "running":
-            request = {"op": "retire-workers", "workers": [self.address]}
-            self._report({**request, "force": self._retire_force})
+            self._report(RetireWorkers(workers=[self.address], force=self._retire_force))
             self._flush_wanted.set()
             await asyncio.sleep(RETIRE_REPEAT)
 
@@ -658,7 +638,7 @@ class Worker:
                 elif before < self._holding_reports:
                     keys.append(key)
             self._holding_reports += 1
-            self._report({"op": "holding", "keys": sorted(keys)})
+            self._report(Holding(self.address, sorted(keys)))
             await self._flush()
 
     async def _heartbeat_loop(self) -> None:
@@ -758,7 +738,7 @@ class Worker:
         except (TimeoutError, OSError, comm.CommError) as exc:
             logger.warning("could not fetch %d keys from %s: %s", len(keys), worker, exc)
             # tell the scheduler at once; the state machine tries other holders meanwhile
-            self._report({"op": "missing-data", "keys": keys, "errant_worker": worker})
+            self._report(MissingData(self.address, keys, errant_worker=worker))
             self.handle(
                 ws.GatherDepNetworkFailureEvent(
                     worker, keys, str(exc), f"gather-fail-{time.time():.6f}-{next(_STIMULI)}"
@@ -832,37 +812,26 @@ class _Command:
 def _inbox_events(
     entry_id: str, fields: dict[bytes, bytes]
 ) -> list[ws.StateMachineEvent | _Command]:
-    """Events from one inbox entry; ValueError/TypeError/KeyError when it is malformed."""
+    """Events from one inbox entry (``protocol.SCHEDULER_TO_WORKER``); ProtocolError (or
+    KeyError, ValueError from a field that is not msgpack) when it is malformed."""
     messages = schema.unpack(fields[b"m"])
     if not isinstance(messages, list):
-        raise TypeError("field 'm' is not a list of messages")
+        raise ProtocolError("field 'm' is not a list of messages")
     events: list[ws.StateMachineEvent | _Command] = []
-    for i, msg in enumerate(messages):
+    for i, raw in enumerate(messages):
         sid = f"{entry_id}/{i}"
-        op = msg.get("op") if isinstance(msg, dict) else None
-        if op in ("free-keys", "keys-recorded"):
-            keys = msg["keys"]
-            if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-                raise TypeError(f"{op} needs a list of keys, got {keys!r:.80}")
-            if op == "free-keys":
-                events.append(ws.FreeKeysEvent(keys, sid))
-            else:
-                events.append(ws.KeysRecordedEvent(keys, sid))
-        elif op in ("who-has", "acquire-replicas"):
-            who_has = msg["who_has"]
-            if not isinstance(who_has, dict) or not all(
-                isinstance(k, str) and isinstance(v, list) and all(isinstance(w, str) for w in v)
-                for k, v in who_has.items()
-            ):
-                raise TypeError(f"who-has needs {{key: [address]}}, got {who_has!r:.80}")
-            if op == "who-has":
-                events.append(ws.UpdateWhoHasEvent(who_has, sid))
-            else:
-                events.append(ws.AcquireReplicasEvent(who_has, sid))
-        elif op in ("restart", "retire", "close"):
-            events.append(_Command(op, sid, str(msg.get("reason", op))))
-        else:
-            raise ValueError(f"unknown inbox message {msg!r:.80}")
+        msg = parse(raw, SCHEDULER_TO_WORKER)
+        if isinstance(msg, FreeKeys):
+            events.append(ws.FreeKeysEvent(msg.keys, sid))
+        elif isinstance(msg, KeysRecorded):
+            events.append(ws.KeysRecordedEvent(msg.keys, sid))
+        elif isinstance(msg, WhoHas):
+            events.append(ws.UpdateWhoHasEvent(msg.who_has, sid))
+        elif isinstance(msg, AcquireReplicas):
+            events.append(ws.AcquireReplicasEvent(msg.who_has, sid))
+        else:  # restart, retire, close: for the driver
+            reason = msg.reason if isinstance(msg, CloseWorker) else msg.op
+            events.append(_Command(msg.op, sid, reason))
     return events
 
 
