@@ -24,11 +24,9 @@
     ├── VersionMismatchError                           versions that cannot share pickles
     │                                                  (redisdask.versions)
     ├── KilledWorker                                   a task took too many workers down
-    ├── InvalidTransition (also RuntimeError)          a bug: the scheduler's state machine
-    │                                                  was asked for an edge it lacks
-    │                                                  (redisdask.scheduler_state)
-    ├── InvalidTransition                              the same, in the worker's state
-    │                                                  machine (redisdask.workers.state)
+    ├── InvalidTransition (also RuntimeError)          a bug: a state machine was asked for
+    │                                                  a move its table lacks; carries the
+    │                                                  key's story (redisdask.state_machine)
     └── InvalidTaskState (also AssertionError)         a bug: the worker's state machine
                                                        broke an invariant (validate=True)
 

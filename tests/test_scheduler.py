@@ -255,7 +255,7 @@ def test_an_entry_that_crashes_the_state_machine_is_dead_lettered(
 ) -> None:
     """Fault injection in our own state machine (a stand-in for a bug): the batch is
     retried entry by entry, the bad entry dead-lettered, the good ones applied."""
-    from redisdask.scheduler_state import SchedulerState
+    from redisdask.scheduler_state import SchedulerState, UpdateGraph
 
     original = SchedulerState._handle_update_graph
 
@@ -264,7 +264,8 @@ def test_an_entry_that_crashes_the_state_machine_is_dead_lettered(
             raise RuntimeError("injected bug")
         return original(self, ev)
 
-    monkeypatch.setattr(SchedulerState, "_handle_update_graph", buggy)
+    # handlers are chosen by event type, from the class's table
+    monkeypatch.setitem(SchedulerState._HANDLERS, UpdateGraph, buggy)
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cluster_name)
     ensure_cluster(r, keys)

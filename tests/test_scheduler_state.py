@@ -7,6 +7,7 @@ Every ``SchedulerState`` here validates its invariants after each ``handle_stimu
 from __future__ import annotations
 
 import heapq
+import pickle
 import random
 import time
 from typing import Any
@@ -54,6 +55,7 @@ from redisdask.scheduler_state import (
     key_prefix,
     priority_score,
 )
+from redisdask.state_machine import InvalidTransition, table_problems
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -1727,3 +1729,47 @@ def test_claims_that_stand_are_told_and_only_real_results_and_errors_are_counted
     assert (s.n_finished, s.n_erred) == (1, 0)  # the duplicate and the unknown key: ignored
     fail(s, "b", worker=W2)
     assert (s.n_finished, s.n_erred) == (1, 1)
+
+
+# --------------------------------------------------------------------------- the idiom
+
+
+def test_an_illegal_transition_raises_with_the_story_of_its_key():
+    s = make(W1)
+    submit(s, "c", [task("x")], ["x"])
+    run(s, "x")
+    story = [
+        ("x", "released", "waiting", "ug"),
+        ("x", "waiting", "queued", "ug"),
+        ("x", "queued", "processing", "claim"),
+        ("x", "processing", "memory", "fin"),
+    ]
+    assert s.stories("x") == story
+    with pytest.raises(InvalidTransition) as info:
+        s._transition(s.tasks["x"], "processing", worker=s.workers[W1], stimulus_id="bad")
+    err = info.value
+    assert (err.key, err.start, err.finish, err.stimulus_id) == ("x", "memory", "processing", "bad")
+    assert err.story == story
+    text = str(err)
+    assert "'x': invalid transition memory -> processing (stimulus bad)" in text
+    assert all(str(entry) in text for entry in story)
+    again = pickle.loads(pickle.dumps(err))  # it crosses process boundaries intact
+    assert (again.key, again.story, str(again)) == (err.key, err.story, text)
+
+
+def test_the_transition_table_holds_every_transition_method():
+    assert table_problems(SchedulerState) == []
+
+    class WithAnUnregisteredMove(SchedulerState):
+        def _transition_memory_erred(self, ts: Any, *, stimulus_id: str) -> None: ...
+
+    assert table_problems(WithAnUnregisteredMove) == [
+        "_transition_memory_erred is not registered in _TRANSITIONS under its own move"
+    ]
+
+
+def test_every_event_type_has_its_handler():
+    assert set(SchedulerState._HANDLERS) == set(Event.__subclasses__())
+    assert set(SCHEDULER_EVENTS.values()) <= set(SchedulerState._HANDLERS)
+    handlers = {n for n in dir(SchedulerState) if n.startswith("_handle_")}
+    assert {f.__name__ for f in SchedulerState._HANDLERS.values()} == handlers

@@ -11,6 +11,7 @@ import msgpack
 import pytest
 
 from redisdask.protocol import AddKeys, Event, MissingData, ReleasedKeys, TaskErred, TaskFinished
+from redisdask.state_machine import InvalidTransition, table_problems
 from redisdask.workers.state import (
     AcquireReplicasEvent,
     ComputeTaskEvent,
@@ -22,7 +23,6 @@ from redisdask.workers.state import (
     GatherDepNetworkFailureEvent,
     GatherDepSuccessEvent,
     Instruction,
-    InvalidTransition,
     KeysRecordedEvent,
     PauseEvent,
     PutDataEvent,
@@ -588,8 +588,42 @@ def test_invalid_transition() -> None:
         ws.handle_stimulus(success("z"))  # z is waiting, it never ran
     err = info.value
     assert (err.key, err.start, err.finish, err.stimulus_id) == ("z", "waiting", "memory", "done-z")
-    for part in ("'z'", "waiting", "memory", "done-z"):
-        assert part in str(err)
+    assert [entry[:4] for entry in err.story] == [("z", "released", "waiting", "compute-z")]
+    assert "'z': invalid transition waiting -> memory (stimulus done-z)" in str(err)
+    assert str(err.story[0]) in str(err)
+
+
+def test_an_illegal_move_through_the_table_raises_with_the_story() -> None:
+    ws = make()
+    ws.handle_stimulus(compute("x"), success("x"))
+    with pytest.raises(InvalidTransition) as info:
+        ws._transition(ws.tasks["x"], "flight", worker=A, stimulus_id="bad")
+    err = info.value
+    assert (err.key, err.start, err.finish, err.stimulus_id) == ("x", "memory", "flight", "bad")
+    story = [entry[:4] for entry in err.story]
+    assert story == [
+        ("x", "released", "ready", "compute-x"),
+        ("x", "ready", "executing", "compute-x"),
+        ("x", "executing", "memory", "done-x"),
+    ]
+    assert all(str(entry) in str(err) for entry in err.story)
+
+
+def test_the_transition_table_holds_every_transition_method() -> None:
+    assert table_problems(WorkerState) == []
+
+    class WithAnUnregisteredMove(WorkerState):
+        def _transition_memory_flight(self, ts: Any, *, stimulus_id: str) -> None: ...
+
+    assert table_problems(WithAnUnregisteredMove) == [
+        "_transition_memory_flight is not registered in _TRANSITIONS under its own move"
+    ]
+
+
+def test_every_event_type_has_its_handler() -> None:
+    assert set(WorkerState._HANDLERS) == set(StateMachineEvent.__subclasses__())
+    handlers = {n for n in dir(WorkerState) if n.startswith("_handle_")}
+    assert {f.__name__ for f in WorkerState._HANDLERS.values()} == handlers
 
 
 def test_validate_state_catches_corruption() -> None:

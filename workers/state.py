@@ -8,7 +8,10 @@ fetch data from a peer) and sends the *reports* (``redisdask.protocol`` messages
 scheduler: a task finished or erred, data missing, keys added or released).  Every
 timestamp comes from an event, so a recorded sequence of events replays to the same
 instructions, and the whole machine can be unit-tested in microseconds.  Modelled on Dask's
-``distributed/worker_state_machine.py``, much reduced.
+``distributed/worker_state_machine.py``, much reduced, and written in the idiom it shares
+with the scheduler's machine (``redisdask.state_machine``): handlers chosen by event type
+(``_HANDLERS``), the legal moves in one table (``_TRANSITIONS``), ``stimulus_id``
+keyword-only and last in every transition, and a story of every state change.
 
 Task states and the transitions implemented here::
 
@@ -65,12 +68,12 @@ import random
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field, fields
-from functools import partialmethod
 from typing import Any, ClassVar
 
 from redisdask.comm import MAX_KEYS_PER_MESSAGE
 from redisdask.errors import RedisDaskError
 from redisdask.protocol import NO_SCORE, AddKeys, MissingData, ReleasedKeys, TaskErred, TaskFinished
+from redisdask.state_machine import InvalidTransition
 
 STATES: frozenset[str] = frozenset(
     {
@@ -84,14 +87,6 @@ DEFAULT_TRANSFER_CONCURRENCY = 4
 MAX_CLAIM = 1000
 PREFETCH_BELOW = 0.1  # seconds: tasks shorter on average are claimed ahead of a free thread
 EWMA_ALPHA = 0.2
-
-
-class InvalidTransition(RedisDaskError):
-    """A stimulus asked a task to move along an edge the state machine does not have."""
-
-    def __init__(self, key: str, start: str, finish: str, stimulus_id: str) -> None:
-        self.key, self.start, self.finish, self.stimulus_id = key, start, finish, stimulus_id
-        super().__init__(f"{key!r}: invalid transition {start} -> {finish} ({stimulus_id})")
 
 
 class InvalidTaskState(RedisDaskError, AssertionError):
@@ -404,26 +399,6 @@ class WorkerState:
         self._newly_missing: list[str] = []
         self._event_time: float | None = None
         self.clock: float | None = None  # the driver's wall time of the current stimuli
-        self._handlers: dict[type, Callable[[Any], None]] = {
-            ComputeTaskEvent: self._handle_compute,
-            ExecuteSuccessEvent: self._handle_execute_success,
-            ExecuteFailureEvent: self._handle_execute_failure,
-            GatherDepSuccessEvent: self._handle_gather_success,
-            GatherDepNetworkFailureEvent: self._handle_gather_network_failure,
-            UpdateWhoHasEvent: self._handle_update_who_has,
-            FreeKeysEvent: self._handle_free_keys,
-            KeysRecordedEvent: self._handle_keys_recorded,
-            PutDataEvent: self._handle_put_data,
-            AcquireReplicasEvent: self._handle_acquire_replicas,
-            PauseEvent: self._handle_pause,
-            UnpauseEvent: self._handle_unpause,
-            RetireEvent: self._handle_retire,
-        }
-        self._transitions: dict[tuple[str, str], Callable[..., None]] = {}
-        for name in dir(type(self)):
-            if name.startswith("_transition_"):
-                start, _, finish = name.removeprefix("_transition_").partition("_")
-                self._transitions[start, finish.replace("_", "-")] = getattr(self, name)
 
         for key in list(self.data):  # pre-existing data (e.g. a persistent spill buffer)
             ts = self.tasks[key] = TaskState(key, state="memory", wanted=True)
@@ -437,7 +412,7 @@ class WorkerState:
         for ev in events:
             self.stimulus_log.append(ev)
             self._event_time = getattr(ev, "stop", None) or self.clock
-            self._handlers[type(ev)](ev)
+            self._HANDLERS[type(ev)](self, ev)
             self._ensure_computing(ev.stimulus_id)
             self._ensure_communicating(ev.stimulus_id)
             if self._newly_missing:
@@ -520,7 +495,7 @@ class WorkerState:
         # fetch or missing: its data was lost elsewhere and the scheduler asks this worker
         # to compute it: stop waiting for a transfer and set it up like any claimed task
         if ts.state == "cancelled":  # freed while running, now claimed again: resume
-            self._transition(ts, ts.previous or "executing", sid)
+            self._transition(ts, ts.previous or "executing", stimulus_id=sid)
             return
         for dep_key, (who_has, nbytes) in ev.dependencies.items():
             dep = self._ensure_task(dep_key)
@@ -537,14 +512,14 @@ class WorkerState:
             if dep.state != "memory":
                 self._add_who_has(dep, who_has)
             if dep.state in ("released", "error"):
-                self._transition(dep, "fetch" if dep.who_has else "missing", sid)
+                self._transition(dep, "fetch" if dep.who_has else "missing", stimulus_id=sid)
             elif dep.state == "missing" and dep.who_has:
-                self._transition(dep, "fetch", sid)
+                self._transition(dep, "fetch", stimulus_id=sid)
             elif dep.state == "cancelled" and dep.previous == "flight":
-                self._transition(dep, "flight", sid)
+                self._transition(dep, "flight", stimulus_id=sid)
             if dep.state != "memory":
                 ts.waiting_for_data.add(dep)
-        self._transition(ts, "waiting" if ts.waiting_for_data else "ready", sid)
+        self._transition(ts, "waiting" if ts.waiting_for_data else "ready", stimulus_id=sid)
 
     def _handle_execute_success(self, ev: ExecuteSuccessEvent) -> None:
         ts = self._finished_execution(ev.key, ev.start, ev.stop, "memory", ev.stimulus_id)
@@ -552,9 +527,11 @@ class WorkerState:
             return
         ts.type, ts.start, ts.stop = ev.type, ev.start, ev.stop
         if ts.state == "executing" or ts.dependents or ts.replica:
-            self._transition(ts, "memory", ev.stimulus_id, value=ev.value, nbytes=ev.nbytes)
+            self._transition(
+                ts, "memory", value=ev.value, nbytes=ev.nbytes, stimulus_id=ev.stimulus_id
+            )
         else:  # cancelled and nobody wants it: drop the result
-            self._transition(ts, "released", ev.stimulus_id)
+            self._transition(ts, "released", stimulus_id=ev.stimulus_id)
             self._emit(ReleasedKeys(self.address, [ev.key], stimulus_id=ev.stimulus_id))
 
     def _handle_execute_failure(self, ev: ExecuteFailureEvent) -> None:
@@ -563,11 +540,11 @@ class WorkerState:
             return
         ts.start, ts.stop = ev.start, ev.stop
         if ts.state == "executing":
-            self._transition(ts, "error", ev.stimulus_id, error=ev)
+            self._transition(ts, "error", error=ev, stimulus_id=ev.stimulus_id)
         elif ts.dependents:  # cancelled, but needed here: fetch it from elsewhere
             self._after_failed_fetch(ts, ev.stimulus_id)
         else:
-            self._transition(ts, "released", ev.stimulus_id)
+            self._transition(ts, "released", stimulus_id=ev.stimulus_id)
             self._emit(ReleasedKeys(self.address, [ev.key], stimulus_id=ev.stimulus_id))
 
     def _finished_execution(
@@ -582,7 +559,7 @@ class WorkerState:
             return None
         if ts.state == "executing" or (ts.state == "cancelled" and ts.previous == "executing"):
             return ts
-        raise InvalidTransition(key, ts.state, finish, sid)
+        raise InvalidTransition(key, ts.state, finish, sid, self.stories(key))
 
     def _handle_gather_success(self, ev: GatherDepSuccessEvent) -> None:
         sid = ev.stimulus_id
@@ -595,9 +572,9 @@ class WorkerState:
                 self._after_failed_fetch(ts, sid)
             elif ts.state == "flight" or ts.dependents:
                 nbytes = ev.nbytes.get(key, ts.nbytes or 0)
-                self._transition(ts, "memory", sid, value=ev.data[key], nbytes=nbytes)
+                self._transition(ts, "memory", value=ev.data[key], nbytes=nbytes, stimulus_id=sid)
             else:
-                self._transition(ts, "released", sid)
+                self._transition(ts, "released", stimulus_id=sid)
 
     def _handle_gather_network_failure(self, ev: GatherDepNetworkFailureEvent) -> None:
         sid = ev.stimulus_id
@@ -612,7 +589,7 @@ class WorkerState:
         for key in held:
             ts = self.tasks.get(key)  # may have been released meanwhile
             if ts is not None and ts.state == "fetch" and not ts.who_has:
-                self._transition(ts, "missing", sid)
+                self._transition(ts, "missing", stimulus_id=sid)
 
     def _handle_update_who_has(self, ev: UpdateWhoHasEvent) -> None:
         for key, workers in ev.who_has.items():
@@ -623,9 +600,9 @@ class WorkerState:
                 self._forget_holder(ts, worker)
             self._add_who_has(ts, workers)
             if ts.state == "missing" and ts.who_has:
-                self._transition(ts, "fetch", ev.stimulus_id)
+                self._transition(ts, "fetch", stimulus_id=ev.stimulus_id)
             elif ts.state == "fetch" and not ts.who_has:
-                self._transition(ts, "missing", ev.stimulus_id)
+                self._transition(ts, "missing", stimulus_id=ev.stimulus_id)
 
     def _handle_free_keys(self, ev: FreeKeysEvent) -> None:
         for key in ev.keys:
@@ -650,7 +627,9 @@ class WorkerState:
                 ts.nbytes = nbytes
             else:
                 ts.wanted = False  # no TaskFinished: AddKeys below says it all
-                self._transition(ts, "memory", ev.stimulus_id, value=value, nbytes=nbytes)
+                self._transition(
+                    ts, "memory", value=value, nbytes=nbytes, stimulus_id=ev.stimulus_id
+                )
             ts.wanted = True
             ts.unrecorded += 1  # until the scheduler's keys-recorded for this copy
             accepted[key] = nbytes
@@ -678,7 +657,9 @@ class WorkerState:
             ts.replica = True
             self._add_who_has(ts, who_has)
             if ts.state in ("released", "error") or (ts.state == "missing" and ts.who_has):
-                self._transition(ts, "fetch" if ts.who_has else "missing", ev.stimulus_id)
+                self._transition(
+                    ts, "fetch" if ts.who_has else "missing", stimulus_id=ev.stimulus_id
+                )
         if held:
             self._emit(AddKeys(self.address, sorted(held), held, stimulus_id=ev.stimulus_id))
 
@@ -699,6 +680,23 @@ class WorkerState:
     def _handle_unpause(self, ev: UnpauseEvent) -> None:
         self.paused = False
 
+    # the handler of each event type (``handle_stimulus`` looks it up by ``type(event)``)
+    _HANDLERS: ClassVar[dict[type[StateMachineEvent], Callable[[WorkerState, Any], None]]] = {
+        ComputeTaskEvent: _handle_compute,
+        ExecuteSuccessEvent: _handle_execute_success,
+        ExecuteFailureEvent: _handle_execute_failure,
+        GatherDepSuccessEvent: _handle_gather_success,
+        GatherDepNetworkFailureEvent: _handle_gather_network_failure,
+        UpdateWhoHasEvent: _handle_update_who_has,
+        FreeKeysEvent: _handle_free_keys,
+        KeysRecordedEvent: _handle_keys_recorded,
+        PutDataEvent: _handle_put_data,
+        AcquireReplicasEvent: _handle_acquire_replicas,
+        PauseEvent: _handle_pause,
+        UnpauseEvent: _handle_unpause,
+        RetireEvent: _handle_retire,
+    }
+
     # -- scheduling policies ---------------------------------------------------------
 
     def _ensure_computing(self, sid: str) -> None:
@@ -706,7 +704,7 @@ class WorkerState:
         while not self.paused and heap and len(self.executing) < self.nthreads:
             ts = heapq.heappop(heap)[2]
             if ts.state == "ready":  # else a stale heap entry
-                self._transition(ts, "executing", sid)
+                self._transition(ts, "executing", stimulus_id=sid)
 
     def _ensure_communicating(self, sid: str) -> None:
         """Start GatherDeps, highest priority first, batched per peer."""
@@ -738,16 +736,19 @@ class WorkerState:
                 total += nbytes
             self.in_flight_workers[peer] = {t.key for t in batch}
             for other in batch:
-                self._transition(other, "flight", sid, worker=peer)
+                self._transition(other, "flight", worker=peer, stimulus_id=sid)
             self._emit(GatherDep(peer, {t.key for t in batch}, total, sid))
 
     # -- transitions -----------------------------------------------------------------
 
-    def _transition(self, ts: TaskState, finish: str, sid: str, **kwargs: Any) -> None:
-        method = self._transitions.get((ts.state, finish))
-        if method is None:
-            raise InvalidTransition(ts.key, ts.state, finish, sid)
-        method(ts, sid, **kwargs)
+    def _transition(self, ts: TaskState, finish: str, *, stimulus_id: str, **kwargs: Any) -> None:
+        """Move ``ts`` to ``finish`` along its edge in ``_TRANSITIONS``; a move that is
+        not there raises ``InvalidTransition`` with the key's story."""
+        func = self._TRANSITIONS.get((ts.state, finish))
+        if func is None:
+            story = self.stories(ts.key)
+            raise InvalidTransition(ts.key, ts.state, finish, stimulus_id, story)
+        func(self, ts, stimulus_id=stimulus_id, **kwargs)
 
     def _set_state(self, ts: TaskState, finish: str, sid: str) -> None:
         self.by_state[ts.state].discard(ts)
@@ -756,195 +757,258 @@ class WorkerState:
         if finish != "released":
             self.by_state[finish].add(ts)
 
-    def _transition_released_waiting(self, ts: TaskState, sid: str) -> None:
-        self._set_state(ts, "waiting", sid)
+    def _transition_released_waiting(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._set_state(ts, "waiting", stimulus_id)
 
-    def _transition_released_ready(self, ts: TaskState, sid: str) -> None:
-        self._set_state(ts, "ready", sid)
+    def _transition_released_ready(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._set_state(ts, "ready", stimulus_id)
         self._push_ready(ts)
 
-    def _transition_waiting_ready(self, ts: TaskState, sid: str) -> None:
-        self._set_state(ts, "ready", sid)
+    def _transition_waiting_ready(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._set_state(ts, "ready", stimulus_id)
         self._push_ready(ts)
 
-    def _transition_ready_executing(self, ts: TaskState, sid: str) -> None:
-        self._set_state(ts, "executing", sid)
+    def _transition_ready_executing(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._set_state(ts, "executing", stimulus_id)
         self.executing.add(ts)
-        self._emit(Execute(ts.key, sid))
+        self._emit(Execute(ts.key, stimulus_id))
 
     def _transition_executing_memory(
-        self, ts: TaskState, sid: str, value: object, nbytes: int
+        self, ts: TaskState, value: object, nbytes: int, *, stimulus_id: str
     ) -> None:
         self.executing.discard(ts)
-        self._store(ts, value, nbytes, sid)
-        self._unlink_dependencies(ts, sid)
+        self._store(ts, value, nbytes, stimulus_id)
+        self._unlink_dependencies(ts, stimulus_id)
         if ts.wanted:
-            self._emit_finished(ts, sid)
+            self._emit_finished(ts, stimulus_id)
 
     def _transition_executing_error(
-        self, ts: TaskState, sid: str, error: ExecuteFailureEvent
+        self, ts: TaskState, error: ExecuteFailureEvent, *, stimulus_id: str
     ) -> None:
         self.executing.discard(ts)
         ts.error = error
-        self._set_state(ts, "error", sid)
-        self._unlink_dependencies(ts, sid)
+        self._set_state(ts, "error", stimulus_id)
+        self._unlink_dependencies(ts, stimulus_id)
         if ts.wanted:
-            self._emit_erred(ts, sid)
+            self._emit_erred(ts, stimulus_id)
 
-    def _transition_executing_cancelled(self, ts: TaskState, sid: str) -> None:
+    def _transition_executing_cancelled(self, ts: TaskState, *, stimulus_id: str) -> None:
         ts.previous = "executing"
-        self._set_state(ts, "cancelled", sid)
+        self._set_state(ts, "cancelled", stimulus_id)
 
-    def _transition_flight_cancelled(self, ts: TaskState, sid: str) -> None:
+    def _transition_flight_cancelled(self, ts: TaskState, *, stimulus_id: str) -> None:
         ts.previous = "flight"
-        self._set_state(ts, "cancelled", sid)
+        self._set_state(ts, "cancelled", stimulus_id)
 
-    def _transition_cancelled_executing(self, ts: TaskState, sid: str) -> None:
+    def _transition_cancelled_executing(self, ts: TaskState, *, stimulus_id: str) -> None:
         ts.previous = None
-        self._set_state(ts, "executing", sid)
+        self._set_state(ts, "executing", stimulus_id)
 
-    def _transition_cancelled_flight(self, ts: TaskState, sid: str) -> None:
+    def _transition_cancelled_flight(self, ts: TaskState, *, stimulus_id: str) -> None:
         ts.previous = None
-        self._set_state(ts, "flight", sid)
+        self._set_state(ts, "flight", stimulus_id)
 
     def _transition_cancelled_memory(
-        self, ts: TaskState, sid: str, value: object, nbytes: int
+        self, ts: TaskState, value: object, nbytes: int, *, stimulus_id: str
     ) -> None:
         self.executing.discard(ts)
         ts.previous = ts.coming_from = None
-        self._store(ts, value, nbytes, sid)
-        self._unlink_dependencies(ts, sid)
+        self._store(ts, value, nbytes, stimulus_id)
+        self._unlink_dependencies(ts, stimulus_id)
         if ts.replica:  # freed while running, then asked for as a copy: here it is
             ts.replica, ts.wanted = False, True
-            self._emit(AddKeys(self.address, [ts.key], {ts.key: nbytes}, stimulus_id=sid))
+            self._emit(AddKeys(self.address, [ts.key], {ts.key: nbytes}, stimulus_id=stimulus_id))
 
-    def _transition_cancelled_fetch(self, ts: TaskState, sid: str) -> None:
+    def _transition_cancelled_fetch(self, ts: TaskState, *, stimulus_id: str) -> None:
         self.executing.discard(ts)
         ts.previous = ts.coming_from = None
-        self._set_state(ts, "fetch", sid)
+        self._set_state(ts, "fetch", stimulus_id)
 
-    def _transition_cancelled_missing(self, ts: TaskState, sid: str) -> None:
+    def _transition_cancelled_missing(self, ts: TaskState, *, stimulus_id: str) -> None:
         self.executing.discard(ts)
         ts.previous = ts.coming_from = None
-        self._set_state(ts, "missing", sid)
+        self._set_state(ts, "missing", stimulus_id)
         self._newly_missing.append(ts.key)
 
-    def _transition_released_fetch(self, ts: TaskState, sid: str) -> None:
-        self._set_state(ts, "fetch", sid)
+    def _transition_released_fetch(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._set_state(ts, "fetch", stimulus_id)
 
-    def _transition_released_missing(self, ts: TaskState, sid: str) -> None:
-        self._set_state(ts, "missing", sid)
+    def _transition_released_missing(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._set_state(ts, "missing", stimulus_id)
         self._newly_missing.append(ts.key)
 
-    def _transition_fetch_flight(self, ts: TaskState, sid: str, worker: str) -> None:
+    def _transition_fetch_flight(self, ts: TaskState, worker: str, *, stimulus_id: str) -> None:
         ts.coming_from = worker
-        self._set_state(ts, "flight", sid)
+        self._set_state(ts, "flight", stimulus_id)
 
     # Claimed for computation while waiting to be fetched (its data was lost elsewhere).
-    def _transition_fetch_waiting(self, ts: TaskState, sid: str) -> None:
+    def _transition_fetch_waiting(self, ts: TaskState, *, stimulus_id: str) -> None:
         self._stop_fetching(ts)
-        self._set_state(ts, "waiting", sid)
+        self._set_state(ts, "waiting", stimulus_id)
 
-    def _transition_fetch_ready(self, ts: TaskState, sid: str) -> None:
+    def _transition_fetch_ready(self, ts: TaskState, *, stimulus_id: str) -> None:
         self._stop_fetching(ts)
-        self._set_state(ts, "ready", sid)
+        self._set_state(ts, "ready", stimulus_id)
         self._push_ready(ts)
-
-    _transition_missing_waiting = _transition_fetch_waiting
-    _transition_missing_ready = _transition_fetch_ready
 
     def _stop_fetching(self, ts: TaskState) -> None:
         for worker in list(ts.who_has):
             self._forget_holder(ts, worker)
 
-    def _transition_fetch_missing(self, ts: TaskState, sid: str) -> None:
-        self._set_state(ts, "missing", sid)
+    def _transition_fetch_missing(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._set_state(ts, "missing", stimulus_id)
         self._newly_missing.append(ts.key)
 
-    def _transition_missing_fetch(self, ts: TaskState, sid: str) -> None:
-        self._set_state(ts, "fetch", sid)
+    def _transition_missing_fetch(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._set_state(ts, "fetch", stimulus_id)
 
-    def _transition_flight_fetch(self, ts: TaskState, sid: str) -> None:
+    def _transition_flight_fetch(self, ts: TaskState, *, stimulus_id: str) -> None:
         ts.coming_from = None
-        self._set_state(ts, "fetch", sid)
+        self._set_state(ts, "fetch", stimulus_id)
 
-    def _transition_flight_missing(self, ts: TaskState, sid: str) -> None:
+    def _transition_flight_missing(self, ts: TaskState, *, stimulus_id: str) -> None:
         ts.coming_from = None
-        self._set_state(ts, "missing", sid)
+        self._set_state(ts, "missing", stimulus_id)
         self._newly_missing.append(ts.key)
 
     def _transition_flight_memory(
-        self, ts: TaskState, sid: str, value: object, nbytes: int
+        self, ts: TaskState, value: object, nbytes: int, *, stimulus_id: str
     ) -> None:
         ts.coming_from = None
         ts.deferred = None
-        self._store(ts, value, nbytes, sid)
+        self._store(ts, value, nbytes, stimulus_id)
         if ts.wanted:  # claimed while it was being fetched
-            self._emit_finished(ts, sid)
+            self._emit_finished(ts, stimulus_id)
         elif ts.replica:  # a copy asked for: keep it and say so
             ts.replica, ts.wanted = False, True
-            self._emit(AddKeys(self.address, [ts.key], {ts.key: nbytes}, stimulus_id=sid))
+            self._emit(AddKeys(self.address, [ts.key], {ts.key: nbytes}, stimulus_id=stimulus_id))
         else:
-            self._release_if_unneeded(ts, sid)  # e.g. a copy freed while in flight
+            self._release_if_unneeded(ts, stimulus_id)  # e.g. a copy freed while in flight
 
     # Data pushed by the scheduler (PutDataEvent) short-cuts any state but a running one.
-    def _transition_released_memory(self, ts: TaskState, sid: str, **kw: Any) -> None:
-        self._store(ts, kw["value"], kw["nbytes"], sid)
+    def _transition_released_memory(
+        self, ts: TaskState, value: object, nbytes: int, *, stimulus_id: str
+    ) -> None:
+        self._store(ts, value, nbytes, stimulus_id)
 
-    def _transition_fetch_memory(self, ts: TaskState, sid: str, **kw: Any) -> None:
-        self._store(ts, kw["value"], kw["nbytes"], sid)
+    def _transition_fetch_memory(
+        self, ts: TaskState, value: object, nbytes: int, *, stimulus_id: str
+    ) -> None:
+        self._store(ts, value, nbytes, stimulus_id)
 
-    def _transition_missing_memory(self, ts: TaskState, sid: str, **kw: Any) -> None:
-        self._store(ts, kw["value"], kw["nbytes"], sid)
+    def _transition_missing_memory(
+        self, ts: TaskState, value: object, nbytes: int, *, stimulus_id: str
+    ) -> None:
+        self._store(ts, value, nbytes, stimulus_id)
 
-    def _transition_waiting_memory(self, ts: TaskState, sid: str, **kw: Any) -> None:
-        self._store(ts, kw["value"], kw["nbytes"], sid)
-        self._unlink_dependencies(ts, sid)
+    def _transition_waiting_memory(
+        self, ts: TaskState, value: object, nbytes: int, *, stimulus_id: str
+    ) -> None:
+        self._store(ts, value, nbytes, stimulus_id)
+        self._unlink_dependencies(ts, stimulus_id)
 
-    def _transition_ready_memory(self, ts: TaskState, sid: str, **kw: Any) -> None:
-        self._store(ts, kw["value"], kw["nbytes"], sid)
-        self._unlink_dependencies(ts, sid)
+    def _transition_ready_memory(
+        self, ts: TaskState, value: object, nbytes: int, *, stimulus_id: str
+    ) -> None:
+        self._store(ts, value, nbytes, stimulus_id)
+        self._unlink_dependencies(ts, stimulus_id)
 
-    def _transition_error_memory(self, ts: TaskState, sid: str, **kw: Any) -> None:
+    def _transition_error_memory(
+        self, ts: TaskState, value: object, nbytes: int, *, stimulus_id: str
+    ) -> None:
         ts.error = None
-        self._store(ts, kw["value"], kw["nbytes"], sid)
+        self._store(ts, value, nbytes, stimulus_id)
 
-    def _leave_error(self, ts: TaskState, sid: str, finish: str) -> None:
-        """A key in error is claimed again (a new run), or needed here as a dependency
-        whose result another worker holds: the failed run is dropped, never answered
-        again, and the task goes on as a released one would."""
+    # A key in error is claimed again (a new run), or needed here as a dependency whose
+    # result another worker holds: the failed run is dropped, never answered again, and
+    # the task goes on as a released one would.
+    def _transition_error_waiting(self, ts: TaskState, *, stimulus_id: str) -> None:
         ts.error = None
-        self._transitions["released", finish](ts, sid)
+        self._transition_released_waiting(ts, stimulus_id=stimulus_id)
 
-    _transition_error_waiting = partialmethod(_leave_error, finish="waiting")
-    _transition_error_ready = partialmethod(_leave_error, finish="ready")
-    _transition_error_fetch = partialmethod(_leave_error, finish="fetch")
-    _transition_error_missing = partialmethod(_leave_error, finish="missing")
+    def _transition_error_ready(self, ts: TaskState, *, stimulus_id: str) -> None:
+        ts.error = None
+        self._transition_released_ready(ts, stimulus_id=stimulus_id)
+
+    def _transition_error_fetch(self, ts: TaskState, *, stimulus_id: str) -> None:
+        ts.error = None
+        self._transition_released_fetch(ts, stimulus_id=stimulus_id)
+
+    def _transition_error_missing(self, ts: TaskState, *, stimulus_id: str) -> None:
+        ts.error = None
+        self._transition_released_missing(ts, stimulus_id=stimulus_id)
 
     # Release: every resting state but the running ones (those go to `cancelled`).
-    def _transition_waiting_released(self, ts: TaskState, sid: str) -> None:
-        self._forget(ts, sid)
+    def _transition_waiting_released(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._forget(ts, stimulus_id)
 
-    def _transition_ready_released(self, ts: TaskState, sid: str) -> None:
-        self._forget(ts, sid)
+    def _transition_ready_released(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._forget(ts, stimulus_id)
 
-    def _transition_fetch_released(self, ts: TaskState, sid: str) -> None:
-        self._forget(ts, sid)
+    def _transition_fetch_released(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._forget(ts, stimulus_id)
 
-    def _transition_missing_released(self, ts: TaskState, sid: str) -> None:
-        self._forget(ts, sid)
+    def _transition_missing_released(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._forget(ts, stimulus_id)
 
-    def _transition_memory_released(self, ts: TaskState, sid: str) -> None:
+    def _transition_memory_released(self, ts: TaskState, *, stimulus_id: str) -> None:
         del self.data[ts.key]
-        self._forget(ts, sid)
+        self._forget(ts, stimulus_id)
 
-    def _transition_error_released(self, ts: TaskState, sid: str) -> None:
-        self._forget(ts, sid)
+    def _transition_error_released(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._forget(ts, stimulus_id)
 
-    def _transition_cancelled_released(self, ts: TaskState, sid: str) -> None:
+    def _transition_cancelled_released(self, ts: TaskState, *, stimulus_id: str) -> None:
         self.executing.discard(ts)
         ts.previous = ts.coming_from = None
-        self._forget(ts, sid)
+        self._forget(ts, stimulus_id)
+
+    # Every legal move, by start state.  (``released`` is transient: a task enters it on
+    # its way to being forgotten, or is created in it and moves on at once.)
+    _TRANSITIONS: ClassVar[dict[tuple[str, str], Callable[..., None]]] = {
+        ("released", "waiting"): _transition_released_waiting,
+        ("released", "ready"): _transition_released_ready,
+        ("released", "fetch"): _transition_released_fetch,
+        ("released", "missing"): _transition_released_missing,
+        ("released", "memory"): _transition_released_memory,
+        ("waiting", "ready"): _transition_waiting_ready,
+        ("waiting", "memory"): _transition_waiting_memory,
+        ("waiting", "released"): _transition_waiting_released,
+        ("ready", "executing"): _transition_ready_executing,
+        ("ready", "memory"): _transition_ready_memory,
+        ("ready", "released"): _transition_ready_released,
+        ("executing", "memory"): _transition_executing_memory,
+        ("executing", "error"): _transition_executing_error,
+        ("executing", "cancelled"): _transition_executing_cancelled,
+        ("fetch", "flight"): _transition_fetch_flight,
+        ("fetch", "missing"): _transition_fetch_missing,
+        ("fetch", "waiting"): _transition_fetch_waiting,
+        ("fetch", "ready"): _transition_fetch_ready,
+        ("fetch", "memory"): _transition_fetch_memory,
+        ("fetch", "released"): _transition_fetch_released,
+        ("missing", "fetch"): _transition_missing_fetch,
+        ("missing", "waiting"): _transition_fetch_waiting,
+        ("missing", "ready"): _transition_fetch_ready,
+        ("missing", "memory"): _transition_missing_memory,
+        ("missing", "released"): _transition_missing_released,
+        ("flight", "memory"): _transition_flight_memory,
+        ("flight", "fetch"): _transition_flight_fetch,
+        ("flight", "missing"): _transition_flight_missing,
+        ("flight", "cancelled"): _transition_flight_cancelled,
+        ("cancelled", "executing"): _transition_cancelled_executing,
+        ("cancelled", "flight"): _transition_cancelled_flight,
+        ("cancelled", "memory"): _transition_cancelled_memory,
+        ("cancelled", "fetch"): _transition_cancelled_fetch,
+        ("cancelled", "missing"): _transition_cancelled_missing,
+        ("cancelled", "released"): _transition_cancelled_released,
+        ("memory", "released"): _transition_memory_released,
+        ("error", "waiting"): _transition_error_waiting,
+        ("error", "ready"): _transition_error_ready,
+        ("error", "fetch"): _transition_error_fetch,
+        ("error", "missing"): _transition_error_missing,
+        ("error", "memory"): _transition_error_memory,
+        ("error", "released"): _transition_error_released,
+    }
 
     # -- helpers ---------------------------------------------------------------------
 
@@ -1001,7 +1065,7 @@ class WorkerState:
         for dependent in ts.dependents:
             dependent.waiting_for_data.discard(ts)
             if dependent.state == "waiting" and not dependent.waiting_for_data:
-                self._transition(dependent, "ready", sid)
+                self._transition(dependent, "ready", stimulus_id=sid)
 
     def _add_who_has(self, ts: TaskState, workers: Iterable[str]) -> None:
         for worker in workers:
@@ -1020,21 +1084,21 @@ class WorkerState:
     def _after_failed_fetch(self, ts: TaskState, sid: str) -> None:
         """A fetch (or, for a cancelled task, a computation) did not produce the data."""
         if ts.state == "cancelled" and not ts.dependents:
-            self._transition(ts, "released", sid)
+            self._transition(ts, "released", stimulus_id=sid)
         elif ts.deferred is not None:  # claimed meanwhile: compute it here
-            self._transition(ts, "missing", sid)
+            self._transition(ts, "missing", stimulus_id=sid)
             claim, ts.deferred = ts.deferred, None
             self._handle_compute(claim)
         else:
-            self._transition(ts, "fetch" if ts.who_has else "missing", sid)
+            self._transition(ts, "fetch" if ts.who_has else "missing", stimulus_id=sid)
 
     def _release_if_unneeded(self, ts: TaskState, sid: str) -> None:
         if ts.wanted or ts.replica or ts.dependents or ts.state == "cancelled":
             return
         if ts.state in ("executing", "flight"):
-            self._transition(ts, "cancelled", sid)
+            self._transition(ts, "cancelled", stimulus_id=sid)
         else:
-            self._transition(ts, "released", sid)
+            self._transition(ts, "released", stimulus_id=sid)
 
     def _unlink_dependencies(self, ts: TaskState, sid: str) -> None:
         """``ts`` no longer needs its dependencies; release those nobody else needs."""
