@@ -67,6 +67,7 @@ from redisdask.protocol import (
     parse,
 )
 from redisdask.schema import Keys
+from redisdask.task_record import TaskRecord
 from redisdask.versions import VersionMismatchError, mismatches, table, versions
 
 logger = logging.getLogger("redisdask.client")
@@ -889,16 +890,18 @@ class Client:
 
     def _refresh_who_has(self, keys: list[str]) -> dict[str, str | None]:
         """Read holders from the scheduler's records; returns each key's recorded state."""
+        fields = ("who_has", "state")
         pipe = self.redis.pipeline(transaction=False)
         for key in keys:
-            pipe.hmget(self.keys.task(key), ["who_has", "state"])
+            pipe.hmget(self.keys.task(key), fields)
         states: dict[str, str | None] = {}
-        for key, (who_has, state) in zip(keys, pipe.execute(), strict=True):
-            states[key] = state.decode() if state is not None else None
+        for key, values in zip(keys, pipe.execute(), strict=True):
+            record = TaskRecord.from_hmget(fields, values)
+            states[key] = record.state or None
             # the scheduler's record wins once it has one; until then (e.g. data scattered
             # a moment ago, not yet processed) what this client knows stands
-            if state is not None:
-                self._state_for(key).who_has = (who_has or b"").decode().split()
+            if record.state:
+                self._state_for(key).who_has = record.who_has
         return states
 
     def who_has(self, futures: Any = None) -> dict[str, list[str]]:
@@ -917,15 +920,15 @@ class Client:
         future._wait(None)
         if future.status != "error":
             raise ValueError(f"task {future.key!r} did not err (its status is {future.status})")
-        blame = (self.redis.hget(self.keys.task(future._key), "exception_blame") or b"").decode()
-        key = blame or future._key
-        spec, deps = self.redis.hmget(self.keys.task(key), ["spec", "deps"])
-        if spec is None:
+        erred = TaskRecord.read(self.redis, self.keys.task(future._key), ["exception_blame"])
+        key = erred.exception_blame or future._key  # the task that raised
+        record = TaskRecord.read(self.redis, self.keys.task(key), ["spec", "deps"])
+        if record.spec is None:
             raise DataUnavailableError(
                 f"the graph history of {key!r} is gone (no spec in Redis), so it cannot be "
                 "run again; keep a future of it to keep its history"
             )
-        dep_keys = schema.unpack(deps) if deps else []
+        dep_keys = record.deps
         pipe = self.redis.pipeline(transaction=False)
         for dep in dep_keys:
             pipe.exists(self.keys.task(dep))
@@ -939,7 +942,7 @@ class Client:
         if dep_keys:
             self._send([ClientDesiresKeys(self.id, dep_keys)])
         values = self._results(dep_futures, None)
-        specs.run_spec(spec, values, specs.FunctionCache())
+        specs.run_spec(record.spec, values, specs.FunctionCache())
 
     def restart(self, timeout: float = 30.0) -> None:
         """Restart the cluster (as in Dask): every task is forgotten, every future of every

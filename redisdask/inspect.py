@@ -34,14 +34,16 @@ from redisdask import schema
 from redisdask.events import describe
 from redisdask.memory import format_bytes
 from redisdask.schema import Keys
+from redisdask.task_record import TaskRecord
 from redisdask.views import clock
 
 LOG_LINES = 15  # lines of a death's log tail shown (``--json`` gives all of them)
 SCAN_LIMIT = 200_000  # tasks read to find dependents or a worker's data (else: skipped)
 PAGE = 1000  # entries or keys per read
 MEMORY_SAMPLES = 20  # keys per kind whose MEMORY USAGE is asked (the rest extrapolated)
-TEXT_FIELDS = ("state", "worker", "who_has", "workers", "type", "exception_text",
-               "traceback_text", "erred_on", "exception_blame")  # fmt: skip
+TEXT_FIELDS = ("worker", "type", "exception_text", "traceback_text", "erred_on",
+               "exception_blame")  # fmt: skip
+NUMBER_FIELDS = ("score", "retries", "nbytes", "suspicious")
 
 
 def read_deaths(
@@ -233,23 +235,24 @@ def read_task(r: redis.Redis, keys: Keys, key: str) -> dict[str, Any]:
     """Everything Redis knows of a task; ``state`` is ``unknown`` if it has no record
     (never submitted, or forgotten: its story may still tell what became of it)."""
     raw = r.hgetall(keys.task(key))
-    task: dict[str, Any] = {"key": key, "state": "unknown"}
-    for name in TEXT_FIELDS:
+    record = TaskRecord.from_hash(raw)
+    task: dict[str, Any] = {"key": key, "state": record.state or "unknown"}
+    for name in TEXT_FIELDS:  # shown as stored, when stored
         if name.encode() in raw:
-            task[name] = raw[name.encode()].decode(errors="replace")
-    for name, kind in (("score", float), ("retries", int), ("nbytes", int), ("suspicious", int)):
-        value = raw.get(name.encode())
-        if value not in (None, b""):
-            task[name] = kind(float(value))
-    task["who_has"] = (task.get("who_has") or "").split()
-    task["restricted_to"] = (task.pop("workers", "") or "").split()
-    task["dependencies"] = schema.unpack_or(raw.get(b"deps"), [])
-    task["deaths"] = schema.unpack_or(raw.get(b"deaths"), [])
-    task["spec_bytes"] = len(raw.get(b"spec", b""))
+            task[name] = getattr(record, name)
+    for name in NUMBER_FIELDS:
+        if raw.get(name.encode()) not in (None, b""):
+            task[name] = getattr(record, name)
+    task["who_has"] = record.who_has
+    task["restricted_to"] = record.workers
+    task["dependencies"] = record.deps
+    task["deaths"] = record.deaths
+    task["spec_bytes"] = len(record.spec or b"")
     dependents, scanned = [], 0
-    for other, (deps,) in _scan_tasks(r, keys, "deps"):
+    for other, values in _scan_tasks(r, keys, "deps"):
         scanned += 1
-        if deps and key.encode() in deps and key in schema.unpack_or(deps, []):
+        deps = values[0]  # (cheap first: most tasks do not name the key)
+        if deps and key.encode() in deps and key in TaskRecord.from_hmget(["deps"], values).deps:
             dependents.append(other)
     task["dependents"] = sorted(dependents)
     task["dependents_complete"] = scanned < SCAN_LIMIT
@@ -336,11 +339,12 @@ def read_worker(r: redis.Redis, keys: Keys, who: str, story: int = 200) -> dict[
     if death is not None:
         beat = (death.get("evidence") or {}).get("last_heartbeat") or {}
     data = []
-    needle = address.encode()
-    for key, (who_has, nbytes, kind) in _scan_tasks(r, keys, "who_has", "nbytes", "type"):
-        if who_has and needle in who_has and address in who_has.decode().split():
-            size = int(float(nbytes or 0))
-            data.append({"key": key, "nbytes": size, "type": (kind or b"").decode()})
+    needle, names = address.encode(), ("who_has", "nbytes", "type")
+    for key, values in _scan_tasks(r, keys, *names):
+        if values[0] and needle in values[0]:  # (cheap: most tasks are elsewhere)
+            record = TaskRecord.from_hmget(names, values)
+            if address in record.who_has:
+                data.append({"key": key, "nbytes": record.nbytes, "type": record.type})
     return {
         "address": address,
         "alive": death is None,

@@ -497,7 +497,8 @@ class SchedulerState:
         stores: dict[str, StoreTask] = {}  # new tasks' records, written once deps are known
         deps_of: dict[str, list[str]] = {}
         for spec in ev.tasks:
-            deps_of[spec["key"]] = list(spec.get("deps", ()))
+            # (a key named twice in one message: its first entry counts, as for its record)
+            deps_of.setdefault(spec["key"], list(spec.get("deps", ())))
             key = spec["key"]
             ts = self.tasks.get(key)
             if ts is None:
@@ -541,6 +542,10 @@ class SchedulerState:
                 stores[ts.key].deps = []  # what it kept: nothing
         for store in stores.values():
             self._emit(store)
+        for ts in grown:  # an older task given dependencies it did not have: record them
+            if ts.key not in stores:
+                deps = sorted(d.key for d in ts.dependencies)
+                self._emit(SetState(ev.stimulus_id, ts.key, ts.state, {"deps": deps}))
         for ts, text in refused.items():
             self._refuse(ts, text, stimulus_id=ev.stimulus_id)
         self._add_wants(ev.client, ev.wanted, stimulus_id=ev.stimulus_id)
@@ -773,9 +778,10 @@ class SchedulerState:
                 self._add_replica(ts, worker)
                 if worker in self.workers:
                     recorded.setdefault(worker, []).append(key)
+            # (also when it was in memory already: its new holders and size are recorded)
+            self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
             if ts.state != "memory":
                 self._set_state(ts, "memory", stimulus_id=ev.stimulus_id)
-                self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
                 self._wake_waiters(ts, stimulus_id=ev.stimulus_id)
         # the data reached the workers over TCP, before this message; a free-keys this
         # scheduler sent them earlier (for a released copy of the same key) may reach them
@@ -1487,6 +1493,8 @@ class SchedulerState:
                     "traceback": b"",
                     "exception_text": "",
                     "traceback_text": "",
+                    "erred_on": "",
+                    "exception_blame": "",
                     "killed": b"",
                     "rejected": b"",
                     "suspicious": 0,

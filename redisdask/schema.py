@@ -325,12 +325,37 @@ return {out, last_id, redis.call('XRANGE', KEYS[7], '(' .. ARGV[5], '+')}
 
 class Scripts:
     """The cluster's Lua scripts, registered on one Redis client (EVALSHA, reloaded on
-    NOSCRIPT by redis-py's ``Script``).  Redis >= 6.2; no Redis 7 Functions."""
+    NOSCRIPT by redis-py's ``Script``), called with named parameters: each method puts
+    them in the KEYS/ARGV order its script above reads.  With an asyncio client each
+    method returns an awaitable.  Redis >= 6.2; no Redis 7 Functions."""
 
-    def __init__(self, client: redis.Redis) -> None:
-        self.apply_fenced: Script = client.register_script(APPLY_FENCED)
-        self.acquire_lease: Script = client.register_script(ACQUIRE_LEASE)
-        self.claim: Script = client.register_script(CLAIM)
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self.keys = keys
+        self._apply_fenced: Script = client.register_script(APPLY_FENCED)
+        self._acquire_lease: Script = client.register_script(ACQUIRE_LEASE)
+        self._claim: Script = client.register_script(CLAIM)
+
+    def apply_fenced(self, *, token: str | None, commands: list[list[Any]], ttl_ms: int) -> Any:
+        """Run ``commands`` (each a list of arguments) atomically if the lease is held
+        with ``token``, renewing it for ``ttl_ms``; raises ``ResponseError`` ``FENCED``."""
+        args = [token or "", pack_for_lua(commands), ttl_ms]
+        return self._apply_fenced(keys=[self.keys.lease], args=args)
+
+    def acquire_lease(self, *, token: str | None, ttl_ms: int) -> Any:
+        """Renew the lease held with ``token``, or take it with a new token if it is free
+        (``token`` None asks for a new one); returns the token held, or None."""
+        keys = [self.keys.lease, self.keys.lease_token]
+        return self._acquire_lease(keys=keys, args=[token or "", ttl_ms])
+
+    def claim(self, *, worker: str, count: int, last_inbox_id: str) -> Any:
+        """Claim up to ``count`` queued tasks for ``worker``; returns ``[tasks, last
+        ready-signal id, the inbox entries after last_inbox_id]`` (see ``CLAIM``)."""
+        k = self.keys
+        return self._claim(
+            keys=[k.ready, k.workers, k.worker_processing(worker), k.worker_stream,
+                  k.ready_signal, k.worker_ready(worker), k.worker_inbox(worker)],
+            args=[worker, count, k.task_prefix, k.prefix, last_inbox_id],
+        )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- cluster

@@ -13,7 +13,8 @@ from polling import poll
 from redisdask import Client, LocalCluster
 from redisdask.errors import FencedError
 from redisdask.protocol import FreeKeys, KeysRecorded
-from redisdask.scheduler import Scheduler, rejected_graphs
+from redisdask.scheduler import Scheduler
+from redisdask.scheduler_redis import Translator, load_state, rejected_graphs
 from redisdask.scheduler_state import Forget, StoreTask, WorkerMsg
 from redisdask.schema import SCHEDULER_GROUP, Keys, ensure_cluster, entry, pack, unpack
 
@@ -27,16 +28,16 @@ def inc(x: int) -> int:
 def test_forget_and_resubmit_in_one_batch_writes_the_new_task_last(
     redis_url: str, cluster_name: str
 ) -> None:
-    scheduler = Scheduler(redis_url, cluster_name)
-    key = scheduler.keys.task("x")
-    cmds = scheduler.to_commands(
+    keys = Keys(cluster_name)
+    key = keys.task("x")
+    cmds = Translator(keys).to_commands(
         [Forget("s", "x"), StoreTask("s", "x", b"spec", [], 1.0, "released")]
     )
     deletes = [i for i, c in enumerate(cmds) if c[0] == "DEL" and key in c]
     writes = [i for i, c in enumerate(cmds) if c[0] == "HSET" and c[1] == key]
     assert deletes and writes and max(deletes) < min(writes)
-    assert ["SADD", scheduler.keys.tasks, "x"] in cmds
-    assert not any(c[0] == "SREM" and c[1] == scheduler.keys.tasks for c in cmds)
+    assert ["SADD", keys.tasks, "x"] in cmds
+    assert not any(c[0] == "SREM" and c[1] == keys.tasks for c in cmds)
 
 
 def test_a_refused_update_graph_still_names_its_client_and_keys_to_tell() -> None:
@@ -66,9 +67,9 @@ def test_a_workers_messages_keep_their_order_when_free_keys_are_merged(
     """free-keys of one batch are merged, but never moved past another message to the
     same worker: a keys-recorded made after a free-keys of the same key must reach the
     worker after it (or the worker drops data scattered to it again)."""
-    scheduler = Scheduler(redis_url, cluster_name)
+    keys = Keys(cluster_name)
     w = "tcp://10.0.0.1:1"
-    cmds = scheduler.to_commands(
+    cmds = Translator(keys).to_commands(
         [
             WorkerMsg("s", w, FreeKeys(["a"])),
             WorkerMsg("s", w, FreeKeys(["d"])),
@@ -76,7 +77,7 @@ def test_a_workers_messages_keep_their_order_when_free_keys_are_merged(
             WorkerMsg("s", w, FreeKeys(["b"])),
         ]
     )
-    (xadd,) = [c for c in cmds if c[0] == "XADD" and c[1] == scheduler.keys.worker_inbox(w)]
+    (xadd,) = [c for c in cmds if c[0] == "XADD" and c[1] == keys.worker_inbox(w)]
     assert unpack(xadd[-1]) == [
         {"op": "free-keys", "keys": ["a", "d"]},
         {"op": "keys-recorded", "keys": ["d"]},
@@ -138,18 +139,7 @@ def test_a_task_restricted_by_host_is_claimed_once_and_leaves_every_ready_set(
     assert r.zscore(keys.worker_ready(b), "x") is not None
     assert r.hmget(keys.task("x"), "workers", "queued_on") == [b"10.9.9.9", f"{a} {b}".encode()]
     assert scheduler._load().tasks["x"].queued_on == (a, b)
-    claim_keys = [
-        keys.ready,
-        keys.workers,
-        keys.worker_processing(b),
-        keys.worker_stream,
-        keys.ready_signal,
-        keys.worker_ready(b),
-        keys.worker_inbox(b),
-    ]
-    claimed, _last, _inbox = scheduler.scripts.claim(
-        keys=claim_keys, args=[b, 5, keys.task_prefix, keys.prefix, "0-0"]
-    )
+    claimed, _last, _inbox = scheduler.scripts.claim(worker=b, count=5, last_inbox_id="0-0")
     assert [task[0] for task in claimed] == [b"x"]
     assert r.zcard(keys.worker_ready(a)) == r.zcard(keys.worker_ready(b)) == 0
 
@@ -297,8 +287,6 @@ def test_an_entry_that_crashes_the_state_machine_is_dead_lettered(
 def test_state_reloaded_from_redis_keeps_restrictions_retries_and_priorities(
     redis_url: str, cluster_name: str
 ) -> None:
-    from redisdask.scheduler import load_state
-
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cluster_name)
     ensure_cluster(r, keys)

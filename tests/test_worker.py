@@ -24,18 +24,8 @@ def test_a_claim_returns_the_inbox_written_before_it_in_a_decodable_form(
     second = r.xadd(keys.worker_inbox(worker), entry([{"op": "free-keys", "keys": ["x"]}]))
     r.hset(keys.task("x"), mapping={"state": "queued", "spec": b"s", "deps": pack([])})
     r.zadd(keys.ready, {"x": 1.0})
-    claim = Scripts(r).claim
-    claimed, _signal, inbox = claim(
-        keys=[
-            keys.ready,
-            keys.workers,
-            keys.worker_processing(worker),
-            keys.worker_stream,
-            keys.ready_signal,
-            keys.worker_ready(worker),
-            keys.worker_inbox(worker),
-        ],
-        args=[worker, 5, keys.task_prefix, keys.prefix, first.decode()],
+    claimed, _signal, inbox = Scripts(r, keys).claim(
+        worker=worker, count=5, last_inbox_id=first.decode()
     )
     assert [c[0] for c in claimed] == [b"x"]
     [(entry_id, fields)] = script_entries(inbox)  # only what came after `first`

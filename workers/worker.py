@@ -60,6 +60,7 @@ from redisdask.protocol import (
 )
 from redisdask.schema import Keys
 from redisdask.spec import FunctionCache, run_spec
+from redisdask.task_record import split_words
 from redisdask.versions import VersionMismatchError, pickle_breaking, versions
 from redisdask.workers import state as ws
 from redisdask.workers.memory import WorkerMemoryManager
@@ -214,7 +215,7 @@ class Worker:
             validate=self.validate,
             transfer_batch_bytes=self.transfer_batch_bytes,
         )
-        self.scripts = schema.Scripts(self.redis)  # type: ignore[arg-type]
+        self.scripts = schema.Scripts(self.redis, self.keys)  # type: ignore[arg-type]
         await self._register()
         if self._address_file:
             Path(self._address_file).write_text(self.address)  # for its nanny: which worker
@@ -499,25 +500,14 @@ class Worker:
 
     async def _claim(self, budget: int) -> Any:
         return await self.scripts.claim(
-            keys=[
-                self.keys.ready,
-                self.keys.workers,
-                self.keys.worker_processing(self.address),
-                self.keys.worker_stream,
-                self.keys.ready_signal,
-                self.keys.worker_ready(self.address),
-                self.keys.worker_inbox(self.address),
-            ],
-            args=[self.address, budget, self.keys.task_prefix, self.keys.prefix, self._inbox_id],
+            worker=self.address, count=budget, last_inbox_id=self._inbox_id
         )
 
     @staticmethod
     def _compute_event(claimed: list[Any]) -> ws.ComputeTaskEvent:
         key, spec, score, deps = claimed
         key = key.decode()
-        dependencies = {
-            d.decode(): ((who or b"").decode().split(), int(nb or 0)) for d, who, nb in deps
-        }
+        dependencies = {d.decode(): (split_words(who), int(nb or 0)) for d, who, nb in deps}
         return ws.ComputeTaskEvent(key, spec, (float(score),), dependencies, f"claim-{key}")
 
     async def _listen_loop(self) -> None:

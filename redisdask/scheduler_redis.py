@@ -1,0 +1,533 @@
+"""The scheduler's mapping onto Redis: instructions in, Redis commands out, and back.
+
+* ``Translator.to_commands``: the state machine's instructions of one batch as the Redis
+  commands of its ``APPLY_FENCED`` write, coalesced per task, worker and client (one
+  short method per instruction type, chosen by type; the coalescing state of the batch
+  is a ``_Batch``).  ``Translator.story`` adds the batch's task transitions.
+* ``load_state``: the inverse, the state rebuilt from what those commands wrote.
+* ``decode_entry`` and ``rejected_graphs``: stream entries into events.
+* ``Summary``: the ``summary`` hash that ``status`` and ``monitor`` read.
+
+Task hashes go through the one codec of ``redisdask/task_record.py``.  Nothing here
+talks to Redis except the two readers (``load_state``, ``Summary.resumed``); the driver
+(``scheduler.py``) owns the loop, the lease and the writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from redisdask import schema
+from redisdask.config import RetentionConfig
+from redisdask.errors import ProtocolError
+from redisdask.events import death_fields, event_command
+from redisdask.protocol import SCHEDULER_EVENTS, AddWorker, Event, FreeKeys, parse
+from redisdask.scheduler_state import (
+    HOLDS_DEPENDENCIES,
+    ClaimAccepted,
+    ClientMsg,
+    Dequeue,
+    Enqueue,
+    Forget,
+    ForgetClient,
+    ForgetWorker,
+    Instruction,
+    LogEvent,
+    RecordDeath,
+    RejectedGraph,
+    ResetCluster,
+    SchedulerState,
+    SetState,
+    SetWants,
+    StoreTask,
+    TaskState,
+    Unclaim,
+    WorkerMsg,
+)
+from redisdask.schema import Keys
+from redisdask.task_record import TaskRecord
+
+logger = logging.getLogger("redisdask.scheduler")
+
+MAX_ARGS = 2000  # Lua's unpack() limit is ~8000 arguments per command
+SUMMARY_INTERVAL = 0.5  # seconds between writes of the summary hash while tasks change
+SUMMARY_SHARE = 0.05  # the most of the scheduler's time the summary's passes may take
+THROUGHPUT_WINDOW = 60  # seconds of finished-task counts the summary keeps
+MAX_PREFIXES = 100  # task prefixes counted apart in the summary; the rest are "other"
+STORED = ("state", "deps", "score", "retries", "workers", "spec")  # what StoreTask writes
+
+
+# --------------------------------------------------------------------------- translation
+
+
+@dataclass(slots=True)
+class _Batch:
+    """What one batch writes, coalesced until ``commands``: the fields per task hash
+    (last write wins), the ready-set changes, the messages per worker and client."""
+
+    cmds: list[list[Any]] = field(default_factory=list)  # in order, before the coalesced
+    task_fields: dict[str, dict[str, Any]] = field(default_factory=dict)
+    enqueue: dict[str, float] = field(default_factory=dict)
+    enqueue_on: dict[tuple[str, str], float] = field(default_factory=dict)  # (worker, key)
+    dequeue: list[str] = field(default_factory=list)
+    dequeue_on: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    client_msgs: defaultdict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
+    worker_msgs: defaultdict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
+    free_keys: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    unclaims: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    exists: dict[str, bool] = field(default_factory=dict)  # stored (True) or forgotten, last wins
+    forgotten: list[str] = field(default_factory=list)
+
+    def fields(self, key: str) -> dict[str, Any]:
+        return self.task_fields.setdefault(key, {})
+
+    def reset_tasks(self) -> None:
+        """Drop what the batch was to write about tasks: they are all gone now."""
+        for pending in (self.task_fields, self.enqueue, self.enqueue_on, self.dequeue_on,
+                        self.exists, self.unclaims, self.free_keys):  # fmt: skip
+            pending.clear()
+        self.dequeue.clear()
+        self.forgotten.clear()
+
+    def commands(self, k: Keys) -> list[list[Any]]:
+        """The batch's commands: the ordered ones, then the coalesced ones.  Task hashes
+        are deleted before they are written (a key forgotten and submitted again in one
+        batch), the inboxes are written before the ready sets (a worker's claim returns
+        its inbox first), and the ready sets last, followed by one ready-signal."""
+        cmds = self.cmds
+        cmds.extend(["DEL", k.task(key)] for key in self.forgotten)
+        gone = [key for key, stored in self.exists.items() if not stored]
+        if gone:
+            cmds.extend(_chunked(["SREM", k.tasks], gone))
+        stored = [key for key, stored in self.exists.items() if stored]
+        if stored:
+            cmds.extend(_chunked(["SADD", k.tasks], stored))
+        for key, fields in self.task_fields.items():
+            if fields.get("state", "processing") != "processing":
+                fields["worker"] = ""  # only a claim names the worker of a processing task
+            cmds.append(["HSET", k.task(key), *[x for kv in fields.items() for x in kv]])
+        if self.dequeue:
+            cmds.extend(_chunked(["ZREM", k.ready], self.dequeue))
+        for worker, keys in self.dequeue_on.items():
+            cmds.extend(_chunked(["ZREM", k.worker_ready(worker)], keys))
+        for worker, keys in self.unclaims.items():
+            cmds.extend(_chunked(["SREM", k.worker_processing(worker)], keys))
+        for worker, keys in self.free_keys.items():
+            self.worker_msgs[worker].append(FreeKeys(keys).to_dict())
+        for worker, msgs in self.worker_msgs.items():
+            cmds.append(["XADD", k.worker_inbox(worker), "*", "m", schema.pack(msgs)])
+        for client, msgs in self.client_msgs.items():
+            cmds.append(["XADD", k.client_events(client), "*", "m", schema.pack(msgs)])
+        per_worker: dict[str, list[Any]] = defaultdict(list)
+        for (worker, key), score in self.enqueue_on.items():
+            per_worker[worker] += [score, key]
+        for worker, worker_pairs in per_worker.items():
+            cmds.extend(_chunked(["ZADD", k.worker_ready(worker)], worker_pairs, step=2))
+        if self.enqueue:
+            pairs = [x for key, score in self.enqueue.items() for x in (score, key)]
+            cmds.extend(_chunked(["ZADD", k.ready], pairs, step=2))
+        if self.enqueue or self.enqueue_on:
+            n = len(self.enqueue) + len(self.enqueue_on)
+            signal = ["XADD", k.ready_signal, "MAXLEN", "~", schema.READY_SIGNAL_MAXLEN, "*"]
+            cmds.append([*signal, "n", n])
+        return cmds
+
+
+class Translator:
+    """Instructions into Redis commands, for one cluster's keys and retention."""
+
+    def __init__(self, keys: Keys, retention: RetentionConfig | None = None) -> None:
+        self.keys = keys
+        self.retention = retention or RetentionConfig()
+
+    def to_commands(self, instructions: list[Instruction]) -> list[list[Any]]:
+        """Turn instructions into Redis commands, coalescing per key, client and worker."""
+        batch = _Batch()
+        for ins in instructions:
+            translate = _TRANSLATIONS.get(type(ins))
+            if translate is None:  # a new instruction without a translation is a bug
+                raise TypeError(f"no Redis translation for {ins!r}")
+            translate(self, ins, batch)
+        return batch.commands(self.keys)
+
+    def _store_task(self, ins: StoreTask, b: _Batch) -> None:
+        record = TaskRecord(state=ins.state, spec=ins.spec, deps=ins.deps, score=ins.score,
+                            retries=ins.retries, workers=list(ins.restrict))  # fmt: skip
+        b.fields(ins.key).update(record.to_fields(STORED))
+        b.exists[ins.key] = True
+
+    def _set_state(self, ins: SetState, b: _Batch) -> None:
+        fields = b.fields(ins.key)
+        fields["state"] = ins.state
+        fields.update(TaskRecord.encode(ins.fields))
+
+    def _forget(self, ins: Forget, b: _Batch) -> None:
+        b.task_fields.pop(ins.key, None)
+        b.forgotten.append(ins.key)
+        b.exists[ins.key] = False
+
+    def _enqueue(self, ins: Enqueue, b: _Batch) -> None:
+        if ins.queued_on:  # for CLAIM: the other ready sets to take it out of
+            b.fields(ins.key).update(TaskRecord.encode({"queued_on": ins.queued_on}))
+        if ins.workers:
+            for worker in ins.workers:
+                b.enqueue_on[worker, ins.key] = ins.score
+        else:
+            b.enqueue[ins.key] = ins.score
+
+    def _dequeue(self, ins: Dequeue, b: _Batch) -> None:
+        # removals are written before additions, so a later Enqueue of the same key in
+        # this batch wins and an earlier one is cancelled here
+        b.enqueue.pop(ins.key, None)
+        b.dequeue.append(ins.key)
+        for worker in ins.workers:
+            b.enqueue_on.pop((worker, ins.key), None)
+            b.dequeue_on[worker].append(ins.key)
+
+    def _unclaim(self, ins: Unclaim, b: _Batch) -> None:
+        b.unclaims[ins.worker].append(ins.key)
+
+    def _claim_accepted(self, ins: ClaimAccepted, b: _Batch) -> None:
+        # the claim script wrote this already, unless the task was released and queued
+        # again (the same run: its score did not change) while the claim's message was on
+        # its way: that wrote ``queued`` over it, and the claim stands all the same
+        b.fields(ins.key).update(TaskRecord.encode({"state": "processing", "worker": ins.worker}))
+
+    def _client_msg(self, ins: ClientMsg, b: _Batch) -> None:
+        b.client_msgs[ins.client].append(ins.msg.to_dict())
+
+    def _worker_msg(self, ins: WorkerMsg, b: _Batch) -> None:
+        if isinstance(ins.msg, FreeKeys):
+            b.free_keys[ins.worker].extend(ins.msg.keys)
+            return
+        # the worker reads its messages in the order they were made: free-keys made
+        # before this one go before it (keys-recorded must follow them)
+        merged = b.free_keys.pop(ins.worker, None)
+        if merged:
+            b.worker_msgs[ins.worker].append(FreeKeys(merged).to_dict())
+        b.worker_msgs[ins.worker].append(ins.msg.to_dict())
+
+    def _set_wants(self, ins: SetWants, b: _Batch) -> None:
+        wants = self.keys.client_wants(ins.client)
+        if ins.add:
+            b.cmds.extend(_chunked(["SADD", wants], ins.add))
+        if ins.remove:
+            b.cmds.extend(_chunked(["SREM", wants], ins.remove))
+
+    def _forget_client(self, ins: ForgetClient, b: _Batch) -> None:
+        k = self.keys
+        b.cmds.append(["DEL", k.client_wants(ins.client), k.client_events(ins.client)])
+        b.cmds.append(["HDEL", k.clients, ins.client])
+
+    def _forget_worker(self, ins: ForgetWorker, b: _Batch) -> None:
+        k, w = self.keys, ins.worker
+        story_ttl_ms = int(self.retention.worker_story_ttl * 1000)
+        b.cmds += [
+            ["DEL", k.worker_processing(w), k.worker_inbox(w), k.worker_ready(w)],
+            ["HDEL", k.workers, w],
+            ["HDEL", k.heartbeats, w],
+            ["PEXPIRE", k.worker_story(w), story_ttl_ms],  # "what was it doing?" a while
+        ]
+
+    def _reset_cluster(self, ins: ResetCluster, b: _Batch) -> None:
+        k = self.keys
+        b.reset_tasks()  # what this batch wrote so far was about tasks that are gone now
+        b.cmds.append(["DEL", k.ready, k.tasks])
+        b.cmds.extend(["DEL", k.task(key)] for key in ins.task_keys)
+        b.cmds.extend(["DEL", k.worker_processing(w), k.worker_ready(w)] for w in ins.workers)
+        b.cmds.extend(["DEL", k.client_wants(c)] for c in ins.clients)
+
+    def _record_death(self, ins: RecordDeath, b: _Batch) -> None:
+        now = time.time()
+        record = schema.pack({"time": now, **ins.record})
+        b.cmds.append(["XADD", self.keys.deaths, "MAXLEN", self.retention.deaths, "*", "m", record])
+        b.cmds.append(self.event_command("worker-died", now, **death_fields(ins.record)))
+
+    def _log_event(self, ins: LogEvent, b: _Batch) -> None:
+        b.cmds.append(self.event_command(ins.kind, time.time(), **ins.fields))
+
+    def event_command(self, kind: str, now: float, **fields: Any) -> list[Any]:
+        return event_command(self.keys.events, self.retention.events, kind, now, **fields)
+
+    def story(self, events: list[Event], instructions: list[Instruction]) -> list[list[Any]]:
+        """The batch's task transitions for ``rd:{c}:story``: ``[key, state, stimulus_id]``
+        each, with what caused each stimulus (``[op, origin]``), in entries of at most
+        ``STORY_CHUNK`` transitions.  ``redisdask inspect task`` reads a task's story here."""
+        transitions: list[list[str]] = []
+        for ins in instructions:
+            if isinstance(ins, ClaimAccepted):
+                transitions.append([ins.key, "processing", ins.stimulus_id])
+            elif isinstance(ins, SetState | StoreTask):
+                transitions.append([ins.key, ins.state, ins.stimulus_id])
+            elif isinstance(ins, Forget):
+                transitions.append([ins.key, "forgotten", ins.stimulus_id])
+        if not transitions:
+            return []
+        causes = {ev.stimulus_id: [ev.op, _origin(ev)] for ev in events}
+        now = time.time()
+        cmds = []
+        for i in range(0, len(transitions), schema.STORY_CHUNK):
+            chunk = transitions[i : i + schema.STORY_CHUNK]
+            used = {sid: causes[sid] for _, _, sid in chunk if sid in causes}
+            entry = schema.pack({"time": now, "transitions": chunk, "causes": used})
+            cmds.append(["XADD", self.keys.story, "MAXLEN", self.retention.story, "*", "m", entry])
+        return cmds
+
+
+_TRANSLATIONS: dict[type[Instruction], Callable[[Translator, Any, _Batch], None]] = {
+    StoreTask: Translator._store_task,
+    SetState: Translator._set_state,
+    Forget: Translator._forget,
+    Enqueue: Translator._enqueue,
+    Dequeue: Translator._dequeue,
+    Unclaim: Translator._unclaim,
+    ClaimAccepted: Translator._claim_accepted,
+    ClientMsg: Translator._client_msg,
+    WorkerMsg: Translator._worker_msg,
+    SetWants: Translator._set_wants,
+    ForgetClient: Translator._forget_client,
+    ForgetWorker: Translator._forget_worker,
+    ResetCluster: Translator._reset_cluster,
+    RecordDeath: Translator._record_death,
+    LogEvent: Translator._log_event,
+}
+
+
+def _origin(ev: Event) -> str:
+    """The process a stimulus came from: a worker, a client, or the scheduler itself."""
+    return getattr(ev, "worker", "") or getattr(ev, "client", "") or "scheduler"
+
+
+def _chunked(head: list[Any], items: list[Any], step: int = 1) -> list[list[Any]]:
+    size = MAX_ARGS - MAX_ARGS % step
+    return [head + items[i : i + size] for i in range(0, len(items), size)]
+
+
+# --------------------------------------------------------------------------- stream entries
+
+
+def decode_entry(entry_id: bytes, fields: dict[bytes, bytes], stream: str = "") -> list[Event]:
+    """Decode one stream entry into events; ProtocolError when it is malformed.  The
+    stimulus ids name the stream, the entry and the message: ``workers:1700000000000-0/2``
+    (entry ids are unique per stream only)."""
+    raw = fields.get(b"m")
+    if raw is None:
+        raise ProtocolError(f"entry has no 'm' field (fields: {sorted(fields)[:5]})")
+    try:
+        msgs = schema.unpack(raw)
+    except Exception as exc:
+        raise ProtocolError(f"field 'm' is not msgpack: {exc}") from exc
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+        raise ProtocolError(f"field 'm' should be a list of maps, got {type(msgs).__name__}")
+    sid = f"{stream}:{entry_id.decode()}" if stream else entry_id.decode()
+    return [parse(m, SCHEDULER_EVENTS, f"{sid}/{i}") for i, m in enumerate(msgs)]
+
+
+def rejected_graphs(
+    entry_id: bytes, fields: dict[bytes, bytes], reason: str, stream: str = ""
+) -> list[RejectedGraph]:
+    """For a refused entry of the clients stream: one ``RejectedGraph`` per update-graph
+    message in it that still names its client and some str keys (its ``wanted`` keys and
+    its tasks' keys), so that client's futures err instead of waiting forever.  What
+    cannot be read (not msgpack, no client, keys that are not str) is skipped: there is
+    nobody or nothing to tell."""
+    try:
+        msgs = schema.unpack(fields.get(b"m") or b"")
+    except Exception:
+        return []
+    if not isinstance(msgs, list):
+        return []
+    sid = f"{stream}:{entry_id.decode()}" if stream else entry_id.decode()
+    rejected = []
+    for i, msg in enumerate(msgs):
+        if not isinstance(msg, dict) or msg.get("op") != "update-graph":
+            continue
+        client, wanted, tasks = msg.get("client"), msg.get("wanted"), msg.get("tasks")
+        keys = [k for k in wanted if isinstance(k, str)] if isinstance(wanted, list) else []
+        if isinstance(tasks, list):
+            keys += [
+                t["key"] for t in tasks if isinstance(t, dict) and isinstance(t.get("key"), str)
+            ]
+        if isinstance(client, str) and client and keys:
+            rejected.append(
+                RejectedGraph(
+                    client=client,
+                    keys=list(dict.fromkeys(keys)),
+                    reason=reason,
+                    stimulus_id=f"{sid}/{i}",
+                )
+            )
+    return rejected
+
+
+# --------------------------------------------------------------------------- recovery
+
+
+# --------------------------------------------------------------------------- summary
+
+
+class Summary:
+    """Task counts per prefix and state and finished tasks per second, written to
+    ``rd:{c}:summary`` while anything changes, so that ``status`` and ``monitor`` read one
+    hash instead of every task.  Counting is a pass over the tasks in memory, so the
+    interval between writes grows with what a pass costs: at least ``SUMMARY_INTERVAL``,
+    and the passes never take more than ``SUMMARY_SHARE`` of the scheduler's time."""
+
+    def __init__(self, finished_total: int = 0, erred_total: int = 0) -> None:
+        self.finished_total = finished_total
+        self.erred_total = erred_total
+        self.per_second: Counter[int] = Counter()
+        self.dirty = True
+        self.next_write = 0.0
+        self._state: SchedulerState | None = None  # whose counters were last read
+        self._seen = (0, 0)  # its (n_finished, n_erred) then
+
+    @classmethod
+    def resumed(cls, r: redis.Redis, keys: Keys) -> Summary:
+        """Carry the totals on from the summary of the scheduler before us."""
+        totals = r.hmget(keys.summary, "finished_total", "erred_total")
+        return cls(*(int(v or 0) for v in totals))
+
+    def count(self, state: SchedulerState, changed: bool) -> None:
+        """Take in what the last batch did: results in and tasks erred (whatever made them
+        err: their own exception, a dependency's, ``KilledWorker``)."""
+        if state is not self._state:  # a reloaded state counts from zero again
+            self._state, self._seen = state, (0, 0)
+        finished = state.n_finished - self._seen[0]
+        self.erred_total += state.n_erred - self._seen[1]
+        self._seen = (state.n_finished, state.n_erred)
+        if finished:
+            self.finished_total += finished
+            self.per_second[int(time.time())] += finished
+        self.dirty = self.dirty or changed
+
+    def due(self) -> bool:
+        return self.dirty and time.monotonic() >= self.next_write
+
+    def command(self, keys: Keys, state: SchedulerState, scheduler_id: str) -> list[Any]:
+        started = time.monotonic()
+        self.dirty = False
+        now = time.time()
+        oldest = int(now) - THROUGHPUT_WINDOW
+        for second in [s for s in self.per_second if s < oldest]:
+            del self.per_second[second]
+        by_prefix: dict[str, Counter[str]] = defaultdict(Counter)
+        for ts in state.tasks.values():
+            by_prefix[ts.prefix][ts.state] += 1
+        if len(by_prefix) > MAX_PREFIXES:  # keys with no hash in them: each its own prefix
+            ranked = sorted(by_prefix, key=lambda p: -sum(by_prefix[p].values()))
+            other: Counter[str] = Counter()
+            for prefix in ranked[MAX_PREFIXES - 1 :]:
+                other.update(by_prefix.pop(prefix))
+            by_prefix["other"] = other
+        fields = {
+            "time": now,
+            "scheduler": scheduler_id,
+            "prefixes": schema.pack({p: dict(c) for p, c in by_prefix.items()}),
+            "finished": schema.pack(sorted(self.per_second.items())),
+            "finished_total": self.finished_total,
+            "erred_total": self.erred_total,
+            "clients": len(state.clients),
+        }
+        spent = time.monotonic() - started
+        self.next_write = time.monotonic() + max(SUMMARY_INTERVAL, spent / SUMMARY_SHARE)
+        return ["HSET", keys.summary, *[x for kv in fields.items() for x in kv]]
+
+
+# --------------------------------------------------------------------------- recovery
+
+
+def load_state(
+    r: redis.Redis, keys: Keys, validate: bool = False, allowed_failures: int = 3
+) -> SchedulerState:
+    """Rebuild the scheduler's state from Redis (start-up, and after a failed write):
+    the inverse of ``Translator.to_commands``.  What the task hash does not carry (see
+    ``docs/redis-schema.md``) starts afresh: a retirement, replicas being made, holding
+    report counts."""
+    seq = r.hget(keys.meta, "seq")
+    state = SchedulerState(validate=validate, seq=int(seq or 0), allowed_failures=allowed_failures)
+    for address, info in r.hgetall(keys.workers).items():
+        state.handle_stimulus(
+            AddWorker(worker=address.decode(), info=schema.unpack(info), stimulus_id="load")
+        )
+    records = _read_records(r, keys)
+    for key, record in records.items():
+        if record.state:  # (a hash without a state is no record: nothing to rebuild)
+            state.tasks[key] = _task_state(key, record, state)
+    for key, record in records.items():
+        ts = state.tasks.get(key)
+        if ts is None:
+            continue
+        for dep in filter(None, map(state.tasks.get, record.deps)):
+            ts.dependencies.add(dep)
+            dep.dependents.add(ts)
+    for ts in state.tasks.values():
+        if ts.state in HOLDS_DEPENDENCIES:
+            ts.waiting_on = {d for d in ts.dependencies if d.state != "memory"}
+            for dep in ts.dependencies:
+                dep.waiters.add(ts)
+        if ts.processing_on and ts.processing_on in state.workers:
+            state.workers[ts.processing_on].processing.add(ts)
+        for w in ts.who_has:
+            state.workers[w].has_what.add(ts)
+    for client_id in r.hkeys(keys.clients):
+        cid = client_id.decode()
+        wanted = state.clients.setdefault(cid, set())
+        for key in r.smembers(keys.client_wants(cid)):
+            ts = state.tasks.get(key.decode())
+            if ts is not None:
+                ts.who_wants.add(cid)
+                wanted.add(ts)
+    logger.info(
+        "loaded %d tasks, %d workers, %d clients from Redis",
+        len(state.tasks),
+        len(state.workers),
+        len(state.clients),
+    )
+    return state
+
+
+def _read_records(r: redis.Redis, keys: Keys) -> dict[str, TaskRecord]:
+    """Every task hash, in pipelines of 1,000."""
+    task_keys = [k.decode() for k in r.smembers(keys.tasks)]
+    records: dict[str, TaskRecord] = {}
+    for i in range(0, len(task_keys), 1000):
+        chunk = task_keys[i : i + 1000]
+        pipe = r.pipeline(transaction=False)
+        for key in chunk:
+            pipe.hgetall(keys.task(key))
+        for key, raw in zip(chunk, pipe.execute(), strict=True):
+            if raw:
+                records[key] = TaskRecord.from_hash(raw)
+    return records
+
+
+def _task_state(key: str, rec: TaskRecord, state: SchedulerState) -> TaskState:
+    """A task as its record describes it (links to other tasks come after)."""
+    ts = TaskState(key, state=rec.state, score=rec.score, has_spec=rec.spec is not None)
+    ts.nbytes, ts.type, ts.retries = rec.nbytes, rec.type, rec.retries
+    ts.restrict = tuple(rec.workers)
+    if ts.state == "queued" and ts.restrict:
+        # (a record from before queued_on existed: its workers were addresses)
+        queued_on = rec.workers if rec.queued_on is None else rec.queued_on
+        ts.queued_on = tuple(w for w in queued_on if w in state.workers)
+    ts.erred_on = rec.erred_on or None
+    ts.suspicious, ts.replicas = rec.suspicious, rec.replicas
+    ts.deaths, ts.killed = rec.deaths, rec.killed
+    ts.exception_blame = rec.exception_blame or None
+    ts.rejected = rec.rejected
+    if ts.state == "no-worker":
+        state.unrunnable.add(ts)
+    ts.who_has = {w for w in rec.who_has if w in state.workers}
+    ts.exception, ts.traceback = rec.exception, rec.traceback
+    ts.exception_text, ts.traceback_text = rec.exception_text, rec.traceback_text
+    if ts.state == "processing":
+        ts.processing_on = rec.worker
+    return ts

@@ -1,0 +1,588 @@
+"""Round trip of the scheduler's Redis mapping, as a property (real Redis, plain ``random``
+with fixed seeds; no new dependency).
+
+Random event sequences (workers joining, leaving, dying and re-registering; graphs with
+dependencies, restrictions, retries and priorities; claims through the real ``CLAIM``
+script, delivered late; results, errors, missing data, replicas, releases, cancels,
+scatters, retirements, restarts) go through the pure ``SchedulerState``; each batch's
+instructions are translated (``Translator.to_commands``) and written through the real
+``APPLY_FENCED`` script.  Whenever no claim is in flight, ``load_state`` reads the state
+back and it must equal the state machine's own, in everything the records carry:
+
+* tasks: state, score, whether a spec is stored, dependencies and dependents, what they
+  wait on and who waits on them, who wants them, who holds them, the worker of a
+  processing task, size and type, retries, restriction, the workers a queued
+  restricted task is queued on, deaths, ``suspicious``, ``killed``, replicas, the error
+  (exception, traceback, their texts, where and whose) and ``rejected``;
+* the ``no-worker`` set, the sequence counter, workers (info, processing, held keys),
+  clients and what each wants;
+* and in Redis itself: each queued task sits in the ready set(s) it is queued on with
+  its score, and each worker's processing set is what the state machine has on it.
+
+Not compared, because no record carries them (a reloaded scheduler starts them afresh,
+by design): a task's ``queued_on`` once it left ``queued`` (stale, documented), its
+``lost_on``, ``replicating``, ``claimed_before`` and ``unlisted``; a worker's
+retirement flags, ``announced`` and ``holding_reports``.  Now and then the test goes on
+from the reloaded state instead of its own, as a restarted scheduler does.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from redisdask.scheduler_redis import Translator, decode_entry, load_state
+from redisdask.scheduler_state import (
+    HOLDS_DEPENDENCIES,
+    AddKeys,
+    AddWorker,
+    CancelKeys,
+    ClientDesiresKeys,
+    ClientReleasesKeys,
+    CloseClient,
+    Event,
+    Holding,
+    MissingData,
+    ReleasedKeys,
+    RemoveWorker,
+    Replicate,
+    Restart,
+    RetireWorkers,
+    SchedulerState,
+    TaskErred,
+    TaskFinished,
+    UpdateData,
+    UpdateGraph,
+)
+from redisdask.schema import Keys, Scripts, ensure_cluster, pack
+
+pytestmark = pytest.mark.timeout(240)
+
+# more seeds for a long run: REDISDASK_ROUNDTRIP_SEEDS=1000 pytest tests/test_scheduler_roundtrip.py
+SEEDS = range(int(os.environ.get("REDISDASK_ROUNDTRIP_SEEDS", "30")))
+STEPS = 150
+HOSTS = ("10.0.0.1", "10.0.0.2")
+
+
+def carried(state: SchedulerState) -> dict[str, Any]:
+    """What of a scheduler state the Redis records carry (see the module docstring)."""
+
+    def keys(tasks: Any) -> list[str]:
+        return sorted(t.key for t in tasks)
+
+    tasks = {}
+    for key, ts in state.tasks.items():
+        tasks[key] = {
+            "state": ts.state,
+            "score": ts.score,
+            "has_spec": ts.has_spec,
+            "dependencies": keys(ts.dependencies),
+            "dependents": keys(ts.dependents),
+            "waiting_on": keys(ts.waiting_on) if ts.state in HOLDS_DEPENDENCIES else None,
+            "waiters": keys(ts.waiters),
+            "who_wants": sorted(ts.who_wants),
+            "who_has": sorted(ts.who_has),
+            "processing_on": ts.processing_on if ts.state == "processing" else None,
+            "nbytes": ts.nbytes,
+            "type": ts.type,
+            "retries": ts.retries,
+            "restrict": ts.restrict,
+            "queued_on": ts.queued_on if ts.state == "queued" and ts.restrict else None,
+            "suspicious": ts.suspicious,
+            "deaths": ts.deaths,
+            "killed": ts.killed,
+            "replicas": ts.replicas,
+            "exception": ts.exception,
+            "traceback": ts.traceback,
+            "exception_text": ts.exception_text,
+            "traceback_text": ts.traceback_text,
+            "erred_on": ts.erred_on,
+            "exception_blame": ts.exception_blame,
+            "rejected": ts.rejected,
+        }
+    return {
+        "tasks": tasks,
+        "unrunnable": keys(state.unrunnable),
+        "seq": state.seq,
+        "workers": {
+            a: {"info": ws.info, "processing": keys(ws.processing), "has_what": keys(ws.has_what)}
+            for a, ws in state.workers.items()
+        },
+        "clients": {c: keys(wanted) for c, wanted in state.clients.items()},
+    }
+
+
+def differences(ours: dict[str, Any], loaded: dict[str, Any]) -> Iterator[str]:
+    for section in ("unrunnable", "seq", "clients"):
+        if ours[section] != loaded[section]:
+            yield f"{section}: {ours[section]!r} != loaded {loaded[section]!r}"
+    for section in ("tasks", "workers"):
+        for name in sorted(set(ours[section]) | set(loaded[section])):
+            a, b = ours[section].get(name), loaded[section].get(name)
+            if a is None or b is None:
+                yield f"{section} {name!r}: ours {a is not None}, loaded {b is not None}"
+                continue
+            for field in a:
+                if a[field] != b[field]:
+                    yield f"{section} {name!r} {field}: {a[field]!r} != loaded {b[field]!r}"
+
+
+class Run:
+    """One random sequence: the state machine, its writes to Redis, the checks."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, seed: int) -> None:
+        self.r, self.keys, self.rng = r, keys, random.Random(seed)
+        self.state = SchedulerState(validate=True)
+        self.translator = Translator(keys)
+        self.scripts = Scripts(r, keys)
+        self.token = self.scripts.acquire_lease(token=None, ttl_ms=600_000).decode()
+        self.n = 0  # stimulus counter, and a source of fresh names
+        self.in_flight: list[list[Event]] = []  # claims made, their message not yet read
+        self.claims_read = "0-0"  # the last entry of the workers stream read
+        self.clients = ["c0", "c1"]
+        self.task_keys: list[str] = []  # every key ever submitted (some are long gone)
+        self.history: list[str] = []  # the events so far, for the message of a failure
+
+    # ------------------------------------------------------------------ plumbing
+
+    def sid(self) -> str:
+        self.n += 1
+        return f"s{self.n}"
+
+    def apply(self, *events: Event) -> None:
+        self.history += [repr(ev) for ev in events]
+        instructions = self.state.handle_stimulus(*events)
+        commands = self.translator.to_commands(instructions)
+        commands.append(["HSET", self.keys.meta, "seq", self.state.seq])
+        self.scripts.apply_fenced(token=self.token, commands=commands, ttl_ms=600_000)
+
+    def check(self) -> None:
+        loaded = load_state(self.r, self.keys, validate=True)
+        problems = list(differences(carried(self.state), carried(loaded)))
+        problems += list(self.redis_sets())
+        assert not problems, "\n".join([*problems[:20], "after:", *self.history[-8:]])
+        if self.rng.random() < 0.1:  # go on as a restarted scheduler would
+            self.state = loaded
+
+    def redis_sets(self) -> Iterator[str]:
+        k = self.keys
+        for key, ts in self.state.tasks.items():
+            if ts.state != "queued":
+                continue
+            sets = [k.worker_ready(w) for w in ts.queued_on] if ts.restrict else [k.ready]
+            for name in sets:
+                if self.r.zscore(name, key) != ts.score:
+                    yield f"queued {key!r} (score {ts.score}) not in {name}"
+        for address, ws in self.state.workers.items():
+            held = {m.decode() for m in self.r.smembers(k.worker_processing(address))}
+            if held != {ts.key for ts in ws.processing}:
+                yield f"processing set of {address}: {sorted(held)} != {ws.processing}"
+
+    # ------------------------------------------------------------------ picks
+
+    def pick(self, items: Any, k: int | None = None) -> Any:
+        items = sorted(items)
+        if k is None:
+            return self.rng.choice(items) if items else None
+        return self.rng.sample(items, min(k, len(items)))
+
+    def tasks_in(self, *states: str) -> list[str]:
+        return [key for key, ts in self.state.tasks.items() if ts.state in states]
+
+    # ------------------------------------------------------------------ events
+
+    def add_worker(self) -> None:
+        known = list(self.state.workers)
+        if known and self.rng.random() < 0.2:
+            address = self.pick(known)  # a re-registration, maybe of a new process
+        else:
+            address = f"tcp://{self.rng.choice(HOSTS)}:{1000 + self.n}"
+        info = {
+            "name": f"w{address.rsplit(':', 1)[1]}",
+            "host": address[6:].split(":")[0],
+            "nthreads": 1,
+            "started": self.rng.choice([1.0, float(self.n)]),
+        }
+        self.r.hset(self.keys.workers, address, pack(info))  # the worker's own write
+        self.apply(AddWorker(worker=address, info=info, stimulus_id=self.sid()))
+
+    def remove_worker(self) -> None:
+        address = self.pick(self.state.workers)
+        if address is None:
+            return
+        how = self.rng.choice(["goodbye", "connection", "heartbeat", "nanny"])
+        beat = {"time": 1.0, "executing": self.pick(self.task_keys, 2)}
+        evidence = {"last_heartbeat": beat} if how != "goodbye" else {}
+        self.apply(
+            RemoveWorker(
+                worker=address, reason="r", how=how, evidence=evidence, stimulus_id=self.sid()
+            )
+        )
+
+    def update_graph(self) -> None:
+        client = self.pick(self.clients)
+        self.r.hset(self.keys.clients, client, pack({"host": "h", "pid": 1, "last_seen": 0}))
+        tasks, new = [], []
+        for _ in range(self.rng.randint(1, 4)):
+            if self.task_keys and self.rng.random() < 0.15:
+                key = self.pick(self.task_keys)  # submitted again
+            else:
+                key = f"t{self.n}-{len(new)}"
+                self.n += 1
+            pool = self.task_keys + new
+            deps = self.pick(pool, self.rng.randint(0, 3)) if pool else []
+            if self.rng.random() < 0.05:
+                deps.append(f"ghost-{self.n}")  # never submitted by anyone
+            task: dict[str, Any] = {
+                "key": key,
+                "spec": b"spec-" + key.encode(),
+                "deps": deps,
+                "priority": self.rng.randint(-2, 2),
+                "retries": self.rng.choice([0, 0, 1, 2]),
+            }
+            if self.rng.random() < 0.3:
+                names = [*self.state.workers, *HOSTS, "w-nobody", "10.9.9.9"]
+                names += [ws.info["name"] for ws in self.state.workers.values()]
+                task["workers"] = self.pick(names, self.rng.randint(1, 2))
+            tasks.append(task)
+            new.append(key)
+        self.task_keys += [k for k in new if k not in self.task_keys]
+        wanted = [k for k in new if self.rng.random() < 0.7]
+        if self.rng.random() < 0.2:
+            wanted += self.pick(self.task_keys, 1)
+        self.apply(UpdateGraph(client=client, tasks=tasks, wanted=wanted, stimulus_id=self.sid()))
+
+    def claim(self) -> None:
+        worker = self.pick(self.state.workers)
+        if worker is None:
+            return
+        self.scripts.claim(worker=worker, count=self.rng.randint(1, 3), last_inbox_id="0-0")
+        self.claim_read()
+
+    def claim_read(self) -> None:
+        """Read the claim's message; it reaches the scheduler later (``deliver_claims``),
+        maybe after other events."""
+        for entry_id, fields in self.r.xrange(self.keys.worker_stream, f"({self.claims_read}"):
+            self.claims_read = entry_id.decode()
+            self.in_flight.append(decode_entry(entry_id, fields, "workers"))
+
+    def deliver_claims(self) -> None:
+        if self.in_flight:
+            self.apply(*self.in_flight.pop(0))
+
+    def finish(self) -> None:
+        key = self.pick(self.tasks_in("processing"))
+        if key is None:
+            return
+        ts = self.state.tasks[key]
+        worker, score = ts.processing_on, ts.score
+        if self.rng.random() < 0.1:
+            worker = self.pick(self.state.workers)  # not the claim's worker
+        if self.rng.random() < 0.1:
+            score -= 1.0  # an earlier run's late result
+        kind = self.rng.choice(["int", "numpy.ndarray"])
+        nbytes = self.rng.randint(1, 10_000)
+        self.apply(
+            TaskFinished(
+                worker=worker,
+                key=key,
+                nbytes=nbytes,
+                type=kind,
+                start=1.0,
+                stop=2.0,
+                score=score,
+                stimulus_id=self.sid(),
+            )
+        )
+
+    def err(self) -> None:
+        key = self.pick(self.tasks_in("processing"))
+        if key is None:
+            return
+        ts = self.state.tasks[key]
+        self.apply(
+            TaskErred(
+                worker=ts.processing_on,
+                key=key,
+                exception=b"exc",
+                traceback=self.rng.choice([b"tb", None]),
+                exception_text="E: x",
+                traceback_text="line 1",
+                score=ts.score,
+                stimulus_id=self.sid(),
+            )
+        )
+
+    def missing_data(self) -> None:
+        key = self.pick(self.tasks_in("memory", "processing"))
+        worker = self.pick(self.state.workers)
+        if key is None or worker is None:
+            return
+        errant = self.pick([*self.state.tasks[key].who_has, ""])
+        self.apply(
+            MissingData(worker=worker, keys=[key], errant_worker=errant, stimulus_id=self.sid())
+        )
+
+    def add_keys(self) -> None:
+        keys = self.pick(self.tasks_in("memory"), 2)
+        worker = self.pick(self.state.workers)
+        if keys and worker:
+            nbytes = {k: self.state.tasks[k].nbytes for k in keys}
+            self.apply(AddKeys(worker=worker, keys=keys, nbytes=nbytes, stimulus_id=self.sid()))
+
+    def released_keys(self) -> None:
+        worker = self.pick(self.state.workers)
+        if worker is None:
+            return
+        ws = self.state.workers[worker]
+        keys = self.pick([t.key for t in ws.processing | ws.has_what], 2)
+        self.apply(ReleasedKeys(worker=worker, keys=keys, stimulus_id=self.sid()))
+
+    def holding(self) -> None:
+        worker = self.pick(self.state.workers)
+        if worker is None:
+            return
+        keys = [t.key for t in self.state.workers[worker].processing if self.rng.random() < 0.7]
+        self.apply(Holding(worker=worker, keys=sorted(keys), stimulus_id=self.sid()))
+
+    def client_event(self) -> None:
+        client = self.pick(self.clients)
+        wanted = sorted(t.key for t in self.state.clients.get(client, ()))
+        choice = self.rng.random()
+        if choice < 0.4 and wanted:
+            keys = self.pick(wanted, self.rng.randint(1, 2))
+            self.apply(ClientReleasesKeys(client=client, keys=keys, stimulus_id=self.sid()))
+        elif choice < 0.7 and wanted:
+            keys = self.pick(wanted, self.rng.randint(1, 2))
+            self.apply(
+                CancelKeys(client=client, keys=keys, generation=self.n, stimulus_id=self.sid())
+            )
+        elif choice < 0.85 and self.task_keys and client in self.state.clients:
+            keys = self.pick(self.task_keys, 2)
+            self.apply(ClientDesiresKeys(client=client, keys=keys, stimulus_id=self.sid()))
+        elif wanted:
+            keys = self.pick(wanted, 2)
+            self.apply(
+                Replicate(
+                    client=client, keys=keys, n=self.rng.randint(1, 3), stimulus_id=self.sid()
+                )
+            )
+
+    def scatter(self) -> None:
+        client = self.pick(self.clients)
+        holders = self.pick(self.state.workers, self.rng.randint(1, 2))
+        if not holders:
+            return
+        self.r.hset(self.keys.clients, client, pack({"host": "h", "pid": 1, "last_seen": 0}))
+        again = self.task_keys and self.rng.random() < 0.3
+        key = self.pick(self.task_keys) if again else f"data-{self.n}"
+        self.task_keys += [key] if key not in self.task_keys else []
+        self.apply(
+            UpdateData(
+                client=client,
+                who_has={key: holders},
+                nbytes={key: 8},
+                types={key: "bytes"},
+                stimulus_id=self.sid(),
+            )
+        )
+
+    def retire(self) -> None:
+        workers = self.pick(self.state.workers, 1)
+        if workers:
+            self.apply(
+                RetireWorkers(
+                    client=self.pick(self.clients), workers=workers, stimulus_id=self.sid()
+                )
+            )
+
+    def retiring(self) -> None:  # a worker's own word, repeated until it is told to close
+        workers = self.pick(self.state.workers, 1)
+        if workers:
+            self.apply(
+                RetireWorkers(
+                    workers=workers, force=self.rng.random() < 0.3, stimulus_id=self.sid()
+                )
+            )
+
+    def close_client(self) -> None:
+        client = self.pick(self.clients)
+        self.apply(CloseClient(client=client, stimulus_id=self.sid()))
+        self.clients.remove(client)
+        self.clients.append(f"c{self.n}")  # another one comes
+
+    def restart(self) -> None:
+        self.apply(Restart(client=self.pick(self.clients), stimulus_id=self.sid()))
+
+    STEPS = {
+        "add_worker": 6,
+        "remove_worker": 3,
+        "update_graph": 14,
+        "claim": 14,
+        "deliver_claims": 12,
+        "finish": 14,
+        "err": 4,
+        "missing_data": 3,
+        "add_keys": 3,
+        "released_keys": 3,
+        "holding": 3,
+        "client_event": 10,
+        "scatter": 3,
+        "retire": 1,
+        "retiring": 1,
+        "close_client": 1,
+        "restart": 0.3,
+    }
+
+    # what comes from the clients stream: it may overtake a claim's message, which is on
+    # the workers stream (as is everything else, and the watch reads that stream before
+    # it declares a worker dead)
+    FROM_CLIENTS = {"update_graph", "client_event", "scatter", "retire", "close_client", "restart"}
+
+    def run(self, steps: int) -> None:
+        names, weights = zip(*self.STEPS.items(), strict=True)
+        self.add_worker()
+        for _ in range(steps):
+            step = self.rng.choices(names, weights)[0]
+            if step not in self.FROM_CLIENTS and step != "claim":
+                while self.in_flight:
+                    self.deliver_claims()
+            getattr(self, step)()
+            if not self.in_flight:
+                self.check()
+        while self.in_flight:
+            self.deliver_claims()
+        self.check()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_what_the_scheduler_writes_reloads_as_its_own_state(
+    redis_url: str, cluster_name: str, seed: int
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ensure_cluster(r, keys)
+    try:
+        Run(r, keys, seed).run(STEPS)
+    finally:
+        for name in r.scan_iter(match=keys.prefix.replace("{", "[{]") + "*", count=1000):
+            r.delete(name)
+
+
+# --------------------------------------------------------------------------- found by it
+
+
+@pytest.fixture
+def run(redis_url: str, cluster_name: str) -> Iterator[Run]:
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ensure_cluster(r, keys)
+    one = Run(r, keys, seed=0)
+    one.rng.random = lambda: 1.0  # type: ignore[method-assign]  # never swap states
+    for address in ("tcp://10.0.0.1:1", "tcp://10.0.0.2:2"):
+        info = {"name": address[-1], "host": address[6:14], "nthreads": 1, "started": 1.0}
+        r.hset(keys.workers, address, pack(info))
+        one.apply(AddWorker(worker=address, info=info, stimulus_id=one.sid()))
+    r.hset(keys.clients, "c0", pack({"host": "h", "pid": 1, "last_seen": 0}))
+    yield one
+    for name in r.scan_iter(match=keys.prefix.replace("{", "[{]") + "*", count=1000):
+        r.delete(name)
+
+
+def graph(run: Run, *tasks: dict[str, Any], wanted: list[str]) -> None:
+    specs = [{"spec": b"s", "deps": [], **t} for t in tasks]
+    run.apply(UpdateGraph(client="c0", tasks=specs, wanted=wanted, stimulus_id=run.sid()))
+
+
+def claim_and_finish(run: Run, key: str, worker: str) -> None:
+    run.scripts.claim(worker=worker, count=1, last_inbox_id="0-0")
+    run.claim_read()
+    run.deliver_claims()
+    score = run.state.tasks[key].score
+    run.apply(
+        TaskFinished(
+            worker=worker, key=key, nbytes=1, type="int", score=score, stimulus_id=run.sid()
+        )
+    )
+
+
+def test_scattering_a_key_in_memory_again_records_its_new_holder(run: Run) -> None:
+    a, b = "tcp://10.0.0.1:1", "tcp://10.0.0.2:2"
+    for holder in (a, b):
+        run.apply(
+            UpdateData(
+                client="c0",
+                who_has={"d": [holder]},
+                nbytes={"d": 8},
+                types={"d": "bytes"},
+                stimulus_id=run.sid(),
+            )
+        )
+    assert run.state.tasks["d"].who_has == {a, b}
+    run.check()
+
+
+def test_a_released_error_forgets_where_it_came_from(run: Run) -> None:
+    a = "tcp://10.0.0.1:1"
+    graph(
+        run,
+        {"key": "x"},
+        {"key": "y", "deps": ["x"]},
+        {"key": "w", "deps": ["y"]},
+        wanted=["y", "w"],
+    )
+    run.scripts.claim(worker=a, count=1, last_inbox_id="0-0")
+    run.claim_read()
+    run.deliver_claims()
+    run.apply(
+        TaskErred(
+            worker=a,
+            key="x",
+            exception=b"e",
+            exception_text="E",
+            score=run.state.tasks["x"].score,
+            stimulus_id=run.sid(),
+        )
+    )
+    assert run.state.tasks["y"].exception_blame == "x"
+    run.apply(ClientReleasesKeys(client="c0", keys=["y"], stimulus_id=run.sid()))
+    assert run.state.tasks["y"].state == "released"  # kept: w, erred, is still wanted
+    run.check()
+
+
+def test_a_task_submitted_again_with_a_new_dependency_records_it(run: Run) -> None:
+    graph(run, {"key": "x"}, {"key": "y", "deps": ["x", "nobody-made-it"]}, wanted=["x", "y"])
+    run.apply(ClientReleasesKeys(client="c0", keys=["x"], stimulus_id=run.sid()))
+    assert run.state.tasks["x"].state == "released"  # kept: y, erred, is still wanted
+    graph(run, {"key": "w"}, {"key": "x", "deps": ["w"]}, wanted=["x"])
+    assert {d.key for d in run.state.tasks["x"].dependencies} == {"w"}
+    run.check()
+
+
+def test_a_key_named_twice_in_one_graph_keeps_its_first_entry(run: Run) -> None:
+    graph(run, {"key": "a"}, {"key": "x", "deps": ["a"]}, {"key": "x", "deps": []}, wanted=["x"])
+    assert {d.key for d in run.state.tasks["x"].dependencies} == {"a"}
+    run.check()
+
+
+def test_a_claim_of_a_task_released_and_queued_again_meanwhile_is_recorded(run: Run) -> None:
+    """The claim pops the task; before its message is read, the client releases the key
+    and asks for it again: queued again with the same score, written over the claim.
+    (It stays known meanwhile because an erred dependent of it is still wanted.)"""
+    a = "tcp://10.0.0.1:1"
+    graph(run, {"key": "x"}, {"key": "y", "deps": ["x", "nobody-made-it"]}, wanted=["x", "y"])
+    assert run.state.tasks["y"].state == "erred"
+    run.scripts.claim(worker=a, count=1, last_inbox_id="0-0")
+    run.claim_read()
+    run.apply(ClientReleasesKeys(client="c0", keys=["x"], stimulus_id=run.sid()))
+    assert run.state.tasks["x"].state == "released"
+    run.apply(ClientDesiresKeys(client="c0", keys=["x"], stimulus_id=run.sid()))
+    assert run.state.tasks["x"].state == "queued"
+    run.deliver_claims()
+    assert run.state.tasks["x"].processing_on == a
+    run.check()
