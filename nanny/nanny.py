@@ -48,19 +48,15 @@ import psutil
 import redis
 
 from redisdask import schema
+from redisdask.backoff import Backoff
 from redisdask.config import RetentionConfig
 from redisdask.connection import connect_async, redact
 from redisdask.events import death_fields
 from redisdask.memory import format_bytes, oom_kills
 from redisdask.nanny import deaths
+from redisdask.nanny_contract import GRACEFUL_TIMEOUT, worker_environment
+from redisdask.protocol import RemoveWorker
 from redisdask.schema import Keys
-from redisdask.workers.worker import (
-    ADDRESS_FILE_ENV,
-    EXIT_REASON_ENV,
-    GRACEFUL_TIMEOUT,
-    NANNY_PID_ENV,
-    RESTARTS_ENV,
-)
 
 logger = logging.getLogger("redisdask.nanny")
 
@@ -141,7 +137,8 @@ class Nanny:
         """Keep a worker running until asked to stop; 0, or 1 after giving up."""
         name = f"rd-{self.keys.cluster}-nanny-{self.label}"
         self.redis = connect_async(self.redis_url, timeout=self.connect_timeout, name=name)
-        start_failures = quick_deaths = 0
+        start_failures = 0
+        restart_backoff = Backoff(base=0.2, cap=10.0)  # for a worker that keeps dying
         try:
             while True:
                 started = time.monotonic()
@@ -153,7 +150,6 @@ class Nanny:
                         start_failures += 1
                 else:
                     start_failures = 0
-                quick_deaths = quick_deaths + 1 if uptime < QUICK_DEATH else 0
                 kind, reason = deaths.classify(watch.exit)
                 give_up = start_failures >= MAX_START_FAILURES
                 restart = self._should_restart(kind, watch.exit) and not give_up
@@ -170,10 +166,12 @@ class Nanny:
                     return 1
                 if not restart:
                     return 0
-                delay = min(10.0, 0.1 * 2 ** min(quick_deaths, 7)) if quick_deaths else 0.0
-                if delay:
+                if uptime < QUICK_DEATH:
+                    delay = restart_backoff.next()
                     logger.info("restarting worker %s in %.1f s", self.label, delay)
                     await asyncio.sleep(delay)  # backoff: no hot loop of deaths
+                else:
+                    restart_backoff.reset()
                 if self.closing:
                     return 0
                 self.restarts += 1
@@ -183,7 +181,7 @@ class Nanny:
 
     async def _wait_for_redis(self) -> bool:
         """True if Redis answered at once; else wait (with backoff) until it does."""
-        delay, first = 0.2, True
+        backoff, first = Backoff(base=0.2, cap=2.0), True
         while not self.closing:
             try:
                 await self.redis.ping()
@@ -192,8 +190,7 @@ class Nanny:
                 if first:
                     logger.warning("nanny of %s waits for Redis: %s", self.label, exc)
                 first = False
-            await asyncio.sleep(delay)  # backoff while Redis is away
-            delay = min(2.0, delay * 2)
+            await asyncio.sleep(backoff.next())  # backoff while Redis is away
         return False
 
     def _should_restart(self, kind: str, exit: deaths.WorkerExit) -> bool:
@@ -224,12 +221,9 @@ class Nanny:
             os.environ,
             PYTHONUNBUFFERED="1",
             REDISDASK__REDIS__URL=self.redis_url,  # not on a command line ps shows
-            **{
-                NANNY_PID_ENV: str(os.getpid()),
-                EXIT_REASON_ENV: str(self.exit_reason_path),
-                ADDRESS_FILE_ENV: str(self.address_path),
-                RESTARTS_ENV: str(self.restarts),
-            },
+            **worker_environment(
+                os.getpid(), self.exit_reason_path, self.address_path, self.restarts
+            ),
         )
         args = [sys.executable, "-m", "redisdask", "worker", "--cluster", self.keys.cluster]
         args += ["--no-nanny", "--memory-limit", str(self.memory_limit), *self.worker_args]
@@ -400,6 +394,7 @@ class Nanny:
             logger.info("worker %s (pid %s) %s", self.label, watch.pid, text)
         else:
             logger.warning("worker %s (pid %s) died: %s", self.label, watch.pid, text)
+        backoff = Backoff(base=0.05, cap=2.0)
         for attempt in range(20):  # Redis may be restarting: try for a few seconds
             try:
                 await self._send_report(watch, kind, text, restarted)
@@ -413,7 +408,7 @@ class Nanny:
                         exc,
                     )
                     return
-                await asyncio.sleep(min(2.0, 0.05 * 2**attempt))  # backoff while Redis is away
+                await asyncio.sleep(backoff.next())  # backoff while Redis is away
 
     async def _send_report(self, watch: _Watch, kind: str, reason: str, restarted: bool) -> None:
         last: dict[str, Any] = {}
@@ -423,14 +418,8 @@ class Nanny:
         evidence = deaths.evidence(watch.exit, kind, restarted, last)
         evidence.update(pid=watch.pid, host=socket.gethostname(), name=self.name or self.label)
         if kind != "graceful" and watch.address is not None:
-            message = {
-                "op": "remove-worker",
-                "worker": watch.address,
-                "how": "nanny",
-                "reason": reason,
-                "evidence": evidence,
-            }
-            await self.redis.xadd(self.keys.worker_stream, schema.entry([message]))
+            message = RemoveWorker(watch.address, reason=reason, how="nanny", evidence=evidence)
+            await self.redis.xadd(self.keys.worker_stream, schema.entry([message.to_dict()]))
             return
         # nothing for the scheduler to do: a goodbye was said, or it never registered
         record = {

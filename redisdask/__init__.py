@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib.metadata
+
+# one source: pyproject.toml's [project] version, as installed
+__version__ = importlib.metadata.version("redisdask")
 
 from redisdask.client import Client, Future, as_completed, wait
 from redisdask.cluster import LocalCluster

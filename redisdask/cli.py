@@ -9,14 +9,71 @@ Exit codes: 0 success, 1 failure at run time, 2 bad usage or configuration.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.metadata
 import os
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+import yaml
 
 from redisdask import logs, memory
 from redisdask.config import Config, ConfigError, load_config, parse_duration
 from redisdask.errors import RedisDaskError
+
+# Flags that set a config key: their values go through the config's own validation (with
+# the flag named as the source), so `--lease-ttl 0` fails exactly as the YAML key would.
+# Numbers are read as YAML, like an environment variable's value; paths are taken as given.
+CONFIG_FLAGS = {
+    "lease_ttl": "scheduler.lease-ttl",
+    "allowed_failures": "scheduler.allowed-failures",
+    "nthreads": "worker.nthreads",
+    "memory_limit": "worker.memory-limit",
+}
+CONFIG_PATH_FLAGS = {"local_directory": "worker.local-directory"}
+
+
+def _int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[low, high]``; argparse words the refusal."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bounds = f"from {low} to {high}" if high is not None else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_seconds(text: str) -> float:
+    """An argparse type: a finite, positive duration (``0.5``, ``'500ms'``)."""
+    try:
+        value = parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text!r}")
+    return value
+
+
+def _flag_overrides(args: argparse.Namespace) -> tuple[dict[str, object], dict[str, str]]:
+    """The config keys the given flags set, and which flag set each."""
+    overrides, labels = {}, {}
+    for attr, key in (*CONFIG_FLAGS.items(), *CONFIG_PATH_FLAGS.items()):
+        raw = getattr(args, attr, None)
+        if raw is not None:
+            value: object = raw
+            if attr in CONFIG_FLAGS:
+                with contextlib.suppress(yaml.YAMLError):  # the config then names the value
+                    value = yaml.safe_load(raw) if raw.strip() else raw
+            overrides[key] = value
+            labels[key] = f"command-line flag --{attr.replace('_', '-')}"
+    return overrides, labels
 
 
 def _add_common(parser: argparse.ArgumentParser, default_url: str, default_cluster: str) -> None:
@@ -37,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     config = load_config()
     url, cluster = config.redis.url, config.cluster.name
     parser = argparse.ArgumentParser(prog="redisdask", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"redisdask {importlib.metadata.version('redisdask')}",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("scheduler", help="run the scheduler (one holds the lease; others stand by)")
@@ -46,37 +108,46 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="wait for the lease of a running scheduler to expire, then take over",
     )
-    p.add_argument("--lease-ttl", type=float, default=config.scheduler.lease_ttl)
+    p.add_argument(
+        "--lease-ttl",
+        help="seconds a dead scheduler's lease lasts before a standby takes over "
+        f"(config scheduler.lease-ttl: {config.scheduler.lease_ttl})",
+    )
     p.add_argument(
         "--allowed-failures",
-        type=int,
-        default=config.scheduler.allowed_failures,
-        help="deaths of workers running a task before it errs with KilledWorker",
+        help="deaths of workers running a task before it errs with KilledWorker "
+        f"(config scheduler.allowed-failures: {config.scheduler.allowed_failures})",
     )
 
     p = sub.add_parser("worker", help="run a worker")
     _add_common(p, url, cluster)
-    p.add_argument("--nthreads", type=int, default=config.worker.nthreads or os.cpu_count() or 1)
+    p.add_argument(
+        "--nthreads",
+        help="threads per worker process "
+        f"(config worker.nthreads: {config.worker.nthreads or 'one per core'})",
+    )
     p.add_argument("--name", default=None, help="a name for logs and the monitor")
     p.add_argument("--host", default="127.0.0.1", help="interface to serve data on")
-    p.add_argument("--port", type=int, default=0)
+    p.add_argument(
+        "--port", type=_int_at_least(0, 65535), default=0, help="0: any free port (default)"
+    )
     p.add_argument(
         "--nworkers",
         "--nprocs",
-        type=int,
+        type=_int_at_least(1),
         default=1,
         help="worker processes to start, each under a nanny of its own (default: 1)",
     )
     p.add_argument(
         "--memory-limit",
-        default=config.worker.memory_limit,
-        help="bytes per worker process: 'auto' (total x min(1, nthreads / cores)), "
-        "4e9, '4GB', '4GiB', or 0 for none (default: %(default)s)",
+        help="bytes per worker process: 'auto' (total x min(1, nthreads / cores)), a "
+        "fraction of the total (0.5), 4e9, '4GB', '4GiB', or 0 for none "
+        f"(config worker.memory-limit: {config.worker.memory_limit})",
     )
     p.add_argument(
         "--local-directory",
-        default=config.worker.local_directory,
-        help="where spilled data and the nanny's worker logs go (default: the temp dir)",
+        help="where spilled data and the nanny's worker logs go "
+        f"(config worker.local-directory: {config.worker.local_directory or 'the temp dir'})",
     )
     p.add_argument(
         "--no-nanny",
@@ -101,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("monitor", help="a live dashboard of a cluster (read-only; q quits)")
     _add_common(p, url, cluster)
-    p.add_argument("--interval", type=float, default=0.5, help="seconds between frames")
+    p.add_argument("--interval", type=_positive_seconds, default=0.5, help="seconds between frames")
 
     p = sub.add_parser("inspect", help="read-only answers from Redis about a cluster")
     what = p.add_subparsers(dest="what", required=True)
@@ -124,14 +195,16 @@ def build_parser() -> argparse.ArgumentParser:
     q = what.add_parser("events", help="the cluster event log (--follow: tail -f)")
     _add_common(q, url, cluster)
     q.add_argument("--follow", "-f", action="store_true", help="print new events as they come")
-    q.add_argument("-n", "--count", type=int, default=50, help="how many recent events")
+    q.add_argument(
+        "-n", "--count", type=_int_at_least(0), default=50, help="how many recent events"
+    )
     q.add_argument("--json", action="store_true", help="JSON (one object per line with -f)")
 
     p = sub.add_parser("demo", help="run a small computation on a local cluster")
     p.add_argument(
         "redis_url", nargs="?", default=None, help="Redis URL (default: start an embedded Redis)"
     )
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=_int_at_least(1), default=2)
     p.add_argument(
         "--dask", action="store_true", help="only the dask.array and dask.dataframe part"
     )
@@ -143,16 +216,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _worker(args: argparse.Namespace, config: Config) -> int:
     """``redisdask worker``: nannies, each supervising a worker process, or a bare worker."""
+    nthreads = config.worker.nthreads or os.cpu_count() or 1
+    local_directory = config.worker.local_directory
+    memory_limit = memory.memory_limit(config.worker.memory_limit or None, nthreads)
     try:
-        memory_limit = memory.memory_limit(
-            0 if args.memory_limit in ("0", 0, None) else args.memory_limit, args.nthreads
-        )
         lifetime = parse_duration(args.lifetime) if args.lifetime is not None else None
         stagger = parse_duration(args.lifetime_stagger)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if args.nworkers < 1:
-        raise ConfigError(f"--nworkers must be at least 1, got {args.nworkers}")
+    if lifetime is not None and not lifetime > 0:
+        raise ConfigError(f"--lifetime must be more than 0 seconds, got {args.lifetime!r}")
     if args.no_nanny:
         if args.nworkers > 1:
             raise ConfigError("--nworkers > 1 needs nannies: drop --no-nanny")
@@ -162,13 +235,13 @@ def _worker(args: argparse.Namespace, config: Config) -> int:
         if lifetime is not None:
             lifetime = max(1.0, lifetime + random.uniform(-stagger, stagger))
         options = options_from_config(config)
-        if args.local_directory:
-            options["local_directory"] = args.local_directory
+        if local_directory:
+            options["local_directory"] = local_directory
         worker_main(
             args.redis_url,
             args.cluster,
             **options,
-            nthreads=args.nthreads,
+            nthreads=nthreads,
             name=args.name,
             host=args.host,
             port=args.port,
@@ -182,7 +255,7 @@ def _worker(args: argparse.Namespace, config: Config) -> int:
     # a wrong URL or a Redis that is down is the same for every restart: say so once
     connect(args.redis_url, timeout=config.redis.connect_timeout).close()
 
-    worker_args = ["--nthreads", str(args.nthreads), "--host", args.host]
+    worker_args = ["--nthreads", str(nthreads), "--host", args.host]
     if args.port and args.nworkers == 1:
         worker_args += ["--port", str(args.port)]
     nannies = [
@@ -198,7 +271,7 @@ def _worker(args: argparse.Namespace, config: Config) -> int:
             heartbeat_interval=config.worker.heartbeat_interval,
             worker_ttl=config.scheduler.worker_ttl,
             hang_timeout=config.worker.hang_timeout,
-            local_directory=args.local_directory,
+            local_directory=local_directory,
             lifetime=lifetime,
             lifetime_stagger=stagger,
             lifetime_restart=args.lifetime_restart,
@@ -291,7 +364,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"redisdask: configuration error: {exc}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
-    config = load_config()
+    try:
+        overrides, labels = _flag_overrides(args)
+        config = load_config(overrides, labels=labels)
+    except ConfigError as exc:
+        print(f"redisdask {args.command}: {exc}", file=sys.stderr)
+        return 2
     try:
         if args.command == "scheduler":
             logs.setup(config.logging.level, "scheduler")
@@ -301,9 +379,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.redis_url,
                 args.cluster,
                 standby=args.standby,
-                lease_ttl=args.lease_ttl,
+                lease_ttl=config.scheduler.lease_ttl,
                 batch_size=config.scheduler.batch_size,
-                allowed_failures=args.allowed_failures,
+                allowed_failures=config.scheduler.allowed_failures,
                 worker_ttl=config.scheduler.worker_ttl,
                 client_ttl=config.scheduler.client_ttl,
                 connect_timeout=config.redis.connect_timeout,

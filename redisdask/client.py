@@ -32,6 +32,7 @@ import redis
 
 from redisdask import comm, schema
 from redisdask import spec as specs
+from redisdask.backoff import Backoff
 from redisdask.config import load_config, parse_duration
 from redisdask.connection import connect, redact
 from redisdask.errors import (
@@ -39,10 +40,32 @@ from redisdask.errors import (
     DataUnavailableError,
     FutureCancelledError,
     KilledWorker,
+    ProtocolError,
     RedisDaskError,
     TaskInterrupted,
 )
 from redisdask.memory import format_bytes
+from redisdask.protocol import (
+    SCHEDULER_TO_CLIENT,
+    CancelKeys,
+    CancelledKeys,
+    ClientDesiresKeys,
+    ClientReleasesKeys,
+    CloseClient,
+    Closing,
+    Event,
+    KeyErred,
+    KeyInMemory,
+    Replicate,
+    Restart,
+    Restarted,
+    RetireRefused,
+    RetireWorkers,
+    UpdateData,
+    UpdateGraph,
+    dicts,
+    parse,
+)
 from redisdask.schema import Keys
 from redisdask.task_record import TaskRecord
 from redisdask.versions import VersionMismatchError, mismatches, table, versions
@@ -98,8 +121,8 @@ class _FutureState:
             except Exception:
                 logger.exception("a future's done callback raised")
 
-    def finish(self, who_has: list[str], type_name: str) -> None:
-        self.who_has, self.type = who_has, type_name
+    def finish(self, who_has: list[str], type: str) -> None:
+        self.who_has, self.type = who_has, type
         self.finishes += 1
         self._set("finished")
 
@@ -235,7 +258,10 @@ class Client:
         self.keys = Keys(cluster_name or self.config.cluster.name)
         self.timeout = timeout if timeout is not None else self.config.redis.connect_timeout
         self.id = f"client-{uuid.uuid4().hex[:12]}"
-        self.redis = connect(self.redis_url, timeout=self.timeout, name=f"rd-client-{self.id}")
+        # its connection failures are ClusterConnectionError (redisdask.connection)
+        self.redis = connect(
+            self.redis_url, timeout=self.timeout, name=f"rd-client-{self.id}", cluster_errors=True
+        )
         self.secret = schema.ensure_cluster(self.redis, self.keys)
         self.status = "running"
         self.asynchronous = False  # dask asks before using a client as its scheduler
@@ -419,10 +445,7 @@ class Client:
         chunks = _chunks(tasks, self.config.client.submit_batch, SUBMIT_BATCH_BYTES)
         submitted = [t["key"] for t in tasks]
         if len(chunks) == 1:
-            self._send(
-                [{"op": "update-graph", "client": self.id, "tasks": tasks, "wanted": wanted}],
-                resubmitted=submitted,
-            )
+            self._send([UpdateGraph(self.id, tasks, wanted)], resubmitted=submitted)
             return
         # A graph sent in several entries: a chunk's tasks that later chunks depend on are
         # wanted until the whole graph is in (else the scheduler would forget them as
@@ -436,21 +459,19 @@ class Client:
             )
             later_deps.update(d for t in chunk for d in t["deps"])
         bridges.reverse()
-        entries = []
+        entries: list[list[Event]] = []
         outside = set(wanted) - set(submitted)  # futures the graph depends on, held already
         for chunk, bridge in zip(chunks, bridges, strict=True):
             keys = {t["key"] for t in chunk} | outside
             outside = set()
             want = [k for k in wanted if k in keys] + bridge
-            entries.append(
-                [{"op": "update-graph", "client": self.id, "tasks": chunk, "wanted": want}]
-            )
+            entries.append([UpdateGraph(self.id, chunk, want)])
         bridge_keys = [k for bridge in bridges for k in bridge]
         if bridge_keys:
-            entries.append([{"op": "client-releases-keys", "client": self.id, "keys": bridge_keys}])
+            entries.append([ClientReleasesKeys(self.id, bridge_keys)])
         self._send(*entries, resubmitted=submitted)
 
-    def _send(self, *entries: list[dict[str, Any]], resubmitted: Iterable[str] = ()) -> None:
+    def _send(self, *batches: list[Event], resubmitted: Iterable[str] = ()) -> None:
         """XADD entries to the clients stream in one pipeline, pending releases first.
 
         One lock orders every send of this client: a release popped by the heartbeat thread
@@ -458,8 +479,9 @@ class Client:
         with self._send_lock:
             releases = self._release_messages(resubmitted)
             if releases:
-                entries = (releases, *entries)
-            delay = 0.05
+                batches = (releases, *batches)
+            entries = tuple(dicts(batch) for batch in batches)
+            backoff = Backoff(base=0.05, cap=1.0)
             refused = 0  # failures while Redis itself answers: the write is the problem
             while True:
                 try:
@@ -475,7 +497,7 @@ class Client:
                         f"{format_bytes(_entries_size(entries))} to the clients stream: {exc}; "
                         "send large data with client.scatter"
                     ) from exc
-                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                except ClusterConnectionError as exc:
                     if self._redis_answers():
                         refused += 1
                         if refused >= SEND_ATTEMPTS:
@@ -491,13 +513,12 @@ class Client:
                     else:
                         self._redis_lost(exc)
                         self._check_redis()
-                    time.sleep(delay)  # backoff while Redis is away
-                    delay = min(delay * 2, 1.0)
+                    time.sleep(backoff.next())  # backoff while Redis is away
 
     def _redis_answers(self) -> bool:
         try:
             self.redis.ping()
-        except (redis.ConnectionError, redis.TimeoutError):
+        except ClusterConnectionError:
             return False
         return True
 
@@ -529,7 +550,7 @@ class Client:
                 self.redis.ping()  # back meanwhile? (the event thread may not know yet)
                 self._redis_back()
                 return
-            except (redis.ConnectionError, redis.TimeoutError):
+            except ClusterConnectionError:
                 pass
             raise ClusterConnectionError(
                 f"Redis at {redact(self.redis_url)} has been unreachable for more than "
@@ -823,7 +844,7 @@ class Client:
         # a holder that just died is still named by the scheduler until it notices (well
         # under a second; scheduler.worker-ttl at worst): wait that long, then give up
         patience = time.monotonic() + self.config.scheduler.worker_ttl + 2.0
-        delay = 0.02
+        backoff = Backoff(base=0.02, cap=0.5)
         while remaining:
             by_worker: dict[str, list[str]] = defaultdict(list)
             unknown = []
@@ -848,8 +869,7 @@ class Client:
                         same_holders = True
                     tried[key].clear()
                 if same_holders:
-                    time.sleep(delay)  # the same dead holders: let the scheduler notice
-                    delay = min(delay * 2, 0.5)
+                    time.sleep(backoff.next())  # the same dead holders: let the scheduler notice
                 continue
             for address, wkeys in _batches(by_worker, comm.MAX_KEYS_PER_MESSAGE):
                 try:
@@ -920,7 +940,7 @@ class Client:
             )
         dep_futures = [Future(k, self) for k in dep_keys]  # hold them while we need them
         if dep_keys:
-            self._send([{"op": "client-desires-keys", "client": self.id, "keys": dep_keys}])
+            self._send([ClientDesiresKeys(self.id, dep_keys)])
         values = self._results(dep_futures, None)
         specs.run_spec(record.spec, values, specs.FunctionCache())
 
@@ -939,7 +959,7 @@ class Client:
             for state in list(self._states.values()):
                 state.cancel()
             self._pending_release.clear()
-        self._send([{"op": "restart", "client": self.id}])
+        self._send([Restart(self.id)])
         if not self._restarted.wait(timeout):
             raise FuturesTimeoutError(
                 f"the scheduler did not restart the cluster within "
@@ -969,7 +989,7 @@ class Client:
         flat = [f for f in _flatten(futures) if isinstance(f, Future)]
         self._results(flat, timeout)  # in memory first
         keys = [f._key for f in flat]
-        self._send([{"op": "replicate", "client": self.id, "keys": keys, "n": int(n)}])
+        self._send([Replicate(self.id, keys, int(n))])
         want = min(n, len(self.scheduler_info()["workers"]))
         deadline = None if timeout is None else time.monotonic() + timeout
         while not all(len(holders) >= want for holders in self.who_has(flat).values()):
@@ -1014,7 +1034,7 @@ class Client:
         with self._lock:
             for address in addresses:
                 self._retire_refused.pop(address, None)
-        self._send([{"op": "retire-workers", "client": self.id, "workers": addresses}])
+        self._send([RetireWorkers(self.id, addresses)])
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             present = set(self.redis.hkeys(self.keys.workers))
@@ -1111,13 +1131,7 @@ class Client:
         with self._lock:
             for key in keyed:
                 self._state_for(key).finish(who_has[key], types[key])
-        msg = {
-            "op": "update-data",
-            "client": self.id,
-            "who_has": dict(who_has),
-            "nbytes": nbytes,
-            "types": types,
-        }
+        msg = UpdateData(self.id, dict(who_has), nbytes, types)
         futures = {k: Future(k, self) for k in keyed}
         self._send([msg])
         if isinstance(data, dict):
@@ -1136,9 +1150,7 @@ class Client:
             generation = self._generation
         # the scheduler answers with every key it cancelled (dependents too), echoing the
         # generation so that keys submitted again since are not cancelled by the answer
-        self._send(
-            [{"op": "cancel-keys", "client": self.id, "keys": keys, "generation": generation}]
-        )
+        self._send([CancelKeys(self.id, keys, generation)])
 
     # ------------------------------------------------------------------ information
 
@@ -1213,7 +1225,7 @@ class Client:
                 self._states.pop(key, None)
                 self._pending_release[key] = None
 
-    def _release_messages(self, resubmitted: Iterable[str] = ()) -> list[dict[str, Any]]:
+    def _release_messages(self, resubmitted: Iterable[str] = ()) -> list[Event]:
         """The release of every key whose last future went.  A key that has futures
         again is released only if it is being submitted again now, in the same pipeline
         after the release: the scheduler then forgets the old run before it reads the new
@@ -1226,7 +1238,7 @@ class Client:
                 del self._pending_release[key]
         if not keys:
             return []
-        return [{"op": "client-releases-keys", "client": self.id, "keys": keys}]
+        return [ClientReleasesKeys(self.id, keys)]
 
     # ------------------------------------------------------------------ background thread
 
@@ -1269,7 +1281,8 @@ class Client:
                     if self._pending_release:
                         self._send()
                 self._redis_back()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # (its own reads raise redis-py's errors, the heartbeat and sends ours)
+            except (redis.ConnectionError, redis.TimeoutError, ClusterConnectionError) as exc:
                 if self._stop.is_set():
                     return
                 self._redis_lost(exc)
@@ -1280,29 +1293,33 @@ class Client:
                 logger.exception("client %s: error handling scheduler messages", self.id)
 
     def _handle_entry(self, fields: dict[bytes, bytes]) -> None:
-        for msg in schema.unpack(fields[b"m"]):
-            op = msg.get("op")
+        for raw in schema.unpack(fields[b"m"]):
+            try:
+                msg = parse(raw, SCHEDULER_TO_CLIENT)
+            except ProtocolError as exc:
+                logger.warning("client %s: ignoring a scheduler message: %s", self.id, exc)
+                continue
             with self._lock:
-                if op == "key-in-memory":
-                    state = self._states.get(msg["key"])
+                if isinstance(msg, KeyInMemory):
+                    state = self._states.get(msg.key)
                     if state is not None:
-                        state.finish(msg["who_has"], msg.get("type", ""))
-                elif op == "task-erred":
-                    state = self._states.get(msg["key"])
+                        state.finish(msg.who_has, msg.type)
+                elif isinstance(msg, KeyErred):
+                    state = self._states.get(msg.key)
                     if state is not None:
                         exc, tb = _load_error(msg)
                         state.set_error(exc, tb)
-                elif op == "retire-refused":
-                    for address in msg["workers"]:
-                        self._retire_refused[address] = str(msg.get("reason", ""))
-                elif op == "restarted":
+                elif isinstance(msg, RetireRefused):
+                    for address in msg.workers:
+                        self._retire_refused[address] = msg.reason
+                elif isinstance(msg, Restarted):
                     for state in list(self._states.values()):
                         state.cancel("the cluster was restarted")
                     self._restarted.set()
-                elif op == "cancelled-keys":
-                    for key in msg["keys"]:
+                elif isinstance(msg, CancelledKeys):
+                    for key in msg.keys:
                         state = self._states.get(key)
-                        if state is not None and state.generation <= msg.get("generation", 0):
+                        if state is not None and state.generation <= msg.generation:
                             state.cancel()
 
     # ------------------------------------------------------------------ lifecycle
@@ -1323,13 +1340,11 @@ class Client:
             pipe = self.redis.pipeline(transaction=True)
             # wake our event thread from its blocking read, then say goodbye (the scheduler
             # deletes the events stream when it handles close-client, after this entry)
-            pipe.xadd(self.keys.client_events(self.id), schema.entry([{"op": "closing"}]))
-            pipe.xadd(
-                self.keys.client_stream, schema.entry([{"op": "close-client", "client": self.id}])
-            )
+            pipe.xadd(self.keys.client_events(self.id), schema.entry([Closing().to_dict()]))
+            pipe.xadd(self.keys.client_stream, schema.entry([CloseClient(self.id).to_dict()]))
             pipe.delete(self.keys.client_alive(self.id))
             pipe.execute()
-        except redis.RedisError as exc:
+        except (redis.RedisError, ClusterConnectionError) as exc:
             logger.warning("client %s could not say goodbye to Redis: %s", self.id, exc)
         self._thread.join(timeout=5)
         self._peers.close()
@@ -1438,36 +1453,36 @@ def _seconds(timeout: float | str | None) -> float | None:
     return None if timeout is None else parse_duration(timeout)
 
 
-def _load_error(msg: dict[str, Any]) -> tuple[BaseException, Any]:
+def _load_error(msg: KeyErred) -> tuple[BaseException, Any]:
     """Rebuild the original exception and traceback a worker pickled."""
     exc: BaseException
     try:
-        exc = cloudpickle.loads(msg["exception"]) if msg.get("exception") else None  # type: ignore[assignment]
+        exc = cloudpickle.loads(msg.exception) if msg.exception else None  # type: ignore[assignment]
     except Exception as err:
         exc = RedisDaskError(
             f"the task raised an exception that could not be unpickled here: {err}; "
-            f"it was: {msg.get('exception_text')}"
+            f"it was: {msg.exception_text}"
         )
     if exc is not None and not isinstance(exc, Exception):
         exc = TaskInterrupted(
             f"the task raised {exc!r}, which is no Exception (it would end this program if "
             "raised here)"
         )
-    if exc is None and msg.get("killed"):
-        evidence = schema.unpack(msg["killed"])
-        exc = KilledWorker(evidence["task"], evidence["deaths"], msg.get("exception_text", ""))
-    if exc is None and msg.get("rejected"):
+    if exc is None and msg.killed:
+        evidence = schema.unpack(msg.killed)
+        exc = KilledWorker(evidence["task"], evidence["deaths"], msg.exception_text)
+    if exc is None and msg.rejected:
         from redisdask.errors import SchedulerRejectedError
 
-        exc = SchedulerRejectedError(msg.get("exception_text") or "the scheduler refused it")
+        exc = SchedulerRejectedError(msg.exception_text or "the scheduler refused it")
     if exc is None:
-        exc = DataUnavailableError(msg.get("exception_text") or "task erred")
+        exc = DataUnavailableError(msg.exception_text or "task erred")
     tb = None
-    if msg.get("traceback"):
+    if msg.traceback:
         try:
             from tblib import Traceback
 
-            tb = Traceback.from_dict(cloudpickle.loads(msg["traceback"])).as_traceback()
+            tb = Traceback.from_dict(cloudpickle.loads(msg.traceback)).as_traceback()
         except Exception:
             tb = None
     return exc, tb

@@ -19,6 +19,7 @@ from redisdask.config import load_config
 from redisdask.connection import connect, redact
 from redisdask.embedded import EmbeddedRedis
 from redisdask.errors import RedisDaskError
+from redisdask.protocol import CloseWorker
 from redisdask.schema import Keys
 
 logger = logging.getLogger("redisdask.cluster")
@@ -196,7 +197,7 @@ class LocalCluster:
         try:
             addresses = self.redis.hkeys(self.keys.workers)
             pipe = self.redis.pipeline(transaction=False)
-            message = schema.entry([{"op": "close", "reason": "the cluster is closing"}])
+            message = schema.entry([CloseWorker("the cluster is closing").to_dict()])
             for address in addresses:
                 pipe.xadd(self.keys.worker_inbox(address.decode()), message)
             pipe.execute()

@@ -18,6 +18,7 @@ Keys are normalised to dashes everywhere, so ``allowed_failures`` and
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -32,9 +33,11 @@ from pydantic import (
     Field,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from redisdask import memory
+from redisdask.errors import ConfigError  # defined there, in the tree; importable here too
 
 __all__ = ["Config", "ConfigError", "config_path", "load_config"]
 
@@ -44,14 +47,6 @@ DEFAULT_PATH = Path("~/.config/redisdask/redisdask.yaml")
 DEFAULT_SOURCE = "defaults"
 
 Key = tuple[str, ...]
-
-
-class ConfigError(ValueError):
-    """An invalid setting; the message names the dotted key, the value and its source."""
-
-    def __init__(self, message: str, key: str = "", value: Any = None, source: str = "") -> None:
-        super().__init__(message)
-        self.key, self.value, self.source = key, value, source
 
 
 # --------------------------------------------------------------------------- value types
@@ -111,6 +106,7 @@ class Section(BaseModel):
         populate_by_name=True,
         validate_assignment=True,
         validate_default=True,
+        allow_inf_nan=False,  # `.inf` seconds or `nan` bytes are typos, not settings
     )
 
 
@@ -143,6 +139,20 @@ class WorkerMemoryConfig(Section):
     terminate: Fraction = 0.95
     monitor_interval: Seconds = 0.2
 
+    @model_validator(mode="after")
+    def _check_order(self) -> WorkerMemoryConfig:
+        """The marks a worker passes as its memory grows come in this order: spilling
+        before pausing before the nanny's kill; a mark out of order never acts."""
+        marks = [(name, getattr(self, name)) for name in ("target", "spill", "pause", "terminate")]
+        set_marks = [(name, value) for name, value in marks if value is not False]
+        for (low, low_value), (high, high_value) in itertools.pairwise(set_marks):
+            if low_value > high_value:
+                raise ValueError(
+                    f"{high} ({high_value}) is below {low} ({low_value}): the marks must rise "
+                    "target <= spill <= pause <= terminate (or be false)"
+                )
+        return self
+
 
 class WorkerConfig(Section):
     nthreads: Annotated[int, Field(gt=0)] | None = None  # None: one per CPU
@@ -159,13 +169,15 @@ class WorkerConfig(Section):
     @classmethod
     def _check_memory_limit(cls, value: int | float | str | None) -> int | float | str | None:
         """Dask's forms: "auto", bytes, a "4GiB"-style string, a fraction, or None/0."""
-        if isinstance(value, bool) or (isinstance(value, int | float) and value < 0):
+        if isinstance(value, bool):
             raise ValueError("must be 'auto', a byte count, a size like '4GiB', or a fraction")
-        if isinstance(value, str) and value != "auto":
+        if value is not None and value != "auto":
             try:
                 memory.memory_limit(value, 1)
             except ValueError as exc:
-                raise ValueError(f"must be 'auto', a byte count, or a size: {exc}") from None
+                raise ValueError(
+                    f"must be 'auto', a byte count, a size or a fraction: {exc}"
+                ) from None
         return value
 
 
@@ -200,6 +212,24 @@ class Config(Section):
     client: ClientConfig = Field(default_factory=ClientConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
+
+    @model_validator(mode="after")
+    def _check_heartbeats(self) -> Config:
+        """A worker that beats more slowly than the scheduler waits for is declared dead
+        between two beats: refuse that at start instead of losing workers at run time."""
+        beat, ttl = self.worker.heartbeat_interval, self.scheduler.worker_ttl
+        if beat >= ttl:
+            raise ValueError(
+                f"worker.heartbeat-interval ({beat}s) must be shorter than "
+                f"scheduler.worker-ttl ({ttl}s), or every worker is declared dead between beats"
+            )
+        beat, ttl = self.client.heartbeat_interval, self.scheduler.client_ttl
+        if beat >= ttl:
+            raise ValueError(
+                f"client.heartbeat-interval ({beat}s) must be shorter than "
+                f"scheduler.client-ttl ({ttl}s), or every client is declared gone between beats"
+            )
+        return self
 
     def get(self, key: str, default: Any = ...) -> Any:
         """``config.get("worker.memory.target")``; sections come back as models."""
@@ -310,7 +340,11 @@ def _env_items(environ: Mapping[str, str]) -> Iterable[tuple[Key, Any, str]]:
         yield key, value, source
 
 
-def _collect(overrides: Mapping[str, Any] | None, environ: Mapping[str, str]) -> _Layers:
+def _collect(
+    overrides: Mapping[str, Any] | None,
+    environ: Mapping[str, str],
+    labels: Mapping[str, str] | None = None,
+) -> _Layers:
     layers = _Layers()
     path = config_path()
     if path is not None:
@@ -319,7 +353,8 @@ def _collect(overrides: Mapping[str, Any] | None, environ: Mapping[str, str]) ->
     for key, value, source in _env_items(environ):
         layers.set(key, value, source)
     for key, value in _flatten(overrides or {}):
-        layers.set(key, value, f"keyword override {'.'.join(key)!r}")
+        dotted = ".".join(key)
+        layers.set(key, value, (labels or {}).get(dotted) or f"keyword override {dotted!r}")
     return layers
 
 
@@ -347,28 +382,57 @@ def _lookup(tree: Mapping[str, Any], key: Key) -> Any:
 
 def _config_error(exc: ValidationError, layers: _Layers) -> ConfigError:
     problems: dict[Key, list[str]] = {}
+    across: list[tuple[Key, str]] = []  # a section's own check, over several of its keys
     for err in exc.errors():
+        if err["type"] == "value_error" and not _is_leaf(err["loc"]):
+            section = tuple(_dash(str(part)) for part in err["loc"])
+            across.append((section, err["msg"].removeprefix("Value error, ")))
+            continue
         key = _error_key(err["loc"], layers.tree)
         if err["type"] == "extra_forbidden":
             problems.setdefault(key, []).insert(0, "unknown key")
         else:
-            problems.setdefault(key, []).append(err["msg"])
-    lines, first = [], None
+            problems.setdefault(key, []).append(err["msg"].removeprefix("Value error, "))
+    lines: list[str] = []
+    first: tuple[str, Any, str] | None = None
     for key, messages in problems.items():
         dotted, source = ".".join(key), layers.source_of(key)
         value = _lookup(layers.tree, key)
         reasons = "; or ".join(dict.fromkeys(messages))
         lines.append(f"invalid config {dotted} = {value!r} (from {source}): {reasons}")
         first = first or (dotted, value, source)
+    for section, message in across:
+        dotted, source = ".".join(section) or "settings", layers.source_of(section)
+        lines.append(f"invalid config {dotted} (from {source}): {message}")
+        first = first or (dotted, None, source)
     assert first is not None
     return ConfigError("\n".join(lines), *first)
 
 
+def _is_leaf(loc: tuple[int | str, ...]) -> bool:
+    """Whether a pydantic error location names a setting (not a section of them)."""
+    node: Any = Config
+    for part in loc:
+        fields = getattr(node, "model_fields", None)
+        if fields is None or part not in fields:
+            return True  # past the models: a union member's tag, or a value
+        node = fields[part].annotation
+        if not (isinstance(node, type) and issubclass(node, BaseModel)):
+            return True
+    return False
+
+
 def load_config(
-    overrides: Mapping[str, Any] | None = None, *, environ: Mapping[str, str] | None = None
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    labels: Mapping[str, str] | None = None,
 ) -> Config:
-    """Build the effective :class:`Config`: defaults <- file <- env <- ``overrides``."""
-    layers = _collect(overrides, os.environ if environ is None else environ)
+    """Build the effective :class:`Config`: defaults <- file <- env <- ``overrides``.
+
+    ``labels`` names the source of an override in error messages, by dotted key (the CLI
+    passes ``{"scheduler.lease-ttl": "command-line flag --lease-ttl"}``)."""
+    layers = _collect(overrides, os.environ if environ is None else environ, labels)
     try:
         return Config.model_validate(layers.tree)
     except ValidationError as exc:

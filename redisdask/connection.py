@@ -1,12 +1,22 @@
-"""Opening Redis connections with errors that say what to do, and URLs safe to log."""
+"""Opening Redis connections with errors that say what to do, and URLs safe to log.
+
+``connect(url, cluster_errors=True)`` (the client's connections) gives a ``ClusterRedis``:
+every command and every pipeline on it turns redis-py's ``ConnectionError`` and
+``TimeoutError`` into ``ClusterConnectionError`` at one boundary
+(``cluster_connection_errors``), so no raw ``redis`` error reaches the user.  The
+scheduler, workers and nannies keep redis-py's errors: their reconnection loops catch them.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import urllib.parse
+from collections.abc import Iterator
 from typing import Any
 
 import redis
 import redis.asyncio
+import redis.client
 
 from redisdask.errors import ClusterConnectionError
 
@@ -30,16 +40,65 @@ def _options(timeout: float, name: str | None) -> dict[str, Any]:
     }
 
 
-def connect(url: str, *, timeout: float = 5.0, name: str | None = None) -> redis.Redis:
-    """A Redis client for ``url``, checked with PING; ``ClusterConnectionError`` if not."""
+@contextlib.contextmanager
+def cluster_connection_errors(url: str) -> Iterator[None]:
+    """Raise redis-py's connection errors and timeouts as ``ClusterConnectionError``,
+    naming the (redacted) URL, the cause and the next step."""
     try:
-        client = redis.Redis.from_url(url, **_options(timeout, name))
+        yield
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise ClusterConnectionError(
+            f"lost the connection to Redis at {redact(url)} ({type(exc).__name__}: {exc}). "
+            "Is redis-server still running there and reachable? Try again once it answers: "
+            "the client keeps its futures meanwhile"
+        ) from exc
+
+
+class ClusterRedis(redis.Redis):
+    """A redis-py client whose commands and pipelines raise ``ClusterConnectionError``
+    instead of redis-py's connection errors and timeouts (``connect(cluster_errors=True)``)."""
+
+    url = ""  # for the error messages; set by connect()
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        with cluster_connection_errors(self.url):
+            return super().execute_command(*args, **options)
+
+    def pipeline(self, transaction: bool = True, shard_hint: str | None = None) -> Any:
+        pipe = _ClusterPipeline(
+            self.connection_pool, self.response_callbacks, transaction, shard_hint
+        )
+        pipe.url = self.url
+        return pipe
+
+
+class _ClusterPipeline(redis.client.Pipeline):
+    url = ""
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        with cluster_connection_errors(self.url):
+            return super().execute(raise_on_error)
+
+
+def connect(
+    url: str, *, timeout: float = 5.0, name: str | None = None, cluster_errors: bool = False
+) -> redis.Redis:
+    """A Redis client for ``url``, checked with PING; ``ClusterConnectionError`` if not.
+    ``cluster_errors``: a ``ClusterRedis``, whose later connection failures are
+    ``ClusterConnectionError`` too."""
+    try:
+        client = (ClusterRedis if cluster_errors else redis.Redis).from_url(
+            url, **_options(timeout, name)
+        )
     except ValueError as exc:
         raise ClusterConnectionError(
             f"invalid Redis URL {redact(url)!r}: {exc}; expected redis://host:port/db"
         ) from exc
+    if isinstance(client, ClusterRedis):
+        client.url = url
     try:
-        client.ping()
+        # through the shared pool but without the boundary: each failure says its own why
+        redis.Redis(connection_pool=client.connection_pool).ping()
     except redis.AuthenticationError as exc:  # a subclass of ConnectionError: first
         client.close()
         raise ClusterConnectionError(

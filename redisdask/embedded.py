@@ -34,6 +34,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from redisdask.errors import EmbeddedRedisError, RedisServerNotFound  # importable here too
+
 __all__ = [
     "EmbeddedRedis",
     "EmbeddedRedisError",
@@ -47,14 +49,6 @@ LOG_NAME = "redis-server.log"
 _BIND_FAILURE = ("Address already in use", "Could not create server TCP listening socket")
 _PORT_ATTEMPTS = 5
 _POLL_INTERVAL = 0.02
-
-
-class RedisServerNotFound(FileNotFoundError):
-    """No usable ``redis-server`` binary could be located."""
-
-
-class EmbeddedRedisError(RuntimeError):
-    """The embedded ``redis-server`` failed to start or misbehaved."""
 
 
 def _is_executable(path: Path) -> bool:

@@ -1,7 +1,12 @@
 """The exceptions redisdask raises, in one tree (httpx style)::
 
     RedisDaskError
-    ├── ClusterConnectionError (also ConnectionError)  Redis cannot be reached
+    ├── ClusterConnectionError (also ConnectionError)  Redis cannot be reached; the
+    │                                                  client raises it for every lost
+    │                                                  connection or timeout (connection)
+    ├── ConfigError (also ValueError)                  an invalid setting (redisdask.config)
+    ├── RedisServerNotFound (also FileNotFoundError)   no redis-server binary to embed
+    ├── EmbeddedRedisError (also RuntimeError)         the embedded redis-server failed
     ├── SchemaError                                    the cluster in Redis is incompatible
     ├── FencedError                                    a scheduler lost its lease
     ├── ProtocolError                                  a malformed stream entry or frame
@@ -18,7 +23,16 @@
     │                                                  (a malformed submission, a cycle)
     ├── VersionMismatchError                           versions that cannot share pickles
     │                                                  (redisdask.versions)
-    └── KilledWorker                                   a task took too many workers down
+    ├── KilledWorker                                   a task took too many workers down
+    ├── InvalidTransition (also RuntimeError)          a bug: a state machine was asked for
+    │                                                  a move its table lacks; carries the
+    │                                                  key's story (redisdask.state_machine)
+    └── InvalidTaskState (also AssertionError)         a bug: the worker's state machine
+                                                       broke an invariant (validate=True)
+
+The classes defined elsewhere are importable from where the tree names them; those
+defined here stay importable from their old modules too (``redisdask.config.ConfigError``,
+``redisdask.embedded.EmbeddedRedisError``, ``redisdask.embedded.RedisServerNotFound``).
 
 ``TypeError`` is raised as-is for an unpicklable function or argument at ``submit``, and
 a task's own exception is re-raised as its original type by ``Future.result()``.
@@ -38,6 +52,22 @@ class RedisDaskError(Exception):
 
 class ClusterConnectionError(RedisDaskError, ConnectionError):
     """Redis could not be reached within the configured timeout."""
+
+
+class ConfigError(RedisDaskError, ValueError):
+    """An invalid setting; the message names the dotted key, the value and its source."""
+
+    def __init__(self, message: str, key: str = "", value: Any = None, source: str = "") -> None:
+        super().__init__(message)
+        self.key, self.value, self.source = key, value, source
+
+
+class RedisServerNotFound(RedisDaskError, FileNotFoundError):
+    """No usable ``redis-server`` binary could be located."""
+
+
+class EmbeddedRedisError(RedisDaskError, RuntimeError):
+    """The embedded ``redis-server`` failed to start or misbehaved."""
 
 
 class SchemaError(RedisDaskError):

@@ -25,6 +25,9 @@ _UNITS = {
 }  # fmt: skip
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e[+-]?\d+)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 CGROUP = Path("/sys/fs/cgroup")
+# the smallest byte count taken as a memory limit: a worker's interpreter alone needs ~30 MB,
+# and a limit of "2" is far likelier a mistaken fraction than two bytes
+MIN_MEMORY_LIMIT = 32 * 2**20
 
 
 def parse_bytes(value: str | int | float) -> int:
@@ -32,7 +35,9 @@ def parse_bytes(value: str | int | float) -> int:
     if isinstance(value, bool):
         raise ValueError(f"not a size: {value!r}")
     if isinstance(value, int | float):
-        if value < 0 or math.isnan(value):
+        if not math.isfinite(value):
+            raise ValueError(f"not a size: {value!r} (a size is a finite number of bytes)")
+        if value < 0:
             raise ValueError(f"a size cannot be negative: {value!r}")
         return int(value)
     match = _SIZE.match(value)
@@ -41,7 +46,10 @@ def parse_bytes(value: str | int | float) -> int:
         raise ValueError(
             f"not a size: {value!r} (write bytes like 4000000000, '4e9', '4GB' or '4GiB')"
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    size = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(size):
+        raise ValueError(f"not a size: {value!r} (a size is a finite number of bytes)")
+    return int(size)
 
 
 def format_bytes(n: float) -> str:
@@ -77,9 +85,16 @@ def memory_limit(value: str | int | float | None, nthreads: int) -> int:
         return int(total * min(1.0, nthreads / cpu_count()))
     if isinstance(value, str) and re.fullmatch(r"\s*(0?\.\d+|1(\.0*)?)\s*", value):
         value = float(value)
-    if isinstance(value, float) and 0 < value <= 1:  # a fraction, as in Dask
+    if isinstance(value, int | float) and 0 < value <= 1:  # a fraction (1: all), as in Dask
         return int(total * value)
-    return min(parse_bytes(value), total)
+    limit = parse_bytes(value)
+    if 0 < limit < MIN_MEMORY_LIMIT:
+        raise ValueError(
+            f"a memory limit of {value!r} would be {limit} bytes, too little for a worker "
+            f"(at least {format_bytes(MIN_MEMORY_LIMIT)}): write a fraction of this machine's "
+            "memory (0.5), or a size such as '2GB' or '2GiB'"
+        )
+    return min(limit, total)
 
 
 def cpu_count() -> float:

@@ -32,6 +32,7 @@ from typing import Any
 import redis
 
 from redisdask import schema
+from redisdask.backoff import Backoff
 from redisdask.config import RetentionConfig
 from redisdask.connection import connect, redact
 from redisdask.errors import FencedError, ProtocolError
@@ -175,10 +176,9 @@ class Scheduler:
             "lost Redis at %s (%s); reconnecting with backoff", redact(self.redis_url), exc
         )
         lost_at = time.monotonic()
-        delay = 0.05
+        backoff = Backoff(base=0.05, cap=2.0)
         while not self._stopping:
-            time.sleep(delay)  # backoff while Redis is away
-            delay = min(delay * 2, 2.0)
+            time.sleep(backoff.next())  # backoff while Redis is away
             try:
                 self.redis.ping()
             except (redis.ConnectionError, redis.TimeoutError):
@@ -262,7 +262,7 @@ class Scheduler:
                 client,
                 self.client_ttl,
             )
-        return [CloseClient(f"client-ttl-{client}", client=client) for client in gone]
+        return [CloseClient(client=client, stimulus_id=f"client-ttl-{client}") for client in gone]
 
     def _load(self) -> SchedulerState:
         return load_state(self.redis, self.keys, self.validate, self.allowed_failures)
@@ -460,11 +460,11 @@ class WorkerWatch:
             age = f"; last heartbeat {time.time() - last['time']:.1f} s ago" if last else ""
             events.append(
                 RemoveWorker(
-                    f"watch-{how}-{time.time():.6f}",
                     worker=address,
                     reason=reason + age,
                     how=how,
                     evidence={"last_heartbeat": last},
+                    stimulus_id=f"watch-{how}-{time.time():.6f}",
                 )
             )
             logger.warning("worker %s is dead (%s): %s%s", address, how, reason, age)

@@ -28,6 +28,7 @@ from redisdask import schema
 from redisdask.config import RetentionConfig
 from redisdask.errors import ProtocolError
 from redisdask.events import death_fields, event_command
+from redisdask.protocol import SCHEDULER_EVENTS, FreeKeys, parse
 from redisdask.scheduler_state import (
     HOLDS_DEPENDENCIES,
     AddWorker,
@@ -121,7 +122,7 @@ class _Batch:
         for worker, keys in self.unclaims.items():
             cmds.extend(_chunked(["SREM", k.worker_processing(worker)], keys))
         for worker, keys in self.free_keys.items():
-            self.worker_msgs[worker].append({"op": "free-keys", "keys": keys})
+            self.worker_msgs[worker].append(FreeKeys(keys).to_dict())
         for worker, msgs in self.worker_msgs.items():
             cmds.append(["XADD", k.worker_inbox(worker), "*", "m", schema.pack(msgs)])
         for client, msgs in self.client_msgs.items():
@@ -202,18 +203,18 @@ class Translator:
         b.fields(ins.key).update(TaskRecord.encode({"state": "processing", "worker": ins.worker}))
 
     def _client_msg(self, ins: ClientMsg, b: _Batch) -> None:
-        b.client_msgs[ins.client].append(ins.msg)
+        b.client_msgs[ins.client].append(ins.msg.to_dict())
 
     def _worker_msg(self, ins: WorkerMsg, b: _Batch) -> None:
-        if ins.msg.get("op") == "free-keys":
-            b.free_keys[ins.worker].extend(ins.msg["keys"])
+        if isinstance(ins.msg, FreeKeys):
+            b.free_keys[ins.worker].extend(ins.msg.keys)
             return
         # the worker reads its messages in the order they were made: free-keys made
         # before this one go before it (keys-recorded must follow them)
         merged = b.free_keys.pop(ins.worker, None)
         if merged:
-            b.worker_msgs[ins.worker].append({"op": "free-keys", "keys": merged})
-        b.worker_msgs[ins.worker].append(ins.msg)
+            b.worker_msgs[ins.worker].append(FreeKeys(merged).to_dict())
+        b.worker_msgs[ins.worker].append(ins.msg.to_dict())
 
     def _set_wants(self, ins: SetWants, b: _Batch) -> None:
         wants = self.keys.client_wants(ins.client)
@@ -328,7 +329,7 @@ def decode_entry(entry_id: bytes, fields: dict[bytes, bytes], stream: str = "") 
     if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
         raise ProtocolError(f"field 'm' should be a list of maps, got {type(msgs).__name__}")
     sid = f"{stream}:{entry_id.decode()}" if stream else entry_id.decode()
-    return [Event.from_dict(m, f"{sid}/{i}") for i, m in enumerate(msgs)]
+    return [parse(m, SCHEDULER_EVENTS, f"{sid}/{i}") for i, m in enumerate(msgs)]
 
 
 def rejected_graphs(
@@ -359,7 +360,10 @@ def rejected_graphs(
         if isinstance(client, str) and client and keys:
             rejected.append(
                 RejectedGraph(
-                    f"{sid}/{i}", client=client, keys=list(dict.fromkeys(keys)), reason=reason
+                    client=client,
+                    keys=list(dict.fromkeys(keys)),
+                    reason=reason,
+                    stimulus_id=f"{sid}/{i}",
                 )
             )
     return rejected
@@ -452,7 +456,9 @@ def load_state(
     seq = r.hget(keys.meta, "seq")
     state = SchedulerState(validate=validate, seq=int(seq or 0), allowed_failures=allowed_failures)
     for address, info in r.hgetall(keys.workers).items():
-        state.handle_stimulus(AddWorker("load", worker=address.decode(), info=schema.unpack(info)))
+        state.handle_stimulus(
+            AddWorker(worker=address.decode(), info=schema.unpack(info), stimulus_id="load")
+        )
     records = _read_records(r, keys)
     for key, record in records.items():
         if record.state:  # (a hash without a state is no record: nothing to rebuild)

@@ -32,6 +32,10 @@ Task states::
 
 Priorities: user ``priority=`` first (higher runs first), then submission order.  They
 become the score of the Redis ready set, which a worker pops smallest-first.
+
+Written in the idiom both state machines share (``redisdask.state_machine``): handlers
+chosen by event type (``_HANDLERS``), the legal moves in one table (``_TRANSITIONS``),
+``stimulus_id`` passed keyword-only, and a story of every state change.
 """
 
 from __future__ import annotations
@@ -39,16 +43,51 @@ from __future__ import annotations
 import logging
 import re
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from redisdask.errors import ProtocolError
+from redisdask.protocol import (
+    NO_SCORE,
+    AcquireReplicas,
+    AddKeys,
+    AddWorker,
+    CancelKeys,
+    CancelledKeys,
+    ClientDesiresKeys,
+    ClientEvent,
+    ClientReleasesKeys,
+    CloseClient,
+    CloseWorker,
+    Event,
+    FreeKeys,
+    Holding,
+    InboxMessage,
+    KeyErred,
+    KeyInMemory,
+    KeysRecorded,
+    MissingData,
+    ReleasedKeys,
+    RemoveWorker,
+    Replicate,
+    Restart,
+    Restarted,
+    RestartWorker,
+    RetireRefused,
+    RetireWorker,
+    RetireWorkers,
+    TaskClaimed,
+    TaskErred,
+    TaskFinished,
+    UpdateData,
+    UpdateGraph,
+    WhoHas,
+)
+from redisdask.state_machine import InvalidTransition
 
 logger = logging.getLogger(__name__)
 
 PRIORITY_SCALE = 2**40  # submission sequence numbers stay below this
-NO_SCORE = float("nan")  # a report that does not say which run it answers
 # states in which a task keeps its dependencies from being released
 HOLDS_DEPENDENCIES = ("waiting", "queued", "processing", "no-worker")
 
@@ -83,82 +122,6 @@ def address_host(address: str) -> str:
 def priority_score(user_priority: int, seq: int) -> float:
     """Ready-set score: smaller runs first; exact in a double for |priority| < 2**12."""
     return float(-user_priority * PRIORITY_SCALE + seq)
-
-
-# --------------------------------------------------------------------------- events
-
-
-@dataclass(slots=True)
-class Event:
-    """A stimulus.  ``op`` names it on the wire; ``stimulus_id`` identifies it in stories."""
-
-    op: ClassVar[str] = ""
-    stimulus_id: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"op": self.op, **asdict(self)}
-
-    @classmethod
-    def from_dict(cls, msg: dict[str, Any], stimulus_id: str | None = None) -> Event:
-        """Build an event from a decoded stream message, validating its fields."""
-        op = msg.get("op")
-        event_cls = EVENTS.get(op) if isinstance(op, str) else None
-        if event_cls is None:
-            raise ProtocolError(f"unknown op {msg.get('op')!r} in message {_preview(msg)}")
-        kwargs: dict[str, Any] = {}
-        for f in fields(event_cls):
-            if f.name == "stimulus_id":
-                kwargs[f.name] = stimulus_id or msg.get("stimulus_id") or "replay"
-            elif f.name in msg:
-                kwargs[f.name] = msg[f.name]
-        try:
-            event = event_cls(**kwargs)
-            event.validate()
-        except (TypeError, ValueError) as exc:
-            raise ProtocolError(
-                f"malformed {event_cls.op!r} message {_preview(msg)}: {exc}"
-            ) from exc
-        return event
-
-    def validate(self) -> None:
-        """Raise ValueError when a field has the wrong type (messages come from strangers)."""
-        for f in fields(self):
-            value = getattr(self, f.name)
-            expected = _FIELD_TYPES.get(f.type if isinstance(f.type, str) else "")
-            if expected is not None and not isinstance(value, expected):
-                raise ValueError(f"field {f.name!r} should be {f.type}, got {type(value).__name__}")
-            items_ok = _ITEM_CHECKS.get(f.type if isinstance(f.type, str) else "")
-            if items_ok is not None and not items_ok(value):
-                raise ValueError(f"field {f.name!r} should be {f.type}: {_preview(value)}")
-
-
-_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
-    "str": str,
-    "bool": bool,
-    "int": int,
-    "float": (int, float),
-    "list[str]": list,
-    "list[dict[str, Any]]": list,
-    "dict[str, Any]": dict,
-    "dict[str, int]": dict,
-    "dict[str, list[str]]": dict,
-    "bytes | None": (bytes, type(None)),
-}
-
-
-def _is_strs(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(x, str) for x in value)
-
-
-_ITEM_CHECKS: dict[str, Any] = {
-    "list[str]": _is_strs,
-    "list[dict[str, Any]]": lambda v: all(isinstance(x, dict) for x in v),
-    "dict[str, Any]": lambda v: all(isinstance(k, str) for k in v),
-    "dict[str, int]": lambda v: all(
-        isinstance(k, str) and isinstance(x, int) for k, x in v.items()
-    ),
-    "dict[str, list[str]]": lambda v: all(isinstance(k, str) and _is_strs(x) for k, x in v.items()),
-}
 
 
 def _stale(score: float, ts: TaskState) -> bool:
@@ -261,35 +224,9 @@ def _pack_deaths(ts: TaskState) -> bytes:
     return _pack({"task": ts.key, "deaths": ts.deaths})
 
 
-def _preview(msg: Any) -> str:
-    text = repr(msg)
-    return text if len(text) < 200 else text[:200] + "..."
-
-
-@dataclass(slots=True)
-class UpdateGraph(Event):
-    """A client submits tasks.  Each task: {key, spec: bytes|None, deps: [keys],
-    priority: int, retries: int}.  ``wanted`` are the keys the client holds futures for."""
-
-    op: ClassVar[str] = "update-graph"
-    client: str = ""
-    tasks: list[dict[str, Any]] = field(default_factory=list)
-    wanted: list[str] = field(default_factory=list)
-
-    def validate(self) -> None:
-        Event.validate(self)  # (zero-argument super() does not work in slots dataclasses)
-        for t in self.tasks:
-            if not isinstance(t.get("key"), str):
-                raise ValueError(f"task without a str 'key': {_preview(t)}")
-            if not isinstance(t.get("spec"), bytes | None):
-                raise ValueError(f"task {t['key']!r}: 'spec' should be bytes or None")
-            if not _is_strs(t.get("deps", [])):
-                raise ValueError(f"task {t['key']!r}: 'deps' should be a list of str")
-            for name in ("priority", "retries"):
-                if not isinstance(t.get(name, 0), int):
-                    raise ValueError(f"task {t['key']!r}: {name!r} should be int")
-            if not _is_strs(t.get("workers") or []):
-                raise ValueError(f"task {t['key']!r}: 'workers' should be a list of str")
+# --------------------------------------------------------------------------- events
+# The events that travel (the client, worker and nanny messages) are the message classes
+# of ``redisdask.protocol``; only the scheduler's own stimuli are defined here.
 
 
 @dataclass(slots=True)
@@ -297,203 +234,12 @@ class RejectedGraph(Event):
     """The driver refused a client's message (it failed validation and was
     dead-lettered, ``reason`` says why): the client is told that the keys it named will
     not run, instead of waiting forever.  Made by the driver only, never read from a
-    stream (so it is not in ``EVENTS``)."""
+    stream (so it is in no ``protocol`` registry)."""
 
     op: ClassVar[str] = "rejected-graph"
-    client: str = ""
+    client: str
     keys: list[str] = field(default_factory=list)
     reason: str = ""
-
-
-@dataclass(slots=True)
-class ClientDesiresKeys(Event):
-    op: ClassVar[str] = "client-desires-keys"
-    client: str = ""
-    keys: list[str] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class ClientReleasesKeys(Event):
-    op: ClassVar[str] = "client-releases-keys"
-    client: str = ""
-    keys: list[str] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class CancelKeys(Event):
-    op: ClassVar[str] = "cancel-keys"
-    client: str = ""
-    keys: list[str] = field(default_factory=list)
-    generation: int = 0  # the client's submission counter, echoed in cancelled-keys
-
-
-@dataclass(slots=True)
-class CloseClient(Event):
-    op: ClassVar[str] = "close-client"
-    client: str = ""
-
-
-@dataclass(slots=True)
-class UpdateData(Event):
-    """A client scattered data straight to workers: who_has {key: [worker]}."""
-
-    op: ClassVar[str] = "update-data"
-    client: str = ""
-    who_has: dict[str, list[str]] = field(default_factory=dict)
-    nbytes: dict[str, int] = field(default_factory=dict)
-    types: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class AddWorker(Event):
-    """A worker (re)joins.  After losing Redis it sends ``resync``: the keys it holds
-    ``{"keys": {key: nbytes}}`` and the claimed tasks it still has
-    ``{"processing": [key]}``, so the scheduler can reconcile what Redis forgot."""
-
-    op: ClassVar[str] = "add-worker"
-    worker: str = ""
-    info: dict[str, Any] = field(default_factory=dict)
-    resync: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class RemoveWorker(Event):
-    """A worker is gone.  ``how``: ``goodbye`` (it left on its own: nothing is blamed),
-    ``connection`` (its Redis connections closed), ``heartbeat`` (its heartbeat expired) or
-    ``nanny`` (its nanny saw it die) or ``replaced`` (a new process registered at its
-    address before its death was noticed).  ``evidence``: what is known of its last moments (the
-    last heartbeat; a nanny adds exit code, signal, memory, log tail)."""
-
-    op: ClassVar[str] = "remove-worker"
-    worker: str = ""
-    reason: str = ""
-    how: str = "goodbye"
-    evidence: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class TaskClaimed(Event):
-    """Written by the CLAIM script; ``scores`` say which run of each key was popped."""
-
-    op: ClassVar[str] = "claimed"
-    worker: str = ""
-    keys: list[str] = field(default_factory=list)
-    scores: list[Any] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class Holding(Event):
-    """A worker's periodic word on the claimed tasks it has not finished: ``keys``, of
-    the tasks it claimed before its previous holding report (the workers stream orders
-    the reports, claims and results exactly; see the worker's ``_report_holding``).  A
-    task processing there that two reports in a row do not list is queued again: its
-    claim's reply never reached the worker (Redis died in between)."""
-
-    op: ClassVar[str] = "holding"
-    worker: str = ""
-    keys: list[str] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class TaskFinished(Event):
-    op: ClassVar[str] = "task-finished"
-    worker: str = ""
-    key: str = ""
-    nbytes: int = 0
-    type: str = ""
-    start: float = 0.0
-    stop: float = 0.0
-    score: float = NO_SCORE  # the run it answers (a task's score is new at each submission)
-
-
-@dataclass(slots=True)
-class TaskErred(Event):
-    op: ClassVar[str] = "task-erred"
-    worker: str = ""
-    key: str = ""
-    exception: bytes | None = None
-    traceback: bytes | None = None
-    exception_text: str = ""
-    traceback_text: str = ""
-    score: float = NO_SCORE
-
-
-@dataclass(slots=True)
-class MissingData(Event):
-    """A worker could not get ``keys`` from ``errant_worker`` (or from anyone)."""
-
-    op: ClassVar[str] = "missing-data"
-    worker: str = ""
-    keys: list[str] = field(default_factory=list)
-    errant_worker: str = ""
-
-
-@dataclass(slots=True)
-class AddKeys(Event):
-    op: ClassVar[str] = "add-keys"
-    worker: str = ""
-    keys: list[str] = field(default_factory=list)
-    nbytes: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class ReleasedKeys(Event):
-    """A worker dropped ``keys`` (e.g. a cancelled task's late result)."""
-
-    op: ClassVar[str] = "released-keys"
-    worker: str = ""
-    keys: list[str] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class Restart(Event):
-    """A client restarts the cluster: every task is forgotten, every future cancelled,
-    every worker drops what it holds."""
-
-    op: ClassVar[str] = "restart"
-    client: str = ""
-
-
-@dataclass(slots=True)
-class Replicate(Event):
-    """A client asks for ``n`` copies of each of ``keys`` on distinct workers, kept after
-    a loss while a copy survives."""
-
-    op: ClassVar[str] = "replicate"
-    client: str = ""
-    keys: list[str] = field(default_factory=list)
-    n: int = 2
-
-
-@dataclass(slots=True)
-class RetireWorkers(Event):
-    """Workers leave gracefully.  They stop claiming, hand back the tasks they claimed but
-    did not start, finish the ones running, and stay until every result that only they
-    hold has a copy on a worker that stays; then the scheduler tells them to close.
-
-    A client's request (``client`` set) that would lose data because no worker would stay
-    is refused (``retire-refused``).  A retiring worker repeats the request about itself
-    every second until it is told to close (``client`` empty): that says it claims no
-    more (every claim it made is ahead of it on the workers stream), re-asks for copies
-    nobody delivered, and lets a restarted scheduler resume.  ``force`` (its lifetime
-    ended, it got SIGTERM): it leaves anyway, so with no worker staying it is told to
-    close at once (what it held is then recomputed from the graph history); otherwise
-    it waits for a worker to join."""
-
-    op: ClassVar[str] = "retire-workers"
-    client: str = ""
-    workers: list[str] = field(default_factory=list)
-    force: bool = False
-
-
-EVENTS: dict[str, type[Event]] = {
-    cls.op: cls
-    for cls in (
-        UpdateGraph, ClientDesiresKeys, ClientReleasesKeys, CancelKeys, CloseClient,
-        UpdateData, AddWorker, RemoveWorker, TaskClaimed, TaskFinished, TaskErred,
-        MissingData, AddKeys, ReleasedKeys, Replicate, Restart, RetireWorkers, Holding,
-    )
-}  # fmt: skip
 
 
 # --------------------------------------------------------------------------- instructions
@@ -566,14 +312,18 @@ class SetWants(Instruction):
 
 @dataclass(slots=True)
 class ClientMsg(Instruction):
+    """Send ``msg`` to ``client``'s events stream."""
+
     client: str
-    msg: dict[str, Any]
+    msg: ClientEvent
 
 
 @dataclass(slots=True)
 class WorkerMsg(Instruction):
+    """Send ``msg`` to ``worker``'s inbox."""
+
     worker: str
-    msg: dict[str, Any]
+    msg: InboxMessage
 
 
 @dataclass(slots=True)
@@ -668,6 +418,9 @@ class TaskState:
         return id(self)
 
 
+StoryEntry = tuple[str, str, str, str]  # key, start, finish, stimulus_id
+
+
 @dataclass(slots=True)
 class WorkerInfo:
     address: str
@@ -682,14 +435,16 @@ class WorkerInfo:
     holding_reports: int = 0  # its holding reports read (since this scheduler loaded)
 
 
-class InvalidTransition(RuntimeError):
-    pass
-
-
 class SchedulerState:
     """Every task, worker and client the scheduler knows, and the rules between them."""
 
-    def __init__(self, validate: bool = False, seq: int = 0, allowed_failures: int = 3) -> None:
+    def __init__(
+        self,
+        validate: bool = False,
+        seq: int = 0,
+        allowed_failures: int = 3,
+        story_limit: int = 100_000,
+    ) -> None:
         self.allowed_failures = allowed_failures
         self.tasks: dict[str, TaskState] = {}
         self.workers: dict[str, WorkerInfo] = {}
@@ -699,51 +454,37 @@ class SchedulerState:
         self.validate = validate
         self._instructions: list[Instruction] = []
         self._candidates: deque[TaskState] = deque()
-        self._stimulus_id = ""
         self._retirement_changed = False  # something a retirement waits for happened
         self._aliases: dict[str, set[str]] | None = None  # address/name/host -> addresses
         # results that came in and tasks that erred, since this state was built (metrics
         # for the summary the monitor shows)
         self.n_finished = 0
         self.n_erred = 0
-        self._transitions = {
-            ("released", "waiting"): self._transition_released_waiting,
-            ("waiting", "queued"): self._transition_waiting_queued,
-            ("queued", "waiting"): self._transition_queued_waiting,
-            ("processing", "waiting"): self._transition_processing_waiting,
-            ("no-worker", "waiting"): self._transition_no_worker_waiting,
-            ("no-worker", "queued"): self._transition_no_worker_queued,
-            ("queued", "no-worker"): self._transition_queued_no_worker,
-            ("no-worker", "released"): self._transition_no_worker_released,
-            ("queued", "processing"): self._transition_queued_processing,
-            ("queued", "memory"): self._transition_processing_memory,
-            ("processing", "memory"): self._transition_processing_memory,
-            ("processing", "queued"): self._transition_processing_queued,
-            ("processing", "erred"): self._transition_processing_erred,
-            ("waiting", "erred"): self._transition_waiting_erred,
-            ("waiting", "released"): self._transition_waiting_released,
-            ("queued", "released"): self._transition_queued_released,
-            ("processing", "released"): self._transition_processing_released,
-            ("memory", "released"): self._transition_memory_released,
-            ("erred", "released"): self._transition_erred_released,
-            ("released", "forgotten"): self._transition_released_forgotten,
-        }
+        # the last transitions, newest last, for InvalidTransition (the scheduler writes
+        # its transitions to Redis from the instructions: see Scheduler._story)
+        self.story: deque[StoryEntry] = deque(maxlen=story_limit)
 
     # ------------------------------------------------------------------ entry point
 
     def handle_stimulus(self, *events: Event) -> list[Instruction]:
+        """Apply events in order; return the instructions for the driver to carry out."""
+        stimulus_id = ""
         for event in events:
-            self._stimulus_id = event.stimulus_id
-            handler = getattr(self, "_handle_" + event.op.replace("-", "_"))
-            handler(event)
-            self._drain()
+            stimulus_id = event.stimulus_id
+            self._HANDLERS[type(event)](self, event)
+            self._drain(stimulus_id=stimulus_id)
         if self._retirement_changed:
             self._retirement_changed = False
-            self._move_retiring_data()
+            self._move_retiring_data(stimulus_id=stimulus_id)
         instructions, self._instructions = self._instructions, []
         if self.validate:
             self.validate_state()
         return instructions
+
+    def stories(self, *keys: str) -> list[StoryEntry]:
+        """The story entries about ``keys``: ``(key, start, finish, stimulus_id)``."""
+        wanted = set(keys)
+        return [entry for entry in self.story if entry[0] in wanted]
 
     def _emit(self, instruction: Instruction) -> None:
         self._instructions.append(instruction)
@@ -806,15 +547,15 @@ class SchedulerState:
                 deps = sorted(d.key for d in ts.dependencies)
                 self._emit(SetState(ev.stimulus_id, ts.key, ts.state, {"deps": deps}))
         for ts, text in refused.items():
-            self._refuse(ts, text)
-        self._add_wants(ev.client, ev.wanted)
+            self._refuse(ts, text, stimulus_id=ev.stimulus_id)
+        self._add_wants(ev.client, ev.wanted, stimulus_id=ev.stimulus_id)
         # a task runs if someone wants it or a wanted task needs it
         for key in ev.wanted:
             ts = self.tasks.get(key)
             if ts is not None:
-                self._make_needed(ts)
+                self._make_needed(ts, stimulus_id=ev.stimulus_id)
         for ts in new:  # submitted, but neither wanted nor needed by a wanted task
-            self._maybe_forget(ts)
+            self._maybe_release(ts)
 
     def _cut_cycles(self, grown: list[TaskState], fresh: set[TaskState]) -> dict[TaskState, str]:
         """Find the cycles that the dependencies added by a submission closed (a graph
@@ -845,13 +586,13 @@ class SchedulerState:
                 refused[ts] = text
         return refused
 
-    def _refuse(self, ts: TaskState, text: str) -> None:
+    def _refuse(self, ts: TaskState, text: str, *, stimulus_id: str) -> None:
         """Err a task the scheduler will not run; the client raises SchedulerRejectedError."""
         ts.exception = ts.traceback = None
         ts.exception_text, ts.traceback_text = text, ""
         ts.exception_blame = ts.erred_on = None
         ts.rejected = True
-        self._transition_waiting_erred(ts)
+        self._transition(ts, "erred", stimulus_id=stimulus_id)
 
     def _handle_rejected_graph(self, ev: RejectedGraph) -> None:
         wanted = self.clients.setdefault(ev.client, set())  # forgotten with the client
@@ -864,10 +605,10 @@ class SchedulerState:
                 f"{key!r}, so nothing in it will run: {ev.reason}. The message is kept in "
                 "the cluster's dead-letter stream; fix what wrote it and submit again"
             )
-            msg = {"op": "task-erred", "key": key, "exception_text": text, "rejected": True}
+            msg = KeyErred(key, exception_text=text, rejected=True)
             self._emit(ClientMsg(ev.stimulus_id, ev.client, msg))
 
-    def _make_needed(self, root: TaskState) -> None:
+    def _make_needed(self, root: TaskState, *, stimulus_id: str) -> None:
         """Bring ``root`` and every released dependency it needs towards memory."""
         # post-order walk: dependencies first, so their state is settled when a dependent
         # looks at them (iterative: a 1,000-task chain must not hit the recursion limit)
@@ -888,14 +629,14 @@ class SchedulerState:
         for ts in order:
             if ts.state == "released":
                 if not ts.has_spec and not ts.who_has:
-                    self._err_lost(ts)
+                    self._err_lost(ts, stimulus_id=stimulus_id)
                 else:
-                    self._transition(ts, "waiting")
+                    self._transition(ts, "waiting", stimulus_id=stimulus_id)
             for dep in ts.dependencies:
                 if ts.state in HOLDS_DEPENDENCIES:
                     dep.waiters.add(ts)
 
-    def _err_lost(self, ts: TaskState) -> None:
+    def _err_lost(self, ts: TaskState, *, stimulus_id: str) -> None:
         if ts.lost_on:
             ts.exception_text = (
                 f"DataUnavailableError: {ts.key!r} was scattered data whose only copy was on "
@@ -909,58 +650,58 @@ class SchedulerState:
                 "has no task to recompute it (was it scattered by a client that is gone?)"
             )
         # like an error: tell who wants it, and err every dependent waiting on it
-        self._transition_waiting_erred(ts)
+        self._transition(ts, "erred", stimulus_id=stimulus_id)
 
-    def _lost_data(self, ts: TaskState) -> None:
+    def _lost_data(self, ts: TaskState, *, stimulus_id: str) -> None:
         """The last copy of a task in memory is gone: its dependents wait for it again,
         and it is recomputed (or, without a task to recompute it, errs) if still needed."""
-        ts.state = "released"
+        self._set_state(ts, "released", stimulus_id=stimulus_id)
         ts.replicating.clear()
-        self._emit(SetState(self._stimulus_id, ts.key, "released", {"who_has": b""}))
+        self._emit(SetState(stimulus_id, ts.key, "released", {"who_has": b""}))
         for dependent in sorted(ts.waiters, key=lambda t: t.score):
             if dependent.state in ("queued", "processing", "no-worker"):
                 # a worker that claimed it cannot get the data now: take the task back
-                self._transition(dependent, "waiting")
+                self._transition(dependent, "waiting", stimulus_id=stimulus_id)
             elif dependent.state == "waiting":
                 dependent.waiting_on.add(ts)
         if ts.who_wants or ts.waiters:
-            self._make_needed(ts)
+            self._make_needed(ts, stimulus_id=stimulus_id)
         else:
-            self._maybe_forget(ts)
+            self._maybe_release(ts)
 
-    def _add_wants(self, client: str, keys: Iterable[str]) -> None:
+    def _add_wants(self, client: str, keys: Iterable[str], *, stimulus_id: str) -> None:
         added = []
         wanted = self.clients.setdefault(client, set())
         for key in keys:
             ts = self.tasks.get(key)
             if ts is None or client in ts.who_wants:
                 if ts is not None:
-                    self._report_to(client, ts)
+                    self._report_to(client, ts, stimulus_id=stimulus_id)
                 continue
             ts.who_wants.add(client)
             wanted.add(ts)
             added.append(key)
-            self._report_to(client, ts)
+            self._report_to(client, ts, stimulus_id=stimulus_id)
         if added:
-            self._emit(SetWants(self._stimulus_id, client, add=added))
+            self._emit(SetWants(stimulus_id, client, add=added))
 
-    def _report_to(self, client: str, ts: TaskState) -> None:
+    def _report_to(self, client: str, ts: TaskState, *, stimulus_id: str) -> None:
         """Tell a client about a finished task it just asked for."""
         if ts.state == "memory":
-            self._emit(ClientMsg(self._stimulus_id, client, self._memory_msg(ts)))
+            self._emit(ClientMsg(stimulus_id, client, self._memory_msg(ts)))
         elif ts.state == "erred":
-            self._emit(ClientMsg(self._stimulus_id, client, self._erred_msg(ts)))
+            self._emit(ClientMsg(stimulus_id, client, self._erred_msg(ts)))
 
     def _handle_client_desires_keys(self, ev: ClientDesiresKeys) -> None:
-        self._add_wants(ev.client, ev.keys)
+        self._add_wants(ev.client, ev.keys, stimulus_id=ev.stimulus_id)
         for key in ev.keys:
             if key in self.tasks:
-                self._make_needed(self.tasks[key])
+                self._make_needed(self.tasks[key], stimulus_id=ev.stimulus_id)
 
     def _handle_client_releases_keys(self, ev: ClientReleasesKeys) -> None:
-        self._release_wants(ev.client, ev.keys)
+        self._release_wants(ev.client, ev.keys, stimulus_id=ev.stimulus_id)
 
-    def _release_wants(self, client: str, keys: Iterable[str]) -> list[str]:
+    def _release_wants(self, client: str, keys: Iterable[str], *, stimulus_id: str) -> list[str]:
         wanted = self.clients.get(client, set())
         removed = []
         for key in keys:
@@ -972,7 +713,7 @@ class SchedulerState:
             removed.append(key)
             self._maybe_release(ts)
         if removed:
-            self._emit(SetWants(self._stimulus_id, client, remove=removed))
+            self._emit(SetWants(stimulus_id, client, remove=removed))
         return removed
 
     def _handle_cancel_keys(self, ev: CancelKeys) -> None:
@@ -988,12 +729,12 @@ class SchedulerState:
             todo.extend(d for d in ts.dependents if d in wanted)
         # release dependents first so dependencies lose their waiters before they are looked at
         keys = sorted(cancelled, key=lambda k: -cancelled[k].score)
-        self._release_wants(ev.client, keys)
+        self._release_wants(ev.client, keys, stimulus_id=ev.stimulus_id)
         self._emit(
             ClientMsg(
-                self._stimulus_id,
+                ev.stimulus_id,
                 ev.client,
-                {"op": "cancelled-keys", "keys": keys, "generation": ev.generation},
+                CancelledKeys(keys, generation=ev.generation),
             )
         )
 
@@ -1004,16 +745,17 @@ class SchedulerState:
         for ws in self.workers.values():
             ws.processing.clear()
             ws.has_what.clear()
-            self._emit(WorkerMsg(ev.stimulus_id, ws.address, {"op": "restart"}))
+            self._emit(WorkerMsg(ev.stimulus_id, ws.address, RestartWorker()))
         for client in clients:
-            self._emit(ClientMsg(ev.stimulus_id, client, {"op": "restarted", "by": ev.client}))
+            self._emit(ClientMsg(ev.stimulus_id, client, Restarted(by=ev.client)))
         self.tasks.clear()
         self.unrunnable.clear()
         self._candidates.clear()
         self.clients = {client: set() for client in clients}
 
     def _handle_close_client(self, ev: CloseClient) -> None:
-        self._release_wants(ev.client, [ts.key for ts in self.clients.get(ev.client, ())])
+        wanted = [ts.key for ts in self.clients.get(ev.client, ())]
+        self._release_wants(ev.client, wanted, stimulus_id=ev.stimulus_id)
         self.clients.pop(ev.client, None)
         self._emit(ForgetClient(ev.stimulus_id, ev.client))
 
@@ -1028,7 +770,8 @@ class SchedulerState:
             elif ts.state in ("waiting", "queued", "processing", "no-worker", "erred"):
                 if ts.erred_on in holders:  # the value put there replaced its failed run:
                     ts.erred_on = None  # no free-keys for it
-                self._transition(ts, "released")  # the scattered data replaces the task's run
+                # the scattered data replaces the task's run
+                self._transition(ts, "released", stimulus_id=ev.stimulus_id)
             ts.nbytes = int(ev.nbytes.get(key, 0))
             ts.type = str(ev.types.get(key, ""))
             for worker in holders:
@@ -1038,14 +781,14 @@ class SchedulerState:
             # (also when it was in memory already: its new holders and size are recorded)
             self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
             if ts.state != "memory":
-                ts.state = "memory"
-                self._wake_waiters(ts)
+                self._set_state(ts, "memory", stimulus_id=ev.stimulus_id)
+                self._wake_waiters(ts, stimulus_id=ev.stimulus_id)
         # the data reached the workers over TCP, before this message; a free-keys this
         # scheduler sent them earlier (for a released copy of the same key) may reach them
         # after it: this tells them which free-keys are about the new copies
         for worker, keys in recorded.items():
-            self._emit(WorkerMsg(ev.stimulus_id, worker, {"op": "keys-recorded", "keys": keys}))
-        self._add_wants(ev.client, list(ev.who_has))
+            self._emit(WorkerMsg(ev.stimulus_id, worker, KeysRecorded(keys)))
+        self._add_wants(ev.client, list(ev.who_has), stimulus_id=ev.stimulus_id)
 
     # ------------------------------------------------------------------ worker events
 
@@ -1057,10 +800,10 @@ class SchedulerState:
             # anyone noticed the death): what the old one held and ran is lost
             self._handle_remove_worker(
                 RemoveWorker(
-                    ev.stimulus_id,
                     worker=ev.worker,
                     how="replaced",
                     reason="a new worker process registered at its address (port reused)",
+                    stimulus_id=ev.stimulus_id,
                 )
             )
         if ev.worker not in self.workers:
@@ -1078,10 +821,10 @@ class SchedulerState:
             self._emit(LogEvent(ev.stimulus_id, "worker-joined", {"worker": ev.worker, **fields}))
         self._retirement_changed = True  # somewhere new to put a retiring worker's data
         if ev.resync:
-            self._resync(self.workers[ev.worker], ev.resync)
+            self._resync(self.workers[ev.worker], ev.resync, stimulus_id=ev.stimulus_id)
         for ts in sorted(self.unrunnable, key=lambda t: t.score):
             if ev.worker in self._allowed(ts):
-                self._transition(ts, "queued")
+                self._transition(ts, "queued", stimulus_id=ev.stimulus_id)
         for ts in self.tasks.values():  # queued for others it matches too: for it as well
             if ts.state != "queued" or not ts.restrict or ev.worker in ts.queued_on:
                 continue
@@ -1090,7 +833,7 @@ class SchedulerState:
                 enqueue = Enqueue(ev.stimulus_id, ts.key, ts.score, (ev.worker,), ts.queued_on)
                 self._emit(enqueue)
 
-    def _resync(self, ws: WorkerInfo, report: dict[str, Any]) -> None:
+    def _resync(self, ws: WorkerInfo, report: dict[str, Any], *, stimulus_id: str) -> None:
         """Reconcile with what a worker says it holds and runs (after Redis lost writes:
         a report, a claim, a release).  The worker's word wins about itself."""
         held = {str(k): int(n) for k, n in dict(report.get("keys", {})).items()}
@@ -1098,16 +841,16 @@ class SchedulerState:
         for ts in sorted(ws.processing, key=lambda t: t.score):
             if ts.key in held:  # it finished; the report was lost
                 ts.nbytes = held[ts.key]
-                self._transition(ts, "memory", worker=ws)
+                self._transition(ts, "memory", worker=ws, stimulus_id=stimulus_id)
             elif ts.key not in running:  # it does not know the task: queue it again
-                self._queue_again(ws, ts)
+                self._queue_again(ws, ts, stimulus_id=stimulus_id)
         stray = []
         for key in held:
             ts = self.tasks.get(key)
             if ts is not None and ts.state == "memory":
                 if ws.address not in ts.who_has:
                     self._add_replica(ts, ws.address)
-                    self._emit(SetState(self._stimulus_id, key, "memory", self._memory_fields(ts)))
+                    self._emit(SetState(stimulus_id, key, "memory", self._memory_fields(ts)))
             elif ts is None or ts.processing_on != ws.address:
                 stray.append(key)
         for key in running:
@@ -1115,11 +858,7 @@ class SchedulerState:
             if ts is None or ts.processing_on != ws.address:
                 stray.append(key)  # claimed in a Redis that forgot it: someone else's now
         if stray:
-            self._emit(
-                WorkerMsg(
-                    self._stimulus_id, ws.address, {"op": "free-keys", "keys": sorted(set(stray))}
-                )
-            )
+            self._emit(WorkerMsg(stimulus_id, ws.address, FreeKeys(sorted(set(stray)))))
 
     def _handle_holding(self, ev: Holding) -> None:
         ws = self.workers.get(ev.worker)
@@ -1140,14 +879,14 @@ class SchedulerState:
             self._emit(
                 LogEvent(ev.stimulus_id, "lost-claim", {"key": ts.key, "worker": ws.address})
             )
-            self._queue_again(ws, ts)
+            self._queue_again(ws, ts, stimulus_id=ev.stimulus_id)
 
-    def _queue_again(self, ws: WorkerInfo, ts: TaskState) -> None:
+    def _queue_again(self, ws: WorkerInfo, ts: TaskState, *, stimulus_id: str) -> None:
         """A task processing on a worker that does not know it: queue it again."""
         ts.processing_on = None
         ws.processing.discard(ts)
-        self._emit(Unclaim(self._stimulus_id, ws.address, ts.key))
-        self._transition(ts, "queued")
+        self._emit(Unclaim(stimulus_id, ws.address, ts.key))
+        self._transition(ts, "queued", stimulus_id=stimulus_id)
 
     def _handle_remove_worker(self, ev: RemoveWorker) -> None:
         ws = self.workers.pop(ev.worker, None)
@@ -1178,22 +917,23 @@ class SchedulerState:
                 ts.suspicious += 1
                 ts.deaths.append(record)
             if died and ts.suspicious > self.allowed_failures:
-                self._kill(ts)
+                self._kill(ts, stimulus_id=ev.stimulus_id)
             else:
                 if died:
                     fields = {"suspicious": ts.suspicious, "deaths": _pack(ts.deaths)}
                     self._emit(SetState(ev.stimulus_id, ts.key, "processing", fields))
-                self._transition(ts, "queued")
+                self._transition(ts, "queued", stimulus_id=ev.stimulus_id)
         for ts in list(ws.has_what):
             ts.who_has.discard(ws.address)
             if not ts.who_has and ts.state == "memory":
                 # lost its only copy: recompute if still needed
                 ts.lost_on = ws.address
-                self._lost_data(ts)
+                self._lost_data(ts, stimulus_id=ev.stimulus_id)
             elif ts.state == "memory":
                 self._emit(SetState(ev.stimulus_id, ts.key, "memory", self._memory_fields(ts)))
                 if ts.replicas > 1:
-                    self._ensure_replicas(ts)  # a copy survives: make up for the lost one
+                    # a copy survives: make up for the lost one
+                    self._ensure_replicas(ts, stimulus_id=ev.stimulus_id)
         for ts in list(self.tasks.values()):
             if ts.state == "queued" and ws.address in ts.queued_on:
                 # out of its ready set (which a new process at the address would
@@ -1201,7 +941,7 @@ class SchedulerState:
                 self._emit(Dequeue(ev.stimulus_id, ts.key, (ws.address,)))
                 ts.queued_on = tuple(w for w in ts.queued_on if w != ws.address)
                 if not self._allowed(ts):
-                    self._transition(ts, "no-worker")
+                    self._transition(ts, "no-worker", stimulus_id=ev.stimulus_id)
         if ev.how != "replaced":  # else the keys are the new process's, at the same address
             self._emit(ForgetWorker(ev.stimulus_id, ws.address))
 
@@ -1223,7 +963,7 @@ class SchedulerState:
             "stimulus_id": ev.stimulus_id,
         }
 
-    def _kill(self, ts: TaskState) -> None:
+    def _kill(self, ts: TaskState, *, stimulus_id: str) -> None:
         """Err a task that was on ``allowed_failures + 1`` workers that died."""
         lines = [
             f"KilledWorker: task {ts.key!r} was running on {ts.suspicious} workers that died "
@@ -1246,9 +986,8 @@ class SchedulerState:
         ts.erred_on = ts.deaths[-1]["worker"] if ts.deaths else None
         ts.killed = _pack_deaths(ts)
         fields = {"key": ts.key, "workers": [d["worker"] for d in ts.deaths]}
-        self._emit(LogEvent(self._stimulus_id, "killed-worker", fields))
-        ts.state = "processing"  # funnel through the one erred transition
-        self._transition_waiting_erred(ts)
+        self._emit(LogEvent(stimulus_id, "killed-worker", fields))
+        self._transition(ts, "erred", stimulus_id=stimulus_id)
 
     def _handle_claimed(self, ev: TaskClaimed) -> None:
         ws = self.workers.get(ev.worker)
@@ -1274,14 +1013,14 @@ class SchedulerState:
             if ts is None or ts.state != "queued" or ws is None:
                 # released while the claim was in flight: tell the worker to drop it
                 self._emit(Unclaim(ev.stimulus_id, ev.worker, key))
-                self._free(ev.worker, key)
+                self._free(ev.worker, key, stimulus_id=ev.stimulus_id)
                 if ts is not None and ts.state == "queued":
                     # claimed by a worker removed meanwhile: the claim popped it from the
                     # ready set and marked it processing in Redis; put it back
                     self._emit(SetState(ev.stimulus_id, key, "queued"))
-                    self._enqueue(ts)
+                    self._enqueue(ts, stimulus_id=ev.stimulus_id)
                 continue
-            self._transition(ts, "processing", worker=ws)
+            self._transition(ts, "processing", worker=ws, stimulus_id=ev.stimulus_id)
 
     def _handle_task_finished(self, ev: TaskFinished) -> None:
         ts = self.tasks.get(ev.key)
@@ -1293,10 +1032,10 @@ class SchedulerState:
             # key (cancelled, released, submitted again) or of a claim taken back.  Counting
             # it would name a holder that is about to drop it; let it drop it now.
             if ts is None or ev.worker not in ts.who_has:
-                self._free(ev.worker, ev.key)
+                self._free(ev.worker, ev.key, stimulus_id=ev.stimulus_id)
             return
         ts.nbytes, ts.type = int(ev.nbytes), ev.type
-        self._transition(ts, "memory", worker=ws)
+        self._transition(ts, "memory", worker=ws, stimulus_id=ev.stimulus_id)
 
     def _handle_task_erred(self, ev: TaskErred) -> None:
         ts = self.tasks.get(ev.key)
@@ -1310,13 +1049,13 @@ class SchedulerState:
             self._emit(SetState(ev.stimulus_id, ts.key, ts.state, {"retries": ts.retries}))
             # the worker keeps the failed run until told: it must not answer the retry
             # with it (the free-keys reaches it before any claim of the retry)
-            self._free(ev.worker, ts.key)
-            self._transition(ts, "queued")
+            self._free(ev.worker, ts.key, stimulus_id=ev.stimulus_id)
+            self._transition(ts, "queued", stimulus_id=ev.stimulus_id)
             return
         ts.exception, ts.traceback = ev.exception, ev.traceback
         ts.exception_text, ts.traceback_text = ev.exception_text, ev.traceback_text
         ts.erred_on = ev.worker
-        self._transition(ts, "erred")
+        self._transition(ts, "erred", stimulus_id=ev.stimulus_id)
 
     def _handle_missing_data(self, ev: MissingData) -> None:
         for key in ev.keys:
@@ -1336,7 +1075,7 @@ class SchedulerState:
                 if ws is not None:
                     # no longer counted as a holder: it must not keep an orphan copy
                     ws.has_what.discard(ts)
-                    self._free(ws.address, key)
+                    self._free(ws.address, key, stimulus_id=ev.stimulus_id)
             if ev.worker in ts.who_has:
                 # it misses a key counted as held by itself: its copy is gone (answering
                 # with its own address would leave its dependents waiting for ever)
@@ -1346,15 +1085,10 @@ class SchedulerState:
                     reporter.has_what.discard(ts)
             if ts.state == "memory" and ts.who_has:
                 self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
-                self._emit(
-                    WorkerMsg(
-                        ev.stimulus_id,
-                        ev.worker,
-                        {"op": "who-has", "who_has": {key: sorted(ts.who_has)}},
-                    )
-                )
+                who_has = {key: sorted(ts.who_has)}
+                self._emit(WorkerMsg(ev.stimulus_id, ev.worker, WhoHas(who_has)))
             elif ts.state == "memory":
-                self._lost_data(ts)
+                self._lost_data(ts, stimulus_id=ev.stimulus_id)
 
     def _handle_add_keys(self, ev: AddKeys) -> None:
         self._retirement_changed = True
@@ -1373,7 +1107,7 @@ class SchedulerState:
                 continue
             ts.replicas = max(1, int(ev.n))
             self._emit(SetState(ev.stimulus_id, key, "memory", {"replicas": ts.replicas}))
-            self._ensure_replicas(ts)
+            self._ensure_replicas(ts, stimulus_id=ev.stimulus_id)
 
     def _handle_retire_workers(self, ev: RetireWorkers) -> None:
         leaving = [self.workers[a] for a in dict.fromkeys(ev.workers) if a in self.workers]
@@ -1384,13 +1118,13 @@ class SchedulerState:
                 f"no worker would stay to take the {held} results they hold or compute; "
                 "start more workers first, or retire fewer"
             )
-            msg = {"op": "retire-refused", "workers": [ws.address for ws in leaving]}
-            self._emit(ClientMsg(ev.stimulus_id, ev.client, {**msg, "reason": reason}))
+            msg = RetireRefused([ws.address for ws in leaving], reason=reason)
+            self._emit(ClientMsg(ev.stimulus_id, ev.client, msg))
             return
         self._retirement_changed = True
         for ws in leaving:
             if not ws.retiring and ev.client:
-                self._emit(WorkerMsg(ev.stimulus_id, ws.address, {"op": "retire"}))
+                self._emit(WorkerMsg(ev.stimulus_id, ws.address, RetireWorker()))
             if not ws.retiring:
                 ws.retiring = True
                 ws.to_move = set(ws.has_what)
@@ -1402,9 +1136,11 @@ class SchedulerState:
             for ts in ws.to_move:
                 ts.replicating.clear()
             if ev.force and not staying:
-                self._tell_to_close(ws, "retired; no worker stayed to take its data")
+                self._tell_to_close(
+                    ws, "retired; no worker stayed to take its data", stimulus_id=ev.stimulus_id
+                )
 
-    def _move_retiring_data(self) -> None:
+    def _move_retiring_data(self, *, stimulus_id: str) -> None:
         """Ask staying workers (least loaded first) for a copy of every result that only
         retiring workers hold; tell a retiring worker to close once it said it claims no
         more, runs nothing and holds nothing unique.  Runs after a batch in which
@@ -1413,13 +1149,13 @@ class SchedulerState:
         staying = {a for a, ws in self.workers.items() if not ws.retiring}
         load: dict[str, int] = {}
         requests: dict[str, dict[str, list[str]]] = {}
-        sid = "retire-" + self._stimulus_id
+        sid = "retire-" + stimulus_id
         for ws in [w for w in self.workers.values() if w.retiring and not w.told_to_close]:
             ws.to_move = {
                 ts for ts in ws.to_move if ts.state == "memory" and not (ts.who_has & staying)
             }
             if not ws.to_move and not ws.processing and ws.retire_heard:
-                self._tell_to_close(ws, "retired")
+                self._tell_to_close(ws, "retired", stimulus_id=stimulus_id)
                 continue
             for ts in sorted(ws.to_move, key=lambda t: t.score):
                 ts.replicating &= staying
@@ -1432,14 +1168,13 @@ class SchedulerState:
                 ts.replicating.add(target)
                 requests.setdefault(target, {})[ts.key] = sorted(ts.who_has)
         for target, who_has in requests.items():
-            self._emit(WorkerMsg(sid, target, {"op": "acquire-replicas", "who_has": who_has}))
+            self._emit(WorkerMsg(sid, target, AcquireReplicas(who_has)))
 
-    def _tell_to_close(self, ws: WorkerInfo, reason: str) -> None:
+    def _tell_to_close(self, ws: WorkerInfo, reason: str, *, stimulus_id: str) -> None:
         ws.told_to_close = True
-        msg = {"op": "close", "reason": reason}
-        self._emit(WorkerMsg("retire-" + self._stimulus_id, ws.address, msg))
+        self._emit(WorkerMsg("retire-" + stimulus_id, ws.address, CloseWorker(reason)))
 
-    def _ensure_replicas(self, ts: TaskState) -> None:
+    def _ensure_replicas(self, ts: TaskState, *, stimulus_id: str) -> None:
         """Ask workers without a copy to fetch one, until ``ts.replicas`` are (or will be)
         held; the least loaded workers first."""
         ts.replicating &= set(self.workers)
@@ -1456,13 +1191,8 @@ class SchedulerState:
         )
         for ws in candidates[:missing]:
             ts.replicating.add(ws.address)
-            self._emit(
-                WorkerMsg(
-                    self._stimulus_id,
-                    ws.address,
-                    {"op": "acquire-replicas", "who_has": {ts.key: sorted(ts.who_has)}},
-                )
-            )
+            who_has = {ts.key: sorted(ts.who_has)}
+            self._emit(WorkerMsg(stimulus_id, ws.address, AcquireReplicas(who_has)))
 
     def _handle_released_keys(self, ev: ReleasedKeys) -> None:
         ws = self.workers.get(ev.worker)
@@ -1475,58 +1205,87 @@ class SchedulerState:
                 self._emit(Unclaim(ev.stimulus_id, ws.address, key))
                 if ts.state == "processing":
                     ts.processing_on = None
-                    self._transition(ts, "queued")
+                    self._transition(ts, "queued", stimulus_id=ev.stimulus_id)
             if ev.worker in ts.who_has:
                 ts.who_has.discard(ev.worker)
                 ws.has_what.discard(ts)
                 if ts.state == "memory" and not ts.who_has:
-                    self._lost_data(ts)
+                    self._lost_data(ts, stimulus_id=ev.stimulus_id)
                 elif ts.state == "memory":
                     self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
 
+    # the handler of each event type (``handle_stimulus`` looks it up by ``type(event)``)
+    _HANDLERS: ClassVar[dict[type[Event], Callable[[SchedulerState, Any], None]]] = {
+        UpdateGraph: _handle_update_graph,
+        RejectedGraph: _handle_rejected_graph,
+        ClientDesiresKeys: _handle_client_desires_keys,
+        ClientReleasesKeys: _handle_client_releases_keys,
+        CancelKeys: _handle_cancel_keys,
+        CloseClient: _handle_close_client,
+        UpdateData: _handle_update_data,
+        Restart: _handle_restart,
+        AddWorker: _handle_add_worker,
+        RemoveWorker: _handle_remove_worker,
+        TaskClaimed: _handle_claimed,
+        Holding: _handle_holding,
+        TaskFinished: _handle_task_finished,
+        TaskErred: _handle_task_erred,
+        MissingData: _handle_missing_data,
+        AddKeys: _handle_add_keys,
+        ReleasedKeys: _handle_released_keys,
+        Replicate: _handle_replicate,
+        RetireWorkers: _handle_retire_workers,
+    }
+
     # ------------------------------------------------------------------ transitions
 
-    def _transition(self, ts: TaskState, finish: str, **kwargs: Any) -> None:
+    def _transition(self, ts: TaskState, finish: str, *, stimulus_id: str, **kwargs: Any) -> None:
+        """Move ``ts`` to ``finish`` along its edge in ``_TRANSITIONS``; a move that is
+        not there raises ``InvalidTransition`` with the key's story."""
         start = ts.state
         if start == finish:
             return
-        func = self._transitions.get((start, finish))
+        func = self._TRANSITIONS.get((start, finish))
         if func is None:
-            raise InvalidTransition(
-                f"task {ts.key!r}: no transition {start} -> {finish} (stimulus {self._stimulus_id})"
-            )
-        func(ts, **kwargs)
+            story = self.stories(ts.key)
+            raise InvalidTransition(ts.key, start, finish, stimulus_id, story)
+        func(self, ts, stimulus_id=stimulus_id, **kwargs)
 
-    def _transition_released_waiting(self, ts: TaskState) -> None:
-        ts.state = "waiting"
+    def _set_state(self, ts: TaskState, finish: str, *, stimulus_id: str) -> None:
+        """Every change of a task's state goes through here, which tells its story."""
+        self.story.append((ts.key, ts.state, finish, stimulus_id))
+        ts.state = finish
+
+    def _transition_released_waiting(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._set_state(ts, "waiting", stimulus_id=stimulus_id)
         ts.waiting_on = {d for d in ts.dependencies if d.state != "memory"}
         for dep in ts.dependencies:
             dep.waiters.add(ts)
         erred = next((d for d in ts.dependencies if d.state == "erred"), None)
         if erred is not None:
             self._inherit_error(ts, erred)
-            self._transition(ts, "erred")
+            self._transition(ts, "erred", stimulus_id=stimulus_id)
             return
         if ts.waiting_on:
-            self._emit(SetState(self._stimulus_id, ts.key, "waiting"))
+            self._emit(SetState(stimulus_id, ts.key, "waiting"))
         else:
-            self._transition(ts, "queued")
+            self._transition(ts, "queued", stimulus_id=stimulus_id)
 
-    def _transition_waiting_queued(self, ts: TaskState) -> None:
+    def _transition_waiting_queued(self, ts: TaskState, *, stimulus_id: str) -> None:
         if ts.restrict and not self._allowed(ts):
-            self._transition_waiting_no_worker(ts)
+            self._transition_waiting_no_worker(ts, stimulus_id=stimulus_id)
             return
-        ts.state = "queued"
-        self._emit(SetState(self._stimulus_id, ts.key, "queued"))
-        self._enqueue(ts)
+        self._set_state(ts, "queued", stimulus_id=stimulus_id)
+        self._emit(SetState(stimulus_id, ts.key, "queued"))
+        self._enqueue(ts, stimulus_id=stimulus_id)
 
-    def _enqueue(self, ts: TaskState) -> None:
+    def _enqueue(self, ts: TaskState, *, stimulus_id: str) -> None:
         """Into the shared ready set, or the own ready sets of its live allowed workers."""
         ts.queued_on = self._allowed(ts) if ts.restrict else ()
-        self._emit(Enqueue(self._stimulus_id, ts.key, ts.score, ts.queued_on, ts.queued_on))
+        self._emit(Enqueue(stimulus_id, ts.key, ts.score, ts.queued_on, ts.queued_on))
 
-    def _dequeue(self, ts: TaskState) -> None:
-        self._emit(Dequeue(self._stimulus_id, ts.key, ts.queued_on))
+    def _dequeue(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._emit(Dequeue(stimulus_id, ts.key, ts.queued_on))
         ts.queued_on = ()
 
     def _allowed(self, ts: TaskState) -> tuple[str, ...]:
@@ -1542,104 +1301,102 @@ class SchedulerState:
             self._aliases = aliases
         return tuple(sorted({a for entry in ts.restrict for a in self._aliases.get(entry, ())}))
 
-    def _transition_waiting_no_worker(self, ts: TaskState) -> None:
-        ts.state = "no-worker"
+    def _transition_waiting_no_worker(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._set_state(ts, "no-worker", stimulus_id=stimulus_id)
         self.unrunnable.add(ts)
-        self._emit(SetState(self._stimulus_id, ts.key, "no-worker"))
+        self._emit(SetState(stimulus_id, ts.key, "no-worker"))
 
-    def _transition_no_worker_queued(self, ts: TaskState) -> None:
+    def _transition_no_worker_queued(self, ts: TaskState, *, stimulus_id: str) -> None:
         self.unrunnable.discard(ts)
-        self._transition_waiting_queued(ts)
+        self._transition_waiting_queued(ts, stimulus_id=stimulus_id)
 
-    def _transition_queued_no_worker(self, ts: TaskState) -> None:
-        self._dequeue(ts)
-        self._transition_waiting_no_worker(ts)
+    def _transition_queued_no_worker(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._dequeue(ts, stimulus_id=stimulus_id)
+        self._transition_waiting_no_worker(ts, stimulus_id=stimulus_id)
 
-    def _transition_no_worker_released(self, ts: TaskState) -> None:
+    def _transition_no_worker_released(self, ts: TaskState, *, stimulus_id: str) -> None:
         self.unrunnable.discard(ts)
-        self._transition_waiting_released(ts)
+        self._transition_waiting_released(ts, stimulus_id=stimulus_id)
 
-    def _transition_queued_waiting(self, ts: TaskState) -> None:
+    def _transition_queued_waiting(self, ts: TaskState, *, stimulus_id: str) -> None:
         """A dependency of a queued task lost its data: wait for it again."""
-        self._dequeue(ts)
-        self._wait_again(ts)
+        self._dequeue(ts, stimulus_id=stimulus_id)
+        self._wait_again(ts, stimulus_id=stimulus_id)
 
-    def _transition_processing_waiting(self, ts: TaskState) -> None:
+    def _transition_processing_waiting(self, ts: TaskState, *, stimulus_id: str) -> None:
         """A dependency lost its data while a worker held the task: take it back."""
-        self._take_back(ts)
-        self._wait_again(ts)
+        self._take_back(ts, stimulus_id=stimulus_id)
+        self._wait_again(ts, stimulus_id=stimulus_id)
 
-    def _take_back(self, ts: TaskState) -> None:
+    def _take_back(self, ts: TaskState, *, stimulus_id: str) -> None:
         """Withdraw a processing task from its worker (which drops it, if still there)."""
         worker = ts.processing_on
         if worker is not None:
             ws = self.workers.get(worker)
             if ws is not None:
                 ws.processing.discard(ts)
-            self._emit(Unclaim(self._stimulus_id, worker, ts.key))
-            self._free(worker, ts.key)
+            self._emit(Unclaim(stimulus_id, worker, ts.key))
+            self._free(worker, ts.key, stimulus_id=stimulus_id)
         ts.processing_on = None
 
-    def _transition_no_worker_waiting(self, ts: TaskState) -> None:
+    def _transition_no_worker_waiting(self, ts: TaskState, *, stimulus_id: str) -> None:
         self.unrunnable.discard(ts)
-        self._wait_again(ts)
+        self._wait_again(ts, stimulus_id=stimulus_id)
 
-    def _wait_again(self, ts: TaskState) -> None:
-        ts.state = "waiting"
+    def _wait_again(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._set_state(ts, "waiting", stimulus_id=stimulus_id)
         ts.waiting_on = {d for d in ts.dependencies if d.state != "memory"}
-        self._emit(SetState(self._stimulus_id, ts.key, "waiting"))
+        self._emit(SetState(stimulus_id, ts.key, "waiting"))
 
-    def _transition_processing_queued(self, ts: TaskState) -> None:
+    def _transition_processing_queued(self, ts: TaskState, *, stimulus_id: str) -> None:
         if ts.processing_on is not None:
             ws = self.workers.get(ts.processing_on)
             if ws is not None:
                 ws.processing.discard(ts)
             ts.processing_on = None
-        self._transition_waiting_queued(ts)
+        self._transition_waiting_queued(ts, stimulus_id=stimulus_id)
 
-    def _transition_queued_processing(self, ts: TaskState, worker: WorkerInfo) -> None:
-        ts.state = "processing"
+    def _transition_queued_processing(
+        self, ts: TaskState, worker: WorkerInfo, *, stimulus_id: str
+    ) -> None:
+        self._set_state(ts, "processing", stimulus_id=stimulus_id)
         ts.queued_on = ()  # the claim took it out of every ready set
         ts.claimed_before, ts.unlisted = worker.holding_reports, 0
         ts.processing_on = worker.address
         worker.processing.add(ts)  # Redis already says so: the claim script wrote it
-        self._emit(ClaimAccepted(self._stimulus_id, ts.key, worker.address))
+        self._emit(ClaimAccepted(stimulus_id, ts.key, worker.address))
 
-    def _transition_processing_memory(self, ts: TaskState, worker: WorkerInfo) -> None:
-        if ts.state == "queued":  # a late result (its worker was removed): leave the ready set
-            self._dequeue(ts)
-        elif ts.processing_on is not None and ts.processing_on != worker.address:
-            other = self.workers.get(ts.processing_on)  # racing another worker's run of it
-            if other is not None:
-                other.processing.discard(ts)
-            self._emit(Unclaim(self._stimulus_id, ts.processing_on, ts.key))
+    def _transition_processing_memory(
+        self, ts: TaskState, worker: WorkerInfo, *, stimulus_id: str
+    ) -> None:
+        """The result of the claim holder, ``worker`` (the only one accepted)."""
         worker.processing.discard(ts)
-        self._emit(Unclaim(self._stimulus_id, worker.address, ts.key))
+        self._emit(Unclaim(stimulus_id, worker.address, ts.key))
         ts.processing_on = None
-        ts.state = "memory"
+        self._set_state(ts, "memory", stimulus_id=stimulus_id)
         self.n_finished += 1
         self._add_replica(ts, worker.address)
         if worker.retiring:  # finished while its worker retires: to be copied elsewhere
             worker.to_move.add(ts)
             self._retirement_changed = True
-        self._emit(SetState(self._stimulus_id, ts.key, "memory", self._memory_fields(ts)))
+        self._emit(SetState(stimulus_id, ts.key, "memory", self._memory_fields(ts)))
         for client in ts.who_wants:
-            self._emit(ClientMsg(self._stimulus_id, client, self._memory_msg(ts)))
-        self._wake_waiters(ts)
+            self._emit(ClientMsg(stimulus_id, client, self._memory_msg(ts)))
+        self._wake_waiters(ts, stimulus_id=stimulus_id)
         for dep in ts.dependencies:
             dep.waiters.discard(ts)
             self._maybe_release(dep)
         self._maybe_release(ts)
 
-    def _free(self, worker: str, key: str) -> None:
+    def _free(self, worker: str, key: str, *, stimulus_id: str) -> None:
         """Tell a worker to drop what it holds of ``key`` (a result, a failed run)."""
-        self._emit(WorkerMsg(self._stimulus_id, worker, {"op": "free-keys", "keys": [key]}))
+        self._emit(WorkerMsg(stimulus_id, worker, FreeKeys([key])))
 
-    def _wake_waiters(self, ts: TaskState) -> None:
+    def _wake_waiters(self, ts: TaskState, *, stimulus_id: str) -> None:
         for dependent in sorted(ts.waiters, key=lambda t: t.score):
             dependent.waiting_on.discard(ts)
             if dependent.state == "waiting" and not dependent.waiting_on:
-                self._transition(dependent, "queued")
+                self._transition(dependent, "queued", stimulus_id=stimulus_id)
 
     def _add_replica(self, ts: TaskState, worker: str) -> None:
         ts.who_has.add(worker)
@@ -1647,25 +1404,25 @@ class SchedulerState:
         if ws is not None:
             ws.has_what.add(ts)
 
-    def _transition_processing_erred(self, ts: TaskState) -> None:
+    def _transition_processing_erred(self, ts: TaskState, *, stimulus_id: str) -> None:
         if ts.processing_on is not None:
             ws = self.workers.get(ts.processing_on)
             if ws is not None:
                 ws.processing.discard(ts)
             ts.processing_on = None
-        self._transition_waiting_erred(ts)
+        self._transition_waiting_erred(ts, stimulus_id=stimulus_id)
 
-    def _transition_waiting_erred(self, root: TaskState) -> None:
+    def _transition_waiting_erred(self, root: TaskState, *, stimulus_id: str) -> None:
         """Err ``root`` and, iteratively, every dependent waiting on it."""
         todo = [root]
         while todo:
             ts = todo.pop()
-            ts.state = "erred"
+            self._set_state(ts, "erred", stimulus_id=stimulus_id)
             self.n_erred += 1
             ts.waiting_on.clear()
-            self._emit(SetState(self._stimulus_id, ts.key, "erred", self._erred_fields(ts)))
+            self._emit(SetState(stimulus_id, ts.key, "erred", self._erred_fields(ts)))
             for client in ts.who_wants:
-                self._emit(ClientMsg(self._stimulus_id, client, self._erred_msg(ts)))
+                self._emit(ClientMsg(stimulus_id, client, self._erred_msg(ts)))
             for dependent in sorted(ts.waiters, key=lambda t: -t.score):
                 if dependent.state == "waiting":
                     self._inherit_error(dependent, ts)
@@ -1675,6 +1432,11 @@ class SchedulerState:
                 dep.waiters.discard(ts)
                 self._maybe_release(dep)
 
+    def _transition_released_erred(self, ts: TaskState, *, stimulus_id: str) -> None:
+        """A task that cannot run, its error set by the caller: its data is lost and
+        nothing can recompute it (``_err_lost``), or the scheduler refused it (a cycle)."""
+        self._transition_waiting_erred(ts, stimulus_id=stimulus_id)
+
     def _inherit_error(self, ts: TaskState, source: TaskState) -> None:
         ts.exception, ts.traceback = source.exception, source.traceback
         ts.exception_text, ts.traceback_text = source.exception_text, source.traceback_text
@@ -1683,46 +1445,47 @@ class SchedulerState:
         ts.killed = source.killed
         ts.rejected = source.rejected
 
-    def _transition_waiting_released(self, ts: TaskState) -> None:
-        ts.state = "released"
+    def _transition_waiting_released(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._set_state(ts, "released", stimulus_id=stimulus_id)
         ts.waiting_on.clear()
-        self._emit(SetState(self._stimulus_id, ts.key, "released"))
+        self._emit(SetState(stimulus_id, ts.key, "released"))
         self._release_dependencies(ts)
 
-    def _transition_queued_released(self, ts: TaskState) -> None:
-        self._dequeue(ts)
-        self._transition_waiting_released(ts)
+    def _transition_queued_released(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._dequeue(ts, stimulus_id=stimulus_id)
+        self._transition_waiting_released(ts, stimulus_id=stimulus_id)
 
-    def _transition_processing_released(self, ts: TaskState) -> None:
-        self._take_back(ts)
-        self._transition_waiting_released(ts)
+    def _transition_processing_released(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._take_back(ts, stimulus_id=stimulus_id)
+        self._transition_waiting_released(ts, stimulus_id=stimulus_id)
 
-    def _transition_memory_released(self, ts: TaskState) -> None:
+    def _transition_memory_released(self, ts: TaskState, *, stimulus_id: str) -> None:
         for worker in ts.replicating - ts.who_has:  # fetching a copy nobody needs now
-            self._free(worker, ts.key)
+            self._free(worker, ts.key, stimulus_id=stimulus_id)
         ts.replicating.clear()
         for worker in ts.who_has:
             ws = self.workers.get(worker)
             if ws is not None:
                 ws.has_what.discard(ts)
-            self._free(worker, ts.key)
+            self._free(worker, ts.key, stimulus_id=stimulus_id)
         ts.who_has.clear()
-        ts.state = "released"
-        self._emit(SetState(self._stimulus_id, ts.key, "released", {"who_has": b""}))
+        self._set_state(ts, "released", stimulus_id=stimulus_id)
+        self._emit(SetState(stimulus_id, ts.key, "released", {"who_has": b""}))
         self._release_dependencies(ts)
-        self._maybe_forget(ts)
+        self._maybe_release(ts)
 
-    def _transition_erred_released(self, ts: TaskState) -> None:
+    def _transition_erred_released(self, ts: TaskState, *, stimulus_id: str) -> None:
         if ts.exception_blame is None and ts.killed is None and ts.erred_on in self.workers:
-            self._free(ts.erred_on, ts.key)  # it raised there: the worker keeps the error
-        ts.state = "released"
+            # it raised there: the worker keeps the error
+            self._free(ts.erred_on, ts.key, stimulus_id=stimulus_id)
+        self._set_state(ts, "released", stimulus_id=stimulus_id)
         ts.exception = ts.traceback = None
         ts.exception_text = ts.traceback_text = ""
         ts.exception_blame = ts.erred_on = ts.killed = None
         ts.suspicious, ts.deaths, ts.rejected = 0, [], False
         self._emit(
             SetState(
-                self._stimulus_id,
+                stimulus_id,
                 ts.key,
                 "released",
                 {
@@ -1740,19 +1503,47 @@ class SchedulerState:
             )
         )
         self._release_dependencies(ts)
-        self._maybe_forget(ts)
+        self._maybe_release(ts)
 
-    def _transition_released_forgotten(self, ts: TaskState) -> None:
-        ts.state = "forgotten"
+    def _transition_released_forgotten(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._set_state(ts, "forgotten", stimulus_id=stimulus_id)
         del self.tasks[ts.key]
-        self._emit(Forget(self._stimulus_id, ts.key))
+        self._emit(Forget(stimulus_id, ts.key))
         for dep in ts.dependencies:
             dep.dependents.discard(ts)
             dep.waiters.discard(ts)
             if dep.state == "released":
-                self._maybe_forget(dep)
+                self._maybe_release(dep)
         for dependent in ts.dependents:
             dependent.dependencies.discard(ts)
+
+    # Every legal move.  Two more state changes bypass the table, on purpose: a lost last
+    # copy goes memory -> released without freeing anything or releasing its dependencies
+    # (``_lost_data``: it is recomputed if still needed), and scattered data
+    # (``_handle_update_data``) sets a released task to memory.
+    _TRANSITIONS: ClassVar[dict[tuple[str, str], Callable[..., None]]] = {
+        ("released", "waiting"): _transition_released_waiting,
+        ("released", "erred"): _transition_released_erred,
+        ("released", "forgotten"): _transition_released_forgotten,
+        ("waiting", "queued"): _transition_waiting_queued,
+        ("waiting", "no-worker"): _transition_waiting_no_worker,
+        ("waiting", "erred"): _transition_waiting_erred,
+        ("waiting", "released"): _transition_waiting_released,
+        ("queued", "processing"): _transition_queued_processing,
+        ("queued", "waiting"): _transition_queued_waiting,
+        ("queued", "no-worker"): _transition_queued_no_worker,
+        ("queued", "released"): _transition_queued_released,
+        ("no-worker", "queued"): _transition_no_worker_queued,
+        ("no-worker", "waiting"): _transition_no_worker_waiting,
+        ("no-worker", "released"): _transition_no_worker_released,
+        ("processing", "memory"): _transition_processing_memory,
+        ("processing", "queued"): _transition_processing_queued,
+        ("processing", "waiting"): _transition_processing_waiting,
+        ("processing", "erred"): _transition_processing_erred,
+        ("processing", "released"): _transition_processing_released,
+        ("memory", "released"): _transition_memory_released,
+        ("erred", "released"): _transition_erred_released,
+    }
 
     # ------------------------------------------------------------------ release rules
 
@@ -1760,7 +1551,7 @@ class SchedulerState:
         for dep in ts.dependencies:
             dep.waiters.discard(ts)
             self._maybe_release(dep)
-        self._maybe_forget(ts)
+        self._maybe_release(ts)
 
     def _maybe_release(self, ts: TaskState) -> None:
         """Release a task nobody needs any more (no client wants it, no dependent waits).
@@ -1769,31 +1560,23 @@ class SchedulerState:
         recursing, so cancelling a 100,000-task chain cannot hit the recursion limit."""
         self._candidates.append(ts)
 
-    _maybe_forget = _maybe_release
-
-    def _drain(self) -> None:
+    def _drain(self, *, stimulus_id: str) -> None:
         while self._candidates:
             ts = self._candidates.popleft()
             if ts.who_wants or ts.waiters or ts.state == "forgotten":
                 continue
             if ts.state != "released":
-                self._transition(ts, "released")
+                self._transition(ts, "released", stimulus_id=stimulus_id)
             elif all(d.state == "forgotten" for d in ts.dependents):
-                self._transition(ts, "forgotten")
+                self._transition(ts, "forgotten", stimulus_id=stimulus_id)
 
     # ------------------------------------------------------------------ messages
 
     def _memory_fields(self, ts: TaskState) -> dict[str, Any]:
         return {"who_has": " ".join(sorted(ts.who_has)), "nbytes": ts.nbytes, "type": ts.type}
 
-    def _memory_msg(self, ts: TaskState) -> dict[str, Any]:
-        return {
-            "op": "key-in-memory",
-            "key": ts.key,
-            "who_has": sorted(ts.who_has),
-            "nbytes": ts.nbytes,
-            "type": ts.type,
-        }
+    def _memory_msg(self, ts: TaskState) -> KeyInMemory:
+        return KeyInMemory(ts.key, sorted(ts.who_has), nbytes=ts.nbytes, type=ts.type)
 
     def _erred_fields(self, ts: TaskState) -> dict[str, Any]:
         fields = {
@@ -1812,10 +1595,19 @@ class SchedulerState:
             fields["rejected"] = 1
         return fields
 
-    def _erred_msg(self, ts: TaskState) -> dict[str, Any]:
-        msg = {"op": "task-erred", "key": ts.key, **self._erred_fields(ts)}
-        if ts.rejected:
-            msg["rejected"] = True
+    def _erred_msg(self, ts: TaskState) -> KeyErred:
+        msg = KeyErred(
+            ts.key,
+            exception=ts.exception or b"",
+            traceback=ts.traceback or b"",
+            exception_text=ts.exception_text,
+            traceback_text=ts.traceback_text,
+            erred_on=ts.erred_on or "",
+            exception_blame=ts.exception_blame or "",
+            rejected=ts.rejected,
+        )
+        if ts.killed:
+            msg.killed, msg.suspicious, msg.deaths = ts.killed, ts.suspicious, _pack(ts.deaths)
         return msg
 
     # ------------------------------------------------------------------ validation

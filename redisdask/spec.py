@@ -16,6 +16,7 @@ The scheduler never unpickles a spec: to it the spec is opaque bytes, the graph 
 from __future__ import annotations
 
 import contextvars
+import graphlib
 import hashlib
 import heapq
 from collections.abc import Callable, Hashable, Mapping
@@ -212,29 +213,31 @@ def run_spec(spec: bytes, data: Mapping[str, Any], functions: FunctionCache) -> 
 def toposort(
     tasks: list[dict[str, Any]], rank: Mapping[str, float] | None = None
 ) -> list[dict[str, Any]]:
-    """Tasks (``{"key", "deps", ...}``) with dependencies before dependents: Kahn's
-    algorithm, taking the best-ranked ready task first (the given order without ranks).
-    ``ValueError`` naming a key on a cycle."""
+    """Tasks (``{"key", "deps", ...}``) with dependencies before dependents, taking the
+    best-ranked ready task first (the given order without ranks). ``ValueError`` naming
+    the keys of a cycle. Dependencies outside ``tasks`` are ignored."""
     rank = rank or {}
     position = {t["key"]: i for i, t in enumerate(tasks)}
-    missing = {t["key"]: {d for d in t["deps"] if d in position} for t in tasks}
-    dependents: dict[str, list[str]] = {key: [] for key in position}
-    for key, deps in missing.items():
-        for dep in deps:
-            dependents[dep].append(key)
-    ready = [(rank.get(key, 0), position[key], key) for key, deps in missing.items() if not deps]
-    heapq.heapify(ready)
+    if len(position) < len(tasks):
+        seen: set[str] = set()
+        twice = next(t["key"] for t in tasks if t["key"] in seen or seen.add(t["key"]))
+        raise ValueError(f"the graph names the task {twice!r} twice")
+    sorter = graphlib.TopologicalSorter(
+        {t["key"]: [d for d in t["deps"] if d in position] for t in tasks}
+    )
+    try:
+        sorter.prepare()
+    except graphlib.CycleError as exc:
+        cycle = " -> ".join(repr(key) for key in reversed(exc.args[1]))
+        raise ValueError(f"the graph has a cycle: {cycle}") from None
+    ready: list[tuple[float, int, str]] = []
     order: list[dict[str, Any]] = []
-    while ready:
+    while sorter.is_active():
+        for key in sorter.get_ready():
+            heapq.heappush(ready, (rank.get(key, 0), position[key], key))
         key = heapq.heappop(ready)[2]
         order.append(tasks[position[key]])
-        for dependent in dependents[key]:
-            missing[dependent].discard(key)
-            if not missing[dependent]:
-                heapq.heappush(ready, (rank.get(dependent, 0), position[dependent], dependent))
-    if len(order) < len(tasks):
-        stuck = next(key for key, deps in missing.items() if deps)
-        raise ValueError(f"the graph has a cycle: {stuck!r} depends (indirectly) on itself")
+        sorter.done(key)
     return order
 
 

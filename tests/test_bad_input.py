@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from polling import poll
 
 from redisdask import Client, ClusterConnectionError, Future, SchedulerRejectedError
 from redisdask.comm import encode_message, parse_address
@@ -234,3 +235,23 @@ def test_the_redis_password_is_not_on_any_command_line(cluster_name: str) -> Non
                 assert client.submit(inc, 1).result(timeout=15) == 2
             for proc in cluster.subprocesses:
                 assert "pw-4-test" not in " ".join(psutil.Process(proc.pid).cmdline())
+
+
+def test_malformed_scheduler_messages_are_skipped_by_the_client(
+    redis_url: str, cluster_name: str
+) -> None:
+    """A message on a client's events stream that does not parse is logged and skipped;
+    the messages after it in the same entry still count."""
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    with Client(redis_url, cluster_name=cluster_name) as client:
+        future = client.submit(inc, 1)  # no scheduler here: it stays pending
+        bad = [
+            {"op": "key-in-memory", "key": future.key},  # no who_has
+            {"op": "task-erred", "key": future.key, "exception": "not bytes"},
+            {"op": "no-such-op"},
+            7,
+        ]
+        r.xadd(keys.client_events(client.id), entry([*bad, {"op": "restarted", "by": "x"}]))
+        poll(future.cancelled)
+        assert future.status == "cancelled"

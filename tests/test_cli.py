@@ -63,3 +63,59 @@ def test_unreachable_redis_exits_1_with_a_clear_message(command: list[str]) -> N
     assert result.returncode == 1
     assert f"127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["scheduler", "--lease-ttl", "0"], "scheduler.lease-ttl"),
+        (["scheduler", "--lease-ttl", "nan"], "scheduler.lease-ttl"),
+        (["scheduler", "--lease-ttl", ".inf"], "scheduler.lease-ttl"),
+        (["scheduler", "--allowed-failures", "-1"], "scheduler.allowed-failures"),
+        (["worker", "--nthreads", "0"], "worker.nthreads"),
+        (["worker", "--nthreads", "["], "worker.nthreads"),
+        (["worker", "--port", "99999"], "--port"),
+        (["worker", "--nworkers", "0"], "--nworkers"),
+        (["worker", "--memory-limit", "1e400"], "worker.memory-limit"),
+        (["worker", "--memory-limit", "2"], "2 bytes"),
+        (["worker", "--lifetime", "0"], "--lifetime"),
+        (["inspect", "events", "-n", "-5"], "--count"),
+        (["monitor", "--interval", "inf"], "--interval"),
+        (["demo", "--workers", "0"], "--workers"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag_without_a_traceback(args: list[str], named: str) -> None:
+    """Flags that set a config key go through the config's validation, naming the flag;
+    the others are checked by their argparse types.  Nothing starts, nothing crashes."""
+    result = run(*args, "redis://127.0.0.1:1/0")
+    assert result.returncode == 2, result.stderr
+    assert named in result.stderr
+    assert "Traceback" not in result.stderr
+    if "." in named and not named.startswith("-"):
+        assert "command-line flag --" in result.stderr
+
+
+def test_a_flag_overrides_the_config_and_is_validated_like_it() -> None:
+    """`--allowed-failures 0` is accepted (a valid config value), `-1` refused as the
+    environment variable would be: one validation for both."""
+    env = {"REDISDASK__SCHEDULER__ALLOWED_FAILURES": "-1"}
+    from_env = run("config", "show", env=env)
+    assert from_env.returncode == 2 and "REDISDASK__SCHEDULER__ALLOWED_FAILURES" in from_env.stderr
+    from_flag = run("scheduler", "--allowed-failures", "-1", "redis://127.0.0.1:1/0")
+    assert from_flag.returncode == 2
+    assert "Input should be greater than or equal to 0" in from_env.stderr
+    assert "Input should be greater than or equal to 0" in from_flag.stderr
+
+
+def test_version_has_one_source() -> None:
+    """`redisdask --version`, `redisdask.__version__` and pyproject.toml agree."""
+    import tomllib
+    from pathlib import Path
+
+    import redisdask
+
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    declared = tomllib.loads(pyproject.read_text())["project"]["version"]
+    result = run("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"redisdask {declared}" == f"redisdask {redisdask.__version__}"

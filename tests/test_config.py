@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
+from redisdask import memory
 from redisdask.config import Config, ConfigError, load_config
 
 
@@ -69,12 +71,12 @@ def test_yaml_file_via_env_var(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     write_config(
         tmp_path,
         monkeypatch,
-        "scheduler:\n  allowed-failures: 7\n  worker-ttl: 500ms\n"
+        "scheduler:\n  allowed-failures: 7\n  worker-ttl: 1500ms\n"
         "worker:\n  memory:\n    target: false\n",
     )
     config = load_config()
     assert config.scheduler.allowed_failures == 7
-    assert config.scheduler.worker_ttl == 0.5
+    assert config.scheduler.worker_ttl == 1.5
     assert config.worker.memory.target is False
     assert config.worker.memory.spill == 0.70
 
@@ -182,3 +184,30 @@ def test_assignment_is_validated() -> None:
     config = load_config()
     with pytest.raises(ValueError):
         config.scheduler.worker_ttl = -1.0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"scheduler.lease-ttl": float("inf")}, "scheduler.lease-ttl"),
+        ({"scheduler.worker-ttl": float("nan")}, "scheduler.worker-ttl"),
+        ({"worker.heartbeat-interval": 3}, "worker.heartbeat-interval (3.0s) must be shorter"),
+        ({"client.heartbeat-interval": "1 minute"}, "client.heartbeat-interval (60.0s)"),
+        ({"worker.memory.pause": 0.5}, "pause (0.5) is below spill (0.7)"),
+        ({"worker.memory.spill": 0.99}, "pause (0.8) is below spill (0.99)"),
+        ({"worker.memory-limit": 2}, "2 bytes"),
+        ({"worker.memory-limit": "1e400"}, "finite"),
+    ],
+)
+def test_settings_that_cannot_work_are_refused_at_start(
+    overrides: dict[str, object], named: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(named)) as info:
+        load_config(overrides)
+    assert "keyword override" in str(info.value)
+
+
+def test_marks_may_be_switched_off_and_a_limit_of_one_is_all_memory() -> None:
+    config = load_config({"worker.memory.spill": False, "worker.memory.pause": 0.65})
+    assert config.worker.memory.spill is False
+    assert memory.memory_limit(1, 1) == memory.memory_limit(1.0, 1) > 2**20

@@ -12,6 +12,7 @@ from polling import poll
 
 from redisdask import Client, LocalCluster
 from redisdask.errors import FencedError
+from redisdask.protocol import FreeKeys, KeysRecorded
 from redisdask.scheduler import Scheduler
 from redisdask.scheduler_redis import Translator, load_state, rejected_graphs
 from redisdask.scheduler_state import Forget, StoreTask, WorkerMsg
@@ -70,10 +71,10 @@ def test_a_workers_messages_keep_their_order_when_free_keys_are_merged(
     w = "tcp://10.0.0.1:1"
     cmds = Translator(keys).to_commands(
         [
-            WorkerMsg("s", w, {"op": "free-keys", "keys": ["a"]}),
-            WorkerMsg("s", w, {"op": "free-keys", "keys": ["d"]}),
-            WorkerMsg("s", w, {"op": "keys-recorded", "keys": ["d"]}),
-            WorkerMsg("s", w, {"op": "free-keys", "keys": ["b"]}),
+            WorkerMsg("s", w, FreeKeys(["a"])),
+            WorkerMsg("s", w, FreeKeys(["d"])),
+            WorkerMsg("s", w, KeysRecorded(["d"])),
+            WorkerMsg("s", w, FreeKeys(["b"])),
         ]
     )
     (xadd,) = [c for c in cmds if c[0] == "XADD" and c[1] == keys.worker_inbox(w)]
@@ -244,7 +245,7 @@ def test_an_entry_that_crashes_the_state_machine_is_dead_lettered(
 ) -> None:
     """Fault injection in our own state machine (a stand-in for a bug): the batch is
     retried entry by entry, the bad entry dead-lettered, the good ones applied."""
-    from redisdask.scheduler_state import SchedulerState
+    from redisdask.scheduler_state import SchedulerState, UpdateGraph
 
     original = SchedulerState._handle_update_graph
 
@@ -253,7 +254,8 @@ def test_an_entry_that_crashes_the_state_machine_is_dead_lettered(
             raise RuntimeError("injected bug")
         return original(self, ev)
 
-    monkeypatch.setattr(SchedulerState, "_handle_update_graph", buggy)
+    # handlers are chosen by event type, from the class's table
+    monkeypatch.setitem(SchedulerState._HANDLERS, UpdateGraph, buggy)
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cluster_name)
     ensure_cluster(r, keys)

@@ -10,9 +10,10 @@ from typing import Any
 import msgpack
 import pytest
 
+from redisdask.protocol import AddKeys, Event, MissingData, ReleasedKeys, TaskErred, TaskFinished
+from redisdask.state_machine import InvalidTransition, table_problems
 from redisdask.workers.state import (
     AcquireReplicasEvent,
-    AddKeysMsg,
     ComputeTaskEvent,
     Execute,
     ExecuteFailureEvent,
@@ -22,16 +23,12 @@ from redisdask.workers.state import (
     GatherDepNetworkFailureEvent,
     GatherDepSuccessEvent,
     Instruction,
-    InvalidTransition,
     KeysRecordedEvent,
-    MissingDataMsg,
     PauseEvent,
     PutDataEvent,
-    ReleasedKeysMsg,
+    Report,
     RetireEvent,
     StateMachineEvent,
-    TaskErredMsg,
-    TaskFinishedMsg,
     UnpauseEvent,
     UpdateWhoHasEvent,
     WorkerState,
@@ -70,6 +67,20 @@ def failure(key: str) -> ExecuteFailureEvent:
     )
 
 
+def finished(key: str, score: float = 0.0) -> TaskFinished:
+    """What the worker reports for ``success(key)`` of ``compute(key)``."""
+    return TaskFinished(
+        SELF,
+        key,
+        nbytes=28,
+        type="int",
+        start=1.0,
+        stop=1.5,
+        score=score,
+        stimulus_id=f"done-{key}",
+    )
+
+
 def of(instructions: list[Instruction], cls: type) -> list[Any]:
     return [i for i in instructions if isinstance(i, cls)]
 
@@ -79,7 +90,7 @@ def test_task_without_dependencies() -> None:
     assert ws.handle_stimulus(compute("x")) == [Execute("x", "compute-x")]
     assert ws.tasks["x"].state == "executing"
     out = ws.handle_stimulus(success("x", value=42))
-    assert out == [TaskFinishedMsg("x", 28, "int", 1.0, 1.5, "done-x")]
+    assert out == [finished("x")]
     assert ws.data == {"x": 42}
     assert ws.tasks["x"].state == "memory"
     assert [s[1:3] for s in ws.stories("x")] == [
@@ -183,7 +194,7 @@ def test_network_failure_retries_other_holder() -> None:
     assert first not in ws.tasks["a"].who_has
     assert not ws.has_what.get(first)
     if first == A:  # b had no other holder
-        assert of(out, MissingDataMsg) == [MissingDataMsg(["b"], A, "nf")]
+        assert of(out, MissingData) == [MissingData(SELF, ["b"], errant_worker=A, stimulus_id="nf")]
     assert of(out, GatherDep)[0].worker == other
     assert "a" in of(out, GatherDep)[0].keys
 
@@ -192,7 +203,7 @@ def test_no_holder_left_then_update_who_has() -> None:
     ws = make()
     ws.handle_stimulus(compute("z", {"a": ([A], 1)}))
     out = ws.handle_stimulus(GatherDepNetworkFailureEvent(A, ["a"], "timeout", "nf"))
-    assert out == [MissingDataMsg(["a"], A, "nf")]
+    assert out == [MissingData(SELF, ["a"], errant_worker=A, stimulus_id="nf")]
     assert ws.tasks["a"].state == "missing"
     assert ws.handle_stimulus(UpdateWhoHasEvent({"a": []}, "w0")) == []
     out = ws.handle_stimulus(UpdateWhoHasEvent({"a": [B]}, "w1"))
@@ -204,7 +215,7 @@ def test_no_holder_left_then_update_who_has() -> None:
 def test_dependency_without_any_holder_is_missing_at_once() -> None:
     ws = make()
     out = ws.handle_stimulus(compute("z", {"a": ([], 1)}))
-    assert out == [MissingDataMsg(["a"], None, "compute-z")]
+    assert out == [MissingData(SELF, ["a"], stimulus_id="compute-z")]
 
 
 def test_peer_missing_some_keys() -> None:
@@ -212,7 +223,7 @@ def test_peer_missing_some_keys() -> None:
     ws.handle_stimulus(compute("z", {"a": ([A], 1), "b": ([A, B], 1), "c": ([A], 1)}))
     assert ws.in_flight_workers == {A: {"a", "b", "c"}}
     out = ws.handle_stimulus(GatherDepSuccessEvent(A, {"a": 1}, {"a": 1}, "g"))
-    assert of(out, MissingDataMsg) == [MissingDataMsg(["c"], A, "g")]
+    assert of(out, MissingData) == [MissingData(SELF, ["c"], errant_worker=A, stimulus_id="g")]
     assert of(out, GatherDep) == [GatherDep(B, {"b"}, 1, "g")]
     assert ws.tasks["a"].state == "memory"
     assert ws.tasks["c"].state == "missing"
@@ -226,7 +237,7 @@ def test_free_keys_of_executing_task_cancels_it() -> None:
     assert ws.tasks["x"].state == "cancelled"
     assert ws.claim_budget() == 0  # the thread is still busy
     out = ws.handle_stimulus(success("x"))
-    assert out == [ReleasedKeysMsg(["x"], "done-x")]
+    assert out == [ReleasedKeys(SELF, ["x"], stimulus_id="done-x")]
     assert "x" not in ws.data and "x" not in ws.tasks
 
 
@@ -242,7 +253,9 @@ def test_strays_freed_after_a_resync_are_all_dropped() -> None:
     ]
     assert ws.handle_stimulus(FreeKeysEvent(["held", "runs", "queued"], "free")) == []
     assert set(ws.tasks) == {"runs"} and ws.tasks["runs"].state == "cancelled" and not ws.data
-    assert ws.handle_stimulus(success("runs")) == [ReleasedKeysMsg(["runs"], "done-runs")]
+    assert ws.handle_stimulus(success("runs")) == [
+        ReleasedKeys(SELF, ["runs"], stimulus_id="done-runs")
+    ]
     assert ws.tasks == {}
 
 
@@ -252,7 +265,7 @@ def test_cancelled_task_claimed_again_resumes() -> None:
     ws.handle_stimulus(FreeKeysEvent(["x"], "free"))
     assert ws.handle_stimulus(compute("x")) == []  # still running: no second Execute
     assert ws.tasks["x"].state == "executing"
-    assert of(ws.handle_stimulus(success("x")), TaskFinishedMsg)
+    assert of(ws.handle_stimulus(success("x")), TaskFinished)
 
 
 @pytest.mark.parametrize("outcome", ["success", "failure", "failure-no-holder"])
@@ -265,14 +278,14 @@ def test_cancelled_task_needed_as_dependency(outcome: str) -> None:
     assert ws.tasks["d"].state == "cancelled" and ws.tasks["z"].state == "waiting"
     if outcome == "success":
         out = ws.handle_stimulus(success("d"))
-        assert out == [Execute("z", "done-d")]  # no TaskFinishedMsg: d is not wanted
+        assert out == [Execute("z", "done-d")]  # no TaskFinished: d is not wanted
         assert ws.tasks["d"].state == "memory"
     elif outcome == "failure":
         out = ws.handle_stimulus(failure("d"))
         assert out == [GatherDep(A, {"d"}, 1, "err-d")]  # computing failed: fetch it
     else:
         out = ws.handle_stimulus(failure("d"))
-        assert out == [MissingDataMsg(["d"], None, "err-d")]
+        assert out == [MissingData(SELF, ["d"], stimulus_id="err-d")]
 
 
 def test_free_keys_releases_unneeded_dependencies() -> None:
@@ -303,7 +316,16 @@ def test_execute_failure() -> None:
     ws.handle_stimulus(compute("x"))
     out = ws.handle_stimulus(failure("x"))
     assert out == [
-        TaskErredMsg("x", b"exc", b"tb", "ZeroDivisionError()", "Traceback...", 1.0, 2.0, "err-x")
+        TaskErred(
+            SELF,
+            "x",
+            exception=b"exc",
+            traceback=b"tb",
+            exception_text="ZeroDivisionError()",
+            traceback_text="Traceback...",
+            score=0.0,
+            stimulus_id="err-x",
+        )
     ]
     assert ws.tasks["x"].state == "error" and "x" not in ws.data
     ws.handle_stimulus(FreeKeysEvent(["x"], "free"))
@@ -313,7 +335,7 @@ def test_execute_failure() -> None:
 def test_put_data() -> None:
     ws = make()
     out = ws.handle_stimulus(PutDataEvent({"p": [1, 2]}, {"p": 80}, "scatter"))
-    assert out == [AddKeysMsg(["p"], {"p": 80}, "scatter")]
+    assert out == [AddKeys(SELF, ["p"], {"p": 80}, stimulus_id="scatter")]
     assert ws.data == {"p": [1, 2]} and ws.tasks["p"].state == "memory"
     assert ws.handle_stimulus(KeysRecordedEvent(["p"], "recorded")) == []
     ws.handle_stimulus(FreeKeysEvent(["p"], "free"))
@@ -374,14 +396,14 @@ def test_retire_hands_back_what_has_not_started_and_keeps_the_rest() -> None:
     ws.handle_stimulus(compute("running"), compute("queued"), compute("z", {"a": ([A], 1)}))
     ws.handle_stimulus(PutDataEvent({"held": 1}, {"held": 8}, "put"))
     out = ws.handle_stimulus(RetireEvent("retire"))
-    assert of(out, ReleasedKeysMsg) == [ReleasedKeysMsg(["queued", "z"], "retire")]
+    assert of(out, ReleasedKeys) == [ReleasedKeys(SELF, ["queued", "z"], stimulus_id="retire")]
     assert set(ws.tasks) == {"running", "held", "a"}  # "a" is in flight: cancelled
     assert ws.tasks["a"].state == "cancelled" and ws.claim_budget() == 0
     # a claim that crossed the retirement goes back too; what runs finishes here
-    assert ws.handle_stimulus(compute("late")) == [ReleasedKeysMsg(["late"], "compute-late")]
-    assert ws.handle_stimulus(success("running")) == [
-        TaskFinishedMsg("running", 28, "int", 1.0, 1.5, "done-running")
+    assert ws.handle_stimulus(compute("late")) == [
+        ReleasedKeys(SELF, ["late"], stimulus_id="compute-late")
     ]
+    assert ws.handle_stimulus(success("running")) == [finished("running")]
     assert set(ws.data) == {"running", "held"}
 
 
@@ -391,7 +413,7 @@ def test_acquire_replicas_of_a_key_that_erred_or_went_missing_here_fetches_it() 
     out = ws.handle_stimulus(AcquireReplicasEvent({"x": [A]}, "acq"))
     assert [g.keys for g in of(out, GatherDep)] == [{"x"}]
     out = ws.handle_stimulus(GatherDepSuccessEvent(A, {"x": 1}, {"x": 8}, "g"))
-    assert out == [AddKeysMsg(["x"], {"x": 8}, "g")]
+    assert out == [AddKeys(SELF, ["x"], {"x": 8}, stimulus_id="g")]
     ws.handle_stimulus(compute("z", {"m": ([B], 8)}))
     ws.handle_stimulus(GatherDepNetworkFailureEvent(B, ["m"], "down", "nf"))
     assert ws.tasks["m"].state == "missing"
@@ -407,12 +429,12 @@ def test_a_key_in_error_claimed_again_is_a_new_run_not_the_old_error() -> None:
     assert ws.tasks["x"].state == "error"
     for priority in ((5.0,), (9.0,)):  # the retry, then a later submission
         out = ws.handle_stimulus(compute("x", priority=priority))
-        assert out == [Execute("x", "compute-x")] and not of(out, TaskErredMsg)
+        assert out == [Execute("x", "compute-x")] and not of(out, TaskErred)
         assert ws.tasks["x"].error is None and ws.tasks["x"].priority == priority
         out = ws.handle_stimulus(failure("x"))
-        assert [m.key for m in of(out, TaskErredMsg)] == ["x"]
+        assert [m.key for m in of(out, TaskErred)] == ["x"]
     out = ws.handle_stimulus(compute("x"), success("x", value=7))
-    assert of(out, TaskFinishedMsg) and ws.data == {"x": 7}
+    assert of(out, TaskFinished) and ws.data == {"x": 7}
 
 
 def test_a_key_in_error_claimed_again_with_dependencies_fetches_them_first() -> None:
@@ -434,10 +456,10 @@ def test_a_dependent_of_a_key_that_erred_here_fetches_the_result_held_elsewhere(
     out = ws.handle_stimulus(GatherDepSuccessEvent(A, {"x": 1}, {"x": 8}, "g"))
     assert out == [Execute("y", "g")]  # no task-finished/erred for x: it is A's
     out = ws.handle_stimulus(success("y"))
-    assert [m.key for m in of(out, TaskFinishedMsg)] == ["y"] and set(ws.tasks) == {"y"}
+    assert [m.key for m in of(out, TaskFinished)] == ["y"] and set(ws.tasks) == {"y"}
     ws.handle_stimulus(compute("z"), failure("z"))
     out = ws.handle_stimulus(compute("w", {"z": ([], 8)}))  # no holder known yet
-    assert ws.tasks["z"].state == "missing" and of(out, MissingDataMsg)
+    assert ws.tasks["z"].state == "missing" and of(out, MissingData)
 
 
 def test_a_freed_run_asked_for_as_a_copy_keeps_its_result() -> None:
@@ -446,7 +468,7 @@ def test_a_freed_run_asked_for_as_a_copy_keeps_its_result() -> None:
     assert ws.tasks["x"].state == "cancelled"
     ws.handle_stimulus(AcquireReplicasEvent({"x": [A]}, "acq"))
     out = ws.handle_stimulus(success("x"))
-    assert of(out, AddKeysMsg) == [AddKeysMsg(["x"], {"x": 28}, "done-x")]
+    assert of(out, AddKeys) == [AddKeys(SELF, ["x"], {"x": 28}, stimulus_id="done-x")]
     assert ws.data == {"x": 1}
 
 
@@ -530,10 +552,13 @@ def test_instructions_round_trip() -> None:
     out += ws.handle_stimulus(GatherDepSuccessEvent(A, {"a": 1}, {"a": 1}, "g"))
     out += ws.handle_stimulus(failure("z"))
     out += ws.handle_stimulus(PutDataEvent({"p": 1}, {"p": 1}, "p"), compute("m", {"q": ([], 1)}))
-    assert {type(i) for i in out} == {GatherDep, Execute, TaskErredMsg, AddKeysMsg, MissingDataMsg}
+    assert {type(i) for i in out} == {GatherDep, Execute, TaskErred, AddKeys, MissingData}
     for instruction in out:
         packed = msgpack.unpackb(msgpack.packb(instruction.to_dict()))
-        assert Instruction.from_dict(packed) == instruction
+        if isinstance(instruction, Report):  # a message to the scheduler, as it is sent
+            assert Event.from_dict(packed, instruction.stimulus_id) == instruction
+        else:
+            assert Instruction.from_dict(packed) == instruction
 
 
 def test_recorded_story_replays() -> None:
@@ -563,8 +588,42 @@ def test_invalid_transition() -> None:
         ws.handle_stimulus(success("z"))  # z is waiting, it never ran
     err = info.value
     assert (err.key, err.start, err.finish, err.stimulus_id) == ("z", "waiting", "memory", "done-z")
-    for part in ("'z'", "waiting", "memory", "done-z"):
-        assert part in str(err)
+    assert [entry[:4] for entry in err.story] == [("z", "released", "waiting", "compute-z")]
+    assert "'z': invalid transition waiting -> memory (stimulus done-z)" in str(err)
+    assert str(err.story[0]) in str(err)
+
+
+def test_an_illegal_move_through_the_table_raises_with_the_story() -> None:
+    ws = make()
+    ws.handle_stimulus(compute("x"), success("x"))
+    with pytest.raises(InvalidTransition) as info:
+        ws._transition(ws.tasks["x"], "flight", worker=A, stimulus_id="bad")
+    err = info.value
+    assert (err.key, err.start, err.finish, err.stimulus_id) == ("x", "memory", "flight", "bad")
+    story = [entry[:4] for entry in err.story]
+    assert story == [
+        ("x", "released", "ready", "compute-x"),
+        ("x", "ready", "executing", "compute-x"),
+        ("x", "executing", "memory", "done-x"),
+    ]
+    assert all(str(entry) in str(err) for entry in err.story)
+
+
+def test_the_transition_table_holds_every_transition_method() -> None:
+    assert table_problems(WorkerState) == []
+
+    class WithAnUnregisteredMove(WorkerState):
+        def _transition_memory_flight(self, ts: Any, *, stimulus_id: str) -> None: ...
+
+    assert table_problems(WithAnUnregisteredMove) == [
+        "_transition_memory_flight is not registered in _TRANSITIONS under its own move"
+    ]
+
+
+def test_every_event_type_has_its_handler() -> None:
+    assert set(WorkerState._HANDLERS) == set(StateMachineEvent.__subclasses__())
+    handlers = {n for n in dir(WorkerState) if n.startswith("_handle_")}
+    assert {f.__name__ for f in WorkerState._HANDLERS.values()} == handlers
 
 
 def test_validate_state_catches_corruption() -> None:
@@ -719,7 +778,7 @@ def test_a_dependency_being_fetched_is_computed_here_when_claimed():
     assert [i.key for i in out if isinstance(i, Execute)] == ["x"]
     out = ws.handle_stimulus(ExecuteSuccessEvent("x", 1, 8, "int", 0.0, 0.1, "done-x"))
     assert [i.key for i in out if isinstance(i, Execute)] == ["y"]
-    assert [i.key for i in out if isinstance(i, TaskFinishedMsg)] == ["x"]
+    assert [i.key for i in out if isinstance(i, TaskFinished)] == ["x"]
 
 
 def test_a_dependency_in_flight_is_computed_here_if_the_transfer_fails():

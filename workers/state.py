@@ -1,13 +1,17 @@
 """The worker's task state machine: pure, synchronous, sans-I/O.
 
-``WorkerState.handle_stimulus(*events) -> list[Instruction]`` is the only entry point
-that changes state.  It never touches a socket, Redis, a thread or a clock: the async
-driver feeds it *events* (something happened: a task was claimed, a computation
+``WorkerState.handle_stimulus(*events) -> list[Instruction | Report]`` is the only entry
+point that changes state.  It never touches a socket, Redis, a thread or a clock: the
+async driver feeds it *events* (something happened: a task was claimed, a computation
 finished, a peer answered) and carries out the *instructions* it returns (run a task,
-fetch data from a peer, tell the scheduler something).  Every timestamp comes from an
-event, so a recorded sequence of events replays to the same instructions, and the whole
-machine can be unit-tested in microseconds.  Modelled on Dask's
-``distributed/worker_state_machine.py``, much reduced.
+fetch data from a peer) and sends the *reports* (``redisdask.protocol`` messages to the
+scheduler: a task finished or erred, data missing, keys added or released).  Every
+timestamp comes from an event, so a recorded sequence of events replays to the same
+instructions, and the whole machine can be unit-tested in microseconds.  Modelled on Dask's
+``distributed/worker_state_machine.py``, much reduced, and written in the idiom it shares
+with the scheduler's machine (``redisdask.state_machine``): handlers chosen by event type
+(``_HANDLERS``), the legal moves in one table (``_TRANSITIONS``), ``stimulus_id``
+keyword-only and last in every transition, and a story of every state change.
 
 Task states and the transitions implemented here::
 
@@ -39,8 +43,8 @@ Task states and the transitions implemented here::
   once (removed from ``tasks`` and its value from ``data``).
 * ``cancelled``: the scheduler freed a task whose computation (or fetch) is still under
   way.  It keeps its thread (or peer) until the result arrives; the result is then
-  dropped (``ReleasedKeysMsg`` for a computation) unless the task was wanted again.
-* ``missing``: no known holder; ``MissingDataMsg`` asks the scheduler, whose answer comes
+  dropped (``ReleasedKeys`` for a computation) unless the task was wanted again.
+* ``missing``: no known holder; ``MissingData`` asks the scheduler, whose answer comes
   back as ``UpdateWhoHasEvent``.
 * Scattered data (``PutDataEvent``) comes straight from a client over TCP, while
   ``free-keys`` come from the scheduler through the inbox, so a ``free-keys`` sent for an
@@ -64,10 +68,12 @@ import random
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field, fields
-from functools import partialmethod
 from typing import Any, ClassVar
 
 from redisdask.comm import MAX_KEYS_PER_MESSAGE
+from redisdask.errors import RedisDaskError
+from redisdask.protocol import NO_SCORE, AddKeys, MissingData, ReleasedKeys, TaskErred, TaskFinished
+from redisdask.state_machine import InvalidTransition
 
 STATES: frozenset[str] = frozenset(
     {
@@ -83,15 +89,7 @@ PREFETCH_BELOW = 0.1  # seconds: tasks shorter on average are claimed ahead of a
 EWMA_ALPHA = 0.2
 
 
-class InvalidTransition(Exception):
-    """A stimulus asked a task to move along an edge the state machine does not have."""
-
-    def __init__(self, key: str, start: str, finish: str, stimulus_id: str) -> None:
-        self.key, self.start, self.finish, self.stimulus_id = key, start, finish, stimulus_id
-        super().__init__(f"{key!r}: invalid transition {start} -> {finish} ({stimulus_id})")
-
-
-class InvalidTaskState(AssertionError):
+class InvalidTaskState(RedisDaskError, AssertionError):
     """``validate_state`` found a broken invariant."""
 
 
@@ -177,7 +175,7 @@ class ExecuteSuccessEvent(StateMachineEvent):
     key: str
     value: object
     nbytes: int
-    type_name: str
+    type: str
     start: float
     stop: float
     stimulus_id: str
@@ -300,48 +298,9 @@ class GatherDep(Instruction):
         return kwargs
 
 
-@dataclass(slots=True)
-class TaskFinishedMsg(Instruction):
-    key: str
-    nbytes: int
-    type_name: str
-    start: float
-    stop: float
-    stimulus_id: str
-
-
-@dataclass(slots=True)
-class TaskErredMsg(Instruction):
-    key: str
-    exception: bytes
-    traceback: bytes | None
-    exception_text: str
-    traceback_text: str
-    start: float
-    stop: float
-    stimulus_id: str
-
-
-@dataclass(slots=True)
-class MissingDataMsg(Instruction):
-    """``keys`` have no known holder left; ``worker`` is the peer that failed, if any."""
-
-    keys: list[str]
-    worker: str | None
-    stimulus_id: str
-
-
-@dataclass(slots=True)
-class AddKeysMsg(Instruction):
-    keys: list[str]
-    nbytes: dict[str, int]
-    stimulus_id: str
-
-
-@dataclass(slots=True)
-class ReleasedKeysMsg(Instruction):
-    keys: list[str]
-    stimulus_id: str
+# What the machine tells the scheduler: the protocol's worker -> scheduler messages
+# themselves, which the driver sends as they are (one definition of each field).
+Report = TaskFinished | TaskErred | MissingData | AddKeys | ReleasedKeys
 
 
 # ---------------------------------------------------------------------------------------
@@ -363,16 +322,22 @@ class TaskState:
     coming_from: str | None = None  # peer of the GatherDep in flight
     previous: str | None = None  # state before `cancelled`: executing or flight
     nbytes: int | None = None
-    type_name: str | None = None
+    type: str | None = None  # the result's type name
     start: float | None = None
     stop: float | None = None
     error: ExecuteFailureEvent | None = None
     deferred: ComputeTaskEvent | None = None  # claimed while in flight
-    replica: bool = False  # fetched to be kept as a copy, reported with AddKeysMsg
+    replica: bool = False  # fetched to be kept as a copy, reported with AddKeys
     unrecorded: int = 0  # copies put here (scatter) that the scheduler has not recorded yet
 
     def __repr__(self) -> str:
         return f"<TaskState {self.key!r} {self.state}>"
+
+
+def _run_score(ts: TaskState) -> float:
+    """Which run of its key a report answers: the score of the claim that ran (the first
+    item of the priority the claim gave), for the scheduler to tell a late result."""
+    return float(ts.priority[0]) if ts.priority else NO_SCORE
 
 
 def _host(address: str) -> str:
@@ -430,30 +395,10 @@ class WorkerState:
 
         self._ready_heap: list[tuple[tuple[Any, ...], int, TaskState]] = []
         self._seq = 0
-        self._instructions: list[Instruction] = []
+        self._instructions: list[Instruction | Report] = []
         self._newly_missing: list[str] = []
         self._event_time: float | None = None
         self.clock: float | None = None  # the driver's wall time of the current stimuli
-        self._handlers: dict[type, Callable[[Any], None]] = {
-            ComputeTaskEvent: self._handle_compute,
-            ExecuteSuccessEvent: self._handle_execute_success,
-            ExecuteFailureEvent: self._handle_execute_failure,
-            GatherDepSuccessEvent: self._handle_gather_success,
-            GatherDepNetworkFailureEvent: self._handle_gather_network_failure,
-            UpdateWhoHasEvent: self._handle_update_who_has,
-            FreeKeysEvent: self._handle_free_keys,
-            KeysRecordedEvent: self._handle_keys_recorded,
-            PutDataEvent: self._handle_put_data,
-            AcquireReplicasEvent: self._handle_acquire_replicas,
-            PauseEvent: self._handle_pause,
-            UnpauseEvent: self._handle_unpause,
-            RetireEvent: self._handle_retire,
-        }
-        self._transitions: dict[tuple[str, str], Callable[..., None]] = {}
-        for name in dir(type(self)):
-            if name.startswith("_transition_"):
-                start, _, finish = name.removeprefix("_transition_").partition("_")
-                self._transitions[start, finish.replace("_", "-")] = getattr(self, name)
 
         for key in list(self.data):  # pre-existing data (e.g. a persistent spill buffer)
             ts = self.tasks[key] = TaskState(key, state="memory", wanted=True)
@@ -461,18 +406,26 @@ class WorkerState:
 
     # -- public API ------------------------------------------------------------------
 
-    def handle_stimulus(self, *events: StateMachineEvent) -> list[Instruction]:
+    def handle_stimulus(self, *events: StateMachineEvent) -> list[Instruction | Report]:
         """Apply events in order; return the instructions for the driver to carry out."""
         self._instructions = out = []
         for ev in events:
             self.stimulus_log.append(ev)
             self._event_time = getattr(ev, "stop", None) or self.clock
-            self._handlers[type(ev)](ev)
+            self._HANDLERS[type(ev)](self, ev)
             self._ensure_computing(ev.stimulus_id)
             self._ensure_communicating(ev.stimulus_id)
             if self._newly_missing:
                 worker = getattr(ev, "worker", None)
-                self._emit(MissingDataMsg(sorted(self._newly_missing), worker, ev.stimulus_id))
+                missing = sorted(self._newly_missing)
+                self._emit(
+                    MissingData(
+                        self.address,
+                        missing,
+                        errant_worker=worker or "",
+                        stimulus_id=ev.stimulus_id,
+                    )
+                )
                 self._newly_missing = []
             if self.validate:
                 self.validate_state()
@@ -520,7 +473,7 @@ class WorkerState:
         if self.retiring and (known is None or known.state in ("fetch", "missing")):
             # a claim that crossed the retirement, or one whose transfer here failed: hand
             # it back (what runs, is fetched or is held here already is answered as usual)
-            self._emit(ReleasedKeysMsg([ev.key], sid))
+            self._emit(ReleasedKeys(self.address, [ev.key], stimulus_id=sid))
             if known is not None:
                 known.wanted = False
                 self._release_if_unneeded(known, sid)
@@ -542,7 +495,7 @@ class WorkerState:
         # fetch or missing: its data was lost elsewhere and the scheduler asks this worker
         # to compute it: stop waiting for a transfer and set it up like any claimed task
         if ts.state == "cancelled":  # freed while running, now claimed again: resume
-            self._transition(ts, ts.previous or "executing", sid)
+            self._transition(ts, ts.previous or "executing", stimulus_id=sid)
             return
         for dep_key, (who_has, nbytes) in ev.dependencies.items():
             dep = self._ensure_task(dep_key)
@@ -559,25 +512,27 @@ class WorkerState:
             if dep.state != "memory":
                 self._add_who_has(dep, who_has)
             if dep.state in ("released", "error"):
-                self._transition(dep, "fetch" if dep.who_has else "missing", sid)
+                self._transition(dep, "fetch" if dep.who_has else "missing", stimulus_id=sid)
             elif dep.state == "missing" and dep.who_has:
-                self._transition(dep, "fetch", sid)
+                self._transition(dep, "fetch", stimulus_id=sid)
             elif dep.state == "cancelled" and dep.previous == "flight":
-                self._transition(dep, "flight", sid)
+                self._transition(dep, "flight", stimulus_id=sid)
             if dep.state != "memory":
                 ts.waiting_for_data.add(dep)
-        self._transition(ts, "waiting" if ts.waiting_for_data else "ready", sid)
+        self._transition(ts, "waiting" if ts.waiting_for_data else "ready", stimulus_id=sid)
 
     def _handle_execute_success(self, ev: ExecuteSuccessEvent) -> None:
         ts = self._finished_execution(ev.key, ev.start, ev.stop, "memory", ev.stimulus_id)
         if ts is None:
             return
-        ts.type_name, ts.start, ts.stop = ev.type_name, ev.start, ev.stop
+        ts.type, ts.start, ts.stop = ev.type, ev.start, ev.stop
         if ts.state == "executing" or ts.dependents or ts.replica:
-            self._transition(ts, "memory", ev.stimulus_id, value=ev.value, nbytes=ev.nbytes)
+            self._transition(
+                ts, "memory", value=ev.value, nbytes=ev.nbytes, stimulus_id=ev.stimulus_id
+            )
         else:  # cancelled and nobody wants it: drop the result
-            self._transition(ts, "released", ev.stimulus_id)
-            self._emit(ReleasedKeysMsg([ev.key], ev.stimulus_id))
+            self._transition(ts, "released", stimulus_id=ev.stimulus_id)
+            self._emit(ReleasedKeys(self.address, [ev.key], stimulus_id=ev.stimulus_id))
 
     def _handle_execute_failure(self, ev: ExecuteFailureEvent) -> None:
         ts = self._finished_execution(ev.key, ev.start, ev.stop, "error", ev.stimulus_id)
@@ -585,12 +540,12 @@ class WorkerState:
             return
         ts.start, ts.stop = ev.start, ev.stop
         if ts.state == "executing":
-            self._transition(ts, "error", ev.stimulus_id, error=ev)
+            self._transition(ts, "error", error=ev, stimulus_id=ev.stimulus_id)
         elif ts.dependents:  # cancelled, but needed here: fetch it from elsewhere
             self._after_failed_fetch(ts, ev.stimulus_id)
         else:
-            self._transition(ts, "released", ev.stimulus_id)
-            self._emit(ReleasedKeysMsg([ev.key], ev.stimulus_id))
+            self._transition(ts, "released", stimulus_id=ev.stimulus_id)
+            self._emit(ReleasedKeys(self.address, [ev.key], stimulus_id=ev.stimulus_id))
 
     def _finished_execution(
         self, key: str, start: float, stop: float, finish: str, sid: str
@@ -604,7 +559,7 @@ class WorkerState:
             return None
         if ts.state == "executing" or (ts.state == "cancelled" and ts.previous == "executing"):
             return ts
-        raise InvalidTransition(key, ts.state, finish, sid)
+        raise InvalidTransition(key, ts.state, finish, sid, self.stories(key))
 
     def _handle_gather_success(self, ev: GatherDepSuccessEvent) -> None:
         sid = ev.stimulus_id
@@ -617,9 +572,9 @@ class WorkerState:
                 self._after_failed_fetch(ts, sid)
             elif ts.state == "flight" or ts.dependents:
                 nbytes = ev.nbytes.get(key, ts.nbytes or 0)
-                self._transition(ts, "memory", sid, value=ev.data[key], nbytes=nbytes)
+                self._transition(ts, "memory", value=ev.data[key], nbytes=nbytes, stimulus_id=sid)
             else:
-                self._transition(ts, "released", sid)
+                self._transition(ts, "released", stimulus_id=sid)
 
     def _handle_gather_network_failure(self, ev: GatherDepNetworkFailureEvent) -> None:
         sid = ev.stimulus_id
@@ -634,7 +589,7 @@ class WorkerState:
         for key in held:
             ts = self.tasks.get(key)  # may have been released meanwhile
             if ts is not None and ts.state == "fetch" and not ts.who_has:
-                self._transition(ts, "missing", sid)
+                self._transition(ts, "missing", stimulus_id=sid)
 
     def _handle_update_who_has(self, ev: UpdateWhoHasEvent) -> None:
         for key, workers in ev.who_has.items():
@@ -645,9 +600,9 @@ class WorkerState:
                 self._forget_holder(ts, worker)
             self._add_who_has(ts, workers)
             if ts.state == "missing" and ts.who_has:
-                self._transition(ts, "fetch", ev.stimulus_id)
+                self._transition(ts, "fetch", stimulus_id=ev.stimulus_id)
             elif ts.state == "fetch" and not ts.who_has:
-                self._transition(ts, "missing", ev.stimulus_id)
+                self._transition(ts, "missing", stimulus_id=ev.stimulus_id)
 
     def _handle_free_keys(self, ev: FreeKeysEvent) -> None:
         for key in ev.keys:
@@ -671,13 +626,17 @@ class WorkerState:
                 self.data[key] = value
                 ts.nbytes = nbytes
             else:
-                ts.wanted = False  # no TaskFinishedMsg: AddKeysMsg below says it all
-                self._transition(ts, "memory", ev.stimulus_id, value=value, nbytes=nbytes)
+                ts.wanted = False  # no TaskFinished: AddKeys below says it all
+                self._transition(
+                    ts, "memory", value=value, nbytes=nbytes, stimulus_id=ev.stimulus_id
+                )
             ts.wanted = True
             ts.unrecorded += 1  # until the scheduler's keys-recorded for this copy
             accepted[key] = nbytes
         if accepted:
-            self._emit(AddKeysMsg(sorted(accepted), accepted, ev.stimulus_id))
+            self._emit(
+                AddKeys(self.address, sorted(accepted), accepted, stimulus_id=ev.stimulus_id)
+            )
 
     def _handle_keys_recorded(self, ev: KeysRecordedEvent) -> None:
         for key in ev.keys:
@@ -698,9 +657,11 @@ class WorkerState:
             ts.replica = True
             self._add_who_has(ts, who_has)
             if ts.state in ("released", "error") or (ts.state == "missing" and ts.who_has):
-                self._transition(ts, "fetch" if ts.who_has else "missing", ev.stimulus_id)
+                self._transition(
+                    ts, "fetch" if ts.who_has else "missing", stimulus_id=ev.stimulus_id
+                )
         if held:
-            self._emit(AddKeysMsg(sorted(held), held, ev.stimulus_id))
+            self._emit(AddKeys(self.address, sorted(held), held, stimulus_id=ev.stimulus_id))
 
     def _handle_retire(self, ev: RetireEvent) -> None:
         self.retiring = True
@@ -711,13 +672,30 @@ class WorkerState:
                 handed_back.append(ts.key)
                 self._release_if_unneeded(ts, ev.stimulus_id)
         if handed_back:
-            self._emit(ReleasedKeysMsg(handed_back, ev.stimulus_id))
+            self._emit(ReleasedKeys(self.address, handed_back, stimulus_id=ev.stimulus_id))
 
     def _handle_pause(self, ev: PauseEvent) -> None:
         self.paused = True
 
     def _handle_unpause(self, ev: UnpauseEvent) -> None:
         self.paused = False
+
+    # the handler of each event type (``handle_stimulus`` looks it up by ``type(event)``)
+    _HANDLERS: ClassVar[dict[type[StateMachineEvent], Callable[[WorkerState, Any], None]]] = {
+        ComputeTaskEvent: _handle_compute,
+        ExecuteSuccessEvent: _handle_execute_success,
+        ExecuteFailureEvent: _handle_execute_failure,
+        GatherDepSuccessEvent: _handle_gather_success,
+        GatherDepNetworkFailureEvent: _handle_gather_network_failure,
+        UpdateWhoHasEvent: _handle_update_who_has,
+        FreeKeysEvent: _handle_free_keys,
+        KeysRecordedEvent: _handle_keys_recorded,
+        PutDataEvent: _handle_put_data,
+        AcquireReplicasEvent: _handle_acquire_replicas,
+        PauseEvent: _handle_pause,
+        UnpauseEvent: _handle_unpause,
+        RetireEvent: _handle_retire,
+    }
 
     # -- scheduling policies ---------------------------------------------------------
 
@@ -726,7 +704,7 @@ class WorkerState:
         while not self.paused and heap and len(self.executing) < self.nthreads:
             ts = heapq.heappop(heap)[2]
             if ts.state == "ready":  # else a stale heap entry
-                self._transition(ts, "executing", sid)
+                self._transition(ts, "executing", stimulus_id=sid)
 
     def _ensure_communicating(self, sid: str) -> None:
         """Start GatherDeps, highest priority first, batched per peer."""
@@ -758,16 +736,19 @@ class WorkerState:
                 total += nbytes
             self.in_flight_workers[peer] = {t.key for t in batch}
             for other in batch:
-                self._transition(other, "flight", sid, worker=peer)
+                self._transition(other, "flight", worker=peer, stimulus_id=sid)
             self._emit(GatherDep(peer, {t.key for t in batch}, total, sid))
 
     # -- transitions -----------------------------------------------------------------
 
-    def _transition(self, ts: TaskState, finish: str, sid: str, **kwargs: Any) -> None:
-        method = self._transitions.get((ts.state, finish))
-        if method is None:
-            raise InvalidTransition(ts.key, ts.state, finish, sid)
-        method(ts, sid, **kwargs)
+    def _transition(self, ts: TaskState, finish: str, *, stimulus_id: str, **kwargs: Any) -> None:
+        """Move ``ts`` to ``finish`` along its edge in ``_TRANSITIONS``; a move that is
+        not there raises ``InvalidTransition`` with the key's story."""
+        func = self._TRANSITIONS.get((ts.state, finish))
+        if func is None:
+            story = self.stories(ts.key)
+            raise InvalidTransition(ts.key, ts.state, finish, stimulus_id, story)
+        func(self, ts, stimulus_id=stimulus_id, **kwargs)
 
     def _set_state(self, ts: TaskState, finish: str, sid: str) -> None:
         self.by_state[ts.state].discard(ts)
@@ -776,205 +757,275 @@ class WorkerState:
         if finish != "released":
             self.by_state[finish].add(ts)
 
-    def _transition_released_waiting(self, ts: TaskState, sid: str) -> None:
-        self._set_state(ts, "waiting", sid)
+    def _transition_released_waiting(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._set_state(ts, "waiting", stimulus_id)
 
-    def _transition_released_ready(self, ts: TaskState, sid: str) -> None:
-        self._set_state(ts, "ready", sid)
+    def _transition_released_ready(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._set_state(ts, "ready", stimulus_id)
         self._push_ready(ts)
 
-    def _transition_waiting_ready(self, ts: TaskState, sid: str) -> None:
-        self._set_state(ts, "ready", sid)
+    def _transition_waiting_ready(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._set_state(ts, "ready", stimulus_id)
         self._push_ready(ts)
 
-    def _transition_ready_executing(self, ts: TaskState, sid: str) -> None:
-        self._set_state(ts, "executing", sid)
+    def _transition_ready_executing(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._set_state(ts, "executing", stimulus_id)
         self.executing.add(ts)
-        self._emit(Execute(ts.key, sid))
+        self._emit(Execute(ts.key, stimulus_id))
 
     def _transition_executing_memory(
-        self, ts: TaskState, sid: str, value: object, nbytes: int
+        self, ts: TaskState, value: object, nbytes: int, *, stimulus_id: str
     ) -> None:
         self.executing.discard(ts)
-        self._store(ts, value, nbytes, sid)
-        self._unlink_dependencies(ts, sid)
+        self._store(ts, value, nbytes, stimulus_id)
+        self._unlink_dependencies(ts, stimulus_id)
         if ts.wanted:
-            self._emit_finished(ts, sid)
+            self._emit_finished(ts, stimulus_id)
 
     def _transition_executing_error(
-        self, ts: TaskState, sid: str, error: ExecuteFailureEvent
+        self, ts: TaskState, error: ExecuteFailureEvent, *, stimulus_id: str
     ) -> None:
         self.executing.discard(ts)
         ts.error = error
-        self._set_state(ts, "error", sid)
-        self._unlink_dependencies(ts, sid)
+        self._set_state(ts, "error", stimulus_id)
+        self._unlink_dependencies(ts, stimulus_id)
         if ts.wanted:
-            self._emit_erred(ts, sid)
+            self._emit_erred(ts, stimulus_id)
 
-    def _transition_executing_cancelled(self, ts: TaskState, sid: str) -> None:
+    def _transition_executing_cancelled(self, ts: TaskState, *, stimulus_id: str) -> None:
         ts.previous = "executing"
-        self._set_state(ts, "cancelled", sid)
+        self._set_state(ts, "cancelled", stimulus_id)
 
-    def _transition_flight_cancelled(self, ts: TaskState, sid: str) -> None:
+    def _transition_flight_cancelled(self, ts: TaskState, *, stimulus_id: str) -> None:
         ts.previous = "flight"
-        self._set_state(ts, "cancelled", sid)
+        self._set_state(ts, "cancelled", stimulus_id)
 
-    def _transition_cancelled_executing(self, ts: TaskState, sid: str) -> None:
+    def _transition_cancelled_executing(self, ts: TaskState, *, stimulus_id: str) -> None:
         ts.previous = None
-        self._set_state(ts, "executing", sid)
+        self._set_state(ts, "executing", stimulus_id)
 
-    def _transition_cancelled_flight(self, ts: TaskState, sid: str) -> None:
+    def _transition_cancelled_flight(self, ts: TaskState, *, stimulus_id: str) -> None:
         ts.previous = None
-        self._set_state(ts, "flight", sid)
+        self._set_state(ts, "flight", stimulus_id)
 
     def _transition_cancelled_memory(
-        self, ts: TaskState, sid: str, value: object, nbytes: int
+        self, ts: TaskState, value: object, nbytes: int, *, stimulus_id: str
     ) -> None:
         self.executing.discard(ts)
         ts.previous = ts.coming_from = None
-        self._store(ts, value, nbytes, sid)
-        self._unlink_dependencies(ts, sid)
+        self._store(ts, value, nbytes, stimulus_id)
+        self._unlink_dependencies(ts, stimulus_id)
         if ts.replica:  # freed while running, then asked for as a copy: here it is
             ts.replica, ts.wanted = False, True
-            self._emit(AddKeysMsg([ts.key], {ts.key: nbytes}, sid))
+            self._emit(AddKeys(self.address, [ts.key], {ts.key: nbytes}, stimulus_id=stimulus_id))
 
-    def _transition_cancelled_fetch(self, ts: TaskState, sid: str) -> None:
+    def _transition_cancelled_fetch(self, ts: TaskState, *, stimulus_id: str) -> None:
         self.executing.discard(ts)
         ts.previous = ts.coming_from = None
-        self._set_state(ts, "fetch", sid)
+        self._set_state(ts, "fetch", stimulus_id)
 
-    def _transition_cancelled_missing(self, ts: TaskState, sid: str) -> None:
+    def _transition_cancelled_missing(self, ts: TaskState, *, stimulus_id: str) -> None:
         self.executing.discard(ts)
         ts.previous = ts.coming_from = None
-        self._set_state(ts, "missing", sid)
+        self._set_state(ts, "missing", stimulus_id)
         self._newly_missing.append(ts.key)
 
-    def _transition_released_fetch(self, ts: TaskState, sid: str) -> None:
-        self._set_state(ts, "fetch", sid)
+    def _transition_released_fetch(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._set_state(ts, "fetch", stimulus_id)
 
-    def _transition_released_missing(self, ts: TaskState, sid: str) -> None:
-        self._set_state(ts, "missing", sid)
+    def _transition_released_missing(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._set_state(ts, "missing", stimulus_id)
         self._newly_missing.append(ts.key)
 
-    def _transition_fetch_flight(self, ts: TaskState, sid: str, worker: str) -> None:
+    def _transition_fetch_flight(self, ts: TaskState, worker: str, *, stimulus_id: str) -> None:
         ts.coming_from = worker
-        self._set_state(ts, "flight", sid)
+        self._set_state(ts, "flight", stimulus_id)
 
     # Claimed for computation while waiting to be fetched (its data was lost elsewhere).
-    def _transition_fetch_waiting(self, ts: TaskState, sid: str) -> None:
+    def _transition_fetch_waiting(self, ts: TaskState, *, stimulus_id: str) -> None:
         self._stop_fetching(ts)
-        self._set_state(ts, "waiting", sid)
+        self._set_state(ts, "waiting", stimulus_id)
 
-    def _transition_fetch_ready(self, ts: TaskState, sid: str) -> None:
+    def _transition_fetch_ready(self, ts: TaskState, *, stimulus_id: str) -> None:
         self._stop_fetching(ts)
-        self._set_state(ts, "ready", sid)
+        self._set_state(ts, "ready", stimulus_id)
         self._push_ready(ts)
-
-    _transition_missing_waiting = _transition_fetch_waiting
-    _transition_missing_ready = _transition_fetch_ready
 
     def _stop_fetching(self, ts: TaskState) -> None:
         for worker in list(ts.who_has):
             self._forget_holder(ts, worker)
 
-    def _transition_fetch_missing(self, ts: TaskState, sid: str) -> None:
-        self._set_state(ts, "missing", sid)
+    def _transition_fetch_missing(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._set_state(ts, "missing", stimulus_id)
         self._newly_missing.append(ts.key)
 
-    def _transition_missing_fetch(self, ts: TaskState, sid: str) -> None:
-        self._set_state(ts, "fetch", sid)
+    def _transition_missing_fetch(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._set_state(ts, "fetch", stimulus_id)
 
-    def _transition_flight_fetch(self, ts: TaskState, sid: str) -> None:
+    def _transition_flight_fetch(self, ts: TaskState, *, stimulus_id: str) -> None:
         ts.coming_from = None
-        self._set_state(ts, "fetch", sid)
+        self._set_state(ts, "fetch", stimulus_id)
 
-    def _transition_flight_missing(self, ts: TaskState, sid: str) -> None:
+    def _transition_flight_missing(self, ts: TaskState, *, stimulus_id: str) -> None:
         ts.coming_from = None
-        self._set_state(ts, "missing", sid)
+        self._set_state(ts, "missing", stimulus_id)
         self._newly_missing.append(ts.key)
 
     def _transition_flight_memory(
-        self, ts: TaskState, sid: str, value: object, nbytes: int
+        self, ts: TaskState, value: object, nbytes: int, *, stimulus_id: str
     ) -> None:
         ts.coming_from = None
         ts.deferred = None
-        self._store(ts, value, nbytes, sid)
+        self._store(ts, value, nbytes, stimulus_id)
         if ts.wanted:  # claimed while it was being fetched
-            self._emit_finished(ts, sid)
+            self._emit_finished(ts, stimulus_id)
         elif ts.replica:  # a copy asked for: keep it and say so
             ts.replica, ts.wanted = False, True
-            self._emit(AddKeysMsg([ts.key], {ts.key: nbytes}, sid))
+            self._emit(AddKeys(self.address, [ts.key], {ts.key: nbytes}, stimulus_id=stimulus_id))
         else:
-            self._release_if_unneeded(ts, sid)  # e.g. a copy freed while in flight
+            self._release_if_unneeded(ts, stimulus_id)  # e.g. a copy freed while in flight
 
     # Data pushed by the scheduler (PutDataEvent) short-cuts any state but a running one.
-    def _transition_released_memory(self, ts: TaskState, sid: str, **kw: Any) -> None:
-        self._store(ts, kw["value"], kw["nbytes"], sid)
+    def _transition_released_memory(
+        self, ts: TaskState, value: object, nbytes: int, *, stimulus_id: str
+    ) -> None:
+        self._store(ts, value, nbytes, stimulus_id)
 
-    def _transition_fetch_memory(self, ts: TaskState, sid: str, **kw: Any) -> None:
-        self._store(ts, kw["value"], kw["nbytes"], sid)
+    def _transition_fetch_memory(
+        self, ts: TaskState, value: object, nbytes: int, *, stimulus_id: str
+    ) -> None:
+        self._store(ts, value, nbytes, stimulus_id)
 
-    def _transition_missing_memory(self, ts: TaskState, sid: str, **kw: Any) -> None:
-        self._store(ts, kw["value"], kw["nbytes"], sid)
+    def _transition_missing_memory(
+        self, ts: TaskState, value: object, nbytes: int, *, stimulus_id: str
+    ) -> None:
+        self._store(ts, value, nbytes, stimulus_id)
 
-    def _transition_waiting_memory(self, ts: TaskState, sid: str, **kw: Any) -> None:
-        self._store(ts, kw["value"], kw["nbytes"], sid)
-        self._unlink_dependencies(ts, sid)
+    def _transition_waiting_memory(
+        self, ts: TaskState, value: object, nbytes: int, *, stimulus_id: str
+    ) -> None:
+        self._store(ts, value, nbytes, stimulus_id)
+        self._unlink_dependencies(ts, stimulus_id)
 
-    def _transition_ready_memory(self, ts: TaskState, sid: str, **kw: Any) -> None:
-        self._store(ts, kw["value"], kw["nbytes"], sid)
-        self._unlink_dependencies(ts, sid)
+    def _transition_ready_memory(
+        self, ts: TaskState, value: object, nbytes: int, *, stimulus_id: str
+    ) -> None:
+        self._store(ts, value, nbytes, stimulus_id)
+        self._unlink_dependencies(ts, stimulus_id)
 
-    def _transition_error_memory(self, ts: TaskState, sid: str, **kw: Any) -> None:
+    def _transition_error_memory(
+        self, ts: TaskState, value: object, nbytes: int, *, stimulus_id: str
+    ) -> None:
         ts.error = None
-        self._store(ts, kw["value"], kw["nbytes"], sid)
+        self._store(ts, value, nbytes, stimulus_id)
 
-    def _leave_error(self, ts: TaskState, sid: str, finish: str) -> None:
-        """A key in error is claimed again (a new run), or needed here as a dependency
-        whose result another worker holds: the failed run is dropped, never answered
-        again, and the task goes on as a released one would."""
+    # A key in error is claimed again (a new run), or needed here as a dependency whose
+    # result another worker holds: the failed run is dropped, never answered again, and
+    # the task goes on as a released one would.
+    def _transition_error_waiting(self, ts: TaskState, *, stimulus_id: str) -> None:
         ts.error = None
-        self._transitions["released", finish](ts, sid)
+        self._transition_released_waiting(ts, stimulus_id=stimulus_id)
 
-    _transition_error_waiting = partialmethod(_leave_error, finish="waiting")
-    _transition_error_ready = partialmethod(_leave_error, finish="ready")
-    _transition_error_fetch = partialmethod(_leave_error, finish="fetch")
-    _transition_error_missing = partialmethod(_leave_error, finish="missing")
+    def _transition_error_ready(self, ts: TaskState, *, stimulus_id: str) -> None:
+        ts.error = None
+        self._transition_released_ready(ts, stimulus_id=stimulus_id)
+
+    def _transition_error_fetch(self, ts: TaskState, *, stimulus_id: str) -> None:
+        ts.error = None
+        self._transition_released_fetch(ts, stimulus_id=stimulus_id)
+
+    def _transition_error_missing(self, ts: TaskState, *, stimulus_id: str) -> None:
+        ts.error = None
+        self._transition_released_missing(ts, stimulus_id=stimulus_id)
 
     # Release: every resting state but the running ones (those go to `cancelled`).
-    def _transition_waiting_released(self, ts: TaskState, sid: str) -> None:
-        self._forget(ts, sid)
+    def _transition_waiting_released(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._forget(ts, stimulus_id)
 
-    def _transition_ready_released(self, ts: TaskState, sid: str) -> None:
-        self._forget(ts, sid)
+    def _transition_ready_released(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._forget(ts, stimulus_id)
 
-    def _transition_fetch_released(self, ts: TaskState, sid: str) -> None:
-        self._forget(ts, sid)
+    def _transition_fetch_released(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._forget(ts, stimulus_id)
 
-    def _transition_missing_released(self, ts: TaskState, sid: str) -> None:
-        self._forget(ts, sid)
+    def _transition_missing_released(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._forget(ts, stimulus_id)
 
-    def _transition_memory_released(self, ts: TaskState, sid: str) -> None:
+    def _transition_memory_released(self, ts: TaskState, *, stimulus_id: str) -> None:
         del self.data[ts.key]
-        self._forget(ts, sid)
+        self._forget(ts, stimulus_id)
 
-    def _transition_error_released(self, ts: TaskState, sid: str) -> None:
-        self._forget(ts, sid)
+    def _transition_error_released(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self._forget(ts, stimulus_id)
 
-    def _transition_cancelled_released(self, ts: TaskState, sid: str) -> None:
+    def _transition_cancelled_released(self, ts: TaskState, *, stimulus_id: str) -> None:
         self.executing.discard(ts)
         ts.previous = ts.coming_from = None
-        self._forget(ts, sid)
+        self._forget(ts, stimulus_id)
+
+    # Every legal move, by start state.  (``released`` is transient: a task enters it on
+    # its way to being forgotten, or is created in it and moves on at once.)
+    _TRANSITIONS: ClassVar[dict[tuple[str, str], Callable[..., None]]] = {
+        ("released", "waiting"): _transition_released_waiting,
+        ("released", "ready"): _transition_released_ready,
+        ("released", "fetch"): _transition_released_fetch,
+        ("released", "missing"): _transition_released_missing,
+        ("released", "memory"): _transition_released_memory,
+        ("waiting", "ready"): _transition_waiting_ready,
+        ("waiting", "memory"): _transition_waiting_memory,
+        ("waiting", "released"): _transition_waiting_released,
+        ("ready", "executing"): _transition_ready_executing,
+        ("ready", "memory"): _transition_ready_memory,
+        ("ready", "released"): _transition_ready_released,
+        ("executing", "memory"): _transition_executing_memory,
+        ("executing", "error"): _transition_executing_error,
+        ("executing", "cancelled"): _transition_executing_cancelled,
+        ("fetch", "flight"): _transition_fetch_flight,
+        ("fetch", "missing"): _transition_fetch_missing,
+        ("fetch", "waiting"): _transition_fetch_waiting,
+        ("fetch", "ready"): _transition_fetch_ready,
+        ("fetch", "memory"): _transition_fetch_memory,
+        ("fetch", "released"): _transition_fetch_released,
+        ("missing", "fetch"): _transition_missing_fetch,
+        ("missing", "waiting"): _transition_fetch_waiting,
+        ("missing", "ready"): _transition_fetch_ready,
+        ("missing", "memory"): _transition_missing_memory,
+        ("missing", "released"): _transition_missing_released,
+        ("flight", "memory"): _transition_flight_memory,
+        ("flight", "fetch"): _transition_flight_fetch,
+        ("flight", "missing"): _transition_flight_missing,
+        ("flight", "cancelled"): _transition_flight_cancelled,
+        ("cancelled", "executing"): _transition_cancelled_executing,
+        ("cancelled", "flight"): _transition_cancelled_flight,
+        ("cancelled", "memory"): _transition_cancelled_memory,
+        ("cancelled", "fetch"): _transition_cancelled_fetch,
+        ("cancelled", "missing"): _transition_cancelled_missing,
+        ("cancelled", "released"): _transition_cancelled_released,
+        ("memory", "released"): _transition_memory_released,
+        ("error", "waiting"): _transition_error_waiting,
+        ("error", "ready"): _transition_error_ready,
+        ("error", "fetch"): _transition_error_fetch,
+        ("error", "missing"): _transition_error_missing,
+        ("error", "memory"): _transition_error_memory,
+        ("error", "released"): _transition_error_released,
+    }
 
     # -- helpers ---------------------------------------------------------------------
 
-    def _emit(self, instruction: Instruction) -> None:
+    def _emit(self, instruction: Instruction | Report) -> None:
         self._instructions.append(instruction)
 
     def _emit_finished(self, ts: TaskState, sid: str) -> None:
         self._emit(
-            TaskFinishedMsg(
-                ts.key, ts.nbytes or 0, ts.type_name or "", ts.start or 0.0, ts.stop or 0.0, sid
+            TaskFinished(
+                self.address,
+                ts.key,
+                nbytes=ts.nbytes or 0,
+                type=ts.type or "",
+                start=ts.start or 0.0,
+                stop=ts.stop or 0.0,
+                score=_run_score(ts),
+                stimulus_id=sid,
             )
         )
 
@@ -982,15 +1033,15 @@ class WorkerState:
         e = ts.error
         assert e is not None
         self._emit(
-            TaskErredMsg(
+            TaskErred(
+                self.address,
                 ts.key,
-                e.exception,
-                e.traceback,
-                e.exception_text,
-                e.traceback_text,
-                e.start,
-                e.stop,
-                sid,
+                exception=e.exception,
+                traceback=e.traceback,
+                exception_text=e.exception_text,
+                traceback_text=e.traceback_text,
+                score=_run_score(ts),
+                stimulus_id=sid,
             )
         )
 
@@ -1008,13 +1059,13 @@ class WorkerState:
         """Enter `memory`: keep the value and wake up the dependents waiting for it."""
         self.data[ts.key] = value
         ts.nbytes = nbytes
-        if ts.type_name is None:
-            ts.type_name = type(value).__name__
+        if ts.type is None:
+            ts.type = type(value).__name__
         self._set_state(ts, "memory", sid)
         for dependent in ts.dependents:
             dependent.waiting_for_data.discard(ts)
             if dependent.state == "waiting" and not dependent.waiting_for_data:
-                self._transition(dependent, "ready", sid)
+                self._transition(dependent, "ready", stimulus_id=sid)
 
     def _add_who_has(self, ts: TaskState, workers: Iterable[str]) -> None:
         for worker in workers:
@@ -1033,21 +1084,21 @@ class WorkerState:
     def _after_failed_fetch(self, ts: TaskState, sid: str) -> None:
         """A fetch (or, for a cancelled task, a computation) did not produce the data."""
         if ts.state == "cancelled" and not ts.dependents:
-            self._transition(ts, "released", sid)
+            self._transition(ts, "released", stimulus_id=sid)
         elif ts.deferred is not None:  # claimed meanwhile: compute it here
-            self._transition(ts, "missing", sid)
+            self._transition(ts, "missing", stimulus_id=sid)
             claim, ts.deferred = ts.deferred, None
             self._handle_compute(claim)
         else:
-            self._transition(ts, "fetch" if ts.who_has else "missing", sid)
+            self._transition(ts, "fetch" if ts.who_has else "missing", stimulus_id=sid)
 
     def _release_if_unneeded(self, ts: TaskState, sid: str) -> None:
         if ts.wanted or ts.replica or ts.dependents or ts.state == "cancelled":
             return
         if ts.state in ("executing", "flight"):
-            self._transition(ts, "cancelled", sid)
+            self._transition(ts, "cancelled", stimulus_id=sid)
         else:
-            self._transition(ts, "released", sid)
+            self._transition(ts, "released", stimulus_id=sid)
 
     def _unlink_dependencies(self, ts: TaskState, sid: str) -> None:
         """``ts`` no longer needs its dependencies; release those nobody else needs."""

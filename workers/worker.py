@@ -20,19 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
-import gc
 import itertools
 import logging
-import math
 import os
-import shutil
 import signal
 import socket
 import tempfile
 import threading
 import time
 import traceback as tb_module
-from collections.abc import MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,17 +38,33 @@ import cloudpickle
 import psutil
 import redis
 
-from redisdask import comm, logs, schema
+from redisdask import comm, logs, nanny_contract, schema
+from redisdask.backoff import Backoff
 from redisdask.connection import connect, connect_async
-from redisdask.errors import TaskInterrupted
-from redisdask.memory import format_bytes
+from redisdask.errors import ProtocolError, TaskInterrupted
+from redisdask.nanny_contract import GRACEFUL_TIMEOUT
+from redisdask.protocol import (
+    SCHEDULER_TO_WORKER,
+    AcquireReplicas,
+    AddWorker,
+    CloseWorker,
+    FreeKeys,
+    Holding,
+    KeysRecorded,
+    Message,
+    MissingData,
+    RemoveWorker,
+    RetireWorkers,
+    WhoHas,
+    parse,
+)
 from redisdask.schema import Keys
 from redisdask.spec import FunctionCache, run_spec
 from redisdask.task_record import split_words
 from redisdask.versions import VersionMismatchError, pickle_breaking, versions
 from redisdask.workers import state as ws
+from redisdask.workers.memory import WorkerMemoryManager
 from redisdask.workers.sizeof import sizeof
-from redisdask.workers.spill import SpillBuffer
 
 logger = logging.getLogger("redisdask.worker")
 
@@ -61,13 +73,6 @@ REPORT_LINGER = 0.002  # seconds a report may wait for companions while threads 
 CLOSE_TIMEOUT = 2.0  # seconds background tasks get to stop when the worker closes
 HEARTBEAT_KEYS = 20  # executing task keys named in a heartbeat, at most
 RETIRE_REPEAT = 1.0  # seconds between a retiring worker's requests to be retired
-GRACEFUL_TIMEOUT = 20.0  # seconds a worker stopped by SIGTERM may spend moving its data
-# set by a nanny for the worker it starts: the nanny's pid (a worker whose nanny died
-# leaves), and a file where the worker writes why it closed
-NANNY_PID_ENV = "REDISDASK_NANNY_PID"
-EXIT_REASON_ENV = "REDISDASK_EXIT_REASON_FILE"
-ADDRESS_FILE_ENV = "REDISDASK_ADDRESS_FILE"  # where a worker under a nanny writes its address
-RESTARTS_ENV = "REDISDASK_RESTARTS"  # how many workers this one's nanny started before it
 
 
 _STIMULI = itertools.count()  # makes the worker's own stimulus ids unique (thread-safe)
@@ -171,14 +176,10 @@ class Worker:
         self._reconnecting: asyncio.Future[None] | None = None
         self._exit_reason: str | None = None  # what the nanny is told, if not close()'s
         self._retire_force = False
-        self._next_gc = 0.0  # the memory monitor collects garbage at most once a second
         # taken out of the environment: processes that tasks start have no nanny
-        nanny = os.environ.pop(NANNY_PID_ENV, "")
-        self.nanny_pid = int(nanny) if nanny.isdigit() else None
-        self._exit_reason_file = os.environ.pop(EXIT_REASON_ENV, None)
-        self._address_file = os.environ.pop(ADDRESS_FILE_ENV, None)
-        restarts = os.environ.pop(RESTARTS_ENV, "")
-        self.restarts = int(restarts) if restarts.isdigit() else 0
+        nanny = nanny_contract.take_from_environment()
+        self.nanny_pid, self.restarts = nanny.nanny_pid, nanny.restarts
+        self._exit_reason_file, self._address_file = nanny.exit_reason_file, nanny.address_file
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -193,7 +194,20 @@ class Worker:
         self.redis = connect_async(self.redis_url, timeout=self.connect_timeout, name=name)
         self.blocking_redis = connect_async(self.redis_url, timeout=self.connect_timeout, name=name)
         self.pool = comm.ConnectionPool(secret, limit=self.connection_limit)
-        self.data = self._data_store()
+        self.memory = WorkerMemoryManager(
+            memory_limit=self.memory_limit,
+            target=self.memory_target,
+            spill=self.memory_spill,
+            pause=self.memory_pause,
+            monitor_interval=self.memory_monitor_interval,
+            local_directory=self.local_directory,
+            label=self.address,
+            on_pause=self._on_pause,
+            on_unpause=self._on_unpause,
+            note=self._note,
+            in_memory_bytes=self._bytes_in_memory,
+        )
+        self.data = self.memory.data
         self.state = ws.WorkerState(
             address=self.address,
             nthreads=self.nthreads,
@@ -207,8 +221,8 @@ class Worker:
             Path(self._address_file).write_text(self.address)  # for its nanny: which worker
         self.status = "running"
         loops = [self._claim_loop, self._listen_loop, self._heartbeat_loop, self._flush_loop]
-        if self.memory_limit and (self.memory_spill or self.memory_pause):
-            loops.append(self._memory_loop)
+        if self.memory.monitoring:
+            loops.append(self.memory.monitor)
         if self.lifetime is not None:
             loops.append(self._lifetime_loop)
         for loop in loops:
@@ -221,16 +235,6 @@ class Worker:
             self.keys.cluster,
         )
         return self
-
-    def _data_store(self) -> MutableMapping[str, Any]:
-        """A dict, or with a memory limit a ``SpillBuffer`` that spills past ``target``
-        into a directory of its own under the local directory (removed at close)."""
-        if not self.memory_limit or not (self.memory_target or self.memory_spill):
-            return {}
-        self.local_directory.mkdir(parents=True, exist_ok=True)
-        self.spill_directory = Path(tempfile.mkdtemp(prefix="worker-", dir=self.local_directory))
-        target = self.memory_limit * self.memory_target if self.memory_target else math.inf
-        return SpillBuffer(self.spill_directory, target)
 
     def _ensure_cluster(self) -> bytes:
         """Create or join the cluster; refuse to join one whose pickles we cannot read."""
@@ -281,10 +285,10 @@ class Worker:
         pipe.persist(self.keys.worker_story(self.address))  # a predecessor's had a TTL
         pipe.set(self.keys.worker_alive(self.address), 1, px=int(self.worker_ttl * 1000))
         pipe.hset(self.keys.heartbeats, self.address, schema.pack(self._metrics()))
-        message: dict[str, Any] = {"op": "add-worker", "worker": self.address, "info": info}
+        message = AddWorker(self.address, info=info)
         if resync:  # what Redis may have forgotten: the scheduler reconciles with it
             tasks = self.state.tasks.values()
-            message["resync"] = {
+            message.resync = {
                 "keys": {ts.key: ts.nbytes or 0 for ts in tasks if ts.state == "memory"},
                 "processing": [
                     ts.key
@@ -292,7 +296,7 @@ class Worker:
                     if ts.wanted and ts.state not in ("memory", "released", "error")
                 ],
             }
-        pipe.xadd(self.keys.worker_stream, schema.entry([message]))
+        pipe.xadd(self.keys.worker_stream, schema.entry([message.to_dict()]))
         await pipe.execute()
 
     async def _keep_running(self, loop: Any) -> None:
@@ -310,10 +314,9 @@ class Worker:
     async def _reconnect(self, exc: Exception) -> None:
         logger.warning("lost Redis (%s); reconnecting with backoff", exc)
         lost_at = time.monotonic()
-        delay = 0.05
+        backoff = Backoff(base=0.05, cap=2.0)
         while self.status == "running":
-            await asyncio.sleep(delay)  # backoff while Redis is away
-            delay = min(delay * 2, 2.0)
+            await asyncio.sleep(backoff.next())  # backoff while Redis is away
             try:
                 await self._register(resync=True)
             except (redis.ConnectionError, redis.TimeoutError):
@@ -345,7 +348,7 @@ class Worker:
             for task in stuck:  # a library swallowed the cancellation: do not hang on it
                 logger.warning("background task %s ignored cancellation", task.get_coro())
         try:
-            self._outbox.append({"op": "remove-worker", "worker": self.address, "reason": reason})
+            self._report(RemoveWorker(self.address, reason=reason))
             await self._flush()
             await self.redis.delete(self.keys.worker_alive(self.address))
         except redis.RedisError as exc:
@@ -355,9 +358,7 @@ class Worker:
         self.executor.shutdown(wait=False, cancel_futures=True)
         await self.redis.aclose()
         await self.blocking_redis.aclose()
-        if isinstance(self.data, SpillBuffer):
-            self.data.close()
-            shutil.rmtree(self.spill_directory, ignore_errors=True)
+        self.memory.close()
         self._write_exit_reason(reason)
         self.status = "closed"
         logger.info("End worker %s (%s)", self.address, reason)
@@ -408,38 +409,8 @@ class Worker:
                 self._execute(ins.key)
             elif isinstance(ins, ws.GatherDep):
                 self._spawn(self._gather(ins.worker, sorted(ins.keys)))
-            elif isinstance(ins, ws.TaskFinishedMsg):
-                self._report(
-                    {
-                        "op": "task-finished",
-                        "key": ins.key,
-                        "nbytes": ins.nbytes,
-                        "type": ins.type_name,
-                        "start": ins.start,
-                        "stop": ins.stop,
-                        **self._run_of(ins.key),
-                    }
-                )
-            elif isinstance(ins, ws.TaskErredMsg):
-                self._report(
-                    {
-                        "op": "task-erred",
-                        "key": ins.key,
-                        "exception": ins.exception,
-                        "traceback": ins.traceback,
-                        "exception_text": ins.exception_text,
-                        "traceback_text": ins.traceback_text,
-                        **self._run_of(ins.key),
-                    }
-                )
-            elif isinstance(ins, ws.MissingDataMsg):
-                self._report(
-                    {"op": "missing-data", "keys": ins.keys, "errant_worker": ins.worker or ""}
-                )
-            elif isinstance(ins, ws.AddKeysMsg):
-                self._report({"op": "add-keys", "keys": ins.keys, "nbytes": ins.nbytes})
-            elif isinstance(ins, ws.ReleasedKeysMsg):
-                self._report({"op": "released-keys", "keys": ins.keys})
+            elif isinstance(ins, ws.Report):
+                self._report(ins)
             else:  # pragma: no cover
                 raise TypeError(f"worker driver cannot carry out {ins!r}")
         self._wake.set()
@@ -458,16 +429,12 @@ class Worker:
                 REPORT_LINGER, self._flush_wanted.set
             )
 
-    def _run_of(self, key: str) -> dict[str, float]:
-        """Which run of ``key`` a report answers: the score of the claim being run."""
-        ts = self.state.tasks.get(key)
-        if ts is None or not ts.priority:
-            return {}
-        return {"score": float(ts.priority[0])}
-
-    def _report(self, msg: dict[str, Any]) -> None:
-        msg["worker"] = self.address
-        self._outbox.append(msg)
+    def _report(self, msg: Message) -> None:
+        """Queue a message for the workers stream; every one names this worker (a
+        ``retire-workers`` too, whose class is shared with the clients' stream)."""
+        message = msg.to_dict()
+        message["worker"] = self.address
+        self._outbox.append(message)
 
     # ------------------------------------------------------------------ execution
 
@@ -572,7 +539,7 @@ class Worker:
             self._inbox_id = entry_id.decode()
             try:
                 items.extend(_inbox_events(entry_id.decode(), fields))
-            except (KeyError, TypeError, ValueError) as exc:
+            except (ProtocolError, KeyError, TypeError, ValueError) as exc:
                 logger.warning("ignoring malformed inbox entry %s: %s", entry_id.decode(), exc)
         batch: list[ws.StateMachineEvent] = []
         for item in items:
@@ -615,8 +582,7 @@ class Worker:
         again re-asks for copies that did not come, and tells a scheduler restarted
         meanwhile."""
         while self.status == "running":
-            request = {"op": "retire-workers", "workers": [self.address]}
-            self._report({**request, "force": self._retire_force})
+            self._report(RetireWorkers(workers=[self.address], force=self._retire_force))
             self._flush_wanted.set()
             await asyncio.sleep(RETIRE_REPEAT)
 
@@ -662,7 +628,7 @@ class Worker:
                 elif before < self._holding_reports:
                     keys.append(key)
             self._holding_reports += 1
-            self._report({"op": "holding", "keys": sorted(keys)})
+            self._report(Holding(self.address, sorted(keys)))
             await self._flush()
 
     async def _heartbeat_loop(self) -> None:
@@ -717,7 +683,7 @@ class Worker:
             "ready": len(by_state.get("ready", ())),
             "in_memory": len(by_state.get("memory", ())),
             "cpu": self._process.cpu_percent(),  # since the previous heartbeat
-            **self._memory_metrics(),
+            **self.memory.metrics(),
             "status": (
                 "retiring"
                 if self.state.retiring
@@ -727,86 +693,20 @@ class Worker:
             ),
         }
 
-    def _memory_metrics(self) -> dict[str, int]:
-        """Bytes: ``managed`` (results in memory, by sizeof), ``spilled`` (on disk),
-        ``rss`` (the process), ``unmanaged`` (rss - managed), ``memory_limit``."""
-        rss = self._process.memory_info().rss
-        if isinstance(self.data, SpillBuffer):
-            managed, spilled = self.data.managed_in_memory, self.data.spilled_bytes
-        else:
-            managed = sum(ts.nbytes or 0 for ts in self.state.by_state.get("memory", ()))
-            spilled = 0
-        return {
-            "managed": managed,
-            "spilled": spilled,
-            "rss": rss,
-            "unmanaged": max(0, rss - managed),
-            "memory_limit": self.memory_limit,
-        }
-
     # ------------------------------------------------------------------ memory
 
-    async def _memory_loop(self) -> None:
-        """Every ``memory_monitor_interval``: above ``spill`` x limit of process memory,
-        spill the least recently used results until below ``target``; above ``pause``,
-        run no new tasks (transfers go on) until below it again."""
-        limit = self.memory_limit
-        while self.status == "running":
-            rss = self._process.memory_info().rss
-            if self.memory_spill and rss > self.memory_spill * limit:
-                await self._spill_until_below_target(rss)
-                if time.monotonic() > self._next_gc:
-                    # freed values may sit in reference cycles, and idle receive buffers
-                    # are memory the worker can give back
-                    self._next_gc = time.monotonic() + 1.0
-                    await asyncio.to_thread(gc.collect)
-                    comm.BUFFER_CACHE.clear()
-                rss = self._process.memory_info().rss
-            paused = bool(self.memory_pause) and rss > self.memory_pause * limit
-            if paused != self.state.paused:
-                logger.warning(
-                    "Worker %s is at %s of its %s memory limit (%.0f%%): %s",
-                    self.address,
-                    format_bytes(rss),
-                    format_bytes(limit),
-                    100 * rss / limit,
-                    "pausing its thread pool" if paused else "resuming",
-                )
-                self._note(
-                    "pause" if paused else "unpause",
-                    f"process memory {format_bytes(rss)} of {format_bytes(limit)}",
-                )
-                self.handle(
-                    ws.PauseEvent(f"pause-{time.time()}")
-                    if paused
-                    else ws.UnpauseEvent(f"unpause-{time.time()}")
-                )
-            await asyncio.sleep(self.memory_monitor_interval)  # a monitor is a timer by nature
+    def _on_pause(self, detail: str) -> None:
+        """The memory manager found the process past ``pause``: start no new task."""
+        self._note("pause", detail)
+        self.handle(ws.PauseEvent(f"pause-{time.time()}"))
 
-    async def _spill_until_below_target(self, rss: int) -> None:
-        if not isinstance(self.data, SpillBuffer):
-            return
-        target = (self.memory_target or self.memory_spill or 1.0) * self.memory_limit
-        freed = count = 0
-        while rss - freed > target:
-            spilled = self.data.evict()
-            if not spilled:
-                break
-            freed += spilled
-            count += 1
-            if count % 10 == 0:
-                await asyncio.sleep(0)  # let transfers and reports through
-        if count:
-            self._note("spill", f"{count} results ({format_bytes(freed)}) to disk")
-            logger.info(
-                "Worker %s: process memory %s is above %.0f%% of its limit: spilled %d "
-                "results (%s) to disk",
-                self.address,
-                format_bytes(rss),
-                100 * (self.memory_spill or 0),
-                count,
-                format_bytes(freed),
-            )
+    def _on_unpause(self, detail: str) -> None:
+        self._note("unpause", detail)
+        self.handle(ws.UnpauseEvent(f"unpause-{time.time()}"))
+
+    def _bytes_in_memory(self) -> int:
+        """The managed size without a spill buffer: the sizeof of every result held."""
+        return sum(ts.nbytes or 0 for ts in self.state.by_state.get("memory", ()))
 
     # ------------------------------------------------------------------ lifetime
 
@@ -828,7 +728,7 @@ class Worker:
         except (TimeoutError, OSError, comm.CommError) as exc:
             logger.warning("could not fetch %d keys from %s: %s", len(keys), worker, exc)
             # tell the scheduler at once; the state machine tries other holders meanwhile
-            self._report({"op": "missing-data", "keys": keys, "errant_worker": worker})
+            self._report(MissingData(self.address, keys, errant_worker=worker))
             self.handle(
                 ws.GatherDepNetworkFailureEvent(
                     worker, keys, str(exc), f"gather-fail-{time.time():.6f}-{next(_STIMULI)}"
@@ -902,37 +802,26 @@ class _Command:
 def _inbox_events(
     entry_id: str, fields: dict[bytes, bytes]
 ) -> list[ws.StateMachineEvent | _Command]:
-    """Events from one inbox entry; ValueError/TypeError/KeyError when it is malformed."""
+    """Events from one inbox entry (``protocol.SCHEDULER_TO_WORKER``); ProtocolError (or
+    KeyError, ValueError from a field that is not msgpack) when it is malformed."""
     messages = schema.unpack(fields[b"m"])
     if not isinstance(messages, list):
-        raise TypeError("field 'm' is not a list of messages")
+        raise ProtocolError("field 'm' is not a list of messages")
     events: list[ws.StateMachineEvent | _Command] = []
-    for i, msg in enumerate(messages):
+    for i, raw in enumerate(messages):
         sid = f"{entry_id}/{i}"
-        op = msg.get("op") if isinstance(msg, dict) else None
-        if op in ("free-keys", "keys-recorded"):
-            keys = msg["keys"]
-            if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-                raise TypeError(f"{op} needs a list of keys, got {keys!r:.80}")
-            if op == "free-keys":
-                events.append(ws.FreeKeysEvent(keys, sid))
-            else:
-                events.append(ws.KeysRecordedEvent(keys, sid))
-        elif op in ("who-has", "acquire-replicas"):
-            who_has = msg["who_has"]
-            if not isinstance(who_has, dict) or not all(
-                isinstance(k, str) and isinstance(v, list) and all(isinstance(w, str) for w in v)
-                for k, v in who_has.items()
-            ):
-                raise TypeError(f"who-has needs {{key: [address]}}, got {who_has!r:.80}")
-            if op == "who-has":
-                events.append(ws.UpdateWhoHasEvent(who_has, sid))
-            else:
-                events.append(ws.AcquireReplicasEvent(who_has, sid))
-        elif op in ("restart", "retire", "close"):
-            events.append(_Command(op, sid, str(msg.get("reason", op))))
-        else:
-            raise ValueError(f"unknown inbox message {msg!r:.80}")
+        msg = parse(raw, SCHEDULER_TO_WORKER)
+        if isinstance(msg, FreeKeys):
+            events.append(ws.FreeKeysEvent(msg.keys, sid))
+        elif isinstance(msg, KeysRecorded):
+            events.append(ws.KeysRecordedEvent(msg.keys, sid))
+        elif isinstance(msg, WhoHas):
+            events.append(ws.UpdateWhoHasEvent(msg.who_has, sid))
+        elif isinstance(msg, AcquireReplicas):
+            events.append(ws.AcquireReplicasEvent(msg.who_has, sid))
+        else:  # restart, retire, close: for the driver
+            reason = msg.reason if isinstance(msg, CloseWorker) else msg.op
+            events.append(_Command(msg.op, sid, reason))
     return events
 
 

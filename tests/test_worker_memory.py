@@ -1,0 +1,123 @@
+"""The worker's memory manager on its own (no worker), and the nanny <-> worker contract."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from redisdask import nanny_contract
+from redisdask.workers import memory as memory_module
+from redisdask.workers.memory import WorkerMemoryManager
+from redisdask.workers.spill import SpillBuffer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Calls:
+    def __init__(self) -> None:
+        self.paused: list[str] = []
+        self.unpaused: list[str] = []
+        self.notes: list[tuple[str, str]] = []
+
+
+def _manager(
+    tmp_path: Path, calls: _Calls, memory_limit: int, **fractions: Any
+) -> WorkerMemoryManager:
+    options = {"target": 0.6, "spill": 0.7, "pause": 0.8} | fractions
+    return WorkerMemoryManager(
+        memory_limit=memory_limit,
+        monitor_interval=0.01,
+        local_directory=tmp_path,
+        label="tcp://test",
+        on_pause=calls.paused.append,
+        on_unpause=calls.unpaused.append,
+        note=lambda kind, detail: calls.notes.append((kind, detail)),
+        in_memory_bytes=lambda: 1234,
+        **options,
+    )
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def test_no_limit_is_a_plain_dict_without_monitor(tmp_path: Path) -> None:
+    calls = _Calls()
+    memory = _manager(tmp_path, calls, memory_limit=0)
+    assert type(memory.data) is dict
+    assert not memory.monitoring
+    metrics = memory.metrics()
+    assert metrics["managed"] == 1234 and metrics["spilled"] == 0
+    assert metrics["rss"] > 0 and metrics["memory_limit"] == 0
+    memory.close()
+    assert list(tmp_path.iterdir()) == []  # no spill directory was made
+
+
+def test_spills_pauses_and_unpauses_through_callbacks(tmp_path: Path) -> None:
+    calls = _Calls()
+    # a limit the process is already far past: every threshold is crossed
+    memory = _manager(tmp_path, calls, memory_limit=_rss() // 4)
+    assert isinstance(memory.data, SpillBuffer) and memory.monitoring
+    assert memory.spill_directory is not None and memory.spill_directory.parent == tmp_path
+    for i in range(30):
+        memory.data[f"x-{i}"] = b"x" * 1000
+    asyncio.run(memory.check())
+    assert memory.paused and len(calls.paused) == 1 and calls.unpaused == []
+    assert "of" in calls.paused[0]  # the process memory against the limit
+    assert [kind for kind, _ in calls.notes] == ["spill"]
+    assert memory.metrics()["spilled"] == 30 * 1000  # everything went to disk
+    assert memory.data["x-3"] == b"x" * 1000  # read back from disk
+
+    asyncio.run(memory.check())  # still past pause: no second call
+    assert len(calls.paused) == 1
+
+    memory.memory_limit = _rss() * 100  # far below every threshold now
+    asyncio.run(memory.check())
+    assert not memory.paused and len(calls.unpaused) == 1
+    directory = memory.spill_directory
+    memory.close()
+    assert not directory.exists()
+
+
+def test_pause_false_never_pauses(tmp_path: Path) -> None:
+    calls = _Calls()
+    memory = _manager(tmp_path, calls, memory_limit=_rss() // 4, pause=False)
+    asyncio.run(memory.check())
+    assert calls.paused == [] and not memory.paused
+    memory.close()
+
+
+def test_nanny_contract_round_trip(tmp_path: Path) -> None:
+    env = {"OTHER": "1"} | nanny_contract.worker_environment(
+        42, tmp_path / "reason", tmp_path / "address", 3
+    )
+    link = nanny_contract.take_from_environment(env)
+    assert link == nanny_contract.NannyLink(
+        42, str(tmp_path / "reason"), str(tmp_path / "address"), 3
+    )
+    assert env == {"OTHER": "1"}  # taken out: a task's subprocess has no nanny
+    assert nanny_contract.take_from_environment({}) == nanny_contract.NannyLink()
+
+
+def test_the_nanny_does_not_import_the_worker_driver() -> None:
+    code = "import sys, redisdask.nanny.nanny; print('redisdask.workers.worker' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_the_memory_manager_does_not_import_the_worker_driver() -> None:
+    tree = ast.parse(Path(memory_module.__file__ or "").read_text())
+    imported = {
+        node.module if isinstance(node, ast.ImportFrom) else alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }
+    assert not {m for m in imported if m and m.startswith("redisdask.workers.worker")}
