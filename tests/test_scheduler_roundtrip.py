@@ -31,14 +31,12 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import redis
 
-from redisdask.scheduler_redis import Translator, decode_entry, load_state
-from redisdask.scheduler_state import (
-    HOLDS_DEPENDENCIES,
+from redisdask.protocol import (
     AddKeys,
     AddWorker,
     CancelKeys,
@@ -53,12 +51,13 @@ from redisdask.scheduler_state import (
     Replicate,
     Restart,
     RetireWorkers,
-    SchedulerState,
     TaskErred,
     TaskFinished,
     UpdateData,
     UpdateGraph,
 )
+from redisdask.scheduler_redis import Translator, decode_entry, load_state
+from redisdask.scheduler_state import HOLDS_DEPENDENCIES, SchedulerState
 from redisdask.schema import Keys, Scripts, ensure_cluster, pack
 
 pytestmark = pytest.mark.timeout(240)
@@ -67,6 +66,7 @@ pytestmark = pytest.mark.timeout(240)
 SEEDS = range(int(os.environ.get("REDISDASK_ROUNDTRIP_SEEDS", "30")))
 STEPS = 150
 HOSTS = ("10.0.0.1", "10.0.0.2")
+E = TypeVar("E", bound=Event)
 
 
 def carried(state: SchedulerState) -> dict[str, Any]:
@@ -154,6 +154,10 @@ class Run:
         self.n += 1
         return f"s{self.n}"
 
+    def ev(self, kind: type[E], **fields: Any) -> E:
+        """An event of ``kind`` with the next stimulus id."""
+        return kind(**fields, stimulus_id=self.sid())
+
     def apply(self, *events: Event) -> None:
         self.history += [repr(ev) for ev in events]
         instructions = self.state.handle_stimulus(*events)
@@ -209,7 +213,7 @@ class Run:
             "started": self.rng.choice([1.0, float(self.n)]),
         }
         self.r.hset(self.keys.workers, address, pack(info))  # the worker's own write
-        self.apply(AddWorker(worker=address, info=info, stimulus_id=self.sid()))
+        self.apply(self.ev(AddWorker, worker=address, info=info))
 
     def remove_worker(self) -> None:
         address = self.pick(self.state.workers)
@@ -218,11 +222,7 @@ class Run:
         how = self.rng.choice(["goodbye", "connection", "heartbeat", "nanny"])
         beat = {"time": 1.0, "executing": self.pick(self.task_keys, 2)}
         evidence = {"last_heartbeat": beat} if how != "goodbye" else {}
-        self.apply(
-            RemoveWorker(
-                worker=address, reason="r", how=how, evidence=evidence, stimulus_id=self.sid()
-            )
-        )
+        self.apply(self.ev(RemoveWorker, worker=address, reason="r", how=how, evidence=evidence))
 
     def update_graph(self) -> None:
         client = self.pick(self.clients)
@@ -255,7 +255,7 @@ class Run:
         wanted = [k for k in new if self.rng.random() < 0.7]
         if self.rng.random() < 0.2:
             wanted += self.pick(self.task_keys, 1)
-        self.apply(UpdateGraph(client=client, tasks=tasks, wanted=wanted, stimulus_id=self.sid()))
+        self.apply(self.ev(UpdateGraph, client=client, tasks=tasks, wanted=wanted))
 
     def claim(self) -> None:
         worker = self.pick(self.state.workers)
@@ -288,7 +288,8 @@ class Run:
         kind = self.rng.choice(["int", "numpy.ndarray"])
         nbytes = self.rng.randint(1, 10_000)
         self.apply(
-            TaskFinished(
+            self.ev(
+                TaskFinished,
                 worker=worker,
                 key=key,
                 nbytes=nbytes,
@@ -296,7 +297,6 @@ class Run:
                 start=1.0,
                 stop=2.0,
                 score=score,
-                stimulus_id=self.sid(),
             )
         )
 
@@ -306,7 +306,8 @@ class Run:
             return
         ts = self.state.tasks[key]
         self.apply(
-            TaskErred(
+            self.ev(
+                TaskErred,
                 worker=ts.processing_on,
                 key=key,
                 exception=b"exc",
@@ -314,7 +315,6 @@ class Run:
                 exception_text="E: x",
                 traceback_text="line 1",
                 score=ts.score,
-                stimulus_id=self.sid(),
             )
         )
 
@@ -324,16 +324,14 @@ class Run:
         if key is None or worker is None:
             return
         errant = self.pick([*self.state.tasks[key].who_has, ""])
-        self.apply(
-            MissingData(worker=worker, keys=[key], errant_worker=errant, stimulus_id=self.sid())
-        )
+        self.apply(self.ev(MissingData, worker=worker, keys=[key], errant_worker=errant))
 
     def add_keys(self) -> None:
         keys = self.pick(self.tasks_in("memory"), 2)
         worker = self.pick(self.state.workers)
         if keys and worker:
             nbytes = {k: self.state.tasks[k].nbytes for k in keys}
-            self.apply(AddKeys(worker=worker, keys=keys, nbytes=nbytes, stimulus_id=self.sid()))
+            self.apply(self.ev(AddKeys, worker=worker, keys=keys, nbytes=nbytes))
 
     def released_keys(self) -> None:
         worker = self.pick(self.state.workers)
@@ -341,14 +339,14 @@ class Run:
             return
         ws = self.state.workers[worker]
         keys = self.pick([t.key for t in ws.processing | ws.has_what], 2)
-        self.apply(ReleasedKeys(worker=worker, keys=keys, stimulus_id=self.sid()))
+        self.apply(self.ev(ReleasedKeys, worker=worker, keys=keys))
 
     def holding(self) -> None:
         worker = self.pick(self.state.workers)
         if worker is None:
             return
         keys = [t.key for t in self.state.workers[worker].processing if self.rng.random() < 0.7]
-        self.apply(Holding(worker=worker, keys=sorted(keys), stimulus_id=self.sid()))
+        self.apply(self.ev(Holding, worker=worker, keys=sorted(keys)))
 
     def client_event(self) -> None:
         client = self.pick(self.clients)
@@ -356,22 +354,16 @@ class Run:
         choice = self.rng.random()
         if choice < 0.4 and wanted:
             keys = self.pick(wanted, self.rng.randint(1, 2))
-            self.apply(ClientReleasesKeys(client=client, keys=keys, stimulus_id=self.sid()))
+            self.apply(self.ev(ClientReleasesKeys, client=client, keys=keys))
         elif choice < 0.7 and wanted:
             keys = self.pick(wanted, self.rng.randint(1, 2))
-            self.apply(
-                CancelKeys(client=client, keys=keys, generation=self.n, stimulus_id=self.sid())
-            )
+            self.apply(self.ev(CancelKeys, client=client, keys=keys, generation=self.n))
         elif choice < 0.85 and self.task_keys and client in self.state.clients:
             keys = self.pick(self.task_keys, 2)
-            self.apply(ClientDesiresKeys(client=client, keys=keys, stimulus_id=self.sid()))
+            self.apply(self.ev(ClientDesiresKeys, client=client, keys=keys))
         elif wanted:
             keys = self.pick(wanted, 2)
-            self.apply(
-                Replicate(
-                    client=client, keys=keys, n=self.rng.randint(1, 3), stimulus_id=self.sid()
-                )
-            )
+            self.apply(self.ev(Replicate, client=client, keys=keys, n=self.rng.randint(1, 3)))
 
     def scatter(self) -> None:
         client = self.pick(self.clients)
@@ -383,41 +375,33 @@ class Run:
         key = self.pick(self.task_keys) if again else f"data-{self.n}"
         self.task_keys += [key] if key not in self.task_keys else []
         self.apply(
-            UpdateData(
+            self.ev(
+                UpdateData,
                 client=client,
                 who_has={key: holders},
                 nbytes={key: 8},
                 types={key: "bytes"},
-                stimulus_id=self.sid(),
             )
         )
 
     def retire(self) -> None:
         workers = self.pick(self.state.workers, 1)
         if workers:
-            self.apply(
-                RetireWorkers(
-                    client=self.pick(self.clients), workers=workers, stimulus_id=self.sid()
-                )
-            )
+            self.apply(self.ev(RetireWorkers, client=self.pick(self.clients), workers=workers))
 
     def retiring(self) -> None:  # a worker's own word, repeated until it is told to close
         workers = self.pick(self.state.workers, 1)
         if workers:
-            self.apply(
-                RetireWorkers(
-                    workers=workers, force=self.rng.random() < 0.3, stimulus_id=self.sid()
-                )
-            )
+            self.apply(self.ev(RetireWorkers, workers=workers, force=self.rng.random() < 0.3))
 
     def close_client(self) -> None:
         client = self.pick(self.clients)
-        self.apply(CloseClient(client=client, stimulus_id=self.sid()))
+        self.apply(self.ev(CloseClient, client=client))
         self.clients.remove(client)
         self.clients.append(f"c{self.n}")  # another one comes
 
     def restart(self) -> None:
-        self.apply(Restart(client=self.pick(self.clients), stimulus_id=self.sid()))
+        self.apply(self.ev(Restart, client=self.pick(self.clients)))
 
     STEPS = {
         "add_worker": 6,
@@ -487,7 +471,7 @@ def run(redis_url: str, cluster_name: str) -> Iterator[Run]:
     for address in ("tcp://10.0.0.1:1", "tcp://10.0.0.2:2"):
         info = {"name": address[-1], "host": address[6:14], "nthreads": 1, "started": 1.0}
         r.hset(keys.workers, address, pack(info))
-        one.apply(AddWorker(worker=address, info=info, stimulus_id=one.sid()))
+        one.apply(one.ev(AddWorker, worker=address, info=info))
     r.hset(keys.clients, "c0", pack({"host": "h", "pid": 1, "last_seen": 0}))
     yield one
     for name in r.scan_iter(match=keys.prefix.replace("{", "[{]") + "*", count=1000):
@@ -496,7 +480,7 @@ def run(redis_url: str, cluster_name: str) -> Iterator[Run]:
 
 def graph(run: Run, *tasks: dict[str, Any], wanted: list[str]) -> None:
     specs = [{"spec": b"s", "deps": [], **t} for t in tasks]
-    run.apply(UpdateGraph(client="c0", tasks=specs, wanted=wanted, stimulus_id=run.sid()))
+    run.apply(run.ev(UpdateGraph, client="c0", tasks=specs, wanted=wanted))
 
 
 def claim_and_finish(run: Run, key: str, worker: str) -> None:
@@ -504,23 +488,19 @@ def claim_and_finish(run: Run, key: str, worker: str) -> None:
     run.claim_read()
     run.deliver_claims()
     score = run.state.tasks[key].score
-    run.apply(
-        TaskFinished(
-            worker=worker, key=key, nbytes=1, type="int", score=score, stimulus_id=run.sid()
-        )
-    )
+    run.apply(run.ev(TaskFinished, worker=worker, key=key, nbytes=1, type="int", score=score))
 
 
 def test_scattering_a_key_in_memory_again_records_its_new_holder(run: Run) -> None:
     a, b = "tcp://10.0.0.1:1", "tcp://10.0.0.2:2"
     for holder in (a, b):
         run.apply(
-            UpdateData(
+            run.ev(
+                UpdateData,
                 client="c0",
                 who_has={"d": [holder]},
                 nbytes={"d": 8},
                 types={"d": "bytes"},
-                stimulus_id=run.sid(),
             )
         )
     assert run.state.tasks["d"].who_has == {a, b}
@@ -540,24 +520,24 @@ def test_a_released_error_forgets_where_it_came_from(run: Run) -> None:
     run.claim_read()
     run.deliver_claims()
     run.apply(
-        TaskErred(
+        run.ev(
+            TaskErred,
             worker=a,
             key="x",
             exception=b"e",
             exception_text="E",
             score=run.state.tasks["x"].score,
-            stimulus_id=run.sid(),
         )
     )
     assert run.state.tasks["y"].exception_blame == "x"
-    run.apply(ClientReleasesKeys(client="c0", keys=["y"], stimulus_id=run.sid()))
+    run.apply(run.ev(ClientReleasesKeys, client="c0", keys=["y"]))
     assert run.state.tasks["y"].state == "released"  # kept: w, erred, is still wanted
     run.check()
 
 
 def test_a_task_submitted_again_with_a_new_dependency_records_it(run: Run) -> None:
     graph(run, {"key": "x"}, {"key": "y", "deps": ["x", "nobody-made-it"]}, wanted=["x", "y"])
-    run.apply(ClientReleasesKeys(client="c0", keys=["x"], stimulus_id=run.sid()))
+    run.apply(run.ev(ClientReleasesKeys, client="c0", keys=["x"]))
     assert run.state.tasks["x"].state == "released"  # kept: y, erred, is still wanted
     graph(run, {"key": "w"}, {"key": "x", "deps": ["w"]}, wanted=["x"])
     assert {d.key for d in run.state.tasks["x"].dependencies} == {"w"}
@@ -579,9 +559,9 @@ def test_a_claim_of_a_task_released_and_queued_again_meanwhile_is_recorded(run: 
     assert run.state.tasks["y"].state == "erred"
     run.scripts.claim(worker=a, count=1, last_inbox_id="0-0")
     run.claim_read()
-    run.apply(ClientReleasesKeys(client="c0", keys=["x"], stimulus_id=run.sid()))
+    run.apply(run.ev(ClientReleasesKeys, client="c0", keys=["x"]))
     assert run.state.tasks["x"].state == "released"
-    run.apply(ClientDesiresKeys(client="c0", keys=["x"], stimulus_id=run.sid()))
+    run.apply(run.ev(ClientDesiresKeys, client="c0", keys=["x"]))
     assert run.state.tasks["x"].state == "queued"
     run.deliver_claims()
     assert run.state.tasks["x"].processing_on == a
