@@ -47,7 +47,7 @@ from typing import Any, Literal
 import psutil
 import redis
 
-from redisdask import schema
+from redisdask import schema, spawn
 from redisdask.backoff import Backoff
 from redisdask.config import RetentionConfig
 from redisdask.connection import connect_async, redact
@@ -217,15 +217,14 @@ class Nanny:
     async def _run_worker_once(self) -> _Watch:
         self.exit_reason_path.unlink(missing_ok=True)
         self.address_path.unlink(missing_ok=True)
-        env = dict(
-            os.environ,
+        env = spawn.environment(
             PYTHONUNBUFFERED="1",
             REDISDASK__REDIS__URL=self.redis_url,  # not on a command line ps shows
             **worker_environment(
                 os.getpid(), self.exit_reason_path, self.address_path, self.restarts
             ),
         )
-        args = [sys.executable, "-m", "redisdask", "worker", "--cluster", self.keys.cluster]
+        args = spawn.command("worker", "--cluster", self.keys.cluster)
         args += ["--no-nanny", "--memory-limit", str(self.memory_limit), *self.worker_args]
         args += ["--local-directory", str(self.local_directory.parent)]
         if self.name:

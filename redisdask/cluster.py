@@ -4,9 +4,7 @@ subprocesses of this one, all stopped by ``close()``."""
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -14,7 +12,7 @@ from typing import Any
 
 import psutil
 
-from redisdask import schema
+from redisdask import schema, spawn
 from redisdask.config import load_config
 from redisdask.connection import connect, redact
 from redisdask.embedded import EmbeddedRedis
@@ -89,14 +87,13 @@ class LocalCluster:
             self._logs.append(out)
         # the URL (it may hold a password) goes by environment, not on a command line
         # that every user of the machine can read with ps
-        env = dict(
-            os.environ,
+        env = spawn.environment(
             PYTHONUNBUFFERED="1",
             REDISDASK__LOGGING__LEVEL=self.log_level,
             REDISDASK__REDIS__URL=self.redis_url,
         )
         return subprocess.Popen(
-            [sys.executable, "-m", "redisdask", *args],
+            spawn.command(*args),
             stdout=out,
             stderr=subprocess.STDOUT if out is not subprocess.DEVNULL else None,
             env=env,

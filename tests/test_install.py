@@ -42,6 +42,42 @@ def test_a_users_workers_and_nanny_modules_do_not_shadow_ours(
     assert result.stdout.strip() == "ok"
 
 
+def test_a_redisdask_folder_in_the_working_directory_does_not_shadow_the_package(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """`redisdask demo` run in a source checkout: the working directory holds a
+    ``redisdask/`` folder that is not the installed package (a checkout's lacks the
+    ``redisdask.workers`` the install maps in).  The cluster's processes, scheduler, nannies
+    and workers, import the package their parent imported, not that folder; the modules
+    beside the script are found on the workers, as the script found them."""
+    checkout = tmp_path / "checkout"
+    (checkout / "redisdask").mkdir(parents=True)
+    (checkout / "redisdask" / "__init__.py").write_text(
+        "raise ImportError('the checkout folder was imported, not the installed package')\n"
+    )
+    script = tmp_path / "elsewhere" / "main.py"  # like a console script: not in the cwd
+    script.parent.mkdir()
+    (script.parent / "helpers.py").write_text("def triple(x):\n    return 3 * x\n")
+    script.write_text(
+        textwrap.dedent(
+            USER_SCRIPT.format(redis_url=redis_url)
+            .replace("from workers import double", "from helpers import triple as double")
+            .replace("from nanny import who\n", "")
+            .replace("== 42", "== 63")
+            .replace("assert client.submit(who)", "# ")
+        )
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        timeout=80,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "ok"
+
+
 def test_get_worker_is_importable_under_the_documented_name() -> None:
     from redisdask.workers import get_worker
 
