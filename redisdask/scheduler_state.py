@@ -657,7 +657,7 @@ class SchedulerState:
         and it is recomputed (or, without a task to recompute it, errs) if still needed."""
         self._set_state(ts, "released", stimulus_id=stimulus_id)
         ts.replicating.clear()
-        self._emit(SetState(stimulus_id, ts.key, "released", {"who_has": b""}))
+        self._emit(SetState(stimulus_id, ts.key, "released", {"who_has": []}))
         for dependent in sorted(ts.waiters, key=lambda t: t.score):
             if dependent.state in ("queued", "processing", "no-worker"):
                 # a worker that claimed it cannot get the data now: take the task back
@@ -920,7 +920,7 @@ class SchedulerState:
                 self._kill(ts, stimulus_id=ev.stimulus_id)
             else:
                 if died:
-                    fields = {"suspicious": ts.suspicious, "deaths": _pack(ts.deaths)}
+                    fields = {"suspicious": ts.suspicious, "deaths": list(ts.deaths)}
                     self._emit(SetState(ev.stimulus_id, ts.key, "processing", fields))
                 self._transition(ts, "queued", stimulus_id=ev.stimulus_id)
         for ts in list(ws.has_what):
@@ -1470,7 +1470,7 @@ class SchedulerState:
             self._free(worker, ts.key, stimulus_id=stimulus_id)
         ts.who_has.clear()
         self._set_state(ts, "released", stimulus_id=stimulus_id)
-        self._emit(SetState(stimulus_id, ts.key, "released", {"who_has": b""}))
+        self._emit(SetState(stimulus_id, ts.key, "released", {"who_has": []}))
         self._release_dependencies(ts)
         self._maybe_release(ts)
 
@@ -1573,7 +1573,7 @@ class SchedulerState:
     # ------------------------------------------------------------------ messages
 
     def _memory_fields(self, ts: TaskState) -> dict[str, Any]:
-        return {"who_has": " ".join(sorted(ts.who_has)), "nbytes": ts.nbytes, "type": ts.type}
+        return {"who_has": sorted(ts.who_has), "nbytes": ts.nbytes, "type": ts.type}
 
     def _memory_msg(self, ts: TaskState) -> KeyInMemory:
         return KeyInMemory(ts.key, sorted(ts.who_has), nbytes=ts.nbytes, type=ts.type)
@@ -1590,7 +1590,7 @@ class SchedulerState:
         if ts.killed:
             fields["killed"] = ts.killed
             fields["suspicious"] = ts.suspicious
-            fields["deaths"] = _pack(ts.deaths)
+            fields["deaths"] = list(ts.deaths)
         if ts.rejected:
             fields["rejected"] = 1
         return fields

@@ -19,9 +19,8 @@ worker name or host never contains a space); ``spec``, ``exception``, ``tracebac
 Reading is tolerant: a missing field takes its default (records written by older code
 lack ``queued_on``, for instance: ``None`` then says "absent", unlike an empty list),
 and a value that cannot be decoded does too, so a reader shows what it can instead of
-failing on what anyone may have written.  Writing accepts each field's decoded type;
-the scheduler's state machine hands a few fields over already in their stored form
-(``who_has`` joined, ``deaths`` packed), which ``encode`` passes through unchanged.
+failing on what anyone may have written.  Writing takes each field in its decoded type
+(a list of words, a list of deaths), so this module is the only encoder.
 """
 
 from __future__ import annotations
@@ -47,10 +46,10 @@ def split_words(raw: bytes | str | None) -> list[str]:
     return (raw.decode(errors="replace") if isinstance(raw, bytes) else raw).split()
 
 
-def join_words(words: Iterable[str] | str | bytes) -> str | bytes:
-    """The stored form of a list of words; a str or bytes is taken as stored already."""
-    if isinstance(words, str | bytes):
-        return words
+def join_words(words: Iterable[str]) -> str:
+    """The stored form of a list of words."""
+    if isinstance(words, str | bytes):  # would be joined letter by letter
+        raise TypeError(f"a list of words, not {type(words).__name__} {words!r}")
     return " ".join(words)
 
 
@@ -78,8 +77,7 @@ def _float(raw: Raw) -> float:
 
 
 def _packed(value: Any) -> bytes:
-    """msgpack, unless the value is stored form already (bytes)."""
-    return value if isinstance(value, bytes) else schema.pack(value)
+    return schema.pack(value)
 
 
 def _flag(value: Any) -> int | bytes:

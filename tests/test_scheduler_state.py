@@ -182,7 +182,7 @@ def test_single_task_lifecycle():
     (msg,) = client_msgs(out, "key-in-memory", "c")
     assert msg == {"op": "key-in-memory", "key": "x", "who_has": [W1], "nbytes": 28, "type": "int"}
     (st,) = [i for i in of(out, SetState) if i.key == "x"]
-    assert st.state == "memory" and st.fields["who_has"] == W1
+    assert st.state == "memory" and st.fields["who_has"] == [W1]
 
     out = s.handle_stimulus(ClientReleasesKeys(client="c", keys=["x"], stimulus_id="rel"))
     assert "x" not in s.tasks
