@@ -1,4 +1,5 @@
-"""The user's entry point: ``Client``, ``Future``, ``wait`` and ``as_completed``.
+"""The user's entry point: ``Client`` (``Future``, ``wait`` and ``as_completed`` live in
+``redisdask.futures`` and are re-exported here).
 
 The client talks to the scheduler only through Redis: submissions go on the clients
 stream (batched: ``map`` of 100,000 items is a few pipelined XADDs), and the scheduler
@@ -6,15 +7,14 @@ answers on this client's own events stream, which a background thread reads.  Re
 are fetched straight from the workers that hold them, over authenticated TCP
 (``redisdask.comm``); they never pass through Redis.
 
-Futures of one key share a ``_FutureState``; the client counts references per key and
-tells the scheduler to release a key when its last future is garbage-collected.
+Futures of one key share a ``_FutureState`` (``redisdask.futures``); the client counts
+references per key and tells the scheduler to release a key when its last future is
+garbage-collected.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import itertools
 import logging
 import os
 import socket
@@ -25,7 +25,7 @@ import uuid
 from collections import defaultdict, deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from concurrent.futures import TimeoutError as FuturesTimeoutError
-from typing import Any, NamedTuple
+from typing import Any
 
 import cloudpickle
 import redis
@@ -33,16 +33,23 @@ import redis
 from redisdask import comm, schema
 from redisdask import spec as specs
 from redisdask.backoff import Backoff
-from redisdask.config import load_config, parse_duration
+from redisdask.config import load_config
 from redisdask.connection import connect, redact
 from redisdask.errors import (
     ClusterConnectionError,
     DataUnavailableError,
-    FutureCancelledError,
     KilledWorker,
     ProtocolError,
     RedisDaskError,
     TaskInterrupted,
+)
+from redisdask.futures import (
+    DoneAndNotDoneFutures,
+    Future,
+    _flatten,
+    _FutureState,
+    as_completed,
+    wait,
 )
 from redisdask.memory import format_bytes
 from redisdask.protocol import (
@@ -70,6 +77,15 @@ from redisdask.schema import Keys
 from redisdask.task_record import TaskRecord
 from redisdask.versions import VersionMismatchError, mismatches, table, versions
 
+__all__ = [
+    "Client",
+    "DoneAndNotDoneFutures",
+    "Future",
+    "as_completed",
+    "default_client",
+    "wait",
+]
+
 logger = logging.getLogger("redisdask.client")
 
 SUBMIT_BATCH_BYTES = 16 << 20  # specs per stream entry, so the scheduler's writes stay small
@@ -78,158 +94,6 @@ SUBMIT_BATCH_BYTES = 16 << 20  # specs per stream entry, so the scheduler's writ
 # fenced write
 MAX_SPEC_BYTES = 256 << 20
 SEND_ATTEMPTS = 3  # writes refused while Redis answers PING before the client gives up
-
-
-# --------------------------------------------------------------------------- futures
-
-
-class _FutureState:
-    """What the client knows of one key, shared by all futures of that key."""
-
-    __slots__ = (
-        "callbacks",
-        "cancel_reason",
-        "event",
-        "exception",
-        "finishes",
-        "generation",
-        "status",
-        "traceback",
-        "type",
-        "who_has",
-    )
-
-    def __init__(self) -> None:
-        self.status = "pending"
-        self.event = threading.Event()
-        self.exception: BaseException | None = None
-        self.traceback: Any = None
-        self.type = ""
-        self.who_has: list[str] = []
-        self.callbacks: list[Callable[[], None]] = []
-        self.generation = 0  # the client's submission counter when last (re)submitted
-        self.finishes = 0  # how many key-in-memory messages arrived (to spot stale ones)
-        self.cancel_reason = "it was cancelled"
-
-    def _set(self, status: str) -> None:
-        self.status = status
-        self.event.set()
-        callbacks, self.callbacks = self.callbacks, []
-        for callback in callbacks:
-            try:
-                callback()
-            except Exception:
-                logger.exception("a future's done callback raised")
-
-    def finish(self, who_has: list[str], type: str) -> None:
-        self.who_has, self.type = who_has, type
-        self.finishes += 1
-        self._set("finished")
-
-    def set_error(self, exception: BaseException, traceback: Any) -> None:
-        self.exception, self.traceback = exception, traceback
-        self._set("error")
-
-    def cancel(self, reason: str = "it was cancelled") -> None:
-        if self.status != "cancelled":
-            self.who_has, self.exception, self.traceback = [], None, None
-            self.cancel_reason = reason
-            self._set("cancelled")
-
-    def reset(self) -> None:
-        self.status = "pending"
-        self.event.clear()
-
-
-class Future:
-    """A remotely running computation; ``result()`` brings its value here.
-
-    ``key`` is the task's key in its dask form (a str, or a tuple like ``("x", 0)``);
-    inside the cluster the key is its string form, ``_key``.  A future inside the
-    arguments of a task, a dask graph or a ``delayed`` call is a dependency on its key
-    (see ``spec.dumps_spec``)."""
-
-    def __init__(
-        self,
-        key: str,
-        client: Client,
-        *,
-        dask_key: Hashable | None = None,
-        _state: _FutureState | None = None,
-    ) -> None:
-        self._key = key
-        self.key: Hashable = key if dask_key is None else dask_key
-        self.client = client
-        self._state = _state or client._state_for(key)
-        client._inc_ref(key)
-        self._released = False
-
-    @property
-    def status(self) -> str:
-        return self._state.status
-
-    def done(self) -> bool:
-        return self._state.event.is_set()
-
-    def cancelled(self) -> bool:
-        return self._state.status == "cancelled"
-
-    def _wait(self, timeout: float | None) -> None:
-        """Wait for news; give up with a clear error if Redis stays away too long (the
-        future is kept: once Redis is back, waiting again works)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._state.event.is_set():
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise FuturesTimeoutError(f"task {self.key!r} did not finish within {timeout} s")
-            self.client._check_redis()
-            self._state.event.wait(0.25 if left is None else min(left, 0.25))
-
-    def result(self, timeout: float | str | None = None) -> Any:
-        return self.client._results([self], _seconds(timeout))[self._key]
-
-    def _raise_if_failed(self) -> None:
-        if self._state.status == "error":
-            raise self._state.exception.with_traceback(self._state.traceback)  # type: ignore[union-attr]
-        if self._state.status == "cancelled":
-            raise FutureCancelledError(self._key, self._state.cancel_reason)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._wait(timeout)
-        return self._state.exception
-
-    def traceback(self, timeout: float | None = None) -> Any:
-        self._wait(timeout)
-        return self._state.traceback
-
-    def cancel(self) -> None:
-        self.client.cancel([self])
-
-    def add_done_callback(self, fn: Callable[[Future], Any]) -> None:
-        """Call ``fn(future)`` when it finishes (at once if it has); runs in a client thread."""
-        with self.client._lock:
-            if not self._state.event.is_set():
-                self._state.callbacks.append(lambda: fn(self))
-                return
-        fn(self)
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self.client._dec_ref(self._key)
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # at interpreter shutdown anything goes
-            self.release()
-
-    def __reduce__(self) -> Any:
-        return specs.reduce_future(self, self._key)
-
-    def __dask_tokenize__(self) -> Any:
-        return ("redisdask.Future", self._key)
-
-    def __repr__(self) -> str:
-        return f"<Future: {self.status}, key: {self.key}>"
 
 
 # --------------------------------------------------------------------------- client
@@ -1448,11 +1312,6 @@ def _check_key(key: Hashable) -> str:
     return specs.stringify(key)
 
 
-def _seconds(timeout: float | str | None) -> float | None:
-    """A timeout in seconds from a number or a string such as ``"1s"`` or ``"100 ms"``."""
-    return None if timeout is None else parse_duration(timeout)
-
-
 def _load_error(msg: KeyErred) -> tuple[BaseException, Any]:
     """Rebuild the original exception and traceback a worker pickled."""
     exc: BaseException
@@ -1530,17 +1389,6 @@ def _sizeof(value: Any) -> int:
         return 0
 
 
-def _flatten(obj: Any) -> Iterator[Any]:
-    if isinstance(obj, list | tuple | set | frozenset | Iterator):
-        for x in obj:
-            yield from _flatten(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _flatten(x)
-    else:
-        yield obj
-
-
 def _flatten_lists(obj: Any) -> Iterator[Any]:
     if isinstance(obj, list):
         for x in obj:
@@ -1595,82 +1443,3 @@ def default_client() -> Client:
     if client is None:
         raise ValueError("no Client is running: create one with Client(...)")
     return client
-
-
-# --------------------------------------------------------------------------- wait
-
-
-class DoneAndNotDoneFutures(NamedTuple):
-    done: set[Future]
-    not_done: set[Future]
-
-
-def wait(
-    fs: Any, timeout: float | str | None = None, return_when: str = "ALL_COMPLETED"
-) -> DoneAndNotDoneFutures:
-    """Wait until all (or the first, ``return_when="FIRST_COMPLETED"``) futures finish.
-    ``timeout``: seconds, or a string such as ``"1s"`` or ``"500ms"``."""
-    timeout = _seconds(timeout)
-    futures = [f for f in _flatten(fs) if isinstance(f, Future)]
-    deadline = None if timeout is None else time.monotonic() + timeout
-    if return_when == "FIRST_COMPLETED":
-        first = threading.Event()
-        for f in futures:
-            f.add_done_callback(lambda _f: first.set())
-        if not first.wait(timeout):
-            raise FuturesTimeoutError(f"none of {len(futures)} futures finished in {timeout} s")
-    else:
-        for f in futures:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not f._state.event.wait(left):
-                raise FuturesTimeoutError(
-                    f"{sum(not g.done() for g in futures)} of {len(futures)} futures did not "
-                    f"finish within {timeout} s"
-                )
-    done = {f for f in futures if f.done()}
-    return DoneAndNotDoneFutures(done, set(futures) - done)
-
-
-class as_completed:
-    """Iterate over futures in the order they finish.  ``with_results=True`` yields
-    ``(future, result)`` pairs.  ``add(future)`` adds more while iterating."""
-
-    def __init__(
-        self,
-        futures: Iterable[Future] = (),
-        with_results: bool = False,
-        timeout: float | str | None = None,
-    ) -> None:
-        self._queue: deque[Future] = deque()
-        self._cond = threading.Condition()
-        self._pending = 0
-        self.with_results = with_results
-        self.timeout = _seconds(timeout)
-        self._counter = itertools.count()
-        for f in futures:
-            self.add(f)
-
-    def add(self, future: Future) -> None:
-        with self._cond:
-            self._pending += 1
-        future.add_done_callback(self._on_done)
-
-    def _on_done(self, future: Future) -> None:
-        with self._cond:
-            self._queue.append(future)
-            self._cond.notify_all()
-
-    def __iter__(self) -> as_completed:
-        return self
-
-    def __next__(self) -> Any:
-        with self._cond:
-            if self._pending == 0:
-                raise StopIteration
-            if not self._cond.wait_for(lambda: bool(self._queue), timeout=self.timeout):
-                raise FuturesTimeoutError(f"no future finished within {self.timeout} s")
-            future = self._queue.popleft()
-            self._pending -= 1
-        if self.with_results:
-            return future, future.result()
-        return future

@@ -30,7 +30,7 @@ def progress(
 
     Raises ``TimeoutError`` when ``timeout`` seconds pass first; errors are counted, not
     raised: call ``future.result()`` to get one."""
-    from redisdask.client import Future, _flatten
+    from redisdask.futures import Future, _flatten
 
     fs = [f for f in _flatten(futures) if isinstance(f, Future)]
     console = console or Console(file=sys.stderr)

@@ -29,8 +29,7 @@ from redisdask.config import RetentionConfig
 from redisdask.errors import ProtocolError
 from redisdask.events import death_fields, event_command
 from redisdask.protocol import SCHEDULER_EVENTS, AddWorker, Event, FreeKeys, parse
-from redisdask.scheduler_state import (
-    HOLDS_DEPENDENCIES,
+from redisdask.scheduler_instructions import (
     ClaimAccepted,
     ClientMsg,
     Dequeue,
@@ -41,16 +40,14 @@ from redisdask.scheduler_state import (
     Instruction,
     LogEvent,
     RecordDeath,
-    RejectedGraph,
     ResetCluster,
-    SchedulerState,
     SetState,
     SetWants,
     StoreTask,
-    TaskState,
     Unclaim,
     WorkerMsg,
 )
+from redisdask.scheduler_state import HOLDS_DEPENDENCIES, RejectedGraph, SchedulerState, TaskState
 from redisdask.schema import Keys
 from redisdask.task_record import TaskRecord
 

@@ -2,8 +2,9 @@
 
 ``SchedulerState.handle_stimulus(*events)`` applies events (client submissions, worker
 claims and completions, ...) to an in-memory model of every task and returns instructions
-for the driver (``redisdask.scheduler``), which turns them into one atomic, fenced Redis
-write together with the acknowledgement of the batch that caused them.
+(``redisdask.scheduler_instructions``) for the driver (``redisdask.scheduler``), which
+turns them into one atomic, fenced Redis write together with the acknowledgement of the
+batch that caused them.
 
 Task states::
 
@@ -47,6 +48,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from redisdask.graph_cycles import cycle_text, find_cycles
 from redisdask.protocol import (
     NO_SCORE,
     AcquireReplicas,
@@ -55,14 +57,12 @@ from redisdask.protocol import (
     CancelKeys,
     CancelledKeys,
     ClientDesiresKeys,
-    ClientEvent,
     ClientReleasesKeys,
     CloseClient,
     CloseWorker,
     Event,
     FreeKeys,
     Holding,
-    InboxMessage,
     KeyErred,
     KeyInMemory,
     KeysRecorded,
@@ -82,6 +82,24 @@ from redisdask.protocol import (
     UpdateData,
     UpdateGraph,
     WhoHas,
+)
+from redisdask.scheduler_instructions import (
+    ClaimAccepted,
+    ClientMsg,
+    Dequeue,
+    Enqueue,
+    Forget,
+    ForgetClient,
+    ForgetWorker,
+    Instruction,
+    LogEvent,
+    RecordDeath,
+    ResetCluster,
+    SetState,
+    SetWants,
+    StoreTask,
+    Unclaim,
+    WorkerMsg,
 )
 from redisdask.state_machine import InvalidTransition
 
@@ -130,89 +148,6 @@ def _stale(score: float, ts: TaskState) -> bool:
     return score == score and score != ts.score  # NaN (no score given) is never stale
 
 
-def _cycles(roots: list[TaskState], within: set[TaskState]) -> list[list[TaskState]]:
-    """The strongly connected components of the dependency graph restricted to
-    ``within`` that hold a cycle (several tasks, or one depending on itself), reached from
-    ``roots``: Tarjan's algorithm without recursion."""
-    index: dict[TaskState, int] = {}
-    low: dict[TaskState, int] = {}
-    stack: list[TaskState] = []
-    on_stack: set[TaskState] = set()
-    found: list[list[TaskState]] = []
-    for root in roots:
-        if root in index:
-            continue
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
-        work = [(root, iter(root.dependencies))]
-        while work:
-            ts, deps = work[-1]
-            for dep in deps:
-                if dep not in within:
-                    continue
-                if dep not in index:
-                    index[dep] = low[dep] = len(index)
-                    stack.append(dep)
-                    on_stack.add(dep)
-                    work.append((dep, iter(dep.dependencies)))
-                    break
-                if dep in on_stack:
-                    low[ts] = min(low[ts], index[dep])
-            else:
-                work.pop()
-                if work:
-                    parent = work[-1][0]
-                    low[parent] = min(low[parent], low[ts])
-                if low[ts] == index[ts]:
-                    members = []
-                    while True:
-                        member = stack.pop()
-                        on_stack.discard(member)
-                        members.append(member)
-                        if member is ts:
-                            break
-                    if len(members) > 1 or ts in ts.dependencies:
-                        found.append(members)
-    return found
-
-
-def _cycle_text(members: list[TaskState]) -> str:
-    """The error of the tasks on a cycle: one cycle through them, shortest first found."""
-    inside = set(members)
-    start = min(members, key=lambda t: t.key)
-    parent: dict[TaskState, TaskState] = {}
-    queue = deque([start])
-    path: list[TaskState] = []
-    while queue and not path:
-        ts = queue.popleft()
-        for dep in sorted(ts.dependencies & inside, key=lambda t: t.key):
-            if dep is start:  # back round: start -> ... -> ts -> start
-                path = [ts]
-                while path[-1] is not start:
-                    path.append(parent[path[-1]])
-                path.reverse()
-                break
-            if dep not in parent:
-                parent[dep] = ts
-                queue.append(dep)
-    others = len(members) - len(path)
-    also = f", and {others} more tasks are on cycles with it" if others else ""
-    if len(path) == 1:
-        return (
-            f"SchedulerRejectedError: task {start.key!r} depends on itself, so it can never "
-            f"run{also}; fix its dependencies and submit it again"
-        )
-    names = [repr(t.key) for t in path] + [repr(start.key)]
-    if len(names) > 12:
-        names = [*names[:10], f"... ({len(names) - 11} more)", names[-1]]
-    return (
-        "SchedulerRejectedError: the graph has a cycle, so none of its tasks can run: "
-        f"{' -> '.join(names)} (each depends on the next){also}; fix the dependencies and "
-        "submit the graph again"
-    )
-
-
 def _pack(obj: Any) -> bytes:
     import msgpack
 
@@ -240,134 +175,6 @@ class RejectedGraph(Event):
     client: str
     keys: list[str] = field(default_factory=list)
     reason: str = ""
-
-
-# --------------------------------------------------------------------------- instructions
-
-
-@dataclass(slots=True)
-class Instruction:
-    stimulus_id: str
-
-
-@dataclass(slots=True)
-class StoreTask(Instruction):
-    """Write a new task's graph history: spec, dependencies, priority score."""
-
-    key: str
-    spec: bytes | None
-    deps: list[str]
-    score: float
-    state: str
-    retries: int = 0
-    restrict: tuple[str, ...] = ()
-
-
-@dataclass(slots=True)
-class SetState(Instruction):
-    """Record a task's new state (and any extra fields) in its Redis hash."""
-
-    key: str
-    state: str
-    fields: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class Enqueue(Instruction):
-    """Put a task in the ready set, or in the listed workers' own ready sets.
-    ``queued_on``: every worker whose ready set holds it after this one (those listed and
-    those it was in already), for the task hash, where the CLAIM script reads it."""
-
-    key: str
-    score: float
-    workers: tuple[str, ...] = ()
-    queued_on: tuple[str, ...] = ()
-
-
-@dataclass(slots=True)
-class Dequeue(Instruction):
-    key: str
-    workers: tuple[str, ...] = ()
-
-
-@dataclass(slots=True)
-class Unclaim(Instruction):
-    """Drop a task from a worker's processing set."""
-
-    worker: str
-    key: str
-
-
-@dataclass(slots=True)
-class Forget(Instruction):
-    key: str
-
-
-@dataclass(slots=True)
-class SetWants(Instruction):
-    client: str
-    add: list[str] = field(default_factory=list)
-    remove: list[str] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class ClientMsg(Instruction):
-    """Send ``msg`` to ``client``'s events stream."""
-
-    client: str
-    msg: ClientEvent
-
-
-@dataclass(slots=True)
-class WorkerMsg(Instruction):
-    """Send ``msg`` to ``worker``'s inbox."""
-
-    worker: str
-    msg: InboxMessage
-
-
-@dataclass(slots=True)
-class ForgetClient(Instruction):
-    client: str
-
-
-@dataclass(slots=True)
-class ForgetWorker(Instruction):
-    worker: str
-
-
-@dataclass(slots=True)
-class ResetCluster(Instruction):
-    """Delete every task's record and queue, and the clients' wanted sets."""
-
-    task_keys: list[str]
-    workers: list[str]
-    clients: list[str]
-
-
-@dataclass(slots=True)
-class ClaimAccepted(Instruction):
-    """A worker's claim of a queued task stands (the claim script already wrote it to
-    Redis): nothing to write, a line of the task's story."""
-
-    key: str
-    worker: str
-
-
-@dataclass(slots=True)
-class LogEvent(Instruction):
-    """Append to the cluster's event log (what ``redisdask monitor`` and ``inspect events``
-    show): ``worker-joined``, ``worker-left``, ``killed-worker``, ..."""
-
-    kind: str
-    fields: dict[str, Any]
-
-
-@dataclass(slots=True)
-class RecordDeath(Instruction):
-    """Append a worker's death record (the answer to "why did my worker die?")."""
-
-    record: dict[str, Any]
 
 
 # --------------------------------------------------------------------------- state
@@ -577,8 +384,8 @@ class SchedulerState:
                 todo.extend(ts.dependents)
         refused: dict[TaskState, str] = {}
         cut = set(grown)
-        for members in _cycles(grown, within):
-            text = _cycle_text(members)
+        for members in find_cycles(grown, within):
+            text = cycle_text(members)
             for ts in sorted(cut.intersection(members), key=lambda t: t.key):
                 for dep in ts.dependencies:
                     dep.dependents.discard(ts)

@@ -14,8 +14,8 @@ from redisdask import Client, LocalCluster
 from redisdask.errors import FencedError
 from redisdask.protocol import FreeKeys, KeysRecorded
 from redisdask.scheduler import Scheduler
+from redisdask.scheduler_instructions import Forget, StoreTask, WorkerMsg
 from redisdask.scheduler_redis import Translator, load_state, rejected_graphs
-from redisdask.scheduler_state import Forget, StoreTask, WorkerMsg
 from redisdask.schema import SCHEDULER_GROUP, Keys, ensure_cluster, entry, pack, unpack
 
 pytestmark = pytest.mark.timeout(60)

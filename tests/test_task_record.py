@@ -8,8 +8,8 @@ import pytest
 import redis
 
 from redisdask import schema
+from redisdask.scheduler_instructions import SetState, StoreTask
 from redisdask.scheduler_redis import Translator
-from redisdask.scheduler_state import SetState, StoreTask
 from redisdask.schema import Keys, pack
 from redisdask.task_record import FIELDS, TaskRecord, split_words
 

@@ -1,0 +1,282 @@
+"""Futures: ``Future``, the state futures of one key share, ``wait`` and ``as_completed``.
+
+A ``Future`` is the client's handle on one task of the cluster; futures of one key share a
+``_FutureState`` (status, exception, holders, done callbacks), which the client's
+background thread updates from the scheduler's messages.  The client counts references
+per key and tells the scheduler to release a key when its last future is
+garbage-collected (``Future.release``).  A future never travels on its own: pickled inside
+a task's arguments it is a reference to its key's value (``spec.reduce_future``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from concurrent.futures import TimeoutError as FuturesTimeoutError
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from redisdask import spec as specs
+from redisdask.config import parse_duration
+from redisdask.errors import FutureCancelledError
+
+if TYPE_CHECKING:
+    from redisdask.client import Client
+
+logger = logging.getLogger("redisdask.client")  # the client's log: futures are its side
+
+
+# --------------------------------------------------------------------------- futures
+
+
+class _FutureState:
+    """What the client knows of one key, shared by all futures of that key."""
+
+    __slots__ = (
+        "callbacks",
+        "cancel_reason",
+        "event",
+        "exception",
+        "finishes",
+        "generation",
+        "status",
+        "traceback",
+        "type",
+        "who_has",
+    )
+
+    def __init__(self) -> None:
+        self.status = "pending"
+        self.event = threading.Event()
+        self.exception: BaseException | None = None
+        self.traceback: Any = None
+        self.type = ""
+        self.who_has: list[str] = []
+        self.callbacks: list[Callable[[], None]] = []
+        self.generation = 0  # the client's submission counter when last (re)submitted
+        self.finishes = 0  # how many key-in-memory messages arrived (to spot stale ones)
+        self.cancel_reason = "it was cancelled"
+
+    def _set(self, status: str) -> None:
+        self.status = status
+        self.event.set()
+        callbacks, self.callbacks = self.callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:
+                logger.exception("a future's done callback raised")
+
+    def finish(self, who_has: list[str], type: str) -> None:
+        self.who_has, self.type = who_has, type
+        self.finishes += 1
+        self._set("finished")
+
+    def set_error(self, exception: BaseException, traceback: Any) -> None:
+        self.exception, self.traceback = exception, traceback
+        self._set("error")
+
+    def cancel(self, reason: str = "it was cancelled") -> None:
+        if self.status != "cancelled":
+            self.who_has, self.exception, self.traceback = [], None, None
+            self.cancel_reason = reason
+            self._set("cancelled")
+
+    def reset(self) -> None:
+        self.status = "pending"
+        self.event.clear()
+
+
+class Future:
+    """A remotely running computation; ``result()`` brings its value here.
+
+    ``key`` is the task's key in its dask form (a str, or a tuple like ``("x", 0)``);
+    inside the cluster the key is its string form, ``_key``.  A future inside the
+    arguments of a task, a dask graph or a ``delayed`` call is a dependency on its key
+    (see ``spec.dumps_spec``)."""
+
+    def __init__(
+        self,
+        key: str,
+        client: Client,
+        *,
+        dask_key: Hashable | None = None,
+        _state: _FutureState | None = None,
+    ) -> None:
+        self._key = key
+        self.key: Hashable = key if dask_key is None else dask_key
+        self.client = client
+        self._state = _state or client._state_for(key)
+        client._inc_ref(key)
+        self._released = False
+
+    @property
+    def status(self) -> str:
+        return self._state.status
+
+    def done(self) -> bool:
+        return self._state.event.is_set()
+
+    def cancelled(self) -> bool:
+        return self._state.status == "cancelled"
+
+    def _wait(self, timeout: float | None) -> None:
+        """Wait for news; give up with a clear error if Redis stays away too long (the
+        future is kept: once Redis is back, waiting again works)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._state.event.is_set():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise FuturesTimeoutError(f"task {self.key!r} did not finish within {timeout} s")
+            self.client._check_redis()
+            self._state.event.wait(0.25 if left is None else min(left, 0.25))
+
+    def result(self, timeout: float | str | None = None) -> Any:
+        return self.client._results([self], _seconds(timeout))[self._key]
+
+    def _raise_if_failed(self) -> None:
+        if self._state.status == "error":
+            raise self._state.exception.with_traceback(self._state.traceback)  # type: ignore[union-attr]
+        if self._state.status == "cancelled":
+            raise FutureCancelledError(self._key, self._state.cancel_reason)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._wait(timeout)
+        return self._state.exception
+
+    def traceback(self, timeout: float | None = None) -> Any:
+        self._wait(timeout)
+        return self._state.traceback
+
+    def cancel(self) -> None:
+        self.client.cancel([self])
+
+    def add_done_callback(self, fn: Callable[[Future], Any]) -> None:
+        """Call ``fn(future)`` when it finishes (at once if it has); runs in a client thread."""
+        with self.client._lock:
+            if not self._state.event.is_set():
+                self._state.callbacks.append(lambda: fn(self))
+                return
+        fn(self)
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.client._dec_ref(self._key)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter shutdown anything goes
+            self.release()
+
+    def __reduce__(self) -> Any:
+        return specs.reduce_future(self, self._key)
+
+    def __dask_tokenize__(self) -> Any:
+        return ("redisdask.Future", self._key)
+
+    def __repr__(self) -> str:
+        return f"<Future: {self.status}, key: {self.key}>"
+
+
+# --------------------------------------------------------------------------- wait
+
+
+class DoneAndNotDoneFutures(NamedTuple):
+    done: set[Future]
+    not_done: set[Future]
+
+
+def wait(
+    fs: Any, timeout: float | str | None = None, return_when: str = "ALL_COMPLETED"
+) -> DoneAndNotDoneFutures:
+    """Wait until all (or the first, ``return_when="FIRST_COMPLETED"``) futures finish.
+    ``timeout``: seconds, or a string such as ``"1s"`` or ``"500ms"``."""
+    timeout = _seconds(timeout)
+    futures = [f for f in _flatten(fs) if isinstance(f, Future)]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    if return_when == "FIRST_COMPLETED":
+        first = threading.Event()
+        for f in futures:
+            f.add_done_callback(lambda _f: first.set())
+        if not first.wait(timeout):
+            raise FuturesTimeoutError(f"none of {len(futures)} futures finished in {timeout} s")
+    else:
+        for f in futures:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not f._state.event.wait(left):
+                raise FuturesTimeoutError(
+                    f"{sum(not g.done() for g in futures)} of {len(futures)} futures did not "
+                    f"finish within {timeout} s"
+                )
+    done = {f for f in futures if f.done()}
+    return DoneAndNotDoneFutures(done, set(futures) - done)
+
+
+class as_completed:
+    """Iterate over futures in the order they finish.  ``with_results=True`` yields
+    ``(future, result)`` pairs.  ``add(future)`` adds more while iterating."""
+
+    def __init__(
+        self,
+        futures: Iterable[Future] = (),
+        with_results: bool = False,
+        timeout: float | str | None = None,
+    ) -> None:
+        self._queue: deque[Future] = deque()
+        self._cond = threading.Condition()
+        self._pending = 0
+        self.with_results = with_results
+        self.timeout = _seconds(timeout)
+        self._counter = itertools.count()
+        for f in futures:
+            self.add(f)
+
+    def add(self, future: Future) -> None:
+        with self._cond:
+            self._pending += 1
+        future.add_done_callback(self._on_done)
+
+    def _on_done(self, future: Future) -> None:
+        with self._cond:
+            self._queue.append(future)
+            self._cond.notify_all()
+
+    def __iter__(self) -> as_completed:
+        return self
+
+    def __next__(self) -> Any:
+        with self._cond:
+            if self._pending == 0:
+                raise StopIteration
+            if not self._cond.wait_for(lambda: bool(self._queue), timeout=self.timeout):
+                raise FuturesTimeoutError(f"no future finished within {self.timeout} s")
+            future = self._queue.popleft()
+            self._pending -= 1
+        if self.with_results:
+            return future, future.result()
+        return future
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _seconds(timeout: float | str | None) -> float | None:
+    """A timeout in seconds from a number or a string such as ``"1s"`` or ``"100 ms"``."""
+    return None if timeout is None else parse_duration(timeout)
+
+
+def _flatten(obj: Any) -> Iterator[Any]:
+    """The leaves of nested lists, tuples, sets, iterators and dict values (where the
+    client, ``wait`` and ``progress`` look for futures)."""
+    if isinstance(obj, list | tuple | set | frozenset | Iterator):
+        for x in obj:
+            yield from _flatten(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _flatten(x)
+    else:
+        yield obj

@@ -1,0 +1,141 @@
+"""The scheduler's side effects: the instructions ``SchedulerState.handle_stimulus`` returns.
+
+The state machine (``redisdask.scheduler_state``) does no I/O; each change it wants made
+outside its own memory is one of these records.  The driver hands a batch's instructions
+to ``scheduler_redis.Translator``, which turns each type into Redis commands (one short
+method per type) written atomically, fenced, with the acknowledgement of the batch that
+caused them.  Every instruction carries the ``stimulus_id`` of the event behind it, so
+the task's story can say why it changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from redisdask.protocol import ClientEvent, InboxMessage
+
+
+@dataclass(slots=True)
+class Instruction:
+    stimulus_id: str
+
+
+@dataclass(slots=True)
+class StoreTask(Instruction):
+    """Write a new task's graph history: spec, dependencies, priority score."""
+
+    key: str
+    spec: bytes | None
+    deps: list[str]
+    score: float
+    state: str
+    retries: int = 0
+    restrict: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class SetState(Instruction):
+    """Record a task's new state (and any extra fields) in its Redis hash."""
+
+    key: str
+    state: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Enqueue(Instruction):
+    """Put a task in the ready set, or in the listed workers' own ready sets.
+    ``queued_on``: every worker whose ready set holds it after this one (those listed and
+    those it was in already), for the task hash, where the CLAIM script reads it."""
+
+    key: str
+    score: float
+    workers: tuple[str, ...] = ()
+    queued_on: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class Dequeue(Instruction):
+    key: str
+    workers: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class Unclaim(Instruction):
+    """Drop a task from a worker's processing set."""
+
+    worker: str
+    key: str
+
+
+@dataclass(slots=True)
+class Forget(Instruction):
+    key: str
+
+
+@dataclass(slots=True)
+class SetWants(Instruction):
+    client: str
+    add: list[str] = field(default_factory=list)
+    remove: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ClientMsg(Instruction):
+    """Send ``msg`` to ``client``'s events stream."""
+
+    client: str
+    msg: ClientEvent
+
+
+@dataclass(slots=True)
+class WorkerMsg(Instruction):
+    """Send ``msg`` to ``worker``'s inbox."""
+
+    worker: str
+    msg: InboxMessage
+
+
+@dataclass(slots=True)
+class ForgetClient(Instruction):
+    client: str
+
+
+@dataclass(slots=True)
+class ForgetWorker(Instruction):
+    worker: str
+
+
+@dataclass(slots=True)
+class ResetCluster(Instruction):
+    """Delete every task's record and queue, and the clients' wanted sets."""
+
+    task_keys: list[str]
+    workers: list[str]
+    clients: list[str]
+
+
+@dataclass(slots=True)
+class ClaimAccepted(Instruction):
+    """A worker's claim of a queued task stands (the claim script already wrote it to
+    Redis): nothing to write, a line of the task's story."""
+
+    key: str
+    worker: str
+
+
+@dataclass(slots=True)
+class LogEvent(Instruction):
+    """Append to the cluster's event log (what ``redisdask monitor`` and ``inspect events``
+    show): ``worker-joined``, ``worker-left``, ``killed-worker``, ..."""
+
+    kind: str
+    fields: dict[str, Any]
+
+
+@dataclass(slots=True)
+class RecordDeath(Instruction):
+    """Append a worker's death record (the answer to "why did my worker die?")."""
+
+    record: dict[str, Any]
