@@ -118,11 +118,15 @@ class ResetCluster(Instruction):
 
 @dataclass(slots=True)
 class ClaimAccepted(Instruction):
-    """A worker's claim of a queued task stands (the claim script already wrote it to
-    Redis): nothing to write, a line of the task's story."""
+    """A worker's claim of a queued task stands.  The claim script wrote it to Redis
+    already, so this is a line of the task's story; with ``rewrite``, the task was taken
+    out of the ready sets and queued again (the same run, the same score) while the
+    claim's message was on its way, which wrote ``queued`` over the claim: write it again,
+    or the record says queued and the ready set offers the task a second time."""
 
     key: str
     worker: str
+    rewrite: bool = False
 
 
 @dataclass(slots=True)

@@ -58,7 +58,6 @@ SUMMARY_INTERVAL = 0.5  # seconds between writes of the summary hash while tasks
 SUMMARY_SHARE = 0.05  # the most of the scheduler's time the summary's passes may take
 THROUGHPUT_WINDOW = 60  # seconds of finished-task counts the summary keeps
 MAX_PREFIXES = 100  # task prefixes counted apart in the summary; the rest are "other"
-STORED = ("state", "deps", "score", "retries", "workers", "spec")  # what StoreTask writes
 
 
 # --------------------------------------------------------------------------- translation
@@ -155,9 +154,11 @@ class Translator:
         return batch.commands(self.keys)
 
     def _store_task(self, ins: StoreTask, b: _Batch) -> None:
-        record = TaskRecord(state=ins.state, spec=ins.spec, deps=ins.deps, score=ins.score,
-                            retries=ins.retries, workers=list(ins.restrict))  # fmt: skip
-        b.fields(ins.key).update(record.to_fields(STORED))
+        stored = {"state": ins.state, "deps": ins.deps, "score": ins.score,
+                  "retries": ins.retries, "workers": ins.restrict}  # fmt: skip
+        if ins.spec is not None:  # absent stays absent: a key scattered, never submitted
+            stored["spec"] = ins.spec
+        b.fields(ins.key).update(TaskRecord.encode(stored))
         b.exists[ins.key] = True
 
     def _set_state(self, ins: SetState, b: _Batch) -> None:
@@ -192,10 +193,8 @@ class Translator:
         b.unclaims[ins.worker].append(ins.key)
 
     def _claim_accepted(self, ins: ClaimAccepted, b: _Batch) -> None:
-        # the claim script wrote this already, unless the task was released and queued
-        # again (the same run: its score did not change) while the claim's message was on
-        # its way: that wrote ``queued`` over it, and the claim stands all the same
-        b.fields(ins.key).update(TaskRecord.encode({"state": "processing", "worker": ins.worker}))
+        if ins.rewrite:  # written over since the claim script wrote it (see ClaimAccepted)
+            b.fields(ins.key).update(state="processing", worker=ins.worker)
 
     def _client_msg(self, ins: ClientMsg, b: _Batch) -> None:
         b.client_msgs[ins.client].append(ins.msg.to_dict())
@@ -515,6 +514,9 @@ def _task_state(key: str, rec: TaskRecord, state: SchedulerState) -> TaskState:
         # (a record from before queued_on existed: its workers were addresses)
         queued_on = rec.workers if rec.queued_on is None else rec.queued_on
         ts.queued_on = tuple(w for w in queued_on if w in state.workers)
+    # a claim made before this scheduler started may be on its way, over which the last
+    # one may have written: the first accepted claim of a queued task is written again
+    ts.dequeued = ts.state == "queued"
     ts.erred_on = rec.erred_on or None
     ts.suspicious, ts.replicas = rec.suspicious, rec.replicas
     ts.deaths, ts.killed = rec.deaths, rec.killed

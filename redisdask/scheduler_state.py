@@ -201,6 +201,9 @@ class TaskState:
     retries: int = 0
     restrict: tuple[str, ...] = ()  # worker addresses, names or hosts it may run on
     queued_on: tuple[str, ...] = ()  # queued and restricted: the workers whose sets hold it
+    # taken out of the ready sets since its last accepted claim: a claim made before that
+    # may still be on its way, and what was written since has overwritten it in Redis
+    dequeued: bool = False
     suspicious: int = 0  # workers that died while it was processing there
     deaths: list[dict[str, Any]] = field(default_factory=list)  # their death records
     lost_on: str | None = None  # the worker whose death lost its only copy
@@ -1094,6 +1097,7 @@ class SchedulerState:
     def _dequeue(self, ts: TaskState, *, stimulus_id: str) -> None:
         self._emit(Dequeue(stimulus_id, ts.key, ts.queued_on))
         ts.queued_on = ()
+        ts.dequeued = True
 
     def _allowed(self, ts: TaskState) -> tuple[str, ...]:
         """The live workers a restricted task may run on: each entry of its restriction
@@ -1170,8 +1174,9 @@ class SchedulerState:
         ts.queued_on = ()  # the claim took it out of every ready set
         ts.claimed_before, ts.unlisted = worker.holding_reports, 0
         ts.processing_on = worker.address
-        worker.processing.add(ts)  # Redis already says so: the claim script wrote it
-        self._emit(ClaimAccepted(stimulus_id, ts.key, worker.address))
+        worker.processing.add(ts)  # the claim script wrote it, unless written over since
+        self._emit(ClaimAccepted(stimulus_id, ts.key, worker.address, rewrite=ts.dequeued))
+        ts.dequeued = False
 
     def _transition_processing_memory(
         self, ts: TaskState, worker: WorkerInfo, *, stimulus_id: str

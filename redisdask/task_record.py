@@ -166,7 +166,12 @@ class TaskRecord:
     def encode(changes: Mapping[str, Any]) -> dict[str, Any]:
         """The HSET mapping of a partial write: each named field in its stored form.
         An unknown field name raises ``KeyError``: the record has no such field."""
-        return {name: _ENCODERS[name](value) for name, value in changes.items()}
+        out = dict(changes)  # most fields are stored as they are (the scheduler's hot path)
+        for name, value in changes.items():
+            encoder = _ENCODERS[name]
+            if encoder is not _same:
+                out[name] = encoder(value)
+        return out
 
     # ------------------------------------------------------------------ reading
 

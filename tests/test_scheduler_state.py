@@ -193,6 +193,25 @@ def test_single_task_lifecycle():
     assert of(out, SetWants)[0].remove == ["x"]
 
 
+def test_a_claim_is_written_again_only_if_the_task_was_dequeued_since_it_was_made():
+    """The claim script writes a claim; only a task taken out of the ready sets and
+    queued again meanwhile (which wrote ``queued`` over the claim) needs it rewritten."""
+    s = make(W1)
+    # y stays known while released: its erred dependent z is still wanted
+    submit(s, "c", [task("x"), task("y"), task("z", ["y", "nobody-made-it"])], ["x", "y", "z"])
+    assert s.tasks["z"].state == "erred"
+    out = s.handle_stimulus(TaskClaimed(worker=W1, keys=["x"], stimulus_id="claim-x"))
+    assert [i.rewrite for i in of(out, ClaimAccepted)] == [False]
+    score = s.tasks["y"].score
+    s.handle_stimulus(ClientReleasesKeys(client="c", keys=["y"], stimulus_id="rel"))
+    assert s.tasks["y"].state == "released"
+    s.handle_stimulus(ClientDesiresKeys(client="c", keys=["y"], stimulus_id="again"))
+    assert s.tasks["y"].state == "queued" and s.tasks["y"].score == score  # the same run
+    out = s.handle_stimulus(TaskClaimed(worker=W1, keys=["y"], stimulus_id="claim-y"))
+    assert [(i.key, i.rewrite) for i in of(out, ClaimAccepted)] == [("y", True)]
+    assert not s.tasks["y"].dequeued
+
+
 def test_desiring_a_finished_key_reports_it_at_once():
     s = make(W1)
     submit(s, "a", [task("x")], ["x"])
