@@ -1308,9 +1308,9 @@ class SchedulerState:
                     "erred_on": "",
                     "exception_blame": "",
                     "killed": b"",
-                    "rejected": b"",
+                    "rejected": False,
                     "suspicious": 0,
-                    "deaths": b"",
+                    "deaths": [],
                 },
             )
         )

@@ -77,6 +77,8 @@ def _float(raw: Raw) -> float:
 
 
 def _packed(value: Any) -> bytes:
+    if isinstance(value, str | bytes):  # would be stored packed twice
+        raise TypeError(f"a decoded value, not the stored form {value!r}")
     return schema.pack(value)
 
 

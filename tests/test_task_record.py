@@ -114,3 +114,29 @@ def test_the_claim_script_reads_only_fields_of_the_record() -> None:
     assert {"spec", "deps", "state", "queued_on", "who_has", "nbytes"} <= named
     written = re.findall(r"HSET', tkey, (.*)\)", schema.CLAIM)
     assert set(re.findall(r"'(\w+)'", written[0])) <= set(FIELDS) | {"processing"}
+
+
+def test_releasing_an_erred_task_stores_an_empty_list_of_deaths() -> None:
+    """The release of an erred task empties ``deaths`` in the record's own format (a
+    msgpack list), not a stored form (``b""``) that the codec packs again into a msgpack
+    ``bin``; the codec refuses such a stored form for its packed fields."""
+    from redisdask.protocol import ClientReleasesKeys, TaskClaimed, TaskErred, UpdateGraph
+    from redisdask.scheduler_state import AddWorker, SchedulerState
+
+    w = "tcp://10.0.0.1:8000"
+    s = SchedulerState(validate=True)
+    s.handle_stimulus(AddWorker(worker=w, info={}, stimulus_id="a"))
+    graph = [{"key": "x", "spec": b"s", "deps": []}]
+    s.handle_stimulus(UpdateGraph(client="c", tasks=graph, wanted=["x"], stimulus_id="g"))
+    s.handle_stimulus(TaskClaimed(worker=w, keys=["x"], stimulus_id="cl"))
+    s.handle_stimulus(TaskErred(worker=w, key="x", exception_text="boom", stimulus_id="e"))
+    out = s.handle_stimulus(ClientReleasesKeys(client="c", keys=["x"], stimulus_id="r"))
+    released = [i for i in out if isinstance(i, SetState) and i.state == "released"]
+    assert released and "deaths" in released[0].fields
+    keys = Keys("c")
+    (hset,) = [c for c in Translator(keys).to_commands(released[:1]) if c[0] == "HSET"]
+    stored = dict(zip(hset[2::2], hset[3::2], strict=True))
+    assert schema.unpack(stored["deaths"]) == []
+    for name in ("deaths", "deps"):
+        with pytest.raises(TypeError, match="stored form"):
+            TaskRecord.encode({name: b""})
