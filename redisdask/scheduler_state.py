@@ -271,7 +271,7 @@ class SchedulerState:
         self.n_finished = 0
         self.n_erred = 0
         # the last transitions, newest last, for InvalidTransition (the scheduler writes
-        # its transitions to Redis from the instructions: see Scheduler._story)
+        # its transitions to Redis from the instructions: see Translator.story)
         self.story: deque[StoryEntry] = deque(maxlen=story_limit)
 
     # ------------------------------------------------------------------ entry point
