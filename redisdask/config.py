@@ -141,15 +141,16 @@ class WorkerMemoryConfig(Section):
 
     @model_validator(mode="after")
     def _check_order(self) -> WorkerMemoryConfig:
-        """The marks a worker passes as its memory grows come in this order: spilling
-        before pausing before the nanny's kill; a mark out of order never acts."""
-        marks = [(name, getattr(self, name)) for name in ("target", "spill", "pause", "terminate")]
+        """The marks a worker passes as its process memory grows come in this order:
+        spilling before pausing before the nanny's kill; a mark out of order never acts.
+        (``target``, a mark of managed memory, is free, as in Dask.)"""
+        marks = [(name, getattr(self, name)) for name in ("spill", "pause", "terminate")]
         set_marks = [(name, value) for name, value in marks if value is not False]
         for (low, low_value), (high, high_value) in itertools.pairwise(set_marks):
             if low_value > high_value:
                 raise ValueError(
                     f"{high} ({high_value}) is below {low} ({low_value}): the marks must rise "
-                    "target <= spill <= pause <= terminate (or be false)"
+                    "spill <= pause <= terminate (each may be false)"
                 )
         return self
 

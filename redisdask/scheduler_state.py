@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from redisdask import schema
 from redisdask.graph_cycles import cycle_text, find_cycles
 from redisdask.protocol import (
     NO_SCORE,
@@ -148,15 +149,9 @@ def _stale(score: float, ts: TaskState) -> bool:
     return score == score and score != ts.score  # NaN (no score given) is never stale
 
 
-def _pack(obj: Any) -> bytes:
-    import msgpack
-
-    return msgpack.packb(obj, use_bin_type=True)
-
-
 def _pack_deaths(ts: TaskState) -> bytes:
     """The structured evidence of a KilledWorker, for ``exc.deaths`` in the client."""
-    return _pack({"task": ts.key, "deaths": ts.deaths})
+    return schema.pack({"task": ts.key, "deaths": ts.deaths})
 
 
 # --------------------------------------------------------------------------- events
@@ -1419,7 +1414,8 @@ class SchedulerState:
             rejected=ts.rejected,
         )
         if ts.killed:
-            msg.killed, msg.suspicious, msg.deaths = ts.killed, ts.suspicious, _pack(ts.deaths)
+            msg.killed, msg.suspicious = ts.killed, ts.suspicious
+            msg.deaths = schema.pack(ts.deaths)
         return msg
 
     # ------------------------------------------------------------------ validation

@@ -210,4 +210,5 @@ def test_settings_that_cannot_work_are_refused_at_start(
 def test_marks_may_be_switched_off_and_a_limit_of_one_is_all_memory() -> None:
     config = load_config({"worker.memory.spill": False, "worker.memory.pause": 0.65})
     assert config.worker.memory.spill is False
+    assert load_config({"worker.memory.target": 0.9}).worker.memory.target == 0.9  # as Dask
     assert memory.memory_limit(1, 1) == memory.memory_limit(1.0, 1) > 2**20
