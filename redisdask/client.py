@@ -37,6 +37,7 @@ from redisdask.config import load_config
 from redisdask.connection import connect, redact
 from redisdask.errors import (
     ClusterConnectionError,
+    ClusterNotRunningError,
     DataUnavailableError,
     KilledWorker,
     ProtocolError,
@@ -139,10 +140,14 @@ class Client:
         self._retire_refused: dict[str, str] = {}  # worker -> why the scheduler refused
         self._versions = versions()
         self._down_since: float | None = None  # when Redis was found unreachable
+        # since when (monotonic) each heartbeat found no leading scheduler / no worker
+        self._missing_since: dict[str, float] = {}
         self._generation = 0
         self._peers = comm.BlockingPool(self.secret, timeout=self.timeout)
         self._stop = threading.Event()
         self._heartbeat()
+        for what in self._missing_since:
+            logger.warning("%s", self._missing_text(what, waited=None))
         self._events_redis = connect(
             self.redis_url, timeout=self.timeout, name=f"rd-client-{self.id}-events"
         )
@@ -696,6 +701,7 @@ class Client:
                     f"{undone} of {len(futures)} futures did not finish within the timeout"
                 )
             self._check_redis()
+            self._check_cluster()
             woken.wait(0.25 if left is None else min(left, 0.25))
 
     def _gather_keys(self, keys: list[str]) -> tuple[dict[str, Any], set[str]]:
@@ -1122,7 +1128,47 @@ class Client:
                 }
             ),
         )
-        pipe.execute()
+        self._look_for_cluster(pipe)
+
+    def _look_for_cluster(self, pipe: Any) -> None:
+        """Run ``pipe`` with a look at the lease and the workers; note what is missing."""
+        pipe.exists(self.keys.lease)
+        pipe.hlen(self.keys.workers)
+        *_, leads, workers = pipe.execute()
+        now = time.monotonic()
+        for what, present in (("scheduler", leads), ("workers", workers)):
+            if present:
+                self._missing_since.pop(what, None)
+            else:
+                self._missing_since.setdefault(what, now)
+
+    def _missing_text(self, what: str, waited: float | None) -> str:
+        """What a client found missing, for how long, and what to do about it."""
+        url, name = redact(self.redis_url), self.keys.cluster
+        if what == "scheduler":
+            missing = f"no scheduler leads cluster {name!r} on {url}"
+            start = f"start one with `redisdask scheduler {url} --cluster {name}`"
+        else:
+            missing = f"no worker is registered in cluster {name!r} on {url}"
+            start = f"start one with `redisdask worker {url} --cluster {name}`"
+        if waited is None:
+            return f"{missing}: tasks will wait; {start}, or check the cluster name"
+        limit = self.config.client.no_scheduler_timeout
+        return (
+            f"{missing}, for {waited:.0f} s (client.no-scheduler-timeout: {limit:g} s): "
+            f"{start}, or check the cluster name; the futures are kept and go on once it runs"
+        )
+
+    def _check_cluster(self) -> None:
+        """Raise once the cluster has had no leading scheduler, or no worker, for longer
+        than ``client.no-scheduler-timeout`` (each heartbeat looks)."""
+        now, limit = time.monotonic(), self.config.client.no_scheduler_timeout
+        if not any(now - since > limit for since in self._missing_since.values()):
+            return
+        self._look_for_cluster(self.redis.pipeline(transaction=False))  # not gone meanwhile?
+        for what, since in list(self._missing_since.items()):
+            if now - since > limit:
+                raise ClusterNotRunningError(self._missing_text(what, waited=now - since))
 
     def _event_loop(self) -> None:
         stream = self.keys.client_events(self.id)

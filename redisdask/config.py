@@ -185,6 +185,9 @@ class WorkerConfig(Section):
 class ClientConfig(Section):
     heartbeat_interval: Seconds = 2.0
     submit_batch: Annotated[int, Field(gt=0)] = 5000  # tasks per stream entry
+    # result()/gather()/wait() raise ClusterNotRunningError once no scheduler has led the
+    # cluster, or no worker has been registered, this long (seen at each heartbeat)
+    no_scheduler_timeout: Seconds = 30.0
 
 
 class LoggingConfig(Section):

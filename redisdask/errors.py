@@ -4,6 +4,9 @@
     ├── ClusterConnectionError (also ConnectionError)  Redis cannot be reached; the
     │                                                  client raises it for every lost
     │                                                  connection or timeout (connection)
+    ├── ClusterNotRunningError (also TimeoutError)     no scheduler leads the cluster, or
+    │                                                  no worker is registered, for longer
+    │                                                  than client.no-scheduler-timeout
     ├── ConfigError (also ValueError)                  an invalid setting (redisdask.config)
     ├── RedisServerNotFound (also FileNotFoundError)   no redis-server binary to embed
     ├── EmbeddedRedisError (also RuntimeError)         the embedded redis-server failed
@@ -52,6 +55,11 @@ class RedisDaskError(Exception):
 
 class ClusterConnectionError(RedisDaskError, ConnectionError):
     """Redis could not be reached within the configured timeout."""
+
+
+class ClusterNotRunningError(RedisDaskError, TimeoutError):
+    """A client waited on a cluster that has had no leading scheduler, or no registered
+    worker, for longer than ``client.no-scheduler-timeout``; its futures are kept."""
 
 
 class ConfigError(RedisDaskError, ValueError):

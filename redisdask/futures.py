@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from redisdask import spec as specs
 from redisdask.config import parse_duration
-from redisdask.errors import FutureCancelledError
+from redisdask.errors import ClusterNotRunningError, FutureCancelledError
 
 if TYPE_CHECKING:
     from redisdask.client import Client
@@ -125,14 +125,15 @@ class Future:
         return self._state.status == "cancelled"
 
     def _wait(self, timeout: float | None) -> None:
-        """Wait for news; give up with a clear error if Redis stays away too long (the
-        future is kept: once Redis is back, waiting again works)."""
+        """Wait for news; give up with a clear error if Redis stays away too long, or the
+        cluster does not run (the future is kept: waiting again works once it does)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._state.event.is_set():
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise FuturesTimeoutError(f"task {self.key!r} did not finish within {timeout} s")
             self.client._check_redis()
+            self.client._check_cluster()
             self._state.event.wait(0.25 if left is None else min(left, 0.25))
 
     def result(self, timeout: float | str | None = None) -> Any:
@@ -202,16 +203,25 @@ def wait(
         first = threading.Event()
         for f in futures:
             f.add_done_callback(lambda _f: first.set())
-        if not first.wait(timeout):
-            raise FuturesTimeoutError(f"none of {len(futures)} futures finished in {timeout} s")
+        while futures and not first.is_set():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise FuturesTimeoutError(f"none of {len(futures)} futures finished in {timeout} s")
+            futures[0].client._check_redis()
+            futures[0].client._check_cluster()
+            first.wait(0.25 if left is None else min(left, 0.25))
     else:
         for f in futures:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not f._state.event.wait(left):
+            try:
+                f._wait(left)
+            except ClusterNotRunningError:
+                raise  # (a TimeoutError too, but not this one)
+            except FuturesTimeoutError:
                 raise FuturesTimeoutError(
                     f"{sum(not g.done() for g in futures)} of {len(futures)} futures did not "
                     f"finish within {timeout} s"
-                )
+                ) from None
     done = {f for f in futures if f.done()}
     return DoneAndNotDoneFutures(done, set(futures) - done)
 
