@@ -1163,10 +1163,11 @@ class Client:
         """Raise once the cluster has had no leading scheduler, or no worker, for longer
         than ``client.no-scheduler-timeout`` (each heartbeat looks)."""
         now, limit = time.monotonic(), self.config.client.no_scheduler_timeout
-        if not any(now - since > limit for since in self._missing_since.values()):
+        # (copies: the event thread updates the dict at each heartbeat)
+        if not any(now - since > limit for since in dict(self._missing_since).values()):
             return
         self._look_for_cluster(self.redis.pipeline(transaction=False))  # not gone meanwhile?
-        for what, since in list(self._missing_since.items()):
+        for what, since in dict(self._missing_since).items():
             if now - since > limit:
                 raise ClusterNotRunningError(self._missing_text(what, waited=now - since))
 
