@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
 import os
 import random
 import sys
@@ -18,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import yaml
 
-from redisdask import logs, memory
+from redisdask import __version__, logs, memory
 from redisdask.config import Config, ConfigError, load_config, parse_duration
 from redisdask.errors import RedisDaskError
 
@@ -97,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--version",
         action="version",
-        version=f"redisdask {importlib.metadata.version('redisdask')}",
+        version=f"redisdask {__version__}",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 

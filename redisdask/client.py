@@ -700,8 +700,7 @@ class Client:
                 raise FuturesTimeoutError(
                     f"{undone} of {len(futures)} futures did not finish within the timeout"
                 )
-            self._check_redis()
-            self._check_cluster()
+            self._check_waiting()
             woken.wait(0.25 if left is None else min(left, 0.25))
 
     def _gather_keys(self, keys: list[str]) -> tuple[dict[str, Any], set[str]]:
@@ -1158,6 +1157,12 @@ class Client:
             f"{missing}, for {waited:.0f} s (client.no-scheduler-timeout: {limit:g} s): "
             f"{start}, or check the cluster name; the futures are kept and go on once it runs"
         )
+
+    def _check_waiting(self) -> None:
+        """What every wait on this client's futures calls between its slices: raise once
+        waiting longer is pointless (Redis away, or the cluster not running, too long)."""
+        self._check_redis()
+        self._check_cluster()
 
     def _check_cluster(self) -> None:
         """Raise once the cluster has had no leading scheduler, or no worker, for longer

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from redisdask import spec as specs
 from redisdask.config import parse_duration
-from redisdask.errors import ClusterNotRunningError, FutureCancelledError
+from redisdask.errors import FutureCancelledError
 
 if TYPE_CHECKING:
     from redisdask.client import Client
@@ -125,16 +125,9 @@ class Future:
         return self._state.status == "cancelled"
 
     def _wait(self, timeout: float | None) -> None:
-        """Wait for news; give up with a clear error if Redis stays away too long, or the
-        cluster does not run (the future is kept: waiting again works once it does)."""
+        """Wait until done (see ``Client._wait_for``: the same checks as every wait)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._state.event.is_set():
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise FuturesTimeoutError(f"task {self.key!r} did not finish within {timeout} s")
-            self.client._check_redis()
-            self.client._check_cluster()
-            self._state.event.wait(0.25 if left is None else min(left, 0.25))
+        self.client._wait_for([self], deadline, stop_on_error=False)
 
     def result(self, timeout: float | str | None = None) -> Any:
         return self.client._results([self], _seconds(timeout))[self._key]
@@ -203,25 +196,11 @@ def wait(
         first = threading.Event()
         for f in futures:
             f.add_done_callback(lambda _f: first.set())
-        while futures and not first.is_set():
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise FuturesTimeoutError(f"none of {len(futures)} futures finished in {timeout} s")
-            futures[0].client._check_redis()
-            futures[0].client._check_cluster()
-            first.wait(0.25 if left is None else min(left, 0.25))
+        if futures and not _wait_checking(first.wait, _clients(futures), deadline):
+            raise FuturesTimeoutError(f"none of {len(futures)} futures finished in {timeout} s")
     else:
-        for f in futures:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                f._wait(left)
-            except ClusterNotRunningError:
-                raise  # (a TimeoutError too, but not this one)
-            except FuturesTimeoutError:
-                raise FuturesTimeoutError(
-                    f"{sum(not g.done() for g in futures)} of {len(futures)} futures did not "
-                    f"finish within {timeout} s"
-                ) from None
+        for client in _clients(futures):
+            client._wait_for([f for f in futures if f.client is client], deadline, False)
     done = {f for f in futures if f.done()}
     return DoneAndNotDoneFutures(done, set(futures) - done)
 
@@ -239,6 +218,7 @@ class as_completed:
         self._queue: deque[Future] = deque()
         self._cond = threading.Condition()
         self._pending = 0
+        self._clients: dict[Client, None] = {}  # whose waits' checks apply
         self.with_results = with_results
         self.timeout = _seconds(timeout)
         self._counter = itertools.count()
@@ -248,6 +228,7 @@ class as_completed:
     def add(self, future: Future) -> None:
         with self._cond:
             self._pending += 1
+            self._clients[future.client] = None
         future.add_done_callback(self._on_done)
 
     def _on_done(self, future: Future) -> None:
@@ -262,7 +243,13 @@ class as_completed:
         with self._cond:
             if self._pending == 0:
                 raise StopIteration
-            if not self._cond.wait_for(lambda: bool(self._queue), timeout=self.timeout):
+            deadline = None if self.timeout is None else time.monotonic() + self.timeout
+            ready = _wait_checking(
+                lambda slice_: self._cond.wait_for(lambda: bool(self._queue), slice_),
+                self._clients,
+                deadline,
+            )
+            if not ready:
                 raise FuturesTimeoutError(f"no future finished within {self.timeout} s")
             future = self._queue.popleft()
             self._pending -= 1
@@ -272,6 +259,26 @@ class as_completed:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _clients(futures: Iterable[Future]) -> list[Client]:
+    return list(dict.fromkeys(f.client for f in futures))
+
+
+def _wait_checking(
+    wait_slice: Callable[[float], bool], clients: Iterable[Client], deadline: float | None
+) -> bool:
+    """``wait_slice(seconds) -> done?`` in slices of at most 0.25 s until done (True) or
+    ``deadline`` (False), running each client's checks between slices, as
+    ``Client._wait_for`` does: Redis away or the cluster not running too long raises."""
+    while True:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return False
+        for client in clients:
+            client._check_waiting()
+        if wait_slice(0.25 if left is None else min(left, 0.25)):
+            return True
 
 
 def _seconds(timeout: float | str | None) -> float | None:

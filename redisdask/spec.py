@@ -19,6 +19,7 @@ import contextvars
 import graphlib
 import hashlib
 import heapq
+from collections import Counter
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -219,8 +220,7 @@ def toposort(
     rank = rank or {}
     position = {t["key"]: i for i, t in enumerate(tasks)}
     if len(position) < len(tasks):
-        seen: set[str] = set()
-        twice = next(t["key"] for t in tasks if t["key"] in seen or seen.add(t["key"]))
+        twice = next(k for k, n in Counter(t["key"] for t in tasks).items() if n > 1)
         raise ValueError(f"the graph names the task {twice!r} twice")
     sorter = graphlib.TopologicalSorter(
         {t["key"]: [d for d in t["deps"] if d in position] for t in tasks}

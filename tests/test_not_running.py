@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from redisdask import Client, LocalCluster, wait
+from redisdask import Client, LocalCluster, as_completed, wait
 from redisdask.errors import ClusterNotRunningError
 
 pytestmark = pytest.mark.timeout(90)
@@ -44,6 +44,10 @@ def test_no_scheduler_is_said_at_connect_and_raised_then_the_future_goes_on(
             wait([future])
         with pytest.raises(ClusterNotRunningError):
             wait([future], return_when="FIRST_COMPLETED")
+        with pytest.raises(ClusterNotRunningError):
+            next(as_completed([future]))
+        with pytest.raises(ClusterNotRunningError):
+            future.exception()
         with LocalCluster(n_workers=1, redis_url=redis_url, cluster_name=cluster_name):
             assert future.result(timeout=30) == 2  # kept, and run once the cluster runs
 
