@@ -15,6 +15,7 @@ garbage-collected.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import os
 import socket
@@ -33,6 +34,7 @@ import redis
 from redisdask import comm, schema
 from redisdask import spec as specs
 from redisdask.backoff import Backoff
+from redisdask.cluster import LocalCluster
 from redisdask.config import load_config
 from redisdask.connection import connect, redact
 from redisdask.errors import (
@@ -95,6 +97,8 @@ SUBMIT_BATCH_BYTES = 16 << 20  # specs per stream entry, so the scheduler's writ
 # fenced write
 MAX_SPEC_BYTES = 256 << 20
 SEND_ATTEMPTS = 3  # writes refused while Redis answers PING before the client gives up
+# keywords of Client() with no address that go to the LocalCluster it starts
+_LOCAL_CLUSTER_ARGS = frozenset(inspect.signature(LocalCluster).parameters) - {"cluster_name"}
 
 
 # --------------------------------------------------------------------------- client
@@ -103,7 +107,15 @@ SEND_ATTEMPTS = 3  # writes refused while Redis answers PING before the client g
 class Client:
     """Connects to a cluster through Redis.
 
-    ``address`` is a ``LocalCluster``, a Redis URL, or None for the configured URL.
+    ``address`` is a ``LocalCluster``, a Redis URL, or None: then the configured URL
+    (``redis.url``) if one is configured, else, as distributed's ``Client()`` does, a new
+    ``LocalCluster`` that the client owns and closes (keywords such as ``n_workers`` go to
+    it).  Other keywords are config overrides (``**{"client.heartbeat-interval": 1}``).
+
+    A client never creates a cluster: when none of that name exists in Redis it waits up
+    to ``client.no-scheduler-timeout`` for one to appear, then raises
+    ``ClusterNotRunningError`` naming the clusters it found, so a mistyped name leaves no
+    keys behind.
     """
 
     def __init__(
@@ -113,9 +125,18 @@ class Client:
         *,
         timeout: float | None = None,
         set_as_default: bool = True,
-        **config: Any,
+        **kwargs: Any,
     ) -> None:
-        self.config = load_config(config or None)
+        cluster_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _LOCAL_CLUSTER_ARGS}
+        self.config = load_config(kwargs or None)
+        self.cluster: LocalCluster | None = None  # a cluster this client started (and closes)
+        if address is None and "url" not in self.config.redis.model_fields_set:
+            address = self.cluster = LocalCluster(cluster_name=cluster_name, **cluster_kwargs)
+        elif cluster_kwargs:
+            raise TypeError(
+                f"Client({address!r}) connects to a running cluster; {sorted(cluster_kwargs)} "
+                "are LocalCluster arguments, for Client() with no address"
+            )
         if address is not None and not isinstance(address, str):  # a LocalCluster
             cluster_name = cluster_name or address.cluster_name
             address = address.redis_url
@@ -127,7 +148,13 @@ class Client:
         self.redis = connect(
             self.redis_url, timeout=self.timeout, name=f"rd-client-{self.id}", cluster_errors=True
         )
-        self.secret = schema.ensure_cluster(self.redis, self.keys)
+        try:
+            self.secret = self._find_cluster()
+        except BaseException:
+            self.redis.close()
+            if self.cluster is not None:
+                self.cluster.close()
+            raise
         self.status = "running"
         self.asynchronous = False  # dask asks before using a client as its scheduler
         self._lock = threading.RLock()
@@ -159,6 +186,30 @@ class Client:
         if set_as_default:
             _set_default(self)
             self._dask_config = _make_dask_default(self)
+
+    def _find_cluster(self) -> bytes:
+        """The cluster's secret, once a scheduler or a worker created the cluster."""
+        limit = self.config.client.no_scheduler_timeout
+        deadline = time.monotonic() + limit
+        backoff = Backoff(base=0.05, cap=1.0)
+        warned = False
+        while (secret := schema.cluster_secret(self.redis, self.keys)) is None:
+            found = schema.known_clusters(self.redis)
+            text = (
+                f"no cluster named {self.keys.cluster!r} on {redact(self.redis_url)} (no "
+                "scheduler or worker ever ran it); the clusters there are "
+                f"{found or 'none'}: check the name, or start its scheduler with "
+                f"`redisdask scheduler {redact(self.redis_url)} --cluster {self.keys.cluster}`"
+            )
+            if time.monotonic() > deadline:
+                raise ClusterNotRunningError(
+                    f"{text} (waited {limit:g} s: client.no-scheduler-timeout)"
+                )
+            if not warned:
+                logger.warning("%s; waiting up to %g s for it", text, limit)
+                warned = True
+            time.sleep(backoff.next())  # connecting: wait for the cluster to be created
+        return secret
 
     # ------------------------------------------------------------------ submission
 
@@ -1267,6 +1318,8 @@ class Client:
         self._events_redis.close()
         self.redis.close()
         self.status = "closed"
+        if self.cluster is not None:
+            self.cluster.close()
         if _default_client[0] is self:
             _default_client[0] = None
         if self._dask_config is not None:  # dask's scheduler as it was before this client

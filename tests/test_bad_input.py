@@ -230,7 +230,9 @@ def test_the_redis_password_is_not_on_any_command_line(cluster_name: str) -> Non
     with EmbeddedRedis() as server:
         server.client().config_set("requirepass", "pw-4-test")
         url = f"redis://:pw-4-test@127.0.0.1:{server.port}/0"
-        with LocalCluster(n_workers=1, redis_url=url, cluster_name=cluster_name) as cluster:
+        with LocalCluster(
+            nanny=False, n_workers=1, redis_url=url, cluster_name=cluster_name
+        ) as cluster:
             with Client(cluster) as client:
                 assert client.submit(inc, 1).result(timeout=15) == 2
             for proc in cluster.subprocesses:

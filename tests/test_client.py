@@ -272,7 +272,11 @@ def test_local_cluster_with_workers_in_threads(redis_url: str, cluster_name: str
 
     with (
         LocalCluster(
-            n_workers=2, processes=False, redis_url=redis_url, cluster_name=cluster_name
+            nanny=False,
+            n_workers=2,
+            processes=False,
+            redis_url=redis_url,
+            cluster_name=cluster_name,
         ) as cluster,
         Client(cluster) as client,
     ):
@@ -355,7 +359,11 @@ def test_released_results_leave_the_workers_memory(redis_url: str, cluster_name:
 
     with (
         LocalCluster(
-            n_workers=2, processes=False, redis_url=redis_url, cluster_name=cluster_name
+            nanny=False,
+            n_workers=2,
+            processes=False,
+            redis_url=redis_url,
+            cluster_name=cluster_name,
         ) as cluster,
         Client(cluster) as client,
     ):
@@ -374,7 +382,9 @@ def test_released_results_leave_the_workers_memory(redis_url: str, cluster_name:
 @pytest.fixture
 def lone_worker(redis_url: str, cluster_name: str) -> Iterator[LocalCluster]:
     """One worker: every run and every retry of a task happens on it."""
-    with LocalCluster(n_workers=1, redis_url=redis_url, cluster_name=cluster_name) as cluster:
+    with LocalCluster(
+        nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name
+    ) as cluster:
         yield cluster
 
 

@@ -51,6 +51,7 @@ def test_status_and_monitor_frames_show_workers_memory_progress_and_a_death(
     release = str(tmp_path / "release")
     with (
         LocalCluster(
+            nanny=False,
             n_workers=3,
             threads_per_worker=2,  # one stays free while a task waits for the file
             redis_url=redis_url,
@@ -254,7 +255,9 @@ def test_event_and_story_streams_stay_within_their_caps(
         monkeypatch.setenv(f"REDISDASK__RETENTION__{key}", value)
     keys = Keys(cluster_name)
     with (
-        LocalCluster(n_workers=3, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        LocalCluster(
+            nanny=False, n_workers=3, redis_url=redis_url, cluster_name=cluster_name
+        ) as cluster,
         Client(cluster) as client,
     ):
         for i in range(20):  # many batches: many story entries
