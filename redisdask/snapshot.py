@@ -3,7 +3,8 @@ frame of ``monitor`` draws.
 
 ``read_snapshot`` sends one pipeline of read-only commands (``SNAPSHOT_COMMANDS`` of
 them: the scheduler and summary hashes, the lease's TTL, the workers and heartbeats
-hashes, the newest events and deaths, ``INFO``), so a refresh costs Redis the same
+hashes, the newest events and deaths, ``INFO``, whether the cluster exists; a SCAN
+for the other clusters only when it does not), so a refresh costs Redis the same
 whether the cluster runs ten tasks or a million: the scheduler keeps the counts per task
 prefix and state in ``rd:{c}:summary`` for exactly this.
 """
@@ -19,7 +20,7 @@ import redis
 from redisdask import schema
 from redisdask.schema import Keys, known_clusters
 
-SNAPSHOT_COMMANDS = 8  # Redis commands per read_snapshot (the monitor's cost per frame)
+SNAPSHOT_COMMANDS = 9  # Redis commands per read_snapshot (the monitor's cost per frame)
 WAITING_STATES = ("waiting", "queued", "no-worker")
 
 

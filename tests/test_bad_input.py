@@ -15,7 +15,7 @@ from polling import poll
 
 from redisdask import Client, ClusterConnectionError, Future, SchedulerRejectedError
 from redisdask.comm import encode_message, parse_address
-from redisdask.schema import Keys, entry
+from redisdask.schema import Keys, ensure_cluster, entry
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,6 +30,7 @@ def make_lock() -> threading.Lock:
 
 def test_unpicklable_function_fails_at_submit(redis_url: str, cluster_name: str) -> None:
     keys = Keys(cluster_name)
+    ensure_cluster(redis.Redis.from_url(redis_url), keys)  # as a scheduler that stopped leaves it
     lock = threading.Lock()
     with Client(redis_url, cluster_name=cluster_name) as client:
         with pytest.raises(TypeError, match=r"could not pickle the function .*lock"):
@@ -246,6 +247,7 @@ def test_malformed_scheduler_messages_are_skipped_by_the_client(
     the messages after it in the same entry still count."""
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cluster_name)
+    ensure_cluster(r, keys)  # as a scheduler that stopped leaves it
     with Client(redis_url, cluster_name=cluster_name) as client:
         future = client.submit(inc, 1)  # no scheduler here: it stays pending
         bad = [

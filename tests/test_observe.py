@@ -28,7 +28,7 @@ from tasklib import wait_for_file
 from redisdask import Client, LocalCluster, progress
 from redisdask.connection import connect
 from redisdask.inspect import read_deaths
-from redisdask.schema import Keys
+from redisdask.schema import Keys, ensure_cluster
 from redisdask.snapshot import SNAPSHOT_COMMANDS, read_snapshot
 from redisdask.views import dashboard, status_view
 
@@ -161,6 +161,7 @@ def test_one_snapshot_is_one_round_trip_of_a_few_reads(tmp_path: Path, cluster_n
     with EmbeddedRedis(data_dir=tmp_path) as server:
         r = redis.Redis.from_url(server.url)
         keys = Keys(cluster_name)
+        ensure_cluster(r, keys)  # (a cluster that does not exist costs a SCAN more)
 
         def calls() -> int:
             return sum(v["calls"] for v in r.info("commandstats").values())
