@@ -17,7 +17,10 @@ from redisdask.errors import (
     RedisDaskError,
     SchedulerRejectedError,
     TaskInterrupted,
+    WorkerStartTimeoutError,
+    WorkerUnresponsiveError,
 )
+from redisdask.plugins import WorkerPlugin
 
 __all__ = [
     "Client",
@@ -29,6 +32,9 @@ __all__ = [
     "RedisDaskError",
     "SchedulerRejectedError",
     "TaskInterrupted",
+    "WorkerPlugin",
+    "WorkerStartTimeoutError",
+    "WorkerUnresponsiveError",
     "__version__",
     "as_completed",
     "progress",

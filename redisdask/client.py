@@ -77,6 +77,7 @@ from redisdask.protocol import (
 from redisdask.schema import Keys
 from redisdask.task_record import TaskRecord
 from redisdask.versions import VersionMismatchError, mismatches, table, versions
+from redisdask.worker_calls import WorkerCalls
 
 __all__ = [
     "Client",
@@ -100,10 +101,11 @@ SEND_ATTEMPTS = 3  # writes refused while Redis answers PING before the client g
 # --------------------------------------------------------------------------- client
 
 
-class Client:
+class Client(WorkerCalls):
     """Connects to a cluster through Redis.
 
     ``address`` is a ``LocalCluster``, a Redis URL, or None for the configured URL.
+    ``run``, ``upload_file``, plugins...: from ``WorkerCalls`` (``worker_calls.py``).
     """
 
     def __init__(
