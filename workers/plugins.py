@@ -34,13 +34,15 @@ from typing import TYPE_CHECKING, Any
 
 from redisdask import schema
 from redisdask.errors import ConfigError
-from redisdask.workers.calls import call_user
+from redisdask.workers.calls import call_user, in_thread
 
 if TYPE_CHECKING:
     from redisdask.workers.state import WorkerState
     from redisdask.workers.worker import Worker
 
 logger = logging.getLogger("redisdask.worker")
+
+CLOSE_HOOK_TIMEOUT = 10.0  # seconds each teardown may take when the worker closes
 
 
 # ------------------------------------------------------------------ importing files
@@ -104,13 +106,13 @@ class Preload:
                 value=name,
             ) from exc
 
-    async def hook(self, which: str, worker: Worker) -> None:
+    async def hook(self, which: str, worker: Worker, timeout: float | None = None) -> None:
         function = getattr(self.module, which, None)
         if function is None:
             return
         logger.info("run %s of preload %s", which, self.name)
         try:
-            await call_user(function, worker)
+            await asyncio.wait_for(call_user(function, worker), timeout)
         except Exception:
             logger.exception("%s of preload %s failed", which, self.name)
 
@@ -132,6 +134,7 @@ class PluginHost:
         self._lock = asyncio.Lock()
         self._story_seen = 0  # WorkerState.story_total when plugins last heard of it
         self._background: set[asyncio.Task[Any]] = set()
+        self._closing = False
 
     async def start(self, worker: Worker) -> None:
         """Before the worker registers: preloads' ``dask_setup``, then uploads and plugins."""
@@ -148,6 +151,8 @@ class PluginHost:
         tear down the plugins that were removed.  Returns the errors, keyed by
         ``(kind, name)`` (kind ``upload`` or ``plugin``)."""
         async with self._lock:
+            if self._closing:  # its plugins are torn down: set up nothing more
+                return {}
             pipe = worker.redis.pipeline(transaction=False)
             pipe.hgetall(worker.keys.uploads)
             pipe.hgetall(worker.keys.worker_plugins)
@@ -175,7 +180,7 @@ class PluginHost:
         assert self.upload_directory is not None
         path = self.upload_directory / Path(name).name
         try:
-            await asyncio.to_thread(_write_and_import, path, entry["data"], entry["load"])
+            await in_thread(_write_and_import, path, entry["data"], entry["load"])
         except Exception as exc:
             logger.exception("uploaded file %s could not be imported", name)
             errors["upload", name] = exc
@@ -202,13 +207,17 @@ class PluginHost:
         self.plugins[name] = plugin
 
     async def _remove(
-        self, worker: Worker, name: str, errors: dict[tuple[str, str], BaseException]
+        self,
+        worker: Worker,
+        name: str,
+        errors: dict[tuple[str, str], BaseException],
+        timeout: float | None = None,
     ) -> None:
         plugin = self.plugins.pop(name)
         self._tokens.pop(("plugin", name), None)
         try:
             if callable(getattr(plugin, "teardown", None)):
-                await call_user(plugin.teardown, worker=worker)
+                await asyncio.wait_for(call_user(plugin.teardown, worker=worker), timeout)
         except Exception as exc:
             logger.exception("worker plugin %s failed to tear down", name)
             errors["plugin", name] = exc
@@ -244,13 +253,14 @@ class PluginHost:
     async def close(self, worker: Worker) -> None:
         """At the worker's close: every plugin's ``teardown`` (the last registered first),
         then the preloads' ``dask_teardown``; the uploaded files are deleted."""
+        self._closing = True
         for task in list(self._background):
             task.cancel()
         errors: dict[tuple[str, str], BaseException] = {}
         for name in reversed(list(self.plugins)):
-            await self._remove(worker, name, errors)
+            await self._remove(worker, name, errors, CLOSE_HOOK_TIMEOUT)
         for preload in reversed(self.preloads):
-            await preload.hook("dask_teardown", worker)
+            await preload.hook("dask_teardown", worker, CLOSE_HOOK_TIMEOUT)
         if self.upload_directory is not None:
             if str(self.upload_directory) in sys.path:
                 sys.path.remove(str(self.upload_directory))
