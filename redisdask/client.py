@@ -886,15 +886,7 @@ class Client(WorkerCalls):
         self._check_running()
         info = self.scheduler_info()["workers"]
         if workers is not None:
-            by_name = {str(w.get("name")): a for a, w in info.items()}
-            wanted = [workers] if isinstance(workers, str) else list(workers)
-            unknown = [w for w in wanted if w not in info and w not in by_name]
-            if unknown:
-                raise ValueError(
-                    f"no worker with address or name {unknown} in cluster "
-                    f"{self.keys.cluster!r}; its workers are {sorted(info)}"
-                )
-            addresses = [w if w in info else by_name[w] for w in wanted]
+            addresses = list(self._workers_named(workers))  # ValueError naming unknown ones
         elif n is not None:
             held = self._held_bytes(list(info))
             addresses = sorted(info, key=lambda a: (held[a], a))[: max(0, n)]
@@ -924,7 +916,7 @@ class Client(WorkerCalls):
             time.sleep(0.02)  # the workers leave on their own; their departure is polled
         for address, reason in refused.items():
             logger.warning("worker %s was not retired: %s", address, reason)
-        return {a: info[a] for a in addresses if a not in refused}
+        return {a: info.get(a, {}) for a in addresses if a not in refused}
 
     def _held_bytes(self, addresses: list[str]) -> dict[str, int]:
         """Bytes of results each worker holds, from its last heartbeat."""
