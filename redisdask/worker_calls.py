@@ -358,7 +358,7 @@ class WorkerCalls:
             self._withdraw(key, name, token)
             # the workers where it was set up tear it down (their own errors are logged)
             self._call_workers({a: targets[a] for a in results}, header, [], seconds)
-            _raise_first(errors, f"so it was removed again: nothing of {what} is kept")
+            _raise_first(errors, f"so {what} was undone: workers that start later do not get it")
         if unanswered:
             raise _unresponsive(
                 unanswered,

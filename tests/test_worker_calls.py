@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import uuid
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -288,6 +289,18 @@ def test_upload_file_reaches_current_and_later_workers(
     assert r.hkeys(client.keys.uploads) == [path.name.encode()]
 
 
+def test_upload_file_of_an_archive_with_load_false_is_importable_by_tasks(
+    client: Client, tmp_path: Path
+) -> None:
+    package = f"rdzip_{uuid.uuid4().hex[:8]}"
+    archive = tmp_path / f"{package}.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr(f"{package}/__init__.py", "def triple(x):\n    return 3 * x\n")
+    client.upload_file(archive, load=False)
+    assert set(client.run(is_imported, package).values()) == {False}  # not imported ...
+    assert client.submit(lambda x: __import__(package).triple(x), 3).result() == 9  # ... yet
+
+
 def test_upload_file_refuses_bad_files_and_leaves_nothing_behind(
     client: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -305,7 +318,7 @@ def test_upload_file_refuses_bad_files_and_leaves_nothing_behind(
     with pytest.raises(RuntimeError, match="no import for you") as info:
         client.upload_file(failing)
     notes = "\n".join(info.value.__notes__)
-    assert "raised on worker" in notes and "it was removed again" in notes
+    assert "raised on worker" in notes and "was undone" in notes
     assert r.hlen(client.keys.uploads) == 0
     not_zip = tmp_path / "lib.zip"
     not_zip.write_bytes(b"PK? no")

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from redisdask import schema
 from redisdask.errors import ConfigError
+from redisdask.plugins import UPLOAD_SUFFIXES
 from redisdask.workers.calls import call_user, in_thread
 
 if TYPE_CHECKING:
@@ -180,6 +181,8 @@ class PluginHost:
         assert self.upload_directory is not None
         path = self.upload_directory / Path(name).name
         try:
+            if path.name != name or path.suffix not in UPLOAD_SUFFIXES:
+                raise ValueError(f"refusing to write an upload named {name!r}")
             await in_thread(_write_and_import, path, entry["data"], entry["load"])
         except Exception as exc:
             logger.exception("uploaded file %s could not be imported", name)
@@ -192,8 +195,8 @@ class PluginHost:
         entry: dict[str, Any],
         errors: dict[tuple[str, str], BaseException],
     ) -> None:
-        if name in self.plugins:  # replaced by a plugin of the same name
-            await self._remove(worker, name, errors)
+        if name in self.plugins:  # replaced: the old one's teardown error is only logged
+            await self._remove(worker, name, {})
         self._tokens["plugin", name] = entry["token"]
         try:
             plugin = pickle.loads(entry["plugin"])
