@@ -17,7 +17,10 @@ from redisdask.errors import (
     RedisDaskError,
     SchedulerRejectedError,
     TaskInterrupted,
+    WorkerStartTimeoutError,
+    WorkerUnresponsiveError,
 )
+from redisdask.plugins import WorkerPlugin
 from redisdask.task_stream import get_task_stream
 
 __all__ = [
@@ -30,6 +33,9 @@ __all__ = [
     "RedisDaskError",
     "SchedulerRejectedError",
     "TaskInterrupted",
+    "WorkerPlugin",
+    "WorkerStartTimeoutError",
+    "WorkerUnresponsiveError",
     "__version__",
     "as_completed",
     "default_client",

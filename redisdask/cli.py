@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import random
 import sys
@@ -164,6 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the nanny starts a fresh worker when one reaches its lifetime",
     )
+    p.add_argument(
+        "--preload",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="a module (or .py file) each worker imports at start; its dask_setup(worker) "
+        "runs before the worker takes work, dask_teardown(worker) at its close (repeatable)",
+    )
 
     p = sub.add_parser("status", help="a one-shot summary of a cluster (read-only)")
     _add_common(p, url, cluster)
@@ -246,6 +255,7 @@ def _worker(args: argparse.Namespace, config: Config) -> int:
             port=args.port,
             memory_limit=memory_limit,
             lifetime=lifetime,
+            preload=args.preload,
         )
         return 0
     from redisdask.connection import connect
@@ -254,7 +264,10 @@ def _worker(args: argparse.Namespace, config: Config) -> int:
     # a wrong URL or a Redis that is down is the same for every restart: say so once
     connect(args.redis_url, timeout=config.redis.connect_timeout).close()
 
+    _check_preloads(args.preload)  # here, before nannies start workers that cannot
     worker_args = ["--nthreads", str(nthreads), "--host", args.host]
+    for name in args.preload:
+        worker_args += ["--preload", name]
     if args.port and args.nworkers == 1:
         worker_args += ["--port", str(args.port)]
     nannies = [
@@ -280,6 +293,24 @@ def _worker(args: argparse.Namespace, config: Config) -> int:
         for i in range(args.nworkers)
     ]
     return run_nannies(nannies)
+
+
+def _check_preloads(names: list[str]) -> None:
+    """A ``--preload`` that cannot be found, said at once (its import runs in the workers:
+    only whether it can be found is checked here, nothing of it runs)."""
+    for name in names:
+        if name.endswith(".py"):
+            found = os.path.isfile(name)
+        else:
+            try:
+                found = importlib.util.find_spec(name.partition(".")[0]) is not None
+            except (ImportError, ValueError):
+                found = False
+        if not found:
+            raise ConfigError(
+                f"--preload {name!r}: no such module or file. A preload is a module the "
+                "worker can import (installed, or on its PYTHONPATH) or the path of a .py file"
+            )
 
 
 def _read_only(args: argparse.Namespace, config: Config) -> int:

@@ -79,6 +79,7 @@ from redisdask.protocol import (
 from redisdask.schema import Keys
 from redisdask.task_record import TaskRecord
 from redisdask.versions import versions
+from redisdask.worker_calls import WorkerCalls
 
 __all__ = [
     "Client",
@@ -104,7 +105,7 @@ _LOCAL_CLUSTER_ARGS = frozenset(inspect.signature(LocalCluster).parameters) - {"
 # --------------------------------------------------------------------------- client
 
 
-class Client(ClusterAdmin):
+class Client(ClusterAdmin, WorkerCalls):
     """Connects to a cluster through Redis.
 
     ``address`` is a ``LocalCluster``, a Redis URL, or None: then the configured URL
@@ -116,6 +117,10 @@ class Client(ClusterAdmin):
     to ``client.no-scheduler-timeout`` for one to appear, then raises
     ``ClusterNotRunningError`` naming the clusters it found, so a mistyped name leaves no
     keys behind.
+
+    The cluster-wide operations (``restart``, ``retire_workers``, ``scheduler_info``…)
+    come from ``ClusterAdmin`` (``cluster_admin.py``); ``run``, ``upload_file`` and
+    plugins from ``WorkerCalls`` (``worker_calls.py``).
     """
 
     def __init__(

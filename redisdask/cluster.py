@@ -141,6 +141,9 @@ class LocalCluster:
             flag = f"--{option.replace('_', '-')}"
             if value is True:
                 args.append(flag)
+            elif isinstance(value, list | tuple):  # a repeatable flag, e.g. preload
+                for item in value:
+                    args += [flag, str(item)]
             elif value is not False and value is not None:
                 args += [flag, str(value)]
         proc = self._spawn(args, name or f"worker-{len(self.worker_processes)}")

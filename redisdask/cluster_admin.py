@@ -8,13 +8,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import TimeoutError as FuturesTimeoutError
 from typing import TYPE_CHECKING, Any
 
 from redisdask import schema
 from redisdask.connection import redact
 from redisdask.futures import Future, _flatten, _FutureState, _seconds
-from redisdask.protocol import Event, Replicate, Restart, RetireWorkers
+from redisdask.protocol import Replicate, Restart, RetireWorkers
 from redisdask.task_stream import read_task_stream, when
 from redisdask.versions import VersionMismatchError, mismatches, table, versions
 
@@ -27,7 +28,10 @@ logger = logging.getLogger("redisdask.client")
 
 
 class ClusterAdmin:
-    """The cluster-wide half of ``Client`` (a mixin: the attributes below are the client's)."""
+    """The cluster-wide half of ``Client``: a mixin, whose attributes (below) and helper
+    methods (``_check_running``, ``_send``, ``_results``, ``who_has``, and ``run`` and
+    ``_workers_named`` from ``WorkerCalls``) are the client's.  It declares no stubs of
+    them: a stub here would come before the real method in ``Client``'s MRO."""
 
     id: str
     redis: redis.Redis
@@ -38,11 +42,6 @@ class ClusterAdmin:
     _pending_release: dict[str, None]
     _restarted: threading.Event
     _retire_refused: dict[str, str]
-
-    def _check_running(self) -> None: ...
-    def _send(self, *batches: list[Event], resubmitted: Any = ()) -> None: ...
-    def _results(self, futures: list[Future], timeout: float | None) -> dict[str, Any]: ...
-    def who_has(self, futures: Any = None) -> dict[str, list[str]]: ...
 
     def restart(self, timeout: float | str = 30.0, wait_for_workers: bool = True) -> None:
         """Restart the cluster (as in Dask): every task is forgotten, every future of every
@@ -130,15 +129,7 @@ class ClusterAdmin:
         timeout = _seconds(timeout)
         info = self._cluster_info()["workers"]
         if workers is not None:
-            by_name = {str(w.get("name")): a for a, w in info.items()}
-            wanted = [workers] if isinstance(workers, str) else list(workers)
-            unknown = [w for w in wanted if w not in info and w not in by_name]
-            if unknown:
-                raise ValueError(
-                    f"no worker with address or name {unknown} in cluster "
-                    f"{self.keys.cluster!r}; its workers are {sorted(info)}"
-                )
-            addresses = [w if w in info else by_name[w] for w in wanted]
+            addresses = list(self._workers_named(workers))  # ValueError naming unknown ones
         elif n is not None:
             held = self._held_bytes(list(info))
             addresses = sorted(info, key=lambda a: (held[a], a))[: max(0, n)]
@@ -168,7 +159,7 @@ class ClusterAdmin:
             time.sleep(0.02)  # the workers leave on their own; their departure is polled
         for address, reason in refused.items():
             logger.warning("worker %s was not retired: %s", address, reason)
-        return {a: info[a] for a in addresses if a not in refused}
+        return {a: info.get(a, {}) for a in addresses if a not in refused}
 
     def _held_bytes(self, addresses: list[str]) -> dict[str, int]:
         """Bytes of results each worker holds, from its last heartbeat."""
@@ -215,9 +206,12 @@ class ClusterAdmin:
             "workers": workers,
         }
 
-    def get_versions(self, check: bool = False) -> dict[str, Any]:
+    def get_versions(self, check: bool = False, packages: Iterable[str] = ()) -> dict[str, Any]:
         """Versions of this client, the scheduler and every worker (as in Dask).
-        ``check=True`` raises ``VersionMismatchError`` with a table of what differs."""
+        ``packages``: more package names, read in the client and each worker (with
+        ``run``; the scheduler runs no user code, so it is not asked).  ``check=True``
+        raises ``VersionMismatchError`` with a table of what differs."""
+        packages = list(packages)
         pipe = self.redis.pipeline(transaction=False)
         pipe.hget(self.keys.scheduler, "versions")
         pipe.hgetall(self.keys.workers)
@@ -229,6 +223,9 @@ class ClusterAdmin:
                 a.decode(): schema.unpack(i).get("versions", {}) for a, i in workers.items()
             },
         }
+        if packages:
+            for address, found in self.run(versions, packages, on_error="ignore").items():
+                result["workers"].setdefault(address, {}).update(found)
         if check:
             by_process = {"client": result["client"], **result["workers"]}
             if result["scheduler"]:

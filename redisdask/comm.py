@@ -883,6 +883,13 @@ class BlockingConnection:
     def close(self) -> None:
         self._sock.close()
 
+    def abort(self) -> None:
+        """Close from another thread: wakes a thread blocked on the socket at once
+        (``close`` alone does not)."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
 
 class BlockingPool:
     """Thread-safe cache of :class:`BlockingConnection` keyed by address."""

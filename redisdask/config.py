@@ -188,6 +188,8 @@ class ClientConfig(Section):
     # result()/gather()/wait() raise ClusterNotRunningError once no scheduler has led the
     # cluster, or no worker has been registered, this long (seen at each heartbeat)
     no_scheduler_timeout: Seconds = 30.0
+    # client.run, register_plugin, upload_file: how long each worker has to answer
+    run_timeout: Seconds = 60.0
 
 
 class LoggingConfig(Section):

@@ -27,6 +27,11 @@
     ├── VersionMismatchError                           versions that cannot share pickles
     │                                                  (redisdask.versions)
     ├── KilledWorker                                   a task took too many workers down
+    ├── WorkerUnresponsiveError                        workers that client.run (or a plugin
+    │                                                  or upload) called did not answer in
+    │                                                  its timeout, or could not be reached
+    ├── WorkerStartTimeoutError (also TimeoutError)    wait_for_workers: fewer workers
+    │                                                  arrived than asked for in its timeout
     ├── InvalidTransition (also RuntimeError)          a bug: a state machine was asked for
     │                                                  a move its table lacks; carries the
     │                                                  key's story (redisdask.state_machine)
@@ -37,8 +42,9 @@ The classes defined elsewhere are importable from where the tree names them; tho
 defined here stay importable from their old modules too (``redisdask.config.ConfigError``,
 ``redisdask.embedded.EmbeddedRedisError``, ``redisdask.embedded.RedisServerNotFound``).
 
-``TypeError`` is raised as-is for an unpicklable function or argument at ``submit``, and
-a task's own exception is re-raised as its original type by ``Future.result()``.
+``TypeError`` is raised as-is for an unpicklable function or argument at ``submit`` (and
+``client.run``), and a task's own exception is re-raised as its original type by
+``Future.result()`` (a function's by ``client.run``, with a note naming the worker).
 
 Every message names the cause, the evidence and the next step.
 """
@@ -122,3 +128,38 @@ class KilledWorker(RedisDaskError):
         super().__init__(msg or f"task {task!r} was running on workers that died")
         self.task = task
         self.deaths = deaths or []
+
+
+class WorkerUnresponsiveError(RedisDaskError):
+    """Workers that ``client.run`` (or ``register_plugin``, ``upload_file``) called did
+    not answer within its timeout, or could not be reached (dead, or not listening).
+
+    ``unanswered`` maps each such worker's address to what happened; ``results`` holds
+    the answers of the workers that did answer (values, or exceptions their call raised)."""
+
+    def __init__(
+        self,
+        message: str,
+        unanswered: dict[str, str] | None = None,
+        results: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.unanswered = unanswered or {}
+        self.results = results or {}
+
+
+class WorkerStartTimeoutError(RedisDaskError, TimeoutError):
+    """``client.wait_for_workers(n, timeout)``: fewer than ``n`` workers were registered
+    when the timeout passed (distributed's name and attributes)."""
+
+    def __init__(
+        self, available_workers: int, expected_workers: int, timeout: float, message: str = ""
+    ) -> None:
+        super().__init__(
+            message
+            or f"only {available_workers} of {expected_workers} workers arrived within "
+            f"{timeout:g} s"
+        )
+        self.available_workers = available_workers
+        self.expected_workers = expected_workers
+        self.timeout = timeout

@@ -30,6 +30,8 @@ MULTI/EXEC stay valid on Redis Cluster, Valkey and managed Redis::
     rd:{c}:client:<id>:alive           string  present while the client heartbeats (PX ttl)
     rd:{c}:client:<id>:events          stream  scheduler -> client messages
     rd:{c}:client:<id>:wants           set     keys the client holds futures for
+    rd:{c}:worker-plugins              hash    plugin name -> msgpack {plugin, time, token}
+    rd:{c}:uploads                     hash    file name -> msgpack {data, load, time, token}
 
 ``docs/redis-schema.md`` describes who writes and who reads each key.
 
@@ -183,6 +185,16 @@ class Keys:
 
     def client_wants(self, client_id: str) -> str:
         return f"{self.prefix}client:{client_id}:wants"
+
+    @property
+    def worker_plugins(self) -> str:
+        """Worker plugins every current and future worker sets up (``register_plugin``)."""
+        return self.prefix + "worker-plugins"
+
+    @property
+    def uploads(self) -> str:
+        """Files every current and future worker writes and imports (``upload_file``)."""
+        return self.prefix + "uploads"
 
 
 # --------------------------------------------------------------------------- encoding

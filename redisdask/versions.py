@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import platform
+from collections.abc import Iterable
 from typing import Any
 
 import cloudpickle
@@ -23,15 +24,16 @@ class VersionMismatchError(RedisDaskError):
     """Processes of one cluster run versions that cannot exchange pickles safely."""
 
 
-def versions() -> dict[str, str | None]:
-    """This process's versions of what must agree across the cluster."""
+def versions(packages: Iterable[str] = ()) -> dict[str, str | None]:
+    """This process's versions of what must agree across the cluster, and of
+    ``packages`` (None where one is not installed)."""
     out: dict[str, str | None] = {
         "python": platform.python_version(),
         "redisdask": importlib.metadata.version("redisdask"),
         "cloudpickle": cloudpickle.__version__,
         "msgpack": ".".join(map(str, msgpack.version)),
     }
-    for name in ("numpy", "pandas"):  # installed, imported or not
+    for name in ("numpy", "pandas", *packages):  # installed, imported or not
         try:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:

@@ -458,7 +458,7 @@ class WorkerState:
     def story_since(self, total: int) -> list[StoryEntry]:
         """The entries appended after the first ``total`` (as many as are still kept)."""
         new = min(self.story_total - total, len(self.story))
-        return list(itertools.islice(self.story, len(self.story) - new, None))
+        return list(itertools.islice(reversed(self.story), new))[::-1]  # O(new), not O(len)
 
     def stories(self, *keys: str) -> list[StoryEntry]:
         """The story entries about ``keys``."""

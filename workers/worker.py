@@ -29,12 +29,12 @@ import tempfile
 import threading
 import time
 import traceback as tb_module
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import cloudpickle
 import psutil
 import redis
 
@@ -62,8 +62,10 @@ from redisdask.schema import Keys
 from redisdask.spec import FunctionCache, run_spec
 from redisdask.task_record import split_words
 from redisdask.versions import VersionMismatchError, pickle_breaking, versions
+from redisdask.workers import calls
 from redisdask.workers import state as ws
 from redisdask.workers.memory import WorkerMemoryManager
+from redisdask.workers.plugins import PluginHost
 from redisdask.workers.sizeof import sizeof
 
 logger = logging.getLogger("redisdask.worker")
@@ -123,6 +125,7 @@ class Worker:
         lifetime: float | None = None,
         story_maxlen: int = 500,
         validate: bool = False,
+        preload: str | Sequence[str] | None = None,
     ) -> None:
         self.redis_url = redis_url
         self.keys = Keys(cluster)
@@ -140,6 +143,9 @@ class Worker:
         self.local_directory = Path(local_directory or tempfile.gettempdir()) / (
             "redisdask-worker-space"
         )
+        # preloads are imported now: one that cannot be stops the worker before it starts
+        self.plugin_host = PluginHost(preload, self.local_directory)
+        self.plugins = self.plugin_host.plugins  # name -> plugin, as distributed's
         self.memory_target, self.memory_spill = memory_target, memory_spill
         self.memory_pause = memory_pause
         self.memory_monitor_interval = memory_monitor_interval
@@ -216,7 +222,9 @@ class Worker:
             transfer_batch_bytes=self.transfer_batch_bytes,
         )
         self.scripts = schema.Scripts(self.redis, self.keys)  # type: ignore[arg-type]
+        await self.plugin_host.start(self)  # preloads, uploads, plugins: before any claim
         await self._register()
+        await self.plugin_host.sync(self)  # those registered while this one registered
         if self._address_file:
             Path(self._address_file).write_text(self.address)  # for its nanny: which worker
         self.status = "running"
@@ -347,6 +355,7 @@ class Worker:
             _done, stuck = await asyncio.wait(self._background, timeout=CLOSE_TIMEOUT)
             for task in stuck:  # a library swallowed the cancellation: do not hang on it
                 logger.warning("background task %s ignored cancellation", task.get_coro())
+        await self.plugin_host.close(self)  # plugins' teardown, preloads' dask_teardown
         try:
             self._report(RemoveWorker(self.address, reason=reason))
             await self._flush()
@@ -404,7 +413,9 @@ class Worker:
 
     def handle(self, *events: ws.StateMachineEvent) -> None:
         self.state.clock = time.time()  # when, in the story
-        for ins in self.state.handle_stimulus(*events):
+        instructions = self.state.handle_stimulus(*events)
+        self.plugin_host.transitions(self.state)
+        for ins in instructions:
             if isinstance(ins, ws.Execute):
                 self._execute(ins.key)
             elif isinstance(ins, ws.GatherDep):
@@ -767,6 +778,8 @@ class Worker:
             return {"status": "OK", "keys": list(values)}, []
         if op == "inspect":  # what this worker's state machine holds (for diagnosis)
             return {"status": "OK", **self.state_summary()}, []
+        if op in calls.OPS:  # client.run, plugins and uploads (workers/calls.py)
+            return await calls.handle(self, op, header, frames)
         return {"status": "error", "message": f"unknown op {op!r}"}, []
 
     def state_summary(self, limit: int = 1000) -> dict[str, Any]:
@@ -829,8 +842,6 @@ def _failure_event(
     key: str, exc: BaseException, start: float, stop: float, sid: str
 ) -> ws.ExecuteFailureEvent:
     """Pickle an exception and its traceback (tblib) so the client can re-raise both."""
-    from tblib import Traceback
-
     text = "".join(tb_module.format_exception_only(type(exc), exc)).strip()
     tb_text = "".join(tb_module.format_exception(type(exc), exc, exc.__traceback__))
     if not isinstance(exc, Exception):  # SystemExit & co must not end the client's program
@@ -840,17 +851,7 @@ def _failure_event(
             "task code); raise an Exception to fail a task"
         ).with_traceback(exc.__traceback__)
         text = f"TaskInterrupted: {exc}"
-    try:
-        exc_blob = cloudpickle.dumps(exc)
-        cloudpickle.loads(exc_blob)
-    except Exception:
-        exc_blob = cloudpickle.dumps(
-            RuntimeError(f"{text} (the original exception could not be pickled)")
-        )
-    try:
-        tb_blob: bytes | None = cloudpickle.dumps(Traceback(exc.__traceback__).as_dict())
-    except Exception:
-        tb_blob = None
+    exc_blob, tb_blob = calls.exception_blobs(exc, text)
     return ws.ExecuteFailureEvent(key, exc_blob, tb_blob, text, tb_text, start, stop, sid)
 
 
