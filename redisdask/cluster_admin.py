@@ -217,7 +217,7 @@ class ClusterAdmin:
         pipe.hgetall(self.keys.workers)
         sched, workers = pipe.execute()
         result = {
-            "client": versions(),
+            "client": versions(packages),
             "scheduler": schema.unpack(sched) if sched else None,
             "workers": {
                 a.decode(): schema.unpack(i).get("versions", {}) for a, i in workers.items()

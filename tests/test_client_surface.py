@@ -153,3 +153,11 @@ def test_get_task_stream_reads_when_and_where_tasks_ran(client: Client) -> None:
     assert by_key["stream-boom"]["status"] == "error" and by_key["stream-0"]["status"] == "OK"
     assert len(client.get_task_stream(start="1h", count=2)) == 2
     assert client.get_task_stream(start=time.time() + 60) == []
+
+
+def test_get_versions_reads_more_packages_in_the_client_and_every_worker(client: Client) -> None:
+    found = client.get_versions(packages=["pytest", "no-such-package-xyz"])
+    for process in [found["client"], *found["workers"].values()]:
+        assert process["pytest"] == pytest.__version__
+        assert process["no-such-package-xyz"] is None
+    assert len(found["workers"]) == 2
