@@ -30,6 +30,14 @@ MULTI/EXEC stay valid on Redis Cluster, Valkey and managed Redis::
     rd:{c}:client:<id>:alive           string  present while the client heartbeats (PX ttl)
     rd:{c}:client:<id>:events          stream  scheduler -> client messages
     rd:{c}:client:<id>:wants           set     keys the client holds futures for
+    rd:{c}:holders                     set     holder ids with wanted keys (see below)
+
+Holders are client ids that are no client: a dataset, a variable, a queue or
+fire-and-forget (``holder:<kind>:<name>``, ``holder:fire-and-forget``).  They want keys as
+a client does (``client:<id>:wants``), but never heartbeat, get no events stream, and are
+restored from ``holders`` by a restarted scheduler.  The coordination primitives'
+keys (locks, semaphores, events, variables, queues, datasets) are listed with
+``CoordinationScripts`` below.
 
 ``docs/redis-schema.md`` describes who writes and who reads each key.
 
@@ -55,6 +63,20 @@ SCHEDULER_GROUP = "scheduler"
 SCHEDULER_CONSUMER = "scheduler"  # one consumer: only the lease holder ever reads
 READY_SIGNAL_MAXLEN = 1000
 STORY_CHUNK = 100  # transitions per entry of a story stream
+
+HOLDER_PREFIX = "holder:"  # a client id with this prefix is a holder (see above)
+FIRE_AND_FORGET = HOLDER_PREFIX + "fire-and-forget"
+
+
+def holder(kind: str, name: str) -> str:
+    """The id of the holder of a primitive's futures: ``holder:dataset:<name>``, ..."""
+    return f"{HOLDER_PREFIX}{kind}:{name}"
+
+
+def is_holder(client_id: str) -> bool:
+    """Whether a client id names a holder (no process: never expires, gets no events)."""
+    return client_id.startswith(HOLDER_PREFIX)
+
 
 _CLUSTER_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
@@ -183,6 +205,10 @@ class Keys:
 
     def client_wants(self, client_id: str) -> str:
         return f"{self.prefix}client:{client_id}:wants"
+
+    @property
+    def holders(self) -> str:
+        return self.prefix + "holders"
 
 
 # --------------------------------------------------------------------------- encoding
