@@ -9,6 +9,7 @@ __version__ = importlib.metadata.version("redisdask")
 
 from redisdask.client import Client, Future, as_completed, wait
 from redisdask.cluster import LocalCluster
+from redisdask.coordination import Event, Lock, Queue, Semaphore, Variable, fire_and_forget
 from redisdask.diagnostics import progress
 from redisdask.errors import (
     ClusterConnectionError,
@@ -22,15 +23,21 @@ from redisdask.errors import (
 __all__ = [
     "Client",
     "ClusterConnectionError",
+    "Event",
     "Future",
     "FutureCancelledError",
     "KilledWorker",
     "LocalCluster",
+    "Lock",
+    "Queue",
     "RedisDaskError",
     "SchedulerRejectedError",
+    "Semaphore",
     "TaskInterrupted",
+    "Variable",
     "__version__",
     "as_completed",
+    "fire_and_forget",
     "progress",
     "wait",
 ]

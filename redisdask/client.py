@@ -35,6 +35,7 @@ from redisdask import spec as specs
 from redisdask.backoff import Backoff
 from redisdask.config import load_config
 from redisdask.connection import connect, redact
+from redisdask.coordination.datasets import DatasetMethods
 from redisdask.errors import (
     ClusterConnectionError,
     ClusterNotRunningError,
@@ -100,10 +101,12 @@ SEND_ATTEMPTS = 3  # writes refused while Redis answers PING before the client g
 # --------------------------------------------------------------------------- client
 
 
-class Client:
+class Client(DatasetMethods):
     """Connects to a cluster through Redis.
 
     ``address`` is a ``LocalCluster``, a Redis URL, or None for the configured URL.
+    ``publish_dataset``, ``get_dataset``, ``list_datasets``, ``unpublish_dataset`` and
+    ``datasets`` come from ``DatasetMethods`` (``redisdask.coordination.datasets``).
     """
 
     def __init__(
