@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -51,6 +52,17 @@ def coordination_keys(r: redis.Redis, keys: Keys) -> set[bytes]:
 
 def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def killable(redis_url: str, cluster_name: str, **options: Any) -> LocalCluster:
+    """One worker and a scheduler to kill: a 1 s lease, so the next one leads soon."""
+    return LocalCluster(
+        n_workers=1,
+        redis_url=redis_url,
+        cluster_name=cluster_name,
+        scheduler_options={"lease_ttl": 1},
+        **options,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -280,9 +292,7 @@ def test_semaphore_never_has_more_than_max_leases_holders(
     sem = Semaphore(max_leases=2, name=unique("sem"))
     counter = f"test:{sem.name}"
     try:
-        futures = c.map(
-            count_holders, [sem] * 12, [c.redis_url] * 12, [counter] * 12, pure=False
-        )
+        futures = c.map(count_holders, [sem] * 12, [c.redis_url] * 12, [counter] * 12, pure=False)
         assert max(c.gather(futures)) <= 2
         seen = [int(x) for x in r.lrange(counter + ":seen", 0, -1)]
         assert len(seen) == 12 and max(seen) == 2  # 4 threads: two were inside at once
@@ -545,12 +555,7 @@ def test_datasets_and_holders_survive_a_scheduler_killed_and_restarted(
     monkeypatch.setenv("REDISDASK__CLIENT__HEARTBEAT_INTERVAL", "0.2")
     keys = Keys(cluster_name)
     r = redis.Redis.from_url(redis_url)
-    with LocalCluster(
-        n_workers=1,
-        redis_url=redis_url,
-        cluster_name=cluster_name,
-        scheduler_options={"lease_ttl": 1},
-    ) as cluster:
+    with killable(redis_url, cluster_name) as cluster:
         with Client(cluster, set_as_default=False) as publisher:
             future = publisher.submit(inc, 1)
             key = future.key
@@ -582,13 +587,7 @@ def test_every_primitive_keeps_working_through_a_scheduler_kill(
     r = redis.Redis.from_url(redis_url)
     out, go = tmp_path / "out", tmp_path / "go"
     with (
-        LocalCluster(
-            n_workers=1,
-            threads_per_worker=2,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
-            scheduler_options={"lease_ttl": 1},
-        ) as cluster,
+        killable(redis_url, cluster_name, threads_per_worker=2) as cluster,
         Client(cluster) as a,
         Client(cluster, set_as_default=False) as b,
     ):

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import redis
 
-from redisdask import spec
+from redisdask import schema, spec
 from redisdask.config import load_config, parse_duration
 from redisdask.connection import connect
 from redisdask.errors import ClientClosedError, ClusterConnectionError, RedisDaskError
@@ -105,6 +105,18 @@ class Backend:
             "(inside a task there is none yet); create one with Client(...) and pass "
             "client=, or share plain values instead"
         )
+
+    @contextlib.contextmanager
+    def handing_over(self, what: str) -> Iterator[None]:
+        """``sending()``, with a script's refusal to hand futures to no client (it took
+        nothing) raised as ``needs_client``."""
+        with self.sending():
+            try:
+                yield
+            except redis.ResponseError as exc:
+                if script_error(exc, "NEEDS_CLIENT"):
+                    raise self.needs_client(what) from None
+                raise
 
 
 _backends: weakref.WeakKeyDictionary[Any, Backend] = weakref.WeakKeyDictionary()
@@ -190,6 +202,11 @@ class Bound:
 
     def _what(self, op: str) -> str:
         return f"{type(self).__name__}({self.name!r}).{op}"
+
+    @property
+    def _holder(self) -> str:
+        """Who keeps the futures in its values alive: ``holder:<kind>:<name>``."""
+        return schema.holder(self.kind, self.name)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__}: {self.name}>"

@@ -21,15 +21,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import redis
-
-from redisdask import schema
 from redisdask.coordination.backend import (
+    Backend,
     Bound,
     decode,
     encode,
     hand_over,
-    script_error,
     seconds,
     unpack_record,
     wait_until,
@@ -53,10 +50,6 @@ class Queue(Bound):
             raise ValueError(f"maxsize must be an int >= 0 (0: no bound), got {maxsize!r}")
         super().__init__(name, client)
         self.maxsize = maxsize
-
-    @property
-    def _holder(self) -> str:
-        return schema.holder(self.kind, self.name)
 
     def put(self, value: Any, timeout: float | str | None = None, **kwargs: Any) -> None:
         """Append ``value`` (any picklable object; futures inside stay alive while it is
@@ -106,20 +99,15 @@ class Queue(Bound):
             out += self._take(b, what, batch - len(out), None)
         return out
 
-    def _take(self, b: Any, what: str, count: int, timeout: float | None) -> list[Any]:
+    def _take(self, b: Backend, what: str, count: int, timeout: float | None) -> list[Any]:
         """Up to ``count`` items (0: all there are), waiting for the first."""
 
         def attempt(waiter: str, wait_ms: int) -> tuple[bool, Any, str, float | None]:
-            with b.sending():
-                try:
-                    reply = b.scripts.queue_get(
-                        name=self.name, holder=self._holder, waiter=waiter,
-                        wait_ms=wait_ms, client=b.client_id, count=count,
-                    )  # fmt: skip
-                except redis.ResponseError as exc:
-                    if script_error(exc, "NEEDS_CLIENT"):
-                        raise b.needs_client(what) from None
-                    raise
+            with b.handing_over(what):
+                reply = b.scripts.queue_get(
+                    name=self.name, holder=self._holder, waiter=waiter, wait_ms=wait_ms,
+                    client=b.client_id, count=count,
+                )  # fmt: skip
                 if reply[0] == 0:
                     return False, None, reply[1].decode(), None
                 current = reply[1]

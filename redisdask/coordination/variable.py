@@ -14,18 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import redis
-
 from redisdask import schema
-from redisdask.coordination.backend import (
-    Bound,
-    decode,
-    encode,
-    hand_over,
-    script_error,
-    seconds,
-    wait_until,
-)
+from redisdask.coordination.backend import Bound, decode, encode, hand_over, seconds, wait_until
 
 if TYPE_CHECKING:
     from redisdask.client import Client
@@ -40,10 +30,6 @@ class Variable(Bound):
 
     def __init__(self, name: str | None = None, client: Client | None = None) -> None:
         super().__init__(name, client)
-
-    @property
-    def _holder(self) -> str:
-        return schema.holder(self.kind, self.name)
 
     def set(self, value: Any, timeout: float | str | None = "30 s", **kwargs: Any) -> None:
         """Set the value (any picklable object; futures inside stay alive while it is
@@ -61,15 +47,10 @@ class Variable(Bound):
         b = self._bind("get()")
 
         def attempt(waiter: str, wait_ms: int) -> tuple[bool, Any, str, float | None]:
-            with b.sending():
-                try:
-                    reply = b.scripts.variable_get(
-                        name=self.name, waiter=waiter, wait_ms=wait_ms, client=b.client_id
-                    )
-                except redis.ResponseError as exc:
-                    if script_error(exc, "NEEDS_CLIENT"):
-                        raise b.needs_client(what) from None
-                    raise
+            with b.handing_over(what):
+                reply = b.scripts.variable_get(
+                    name=self.name, waiter=waiter, wait_ms=wait_ms, client=b.client_id
+                )
                 if reply[0] == 0:
                     return False, None, reply[1].decode(), None
                 _, data, packed, epoch, current = reply
