@@ -33,6 +33,7 @@ from redisdask import (
     fire_and_forget,
 )
 from redisdask.errors import ClientClosedError, FutureCancelledError, LeaseNotHeldError
+from redisdask.inspect import read_keys
 from redisdask.protocol import CLIENT_TO_SCHEDULER, parse
 from redisdask.schema import FIRE_AND_FORGET, CoordinationScripts, Keys, ensure_cluster
 
@@ -644,6 +645,8 @@ def test_what_the_scripts_send_the_scheduler_is_the_protocols(
         name="q", holder="holder:queue:q", waiter="w", wait_ms=0, data=b"\x00pickle",
         keys=["k1", "k2"], maxsize=0,
     )  # fmt: skip
+    kinds = {row["kind"] for row in read_keys(r, keys)}  # (redisdask inspect keys)
+    assert {"queue:*", "queue-refs:*"} <= kinds and "queue:q" not in kinds
     with pytest.raises(redis.ResponseError, match="NEEDS_CLIENT"):
         scripts.queue_get(name="q", holder="holder:queue:q", waiter="w", wait_ms=0, client="",
                           count=1)  # fmt: skip
