@@ -38,7 +38,6 @@ import os
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -119,7 +118,6 @@ class Backend:
                 raise
 
 
-_backends: weakref.WeakKeyDictionary[Any, Backend] = weakref.WeakKeyDictionary()
 _worker_backends: dict[tuple[str, str, int], Backend] = {}
 _backends_lock = threading.Lock()
 
@@ -134,16 +132,18 @@ def backend_of(client: Client | None, what: str) -> Backend:
             client = default_client()
         except ValueError:
             return _worker_backend(what)
-    with _backends_lock:
-        backend = _backends.get(client)
-        if backend is None:
-            backend = _backends[client] = Backend(
-                client.redis,
-                client.keys,
-                CoordinationScripts(client.redis, client.keys),
-                client,
-                client.config.scheduler.locks.lease_timeout,
-            )
+    backend: Backend | None = client._coordination  # (kept on the client: see DatasetMethods)
+    if backend is None:
+        with _backends_lock:
+            backend = client._coordination
+            if backend is None:
+                backend = client._coordination = Backend(
+                    client.redis,
+                    client.keys,
+                    CoordinationScripts(client.redis, client.keys),
+                    client,
+                    client.config.scheduler.locks.lease_timeout,
+                )
     backend.check(what)
     return backend
 

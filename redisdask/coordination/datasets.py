@@ -20,6 +20,7 @@ import redis
 
 from redisdask import pickling, schema
 from redisdask.coordination.backend import (
+    Backend,
     backend_of,
     decode,
     encode,
@@ -42,7 +43,10 @@ def _field(name: Hashable) -> str:
 
 
 class DatasetMethods:
-    """The dataset methods of ``Client`` (``self`` is the client)."""
+    """The dataset methods of ``Client`` (``self`` is the client), and the client's
+    coordination backend (``backend.backend_of`` makes it at first use)."""
+
+    _coordination: Backend | None = None
 
     def publish_dataset(
         self, *args: Any, name: Hashable | None = None, override: bool = False, **kwargs: Any
