@@ -197,8 +197,15 @@ class Bound:
 
     @property
     def client(self) -> Client | None:
-        """The client this primitive uses (None inside a task without one)."""
-        return self._bind("client").client
+        """The client this primitive uses, or would use now (None inside a task without
+        one, or when no client is running)."""
+        if self._backend is not None:
+            return self._backend.client
+        if self._client is not None:
+            return self._client
+        from redisdask.client import _default_client
+
+        return _default_client[0]
 
     def _what(self, op: str) -> str:
         return f"{type(self).__name__}({self.name!r}).{op}"
