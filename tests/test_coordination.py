@@ -134,7 +134,7 @@ def count_holders(sem: Semaphore, redis_url: str, counter: str) -> int:
     with sem:
         inside = r.incr(counter)
         r.rpush(counter + ":seen", inside)
-        threading.Event().wait(0.05)  # overlap the others
+        threading.Event().wait(0.2)  # a window for the others to overlap it
         r.decr(counter)
     return int(inside)
 
@@ -277,7 +277,7 @@ def test_a_lock_whose_holder_is_killed_is_free_after_its_lease(
         killed = time.monotonic()
         lock = Lock(name)
         assert lock.acquire(timeout=10)
-        assert time.monotonic() - killed < 1.5 + 0.5  # its lease, and no more
+        assert time.monotonic() - killed < 1.5 + 1.5  # its lease (not 30 s), and slack
         lock.release()
     finally:
         proc.kill()
