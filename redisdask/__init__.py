@@ -7,7 +7,7 @@ import importlib.metadata
 # one source: pyproject.toml's [project] version, as installed
 __version__ = importlib.metadata.version("redisdask")
 
-from redisdask.client import Client, Future, as_completed, wait
+from redisdask.client import Client, Future, as_completed, default_client, wait
 from redisdask.cluster import LocalCluster
 from redisdask.coordination import Event, Lock, Queue, Semaphore, Variable, fire_and_forget
 from redisdask.diagnostics import progress
@@ -19,6 +19,7 @@ from redisdask.errors import (
     SchedulerRejectedError,
     TaskInterrupted,
 )
+from redisdask.task_stream import get_task_stream
 
 __all__ = [
     "Client",
@@ -37,7 +38,9 @@ __all__ = [
     "Variable",
     "__version__",
     "as_completed",
+    "default_client",
     "fire_and_forget",
+    "get_task_stream",
     "progress",
     "wait",
 ]
