@@ -9,6 +9,7 @@ __version__ = importlib.metadata.version("redisdask")
 
 from redisdask.client import Client, Future, as_completed, default_client, wait
 from redisdask.cluster import LocalCluster
+from redisdask.coordination import Event, Lock, Queue, Semaphore, Variable, fire_and_forget
 from redisdask.diagnostics import progress
 from redisdask.errors import (
     ClusterConnectionError,
@@ -26,19 +27,25 @@ from redisdask.task_stream import get_task_stream
 __all__ = [
     "Client",
     "ClusterConnectionError",
+    "Event",
     "Future",
     "FutureCancelledError",
     "KilledWorker",
     "LocalCluster",
+    "Lock",
+    "Queue",
     "RedisDaskError",
     "SchedulerRejectedError",
+    "Semaphore",
     "TaskInterrupted",
+    "Variable",
     "WorkerPlugin",
     "WorkerStartTimeoutError",
     "WorkerUnresponsiveError",
     "__version__",
     "as_completed",
     "default_client",
+    "fire_and_forget",
     "get_task_stream",
     "progress",
     "wait",

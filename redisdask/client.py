@@ -38,6 +38,7 @@ from redisdask.cluster import LocalCluster
 from redisdask.cluster_admin import ClusterAdmin
 from redisdask.config import load_config
 from redisdask.connection import connect, redact
+from redisdask.coordination.datasets import DatasetMethods
 from redisdask.errors import (
     ClusterConnectionError,
     ClusterNotRunningError,
@@ -105,7 +106,7 @@ _LOCAL_CLUSTER_ARGS = frozenset(inspect.signature(LocalCluster).parameters) - {"
 # --------------------------------------------------------------------------- client
 
 
-class Client(ClusterAdmin, WorkerCalls):
+class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
     """Connects to a cluster through Redis.
 
     ``address`` is a ``LocalCluster``, a Redis URL, or None: then the configured URL
@@ -121,6 +122,8 @@ class Client(ClusterAdmin, WorkerCalls):
     The cluster-wide operations (``restart``, ``retire_workers``, ``scheduler_info``…)
     come from ``ClusterAdmin`` (``cluster_admin.py``); ``run``, ``upload_file`` and
     plugins from ``WorkerCalls`` (``worker_calls.py``).
+    ``publish_dataset``, ``get_dataset``, ``list_datasets``, ``unpublish_dataset`` and
+    ``datasets`` come from ``DatasetMethods`` (``redisdask.coordination.datasets``).
     """
 
     def __init__(

@@ -124,12 +124,20 @@ class ClusterConfig(Section):
     name: Annotated[str, Field(min_length=1)] = "default"
 
 
+class LocksConfig(Section):
+    """``Lock`` and ``Semaphore`` (Dask's ``distributed.scheduler.locks``): a lease not
+    renewed for this long is gone (its holder died); holders renew every fifth of it."""
+
+    lease_timeout: Seconds = 30.0
+
+
 class SchedulerConfig(Section):
     allowed_failures: Annotated[int, Field(ge=0)] = 3
     worker_ttl: Seconds = 3.0
     lease_ttl: Seconds = 5.0
     batch_size: Annotated[int, Field(gt=0)] = 1000  # max stream entries per read
     client_ttl: Seconds = 30.0
+    locks: LocksConfig = Field(default_factory=LocksConfig)
 
 
 class WorkerMemoryConfig(Section):

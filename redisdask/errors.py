@@ -19,6 +19,10 @@
     │   ├── CommClosedError (also ConnectionError)     a peer cannot be reached
     │   └── SerializationError                         a value could not be (un)pickled
     ├── FutureCancelledError (also CancelledError)     the future's key was cancelled
+    ├── ClientClosedError (also RuntimeError)          a Lock, Queue, Variable, ... used
+    │                                                  through a client that is closed
+    ├── LeaseNotHeldError (also RuntimeError)          a Lock or Semaphore released by an
+    │                                                  instance that holds no lease of it
     ├── DataUnavailableError                           no worker holds the data any more
     ├── TaskInterrupted                                a task raised a BaseException that
     │                                                  is no Exception (SystemExit, ...)
@@ -102,6 +106,17 @@ class FutureCancelledError(RedisDaskError, CancelledError):
     def __init__(self, key: str, reason: str = "it was cancelled") -> None:
         super().__init__(f"task {key!r} has no result because {reason}")
         self.key = key
+
+
+class ClientClosedError(RedisDaskError, RuntimeError):
+    """A coordination primitive (``Lock``, ``Queue``, ``Variable``, ...) was used through
+    a client that is closed; nothing was written."""
+
+
+class LeaseNotHeldError(RedisDaskError, RuntimeError):
+    """A ``Lock`` or ``Semaphore`` was released by an instance that holds no lease of it
+    (never acquired there, released already, or its lease expired and was taken);
+    distributed raises ``RuntimeError`` here, which this is too."""
 
 
 class DataUnavailableError(RedisDaskError):

@@ -434,10 +434,13 @@ def read_keys(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
 
 
 def _kind(name: str) -> str:
-    """``task:inc-1`` -> ``task:*``; ``worker:tcp://h:1:story`` -> ``worker:*:story``."""
+    """``task:inc-1`` -> ``task:*``; ``worker:tcp://h:1:story`` -> ``worker:*:story``;
+    ``lock:x`` -> ``lock:*``; ``waiters:queue:q`` -> ``waiters:queue:*``."""
     head, _, rest = name.partition(":")
-    if head == "task":
-        return "task:*"
+    if head in ("task", "queue-refs", *schema.COORDINATION_KINDS):
+        return f"{head}:*"
+    if head in ("waiters", "signal") and rest:
+        return f"{head}:{rest.partition(':')[0]}:*"
     if head in ("worker", "client") and rest:
         return f"{head}:*:{rest.rsplit(':', 1)[-1]}"
     return name

@@ -251,7 +251,9 @@ class Scheduler:
         closed (a crashed notebook must not pin results in the cluster forever)."""
         if time.monotonic() < self.trust_clients_at or not self.state.clients:
             return []
-        clients = list(self.state.clients)
+        clients = [c for c in self.state.clients if not schema.is_holder(c)]  # never expire
+        if not clients:
+            return []
         pipe = self.redis.pipeline(transaction=False)
         for client in clients:
             pipe.exists(self.keys.client_alive(client))

@@ -197,7 +197,8 @@ class Translator:
             b.fields(ins.key).update(state="processing", worker=ins.worker)
 
     def _client_msg(self, ins: ClientMsg, b: _Batch) -> None:
-        b.client_msgs[ins.client].append(ins.msg.to_dict())
+        if not schema.is_holder(ins.client):  # a holder is no process: nobody would read it
+            b.client_msgs[ins.client].append(ins.msg.to_dict())
 
     def _worker_msg(self, ins: WorkerMsg, b: _Batch) -> None:
         if isinstance(ins.msg, FreeKeys):
@@ -214,13 +215,18 @@ class Translator:
         wants = self.keys.client_wants(ins.client)
         if ins.add:
             b.cmds.extend(_chunked(["SADD", wants], ins.add))
+            if schema.is_holder(ins.client):  # what load_state restores holders from
+                b.cmds.append(["SADD", self.keys.holders, ins.client])
         if ins.remove:
             b.cmds.extend(_chunked(["SREM", wants], ins.remove))
 
     def _forget_client(self, ins: ForgetClient, b: _Batch) -> None:
         k = self.keys
         b.cmds.append(["DEL", k.client_wants(ins.client), k.client_events(ins.client)])
-        b.cmds.append(["HDEL", k.clients, ins.client])
+        if schema.is_holder(ins.client):
+            b.cmds.append(["SREM", k.holders, ins.client])
+        else:
+            b.cmds.append(["HDEL", k.clients, ins.client])
 
     def _forget_worker(self, ins: ForgetWorker, b: _Batch) -> None:
         k, w = self.keys, ins.worker
@@ -239,6 +245,9 @@ class Translator:
         b.cmds.extend(["DEL", k.task(key)] for key in ins.task_keys)
         b.cmds.extend(["DEL", k.worker_processing(w), k.worker_ready(w)] for w in ins.workers)
         b.cmds.extend(["DEL", k.client_wants(c)] for c in ins.clients)
+        b.cmds.append(["DEL", k.holders])
+        # the futures a dataset, variable or queue recorded before now are gone
+        b.cmds.append(["HINCRBY", k.meta, "restarts", 1])
 
     def _record_death(self, ins: RecordDeath, b: _Batch) -> None:
         now = time.time()
@@ -427,7 +436,7 @@ class Summary:
             "finished": schema.pack(sorted(self.per_second.items())),
             "finished_total": self.finished_total,
             "erred_total": self.erred_total,
-            "clients": len(state.clients),
+            "clients": sum(not schema.is_holder(c) for c in state.clients),
         }
         spent = time.monotonic() - started
         self.next_write = time.monotonic() + max(SUMMARY_INTERVAL, spent / SUMMARY_SHARE)
@@ -470,14 +479,16 @@ def load_state(
             state.workers[ts.processing_on].processing.add(ts)
         for w in ts.who_has:
             state.workers[w].has_what.add(ts)
-    for client_id in r.hkeys(keys.clients):
-        cid = client_id.decode()
+    holders = [h.decode() for h in r.smembers(keys.holders)]
+    for cid in [c.decode() for c in r.hkeys(keys.clients)] + holders:
         wanted = state.clients.setdefault(cid, set())
         for key in r.smembers(keys.client_wants(cid)):
             ts = state.tasks.get(key.decode())
             if ts is not None:
                 ts.who_wants.add(cid)
                 wanted.add(ts)
+        if not wanted and schema.is_holder(cid):
+            del state.clients[cid]  # (a holder exists only while it wants something)
     logger.info(
         "loaded %d tasks, %d workers, %d clients from Redis",
         len(state.tasks),

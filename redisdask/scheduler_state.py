@@ -401,6 +401,8 @@ class SchedulerState:
         self._transition(ts, "erred", stimulus_id=stimulus_id)
 
     def _handle_rejected_graph(self, ev: RejectedGraph) -> None:
+        if schema.is_holder(ev.client):
+            return  # (a stranger's message: a holder has no events stream to tell)
         wanted = self.clients.setdefault(ev.client, set())  # forgotten with the client
         for key in dict.fromkeys(ev.keys):
             ts = self.tasks.get(key)
@@ -478,18 +480,23 @@ class SchedulerState:
     def _add_wants(self, client: str, keys: Iterable[str], *, stimulus_id: str) -> None:
         added = []
         wanted = self.clients.setdefault(client, set())
+        fired = client == schema.FIRE_AND_FORGET
         for key in keys:
             ts = self.tasks.get(key)
             if ts is None or client in ts.who_wants:
                 if ts is not None:
                     self._report_to(client, ts, stimulus_id=stimulus_id)
                 continue
+            if fired and ts.state in ("memory", "erred"):
+                continue  # it ran: fire_and_forget keeps no result
             ts.who_wants.add(client)
             wanted.add(ts)
             added.append(key)
             self._report_to(client, ts, stimulus_id=stimulus_id)
         if added:
             self._emit(SetWants(stimulus_id, client, add=added))
+        elif not wanted and schema.is_holder(client):
+            del self.clients[client]  # a holder exists only while it wants something
 
     def _report_to(self, client: str, ts: TaskState, *, stimulus_id: str) -> None:
         """Tell a client about a finished task it just asked for."""
@@ -520,7 +527,16 @@ class SchedulerState:
             self._maybe_release(ts)
         if removed:
             self._emit(SetWants(stimulus_id, client, remove=removed))
+            if not wanted and schema.is_holder(client):
+                del self.clients[client]  # a holder exists only while it wants something
+                self._emit(ForgetClient(stimulus_id, client))
         return removed
+
+    def _fired_done(self, ts: TaskState, *, stimulus_id: str) -> None:
+        """``fire_and_forget`` wanted ``ts`` until it ran (memory or erred), as in Dask:
+        its result is released after, unless somebody else wants it."""
+        if schema.FIRE_AND_FORGET in ts.who_wants:
+            self._release_wants(schema.FIRE_AND_FORGET, [ts.key], stimulus_id=stimulus_id)
 
     def _handle_cancel_keys(self, ev: CancelKeys) -> None:
         # cancelling a key cancels the client's dependents of it too, as in Dask
@@ -557,7 +573,8 @@ class SchedulerState:
         self.tasks.clear()
         self.unrunnable.clear()
         self._candidates.clear()
-        self.clients = {client: set() for client in clients}
+        # (the holders wanted only tasks: they go with them)
+        self.clients = {client: set() for client in clients if not schema.is_holder(client)}
 
     def _handle_retry_keys(self, ev: RetryKeys) -> None:
         """Run erred tasks again, as distributed's ``retry``: each erred key the client
@@ -589,8 +606,8 @@ class SchedulerState:
     def _handle_close_client(self, ev: CloseClient) -> None:
         wanted = [ts.key for ts in self.clients.get(ev.client, ())]
         self._release_wants(ev.client, wanted, stimulus_id=ev.stimulus_id)
-        self.clients.pop(ev.client, None)
-        self._emit(ForgetClient(ev.stimulus_id, ev.client))
+        if self.clients.pop(ev.client, None) is not None or not schema.is_holder(ev.client):
+            self._emit(ForgetClient(ev.stimulus_id, ev.client))  # (a holder's went with its wants)
 
     def _handle_update_data(self, ev: UpdateData) -> None:
         recorded: dict[str, list[str]] = {}  # worker -> keys it now holds for us
@@ -616,6 +633,7 @@ class SchedulerState:
             if ts.state != "memory":
                 self._set_state(ts, "memory", stimulus_id=ev.stimulus_id)
                 self._wake_waiters(ts, stimulus_id=ev.stimulus_id)
+                self._fired_done(ts, stimulus_id=ev.stimulus_id)
         # the data reached the workers over TCP, before this message; a free-keys this
         # scheduler sent them earlier (for a released copy of the same key) may reach them
         # after it: this tells them which free-keys are about the new copies
@@ -1218,6 +1236,7 @@ class SchedulerState:
         self._emit(SetState(stimulus_id, ts.key, "memory", self._memory_fields(ts)))
         for client in ts.who_wants:
             self._emit(ClientMsg(stimulus_id, client, self._memory_msg(ts)))
+        self._fired_done(ts, stimulus_id=stimulus_id)
         self._wake_waiters(ts, stimulus_id=stimulus_id)
         for dep in ts.dependencies:
             dep.waiters.discard(ts)
@@ -1259,6 +1278,7 @@ class SchedulerState:
             self._emit(SetState(stimulus_id, ts.key, "erred", self._erred_fields(ts)))
             for client in ts.who_wants:
                 self._emit(ClientMsg(stimulus_id, client, self._erred_msg(ts)))
+            self._fired_done(ts, stimulus_id=stimulus_id)
             for dependent in sorted(ts.waiters, key=lambda t: -t.score):
                 if dependent.state == "waiting":
                     self._inherit_error(dependent, ts)
@@ -1488,6 +1508,7 @@ class SchedulerState:
             for ts in ws.has_what:
                 assert ws.address in ts.who_has, (ts, ws.address)
         for client, wanted in self.clients.items():
+            assert wanted or not schema.is_holder(client), client  # gone when it wants nothing
             for ts in wanted:
                 assert client in ts.who_wants, (client, ts)
                 assert self.tasks.get(ts.key) is ts, (client, ts)

@@ -122,6 +122,28 @@ def _future_value(key: str) -> Any:
     return values[key]
 
 
+def dumps_with_futures(obj: Any) -> tuple[bytes, list[Any]]:
+    """Pickle a value kept outside the cluster's tasks (a dataset, a variable's value, a
+    queue item): every ``Future`` inside becomes a reference to its key.  Returns the
+    bytes and the futures met (whose keys the value's holder must keep alive)."""
+    futures: list[Any] = []
+    token = _collector.set(futures)
+    try:
+        return pickling.dumps(obj), futures
+    finally:
+        _collector.reset(token)
+
+
+def loads_with_futures(data: bytes, futures: Mapping[str, Any]) -> Any:
+    """Unpickle what ``dumps_with_futures`` made, each reference becoming the future of
+    its key in ``futures`` (the getting client's own)."""
+    token = _values.set(futures)
+    try:
+        return cloudpickle.loads(data)
+    finally:
+        _values.reset(token)
+
+
 def _first_unpicklable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     for i, arg in enumerate(args):
         try:

@@ -182,6 +182,9 @@ class Run:
             for name in sets:
                 if self.r.zscore(name, key) != ts.score:
                     yield f"queued {key!r} (score {ts.score}) not in {name}"
+        holders = {m.decode() for m in self.r.smembers(k.holders)}
+        if holders != {c for c in self.state.clients if c.startswith("holder:")}:
+            yield f"holders set: {sorted(holders)} != {sorted(self.state.clients)}"
         for address, ws in self.state.workers.items():
             held = {m.decode() for m in self.r.smembers(k.worker_processing(address))}
             if held != {ts.key for ts in ws.processing}:
@@ -365,6 +368,18 @@ class Run:
             keys = self.pick(wanted, 2)
             self.apply(self.ev(Replicate, client=client, keys=keys, n=self.rng.randint(1, 3)))
 
+    def holder_event(self) -> None:
+        """A dataset, a variable or fire-and-forget wants keys (no heartbeat, no events
+        stream; restored from the holders set), or lets some go."""
+        holder = self.pick(["holder:fire-and-forget", "holder:dataset:d", "holder:variable:v"])
+        wanted = sorted(t.key for t in self.state.clients.get(holder, ()))
+        if wanted and self.rng.random() < 0.4:
+            keys = self.pick(wanted, self.rng.randint(1, 2))
+            self.apply(self.ev(ClientReleasesKeys, client=holder, keys=keys))
+        elif self.task_keys:
+            keys = self.pick(self.task_keys, self.rng.randint(1, 2))
+            self.apply(self.ev(ClientDesiresKeys, client=holder, keys=keys))
+
     def scatter(self) -> None:
         client = self.pick(self.clients)
         holders = self.pick(self.state.workers, self.rng.randint(1, 2))
@@ -416,6 +431,7 @@ class Run:
         "released_keys": 3,
         "holding": 3,
         "client_event": 10,
+        "holder_event": 4,
         "scatter": 3,
         "retire": 1,
         "retiring": 1,
@@ -426,7 +442,10 @@ class Run:
     # what comes from the clients stream: it may overtake a claim's message, which is on
     # the workers stream (as is everything else, and the watch reads that stream before
     # it declares a worker dead)
-    FROM_CLIENTS = {"update_graph", "client_event", "scatter", "retire", "close_client", "restart"}
+    FROM_CLIENTS = {
+        "update_graph", "client_event", "holder_event", "scatter", "retire", "close_client",
+        "restart",
+    }  # fmt: skip
 
     def run(self, steps: int) -> None:
         names, weights = zip(*self.STEPS.items(), strict=True)

@@ -22,6 +22,7 @@ from redisdask.scheduler_instructions import (
     Dequeue,
     Enqueue,
     Forget,
+    ForgetClient,
     ForgetWorker,
     Instruction,
     LogEvent,
@@ -719,6 +720,132 @@ def test_close_client_releases_all_its_keys():
     assert any(
         getattr(i, "client", None) == "c1" and type(i).__name__ == "ForgetClient" for i in out
     )
+
+
+# --------------------------------------------------------------------------- holders
+
+FAF = "holder:fire-and-forget"
+DATASET = "holder:dataset:ds"
+
+
+def forgot_client(instructions: list[Instruction]) -> list[str]:
+    return [i.client for i in of(instructions, ForgetClient)]
+
+
+def told(instructions: list[Instruction]) -> set[str]:
+    """The clients whose events streams the translated instructions write to (a holder's
+    messages are dropped there: it is no process, nobody would read them)."""
+    from redisdask.scheduler_redis import Translator
+    from redisdask.schema import Keys
+
+    keys = Keys("c")
+    streams = {c[1] for c in Translator(keys).to_commands(instructions) if c[0] == "XADD"}
+    return {
+        i.client for i in of(instructions, ClientMsg) if keys.client_events(i.client) in streams
+    }
+
+
+def test_fire_and_forget_runs_a_task_nobody_wants_then_releases_its_result():
+    """As in Dask: the client closes right after ``fire_and_forget``; the task runs to the
+    end, and its result is released when it is in memory."""
+    s = make(W1)
+    submit(s, "c", [task("x")], ["x"])
+    s.handle_stimulus(
+        ClientDesiresKeys(client=FAF, keys=["x"], stimulus_id="faf"),
+        CloseClient(client="c", stimulus_id="close"),
+    )
+    assert s.tasks["x"].state == "queued" and s.tasks["x"].who_wants == {FAF}
+    out = run(s, "x")
+    assert "x" not in s.tasks and FAF not in s.clients
+    assert freed(out, W1) == {"x"}  # the result went as soon as it was there
+    assert not told(out)  # a holder gets no messages: nobody would read them
+    assert forgot_client(out) == [FAF]
+
+
+def test_fire_and_forget_of_a_task_that_errs_releases_it_too():
+    s = make(W1)
+    submit(s, "c", [task("x")], ["x"])
+    s.handle_stimulus(
+        ClientDesiresKeys(client=FAF, keys=["x"], stimulus_id="faf"),
+        ClientReleasesKeys(client="c", keys=["x"], stimulus_id="rel"),
+    )
+    out = fail(s, "x")
+    assert "x" not in s.tasks and FAF not in s.clients
+    assert not told(out) and forgot_client(out) == [FAF]
+
+
+def test_fire_and_forget_of_a_finished_task_keeps_nothing():
+    s = make(W1)
+    submit(s, "c", [task("x")], ["x"])
+    run(s, "x")
+    out = s.handle_stimulus(ClientDesiresKeys(client=FAF, keys=["x"], stimulus_id="faf"))
+    assert s.tasks["x"].who_wants == {"c"} and FAF not in s.clients
+    assert not of(out, SetWants) and not told(out)
+
+
+def test_fire_and_forget_keeps_a_result_another_client_wants():
+    s = make(W1)
+    submit(s, "c", [task("x")], ["x"])
+    s.handle_stimulus(ClientDesiresKeys(client=FAF, keys=["x"], stimulus_id="faf"))
+    run(s, "x")
+    assert s.tasks["x"].state == "memory" and s.tasks["x"].who_wants == {"c"}
+
+
+def test_a_holder_keeps_a_key_after_its_client_left_until_it_lets_go():
+    """Publish, then release: both on the clients stream, in order, so the key is never
+    unwanted in between; a getter adds its own want; unpublishing releases the rest."""
+    s = make(W1)
+    submit(s, "a", [task("x")], ["x"])
+    run(s, "x")
+    out = s.handle_stimulus(
+        ClientDesiresKeys(client=DATASET, keys=["x"], stimulus_id="publish"),
+        ClientReleasesKeys(client="a", keys=["x"], stimulus_id="rel"),
+        CloseClient(client="a", stimulus_id="close"),
+    )
+    assert s.tasks["x"].state == "memory" and s.tasks["x"].who_wants == {DATASET}
+    assert not freed(out) and not told(out)
+    assert of(out, SetWants)[0].client == DATASET and of(out, SetWants)[0].add == ["x"]
+    out = s.handle_stimulus(ClientDesiresKeys(client="b", keys=["x"], stimulus_id="get"))
+    assert client_msgs(out, "key-in-memory", "b")  # the getter hears of it at once
+    out = s.handle_stimulus(ClientReleasesKeys(client=DATASET, keys=["x"], stimulus_id="unpub"))
+    assert DATASET not in s.clients and forgot_client(out) == [DATASET]
+    assert s.tasks["x"].who_wants == {"b"}
+    out = s.handle_stimulus(ClientReleasesKeys(client="b", keys=["x"], stimulus_id="rel-b"))
+    assert "x" not in s.tasks and freed(out, W1) == {"x"}
+
+
+def test_a_holder_that_wants_only_unknown_keys_is_not_kept():
+    s = make(W1)
+    out = s.handle_stimulus(ClientDesiresKeys(client=DATASET, keys=["gone"], stimulus_id="d"))
+    assert DATASET not in s.clients and not out
+
+
+def test_a_restart_drops_the_holders_with_the_tasks():
+    s = make(W1)
+    submit(s, "a", [task("x")], ["x"])
+    s.handle_stimulus(ClientDesiresKeys(client=DATASET, keys=["x"], stimulus_id="d"))
+    out = s.handle_stimulus(Restart(client="a", stimulus_id="restart"))
+    assert set(s.clients) == {"a"}
+    assert told(out) == {"a"}
+
+
+def test_holders_are_never_sent_events_and_are_restored_from_their_own_set():
+    """The translation: a holder's wants go to its wants set and its id to ``holders``;
+    messages to it are dropped (no events stream appears); its end removes it there."""
+    from redisdask.scheduler_redis import Translator
+    from redisdask.schema import Keys
+
+    keys = Keys("c")
+    s = make(W1)
+    submit(s, "a", [task("x")], ["x"])
+    out = s.handle_stimulus(ClientDesiresKeys(client=FAF, keys=["x"], stimulus_id="d"))
+    out += run(s, "x")
+    cmds = Translator(keys).to_commands(out)
+    assert ["SADD", keys.holders, FAF] in cmds
+    assert ["SREM", keys.holders, FAF] in cmds
+    assert not [c for c in cmds if keys.client_events(FAF) in c and c[0] != "DEL"]
+    assert not [c for c in cmds if c[0] == "HDEL" and c[1] == keys.clients]
+    assert any(c[0] == "XADD" and c[1] == keys.client_events("a") for c in cmds)
 
 
 # --------------------------------------------------------------------------- cancel

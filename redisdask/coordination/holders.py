@@ -1,0 +1,57 @@
+"""``fire_and_forget``: run tasks to the end even when nobody keeps their futures.
+
+As in Dask, the futures' keys are wanted by a holder that is no client,
+``holder:fire-and-forget`` (``schema.FIRE_AND_FORGET``): it never expires with a
+client's heartbeat, and the scheduler drops its want when the task reaches ``memory`` or
+``erred``, so the result is released after unless someone else wants it.  The want goes
+on the clients stream through the future's own client, in order with that client's
+other messages: a ``close()`` or a release right after it lands after it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from redisdask import schema
+from redisdask.errors import ClientClosedError
+from redisdask.futures import Future
+from redisdask.protocol import ClientDesiresKeys
+
+if TYPE_CHECKING:
+    from redisdask.client import Client
+
+
+def futures_of(obj: Any) -> list[Future]:
+    """The futures in ``obj``: a future, nested lists, tuples, sets and dict values, or
+    a dask collection (a persisted one's graph holds its futures), as distributed's."""
+    out: dict[int, Future] = {}
+    todo = [obj]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, Future):
+            out.setdefault(id(x), x)
+        elif isinstance(x, list | tuple | set | frozenset):
+            todo.extend(x)
+        elif isinstance(x, Mapping):
+            todo.extend(x.values())
+        elif callable(getattr(x, "__dask_graph__", None)):
+            graph = x.__dask_graph__()
+            if isinstance(graph, Mapping):
+                todo.extend(getattr(v, "value", v) for v in graph.values())
+    return list(reversed(out.values()))
+
+
+def fire_and_forget(obj: Any) -> None:
+    """Run the tasks of the futures in ``obj`` (a future, a collection of them, a
+    persisted dask collection) at least once, even if their futures are released and
+    their client closes; their results are not kept (use this for side effects)."""
+    by_client: dict[Client, list[str]] = {}
+    for future in futures_of(obj):
+        by_client.setdefault(future.client, []).append(future._key)
+    for client, keys in by_client.items():
+        if client.status != "running":
+            raise ClientClosedError(
+                f"fire_and_forget(): the futures' client {client.id} is {client.status}, so "
+                "its tasks were cancelled already; submit them with a running client"
+            )
+        client._send([ClientDesiresKeys(schema.FIRE_AND_FORGET, list(dict.fromkeys(keys)))])

@@ -1,0 +1,73 @@
+"""``Variable``: one value shared by a cluster's clients, with distributed's names and
+semantics: ``set(value)``, ``get(timeout=None)``, ``delete()``.
+
+The value is any picklable object (distributed takes a future or msgpack-able data):
+a ``Future``, or futures anywhere inside it, stay alive while the variable holds them
+(its holder ``holder:variable:<name>`` wants their keys, even after the client that set
+it released its own), and ``get`` hands the getting client futures of its own, whose
+wants are sent with the read, atomically.  The state is one hash,
+``rd:{c}:variable:<name>`` (``data``, ``keys``, ``epoch``), deleted by ``delete()``;
+``get`` on an unset variable waits for a ``set`` (on the signal stream, see
+``backend.wait_until``), and raises ``TimeoutError`` after ``timeout``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from redisdask import schema
+from redisdask.coordination.backend import Bound, decode, encode, hand_over, seconds, wait_until
+
+if TYPE_CHECKING:
+    from redisdask.client import Client
+
+
+class Variable(Bound):
+    """A variable named ``name`` (a random name if None), shared by every instance of
+    that name in the cluster.  ``client``: the client to use and to own the futures
+    ``get`` returns (default: the default client)."""
+
+    kind = "variable"
+
+    def __init__(self, name: str | None = None, client: Client | None = None) -> None:
+        super().__init__(name, client)
+
+    def set(self, value: Any, timeout: float | str | None = "30 s", **kwargs: Any) -> None:
+        """Set the value (any picklable object; futures inside stay alive while it is
+        set).  ``timeout`` is distributed's, with no use here: nothing is waited for."""
+        what = self._what("set()")
+        b = self._bind("set()")
+        data, keys = encode(value, what)
+        with b.sending():
+            b.scripts.variable_set(name=self.name, holder=self._holder, data=data, keys=keys)
+
+    def get(self, timeout: float | str | None = None, **kwargs: Any) -> Any:
+        """The value, once set; ``TimeoutError`` if it is not within ``timeout`` seconds.
+        Futures in it are this client's own (they keep their keys alive too)."""
+        what = self._what("get()")
+        b = self._bind("get()")
+
+        def attempt(waiter: str, wait_ms: int) -> tuple[bool, Any, str, float | None]:
+            with b.handing_over(what):
+                reply = b.scripts.variable_get(
+                    name=self.name, waiter=waiter, wait_ms=wait_ms, client=b.client_id
+                )
+                if reply[0] == 0:
+                    return False, None, reply[1].decode(), None
+                _, data, packed, epoch, current = reply
+                keys = schema.unpack(packed)
+                futures = hand_over(b, keys, epoch != current, what)
+            return True, decode(data, futures), "", None
+
+        found, value = wait_until(b, self.kind, self.name, what, seconds(timeout), attempt)
+        if not found:
+            raise TimeoutError(f"{what}: variable {self.name!r} was not set within {timeout} s")
+        return value
+
+    def delete(self) -> None:
+        """Delete the variable (for every client): the futures it held are let go."""
+        b = self._bind("delete()")
+        with b.sending():
+            b.scripts.variable_delete(name=self.name, holder=self._holder)
+
+    def __reduce__(self) -> Any:
+        return Variable, (self.name,)
