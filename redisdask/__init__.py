@@ -18,6 +18,7 @@ from redisdask.errors import (
     SchedulerRejectedError,
     TaskInterrupted,
 )
+from redisdask.task_context import get_client, get_worker, rejoin, secede, worker_client
 
 __all__ = [
     "Client",
@@ -31,6 +32,11 @@ __all__ = [
     "TaskInterrupted",
     "__version__",
     "as_completed",
+    "get_client",
+    "get_worker",
     "progress",
+    "rejoin",
+    "secede",
     "wait",
+    "worker_client",
 ]
