@@ -168,14 +168,9 @@ def worker_client(
     """The worker's client, for a task to submit tasks and wait for them
     (``distributed.worker_client``)::
 
-        def fib(n):
-            if n < 2:
-                return n
+        def total(paths):
             with worker_client() as client:
-                a = client.submit(fib, n - 1)
-                b = client.submit(fib, n - 2)
-                a, b = client.gather([a, b])
-            return a + b
+                return sum(client.gather(client.map(load, paths)))
 
     With ``separate_thread`` (the default) the task secedes for the duration of the
     block (unless it already had) and rejoins at its end, so tasks waiting on the tasks

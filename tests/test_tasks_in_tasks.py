@@ -4,10 +4,11 @@ Redis, a real scheduler, real worker processes or threads)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -153,19 +154,9 @@ def parent(d: str, n: int) -> int:
 
 
 @pytest.fixture
-def cluster_2x2(redis_url: str, cluster_name: str) -> Iterator[LocalCluster]:
-    with LocalCluster(
-        n_workers=2, threads_per_worker=2, redis_url=redis_url, cluster_name=cluster_name
-    ) as cluster:
-        yield cluster
-
-
-@pytest.fixture
-def cluster_1x1(redis_url: str, cluster_name: str) -> Iterator[LocalCluster]:
-    with LocalCluster(
-        n_workers=1, threads_per_worker=1, redis_url=redis_url, cluster_name=cluster_name
-    ) as cluster:
-        yield cluster
+def cluster_of(redis_url: str, cluster_name: str) -> Callable[..., LocalCluster]:
+    """``LocalCluster(n_workers, threads_per_worker, ...)`` on the session's Redis."""
+    return functools.partial(LocalCluster, redis_url=redis_url, cluster_name=cluster_name)
 
 
 def task_records(cluster: LocalCluster) -> list[bytes]:
@@ -185,30 +176,34 @@ def inspect_worker(client: Client, address: str) -> dict[str, Any]:
 
 
 def test_fib_20_with_worker_client_on_two_workers_of_two_threads(
-    cluster_2x2: LocalCluster,
+    cluster_of: Callable[..., LocalCluster],
 ) -> None:
-    with Client(cluster_2x2) as client:
+    with cluster_of(2, 2) as cluster, Client(cluster) as client:
         future = client.submit(fib, 20)
         assert future.result(timeout=90) == 6765
         assert client.submit(fib_seceding, 20).result(timeout=90) == 6765
         del future
         # the workers' clients let go of what their tasks submitted, and the user of the
         # rest: nothing is left behind in Redis
-        poll(lambda: not task_records(cluster_2x2), timeout=30)
+        poll(lambda: not task_records(cluster), timeout=30)
 
 
 @pytest.mark.parametrize("function", [fib, fib_seceding])
-def test_fib_10_on_one_worker_with_one_thread(cluster_1x1: LocalCluster, function: Any) -> None:
+def test_fib_10_on_one_worker_with_one_thread(
+    cluster_of: Callable[..., LocalCluster], function: Any
+) -> None:
     """Every parent waits on its children in the only worker's only thread: each one
     that secedes frees that thread's slot for the next task, so nothing deadlocks."""
-    with Client(cluster_1x1) as client:
+    with cluster_of(1, 1) as cluster, Client(cluster) as client:
         assert client.submit(function, 10).result(timeout=60) == 55
 
 
-def test_rejoin_blocks_until_a_slot_is_free(cluster_1x1: LocalCluster, tmp_path: Path) -> None:
+def test_rejoin_blocks_until_a_slot_is_free(
+    cluster_of: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
     d = str(tmp_path)
-    with Client(cluster_1x1) as client:
-        [address] = [a.decode() for a in cluster_1x1.redis.hkeys(cluster_1x1.keys.workers)]
+    with cluster_of(1, 1) as cluster, Client(cluster) as client:
+        [address] = [a.decode() for a in cluster.redis.hkeys(cluster.keys.workers)]
         seceded = client.submit(secede_then_rejoin, d)
         poll((tmp_path / "seceded").exists)
         holder = client.submit(hold_the_thread, d)  # runs: the seceded task left the slot
@@ -306,17 +301,10 @@ def test_dask_compute_inside_a_task_runs_on_the_cluster(
     assert address in {a.decode() for a in cluster.redis.hkeys(cluster.keys.workers)}
 
 
-def test_in_thread_workers_each_have_their_own_client(redis_url: str, cluster_name: str) -> None:
-    with (
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=False,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+def test_in_thread_workers_each_have_their_own_client(
+    cluster_of: Callable[..., LocalCluster],
+) -> None:
+    with cluster_of(2, 1, processes=False) as cluster, Client(cluster) as client:
         addresses = sorted(a.decode() for a in cluster.redis.hkeys(cluster.keys.workers))
         answers = [
             client.submit(whose_client, workers=[a], pure=False).result(timeout=30)
@@ -331,29 +319,26 @@ def test_in_thread_workers_each_have_their_own_client(redis_url: str, cluster_na
         assert client.submit(fib, 12).result(timeout=60) == 144
 
 
-def test_the_workers_client_closes_with_the_worker(redis_url: str, cluster_name: str) -> None:
+def test_the_workers_client_closes_with_the_worker(
+    redis_url: str, cluster_name: str, cluster_of: Callable[..., LocalCluster]
+) -> None:
     r = redis.Redis.from_url(redis_url)
-    keys = schema.Keys(cluster_name)
-    with (
-        LocalCluster(
-            n_workers=1, threads_per_worker=1, redis_url=redis_url, cluster_name=cluster_name
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    alive = schema.Keys(cluster_name).client_alive
+    with cluster_of(1, 1) as cluster, Client(cluster) as client:
         worker_client_id, _, _ = client.submit(whose_client).result(timeout=30)
-        assert r.exists(keys.client_alive(worker_client_id))
-    assert not r.exists(keys.client_alive(worker_client_id))  # said goodbye, not expired
+        assert r.exists(alive(worker_client_id))
+    assert not r.exists(alive(worker_client_id))  # it said goodbye: it did not expire
     r.close()
 
 
 def test_a_worker_killed_during_a_worker_client_computation(
-    cluster_2x2: LocalCluster, tmp_path: Path
+    cluster_of: Callable[..., LocalCluster], tmp_path: Path
 ) -> None:
     """The parent dies with its worker: it is queued again like any task of a dead worker
     and runs again elsewhere, submitting its children again (the same keys: what ran or
     was held elsewhere is reused, what died with the worker is recomputed)."""
     d, n = str(tmp_path), 6
-    with Client(cluster_2x2) as client:
+    with cluster_of(2, 2) as cluster, Client(cluster) as client:
         future = client.submit(parent, d, n)
         poll(lambda: len(list(tmp_path.glob("child-*"))) >= 2 and any(tmp_path.glob("parent-*")))
         [first] = list(tmp_path.glob("parent-*"))
@@ -363,8 +348,6 @@ def test_a_worker_killed_during_a_worker_client_computation(
         assert future.result(timeout=90) == sum(i * i for i in range(n))
         pids = {int(p.name.split("-")[1]) for p in tmp_path.glob("parent-*")}
         assert pid in pids and len(pids) == 2  # it ran again, in the other worker
-        records = [
-            schema.unpack(f[b"m"]) for _, f in cluster_2x2.redis.xrange(cluster_2x2.keys.deaths)
-        ]
+        records = [schema.unpack(f[b"m"]) for _, f in cluster.redis.xrange(cluster.keys.deaths)]
         assert [r["pid"] for r in records] == [pid]
         assert future.key in records[0]["processing"]

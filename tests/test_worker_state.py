@@ -919,9 +919,7 @@ def test_a_freed_running_task_that_secedes_frees_its_slot_and_may_rejoin() -> No
     out = ws.handle_stimulus(success("y"))
     assert of(out, Rejoin) == [Rejoin("x", "done-y")]
     assert ws.tasks["x"].state == "cancelled" and ws.executing == {ws.tasks["x"]}
-    assert ws.handle_stimulus(success("x")) == [
-        ReleasedKeys(SELF, ["x"], stimulus_id="done-x")
-    ]
+    assert ws.handle_stimulus(success("x")) == [ReleasedKeys(SELF, ["x"], stimulus_id="done-x")]
 
 
 def test_rejoin_is_not_held_back_by_a_pause() -> None:
