@@ -7,7 +7,7 @@ import importlib.metadata
 # one source: pyproject.toml's [project] version, as installed
 __version__ = importlib.metadata.version("redisdask")
 
-from redisdask.client import Client, Future, as_completed, wait
+from redisdask.client import Client, Future, as_completed, default_client, wait
 from redisdask.cluster import LocalCluster
 from redisdask.diagnostics import progress
 from redisdask.errors import (
@@ -19,6 +19,7 @@ from redisdask.errors import (
     TaskInterrupted,
 )
 from redisdask.task_context import get_client, get_worker, rejoin, secede, worker_client
+from redisdask.task_stream import get_task_stream
 
 __all__ = [
     "Client",
@@ -32,7 +33,9 @@ __all__ = [
     "TaskInterrupted",
     "__version__",
     "as_completed",
+    "default_client",
     "get_client",
+    "get_task_stream",
     "get_worker",
     "progress",
     "rejoin",

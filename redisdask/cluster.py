@@ -28,9 +28,11 @@ class LocalCluster:
 
     With ``processes=False`` the workers run in threads of this process, each on its own
     event loop (the scheduler is still a subprocess: it must be killable on its own).
-    With ``nanny=True`` each worker process runs under a nanny (``redisdask worker``'s
-    default), which restarts it when it dies and records why; ``worker_processes`` are
-    then the nannies' processes.
+    Worker processes run under nannies by default, as in distributed and as
+    ``redisdask worker`` does: a nanny restarts its worker when it dies (a segfaulting
+    task, the memory limit) and records why, so such a task ends in ``KilledWorker``
+    instead of leaving the cluster without workers.  ``worker_processes`` are then the
+    nannies' processes; ``nanny=False`` runs bare workers.
     """
 
     def __init__(
@@ -46,7 +48,7 @@ class LocalCluster:
         silence_logs: str = "WARNING",
         worker_options: dict[str, Any] | None = None,
         scheduler_options: dict[str, Any] | None = None,
-        nanny: bool = False,
+        nanny: bool = True,
     ) -> None:
         self.cluster_name = cluster_name or f"local-{uuid.uuid4().hex[:8]}"
         self.keys = Keys(self.cluster_name)

@@ -77,6 +77,7 @@ from redisdask.protocol import (
     RetireRefused,
     RetireWorker,
     RetireWorkers,
+    RetryKeys,
     TaskClaimed,
     TaskErred,
     TaskFinished,
@@ -565,6 +566,33 @@ class SchedulerState:
         self._candidates.clear()
         self.clients = {client: set() for client in clients}
 
+    def _handle_retry_keys(self, ev: RetryKeys) -> None:
+        """Run erred tasks again, as distributed's ``retry``: each erred key the client
+        wants, with every erred task it depends on (where its error came from), goes
+        back to released and is needed anew.  A task the scheduler refused stays erred."""
+        wanted = self.clients.get(ev.client, set())
+        roots = [
+            ts
+            for key in dict.fromkeys(ev.keys)
+            if (ts := self.tasks.get(key)) is not None
+            and ts in wanted
+            and ts.state == "erred"
+            and not ts.rejected
+        ]
+        erred: list[TaskState] = []
+        seen, todo = set(roots), list(roots)
+        while todo:
+            ts = todo.pop()
+            erred.append(ts)
+            for dep in ts.dependencies:
+                if dep.state == "erred" and dep not in seen and not dep.rejected:
+                    seen.add(dep)
+                    todo.append(dep)
+        for ts in erred:
+            self._transition(ts, "released", stimulus_id=ev.stimulus_id)
+        for ts in roots:
+            self._make_needed(ts, stimulus_id=ev.stimulus_id)
+
     def _handle_close_client(self, ev: CloseClient) -> None:
         wanted = [ts.key for ts in self.clients.get(ev.client, ())]
         self._release_wants(ev.client, wanted, stimulus_id=ev.stimulus_id)
@@ -1046,6 +1074,7 @@ class SchedulerState:
         AddKeys: _handle_add_keys,
         ReleasedKeys: _handle_released_keys,
         Replicate: _handle_replicate,
+        RetryKeys: _handle_retry_keys,
         RetireWorkers: _handle_retire_workers,
     }
 
