@@ -22,6 +22,7 @@ from redisdask.errors import (
     WorkerUnresponsiveError,
 )
 from redisdask.plugins import WorkerPlugin
+from redisdask.task_context import get_client, get_worker, rejoin, secede, worker_client
 from redisdask.task_stream import get_task_stream
 
 __all__ = [
@@ -46,7 +47,12 @@ __all__ = [
     "as_completed",
     "default_client",
     "fire_and_forget",
+    "get_client",
     "get_task_stream",
+    "get_worker",
     "progress",
+    "rejoin",
+    "secede",
     "wait",
+    "worker_client",
 ]

@@ -31,7 +31,7 @@ from typing import Any
 import cloudpickle
 import redis
 
-from redisdask import comm, schema
+from redisdask import comm, schema, task_context
 from redisdask import spec as specs
 from redisdask.backoff import Backoff
 from redisdask.cluster import LocalCluster
@@ -1398,7 +1398,7 @@ def _set_default(client: Client) -> None:
     _default_client[0] = client
 
 
-def _make_dask_default(client: Client) -> Any:
+def _make_dask_default(client: Any) -> Any:
     """With dask installed, make ``client`` dask's scheduler (``x.compute()``,
     ``dask.compute``, ``dask.persist`` run on the cluster), as distributed's default
     client is, with the shuffle and rechunk methods that work on any cluster; returns
@@ -1415,7 +1415,8 @@ def _make_dask_default(client: Client) -> Any:
 
 
 def default_client() -> Client:
-    client = _default_client[0]
+    """In a worker's threads its own client (``get_client``), else the default one."""
+    client = task_context.task_client() or _default_client[0]
     if client is None:
         raise ValueError("no Client is running: create one with Client(...)")
     return client

@@ -4,8 +4,10 @@ A ``Future`` is the client's handle on one task of the cluster; futures of one k
 ``_FutureState`` (status, exception, holders, done callbacks), which the client's
 background thread updates from the scheduler's messages.  The client counts references
 per key and tells the scheduler to release a key when its last future is
-garbage-collected (``Future.release``).  A future never travels on its own: pickled inside
-a task's arguments it is a reference to its key's value (``spec.reduce_future``).
+garbage-collected (``Future.release``).  Pickled inside a task's arguments a future is a
+reference to its key's value (``spec.reduce_future``); pickled anywhere else (a closure of
+the function, a task's result, a value other code stores) it is a future again when
+unpickled, bound to the client there: in a task its worker's (``rebind_future``).
 """
 
 from __future__ import annotations
@@ -177,7 +179,7 @@ class Future:
             self.release()
 
     def __reduce__(self) -> Any:
-        return specs.reduce_future(self, self._key)
+        return specs.reduce_future(self, self._key) or (rebind_future, (self._key, self.key))
 
     def __dask_tokenize__(self) -> Any:
         return ("redisdask.Future", self._key)
@@ -186,6 +188,23 @@ class Future:
         if self.status == "finished" and self.type:
             return f"<Future: finished, type: {self.type}, key: {self.key}>"
         return f"<Future: {self.status}, key: {self.key}>"
+
+
+def rebind_future(key: str, dask_key: Hashable) -> Future:
+    """A future unpickled: bound to ``default_client()`` (in a task, its worker's client),
+    which then wants its key for as long as the future lives, as if it had submitted it.
+    A key the scheduler no longer knows makes the future err with
+    ``DataUnavailableError`` (its submitter let it go before it was unpickled here)."""
+    from redisdask.client import default_client
+    from redisdask.protocol import ClientDesiresKeys
+
+    client = default_client()
+    with client._lock:
+        wanted = client._refcount.get(key, 0) > 0  # it has futures of the key already
+        future = Future(key, client, dask_key=None if dask_key == key else dask_key)
+    if not wanted:
+        client._send([ClientDesiresKeys(client.id, [key])])
+    return future
 
 
 # --------------------------------------------------------------------------- wait

@@ -510,6 +510,13 @@ class SchedulerState:
         for key in ev.keys:
             if key in self.tasks:
                 self._make_needed(self.tasks[key], stimulus_id=ev.stimulus_id)
+            else:  # e.g. a future unpickled in a task after its submitter let it go
+                text = (
+                    f"task {key!r} is unknown to the scheduler: it was released (no client "
+                    "wanted it) before this future asked for it; keep a future of it alive "
+                    "in the client that submitted it while others use it"
+                )
+                self._emit(ClientMsg(ev.stimulus_id, ev.client, KeyErred(key, exception_text=text)))
 
     def _handle_client_releases_keys(self, ev: ClientReleasesKeys) -> None:
         self._release_wants(ev.client, ev.keys, stimulus_id=ev.stimulus_id)

@@ -8,7 +8,9 @@ nested in lists, tuples, sets and dicts, and keys of a dict graph — are replac
 A nested dask-style task ``(func, *args)`` inside a graph becomes a ``SubTask`` that the
 worker evaluates in place.  A future anywhere else inside the arguments (in an object of
 any kind, in a dask graph node) is pickled as a reference to its key and unpickled on the
-worker as the dependency's value (``reduce_future``).
+worker as the dependency's value (``reduce_future``).  A future pickled anywhere else (in
+the function itself, a closure say, or a result) stays a future: it is unpickled bound to
+the client of that place (in a task, its worker's; ``futures.rebind_future``).
 
 The scheduler never unpickles a spec: to it the spec is opaque bytes, the graph history.
 """
@@ -97,16 +99,13 @@ _values: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextV
 )
 
 
-def reduce_future(future: Any, key: str) -> tuple[Any, tuple[str]]:
+def reduce_future(future: Any, key: str) -> tuple[Any, tuple[str]] | None:
     """``Future.__reduce__``: inside ``dumps_spec(..., futures=...)`` a reference to the
-    future's value; anywhere else a ``TypeError`` (a future has no meaning on its own)."""
+    future's value (a dependency of the task); anywhere else None: the future pickles as
+    a future."""
     collected = _collector.get()
     if collected is None:
-        raise TypeError(
-            f"a Future ({key!r}) cannot be pickled on its own; pass it as an argument of "
-            "submit/map or of a dask.delayed call (nested anywhere in the arguments) to "
-            "depend on it"
-        )
+        return None
     collected.append(future)
     return _future_value, (key,)
 
@@ -202,8 +201,14 @@ def substitute(obj: Any, data: Mapping[str, Any]) -> Any:
     return obj
 
 
+# in the pickle of a function that holds futures (``futures.rebind_future``'s name)
+_HOLDS_FUTURES = b"rebind_future"
+
+
 class FunctionCache:
-    """Unpickled functions by their pickled bytes (a map's tasks share one function)."""
+    """Unpickled functions by their pickled bytes (a map's tasks share one function).
+    One that holds futures is not kept: each run unpickles its own, whose futures keep
+    their keys wanted while the task runs, not for as long as the cache holds it."""
 
     def __init__(self, size: int = 256) -> None:
         self._cache: dict[bytes, Any] = {}
@@ -213,6 +218,8 @@ class FunctionCache:
         func = self._cache.get(function_bytes)
         if func is None:
             func = cloudpickle.loads(function_bytes)
+            if _HOLDS_FUTURES in function_bytes:
+                return func
             if len(self._cache) >= self._size:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[function_bytes] = func

@@ -223,6 +223,16 @@ def test_desiring_a_finished_key_reports_it_at_once():
     assert s.tasks["x"].who_wants == {"a", "b"}
 
 
+def test_desiring_an_unknown_key_errs_it_for_that_client():
+    """A future unpickled in a task after its submitter let the key go (issue 12): its
+    client hears why at once instead of waiting forever."""
+    s = make(W1)
+    out = s.handle_stimulus(ClientDesiresKeys(client="w", keys=["gone"], stimulus_id="d"))
+    [msg] = client_msgs(out, "task-erred", "w")
+    assert msg["key"] == "gone" and "unknown to the scheduler" in msg["exception_text"]
+    assert "gone" not in s.tasks
+
+
 def test_resubmitting_a_key_does_not_duplicate_it():
     s = make(W1)
     submit(s, "c", [task("x")], ["x"])

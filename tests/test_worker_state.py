@@ -26,8 +26,11 @@ from redisdask.workers.state import (
     KeysRecordedEvent,
     PauseEvent,
     PutDataEvent,
+    Rejoin,
+    RejoinEvent,
     Report,
     RetireEvent,
+    SecedeEvent,
     StateMachineEvent,
     UnpauseEvent,
     UpdateWhoHasEvent,
@@ -668,6 +671,8 @@ class RandomDriver:
             validate=True,
         )
         self.executing: set[str] = set()
+        self.seceded: set[str] = set()  # running threads that called secede()
+        self.blocked: set[str] = set()  # threads in rejoin(), until Rejoin comes
         self.gathering: dict[str, set[str]] = {}
         self.graph: dict[str, list[str]] = {}
         self.puts: list[str] = []  # keys put here that the "scheduler" has not recorded
@@ -684,6 +689,14 @@ class RandomDriver:
         rng, ws = self.rng, self.ws
         choice = rng.random()
         sid = self.sid()
+        running = sorted(self.executing - self.blocked)
+        if rng.random() < 0.1 and running:  # a running task secedes, or rejoins
+            key = rng.choice(running)
+            if key in self.seceded and rng.random() < 0.7:
+                self.blocked.add(key)
+                return RejoinEvent(key, sid)
+            self.seceded.add(key)
+            return SecedeEvent(key, sid)
         if choice < 0.25:
             pool = [f"t{rng.randint(0, 30)}", f"d{rng.randint(0, 15)}"]
             key = pool[0] if rng.random() < 0.9 else pool[1]
@@ -696,9 +709,10 @@ class RandomDriver:
             deps = {d: (self.holders(), rng.randint(1, 20)) for d in self.graph[key]}
             prio = (rng.randint(0, 5), self.n)
             return ComputeTaskEvent(key, b"spec", prio, deps, sid)
-        if choice < 0.45 and self.executing:
-            key = rng.choice(sorted(self.executing))
+        if choice < 0.45 and running:
+            key = rng.choice(running)  # a thread blocked in rejoin() cannot finish
             self.executing.discard(key)
+            self.seceded.discard(key)
             t = float(self.n)
             if rng.random() < 0.8:
                 return ExecuteSuccessEvent(key, self.n, rng.randint(1, 9), "int", t, t + 0.01, sid)
@@ -731,6 +745,10 @@ class RandomDriver:
             if isinstance(instruction, Execute):
                 assert instruction.key not in self.executing
                 self.executing.add(instruction.key)
+            elif isinstance(instruction, Rejoin):
+                assert instruction.key in self.blocked, instruction
+                self.blocked.discard(instruction.key)
+                self.seceded.discard(instruction.key)
             elif isinstance(instruction, GatherDep):
                 assert instruction.worker not in self.gathering
                 assert instruction.keys
@@ -747,7 +765,10 @@ def test_random_event_sequences(seed: int) -> None:
         driver.feed(UnpauseEvent("drain"))
         while driver.executing or driver.gathering:
             if driver.executing:
-                key = driver.executing.pop()
+                # a thread blocked in rejoin() must be let go once slots free up
+                assert driver.executing - driver.blocked, f"stuck rejoining: {driver.blocked}"
+                key = sorted(driver.executing - driver.blocked)[0]
+                driver.executing.discard(key)
                 driver.feed(ExecuteSuccessEvent(key, 0, 1, "int", 0.0, 0.0, f"drain-{key}"))
             else:
                 worker, keys = driver.gathering.popitem()
@@ -757,7 +778,8 @@ def test_random_event_sequences(seed: int) -> None:
         driver.feed(KeysRecordedEvent(driver.puts, "record-all"))
         driver.feed(FreeKeysEvent(sorted(driver.ws.tasks), "free-all"))
         driver.feed(UpdateWhoHasEvent({k: [] for k in missing}, "end"))
-        assert not driver.ws.executing
+        assert not driver.ws.executing and not driver.ws.long_running
+        assert not driver.ws.rejoining
     except Exception as e:
         raise AssertionError(f"seed={seed} after {driver.n} events: {e!r}") from e
     ws = driver.ws
@@ -804,3 +826,121 @@ def test_story_since_gives_what_was_appended_even_after_the_story_wrapped():
     assert state.story_total == 7
     assert [e[0] for e in state.story_since(mark)] == ["k4", "k5", "k6"]  # the kept ones
     assert state.story_since(state.story_total) == []
+
+
+# --- seceded tasks (secede, rejoin, worker_client) ----------------------------------------
+
+
+def test_a_seceded_task_frees_its_slot_for_the_next_one() -> None:
+    ws = make(nthreads=1)
+    ws.handle_stimulus(compute("parent"), compute("child"))
+    assert ws.tasks["child"].state == "ready" and ws.claim_budget() == 0
+    out = ws.handle_stimulus(SecedeEvent("parent", "secede"))
+    assert out == [Execute("child", "secede")]
+    assert ws.tasks["parent"].state == "long-running"
+    assert ws.long_running == {ws.tasks["parent"]} and ws.executing == {ws.tasks["child"]}
+    assert ws.claim_budget() == 0  # one slot, held by the child
+    ws.handle_stimulus(success("child"))
+    assert ws.claim_budget() == 1  # the seceded parent does not count
+    out = ws.handle_stimulus(success("parent", value=2))  # it finishes from long-running
+    assert out == [finished("parent")]
+    assert ws.data == {"child": 1, "parent": 2} and not ws.long_running
+    assert [s[1:3] for s in ws.stories("parent")] == [
+        ("released", "ready"),
+        ("ready", "executing"),
+        ("executing", "long-running"),
+        ("long-running", "memory"),
+    ]
+
+
+def test_rejoin_waits_for_a_free_slot_and_goes_before_ready_tasks() -> None:
+    ws = make(nthreads=1)
+    ws.handle_stimulus(compute("parent"), SecedeEvent("parent", "s"), compute("a"), compute("b"))
+    assert ws.tasks["a"].state == "executing" and ws.tasks["b"].state == "ready"
+    assert ws.handle_stimulus(RejoinEvent("parent", "r")) == []  # no free slot yet
+    assert list(ws.rejoining) == [ws.tasks["parent"]]
+    assert ws.claim_budget() == 0  # a slot is promised to the rejoining task
+    out = ws.handle_stimulus(success("a"))
+    assert of(out, Rejoin) == [Rejoin("parent", "done-a")] and not of(out, Execute)
+    assert ws.tasks["parent"].state == "executing" and ws.tasks["b"].state == "ready"
+    out = ws.handle_stimulus(success("parent"))  # it counts again: b waited for it
+    assert of(out, Execute) == [Execute("b", "done-parent")]
+
+
+def test_rejoin_of_a_task_that_did_not_secede_goes_on_at_once() -> None:
+    ws = make()
+    ws.handle_stimulus(compute("x"))
+    assert ws.handle_stimulus(RejoinEvent("x", "r")) == [Rejoin("x", "r")]
+    assert ws.handle_stimulus(RejoinEvent("gone", "r2")) == [Rejoin("gone", "r2")]
+    assert ws.tasks["x"].state == "executing"
+
+
+def test_secede_twice_and_a_stale_secede_change_nothing() -> None:
+    ws = make()
+    ws.handle_stimulus(compute("x"), SecedeEvent("x", "s1"))
+    assert ws.handle_stimulus(SecedeEvent("x", "s2"), SecedeEvent("gone", "s3")) == []
+    assert ws.tasks["x"].state == "long-running" and ws.long_running == {ws.tasks["x"]}
+
+
+def test_a_seceded_task_may_err() -> None:
+    ws = make()
+    ws.handle_stimulus(compute("x"), SecedeEvent("x", "s"))
+    out = ws.handle_stimulus(failure("x"))
+    assert [type(i) for i in out] == [TaskErred] and ws.tasks["x"].state == "error"
+    assert not ws.long_running
+
+
+def test_a_seceded_task_freed_keeps_its_thread_and_no_slot() -> None:
+    ws = make(nthreads=1)
+    ws.handle_stimulus(compute("x"), SecedeEvent("x", "s"))
+    assert ws.handle_stimulus(FreeKeysEvent(["x"], "free")) == []
+    assert ws.tasks["x"].state == "cancelled" and ws.tasks["x"].previous == "long-running"
+    assert ws.claim_budget() == 1 and ws.long_running == {ws.tasks["x"]}
+    out = ws.handle_stimulus(success("x"))
+    assert out == [ReleasedKeys(SELF, ["x"], stimulus_id="done-x")]
+    assert not ws.tasks and not ws.long_running
+
+
+def test_a_seceded_task_freed_then_claimed_again_resumes_seceded() -> None:
+    ws = make()
+    ws.handle_stimulus(compute("x"), SecedeEvent("x", "s"), FreeKeysEvent(["x"], "free"))
+    assert ws.handle_stimulus(compute("x")) == []
+    assert ws.tasks["x"].state == "long-running" and ws.long_running == {ws.tasks["x"]}
+    assert ws.handle_stimulus(success("x")) == [finished("x")]
+
+
+def test_a_freed_running_task_that_secedes_frees_its_slot_and_may_rejoin() -> None:
+    ws = make(nthreads=1)
+    ws.handle_stimulus(compute("x"), FreeKeysEvent(["x"], "free"), compute("y"))
+    assert ws.tasks["y"].state == "ready"  # x's thread still holds the slot
+    out = ws.handle_stimulus(SecedeEvent("x", "s"))
+    assert out == [Execute("y", "s")] and ws.tasks["x"].previous == "long-running"
+    assert ws.handle_stimulus(RejoinEvent("x", "r")) == []
+    out = ws.handle_stimulus(success("y"))
+    assert of(out, Rejoin) == [Rejoin("x", "done-y")]
+    assert ws.tasks["x"].state == "cancelled" and ws.executing == {ws.tasks["x"]}
+    assert ws.handle_stimulus(success("x")) == [ReleasedKeys(SELF, ["x"], stimulus_id="done-x")]
+
+
+def test_rejoin_is_not_held_back_by_a_pause() -> None:
+    ws = make(nthreads=1)
+    ws.handle_stimulus(compute("x"), SecedeEvent("x", "s"), PauseEvent("p"))
+    assert ws.handle_stimulus(RejoinEvent("x", "r")) == [Rejoin("x", "r")]
+    assert ws.tasks["x"].state == "executing"
+
+
+def test_a_seceded_run_does_not_count_in_the_average_task_duration() -> None:
+    ws = make(nthreads=1)
+    ws.handle_stimulus(compute("short"), success("short", start=0.0, stop=0.01))
+    ws.handle_stimulus(compute("waits"), SecedeEvent("waits", "s"))
+    ws.handle_stimulus(success("waits", start=0.0, stop=60.0))  # it waited on children
+    assert ws.avg_task_duration == pytest.approx(0.01)
+    assert ws.claim_budget() > 1  # still claims ahead: its tasks are short
+
+
+def test_validate_state_catches_a_seceded_task_counted_as_executing() -> None:
+    ws = make()
+    ws.handle_stimulus(compute("x"), SecedeEvent("x", "s"))
+    ws.executing.add(ws.tasks["x"])
+    with pytest.raises(AssertionError, match="executing"):
+        ws.validate_state()

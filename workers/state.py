@@ -30,6 +30,12 @@ Task states and the transitions implemented here::
             │        │   ▼       │  └──► cancelled ──► released | memory | flight | fetch
             └──────► missing ◄───┘
 
+    seceded (SecedeEvent, RejoinEvent: ``redisdask.secede``/``rejoin``, ``worker_client``):
+
+        executing ──► long-running ──► memory | error | cancelled
+            ▲              │
+            └──────────────┘ rejoin: once a slot is free (the ``Rejoin`` instruction)
+
     ComputeTaskEvent of a key in error (a retry or a new submission: a new run):
         error ──► waiting | ready;  of a dependent, for a dependency in error here:
         error ──► fetch | missing (its result is elsewhere).  A failed run is never
@@ -52,8 +58,16 @@ Task states and the transitions implemented here::
   after the new copy arrived.  Each copy put here stays until the scheduler has recorded
   it (``KeysRecordedEvent``, its answer to the client's ``update-data``); a
   ``FreeKeysEvent`` read before that was sent for an older copy and leaves it alone.
-* ``constrained`` (resource restrictions), ``long-running`` (secede) and
-  ``rescheduled`` are declared for later issues; no event reaches them yet.
+* ``long-running``: the task's thread left the pool (``secede()``): it waits on other
+  tasks (``worker_client``), and no longer counts against ``nthreads``, so another task
+  may run and the driver may claim more (its executor grows beyond ``nthreads``: this
+  machine, not the pool's size, bounds how many tasks compute).  ``rejoin()`` blocks the
+  thread until a slot is free (``Rejoin``; rejoining tasks go before ready ones); the
+  task then counts again.  A task finishes, errs or is freed from ``long-running`` as
+  from ``executing``; its run time then says nothing of its cost, so it is left out of
+  the average task duration that sizes claims.
+* ``constrained`` (resource restrictions) and ``rescheduled`` are declared for later
+  issues; no event reaches them yet.
 
 Fetched dependencies are private replicas: they are not announced to the scheduler and
 are released as soon as no task here needs them (a task stops needing its dependencies
@@ -85,6 +99,7 @@ STATES: frozenset[str] = frozenset(
 DEFAULT_TRANSFER_BATCH_BYTES = 200_000_000
 DEFAULT_TRANSFER_CONCURRENCY = 4
 MAX_CLAIM = 1000
+_RUNNING = ("executing", "long-running")  # a thread computes the task
 PREFETCH_BELOW = 0.1  # seconds: tasks shorter on average are claimed ahead of a free thread
 EWMA_ALPHA = 0.2
 
@@ -276,6 +291,24 @@ class RetireEvent(StateMachineEvent):
 
 
 @dataclass(slots=True)
+class SecedeEvent(StateMachineEvent):
+    """The thread running ``key`` left the pool (``secede()``, ``worker_client``): it
+    waits on other tasks and no longer counts against ``nthreads``."""
+
+    key: str
+    stimulus_id: str
+
+
+@dataclass(slots=True)
+class RejoinEvent(StateMachineEvent):
+    """The seceded thread of ``key`` wants to count again (``rejoin()``): it waits for
+    a free slot, which ``Rejoin`` grants."""
+
+    key: str
+    stimulus_id: str
+
+
+@dataclass(slots=True)
 class Execute(Instruction):
     """Run ``tasks[key].run_spec`` in a thread; answer with ExecuteSuccess/FailureEvent."""
 
@@ -296,6 +329,15 @@ class GatherDep(Instruction):
     def _coerce(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
         kwargs["keys"] = set(kwargs["keys"])
         return kwargs
+
+
+@dataclass(slots=True)
+class Rejoin(Instruction):
+    """Let the thread of ``key``, blocked in ``rejoin()``, go on: it holds a slot again
+    (or it never seceded, or its task is gone: it goes on at once)."""
+
+    key: str
+    stimulus_id: str
 
 
 # What the machine tells the scheduler: the protocol's worker -> scheduler messages
@@ -320,7 +362,7 @@ class TaskState:
     waiting_for_data: set[TaskState] = field(default_factory=set)
     who_has: set[str] = field(default_factory=set)
     coming_from: str | None = None  # peer of the GatherDep in flight
-    previous: str | None = None  # state before `cancelled`: executing or flight
+    previous: str | None = None  # state before `cancelled`: executing, long-running or flight
     nbytes: int | None = None
     type: str | None = None  # the result's type name
     start: float | None = None
@@ -329,6 +371,7 @@ class TaskState:
     deferred: ComputeTaskEvent | None = None  # claimed while in flight
     replica: bool = False  # fetched to be kept as a copy, reported with AddKeys
     unrecorded: int = 0  # copies put here (scatter) that the scheduler has not recorded yet
+    seceded: bool = False  # this run left the pool: its duration is no compute time
 
     def __repr__(self) -> str:
         return f"<TaskState {self.key!r} {self.state}>"
@@ -382,7 +425,9 @@ class WorkerState:
 
         self.tasks: dict[str, TaskState] = {}
         self.by_state: defaultdict[str, set[TaskState]] = defaultdict(set)
-        self.executing: set[TaskState] = set()  # tasks holding a thread (incl. cancelled)
+        self.executing: set[TaskState] = set()  # tasks holding a slot (incl. cancelled)
+        self.long_running: set[TaskState] = set()  # seceded: a thread, no slot (incl. cancelled)
+        self.rejoining: deque[TaskState] = deque()  # seceded, waiting for a slot to rejoin
         self.in_flight_workers: dict[str, set[str]] = {}  # peer -> keys requested
         self.has_what: defaultdict[str, set[str]] = defaultdict(set)  # peer -> keys
         self.avg_task_duration: float | None = None  # EWMA of stop - start
@@ -448,8 +493,9 @@ class WorkerState:
         if avg is not None and avg < PREFETCH_BELOW:
             tiny = MAX_CLAIM if avg <= 0 else min(MAX_CLAIM, int(self.nthreads * horizon / avg))
             target = max(2 * self.nthreads, tiny)
-        active = len(self.by_state["waiting"]) + len(self.by_state["ready"]) + len(self.executing)
-        return max(0, target - active)
+        by_state = self.by_state
+        active = len(by_state["waiting"]) + len(by_state["ready"]) + len(self.executing)
+        return max(0, target - active - len(self.rejoining))
 
     def _tell(self, entry: StoryEntry) -> None:
         self.story.append(entry)
@@ -487,7 +533,7 @@ class WorkerState:
         # error: a run here failed and the scheduler queued the key again (a retry, or a
         # new submission of it): the scheduler only queues what it wants run, so every
         # claim of a key in error is a new run, set up below like any claimed task
-        if ts.state in ("waiting", "ready", "executing"):
+        if ts.state in ("waiting", "ready", "executing", "long-running"):
             return  # a duplicate claim
         if ts.state == "flight":
             ts.deferred = ev  # the transfer may still bring it; if it fails, compute it
@@ -526,7 +572,7 @@ class WorkerState:
         if ts is None:
             return
         ts.type, ts.start, ts.stop = ev.type, ev.start, ev.stop
-        if ts.state == "executing" or ts.dependents or ts.replica:
+        if ts.state in ("executing", "long-running") or ts.dependents or ts.replica:
             self._transition(
                 ts, "memory", value=ev.value, nbytes=ev.nbytes, stimulus_id=ev.stimulus_id
             )
@@ -539,7 +585,7 @@ class WorkerState:
         if ts is None:
             return
         ts.start, ts.stop = ev.start, ev.stop
-        if ts.state == "executing":
+        if ts.state in ("executing", "long-running"):
             self._transition(ts, "error", error=ev, stimulus_id=ev.stimulus_id)
         elif ts.dependents:  # cancelled, but needed here: fetch it from elsewhere
             self._after_failed_fetch(ts, ev.stimulus_id)
@@ -550,14 +596,17 @@ class WorkerState:
     def _finished_execution(
         self, key: str, start: float, stop: float, finish: str, sid: str
     ) -> TaskState | None:
-        duration = max(0.0, stop - start)
-        avg = self.avg_task_duration
-        self.avg_task_duration = duration if avg is None else avg + EWMA_ALPHA * (duration - avg)
         ts = self.tasks.get(key)
+        if ts is None or not ts.seceded:  # a seceded run's time is mostly waiting
+            duration = max(0.0, stop - start)
+            avg = self.avg_task_duration
+            self.avg_task_duration = (
+                duration if avg is None else avg + EWMA_ALPHA * (duration - avg)
+            )
         if ts is None:  # unknown key: a stale message, nothing to do
             self._tell((key, "forgotten", finish, sid, self._event_time))
             return None
-        if ts.state == "executing" or (ts.state == "cancelled" and ts.previous == "executing"):
+        if ts.state in _RUNNING or (ts.state == "cancelled" and ts.previous in _RUNNING):
             return ts
         raise InvalidTransition(key, ts.state, finish, sid, self.stories(key))
 
@@ -619,7 +668,7 @@ class WorkerState:
         accepted: dict[str, int] = {}
         for key, value in ev.data.items():
             ts = self._ensure_task(key)
-            if ts.state in ("executing", "cancelled"):
+            if ts.state in ("executing", "long-running", "cancelled"):
                 continue  # the running computation will produce it
             nbytes = ev.nbytes.get(key, 0)
             if ts.state == "memory":
@@ -674,6 +723,26 @@ class WorkerState:
         if handed_back:
             self._emit(ReleasedKeys(self.address, handed_back, stimulus_id=ev.stimulus_id))
 
+    def _handle_secede(self, ev: SecedeEvent) -> None:
+        ts = self.tasks.get(ev.key)
+        if ts is None:  # a stale message (its run was dropped): nothing to do
+            return
+        if ts.state == "executing":
+            self._transition(ts, "long-running", stimulus_id=ev.stimulus_id)
+        elif ts.state == "cancelled" and ts.previous == "executing":
+            self.executing.discard(ts)  # freed, still running: its slot is free now
+            self.long_running.add(ts)
+            ts.previous, ts.seceded = "long-running", True
+        # long-running already (secede() twice): nothing to do
+
+    def _handle_rejoin(self, ev: RejoinEvent) -> None:
+        ts = self.tasks.get(ev.key)
+        if ts is not None and ts in self.long_running:
+            if ts not in self.rejoining:
+                self.rejoining.append(ts)  # _ensure_computing grants a slot when one is free
+        else:  # never seceded, or unknown: nothing to wait for
+            self._emit(Rejoin(ev.key, ev.stimulus_id))
+
     def _handle_pause(self, ev: PauseEvent) -> None:
         self.paused = True
 
@@ -695,11 +764,24 @@ class WorkerState:
         PauseEvent: _handle_pause,
         UnpauseEvent: _handle_unpause,
         RetireEvent: _handle_retire,
+        SecedeEvent: _handle_secede,
+        RejoinEvent: _handle_rejoin,
     }
 
     # -- scheduling policies ---------------------------------------------------------
 
     def _ensure_computing(self, sid: str) -> None:
+        """Fill free slots: seceded tasks that rejoin first (they started long ago and
+        their thread is waiting; a pause does not hold them back), then ready tasks."""
+        while self.rejoining and len(self.executing) < self.nthreads:
+            ts = self.rejoining.popleft()
+            if ts.state == "long-running":
+                self._transition(ts, "executing", stimulus_id=sid)
+            else:  # cancelled while seceded: it takes its slot back all the same
+                self.long_running.discard(ts)
+                self.executing.add(ts)
+                ts.previous = "executing"
+                self._emit(Rejoin(ts.key, sid))
         heap = self._ready_heap
         while not self.paused and heap and len(self.executing) < self.nthreads:
             ts = heapq.heappop(heap)[2]
@@ -771,12 +853,32 @@ class WorkerState:
     def _transition_ready_executing(self, ts: TaskState, *, stimulus_id: str) -> None:
         self._set_state(ts, "executing", stimulus_id)
         self.executing.add(ts)
+        ts.seceded = False  # a new run
         self._emit(Execute(ts.key, stimulus_id))
+
+    def _transition_executing_long_running(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self.executing.discard(ts)
+        self.long_running.add(ts)
+        ts.seceded = True
+        self._set_state(ts, "long-running", stimulus_id)
+
+    def _transition_long_running_executing(self, ts: TaskState, *, stimulus_id: str) -> None:
+        self.long_running.discard(ts)
+        self.executing.add(ts)
+        self._set_state(ts, "executing", stimulus_id)
+        self._emit(Rejoin(ts.key, stimulus_id))
+
+    def _free_thread(self, ts: TaskState) -> None:
+        """The computation of ``ts`` ended (or was never started): no slot, no thread."""
+        self.executing.discard(ts)
+        self.long_running.discard(ts)
+        if self.rejoining and ts in self.rejoining:  # (a thread let go at shutdown)
+            self.rejoining.remove(ts)
 
     def _transition_executing_memory(
         self, ts: TaskState, value: object, nbytes: int, *, stimulus_id: str
     ) -> None:
-        self.executing.discard(ts)
+        self._free_thread(ts)
         self._store(ts, value, nbytes, stimulus_id)
         self._unlink_dependencies(ts, stimulus_id)
         if ts.wanted:
@@ -785,7 +887,7 @@ class WorkerState:
     def _transition_executing_error(
         self, ts: TaskState, error: ExecuteFailureEvent, *, stimulus_id: str
     ) -> None:
-        self.executing.discard(ts)
+        self._free_thread(ts)
         ts.error = error
         self._set_state(ts, "error", stimulus_id)
         self._unlink_dependencies(ts, stimulus_id)
@@ -793,7 +895,7 @@ class WorkerState:
             self._emit_erred(ts, stimulus_id)
 
     def _transition_executing_cancelled(self, ts: TaskState, *, stimulus_id: str) -> None:
-        ts.previous = "executing"
+        ts.previous = ts.state  # executing or long-running
         self._set_state(ts, "cancelled", stimulus_id)
 
     def _transition_flight_cancelled(self, ts: TaskState, *, stimulus_id: str) -> None:
@@ -801,8 +903,8 @@ class WorkerState:
         self._set_state(ts, "cancelled", stimulus_id)
 
     def _transition_cancelled_executing(self, ts: TaskState, *, stimulus_id: str) -> None:
-        ts.previous = None
-        self._set_state(ts, "executing", stimulus_id)
+        ts.previous = None  # (or long-running: the thread is where it was, in or out)
+        self._set_state(ts, "executing" if ts in self.executing else "long-running", stimulus_id)
 
     def _transition_cancelled_flight(self, ts: TaskState, *, stimulus_id: str) -> None:
         ts.previous = None
@@ -811,7 +913,7 @@ class WorkerState:
     def _transition_cancelled_memory(
         self, ts: TaskState, value: object, nbytes: int, *, stimulus_id: str
     ) -> None:
-        self.executing.discard(ts)
+        self._free_thread(ts)
         ts.previous = ts.coming_from = None
         self._store(ts, value, nbytes, stimulus_id)
         self._unlink_dependencies(ts, stimulus_id)
@@ -820,12 +922,12 @@ class WorkerState:
             self._emit(AddKeys(self.address, [ts.key], {ts.key: nbytes}, stimulus_id=stimulus_id))
 
     def _transition_cancelled_fetch(self, ts: TaskState, *, stimulus_id: str) -> None:
-        self.executing.discard(ts)
+        self._free_thread(ts)
         ts.previous = ts.coming_from = None
         self._set_state(ts, "fetch", stimulus_id)
 
     def _transition_cancelled_missing(self, ts: TaskState, *, stimulus_id: str) -> None:
-        self.executing.discard(ts)
+        self._free_thread(ts)
         ts.previous = ts.coming_from = None
         self._set_state(ts, "missing", stimulus_id)
         self._newly_missing.append(ts.key)
@@ -959,7 +1061,7 @@ class WorkerState:
         self._forget(ts, stimulus_id)
 
     def _transition_cancelled_released(self, ts: TaskState, *, stimulus_id: str) -> None:
-        self.executing.discard(ts)
+        self._free_thread(ts)
         ts.previous = ts.coming_from = None
         self._forget(ts, stimulus_id)
 
@@ -980,6 +1082,11 @@ class WorkerState:
         ("executing", "memory"): _transition_executing_memory,
         ("executing", "error"): _transition_executing_error,
         ("executing", "cancelled"): _transition_executing_cancelled,
+        ("executing", "long-running"): _transition_executing_long_running,
+        ("long-running", "executing"): _transition_long_running_executing,
+        ("long-running", "memory"): _transition_executing_memory,
+        ("long-running", "error"): _transition_executing_error,
+        ("long-running", "cancelled"): _transition_executing_cancelled,
         ("fetch", "flight"): _transition_fetch_flight,
         ("fetch", "missing"): _transition_fetch_missing,
         ("fetch", "waiting"): _transition_fetch_waiting,
@@ -996,6 +1103,7 @@ class WorkerState:
         ("flight", "missing"): _transition_flight_missing,
         ("flight", "cancelled"): _transition_flight_cancelled,
         ("cancelled", "executing"): _transition_cancelled_executing,
+        ("cancelled", "long-running"): _transition_cancelled_executing,
         ("cancelled", "flight"): _transition_cancelled_flight,
         ("cancelled", "memory"): _transition_cancelled_memory,
         ("cancelled", "fetch"): _transition_cancelled_fetch,
@@ -1095,7 +1203,7 @@ class WorkerState:
     def _release_if_unneeded(self, ts: TaskState, sid: str) -> None:
         if ts.wanted or ts.replica or ts.dependents or ts.state == "cancelled":
             return
-        if ts.state in ("executing", "flight"):
+        if ts.state in ("executing", "long-running", "flight"):
             self._transition(ts, "cancelled", stimulus_id=sid)
         else:
             self._transition(ts, "released", stimulus_id=sid)
@@ -1149,17 +1257,16 @@ class WorkerState:
                 ts.coming_from is None or ts.state in ("flight", "cancelled"),
                 f"{ts} coming from {ts.coming_from}",
             )
-            running = ts.state == "executing" or (
-                ts.state == "cancelled" and ts.previous == "executing"
-            )
-            check((ts in self.executing) == running, f"{ts} vs executing")
+            was = ts.previous if ts.state == "cancelled" else ts.state
+            check((ts in self.executing) == (was == "executing"), f"{ts} vs executing")
+            check((ts in self.long_running) == (was == "long-running"), f"{ts} vs long_running")
             if ts.state == "waiting":
                 check(ts.waiting_for_data, f"{ts} waits for nothing")
                 for dep in ts.waiting_for_data:
                     check(dep.state != "memory", f"{ts} waits for {dep} in memory")
                 for dep in ts.dependencies - ts.waiting_for_data:
                     check(dep.state == "memory", f"{ts} does not wait for {dep}")
-            elif ts.state in ("ready", "executing"):
+            elif ts.state in ("ready", "executing", "long-running"):
                 for dep in ts.dependencies:
                     check(dep.state == "memory", f"{ts} has {dep} not in memory")
             elif ts.state == "fetch":
@@ -1174,7 +1281,10 @@ class WorkerState:
                 check(peer is not None, f"{ts} in flight from nowhere")
                 check(ts.key in self.in_flight_workers.get(peer or "", ()), f"{ts} no peer record")
             if ts.state == "cancelled":
-                check(ts.previous in ("executing", "flight"), f"{ts} previous={ts.previous}")
+                check(
+                    ts.previous in ("executing", "long-running", "flight"),
+                    f"{ts} previous={ts.previous}",
+                )
         for state, members in self.by_state.items():
             for ts in members:
                 check(self.tasks.get(ts.key) is ts and ts.state == state, f"{ts} in by_state")
@@ -1184,6 +1294,15 @@ class WorkerState:
             for key in keys:
                 check(key in self.tasks and worker in self.tasks[key].who_has, f"has_what {key}")
         check(len(self.executing) <= self.nthreads, f"{len(self.executing)} executing")
+        check(not self.executing & self.long_running, "executing and long-running at once")
+        check(len(set(self.rejoining)) == len(self.rejoining), "a task rejoins twice")
+        for ts in self.rejoining:
+            check(ts in self.long_running, f"{ts} rejoins, not seceded")
+            check(self.tasks.get(ts.key) is ts, f"{ts} rejoins, forgotten")
+        check(
+            not self.rejoining or len(self.executing) >= self.nthreads,
+            "a task waits to rejoin while a slot is free",
+        )
         check(len(self.in_flight_workers) <= self.transfer_concurrency, "too many GatherDeps")
         in_heap = {id(entry[2]) for entry in self._ready_heap}
         for ts in self.by_state["ready"]:

@@ -9,7 +9,11 @@ What it does, and the Redis or TCP call behind each:
   scheduler, atomically.  When the ready set is empty it waits on the ``ready-signal``
   stream (XREAD BLOCK, no polling); the claim script returns that stream's last id, so a
   signal written after an empty claim always wakes us (no lost wake-ups);
-* runs tasks in a ``ThreadPoolExecutor`` and keeps results in ``WorkerState.data``;
+* runs tasks in a ``ThreadPoolExecutor`` and keeps results in ``WorkerState.data``; a
+  task that secedes (``redisdask.secede``, ``worker_client``) keeps its thread but frees
+  its slot, so the pool grows beyond ``nthreads`` while tasks are seceded (the state
+  machine bounds how many compute); its tasks reach the cluster through the worker's own
+  client (``task_client``, made on first use, closed with the worker);
 * fetches dependencies from peers and serves its own data over authenticated TCP
   (``redisdask.comm``); results never pass through Redis;
 * reports completions, errors and missing data in batches on the workers stream: a report
@@ -38,7 +42,7 @@ from typing import Any, Literal
 import psutil
 import redis
 
-from redisdask import comm, logs, nanny_contract, schema
+from redisdask import comm, logs, nanny_contract, schema, task_context
 from redisdask.backoff import Backoff
 from redisdask.connection import connect, connect_async
 from redisdask.errors import ProtocolError, TaskInterrupted
@@ -75,22 +79,11 @@ REPORT_LINGER = 0.002  # seconds a report may wait for companions while threads 
 CLOSE_TIMEOUT = 2.0  # seconds background tasks get to stop when the worker closes
 HEARTBEAT_KEYS = 20  # executing task keys named in a heartbeat, at most
 RETIRE_REPEAT = 1.0  # seconds between a retiring worker's requests to be retired
+# threads the pool may hold beyond nthreads for seceded tasks (each waits in its thread)
+MAX_SECEDED = 10_000
 
 
 _STIMULI = itertools.count()  # makes the worker's own stimulus ids unique (thread-safe)
-_task_thread = threading.local()  # .worker: the worker whose pool owns this thread
-
-
-def get_worker() -> Worker:
-    """The worker running the calling task (like ``distributed.get_worker``)."""
-    worker = getattr(_task_thread, "worker", None)
-    if worker is None:
-        raise ValueError("get_worker() called outside of a task running on a redisdask worker")
-    return worker
-
-
-def _bind_task_thread(worker: Worker) -> None:
-    _task_thread.worker = worker
 
 
 def _parse_id(entry_id: bytes | str) -> tuple[int, int]:
@@ -157,9 +150,17 @@ class Worker:
         self.address = ""
         self.status = "init"
         self.functions = FunctionCache()
+        # the state machine bounds how many tasks compute (nthreads); the pool also holds
+        # the threads of seceded tasks, so it may grow beyond that
         self.executor = ThreadPoolExecutor(
-            nthreads, thread_name_prefix="rd-task", initializer=_bind_task_thread, initargs=(self,)
+            nthreads + MAX_SECEDED,
+            thread_name_prefix="rd-task",
+            initializer=task_context.bind_thread,
+            initargs=(self,),
         )
+        self._client: Any = None  # redisdask.Client for its tasks (task_client)
+        self._client_lock = threading.Lock()
+        self._rejoin_waiters: dict[str, threading.Event] = {}  # rejoin() waits per key
         self._outbox: list[dict[str, Any]] = []
         self._flush_lock = asyncio.Lock()  # report batches land in the order they were made
         # held from a claim to the state machine applying its reply, and from making a
@@ -190,6 +191,8 @@ class Worker:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> Worker:
+        self._loop = asyncio.get_running_loop()
+        task_context.bind_thread(self)  # a future unpickled here binds to task_client
         secret = await asyncio.to_thread(self._ensure_cluster)
         self.server = comm.DataServer(secret, self._handle_rpc)
         self.address = await self.server.start(self.host, self.port)
@@ -356,6 +359,7 @@ class Worker:
             for task in stuck:  # a library swallowed the cancellation: do not hang on it
                 logger.warning("background task %s ignored cancellation", task.get_coro())
         await self.plugin_host.close(self)  # plugins' teardown, preloads' dask_teardown
+        await self._close_task_client()
         try:
             self._report(RemoveWorker(self.address, reason=reason))
             await self._flush()
@@ -422,6 +426,8 @@ class Worker:
                 self._spawn(self._gather(ins.worker, sorted(ins.keys)))
             elif isinstance(ins, ws.Report):
                 self._report(ins)
+            elif isinstance(ins, ws.Rejoin):
+                self._rejoined(ins.key)
             else:  # pragma: no cover
                 raise TypeError(f"worker driver cannot carry out {ins!r}")
         self._wake.set()
@@ -447,6 +453,66 @@ class Worker:
         message["worker"] = self.address
         self._outbox.append(message)
 
+    # ------------------------------------------------------------------ tasks in tasks
+
+    def task_client(self, timeout: float | None = None) -> Any:
+        """The client this worker's tasks submit with (``redisdask.get_client`` in a
+        task): one per worker, made on first use with the worker's Redis URL and
+        cluster name, closed with the worker.  Not the process's default client: in a
+        worker's threads ``default_client()`` answers it anyway."""
+        with self._client_lock:
+            if self._client is None or self._client.status != "running":
+                if self.status != "running":
+                    raise RuntimeError(f"worker {self.address} is {self.status}: no new client")
+                from redisdask.client import Client
+
+                self._client = Client(
+                    self.redis_url,
+                    self.keys.cluster,
+                    timeout=self.connect_timeout if timeout is None else timeout,
+                    set_as_default=False,
+                )
+                logger.info("worker %s made client %s for its tasks", self.address, self._client.id)
+            return self._client
+
+    async def _close_task_client(self) -> None:
+        """Close the tasks' client (a task waiting on it gets ``FutureCancelledError``)
+        and let go of every thread waiting to rejoin."""
+
+        def close() -> None:
+            with self._client_lock:  # (a task may be making it right now)
+                client, self._client = self._client, None
+            if client is not None:
+                client.close()
+
+        await asyncio.to_thread(close)
+        for waiter in list(self._rejoin_waiters.values()):
+            waiter.set()
+
+    def secede_task(self, key: str) -> None:
+        """Called in ``key``'s thread by ``secede()``: it no longer counts (returns at
+        once; the event reaches the state machine before the task's result can)."""
+        sid = f"secede-{time.time():.6f}-{next(_STIMULI)}"
+        self._loop.call_soon_threadsafe(self.handle, ws.SecedeEvent(key, sid))
+
+    def rejoin_task(self, key: str) -> None:
+        """Called in ``key``'s thread by ``rejoin()``: block until the state machine
+        grants it a slot (``Rejoin``), or the worker closes."""
+        granted = self._rejoin_waiters[key] = threading.Event()
+        sid = f"rejoin-{time.time():.6f}-{next(_STIMULI)}"
+        try:
+            self._loop.call_soon_threadsafe(self.handle, ws.RejoinEvent(key, sid))
+        except RuntimeError:  # the event loop is closed: the worker is gone
+            granted.set()
+        while not granted.wait(1.0) and self.status in ("init", "running", "closing"):
+            pass  # (woken by the grant, or by close() letting every waiter go)
+        self._rejoin_waiters.pop(key, None)
+
+    def _rejoined(self, key: str) -> None:
+        waiter = self._rejoin_waiters.get(key)
+        if waiter is not None:
+            waiter.set()
+
     # ------------------------------------------------------------------ execution
 
     def _execute(self, key: str) -> None:
@@ -460,6 +526,7 @@ class Worker:
         """Runs in a pool thread: the task, then the checks its result must pass."""
         start = time.time()
         sid = f"execute-{start:.6f}-{next(_STIMULI)}"  # new: no chain of every run before
+        task_context.start_task(key)
         try:
             value = run_spec(spec, deps, self.functions)
             try:
@@ -471,6 +538,8 @@ class Worker:
                 ) from None
         except BaseException as exc:
             return _failure_event(key, exc, start, time.time(), sid)
+        finally:
+            task_context.end_task()
         return ws.ExecuteSuccessEvent(
             key, value, sizeof(value), type(value).__qualname__, start, time.time(), sid
         )
@@ -686,11 +755,12 @@ class Worker:
     def _metrics(self) -> dict[str, Any]:
         """What a heartbeat carries; the last one is the evidence of a death record."""
         by_state = self.state.by_state
-        executing = [ts.key for ts in self.state.executing][:HEARTBEAT_KEYS]
+        running = itertools.chain(self.state.executing, self.state.long_running)
         return {
             "time": time.time(),
-            "executing": executing,
+            "executing": [ts.key for ts in itertools.islice(running, HEARTBEAT_KEYS)],
             "n_executing": len(self.state.executing),
+            "n_long_running": len(self.state.long_running),
             "ready": len(by_state.get("ready", ())),
             "in_memory": len(by_state.get("memory", ())),
             "cpu": self._process.cpu_percent(),  # since the previous heartbeat
@@ -787,6 +857,7 @@ class Worker:
         return {
             "tasks": {ts.key: ts.state for ts in list(st.tasks.values())[:limit]},
             "in_flight": {w: sorted(keys)[:limit] for w, keys in st.in_flight_workers.items()},
+            "rejoining": [ts.key for ts in st.rejoining][:limit],  # seceded, waiting for a slot
             "who_has": {
                 ts.key: sorted(ts.who_has)
                 for ts in list(st.tasks.values())[:limit]
@@ -926,6 +997,12 @@ def main(redis_url: str, cluster: str, **kwargs: Any) -> None:
     faulthandler.enable()  # a crash in compiled code prints every thread's Python stack
 
     async def run() -> None:
+        # this process is the worker's own: dask's scheduler here is the cluster inside a
+        # task (as distributed's get_client() is dask's fallback there), dask's threads
+        # elsewhere; in-thread workers leave the user's process's dask config alone
+        from redisdask.client import _make_dask_default
+
+        _make_dask_default(task_context.dask_get)
         worker = Worker(redis_url, cluster, **kwargs)
         await worker.start()
         logs.set_name(worker.name or worker.address)  # its address, if it had no name
