@@ -370,7 +370,9 @@ def test_variable_shares_values_and_keeps_its_future_alive(
     poll(lambda: not r.exists(keys.task(key)))
 
 
-def test_variable_inside_a_task_without_a_client(c: Client, leaves_nothing: None) -> None:
+def test_variable_and_queue_inside_a_task_values_and_futures(
+    c: Client, leaves_nothing: None
+) -> None:
     name = unique("var")
 
     def set_and_get(name: str) -> int:
@@ -384,13 +386,17 @@ def test_variable_inside_a_task_without_a_client(c: Client, leaves_nothing: None
     assert var.get() == 5
     var.set(c.submit(inc, 1))
 
-    def get_future(name: str) -> int:
-        from redisdask import Variable
+    def result_of_stored_future(name: str) -> int:
+        """The worker's client (get_client) owns the future the variable hands over."""
+        from redisdask import Queue, Variable
 
-        return Variable(name).get(timeout=5)
+        from_variable = Variable(name).get(timeout=5).result(timeout=10)
+        from_queue = Queue(name).get(timeout=5).result(timeout=10)
+        return from_variable + from_queue
 
-    with pytest.raises(Exception, match="no Client to own them"):
-        c.submit(get_future, name).result(timeout=10)
+    queue = Queue(name)
+    queue.put(c.submit(inc, 10))
+    assert c.submit(result_of_stored_future, name).result(timeout=30) == 2 + 11
     var.delete()
 
 

@@ -2,10 +2,11 @@
 
 * ``Backend``: a Redis connection, the cluster's keys and scripts, and the ``Client``
   whose futures a value may hold.  A primitive made with ``client=None`` takes
-  ``redisdask.client.default_client()`` at its first use; inside a task, where there is
-  no client, it talks to the worker's Redis directly (``get_worker()``), which is all a
-  ``Lock``, ``Semaphore`` or ``Event``, or a ``Variable`` or ``Queue`` of plain values,
-  needs.  Futures need a client to own them.
+  ``redisdask.client.default_client()`` at its first use, which inside a task is the
+  worker's client (``get_client()``); should there be none, it talks to the worker's
+  Redis directly (``get_worker()``), which is all a ``Lock``, ``Semaphore`` or
+  ``Event``, or a ``Variable`` or ``Queue`` of plain values, needs.  Futures need a
+  client to own them.
 * ``wait_until``: blocking without polling Redis hot.  Each attempt is one script that
   either succeeds or, atomically with its failure, records the caller as a waiter and
   returns the last id of the primitive's signal stream; the caller then blocks in
@@ -100,9 +101,8 @@ class Backend:
 
     def needs_client(self, what: str) -> RedisDaskError:
         return RedisDaskError(
-            f"{what}: the value holds futures, and this process has no Client to own them "
-            "(inside a task there is none yet); create one with Client(...) and pass "
-            "client=, or share plain values instead"
+            f"{what}: the value holds futures, and this process has no Client to own them; "
+            "create one with Client(...) and pass client=, or share plain values instead"
         )
 
     @contextlib.contextmanager
