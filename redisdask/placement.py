@@ -255,12 +255,14 @@ class Placement:
             )
         if resources and not self.targets(restrict, resources, loose):
             pool = {a: infos[a] for a in named} if restrict and not loose else infos
-            among = "of the workers it may run on" if pool is not infos else "worker"
+            who = (
+                "none of the workers it may run on" if pool is not infos else "no registered worker"
+            )
             needs = format_resources(resources).replace(" ", ",")
             return (
-                f"it needs {format_resources(resources)} on one worker and no registered "
-                f"{among} has that much ({_listing(pool, infos, with_resources=True)}); it "
-                f"waits for a worker started with e.g. --resources '{needs}'"
+                f"it needs {format_resources(resources)} on one worker and {who} has that "
+                f"much ({_listing(pool, infos, with_resources=True)}); it waits for a worker "
+                f"started with e.g. --resources '{needs}'"
             )
         return "no registered worker may run it"
 

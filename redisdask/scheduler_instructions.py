@@ -66,6 +66,7 @@ class Dequeue(Instruction):
     key: str
     workers: tuple[str, ...] = ()
     constrained: bool = False  # out of the workers' constrained sets, not their ready sets
+    queued_on: tuple[str, ...] | None = None  # still queued on these: written to the hash
 
 
 @dataclass(slots=True)

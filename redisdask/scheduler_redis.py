@@ -194,6 +194,8 @@ class Translator:
         # this batch wins and an earlier one is cancelled here
         b.enqueue.pop(ins.key, None)
         b.dequeue.append(ins.key)
+        if ins.queued_on is not None:  # (a new process at the address may not match)
+            b.fields(ins.key).update(TaskRecord.encode({"queued_on": ins.queued_on}))
         for worker in ins.workers:
             zset = self._worker_set(worker, ins.constrained)
             b.enqueue_on.pop((zset, ins.key), None)

@@ -750,10 +750,10 @@ class SchedulerState:
             if ts.state == "queued" and ws.address in ts.queued_on:
                 # out of its ready set (which a new process at the address would
                 # inherit): the task goes there again only if that one matches too
-                self._emit(
-                    Dequeue(ev.stimulus_id, ts.key, (ws.address,), constrained=bool(ts.resources))
-                )
                 ts.queued_on = tuple(w for w in ts.queued_on if w != ws.address)
+                self._emit(
+                    Dequeue(ev.stimulus_id, ts.key, (ws.address,), bool(ts.resources), ts.queued_on)
+                )
                 if ts.queued_on:
                     continue
                 if self._targets(ts) is None:

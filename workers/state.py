@@ -498,8 +498,6 @@ class WorkerState:
         ts = self._ensure_task(ev.key)
         ts.wanted = True
         ts.run_spec, ts.priority = ev.run_spec, ev.priority
-        if ts.held is None:  # (a run holding resources gives back what it took)
-            ts.resources = ev.resources or None
         if ts.state == "memory":  # claimed again: repeat the answer
             self._emit_finished(ts, sid)
             return
@@ -510,6 +508,8 @@ class WorkerState:
             return  # a duplicate claim
         if ts.state == "flight":
             ts.deferred = ev  # the transfer may still bring it; if it fails, compute it
+            if ts.held is None:
+                ts.resources = ev.resources or None
             self._sync_resources(ts)
             return
         # fetch or missing: its data was lost elsewhere and the scheduler asks this worker
@@ -517,6 +517,7 @@ class WorkerState:
         if ts.state == "cancelled":  # freed while running, now claimed again: resume
             self._transition(ts, ts.previous or "executing", stimulus_id=sid)
             return
+        ts.resources = ev.resources or None  # held from here until the run leaves
         for dep_key, (who_has, nbytes) in ev.dependencies.items():
             dep = self._ensure_task(dep_key)
             ts.dependencies.add(dep)
