@@ -33,7 +33,7 @@ from rich.text import Text
 from redisdask import schema
 from redisdask.events import describe
 from redisdask.memory import format_bytes
-from redisdask.placement import Placement, format_resources
+from redisdask.placement import Placement, format_resources, worker_resources
 from redisdask.schema import Keys
 from redisdask.task_record import TaskRecord
 from redisdask.views import clock
@@ -389,6 +389,7 @@ def render_worker(worker: dict[str, Any], console: Console) -> None:
         ("host / pid", f"{info.get('host')} / {info.get('pid')}"),
         ("status", status),
         ("threads", info.get("nthreads")),
+        ("resources", format_resources(worker_resources(info)) or "-"),
         ("restarts", info.get("restarts", 0)),
         ("memory", _memory_line(beat)),
         ("executing", ", ".join(beat.get("executing") or []) or "-"),

@@ -24,7 +24,7 @@ from rich.console import Console
 
 from redisdask import Client, LocalCluster, comm
 from redisdask.inspect import read_task, render_task
-from redisdask.schema import Keys, ensure_cluster
+from redisdask.schema import Keys, Scripts, ensure_cluster, pack
 from redisdask.snapshot import read_snapshot
 from redisdask.views import header
 
@@ -87,6 +87,46 @@ def worker_resources(cluster: LocalCluster) -> dict[str, dict[str, Any]]:
         }
     finally:
         pool.close()
+
+
+def test_the_claim_script_takes_only_what_fits_what_the_worker_has_free(
+    redis_url: str, cluster_name: str
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ensure_cluster(r, keys)
+    scripts = Scripts(r, keys)
+    me, other = "tcp://10.0.0.1:1", "tcp://10.0.0.2:2"
+    r.hset(keys.workers, mapping={me: pack({}), other: pack({})})
+    needs = {"a": "GPU=1", "b": "GPU=2", "c": "GPU=1 MEM=0.5", "d": "GPU=0.5"}
+    for score, (key, resources) in enumerate(needs.items()):
+        r.hset(
+            keys.task(key),
+            mapping={
+                "state": "queued",
+                "spec": b"s",
+                "deps": pack([]),
+                "resources": resources,
+                "queued_on": f"{me} {other}",
+            },
+        )
+        r.zadd(keys.worker_constrained(me), {key: score})
+        r.zadd(keys.worker_constrained(other), {key: score})  # fmt: skip
+    tasks, _, _, blocked = scripts.claim(worker=me, count=4, last_inbox_id="0-0", free="GPU=2")
+    # a (1 of 2), not b (2 > 1 left), not c (its MEM is not there), d (0.5 of 1)
+    assert [(t[0], t[4]) for t in tasks] == [(b"a", b"GPU=1"), (b"d", b"GPU=0.5")]
+    assert blocked == 1  # tasks left for lack of resources: claim again when some free
+    assert r.zrange(keys.worker_constrained(me), 0, -1) == [b"b", b"c"]
+    assert r.zrange(keys.worker_constrained(other), 0, -1) == [b"b", b"c"]  # taken out there
+    assert r.hget(keys.task("a"), "state") == b"processing"
+    assert r.hget(keys.task("b"), "state") == b"queued"
+    tasks, _, _, blocked = scripts.claim(worker=me, count=4, last_inbox_id="0-0", free="")
+    assert (tasks, blocked) == ([], 1)  # nothing free: nothing claimed
+    free = "GPU=3 MEM=1"
+    tasks, _, _, blocked = scripts.claim(worker=me, count=4, last_inbox_id="0-0", free=free)
+    assert ([t[0] for t in tasks], blocked) == ([b"b", b"c"], 0)
+    for name in r.scan_iter(match=keys.prefix.replace("{", "[{]") + "*"):
+        r.delete(name)
 
 
 def test_tasks_needing_a_resource_run_only_where_it_is_and_wait_when_none_has_enough(
@@ -264,11 +304,13 @@ def test_bad_resources_are_refused_at_start_with_what_to_write(
         LocalCluster(resources={"GPU": "1"}, redis_url=redis_url, cluster_name=cluster_name)
     r = redis.Redis.from_url(redis_url)
     assert not r.exists(Keys(cluster_name).workers)  # nothing started, nothing written
-    with LocalCluster(n_workers=1, redis_url=redis_url, cluster_name=cluster_name) as cluster:
-        with Client(cluster) as client:
-            with pytest.raises(ValueError, match="the amount of 'GPU' is -1"):
-                client.submit(name_of, 1, resources={"GPU": -1})
-            with pytest.raises(TypeError, match="must be a dict"):
-                client.map(name_of, [1], resources="GPU=1")  # type: ignore[arg-type]
-            assert client.submit(name_of, 2).result(timeout=30) == "worker-0"
-            assert r.scard(cluster.keys.tasks) == 1  # the refused ones were never sent
+    with (
+        LocalCluster(n_workers=1, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        Client(cluster) as client,
+    ):
+        with pytest.raises(ValueError, match="the amount of 'GPU' is -1"):
+            client.submit(name_of, 1, resources={"GPU": -1})
+        with pytest.raises(TypeError, match="must be a dict"):
+            client.map(name_of, [1], resources="GPU=1")  # type: ignore[arg-type]
+        assert client.submit(name_of, 2).result(timeout=30) == "worker-0"
+        assert r.scard(cluster.keys.tasks) == 1  # the refused ones were never sent
