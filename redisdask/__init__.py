@@ -7,7 +7,7 @@ import importlib.metadata
 # one source: pyproject.toml's [project] version, as installed
 __version__ = importlib.metadata.version("redisdask")
 
-from redisdask.client import Client, Future, as_completed, wait
+from redisdask.client import Client, Future, as_completed, default_client, wait
 from redisdask.cluster import LocalCluster
 from redisdask.diagnostics import progress
 from redisdask.errors import (
@@ -18,6 +18,7 @@ from redisdask.errors import (
     SchedulerRejectedError,
     TaskInterrupted,
 )
+from redisdask.task_stream import get_task_stream
 
 __all__ = [
     "Client",
@@ -31,6 +32,8 @@ __all__ = [
     "TaskInterrupted",
     "__version__",
     "as_completed",
+    "default_client",
+    "get_task_stream",
     "progress",
     "wait",
 ]

@@ -15,6 +15,7 @@ garbage-collected.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import os
 import socket
@@ -33,6 +34,8 @@ import redis
 from redisdask import comm, schema
 from redisdask import spec as specs
 from redisdask.backoff import Backoff
+from redisdask.cluster import LocalCluster
+from redisdask.cluster_admin import ClusterAdmin
 from redisdask.config import load_config
 from redisdask.connection import connect, redact
 from redisdask.errors import (
@@ -49,6 +52,7 @@ from redisdask.futures import (
     Future,
     _flatten,
     _FutureState,
+    _seconds,
     as_completed,
     wait,
 )
@@ -65,11 +69,9 @@ from redisdask.protocol import (
     Event,
     KeyErred,
     KeyInMemory,
-    Replicate,
-    Restart,
     Restarted,
     RetireRefused,
-    RetireWorkers,
+    RetryKeys,
     UpdateData,
     UpdateGraph,
     dicts,
@@ -77,7 +79,7 @@ from redisdask.protocol import (
 )
 from redisdask.schema import Keys
 from redisdask.task_record import TaskRecord
-from redisdask.versions import VersionMismatchError, mismatches, table, versions
+from redisdask.versions import versions
 
 __all__ = [
     "Client",
@@ -96,15 +98,25 @@ SUBMIT_BATCH_BYTES = 16 << 20  # specs per stream entry, so the scheduler's writ
 # fenced write
 MAX_SPEC_BYTES = 256 << 20
 SEND_ATTEMPTS = 3  # writes refused while Redis answers PING before the client gives up
+# keywords of Client() with no address that go to the LocalCluster it starts
+_LOCAL_CLUSTER_ARGS = frozenset(inspect.signature(LocalCluster).parameters) - {"cluster_name"}
 
 
 # --------------------------------------------------------------------------- client
 
 
-class Client:
+class Client(ClusterAdmin):
     """Connects to a cluster through Redis.
 
-    ``address`` is a ``LocalCluster``, a Redis URL, or None for the configured URL.
+    ``address`` is a ``LocalCluster``, a Redis URL, or None: then the configured URL
+    (``redis.url``) if one is configured, else, as distributed's ``Client()`` does, a new
+    ``LocalCluster`` that the client owns and closes (keywords such as ``n_workers`` go to
+    it).  Other keywords are config overrides (``**{"client.heartbeat-interval": 1}``).
+
+    A client never creates a cluster: when none of that name exists in Redis it waits up
+    to ``client.no-scheduler-timeout`` for one to appear, then raises
+    ``ClusterNotRunningError`` naming the clusters it found, so a mistyped name leaves no
+    keys behind.
     """
 
     def __init__(
@@ -112,23 +124,38 @@ class Client:
         address: Any = None,
         cluster_name: str | None = None,
         *,
-        timeout: float | None = None,
+        timeout: float | str | None = None,
         set_as_default: bool = True,
-        **config: Any,
+        **kwargs: Any,
     ) -> None:
-        self.config = load_config(config or None)
+        cluster_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _LOCAL_CLUSTER_ARGS}
+        self.config = load_config(kwargs or None)
+        self.cluster: LocalCluster | None = None  # a cluster this client started (and closes)
+        if address is None and "url" not in self.config.redis.model_fields_set:
+            address = self.cluster = LocalCluster(cluster_name=cluster_name, **cluster_kwargs)
+        elif cluster_kwargs:
+            raise TypeError(
+                f"Client({address!r}) connects to a running cluster; {sorted(cluster_kwargs)} "
+                "are LocalCluster arguments, for Client() with no address"
+            )
         if address is not None and not isinstance(address, str):  # a LocalCluster
             cluster_name = cluster_name or address.cluster_name
             address = address.redis_url
         self.redis_url: str = address or self.config.redis.url
         self.keys = Keys(cluster_name or self.config.cluster.name)
-        self.timeout = timeout if timeout is not None else self.config.redis.connect_timeout
+        self.timeout = _seconds(timeout) or self.config.redis.connect_timeout
         self.id = f"client-{uuid.uuid4().hex[:12]}"
         # its connection failures are ClusterConnectionError (redisdask.connection)
         self.redis = connect(
             self.redis_url, timeout=self.timeout, name=f"rd-client-{self.id}", cluster_errors=True
         )
-        self.secret = schema.ensure_cluster(self.redis, self.keys)
+        try:
+            self.secret = self._find_cluster()
+        except BaseException:
+            self.redis.close()
+            if self.cluster is not None:
+                self.cluster.close()
+            raise
         self.status = "running"
         self.asynchronous = False  # dask asks before using a client as its scheduler
         self._lock = threading.RLock()
@@ -160,6 +187,30 @@ class Client:
         if set_as_default:
             _set_default(self)
             self._dask_config = _make_dask_default(self)
+
+    def _find_cluster(self) -> bytes:
+        """The cluster's secret, once a scheduler or a worker created the cluster."""
+        limit = self.config.client.no_scheduler_timeout
+        deadline = time.monotonic() + limit
+        backoff = Backoff(base=0.05, cap=1.0)
+        warned = False
+        while (secret := schema.cluster_secret(self.redis, self.keys)) is None:
+            found = schema.known_clusters(self.redis)
+            text = (
+                f"no cluster named {self.keys.cluster!r} on {redact(self.redis_url)} (no "
+                "scheduler or worker ever ran it); the clusters there are "
+                f"{found or 'none'}: check the name, or start its scheduler with "
+                f"`redisdask scheduler {redact(self.redis_url)} --cluster {self.keys.cluster}`"
+            )
+            if time.monotonic() > deadline:
+                raise ClusterNotRunningError(
+                    f"{text} (waited {limit:g} s: client.no-scheduler-timeout)"
+                )
+            if not warned:
+                logger.warning("%s; waiting up to %g s for it", text, limit)
+                warned = True
+            time.sleep(backoff.next())  # connecting: wait for the cluster to be created
+        return secret
 
     # ------------------------------------------------------------------ submission
 
@@ -823,126 +874,6 @@ class Client:
         values = self._results(dep_futures, None)
         specs.run_spec(record.spec, values, specs.FunctionCache())
 
-    def restart(self, timeout: float = 30.0) -> None:
-        """Restart the cluster (as in Dask): every task is forgotten, every future of every
-        client becomes cancelled, every worker drops what it holds and runs, and a worker
-        under a nanny is replaced by a fresh process.  Returns when as many workers as
-        before are registered, the nannies' ones new; the cluster is usable at once."""
-        self._check_running()
-        before = {
-            a.decode(): schema.unpack(v) for a, v in self.redis.hgetall(self.keys.workers).items()
-        }
-        deadline = time.monotonic() + timeout
-        self._restarted.clear()
-        with self._lock:
-            for state in list(self._states.values()):
-                state.cancel()
-            self._pending_release.clear()
-        self._send([Restart(self.id)])
-        if not self._restarted.wait(timeout):
-            raise FuturesTimeoutError(
-                f"the scheduler did not restart the cluster within "
-                f"{timeout} s (is a scheduler running?)"
-            )
-        old = {(a, w.get("started")) for a, w in before.items() if w.get("nanny")}
-
-        def back() -> bool:
-            now = {
-                a.decode(): schema.unpack(v)
-                for a, v in self.redis.hgetall(self.keys.workers).items()
-            }
-            fresh = [a for a, w in now.items() if (a, w.get("started")) not in old]
-            return len(fresh) >= len(before)
-
-        while not back():
-            if time.monotonic() > deadline:
-                raise FuturesTimeoutError(
-                    f"the workers did not come back within {timeout} s of the restart"
-                )
-            time.sleep(0.02)  # the nannies start new processes; their registration is polled
-
-    def replicate(self, futures: Any, n: int = 2, timeout: float | None = 30.0) -> None:
-        """Keep ``n`` copies of each future's data on distinct workers (fewer if there are
-        fewer workers); the scheduler makes up for a lost copy while one survives.
-        Returns when the copies are there."""
-        flat = [f for f in _flatten(futures) if isinstance(f, Future)]
-        self._results(flat, timeout)  # in memory first
-        keys = [f._key for f in flat]
-        self._send([Replicate(self.id, keys, int(n))])
-        want = min(n, len(self.scheduler_info()["workers"]))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not all(len(holders) >= want for holders in self.who_has(flat).values()):
-            if deadline is not None and time.monotonic() > deadline:
-                raise FuturesTimeoutError(
-                    f"{want} copies of {len(keys)} keys not made within {timeout} s"
-                )
-            time.sleep(0.02)  # the copies are made worker to worker; their arrival is polled
-
-    def retire_workers(
-        self,
-        workers: str | list[str] | None = None,
-        n: int | None = None,
-        timeout: float | None = 60.0,
-    ) -> dict[str, Any]:
-        """Close workers gracefully (as in Dask): they claim nothing more, hand back the
-        tasks they claimed but did not start, finish the running ones, and leave once
-        every result that only they held has been copied to a worker that stays, so no
-        result is lost or recomputed.  ``workers``: addresses or names; or ``n``: that
-        many of the workers holding the least data.  Returns ``{address: info}`` of the
-        workers that left.  A retirement that would leave nobody to take their data is
-        refused (logged; those workers keep running and are not in the result)."""
-        self._check_running()
-        info = self.scheduler_info()["workers"]
-        if workers is not None:
-            by_name = {str(w.get("name")): a for a, w in info.items()}
-            wanted = [workers] if isinstance(workers, str) else list(workers)
-            unknown = [w for w in wanted if w not in info and w not in by_name]
-            if unknown:
-                raise ValueError(
-                    f"no worker with address or name {unknown} in cluster "
-                    f"{self.keys.cluster!r}; its workers are {sorted(info)}"
-                )
-            addresses = [w if w in info else by_name[w] for w in wanted]
-        elif n is not None:
-            held = self._held_bytes(list(info))
-            addresses = sorted(info, key=lambda a: (held[a], a))[: max(0, n)]
-        else:
-            raise ValueError("say which workers to retire: workers=[address or name] or n=")
-        if not addresses:
-            return {}
-        with self._lock:
-            for address in addresses:
-                self._retire_refused.pop(address, None)
-        self._send([RetireWorkers(self.id, addresses)])
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            present = set(self.redis.hkeys(self.keys.workers))
-            with self._lock:
-                refused = {
-                    a: self._retire_refused[a] for a in addresses if a in self._retire_refused
-                }
-            pending = [a for a in addresses if a.encode() in present and a not in refused]
-            if not pending:
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                raise FuturesTimeoutError(
-                    f"workers {pending} did not retire within {timeout} s; they are still "
-                    "moving their data (or no worker that stays is reachable)"
-                )
-            time.sleep(0.02)  # the workers leave on their own; their departure is polled
-        for address, reason in refused.items():
-            logger.warning("worker %s was not retired: %s", address, reason)
-        return {a: info[a] for a in addresses if a not in refused}
-
-    def _held_bytes(self, addresses: list[str]) -> dict[str, int]:
-        """Bytes of results each worker holds, from its last heartbeat."""
-        held = dict.fromkeys(addresses, 0)
-        for address, raw in self.redis.hgetall(self.keys.heartbeats).items():
-            beat = schema.unpack(raw)
-            if address.decode() in held and isinstance(beat, dict):
-                held[address.decode()] = int(beat.get("managed") or 0)
-        return held
-
     # ------------------------------------------------------------------ scatter
 
     def scatter(
@@ -960,7 +891,8 @@ class Client:
         whole value (``dask.tokenize`` with dask installed, else a hash of every pickled
         frame), so equal data gets one key and different data never shares one.
         ``workers``: addresses (or one).  ``direct`` and ``timeout`` are accepted for
-        distributed's sake: data always goes straight to the workers here."""
+        distributed's sake: data always goes straight to the workers here, and each
+        worker's answer is bounded by the client's connection timeout."""
         self._check_running()
         if isinstance(data, dict):
             items = list(data.items())
@@ -968,7 +900,7 @@ class Client:
             items = [(None, v) for v in data]
         else:
             items = [(None, data)]
-        live = sorted(self.scheduler_info()["workers"])
+        live = sorted(self._cluster_info()["workers"])
         if isinstance(workers, str):
             workers = [workers]
         targets = list(workers) if workers else live
@@ -1021,69 +953,51 @@ class Client:
 
     # ------------------------------------------------------------------ cancel
 
-    def cancel(self, futures: Any) -> None:
+    def cancel(
+        self,
+        futures: Any,
+        asynchronous: bool | None = None,
+        force: bool = False,
+        reason: str | None = None,
+        msg: str | None = None,
+    ) -> None:
+        """Cancel futures (and this client's dependents of them): ``result()`` then raises
+        ``FutureCancelledError``, with ``reason`` (or ``msg``) in its message.  The
+        tasks stop unless another client wants them (``force`` is accepted for
+        distributed's sake: another client's wants are its own here)."""
         keys = [f._key for f in _flatten(futures) if isinstance(f, Future)]
+        why = reason or msg or "it was cancelled"
         with self._lock:
             for key in keys:
-                self._state_for(key).cancel()
+                self._state_for(key).cancel(why)
             generation = self._generation
         # the scheduler answers with every key it cancelled (dependents too), echoing the
         # generation so that keys submitted again since are not cancelled by the answer
         self._send([CancelKeys(self.id, keys, generation)])
 
-    # ------------------------------------------------------------------ information
-
-    def scheduler_info(self) -> dict[str, Any]:
-        """A Dask-like summary: ``workers`` keyed by worker address."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hgetall(self.keys.workers)
-        pipe.hgetall(self.keys.heartbeats)
-        pipe.hgetall(self.keys.scheduler)
-        workers_raw, beats_raw, sched = pipe.execute()
-        workers = {}
-        for address, info in workers_raw.items():
-            entry = schema.unpack(info)
-            beat = beats_raw.get(address)
-            if beat:
-                entry["metrics"] = schema.unpack(beat)
-            workers[address.decode()] = entry
-        return {
-            "type": "Scheduler",
-            "id": (sched.get(b"id") or b"").decode(),
-            "address": redact(self.redis_url),
-            "cluster": self.keys.cluster,
-            "workers": workers,
-        }
-
-    def get_versions(self, check: bool = False) -> dict[str, Any]:
-        """Versions of this client, the scheduler and every worker (as in Dask).
-        ``check=True`` raises ``VersionMismatchError`` with a table of what differs."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hget(self.keys.scheduler, "versions")
-        pipe.hgetall(self.keys.workers)
-        sched, workers = pipe.execute()
-        result = {
-            "client": versions(),
-            "scheduler": schema.unpack(sched) if sched else None,
-            "workers": {
-                a.decode(): schema.unpack(i).get("versions", {}) for a, i in workers.items()
-            },
-        }
-        if check:
-            by_process = {"client": result["client"], **result["workers"]}
-            if result["scheduler"]:
-                by_process["scheduler"] = result["scheduler"]
-            rows = mismatches(by_process)
-            if rows:
-                raise VersionMismatchError(
-                    "processes of this cluster run different versions:\n" + table(rows)
-                )
-        return result
-
-    def nthreads(self) -> dict[str, int]:
-        return {a: w.get("nthreads", 0) for a, w in self.scheduler_info()["workers"].items()}
+    def retry(self, futures: Any, asynchronous: bool | None = None) -> None:
+        """Run erred futures' tasks again (with the erred tasks they depend on), as
+        distributed does; the futures are pending until they finish or err anew."""
+        keys = [f._key for f in _flatten(futures) if isinstance(f, Future) and f.status == "error"]
+        with self._lock:
+            for key in keys:
+                self._state_for(key).reset()
+        if keys:
+            self._send([RetryKeys(self.id, keys)])
 
     # ------------------------------------------------------------------ reference counting
+
+    @property
+    def futures(self) -> dict[str, _FutureState]:
+        """Key -> the state its futures share, for every key this client has futures of."""
+        with self._lock:
+            return dict(self._states)
+
+    @property
+    def refcount(self) -> dict[str, int]:
+        """Key -> how many live futures this client holds for it."""
+        with self._lock:
+            return dict(self._refcount)
 
     def _state_for(self, key: str) -> _FutureState:
         with self._lock:
@@ -1277,6 +1191,8 @@ class Client:
         self._events_redis.close()
         self.redis.close()
         self.status = "closed"
+        if self.cluster is not None:
+            self.cluster.close()
         if _default_client[0] is self:
             _default_client[0] = None
         if self._dask_config is not None:  # dask's scheduler as it was before this client

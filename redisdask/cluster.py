@@ -29,11 +29,13 @@ class LocalCluster:
 
     With ``processes=False`` the workers run in threads of this process, each on its own
     event loop (the scheduler is still a subprocess: it must be killable on its own).
-    With ``nanny=True`` each worker process runs under a nanny (``redisdask worker``'s
-    default), which restarts it when it dies and records why; ``worker_processes`` are
-    then the nannies' processes.  ``resources`` (``{"GPU": 2}`` or ``"GPU=2"``) are
-    given to every worker, as ``LocalCluster(resources=...)`` does in Dask;
-    ``start_worker(resources=...)`` gives one worker its own.
+    Worker processes run under nannies by default, as in distributed and as
+    ``redisdask worker`` does: a nanny restarts its worker when it dies (a segfaulting
+    task, the memory limit) and records why, so such a task ends in ``KilledWorker``
+    instead of leaving the cluster without workers.  ``worker_processes`` are then the
+    nannies' processes; ``nanny=False`` runs bare workers.  ``resources`` (``{"GPU": 2}``
+    or ``"GPU=2"``) are given to every worker, as ``LocalCluster(resources=...)`` does in
+    Dask; ``start_worker(resources=...)`` gives one worker its own.
     """
 
     def __init__(
@@ -49,7 +51,7 @@ class LocalCluster:
         silence_logs: str = "WARNING",
         worker_options: dict[str, Any] | None = None,
         scheduler_options: dict[str, Any] | None = None,
-        nanny: bool = False,
+        nanny: bool = True,
         resources: dict[str, float] | str | None = None,
     ) -> None:
         # checked before anything starts: a mistake is one clear error, not dead workers

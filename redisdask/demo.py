@@ -82,7 +82,7 @@ def futures_demo(client: Any, console: Console) -> bool:
     sum_of_squares = total_sq.result()
     per_chunk = client.gather(summaries)
     holders = client.who_has(chunks)
-    workers = client.scheduler_info()["workers"]
+    workers = client.scheduler_info(n_workers=-1)["workers"]
     ntasks = len(everything) + len(level) - 1
 
     expected = sum(

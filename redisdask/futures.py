@@ -11,7 +11,6 @@ a task's arguments it is a reference to its key's value (``spec.reduce_future``)
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import threading
 import time
@@ -124,9 +123,16 @@ class Future:
     def cancelled(self) -> bool:
         return self._state.status == "cancelled"
 
-    def _wait(self, timeout: float | None) -> None:
+    @property
+    def type(self) -> str:
+        """The type name of the result once finished (``"int"``), else ``""``
+        (distributed gives the type itself; only its name reaches the client here)."""
+        return self._state.type
+
+    def _wait(self, timeout: float | str | None) -> None:
         """Wait until done (see ``Client._wait_for``: the same checks as every wait)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        seconds = _seconds(timeout)
+        deadline = None if seconds is None else time.monotonic() + seconds
         self.client._wait_for([self], deadline, stop_on_error=False)
 
     def result(self, timeout: float | str | None = None) -> Any:
@@ -138,16 +144,20 @@ class Future:
         if self._state.status == "cancelled":
             raise FutureCancelledError(self._key, self._state.cancel_reason)
 
-    def exception(self, timeout: float | None = None) -> BaseException | None:
+    def exception(self, timeout: float | str | None = None) -> BaseException | None:
         self._wait(timeout)
         return self._state.exception
 
-    def traceback(self, timeout: float | None = None) -> Any:
+    def traceback(self, timeout: float | str | None = None) -> Any:
         self._wait(timeout)
         return self._state.traceback
 
-    def cancel(self) -> None:
-        self.client.cancel([self])
+    def cancel(self, reason: str | None = None, msg: str | None = None) -> None:
+        self.client.cancel([self], reason=reason, msg=msg)
+
+    def retry(self) -> None:
+        """Run the task again if it erred (see ``Client.retry``)."""
+        self.client.retry([self])
 
     def add_done_callback(self, fn: Callable[[Future], Any]) -> None:
         """Call ``fn(future)`` when it finishes (at once if it has); runs in a client thread."""
@@ -173,6 +183,8 @@ class Future:
         return ("redisdask.Future", self._key)
 
     def __repr__(self) -> str:
+        if self.status == "finished" and self.type:
+            return f"<Future: finished, type: {self.type}, key: {self.key}>"
         return f"<Future: {self.status}, key: {self.key}>"
 
 
@@ -207,42 +219,99 @@ def wait(
 
 class as_completed:
     """Iterate over futures in the order they finish.  ``with_results=True`` yields
-    ``(future, result)`` pairs.  ``add(future)`` adds more while iterating."""
+    ``(future, result)`` pairs (a failed future raises there, or, with
+    ``raise_errors=False``, yields its exception); ``add``/``update`` add more while
+    iterating; ``batches()`` yields lists of every future finished since the last one."""
 
     def __init__(
         self,
         futures: Iterable[Future] = (),
+        loop: Any = None,
         with_results: bool = False,
+        raise_errors: bool = True,
+        *,
         timeout: float | str | None = None,
     ) -> None:
         self._queue: deque[Future] = deque()
         self._cond = threading.Condition()
-        self._pending = 0
+        self._pending = 0  # added and not yet handed out
+        self._added: dict[int, int] = {}  # id(future) -> times added and not yet done
         self._clients: dict[Client, None] = {}  # whose waits' checks apply
         self.with_results = with_results
+        self.raise_errors = raise_errors
         self.timeout = _seconds(timeout)
-        self._counter = itertools.count()
-        for f in futures:
-            self.add(f)
+        self.update(futures)
 
     def add(self, future: Future) -> None:
         with self._cond:
             self._pending += 1
+            self._added[id(future)] = self._added.get(id(future), 0) + 1
             self._clients[future.client] = None
         future.add_done_callback(self._on_done)
 
+    def update(self, futures: Iterable[Future]) -> None:
+        for future in futures:
+            self.add(future)
+
     def _on_done(self, future: Future) -> None:
         with self._cond:
+            left = self._added.pop(id(future), 0)  # 0: cleared meanwhile
+            if left == 0:
+                return
+            if left > 1:
+                self._added[id(future)] = left - 1
             self._queue.append(future)
             self._cond.notify_all()
+
+    def count(self) -> int:
+        """How many futures are still to come out (finished or not)."""
+        with self._cond:
+            return self._pending
+
+    def is_empty(self) -> bool:
+        return self.count() == 0
+
+    def has_ready(self) -> bool:
+        with self._cond:
+            return bool(self._queue)
+
+    def clear(self) -> None:
+        """Forget every future not handed out yet."""
+        with self._cond:
+            self._queue.clear()
+            self._added.clear()
+            self._pending = 0
 
     def __iter__(self) -> as_completed:
         return self
 
     def __next__(self) -> Any:
+        batch = self._take(1)
+        if not batch:
+            raise StopIteration
+        return self._output(batch[0])
+
+    def next_batch(self, block: bool = True) -> list[Any]:
+        """Every future finished so far (waiting for one with ``block``), as a list."""
+        if not block:
+            with self._cond:
+                ready = list(self._queue)
+                self._queue.clear()
+                self._pending -= len(ready)
+            return [self._output(f) for f in ready]
+        return [self._output(f) for f in self._take(None)]
+
+    def batches(self) -> Iterator[list[Any]]:
+        """Yield lists of the futures finished since the last list, until none is left."""
+        while batch := self.next_batch(block=True):
+            yield batch
+
+    def _take(self, most: int | None) -> list[Future]:
+        """Wait for at least one finished future and take up to ``most`` (all: None);
+        ``[]`` when none is left to come."""
         with self._cond:
             if self._pending == 0:
-                raise StopIteration
+                return []
             deadline = None if self.timeout is None else time.monotonic() + self.timeout
             ready = _wait_checking(
                 lambda slice_: self._cond.wait_for(lambda: bool(self._queue), slice_),
@@ -251,11 +320,17 @@ class as_completed:
             )
             if not ready:
                 raise FuturesTimeoutError(f"no future finished within {self.timeout} s")
-            future = self._queue.popleft()
-            self._pending -= 1
-        if self.with_results:
-            return future, future.result()
-        return future
+            n = len(self._queue) if most is None else min(most, len(self._queue))
+            taken = [self._queue.popleft() for _ in range(n)]
+            self._pending -= n
+        return taken
+
+    def _output(self, future: Future) -> Any:
+        if not self.with_results:
+            return future
+        if not self.raise_errors and future.status == "error":
+            return future, future.exception()
+        return future, future.result()
 
 
 # --------------------------------------------------------------------------- helpers

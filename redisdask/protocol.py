@@ -278,6 +278,15 @@ class CancelKeys(Event):
 
 
 @dataclass(slots=True)
+class RetryKeys(Event):
+    """Run erred tasks again (``client.retry``), with the erred tasks they depend on."""
+
+    op: ClassVar[str] = "retry-keys"
+    client: str
+    keys: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class CloseClient(Event):
     op: ClassVar[str] = "close-client"
     client: str
@@ -593,8 +602,8 @@ class Closing(ClientEvent):
 # --------------------------------------------------------------------------- channels
 
 CLIENT_TO_SCHEDULER: dict[str, type[Event]] = registry(
-    UpdateGraph, ClientDesiresKeys, ClientReleasesKeys, CancelKeys, Replicate, Restart,
-    RetireWorkers, UpdateData, CloseClient,
+    UpdateGraph, ClientDesiresKeys, ClientReleasesKeys, CancelKeys, RetryKeys, Replicate,
+    Restart, RetireWorkers, UpdateData, CloseClient,
 )  # fmt: skip
 WORKER_TO_SCHEDULER: dict[str, type[Event]] = registry(
     AddWorker, TaskClaimed, TaskFinished, TaskErred, MissingData, AddKeys, ReleasedKeys,

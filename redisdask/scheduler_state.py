@@ -26,13 +26,11 @@ Task states::
 * ``released``: nobody needs the result now, but a dependent may still need the task's
   graph history to recompute it, so the task (and its spec in Redis) is kept.
 * ``no-worker``: ready, but restricted (``workers=``) to workers none of which is alive,
-  or needing resources no live worker has; queued as soon as one that may run it joins.
-  A restriction entry names a worker by its address, its name, or its host (the host of
-  its address, or the hostname it reported), as in Dask; a queued restricted task sits in
-  the own ready set of every live worker it matches, including one that joins while it
-  waits.  A task with resources sits in the ``constrained`` set of every live worker
-  whose capacity could run it (and that its restriction allows); the worker claims it
-  only while what it needs is free there (``redisdask.placement``).
+  or needing resources no live worker has (``redisdask.placement``); queued as soon as one
+  that may run it joins.  A restriction entry names a worker by its address, its name, or
+  its host (of its address, or the hostname it reported), as in Dask.  A queued task sits
+  in the own ready set of every live worker it may run on (its ``constrained`` set, for a
+  task with resources), including one that joins while it waits.
 
 Priorities: user ``priority=`` first (higher runs first), then submission order.  They
 become the score of the Redis ready set, which a worker pops smallest-first.
@@ -81,6 +79,7 @@ from redisdask.protocol import (
     RetireRefused,
     RetireWorker,
     RetireWorkers,
+    RetryKeys,
     TaskClaimed,
     TaskErred,
     TaskFinished,
@@ -260,7 +259,6 @@ class SchedulerState:
         self._instructions: list[Instruction] = []
         self._candidates: deque[TaskState] = deque()
         self._retirement_changed = False  # something a retirement waits for happened
-        # which workers a restricted or resourced task may be queued on (cached)
         self.placement = Placement(lambda: {a: ws.info for a, ws in self.workers.items()})
         # results that came in and tasks that erred, since this state was built (metrics
         # for the summary the monitor shows)
@@ -563,6 +561,33 @@ class SchedulerState:
         self._candidates.clear()
         self.clients = {client: set() for client in clients}
 
+    def _handle_retry_keys(self, ev: RetryKeys) -> None:
+        """Run erred tasks again, as distributed's ``retry``: each erred key the client
+        wants, with every erred task it depends on (where its error came from), goes
+        back to released and is needed anew.  A task the scheduler refused stays erred."""
+        wanted = self.clients.get(ev.client, set())
+        roots = [
+            ts
+            for key in dict.fromkeys(ev.keys)
+            if (ts := self.tasks.get(key)) is not None
+            and ts in wanted
+            and ts.state == "erred"
+            and not ts.rejected
+        ]
+        erred: list[TaskState] = []
+        seen, todo = set(roots), list(roots)
+        while todo:
+            ts = todo.pop()
+            erred.append(ts)
+            for dep in ts.dependencies:
+                if dep.state == "erred" and dep not in seen and not dep.rejected:
+                    seen.add(dep)
+                    todo.append(dep)
+        for ts in erred:
+            self._transition(ts, "released", stimulus_id=ev.stimulus_id)
+        for ts in roots:
+            self._make_needed(ts, stimulus_id=ev.stimulus_id)
+
     def _handle_close_client(self, ev: CloseClient) -> None:
         wanted = [ts.key for ts in self.clients.get(ev.client, ())]
         self._release_wants(ev.client, wanted, stimulus_id=ev.stimulus_id)
@@ -640,10 +665,8 @@ class SchedulerState:
                 continue
             if ev.worker in (self._targets(ts) or ()):
                 ts.queued_on += (ev.worker,)
-                self._emit(
-                    Enqueue(ev.stimulus_id, ts.key, ts.score, (ev.worker,), ts.queued_on,
-                            constrained=bool(ts.resources), placed=True)
-                )  # fmt: skip
+                self._emit(Enqueue(ev.stimulus_id, ts.key, ts.score, (ev.worker,), ts.queued_on,
+                                   constrained=bool(ts.resources), placed=True))  # fmt: skip
 
     def _resync(self, ws: WorkerInfo, report: dict[str, Any], *, stimulus_id: str) -> None:
         """Reconcile with what a worker says it holds and runs (after Redis lost writes:
@@ -751,9 +774,8 @@ class SchedulerState:
                 # out of its ready set (which a new process at the address would
                 # inherit): the task goes there again only if that one matches too
                 ts.queued_on = tuple(w for w in ts.queued_on if w != ws.address)
-                self._emit(
-                    Dequeue(ev.stimulus_id, ts.key, (ws.address,), bool(ts.resources), ts.queued_on)
-                )
+                self._emit(Dequeue(ev.stimulus_id, ts.key, (ws.address,), bool(ts.resources),
+                                   ts.queued_on))  # fmt: skip
                 if ts.queued_on:
                     continue
                 if self._targets(ts) is None:
@@ -1052,6 +1074,7 @@ class SchedulerState:
         AddKeys: _handle_add_keys,
         ReleasedKeys: _handle_released_keys,
         Replicate: _handle_replicate,
+        RetryKeys: _handle_retry_keys,
         RetireWorkers: _handle_retire_workers,
     }
 
@@ -1102,9 +1125,8 @@ class SchedulerState:
         resources) sets of the live workers it may run on."""
         placed = bool(ts.restrict or ts.resources)
         ts.queued_on = (self._targets(ts) or ()) if placed else ()
-        enqueue = Enqueue(stimulus_id, ts.key, ts.score, ts.queued_on, ts.queued_on,
-                          constrained=bool(ts.resources), placed=placed)  # fmt: skip
-        self._emit(enqueue)
+        self._emit(Enqueue(stimulus_id, ts.key, ts.score, ts.queued_on, ts.queued_on,
+                           constrained=bool(ts.resources), placed=placed))  # fmt: skip
 
     def _dequeue(self, ts: TaskState, *, stimulus_id: str) -> None:
         self._emit(Dequeue(stimulus_id, ts.key, ts.queued_on, constrained=bool(ts.resources)))

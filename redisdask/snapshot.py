@@ -3,7 +3,8 @@ frame of ``monitor`` draws.
 
 ``read_snapshot`` sends one pipeline of read-only commands (``SNAPSHOT_COMMANDS`` of
 them: the scheduler and summary hashes, the lease's TTL, the workers and heartbeats
-hashes, the newest events and deaths, ``INFO``), so a refresh costs Redis the same
+hashes, the newest events and deaths, ``INFO``, whether the cluster exists; a SCAN
+for the other clusters only when it does not), so a refresh costs Redis the same
 whether the cluster runs ten tasks or a million: the scheduler keeps the counts per task
 prefix and state in ``rd:{c}:summary`` for exactly this.
 """
@@ -17,9 +18,9 @@ from typing import Any
 import redis
 
 from redisdask import schema
-from redisdask.schema import Keys
+from redisdask.schema import Keys, known_clusters
 
-SNAPSHOT_COMMANDS = 8  # Redis commands per read_snapshot (the monitor's cost per frame)
+SNAPSHOT_COMMANDS = 9  # Redis commands per read_snapshot (the monitor's cost per frame)
 WAITING_STATES = ("waiting", "queued", "no-worker")
 
 
@@ -77,6 +78,8 @@ class Snapshot:
     events: list[dict[str, Any]] = field(default_factory=list)  # newest first
     deaths: list[dict[str, Any]] = field(default_factory=list)  # newest first
     redis: dict[str, Any] = field(default_factory=dict)
+    exists: bool = True  # False: no scheduler or worker ever created this cluster
+    other_clusters: list[str] = field(default_factory=list)  # when it does not exist
 
     @property
     def has_scheduler(self) -> bool:
@@ -101,9 +104,14 @@ def read_snapshot(
     pipe.xrevrange(keys.events, count=events)
     pipe.xrevrange(keys.deaths, count=deaths)
     pipe.info()
-    scheduler, pttl, workers, beats, summary, event_entries, death_entries, info = pipe.execute()
+    pipe.exists(keys.meta)
+    scheduler, pttl, workers, beats, summary, event_entries, death_entries, info, exists = (
+        pipe.execute()
+    )
     now = time.time()
-    snap = Snapshot(cluster=keys.cluster, time=now, lease_ttl_ms=int(pttl))
+    snap = Snapshot(cluster=keys.cluster, time=now, lease_ttl_ms=int(pttl), exists=bool(exists))
+    if not exists:
+        snap.other_clusters = known_clusters(r)
     snap.scheduler = {k.decode(): v.decode(errors="replace") for k, v in scheduler.items()}
     snap.scheduler.pop("versions", None)
     views = (

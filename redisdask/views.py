@@ -72,6 +72,11 @@ def header(snap: Snapshot, url: str) -> Text:
     elif sched:
         text.append("no scheduler holds the lease", style="bold red")
         text.append(f" (the last was {sched.get('id', '?')})\n")
+    elif not snap.exists:
+        found = ", ".join(snap.other_clusters) or "none"
+        text.append(f"waiting for a scheduler on {url}: ", style="bold yellow")
+        text.append(f"no cluster named {snap.cluster!r} there yet", style="bold red")
+        text.append(f" (clusters there: {found}); check --cluster\n")
     else:
         text.append(f"waiting for a scheduler on {url}\n", style="bold yellow")
     info = snap.redis

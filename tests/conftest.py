@@ -43,7 +43,11 @@ def cluster_name(request: pytest.FixtureRequest) -> str:
 def cluster(redis_url: str, cluster_name: str) -> Iterator[LocalCluster]:
     """Two worker processes with one thread each, a scheduler, on the session's Redis."""
     with LocalCluster(
-        n_workers=2, threads_per_worker=1, redis_url=redis_url, cluster_name=cluster_name
+        nanny=False,
+        n_workers=2,
+        threads_per_worker=1,
+        redis_url=redis_url,
+        cluster_name=cluster_name,
     ) as cluster:
         yield cluster
         pids = [p.pid for p in cluster.subprocesses]

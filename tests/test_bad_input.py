@@ -15,7 +15,7 @@ from polling import poll
 
 from redisdask import Client, ClusterConnectionError, Future, SchedulerRejectedError
 from redisdask.comm import encode_message, parse_address
-from redisdask.schema import Keys, entry
+from redisdask.schema import Keys, ensure_cluster, entry
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,6 +30,7 @@ def make_lock() -> threading.Lock:
 
 def test_unpicklable_function_fails_at_submit(redis_url: str, cluster_name: str) -> None:
     keys = Keys(cluster_name)
+    ensure_cluster(redis.Redis.from_url(redis_url), keys)  # as a scheduler that stopped leaves it
     lock = threading.Lock()
     with Client(redis_url, cluster_name=cluster_name) as client:
         with pytest.raises(TypeError, match=r"could not pickle the function .*lock"):
@@ -230,7 +231,9 @@ def test_the_redis_password_is_not_on_any_command_line(cluster_name: str) -> Non
     with EmbeddedRedis() as server:
         server.client().config_set("requirepass", "pw-4-test")
         url = f"redis://:pw-4-test@127.0.0.1:{server.port}/0"
-        with LocalCluster(n_workers=1, redis_url=url, cluster_name=cluster_name) as cluster:
+        with LocalCluster(
+            nanny=False, n_workers=1, redis_url=url, cluster_name=cluster_name
+        ) as cluster:
             with Client(cluster) as client:
                 assert client.submit(inc, 1).result(timeout=15) == 2
             for proc in cluster.subprocesses:
@@ -244,6 +247,7 @@ def test_malformed_scheduler_messages_are_skipped_by_the_client(
     the messages after it in the same entry still count."""
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cluster_name)
+    ensure_cluster(r, keys)  # as a scheduler that stopped leaves it
     with Client(redis_url, cluster_name=cluster_name) as client:
         future = client.submit(inc, 1)  # no scheduler here: it stays pending
         bad = [

@@ -91,6 +91,7 @@ def test_chaos_kills_workers_and_the_scheduler(redis_url: str, cluster_name: str
     started = time.monotonic()
     with (
         LocalCluster(
+            nanny=False,
             n_workers=3,
             redis_url=redis_url,
             cluster_name=cluster_name,

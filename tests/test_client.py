@@ -16,7 +16,7 @@ import redis
 from polling import poll
 
 from redisdask import Client, FutureCancelledError, LocalCluster, as_completed, wait
-from redisdask.schema import Keys
+from redisdask.schema import Keys, ensure_cluster
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -257,6 +257,7 @@ def test_map_of_100000_is_sent_in_a_few_batched_entries(redis_url: str, cluster_
     """No scheduler runs here, so the client stream keeps what the client wrote."""
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cluster_name)
+    ensure_cluster(r, keys)  # as a scheduler that stopped leaves it
     with Client(redis_url, cluster_name=cluster_name) as c:
         calls_before = r.info("commandstats").get("cmdstat_xadd", {}).get("calls", 0)
         futures = c.map(inc, range(100_000))
@@ -272,7 +273,11 @@ def test_local_cluster_with_workers_in_threads(redis_url: str, cluster_name: str
 
     with (
         LocalCluster(
-            n_workers=2, processes=False, redis_url=redis_url, cluster_name=cluster_name
+            nanny=False,
+            n_workers=2,
+            processes=False,
+            redis_url=redis_url,
+            cluster_name=cluster_name,
         ) as cluster,
         Client(cluster) as client,
     ):
@@ -355,7 +360,11 @@ def test_released_results_leave_the_workers_memory(redis_url: str, cluster_name:
 
     with (
         LocalCluster(
-            n_workers=2, processes=False, redis_url=redis_url, cluster_name=cluster_name
+            nanny=False,
+            n_workers=2,
+            processes=False,
+            redis_url=redis_url,
+            cluster_name=cluster_name,
         ) as cluster,
         Client(cluster) as client,
     ):
@@ -374,7 +383,9 @@ def test_released_results_leave_the_workers_memory(redis_url: str, cluster_name:
 @pytest.fixture
 def lone_worker(redis_url: str, cluster_name: str) -> Iterator[LocalCluster]:
     """One worker: every run and every retry of a task happens on it."""
-    with LocalCluster(n_workers=1, redis_url=redis_url, cluster_name=cluster_name) as cluster:
+    with LocalCluster(
+        nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name
+    ) as cluster:
         yield cluster
 
 

@@ -184,7 +184,7 @@ def test_a_write_redis_refuses_while_it_answers_is_given_up(tmp_path: Path) -> N
     that took that for a lost Redis re-sent the request forever."""
     with (
         EmbeddedRedis(data_dir=tmp_path) as server,
-        LocalCluster(n_workers=1, redis_url=server.url) as cluster,
+        LocalCluster(nanny=False, n_workers=1, redis_url=server.url) as cluster,
         Client(cluster) as client,
     ):
         r = redis.Redis.from_url(server.url)

@@ -114,7 +114,11 @@ def dask_client(redis_server: Any) -> Iterator[Client]:
     name = f"t-dask-{uuid.uuid4().hex[:8]}"
     with (
         LocalCluster(
-            n_workers=2, threads_per_worker=2, redis_url=redis_server.url, cluster_name=name
+            nanny=False,
+            n_workers=2,
+            threads_per_worker=2,
+            redis_url=redis_server.url,
+            cluster_name=name,
         ) as cluster,
         Client(cluster) as client,
     ):
@@ -156,7 +160,9 @@ def test_a_default_client_computes_on_the_workers_not_here(dask_client: Client) 
 
 def test_closing_the_client_restores_dasks_scheduler(redis_url: str, cluster_name: str) -> None:
     before = dask.config.get("scheduler", None)
-    with LocalCluster(n_workers=1, redis_url=redis_url, cluster_name=cluster_name) as cluster:
+    with LocalCluster(
+        nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name
+    ) as cluster:
         client = Client(cluster)
         assert dask.config.get("scheduler") is client
         assert dask.config.get("dataframe.shuffle.method") == "tasks"
@@ -233,7 +239,11 @@ def test_killing_a_worker_in_the_middle_of_a_shuffle_gives_the_right_result(
     expected = PDF.groupby("a").agg({"b": "sum", "c": "min"})
     with (
         LocalCluster(
-            n_workers=3, threads_per_worker=2, redis_url=redis_url, cluster_name=cluster_name
+            nanny=False,
+            n_workers=3,
+            threads_per_worker=2,
+            redis_url=redis_url,
+            cluster_name=cluster_name,
         ) as cluster,
         Client(cluster) as client,
     ):

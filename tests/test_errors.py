@@ -18,6 +18,7 @@ from redisdask.backoff import Backoff
 from redisdask.client import Client
 from redisdask.embedded import EmbeddedRedis
 from redisdask.errors import ClusterConnectionError, RedisDaskError
+from redisdask.schema import Keys, ensure_cluster
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,6 +74,7 @@ def test_client_reads_raise_cluster_connection_error_when_redis_stops() -> None:
     """A stopped Redis: the client's reads say so with ClusterConnectionError, naming
     the URL without its password, never with a raw redis-py error."""
     with EmbeddedRedis() as server:
+        ensure_cluster(server.client(), Keys("default"))  # as a scheduler that stopped leaves it
         server.client().config_set("requirepass", "s3cret")
         client = Client(f"redis://:s3cret@127.0.0.1:{server.port}/0", set_as_default=False)
         try:

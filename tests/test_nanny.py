@@ -170,6 +170,7 @@ def test_results_past_target_spill_to_disk_and_come_back(
 ) -> None:
     with (
         LocalCluster(
+            nanny=False,
             n_workers=1,
             redis_url=redis_url,
             cluster_name=cluster_name,
@@ -197,6 +198,7 @@ def test_memory_pressure_pauses_the_thread_pool_until_it_passes(
 ) -> None:
     with (
         LocalCluster(
+            nanny=False,
             n_workers=1,
             threads_per_worker=2,
             redis_url=redis_url,

@@ -28,7 +28,7 @@ from tasklib import wait_for_file
 from redisdask import Client, LocalCluster, progress
 from redisdask.connection import connect
 from redisdask.inspect import read_deaths
-from redisdask.schema import Keys
+from redisdask.schema import Keys, ensure_cluster
 from redisdask.snapshot import SNAPSHOT_COMMANDS, read_snapshot
 from redisdask.views import dashboard, status_view
 
@@ -51,6 +51,7 @@ def test_status_and_monitor_frames_show_workers_memory_progress_and_a_death(
     release = str(tmp_path / "release")
     with (
         LocalCluster(
+            nanny=False,
             n_workers=3,
             threads_per_worker=2,  # one stays free while a task waits for the file
             redis_url=redis_url,
@@ -160,6 +161,7 @@ def test_one_snapshot_is_one_round_trip_of_a_few_reads(tmp_path: Path, cluster_n
     with EmbeddedRedis(data_dir=tmp_path) as server:
         r = redis.Redis.from_url(server.url)
         keys = Keys(cluster_name)
+        ensure_cluster(r, keys)  # (a cluster that does not exist costs a SCAN more)
 
         def calls() -> int:
             return sum(v["calls"] for v in r.info("commandstats").values())
@@ -254,7 +256,9 @@ def test_event_and_story_streams_stay_within_their_caps(
         monkeypatch.setenv(f"REDISDASK__RETENTION__{key}", value)
     keys = Keys(cluster_name)
     with (
-        LocalCluster(n_workers=3, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        LocalCluster(
+            nanny=False, n_workers=3, redis_url=redis_url, cluster_name=cluster_name
+        ) as cluster,
         Client(cluster) as client,
     ):
         for i in range(20):  # many batches: many story entries

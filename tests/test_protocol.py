@@ -29,6 +29,7 @@ def samples() -> list[wire.Message]:
         wire.ClientDesiresKeys(client="c", keys=["x"], stimulus_id="s"),
         wire.ClientReleasesKeys(client="c", keys=["x"], stimulus_id="s"),
         wire.CancelKeys(client="c", keys=["x", "y"], generation=3, stimulus_id="s"),
+        wire.RetryKeys(client="c", keys=["x"], stimulus_id="s"),
         wire.CloseClient(client="c", stimulus_id="s"),
         wire.UpdateData(
             client="c", who_has={"x": [W1]}, nbytes={"x": 3}, types={"x": "int"}, stimulus_id="s"

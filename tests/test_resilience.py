@@ -57,7 +57,9 @@ def test_a_killed_worker_is_noticed_at_once_and_its_work_is_redone(
     redis_url: str, cluster_name: str
 ) -> None:
     with (
-        LocalCluster(n_workers=2, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        LocalCluster(
+            nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name
+        ) as cluster,
         Client(cluster) as client,
     ):
         r = redis.Redis.from_url(redis_url)
@@ -85,6 +87,7 @@ def test_a_task_that_kills_its_workers_errs_with_killed_worker(
 ) -> None:
     with (
         LocalCluster(
+            nanny=False,
             n_workers=3,
             redis_url=redis_url,
             cluster_name=cluster_name,
@@ -119,7 +122,9 @@ def test_a_hung_worker_is_removed_when_its_heartbeat_expires(
 ) -> None:
     monkeypatch.setenv("REDISDASK__SCHEDULER__WORKER_TTL", "1")
     with (
-        LocalCluster(n_workers=2, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        LocalCluster(
+            nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name
+        ) as cluster,
         Client(cluster) as client,
     ):
         r = redis.Redis.from_url(redis_url)
@@ -142,7 +147,9 @@ def test_a_hung_worker_is_removed_when_its_heartbeat_expires(
 
 def test_a_result_lost_with_its_worker_is_recomputed(redis_url: str, cluster_name: str) -> None:
     with (
-        LocalCluster(n_workers=2, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        LocalCluster(
+            nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name
+        ) as cluster,
         Client(cluster) as client,
     ):
         a, b = sorted(client.scheduler_info()["workers"])
@@ -161,7 +168,9 @@ def test_scattered_data_lost_with_its_only_worker_fails_dependents_clearly(
     redis_url: str, cluster_name: str
 ) -> None:
     with (
-        LocalCluster(n_workers=2, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        LocalCluster(
+            nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name
+        ) as cluster,
         Client(cluster) as client,
     ):
         a, _ = sorted(client.scheduler_info()["workers"])
@@ -183,6 +192,7 @@ def test_a_paused_scheduler_is_fenced_out_by_the_standby_that_took_over(
 ) -> None:
     with (
         LocalCluster(
+            nanny=False,
             n_workers=2,
             redis_url=redis_url,
             cluster_name=cluster_name,
@@ -285,7 +295,9 @@ def test_a_restarted_redis_under_a_running_computation(tmp_path, cluster_name: s
 
     with (
         EmbeddedRedis(data_dir=tmp_path) as server,
-        LocalCluster(n_workers=2, redis_url=server.url, cluster_name=cluster_name) as cluster,
+        LocalCluster(
+            nanny=False, n_workers=2, redis_url=server.url, cluster_name=cluster_name
+        ) as cluster,
         Client(cluster) as client,
     ):
         futures = client.map(slow_inc, range(300))
@@ -312,7 +324,9 @@ def test_a_claim_whose_reply_never_reached_its_worker_is_queued_again(
     keys = Keys(cluster_name)
     gate = f"gate-{cluster_name}"
     with (
-        LocalCluster(n_workers=1, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        LocalCluster(
+            nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name
+        ) as cluster,
         Client(cluster) as client,
     ):
         [worker] = client.scheduler_info()["workers"]
@@ -356,7 +370,9 @@ def test_redis_killed_again_and_again_under_a_running_computation(
 
     with (
         EmbeddedRedis(data_dir=tmp_path) as server,
-        LocalCluster(n_workers=2, redis_url=server.url, cluster_name=cluster_name) as cluster,
+        LocalCluster(
+            nanny=False, n_workers=2, redis_url=server.url, cluster_name=cluster_name
+        ) as cluster,
         Client(cluster) as client,
     ):
         futures = client.map(slow_inc, range(400), delay=0.01)
@@ -378,7 +394,9 @@ def test_a_client_waits_for_redis_then_says_so_and_keeps_its_futures(
 
     with (
         EmbeddedRedis(data_dir=tmp_path) as server,
-        LocalCluster(n_workers=1, redis_url=server.url, cluster_name=cluster_name) as cluster,
+        LocalCluster(
+            nanny=False, n_workers=1, redis_url=server.url, cluster_name=cluster_name
+        ) as cluster,
         Client(cluster, **{"redis.down-deadline": 1.0}) as client,
     ):
         x = client.submit(inc, 1)
@@ -405,7 +423,9 @@ def test_a_vanished_clients_keys_are_released_after_its_ttl(
     monkeypatch.setenv("REDISDASK__SCHEDULER__CLIENT_TTL", "1")
     monkeypatch.setenv("REDISDASK__CLIENT__HEARTBEAT_INTERVAL", "0.2")
     with (
-        LocalCluster(n_workers=1, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        LocalCluster(
+            nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name
+        ) as cluster,
         Client(cluster) as alive,
     ):
         kept = alive.submit(pow, 3, 100)
@@ -436,7 +456,9 @@ def test_replicated_scattered_data_survives_the_loss_of_a_holder(
     redis_url: str, cluster_name: str
 ) -> None:
     with (
-        LocalCluster(n_workers=3, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        LocalCluster(
+            nanny=False, n_workers=3, redis_url=redis_url, cluster_name=cluster_name
+        ) as cluster,
         Client(cluster) as client,
     ):
         workers = client.scheduler_info()["workers"]
@@ -481,7 +503,9 @@ def test_retire_workers_moves_their_data_so_nothing_is_lost_or_recomputed(
     redis_url: str, cluster_name: str
 ) -> None:
     with (
-        LocalCluster(n_workers=3, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        LocalCluster(
+            nanny=False, n_workers=3, redis_url=redis_url, cluster_name=cluster_name
+        ) as cluster,
         Client(cluster) as client,
     ):
         r = redis.Redis.from_url(redis_url)
@@ -510,7 +534,9 @@ def test_retire_workers_moves_their_data_so_nothing_is_lost_or_recomputed(
 
 def test_retiring_the_last_worker_holding_data_is_refused(redis_url: str, cluster_name: str):
     with (
-        LocalCluster(n_workers=1, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        LocalCluster(
+            nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name
+        ) as cluster,
         Client(cluster) as client,
     ):
         future = client.submit(inc, 1)
@@ -534,7 +560,11 @@ def test_a_worker_retired_mid_computation_hands_back_what_it_had_not_started(
 ) -> None:
     with (
         LocalCluster(
-            n_workers=3, threads_per_worker=2, redis_url=redis_url, cluster_name=cluster_name
+            nanny=False,
+            n_workers=3,
+            threads_per_worker=2,
+            redis_url=redis_url,
+            cluster_name=cluster_name,
         ) as cluster,
         Client(cluster) as client,
     ):

@@ -167,6 +167,7 @@ def test_killed_scheduler_is_restarted_and_every_computation_finishes(
 ) -> None:
     with (
         LocalCluster(
+            nanny=False,
             n_workers=2,
             redis_url=redis_url,
             cluster_name=cluster_name,
@@ -191,6 +192,7 @@ def test_killed_scheduler_is_restarted_and_every_computation_finishes(
 def test_standby_takes_over_when_the_lease_expires(redis_url: str, cluster_name: str) -> None:
     with (
         LocalCluster(
+            nanny=False,
             n_workers=1,
             redis_url=redis_url,
             cluster_name=cluster_name,
@@ -215,6 +217,7 @@ def test_a_second_scheduler_without_standby_refuses_to_start(
     redis_url: str, cluster_name: str
 ) -> None:
     with LocalCluster(
+        nanny=False,
         n_workers=1,
         redis_url=redis_url,
         cluster_name=cluster_name,
@@ -329,7 +332,9 @@ def test_state_reloaded_from_redis_keeps_restrictions_retries_and_priorities(
 def test_a_stopped_scheduler_hands_the_lease_over_at_once(
     redis_url: str, cluster_name: str
 ) -> None:
-    with LocalCluster(n_workers=1, redis_url=redis_url, cluster_name=cluster_name) as cluster:
+    with LocalCluster(
+        nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name
+    ) as cluster:
         r = redis.Redis.from_url(redis_url)
         keys = Keys(cluster_name)
         poll(lambda: r.get(keys.lease) is not None)

@@ -48,6 +48,7 @@ from redisdask.scheduler_state import (
     Replicate,
     Restart,
     RetireWorkers,
+    RetryKeys,
     SchedulerState,
     TaskClaimed,
     TaskErred,
@@ -367,6 +368,41 @@ def test_submitting_onto_an_erred_dependency_errs_at_once():
     assert s.tasks["b"].state == "erred" and s.tasks["b"].exception_blame == "a"
     assert client_msgs(out, "task-erred", "c")[0]["key"] == "b"
     assert not of(out, Enqueue)
+
+
+def test_retry_runs_an_erred_task_again_and_reports_its_new_result():
+    s = make(W1)
+    submit(s, "c", [task("a")], ["a"])
+    fail(s, "a")
+    out = s.handle_stimulus(RetryKeys(client="c", keys=["a"], stimulus_id="retry"))
+    ts = s.tasks["a"]
+    assert ts.state == "queued" and ts.exception_text == "" and ts.erred_on is None
+    assert net_ready(out) == {"a": ts.score}
+    out = run(s, "a")
+    assert client_msgs(out, "key-in-memory", "c")[0]["key"] == "a"
+
+
+def test_retry_of_a_dependent_reruns_what_its_error_came_from_and_not_its_siblings():
+    s = make(W1)
+    submit(s, "c", [task("a"), task("b", ["a"]), task("d", ["b"])], ["b", "d"])
+    fail(s, "a")
+    assert states(s) == {"a": "released", "b": "erred", "d": "erred"}
+    s.handle_stimulus(RetryKeys(client="c", keys=["b"], stimulus_id="retry"))
+    assert states(s) == {"a": "queued", "b": "waiting", "d": "erred"}  # only what was asked
+    run(s, "a")
+    out = run(s, "b")
+    assert client_msgs(out, "key-in-memory", "c")[0]["key"] == "b"
+
+
+def test_retry_ignores_keys_the_client_does_not_want_or_that_did_not_err():
+    s = make(W1)
+    submit(s, "c", [task("a"), task("b")], ["a", "b"])
+    fail(s, "a")
+    out = s.handle_stimulus(
+        RetryKeys(client="other", keys=["a"], stimulus_id="r1"),
+        RetryKeys(client="c", keys=["b", "missing"], stimulus_id="r2"),
+    )
+    assert states(s) == {"a": "erred", "b": "queued"} and not out
 
 
 def test_error_propagates_down_a_long_chain_without_recursion():

@@ -425,7 +425,11 @@ def soak(redis_url: str, cluster_name: str, seconds: float, scratch: Path) -> So
     started = time.monotonic()
     with (
         LocalCluster(
-            n_workers=2, threads_per_worker=2, redis_url=redis_url, cluster_name=cluster_name
+            nanny=False,
+            n_workers=2,
+            threads_per_worker=2,
+            redis_url=redis_url,
+            cluster_name=cluster_name,
         ) as cluster,
         Client(cluster) as client,
     ):

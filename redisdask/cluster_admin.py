@@ -1,0 +1,262 @@
+"""The client's operations on the cluster as a whole, as distributed names them:
+``restart``, ``replicate``, ``retire_workers``, ``scheduler_info``, ``get_versions``,
+``nthreads``.  ``Client`` inherits them; they read Redis and send the scheduler messages
+through the client's own machinery (``_send``, ``_results``)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import TimeoutError as FuturesTimeoutError
+from typing import TYPE_CHECKING, Any
+
+from redisdask import schema
+from redisdask.connection import redact
+from redisdask.futures import Future, _flatten, _FutureState, _seconds
+from redisdask.protocol import Event, Replicate, Restart, RetireWorkers
+from redisdask.task_stream import read_task_stream, when
+from redisdask.versions import VersionMismatchError, mismatches, table, versions
+
+if TYPE_CHECKING:
+    import redis
+
+    from redisdask.schema import Keys
+
+logger = logging.getLogger("redisdask.client")
+
+
+class ClusterAdmin:
+    """The cluster-wide half of ``Client`` (a mixin: the attributes below are the client's)."""
+
+    id: str
+    redis: redis.Redis
+    redis_url: str
+    keys: Keys
+    _lock: threading.RLock
+    _states: dict[str, _FutureState]
+    _pending_release: dict[str, None]
+    _restarted: threading.Event
+    _retire_refused: dict[str, str]
+
+    def _check_running(self) -> None: ...
+    def _send(self, *batches: list[Event], resubmitted: Any = ()) -> None: ...
+    def _results(self, futures: list[Future], timeout: float | None) -> dict[str, Any]: ...
+    def who_has(self, futures: Any = None) -> dict[str, list[str]]: ...
+
+    def restart(self, timeout: float | str = 30.0, wait_for_workers: bool = True) -> None:
+        """Restart the cluster (as in Dask): every task is forgotten, every future of every
+        client becomes cancelled, every worker drops what it holds and runs, and a worker
+        under a nanny is replaced by a fresh process.  Returns when as many workers as
+        before are registered, the nannies' ones new; the cluster is usable at once."""
+        self._check_running()
+        timeout = _seconds(timeout) or 30.0
+        before = {
+            a.decode(): schema.unpack(v) for a, v in self.redis.hgetall(self.keys.workers).items()
+        }
+        deadline = time.monotonic() + timeout
+        self._restarted.clear()
+        with self._lock:
+            for state in list(self._states.values()):
+                state.cancel()
+            self._pending_release.clear()
+        self._send([Restart(self.id)])
+        if not self._restarted.wait(timeout):
+            raise FuturesTimeoutError(
+                f"the scheduler did not restart the cluster within "
+                f"{timeout} s (is a scheduler running?)"
+            )
+        old = {(a, w.get("started")) for a, w in before.items() if w.get("nanny")}
+
+        def back() -> bool:
+            now = {
+                a.decode(): schema.unpack(v)
+                for a, v in self.redis.hgetall(self.keys.workers).items()
+            }
+            fresh = [a for a, w in now.items() if (a, w.get("started")) not in old]
+            return len(fresh) >= len(before)
+
+        while wait_for_workers and not back():
+            if time.monotonic() > deadline:
+                raise FuturesTimeoutError(
+                    f"the workers did not come back within {timeout} s of the restart"
+                )
+            time.sleep(0.02)  # the nannies start new processes; their registration is polled
+
+    def replicate(
+        self,
+        futures: Any,
+        n: int = 2,
+        workers: Any = None,
+        branching_factor: int = 2,
+        timeout: float | str | None = 30.0,
+    ) -> None:
+        """Keep ``n`` copies of each future's data on distinct workers (fewer if there are
+        fewer workers); the scheduler makes up for a lost copy while one survives.
+        Returns when the copies are there.  ``workers`` and ``branching_factor`` are
+        accepted for distributed's sake: the scheduler picks the workers here."""
+        timeout = _seconds(timeout)
+        flat = [f for f in _flatten(futures) if isinstance(f, Future)]
+        self._results(flat, timeout)  # in memory first
+        keys = [f._key for f in flat]
+        self._send([Replicate(self.id, keys, int(n))])
+        want = min(n, len(self._cluster_info()["workers"]))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not all(len(holders) >= want for holders in self.who_has(flat).values()):
+            if deadline is not None and time.monotonic() > deadline:
+                raise FuturesTimeoutError(
+                    f"{want} copies of {len(keys)} keys not made within {timeout} s"
+                )
+            time.sleep(0.02)  # the copies are made worker to worker; their arrival is polled
+
+    def retire_workers(
+        self,
+        workers: str | list[str] | None = None,
+        n: int | None = None,
+        timeout: float | str | None = 60.0,
+        close_workers: bool = True,
+        remove: bool = True,
+    ) -> dict[str, Any]:
+        """Close workers gracefully (as in Dask): they claim nothing more, hand back the
+        tasks they claimed but did not start, finish the running ones, and leave once
+        every result that only they held has been copied to a worker that stays, so no
+        result is lost or recomputed.  ``workers``: addresses or names; or ``n``: that
+        many of the workers holding the least data.  Returns ``{address: info}`` of the
+        workers that left.  A retirement that would leave nobody to take their data is
+        refused (logged; those workers keep running and are not in the result).
+        ``close_workers`` and ``remove`` are accepted for distributed's sake: a retired
+        worker always leaves and its process exits (its nanny does not restart it)."""
+        self._check_running()
+        timeout = _seconds(timeout)
+        info = self._cluster_info()["workers"]
+        if workers is not None:
+            by_name = {str(w.get("name")): a for a, w in info.items()}
+            wanted = [workers] if isinstance(workers, str) else list(workers)
+            unknown = [w for w in wanted if w not in info and w not in by_name]
+            if unknown:
+                raise ValueError(
+                    f"no worker with address or name {unknown} in cluster "
+                    f"{self.keys.cluster!r}; its workers are {sorted(info)}"
+                )
+            addresses = [w if w in info else by_name[w] for w in wanted]
+        elif n is not None:
+            held = self._held_bytes(list(info))
+            addresses = sorted(info, key=lambda a: (held[a], a))[: max(0, n)]
+        else:
+            raise ValueError("say which workers to retire: workers=[address or name] or n=")
+        if not addresses:
+            return {}
+        with self._lock:
+            for address in addresses:
+                self._retire_refused.pop(address, None)
+        self._send([RetireWorkers(self.id, addresses)])
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            present = set(self.redis.hkeys(self.keys.workers))
+            with self._lock:
+                refused = {
+                    a: self._retire_refused[a] for a in addresses if a in self._retire_refused
+                }
+            pending = [a for a in addresses if a.encode() in present and a not in refused]
+            if not pending:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise FuturesTimeoutError(
+                    f"workers {pending} did not retire within {timeout} s; they are still "
+                    "moving their data (or no worker that stays is reachable)"
+                )
+            time.sleep(0.02)  # the workers leave on their own; their departure is polled
+        for address, reason in refused.items():
+            logger.warning("worker %s was not retired: %s", address, reason)
+        return {a: info[a] for a in addresses if a not in refused}
+
+    def _held_bytes(self, addresses: list[str]) -> dict[str, int]:
+        """Bytes of results each worker holds, from its last heartbeat."""
+        held = dict.fromkeys(addresses, 0)
+        for address, raw in self.redis.hgetall(self.keys.heartbeats).items():
+            beat = schema.unpack(raw)
+            if address.decode() in held and isinstance(beat, dict):
+                held[address.decode()] = int(beat.get("managed") or 0)
+        return held
+
+    # ------------------------------------------------------------------ information
+
+    def scheduler_info(self, n_workers: int = -1, **kwargs: Any) -> dict[str, Any]:
+        """A Dask-like summary: ``workers`` keyed by worker address (the first
+        ``n_workers`` by address, as distributed; -1: all), ``n_workers`` how many there
+        are, ``started`` when the leading scheduler took the lease (epoch seconds)."""
+        info = self._cluster_info()
+        if n_workers >= 0:
+            info["workers"] = dict(sorted(info["workers"].items())[:n_workers])
+        return info
+
+    def _cluster_info(self) -> dict[str, Any]:
+        """``scheduler_info`` with every worker."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(self.keys.workers)
+        pipe.hgetall(self.keys.heartbeats)
+        pipe.hgetall(self.keys.scheduler)
+        workers_raw, beats_raw, sched = pipe.execute()
+        workers = {}
+        for address, info in workers_raw.items():
+            entry = schema.unpack(info)
+            beat = beats_raw.get(address)
+            if beat:
+                entry["metrics"] = schema.unpack(beat)
+            workers[address.decode()] = entry
+        return {
+            "type": "Scheduler",
+            "id": (sched.get(b"id") or b"").decode(),
+            "address": redact(self.redis_url),
+            "cluster": self.keys.cluster,
+            "started": float(sched[b"since"]) if sched.get(b"since") else None,
+            "n_workers": len(workers),
+            "total_threads": sum(int(w.get("nthreads") or 0) for w in workers.values()),
+            "workers": workers,
+        }
+
+    def get_versions(self, check: bool = False) -> dict[str, Any]:
+        """Versions of this client, the scheduler and every worker (as in Dask).
+        ``check=True`` raises ``VersionMismatchError`` with a table of what differs."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget(self.keys.scheduler, "versions")
+        pipe.hgetall(self.keys.workers)
+        sched, workers = pipe.execute()
+        result = {
+            "client": versions(),
+            "scheduler": schema.unpack(sched) if sched else None,
+            "workers": {
+                a.decode(): schema.unpack(i).get("versions", {}) for a, i in workers.items()
+            },
+        }
+        if check:
+            by_process = {"client": result["client"], **result["workers"]}
+            if result["scheduler"]:
+                by_process["scheduler"] = result["scheduler"]
+            rows = mismatches(by_process)
+            if rows:
+                raise VersionMismatchError(
+                    "processes of this cluster run different versions:\n" + table(rows)
+                )
+        return result
+
+    def get_task_stream(
+        self,
+        start: float | str | None = None,
+        stop: float | str | None = None,
+        count: int | None = None,
+        plot: bool = False,
+        **kwargs: Any,
+    ) -> list[dict[str, Any]]:
+        """When and where tasks ran, from the workers' stories in Redis (as distributed:
+        ``start``/``stop`` are epoch seconds or a duration before now such as ``"60s"``;
+        ``count`` the last that many).  See ``redisdask.task_stream``."""
+        if plot:
+            raise NotImplementedError(
+                "get_task_stream(plot=True): redisdask draws no bokeh plots; use the list "
+                "this returns, or `redisdask monitor`"
+            )
+        return read_task_stream(self.redis, self.keys, when(start), when(stop), count)
+
+    def nthreads(self) -> dict[str, int]:
+        return {a: w.get("nthreads", 0) for a, w in self._cluster_info()["workers"].items()}

@@ -1,0 +1,155 @@
+"""The small parts of distributed's Client API that existing code touches: reference
+counts, ``Future.type``/``retry``/repr, ``as_completed``'s batches, string timeouts,
+``scatter`` of sets, ``scheduler_info(n_workers=)``, ``cancel(reason=)`` and the task
+stream read back from the workers' stories."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import TimeoutError as FuturesTimeoutError
+from pathlib import Path
+
+import pytest
+from polling import poll
+
+from redisdask import Client, FutureCancelledError, as_completed, get_task_stream, wait
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def inc(x: int) -> int:
+    return x + 1
+
+
+def fails_once(flag: str) -> str:
+    """Raises the first time (it leaves ``flag`` behind), returns the second."""
+    path = Path(flag)
+    if not path.exists():
+        path.write_text("failed once")
+        raise RuntimeError("first attempt fails")
+    return "second attempt"
+
+
+def sleep_then(seconds: float, value: int) -> int:
+    time.sleep(seconds)  # a slow task (the test waits for its future, not on a clock)
+    return value
+
+
+def boom() -> None:
+    raise ValueError("boom")
+
+
+def test_futures_and_refcount_follow_the_futures_held(client: Client) -> None:
+    a = client.submit(inc, 1, key="ref-a")
+    b = client.submit(inc, 1, key="ref-a")
+    assert client.refcount["ref-a"] == 2 and "ref-a" in client.futures
+    a.release()
+    assert client.refcount["ref-a"] == 1
+    b.release()
+    assert "ref-a" not in client.refcount and "ref-a" not in client.futures
+
+
+def test_future_type_and_repr_say_what_it_holds(client: Client) -> None:
+    future = client.submit(inc, 1)
+    assert future.result(timeout=30) == 2
+    assert future.type == "int"
+    assert repr(future) == f"<Future: finished, type: int, key: {future.key}>"
+    pending = client.submit(sleep_then, 30, 1)
+    assert repr(pending) == f"<Future: pending, key: {pending.key}>"
+    client.cancel(pending, reason="the test is done with it")
+    with pytest.raises(FutureCancelledError, match="the test is done with it"):
+        pending.result(timeout=30)
+
+
+def test_retry_runs_an_erred_task_again(client: Client, tmp_path: Path) -> None:
+    future = client.submit(fails_once, str(tmp_path / "flag"))
+    with pytest.raises(RuntimeError, match="first attempt fails"):
+        future.result(timeout=30)
+    future.retry()
+    assert future.result(timeout=30) == "second attempt"
+
+
+def test_retry_of_a_dependent_reruns_the_task_its_error_came_from(
+    client: Client, tmp_path: Path
+) -> None:
+    root = client.submit(fails_once, str(tmp_path / "flag"))
+    dependent = client.submit(str.upper, root)
+    del root  # only the dependent is wanted: its root is kept as history
+    with pytest.raises(RuntimeError, match="first attempt fails"):
+        dependent.result(timeout=30)
+    client.retry([dependent])
+    assert dependent.result(timeout=30) == "SECOND ATTEMPT"
+
+
+def test_as_completed_batches_and_its_helpers(client: Client) -> None:
+    futures = client.map(inc, range(6))
+    ac = as_completed(futures[:3])
+    ac.update(futures[3:])
+    assert ac.count() == 6 and not ac.is_empty()
+    wait(futures)
+    poll(ac.has_ready, timeout=10)
+    got = [f for batch in ac.batches() for f in batch]
+    assert sorted(f.result() for f in got) == list(range(1, 7))
+    assert ac.is_empty() and ac.next_batch(block=False) == []
+
+    erred = client.submit(boom)
+    ac = as_completed([erred], with_results=True, raise_errors=False)
+    ((future, exc),) = list(ac)
+    assert future is erred and isinstance(exc, ValueError)
+
+    ac = as_completed([client.submit(sleep_then, 30, 1)])
+    ac.clear()
+    assert ac.is_empty() and list(ac) == []
+
+
+def test_timeouts_take_strings_as_in_dask(client: Client) -> None:
+    slow = client.submit(sleep_then, 30, 1)
+    with pytest.raises(FuturesTimeoutError):
+        slow.result(timeout="100ms")
+    with pytest.raises(FuturesTimeoutError):
+        wait([slow], timeout="0.1s")
+    with pytest.raises(FuturesTimeoutError):
+        slow.exception(timeout="100 ms")
+    with pytest.raises(FuturesTimeoutError):
+        next(as_completed([slow], timeout="100ms"))
+
+
+def test_scatter_keeps_sets_and_frozensets_and_hash_false_gives_new_keys(client: Client) -> None:
+    as_set = client.scatter({1, 2, 3})
+    assert isinstance(as_set, set) and sorted(f.result() for f in as_set) == [1, 2, 3]
+    as_frozen = client.scatter(frozenset({4}))
+    assert isinstance(as_frozen, frozenset)
+    one, two = client.scatter([7, 7], hash=False)
+    assert one.key != two.key and one.result() == two.result() == 7
+    same_a, same_b = client.scatter([8, 8])
+    assert same_a.key == same_b.key
+
+
+def test_scheduler_info_counts_workers_and_says_when_the_scheduler_started(
+    client: Client,
+) -> None:
+    info = client.scheduler_info()
+    assert info["n_workers"] == len(info["workers"]) == 2
+    assert info["total_threads"] == 2
+    assert 0 < time.time() - info["started"] < 600
+    assert len(client.scheduler_info(n_workers=1)["workers"]) == 1
+
+
+def test_get_task_stream_reads_when_and_where_tasks_ran(client: Client) -> None:
+    workers = set(client.scheduler_info()["workers"])
+    with get_task_stream(client) as ts:
+        futures = client.map(inc, range(4), key=[f"stream-{i}" for i in range(4)])
+        erred = client.submit(boom, key="stream-boom")
+        wait([*futures, erred])
+    wanted = {f"stream-{i}" for i in range(4)} | {"stream-boom"}
+    # the workers write their stories with each heartbeat
+    poll(lambda: wanted <= {t["key"] for t in ts.data}, timeout=30)
+    by_key = {t["key"]: t for t in ts.data}
+    for key in wanted:
+        task = by_key[key]
+        assert task["worker"] in workers
+        (run,) = task["startstops"]
+        assert run["action"] == "compute" and ts.start <= run["start"] <= run["stop"] <= ts.stop
+    assert by_key["stream-boom"]["status"] == "error" and by_key["stream-0"]["status"] == "OK"
+    assert len(client.get_task_stream(start="1h", count=2)) == 2
+    assert client.get_task_stream(start=time.time() + 60) == []
