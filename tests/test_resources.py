@@ -76,6 +76,19 @@ def most_at_once(runs: Path) -> dict[str, int]:
     return peaks
 
 
+def gpu_cluster(
+    redis_url: str, cluster_name: str, n_workers: int, threads: int, gpus: float
+) -> LocalCluster:
+    """Workers with ``threads`` threads and ``gpus`` GPUs each."""
+    return LocalCluster(
+        n_workers=n_workers,
+        threads_per_worker=threads,
+        resources={"GPU": gpus},
+        redis_url=redis_url,
+        cluster_name=cluster_name,
+    )
+
+
 def worker_resources(cluster: LocalCluster) -> dict[str, dict[str, Any]]:
     """Each live worker's own count of its resources (its ``inspect`` answer over TCP)."""
     r = cluster.redis
@@ -183,13 +196,7 @@ def test_a_worker_never_runs_more_than_its_capacity_under_fifty_concurrent_tasks
     gpu_runs.mkdir()
     plain_runs.mkdir()
     with (
-        LocalCluster(
-            n_workers=1,
-            threads_per_worker=4,
-            resources={"GPU": 2},
-            redis_url=redis_url,
-            cluster_name=cluster_name,
-        ) as cluster,
+        gpu_cluster(redis_url, cluster_name, n_workers=1, threads=4, gpus=2) as cluster,
         Client(cluster) as client,
     ):
         [info] = client.scheduler_info()["workers"].values()
@@ -215,13 +222,7 @@ def test_resource_counts_stay_right_across_a_disruption_in_the_middle(
     redis_url: str, cluster_name: str, tmp_path: Path, disruption: str
 ) -> None:
     with (
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=2,
-            resources={"GPU": 1},
-            redis_url=redis_url,
-            cluster_name=cluster_name,
-        ) as cluster,
+        gpu_cluster(redis_url, cluster_name, n_workers=2, threads=2, gpus=1) as cluster,
         Client(cluster) as client,
     ):
         r, keys = cluster.redis, cluster.keys
