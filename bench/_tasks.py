@@ -97,3 +97,12 @@ def dask_local_cluster() -> Any:
         dashboard_address=None,
         silence_logs=logging.ERROR,
     )
+
+
+def timed(x: int, delay: float = 0.02) -> tuple[float, float]:
+    """``delay`` seconds of work; when it ran (``time.monotonic``, one clock per machine)."""
+    import time
+
+    start = time.monotonic()
+    time.sleep(delay)  # stands for work on a device
+    return start, time.monotonic()

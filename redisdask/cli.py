@@ -21,6 +21,7 @@ import yaml
 from redisdask import __version__, logs, memory
 from redisdask.config import Config, ConfigError, load_config, parse_duration
 from redisdask.errors import RedisDaskError
+from redisdask.placement import format_resources
 
 # Flags that set a config key: their values go through the config's own validation (with
 # the flag named as the source), so `--lease-ttl 0` fails exactly as the YAML key would.
@@ -30,6 +31,7 @@ CONFIG_FLAGS = {
     "allowed_failures": "scheduler.allowed-failures",
     "nthreads": "worker.nthreads",
     "memory_limit": "worker.memory-limit",
+    "resources": "worker.resources",
 }
 CONFIG_PATH_FLAGS = {"local_directory": "worker.local-directory"}
 
@@ -150,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"(config worker.local-directory: {config.worker.local_directory or 'the temp dir'})",
     )
     p.add_argument(
+        "--resources",
+        help="abstract resources tasks may ask for (submit(..., resources={'GPU': 1})), "
+        "e.g. 'GPU=2,MEM=10e9' (config worker.resources: "
+        f"{format_resources(config.worker.resources) or 'none'})",
+    )
+    p.add_argument(
         "--no-nanny",
         action="store_true",
         help="run a bare worker: no supervision, restarts or death reasons from a nanny",
@@ -268,6 +276,8 @@ def _worker(args: argparse.Namespace, config: Config) -> int:
     worker_args = ["--nthreads", str(nthreads), "--host", args.host]
     for name in args.preload:
         worker_args += ["--preload", name]
+    if config.worker.resources:
+        worker_args += ["--resources", format_resources(config.worker.resources)]
     if args.port and args.nworkers == 1:
         worker_args += ["--port", str(args.port)]
     nannies = [

@@ -58,6 +58,7 @@ from redisdask.futures import (
     wait,
 )
 from redisdask.memory import format_bytes
+from redisdask.placement import task_options as _options
 from redisdask.protocol import (
     SCHEDULER_TO_CLIENT,
     CancelKeys,
@@ -244,9 +245,11 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         self._check_running()
         if not callable(func):
             raise TypeError(f"submit() needs a callable as its first argument, got {func!r}")
-        _refuse_unsupported(resources, actor or actors)
+        _refuse_unsupported(actor or actors)
+        if allow_other_workers and workers is None:  # (as distributed's submit says)
+            raise ValueError("Only use allow_other_workers= if using workers=")
         function_bytes = specs.dumps_function(func)
-        options = _options(retries, priority, workers, allow_other_workers)
+        options = _options(retries, priority, workers, allow_other_workers, resources)
         task_key = None if key is None else _check_key(key)
         task = self._make_task(func, function_bytes, args, kwargs, task_key, pure, options)
         future = Future(task["key"], self, dask_key=key)
@@ -282,7 +285,7 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         self._check_running()
         if not callable(func):
             raise TypeError(f"map() needs a callable as its first argument, got {func!r}")
-        _refuse_unsupported(resources, actor or actors)
+        _refuse_unsupported(actor or actors)
         function_bytes = specs.dumps_function(func)
         items = list(zip(*iterables, strict=False))
         if isinstance(key, list):
@@ -294,7 +297,7 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         else:
             raise TypeError(f"map(key=) takes a prefix (str) or a list of keys, got {key!r}")
         prefix = key if isinstance(key, str) else None
-        options = _options(retries, priority, workers, allow_other_workers)
+        options = _options(retries, priority, workers, allow_other_workers, resources)
         tasks = []
         for args, task_key in zip(items, keys, strict=True):
             name = None if task_key is None else _check_key(task_key)
@@ -506,9 +509,11 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         ``keys`` one key or nested lists of keys.  Returns the values in the shape of
         ``keys``, or futures with ``sync=False``."""
         self._check_running()
-        _refuse_unsupported(resources, bool(actors))
+        _refuse_unsupported(bool(actors))
         flat = list(_flatten_lists(keys))  # lists give the shape; tuples are dask keys
-        futures = self._graph_to_futures(dsk, flat, workers, allow_other_workers, retries, priority)
+        futures = self._graph_to_futures(
+            dsk, flat, workers, allow_other_workers, retries, priority, resources
+        )
         packed = _pack_lists(keys, lambda k: futures[k])
         if not sync:
             return packed
@@ -541,7 +546,7 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         from dask._expr import FinalizeCompute
         from dask.base import collections_to_expr
 
-        _refuse_unsupported(resources, bool(actors))
+        _refuse_unsupported(bool(actors))
         singleton = not isinstance(collections, list | tuple | set | frozenset)
         items = [collections] if singleton else list(collections)
         if traverse:
@@ -557,7 +562,7 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
             expr = expr.optimize()
             names = list(_flatten_lists(expr.__dask_keys__()))
             futures = self._graph_to_futures(
-                expr, names, workers, allow_other_workers, retries, priority
+                expr, names, workers, allow_other_workers, retries, priority, resources
             )
         out: list[Any] = []
         done = iter(names)
@@ -586,7 +591,7 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         dask = _import_dask("Client.persist")
         from dask.base import collections_to_expr
 
-        _refuse_unsupported(resources, bool(actors))
+        _refuse_unsupported(bool(actors))
         singleton = not isinstance(collections, list | tuple | set | frozenset)
         items = [collections] if singleton else list(collections)
         if not all(dask.is_dask_collection(c) for c in items):
@@ -594,8 +599,9 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         expr = collections_to_expr(items, optimize_graph).optimize()
         keys = expr.__dask_keys__()
         futures = self._graph_to_futures(
-            expr, list(_flatten_lists(keys)), workers, allow_other_workers, retries, priority
-        )
+            expr, list(_flatten_lists(keys)), workers, allow_other_workers, retries, priority,
+            resources,
+        )  # fmt: skip
         result = []
         for collection, collection_keys in zip(items, keys, strict=True):
             rebuild, args = collection.__dask_postpersist__()
@@ -610,11 +616,12 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         allow_other_workers: bool | None,
         retries: int | None,
         priority: int | None,
+        resources: dict[str, float] | None = None,
     ) -> dict[Hashable, Future]:
         """Send a dask graph (see ``get``); a future for each of ``keys``."""
         wanted = [_check_key(k) for k in keys]
         call = {"workers": workers, "retries": retries, "priority": priority,
-                "allow_other_workers": allow_other_workers}  # fmt: skip
+                "allow_other_workers": allow_other_workers, "resources": resources}  # fmt: skip
         if _dask_installed():
             from redisdask import dask_graph
 
@@ -627,6 +634,7 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
                         task.pop("priority", None),
                         task.pop("workers", None),
                         task.pop("allow_other_workers", None),
+                        task.pop("resources", None),
                     )
                 )
             known = set(graph.dask_keys) | graph.external
@@ -634,7 +642,9 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
             if not isinstance(dsk, Mapping):
                 raise ImportError(_DASK_MISSING.format(what="a dask collection"))
             tasks = specs.toposort(
-                self._legacy_tasks(dsk, _options(retries, priority, workers, allow_other_workers))
+                self._legacy_tasks(
+                    dsk, _options(retries, priority, workers, allow_other_workers, resources)
+                )
             )
             known = {t["key"] for t in tasks}
         absent = [
@@ -1239,34 +1249,8 @@ def _chunks(
     return chunks
 
 
-def _options(
-    retries: int | None,
-    priority: int | None,
-    workers: str | Iterable[str] | None,
-    allow_other_workers: bool | None = False,
-) -> dict[str, Any]:
-    """Per-task options as the scheduler reads them from an update-graph message.
-
-    ``allow_other_workers=True`` makes ``workers`` a preference in distributed; the
-    scheduler here has no preferences, only restrictions, so the task may run anywhere."""
-    options: dict[str, Any] = {"priority": int(priority or 0), "retries": int(retries or 0)}
-    if workers and not allow_other_workers:
-        names = [workers] if isinstance(workers, str) else list(workers)
-        if not all(isinstance(w, str) for w in names):
-            raise TypeError(
-                f"workers= takes worker addresses, names or hosts as str, got {workers!r}"
-            )
-        options["workers"] = names
-    return options
-
-
-def _refuse_unsupported(resources: Any, actor: bool) -> None:
+def _refuse_unsupported(actor: bool) -> None:
     """Say so instead of passing distributed's keywords to the function or ignoring them."""
-    if resources:
-        raise NotImplementedError(
-            f"resources={resources!r}: worker resources are not supported by redisdask yet; "
-            "restrict the task with workers= instead"
-        )
     if actor:
         raise NotImplementedError("actors are not supported by redisdask")
 

@@ -17,6 +17,7 @@ from redisdask.config import load_config
 from redisdask.connection import connect, redact
 from redisdask.embedded import EmbeddedRedis
 from redisdask.errors import RedisDaskError
+from redisdask.placement import format_resources, parse_resources
 from redisdask.protocol import CloseWorker
 from redisdask.schema import Keys
 
@@ -32,7 +33,9 @@ class LocalCluster:
     ``redisdask worker`` does: a nanny restarts its worker when it dies (a segfaulting
     task, the memory limit) and records why, so such a task ends in ``KilledWorker``
     instead of leaving the cluster without workers.  ``worker_processes`` are then the
-    nannies' processes; ``nanny=False`` runs bare workers.
+    nannies' processes; ``nanny=False`` runs bare workers.  ``resources`` (``{"GPU": 2}``
+    or ``"GPU=2"``) are given to every worker, as ``LocalCluster(resources=...)`` does in
+    Dask; ``start_worker(resources=...)`` gives one worker its own.
     """
 
     def __init__(
@@ -49,7 +52,10 @@ class LocalCluster:
         worker_options: dict[str, Any] | None = None,
         scheduler_options: dict[str, Any] | None = None,
         nanny: bool = True,
+        resources: dict[str, float] | str | None = None,
     ) -> None:
+        # checked before anything starts: a mistake is one clear error, not dead workers
+        self.resources = parse_resources(resources, "LocalCluster(resources=...)")
         self.cluster_name = cluster_name or f"local-{uuid.uuid4().hex[:8]}"
         self.keys = Keys(self.cluster_name)
         self.n_workers = n_workers
@@ -111,12 +117,18 @@ class LocalCluster:
         self.scheduler_process = self._spawn(args, "scheduler")
         return self.scheduler_process
 
-    def start_worker(self, name: str | None = None) -> Any:
-        """Start a worker process (or, with ``processes=False``, a worker thread)."""
+    def start_worker(
+        self, name: str | None = None, resources: dict[str, float] | str | None = None
+    ) -> Any:
+        """Start a worker process (or, with ``processes=False``, a worker thread), with
+        the cluster's ``resources`` or, given, these."""
+        given = self.resources if resources is None else parse_resources(resources)
         if not self.use_processes:
             from redisdask.workers.worker import ThreadWorker, options_from_config
 
             options = {**options_from_config(load_config()), **self.worker_options}
+            if given:
+                options["resources"] = given
             worker = ThreadWorker(
                 self.redis_url,
                 self.cluster_name,
@@ -137,6 +149,8 @@ class LocalCluster:
             args.append("--no-nanny")
         if name:
             args += ["--name", name]
+        if given:
+            args += ["--resources", format_resources(given)]
         for option, value in self.worker_options.items():
             flag = f"--{option.replace('_', '-')}"
             if value is True:

@@ -38,6 +38,7 @@ from pydantic import (
 
 from redisdask import memory
 from redisdask.errors import ConfigError  # defined there, in the tree; importable here too
+from redisdask.placement import parse_resources
 
 __all__ = ["Config", "ConfigError", "config_path", "load_config"]
 
@@ -82,6 +83,20 @@ def _duration(value: Any) -> Any:
 
 def _level(value: Any) -> Any:
     return value.upper() if isinstance(value, str) else value
+
+
+def _resources(value: Any) -> Any:
+    """Dask's ``--resources "GPU=2,MEM=10e9"`` (commas or spaces), or a mapping; the
+    amounts must be finite numbers >= 0 (``placement.parse_resources`` says what is
+    wrong with which entry)."""
+    if value is None:
+        return {}
+    if isinstance(value, str | dict):
+        try:
+            return parse_resources(value, "")
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
+    raise ValueError(f"resources must be NAME=AMOUNT pairs like 'GPU=2,MEM=10e9', got {value!r}")
 
 
 Seconds = Annotated[float, Field(gt=0), BeforeValidator(_duration)]
@@ -172,6 +187,10 @@ class WorkerConfig(Section):
     transfer_batch_bytes: Annotated[int, Field(gt=0)] = 200_000_000
     claim_horizon: NonNegSeconds = 0.02  # seconds of estimated run time to claim ahead
     hang_timeout: Seconds = 10.0  # silent and idle this long: the nanny restarts it
+    # abstract amounts tasks may ask for (submit(..., resources={"GPU": 1})), as in Dask
+    resources: Annotated[dict[str, float], BeforeValidator(_resources)] = Field(
+        default_factory=dict
+    )
     memory: WorkerMemoryConfig = Field(default_factory=WorkerMemoryConfig)
 
     @field_validator("memory_limit")

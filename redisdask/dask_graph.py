@@ -33,7 +33,7 @@ from dask.order import order
 from redisdask import spec as specs
 
 Key = Hashable  # a dask key: str, or a tuple like ("x-1a2b", 0, 1)
-ANNOTATIONS = ("priority", "retries", "workers", "allow_other_workers")  # honoured per task
+ANNOTATIONS = ("priority", "retries", "workers", "allow_other_workers", "resources")  # per task
 
 
 def run_node(node: GraphNode, values: dict[Key, Any]) -> Any:

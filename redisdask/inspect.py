@@ -33,6 +33,7 @@ from rich.text import Text
 from redisdask import schema
 from redisdask.events import describe
 from redisdask.memory import format_bytes
+from redisdask.placement import Placement, format_resources, worker_resources
 from redisdask.schema import Keys
 from redisdask.task_record import TaskRecord
 from redisdask.views import clock
@@ -245,6 +246,15 @@ def read_task(r: redis.Redis, keys: Keys, key: str) -> dict[str, Any]:
             task[name] = getattr(record, name)
     task["who_has"] = record.who_has
     task["restricted_to"] = record.workers
+    task["allow_other_workers"] = record.loose
+    task["resources"] = record.resources
+    if record.state == "no-worker":  # why: what it asks for, what the workers have
+        infos = {
+            a.decode(errors="replace"): schema.unpack_or(i, {}, dict)
+            for a, i in r.hgetall(keys.workers).items()
+        }
+        placement = Placement(lambda: infos)
+        task["waits_because"] = placement.why_not(record.workers, record.resources, record.loose)
     task["dependencies"] = record.deps
     task["deaths"] = record.deaths
     task["spec_bytes"] = len(record.spec or b"")
@@ -277,12 +287,15 @@ def render_task(task: dict[str, Any], console: Console) -> None:
         ("held by", ", ".join(task["who_has"]) or "-"),
         ("size", format_bytes(task["nbytes"]) if task.get("nbytes") else "-"),
         ("type", task.get("type") or "-"),
-        ("restricted to", ", ".join(task["restricted_to"]) or "any worker"),
+        ("restricted to", _restriction(task)),
+        ("resources", format_resources(task["resources"]) or "-"),
         ("retries left", str(task.get("retries", 0))),
         ("suspicious", str(task.get("suspicious", 0))),
         ("dependencies", ", ".join(task["dependencies"]) or "-"),
         ("dependents", ", ".join(task["dependents"]) or "-"),
     ]
+    if task.get("waits_because"):
+        rows.insert(2, ("waits because", task["waits_because"]))
     for name, value in rows:
         grid.add_row(name, Text(str(value)))
     console.print(Panel(grid, title=f"task {task['key']}", title_align="left"))
@@ -302,6 +315,13 @@ def render_task(task: dict[str, Any], console: Console) -> None:
     console.print(story)
     if task["worker_story"]:
         console.print(_worker_story_table(task["worker_story"], "story (workers)"))
+
+
+def _restriction(task: dict[str, Any]) -> str:
+    if not task["restricted_to"]:
+        return "any worker"
+    named = ", ".join(task["restricted_to"])
+    return f"{named} (preferred: allow_other_workers)" if task["allow_other_workers"] else named
 
 
 def _worker_story_table(rows: list[dict[str, Any]], title: str) -> Table:
@@ -369,6 +389,7 @@ def render_worker(worker: dict[str, Any], console: Console) -> None:
         ("host / pid", f"{info.get('host')} / {info.get('pid')}"),
         ("status", status),
         ("threads", info.get("nthreads")),
+        ("resources", format_resources(worker_resources(info)) or "-"),
         ("restarts", info.get("restarts", 0)),
         ("memory", _memory_line(beat)),
         ("executing", ", ".join(beat.get("executing") or []) or "-"),

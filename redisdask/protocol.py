@@ -36,6 +36,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
 from redisdask.errors import ProtocolError
+from redisdask.placement import check_resources
 
 NO_SCORE = float("nan")  # a report that does not say which run it answers
 
@@ -224,8 +225,9 @@ def dicts(messages: Iterable[Message]) -> list[dict[str, Any]]:
 @dataclass(slots=True)
 class UpdateGraph(Event):
     """A client submits tasks.  Each task: {key, spec: bytes|None, deps: [keys],
-    priority: int, retries: int, workers?: [address, name or host]}.  ``wanted`` are the
-    keys the client holds futures for."""
+    priority: int, retries: int, workers?: [address, name or host],
+    allow_other_workers?: bool, resources?: {name: amount}}.  ``wanted`` are the keys the
+    client holds futures for."""
 
     op: ClassVar[str] = "update-graph"
     client: str
@@ -245,6 +247,12 @@ class UpdateGraph(Event):
                     raise ValueError(f"task {t['key']!r}: {name!r} should be int")
             if not _is_strs(t.get("workers") or []):
                 raise ValueError(f"task {t['key']!r}: 'workers' should be a list of str")
+            if not isinstance(t.get("allow_other_workers", False), bool):
+                raise ValueError(f"task {t['key']!r}: 'allow_other_workers' should be bool")
+            try:
+                check_resources(t.get("resources") or {}, f"task {t['key']!r}: 'resources'")
+            except TypeError as exc:
+                raise ValueError(str(exc)) from None
 
 
 @dataclass(slots=True)

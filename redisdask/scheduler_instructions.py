@@ -32,6 +32,8 @@ class StoreTask(Instruction):
     state: str
     retries: int = 0
     restrict: tuple[str, ...] = ()
+    resources: dict[str, float] | None = None
+    loose: bool = False  # allow_other_workers: the restriction is a preference
 
 
 @dataclass(slots=True)
@@ -45,20 +47,26 @@ class SetState(Instruction):
 
 @dataclass(slots=True)
 class Enqueue(Instruction):
-    """Put a task in the ready set, or in the listed workers' own ready sets.
-    ``queued_on``: every worker whose ready set holds it after this one (those listed and
-    those it was in already), for the task hash, where the CLAIM script reads it."""
+    """Put a task in the ready set, or in the listed workers' own ready sets (their
+    ``constrained`` sets for a task with resources).  ``queued_on``: every worker whose
+    set holds it after this one (those listed and those it was in already), for the task
+    hash, where the CLAIM script reads it; written when the task is ``placed`` (restricted
+    or resourced) even when empty (a preference nobody can honour: the shared set)."""
 
     key: str
     score: float
     workers: tuple[str, ...] = ()
     queued_on: tuple[str, ...] = ()
+    constrained: bool = False
+    placed: bool = False
 
 
 @dataclass(slots=True)
 class Dequeue(Instruction):
     key: str
     workers: tuple[str, ...] = ()
+    constrained: bool = False  # out of the workers' constrained sets, not their ready sets
+    queued_on: tuple[str, ...] | None = None  # still queued on these: written to the hash
 
 
 @dataclass(slots=True)

@@ -58,6 +58,7 @@ SUMMARY_INTERVAL = 0.5  # seconds between writes of the summary hash while tasks
 SUMMARY_SHARE = 0.05  # the most of the scheduler's time the summary's passes may take
 THROUGHPUT_WINDOW = 60  # seconds of finished-task counts the summary keeps
 MAX_PREFIXES = 100  # task prefixes counted apart in the summary; the rest are "other"
+MAX_NO_WORKER = 5  # kinds of no-worker tasks (by what they ask for) the summary explains
 
 
 # --------------------------------------------------------------------------- translation
@@ -71,7 +72,7 @@ class _Batch:
     cmds: list[list[Any]] = field(default_factory=list)  # in order, before the coalesced
     task_fields: dict[str, dict[str, Any]] = field(default_factory=dict)
     enqueue: dict[str, float] = field(default_factory=dict)
-    enqueue_on: dict[tuple[str, str], float] = field(default_factory=dict)  # (worker, key)
+    enqueue_on: dict[tuple[str, str], float] = field(default_factory=dict)  # (zset, key)
     dequeue: list[str] = field(default_factory=list)
     dequeue_on: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     client_msgs: defaultdict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
@@ -111,8 +112,8 @@ class _Batch:
             cmds.append(["HSET", k.task(key), *[x for kv in fields.items() for x in kv]])
         if self.dequeue:
             cmds.extend(_chunked(["ZREM", k.ready], self.dequeue))
-        for worker, keys in self.dequeue_on.items():
-            cmds.extend(_chunked(["ZREM", k.worker_ready(worker)], keys))
+        for zset, keys in self.dequeue_on.items():
+            cmds.extend(_chunked(["ZREM", zset], keys))
         for worker, keys in self.unclaims.items():
             cmds.extend(_chunked(["SREM", k.worker_processing(worker)], keys))
         for worker, keys in self.free_keys.items():
@@ -121,11 +122,11 @@ class _Batch:
             cmds.append(["XADD", k.worker_inbox(worker), "*", "m", schema.pack(msgs)])
         for client, msgs in self.client_msgs.items():
             cmds.append(["XADD", k.client_events(client), "*", "m", schema.pack(msgs)])
-        per_worker: dict[str, list[Any]] = defaultdict(list)
-        for (worker, key), score in self.enqueue_on.items():
-            per_worker[worker] += [score, key]
-        for worker, worker_pairs in per_worker.items():
-            cmds.extend(_chunked(["ZADD", k.worker_ready(worker)], worker_pairs, step=2))
+        per_zset: dict[str, list[Any]] = defaultdict(list)
+        for (zset, key), score in self.enqueue_on.items():
+            per_zset[zset] += [score, key]
+        for zset, zset_pairs in per_zset.items():
+            cmds.extend(_chunked(["ZADD", zset], zset_pairs, step=2))
         if self.enqueue:
             pairs = [x for key, score in self.enqueue.items() for x in (score, key)]
             cmds.extend(_chunked(["ZADD", k.ready], pairs, step=2))
@@ -158,6 +159,10 @@ class Translator:
                   "retries": ins.retries, "workers": ins.restrict}  # fmt: skip
         if ins.spec is not None:  # absent stays absent: a key scattered, never submitted
             stored["spec"] = ins.spec
+        if ins.resources:  # (absent: none; most tasks need none)
+            stored["resources"] = ins.resources
+        if ins.loose:
+            stored["loose"] = True
         b.fields(ins.key).update(TaskRecord.encode(stored))
         b.exists[ins.key] = True
 
@@ -171,12 +176,16 @@ class Translator:
         b.forgotten.append(ins.key)
         b.exists[ins.key] = False
 
+    def _worker_set(self, worker: str, constrained: bool) -> str:
+        k = self.keys
+        return k.worker_constrained(worker) if constrained else k.worker_ready(worker)
+
     def _enqueue(self, ins: Enqueue, b: _Batch) -> None:
-        if ins.queued_on:  # for CLAIM: the other ready sets to take it out of
+        if ins.queued_on or ins.placed:  # for CLAIM: the other ready sets to take it out of
             b.fields(ins.key).update(TaskRecord.encode({"queued_on": ins.queued_on}))
         if ins.workers:
             for worker in ins.workers:
-                b.enqueue_on[worker, ins.key] = ins.score
+                b.enqueue_on[self._worker_set(worker, ins.constrained), ins.key] = ins.score
         else:
             b.enqueue[ins.key] = ins.score
 
@@ -185,9 +194,12 @@ class Translator:
         # this batch wins and an earlier one is cancelled here
         b.enqueue.pop(ins.key, None)
         b.dequeue.append(ins.key)
+        if ins.queued_on is not None:  # (a new process at the address may not match)
+            b.fields(ins.key).update(TaskRecord.encode({"queued_on": ins.queued_on}))
         for worker in ins.workers:
-            b.enqueue_on.pop((worker, ins.key), None)
-            b.dequeue_on[worker].append(ins.key)
+            zset = self._worker_set(worker, ins.constrained)
+            b.enqueue_on.pop((zset, ins.key), None)
+            b.dequeue_on[zset].append(ins.key)
 
     def _unclaim(self, ins: Unclaim, b: _Batch) -> None:
         b.unclaims[ins.worker].append(ins.key)
@@ -232,7 +244,13 @@ class Translator:
         k, w = self.keys, ins.worker
         story_ttl_ms = int(self.retention.worker_story_ttl * 1000)
         b.cmds += [
-            ["DEL", k.worker_processing(w), k.worker_inbox(w), k.worker_ready(w)],
+            [
+                "DEL",
+                k.worker_processing(w),
+                k.worker_inbox(w),
+                k.worker_ready(w),
+                k.worker_constrained(w),
+            ],
             ["HDEL", k.workers, w],
             ["HDEL", k.heartbeats, w],
             ["PEXPIRE", k.worker_story(w), story_ttl_ms],  # "what was it doing?" a while
@@ -243,7 +261,10 @@ class Translator:
         b.reset_tasks()  # what this batch wrote so far was about tasks that are gone now
         b.cmds.append(["DEL", k.ready, k.tasks])
         b.cmds.extend(["DEL", k.task(key)] for key in ins.task_keys)
-        b.cmds.extend(["DEL", k.worker_processing(w), k.worker_ready(w)] for w in ins.workers)
+        b.cmds.extend(
+            ["DEL", k.worker_processing(w), k.worker_ready(w), k.worker_constrained(w)]
+            for w in ins.workers
+        )
         b.cmds.extend(["DEL", k.client_wants(c)] for c in ins.clients)
         b.cmds.append(["DEL", k.holders])
         # the futures a dataset, variable or queue recorded before now are gone
@@ -437,10 +458,32 @@ class Summary:
             "finished_total": self.finished_total,
             "erred_total": self.erred_total,
             "clients": sum(not schema.is_holder(c) for c in state.clients),
+            "no_worker": schema.pack(no_worker_reasons(state)),
         }
         spent = time.monotonic() - started
         self.next_write = time.monotonic() + max(SUMMARY_INTERVAL, spent / SUMMARY_SHARE)
         return ["HSET", keys.summary, *[x for kv in fields.items() for x in kv]]
+
+
+def no_worker_reasons(state: SchedulerState) -> list[dict[str, Any]]:
+    """Why the ``no-worker`` tasks wait, for the monitor: ``{reason, count, key}`` per kind
+    of ask (restriction, resources), the most common first; a task in each as example."""
+    kinds: dict[tuple[Any, ...], list[Any]] = {}
+    for ts in state.unrunnable:
+        kind = (ts.restrict, tuple(sorted((ts.resources or {}).items())), ts.loose)
+        seen = kinds.setdefault(kind, [0, ts])
+        seen[0] += 1
+        if ts.score < seen[1].score:
+            seen[1] = ts
+    ranked = sorted(kinds.items(), key=lambda item: (-item[1][0], item[1][1].score))
+    return [
+        {
+            "reason": state.placement.why_not(ts.restrict, ts.resources, ts.loose),
+            "count": count,
+            "key": ts.key,
+        }
+        for _, (count, ts) in ranked[:MAX_NO_WORKER]
+    ]
 
 
 # --------------------------------------------------------------------------- recovery
@@ -518,7 +561,8 @@ def _task_state(key: str, rec: TaskRecord, state: SchedulerState) -> TaskState:
     ts = TaskState(key, state=rec.state, score=rec.score, has_spec=rec.spec is not None)
     ts.nbytes, ts.type, ts.retries = rec.nbytes, rec.type, rec.retries
     ts.restrict = tuple(rec.workers)
-    if ts.state == "queued" and ts.restrict:
+    ts.resources, ts.loose = rec.resources or None, rec.loose
+    if ts.state == "queued" and (ts.restrict or ts.resources):
         # (a record from before queued_on existed: its workers were addresses)
         queued_on = rec.workers if rec.queued_on is None else rec.queued_on
         ts.queued_on = tuple(w for w in queued_on if w in state.workers)

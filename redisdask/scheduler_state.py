@@ -25,11 +25,12 @@ Task states::
   refused to run it (its graph had a cycle).
 * ``released``: nobody needs the result now, but a dependent may still need the task's
   graph history to recompute it, so the task (and its spec in Redis) is kept.
-* ``no-worker``: ready, but restricted (``workers=``) to workers none of which is alive;
-  queued as soon as one of them joins.  A restriction entry names a worker by its
-  address, its name, or its host (the host of its address, or the hostname it reported),
-  as in Dask; a queued restricted task sits in the own ready set of every live worker it
-  matches, including one that joins while it waits.
+* ``no-worker``: ready, but restricted (``workers=``) to workers none of which is alive,
+  or needing resources no live worker has (``redisdask.placement``); queued as soon as one
+  that may run it joins.  A restriction entry names a worker by its address, its name, or
+  its host (of its address, or the hostname it reported), as in Dask.  A queued task sits
+  in the own ready set of every live worker it may run on (its ``constrained`` set, for a
+  task with resources), including one that joins while it waits.
 
 Priorities: user ``priority=`` first (higher runs first), then submission order.  They
 become the score of the Redis ready set, which a worker pops smallest-first.
@@ -50,6 +51,7 @@ from typing import Any, ClassVar
 
 from redisdask import schema
 from redisdask.graph_cycles import cycle_text, find_cycles
+from redisdask.placement import Placement
 from redisdask.protocol import (
     NO_SCORE,
     AcquireReplicas,
@@ -133,12 +135,6 @@ def key_prefix(key: str) -> str:
     return "-".join(parts) or "other"
 
 
-def address_host(address: str) -> str:
-    """The host of a worker address: ``"127.0.0.1"`` for ``"tcp://127.0.0.1:4242"``."""
-    host = address.partition("://")[2].rpartition(":")[0]
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
-
-
 def priority_score(user_priority: int, seq: int) -> float:
     """Ready-set score: smaller runs first; exact in a double for |priority| < 2**12."""
     return float(-user_priority * PRIORITY_SCALE + seq)
@@ -196,7 +192,9 @@ class TaskState:
     type: str = ""
     retries: int = 0
     restrict: tuple[str, ...] = ()  # worker addresses, names or hosts it may run on
-    queued_on: tuple[str, ...] = ()  # queued and restricted: the workers whose sets hold it
+    loose: bool = False  # allow_other_workers: the restriction is a preference
+    resources: dict[str, float] | None = None  # what one run holds of a worker's resources
+    queued_on: tuple[str, ...] = ()  # queued and placed: the workers whose sets hold it
     # taken out of the ready sets since its last accepted claim: a claim made before that
     # may still be on its way, and what was written since has overwritten it in Redis
     dequeued: bool = False
@@ -261,7 +259,7 @@ class SchedulerState:
         self._instructions: list[Instruction] = []
         self._candidates: deque[TaskState] = deque()
         self._retirement_changed = False  # something a retirement waits for happened
-        self._aliases: dict[str, set[str]] | None = None  # address/name/host -> addresses
+        self.placement = Placement(lambda: {a: ws.info for a, ws in self.workers.items()})
         # results that came in and tasks that erred, since this state was built (metrics
         # for the summary the monitor shows)
         self.n_finished = 0
@@ -314,6 +312,8 @@ class SchedulerState:
                     score=priority_score(int(spec.get("priority", 0)), self.seq),
                     retries=int(spec.get("retries", 0)),
                     restrict=tuple(spec.get("workers") or ()),
+                    loose=bool(spec.get("allow_other_workers")) and bool(spec.get("workers")),
+                    resources=dict(spec.get("resources") or {}) or None,
                 )
                 self.tasks[key] = ts
                 new.append(ts)
@@ -326,6 +326,8 @@ class SchedulerState:
                     "released",
                     ts.retries,
                     ts.restrict,
+                    ts.resources,
+                    ts.loose,
                 )
             elif ts.state == "released" and not ts.who_has and spec.get("spec") is not None:
                 new.append(ts)  # resubmitted after release: recompute
@@ -668,7 +670,7 @@ class SchedulerState:
             self.workers[ev.worker] = WorkerInfo(ev.worker, dict(ev.info))
         else:
             self.workers[ev.worker].info.update(ev.info)
-        self._aliases = None  # its name or host may be new
+        self.placement.forget()  # its name, host or resources may be new
         ws = self.workers[ev.worker]
         if ev.stimulus_id != "load" and not ws.announced:
             # (a worker that registered before this scheduler loaded is announced when its
@@ -681,15 +683,15 @@ class SchedulerState:
         if ev.resync:
             self._resync(self.workers[ev.worker], ev.resync, stimulus_id=ev.stimulus_id)
         for ts in sorted(self.unrunnable, key=lambda t: t.score):
-            if ev.worker in self._allowed(ts):
+            if ev.worker in (self._targets(ts) or ()):
                 self._transition(ts, "queued", stimulus_id=ev.stimulus_id)
         for ts in self.tasks.values():  # queued for others it matches too: for it as well
-            if ts.state != "queued" or not ts.restrict or ev.worker in ts.queued_on:
+            if ts.state != "queued" or not ts.queued_on or ev.worker in ts.queued_on:
                 continue
-            if ev.worker in self._allowed(ts):
+            if ev.worker in (self._targets(ts) or ()):
                 ts.queued_on += (ev.worker,)
-                enqueue = Enqueue(ev.stimulus_id, ts.key, ts.score, (ev.worker,), ts.queued_on)
-                self._emit(enqueue)
+                self._emit(Enqueue(ev.stimulus_id, ts.key, ts.score, (ev.worker,), ts.queued_on,
+                                   constrained=bool(ts.resources), placed=True))  # fmt: skip
 
     def _resync(self, ws: WorkerInfo, report: dict[str, Any], *, stimulus_id: str) -> None:
         """Reconcile with what a worker says it holds and runs (after Redis lost writes:
@@ -748,7 +750,7 @@ class SchedulerState:
 
     def _handle_remove_worker(self, ev: RemoveWorker) -> None:
         ws = self.workers.pop(ev.worker, None)
-        self._aliases = None
+        self.placement.forget()
         if ws is None:
             if ev.how == "nanny":  # removed already (say, its heartbeat expired first):
                 # the nanny's word on why it ended is still the record worth keeping
@@ -796,10 +798,15 @@ class SchedulerState:
             if ts.state == "queued" and ws.address in ts.queued_on:
                 # out of its ready set (which a new process at the address would
                 # inherit): the task goes there again only if that one matches too
-                self._emit(Dequeue(ev.stimulus_id, ts.key, (ws.address,)))
                 ts.queued_on = tuple(w for w in ts.queued_on if w != ws.address)
-                if not self._allowed(ts):
+                self._emit(Dequeue(ev.stimulus_id, ts.key, (ws.address,), bool(ts.resources),
+                                   ts.queued_on))  # fmt: skip
+                if ts.queued_on:
+                    continue
+                if self._targets(ts) is None:
                     self._transition(ts, "no-worker", stimulus_id=ev.stimulus_id)
+                else:  # a preference that no worker can honour now: anywhere it may run
+                    self._enqueue(ts, stimulus_id=ev.stimulus_id)
         if ev.how != "replaced":  # else the keys are the new process's, at the same address
             self._emit(ForgetWorker(ev.stimulus_id, ws.address))
 
@@ -1131,7 +1138,7 @@ class SchedulerState:
             self._transition(ts, "queued", stimulus_id=stimulus_id)
 
     def _transition_waiting_queued(self, ts: TaskState, *, stimulus_id: str) -> None:
-        if ts.restrict and not self._allowed(ts):
+        if (ts.restrict or ts.resources) and self._targets(ts) is None:
             self._transition_waiting_no_worker(ts, stimulus_id=stimulus_id)
             return
         self._set_state(ts, "queued", stimulus_id=stimulus_id)
@@ -1139,27 +1146,22 @@ class SchedulerState:
         self._enqueue(ts, stimulus_id=stimulus_id)
 
     def _enqueue(self, ts: TaskState, *, stimulus_id: str) -> None:
-        """Into the shared ready set, or the own ready sets of its live allowed workers."""
-        ts.queued_on = self._allowed(ts) if ts.restrict else ()
-        self._emit(Enqueue(stimulus_id, ts.key, ts.score, ts.queued_on, ts.queued_on))
+        """Into the shared ready set, or the own ready (``constrained``, for a task with
+        resources) sets of the live workers it may run on."""
+        placed = bool(ts.restrict or ts.resources)
+        ts.queued_on = (self._targets(ts) or ()) if placed else ()
+        self._emit(Enqueue(stimulus_id, ts.key, ts.score, ts.queued_on, ts.queued_on,
+                           constrained=bool(ts.resources), placed=placed))  # fmt: skip
 
     def _dequeue(self, ts: TaskState, *, stimulus_id: str) -> None:
-        self._emit(Dequeue(stimulus_id, ts.key, ts.queued_on))
+        self._emit(Dequeue(stimulus_id, ts.key, ts.queued_on, constrained=bool(ts.resources)))
         ts.queued_on = ()
         ts.dequeued = True
 
-    def _allowed(self, ts: TaskState) -> tuple[str, ...]:
-        """The live workers a restricted task may run on: each entry of its restriction
-        matches the workers with that address, name, or host."""
-        if self._aliases is None:
-            aliases: dict[str, set[str]] = {}
-            for address, ws in self.workers.items():
-                names = (address, ws.info.get("name"), address_host(address), ws.info.get("host"))
-                for name in names:
-                    if isinstance(name, str) and name:
-                        aliases.setdefault(name, set()).add(address)
-            self._aliases = aliases
-        return tuple(sorted({a for entry in ts.restrict for a in self._aliases.get(entry, ())}))
+    def _targets(self, ts: TaskState) -> tuple[str, ...] | None:
+        """The live workers whose own sets a task goes into (``()``: the shared set;
+        ``None``: none may run it, ``no-worker``)."""
+        return self.placement.targets(ts.restrict, ts.resources, ts.loose)
 
     def _transition_waiting_no_worker(self, ts: TaskState, *, stimulus_id: str) -> None:
         self._set_state(ts, "no-worker", stimulus_id=stimulus_id)
@@ -1500,8 +1502,11 @@ class SchedulerState:
                 assert ts.waiting_on, ts
             if ts.state in ("queued", "no-worker"):
                 assert all(d.state == "memory" for d in ts.dependencies), ts
-            # a queued restricted task sits in the ready sets of live workers only
-            assert bool(ts.queued_on) == (ts.state == "queued" and bool(ts.restrict)), ts
+            # a queued restricted or resourced task sits in the sets of live workers only
+            if ts.queued_on:
+                assert ts.state == "queued" and (ts.restrict or ts.resources), ts
+            elif ts.state == "queued":  # in the shared set: no resources, no strict restriction
+                assert not ts.resources and (ts.loose or not ts.restrict), ts
             assert all(w in self.workers for w in ts.queued_on), (ts, ts.queued_on)
             if ts.state in HOLDS_DEPENDENCIES:
                 for dep in ts.dependencies:

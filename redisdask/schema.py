@@ -23,6 +23,7 @@ MULTI/EXEC stay valid on Redis Cluster, Valkey and managed Redis::
     rd:{c}:worker:<addr>:alive         string  present while the worker heartbeats (PX ttl)
     rd:{c}:worker:<addr>:processing    set     tasks claimed by that worker
     rd:{c}:worker:<addr>:ready         zset    queued tasks restricted to that worker
+    rd:{c}:worker:<addr>:constrained   zset    queued tasks with resources it could run
     rd:{c}:worker:<addr>:inbox         stream  scheduler -> worker messages
     rd:{c}:worker:<addr>:story         stream  that worker's own story (capped; kept a
                                                while after it left)
@@ -190,6 +191,9 @@ class Keys:
     def worker_ready(self, address: str) -> str:
         return f"{self.prefix}worker:{address}:ready"
 
+    def worker_constrained(self, address: str) -> str:
+        return f"{self.prefix}worker:{address}:constrained"
+
     def worker_inbox(self, address: str) -> str:
         return f"{self.prefix}worker:{address}:inbox"
 
@@ -314,20 +318,26 @@ return token
 """
 
 # A worker claims up to ARGV[2] queued tasks, from its own ready set first (tasks
-# restricted to it), then from the cluster's.  KEYS: ready, workers, the worker's
-# processing set, worker stream, ready-signal, the worker's ready set, the worker's
-# inbox.  ARGV: worker address, n, task key prefix, cluster key prefix, the last inbox
-# id the worker read.  The claim is recorded in Redis (task state, processing set) and
-# announced to the scheduler in the same atomic step, so a claimed task is never
-# invisible.  Fewer than n claimed means both ready sets are empty.  A task restricted
-# to several workers is taken out of the other workers' ready sets that hold it: the
-# addresses in its hash's ``queued_on`` field (the scheduler writes it as it queues the
-# task; ``workers`` holds the restriction as given, which may name hosts or names).
-# Returns {tasks, last ready-signal id, inbox entries after ARGV[5]}; each task is
-# {key, spec, score, {{dep, who_has, nbytes}...}}.  The inbox entries were written before
-# anything claimed here was queued (e.g. free-keys of an earlier run of a key that is
-# queued again); the worker applies them first, so the inbox and the ready sets cannot
-# overtake each other.
+# restricted to it), then its constrained set (tasks with resources it could run), then
+# the cluster's.  KEYS: ready, workers, the worker's processing set, worker stream,
+# ready-signal, the worker's ready set, the worker's inbox, the worker's constrained set.
+# ARGV: worker address, n, task key prefix, cluster key prefix, the last inbox id the
+# worker read, the resources the worker has free ("GPU=1 MEM=5e9"; the stored form of
+# ``placement.format_resources``).  The claim is recorded in Redis (task state,
+# processing set) and announced to the scheduler in the same atomic step, so a claimed
+# task is never invisible.  A task with resources is taken only if what it needs
+# (its hash's ``resources``) fits in what is still free, which the claim then counts
+# down: a worker never claims more than it can run.  One that does not fit stays in the
+# set; after 64 of them the scan stops (bounded work), and ``blocked`` says the
+# worker should claim again once resources are freed.  Otherwise fewer than n claimed
+# means the sets are empty.  A task queued on several workers is taken out of the other
+# workers' sets that hold it: the addresses in its hash's ``queued_on`` field (the
+# scheduler writes it as it queues the task; ``workers`` holds the restriction as given,
+# which may name hosts or names).  Returns {tasks, last ready-signal id, inbox entries
+# after ARGV[5], blocked (0 or 1)}; each task is {key, spec, score,
+# {{dep, who_has, nbytes}...}, resources}.  The inbox entries were written before anything claimed
+# here was queued (e.g. free-keys of an earlier run of a key that is queued again); the
+# worker applies them first, so the inbox and the ready sets cannot overtake each other.
 CLAIM = """
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then
   return redis.error_reply('UNKNOWN_WORKER ' .. ARGV[1] .. ' is not registered')
@@ -339,47 +349,92 @@ local want = tonumber(ARGV[2])
 local out = {}
 local claimed = {}
 local scores = {}
+local blocked = 0
+local SKIP = 64  -- tasks that do not fit, passed over per claim at most
+local free = {}
+for name, amount in string.gmatch(ARGV[6] or '', '([^%s=]+)=(%S+)') do
+  free[name] = tonumber(amount)
+end
+local function fetch(key)
+  return redis.call('HMGET', ARGV[3] .. key, 'spec', 'deps', 'state', 'queued_on', 'resources')
+end
+local function take(key, score, f)
+  local tkey = ARGV[3] .. key
+  redis.call('HSET', tkey, 'state', 'processing', 'worker', ARGV[1])
+  redis.call('SADD', KEYS[3], key)
+  local set = ':ready'
+  if f[5] and f[5] ~= '' then set = ':constrained' end
+  if f[4] and f[4] ~= '' then
+    for other in string.gmatch(f[4], '%S+') do
+      if other ~= ARGV[1] then
+        redis.call('ZREM', ARGV[4] .. 'worker:' .. other .. set, key)
+      end
+    end
+  end
+  local deps = {}
+  if f[2] then
+    for _, dep in ipairs(cmsgpack.unpack(f[2])) do
+      local d = redis.call('HMGET', ARGV[3] .. dep, 'who_has', 'nbytes')
+      deps[#deps + 1] = {dep, d[1] or '', d[2] or '0'}
+    end
+  end
+  out[#out + 1] = {key, f[1], score, deps, f[5] or ''}
+  claimed[#claimed + 1] = key
+  scores[#scores + 1] = score
+end
+-- a key no longer queued (claimed through another worker's set, released, forgotten)
+-- is a stale entry: dropped
 local function claim_from(zset)
   while #claimed < want do
     local popped = redis.call('ZPOPMIN', zset, want - #claimed)
     if #popped == 0 then return end
     for i = 1, #popped, 2 do
-      local key = popped[i]
-      local tkey = ARGV[3] .. key
-      local f = redis.call('HMGET', tkey, 'spec', 'deps', 'state', 'queued_on')
-      -- a key no longer queued (claimed through another allowed worker's set,
-      -- released, forgotten) is a stale entry: drop it and keep popping
+      local f = fetch(popped[i])
+      if f[1] and f[3] == 'queued' then take(popped[i], popped[i + 1], f) end
+    end
+  end
+end
+local function fits(text)
+  local need = {}
+  for name, amount in string.gmatch(text or '', '([^%s=]+)=(%S+)') do
+    need[name] = tonumber(amount) or 0
+    if need[name] > (free[name] or 0) + 1e-9 then return nil end
+  end
+  return need
+end
+local function claim_constrained(zset)
+  local skipped = 0  -- the entries left in place sit first: the next read starts after them
+  while #claimed < want do
+    if skipped >= SKIP then blocked = 1; return end
+    local batch = redis.call('ZRANGE', zset, skipped, skipped + 63, 'WITHSCORES')
+    if #batch == 0 then return end
+    for i = 1, #batch, 2 do
+      if #claimed >= want then return end
+      local f = fetch(batch[i])
       if f[1] and f[3] == 'queued' then
-        redis.call('HSET', tkey, 'state', 'processing', 'worker', ARGV[1])
-        redis.call('SADD', KEYS[3], key)
-        if f[4] and f[4] ~= '' then
-          for other in string.gmatch(f[4], '%S+') do
-            if other ~= ARGV[1] then
-              redis.call('ZREM', ARGV[4] .. 'worker:' .. other .. ':ready', key)
-            end
-          end
+        local need = fits(f[5])
+        if need then
+          redis.call('ZREM', zset, batch[i])
+          for name, n in pairs(need) do free[name] = (free[name] or 0) - n end
+          take(batch[i], batch[i + 1], f)
+        else
+          skipped = skipped + 1
+          blocked = 1
         end
-        local deps = {}
-        if f[2] then
-          for _, dep in ipairs(cmsgpack.unpack(f[2])) do
-            local d = redis.call('HMGET', ARGV[3] .. dep, 'who_has', 'nbytes')
-            deps[#deps + 1] = {dep, d[1] or '', d[2] or '0'}
-          end
-        end
-        out[#out + 1] = {key, f[1], popped[i + 1], deps}
-        claimed[#claimed + 1] = key
-        scores[#scores + 1] = popped[i + 1]
+      else
+        redis.call('ZREM', zset, batch[i])
       end
     end
   end
 end
 claim_from(KEYS[6])
+claim_constrained(KEYS[8])
 claim_from(KEYS[1])
 if #claimed > 0 then
   redis.call('XADD', KEYS[4], '*', 'm',
     cmsgpack.pack({{op = 'claimed', worker = ARGV[1], keys = claimed, scores = scores}}))
 end
-return {out, last_id, redis.call('XRANGE', KEYS[7], '(' .. ARGV[5], '+')}
+return {out, last_id, redis.call('XRANGE', KEYS[7], '(' .. ARGV[5], '+'), blocked}
 """
 
 
@@ -407,14 +462,17 @@ class Scripts:
         keys = [self.keys.lease, self.keys.lease_token]
         return self._acquire_lease(keys=keys, args=[token or "", ttl_ms])
 
-    def claim(self, *, worker: str, count: int, last_inbox_id: str) -> Any:
-        """Claim up to ``count`` queued tasks for ``worker``; returns ``[tasks, last
-        ready-signal id, the inbox entries after last_inbox_id]`` (see ``CLAIM``)."""
+    def claim(self, *, worker: str, count: int, last_inbox_id: str, free: str = "") -> Any:
+        """Claim up to ``count`` queued tasks for ``worker``, those with resources only
+        within ``free`` (``placement.format_resources`` of what the worker has free);
+        returns ``[tasks, last ready-signal id, the inbox entries after last_inbox_id,
+        blocked]`` (see ``CLAIM``)."""
         k = self.keys
         return self._claim(
             keys=[k.ready, k.workers, k.worker_processing(worker), k.worker_stream,
-                  k.ready_signal, k.worker_ready(worker), k.worker_inbox(worker)],
-            args=[worker, count, k.task_prefix, k.prefix, last_inbox_id],
+                  k.ready_signal, k.worker_ready(worker), k.worker_inbox(worker),
+                  k.worker_constrained(worker)],
+            args=[worker, count, k.task_prefix, k.prefix, last_inbox_id, free],
         )  # fmt: skip
 
 

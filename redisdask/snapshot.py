@@ -73,6 +73,7 @@ class Snapshot:
     finished_total: int = 0
     erred_total: int = 0
     clients: int = 0
+    no_worker: list[dict[str, Any]] = field(default_factory=list)  # why those tasks wait
     summary_time: float | None = None
     events: list[dict[str, Any]] = field(default_factory=list)  # newest first
     deaths: list[dict[str, Any]] = field(default_factory=list)  # newest first
@@ -200,6 +201,11 @@ def _read_summary(snap: Snapshot, summary: dict[bytes, bytes], now: float, windo
     snap.finished_total = int(summary.get(b"finished_total") or 0)
     snap.erred_total = int(summary.get(b"erred_total") or 0)
     snap.clients = int(summary.get(b"clients") or 0)
+    snap.no_worker = [
+        {"reason": str(n.get("reason", "")), "count": n.get("count"), "key": str(n.get("key"))}
+        for n in schema.unpack_or(summary.get(b"no_worker"), [], list)
+        if isinstance(n, dict)
+    ]
     snap.summary_time = float(summary[b"time"]) if summary.get(b"time") else None
 
 

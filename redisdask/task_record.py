@@ -11,10 +11,12 @@ and nowhere else (``docs/redis-schema.md`` lists the fields)::
 
 Field formats: text as UTF-8; ints and floats as their text; ``deps`` and ``deaths`` as
 msgpack; ``who_has``, ``workers`` and ``queued_on`` as space-separated words (an address,
-worker name or host never contains a space); ``spec``, ``exception``, ``traceback`` and
-``killed`` as opaque bytes; ``rejected`` as ``1`` or empty.  The ``CLAIM`` script in
-``schema.py`` reads ``spec``, ``deps``, ``state``, ``queued_on``, ``who_has`` and
-``nbytes`` in the same formats (a test checks that it names only fields of this record).
+worker name or host never contains a space); ``resources`` as ``NAME=AMOUNT`` words
+(``placement.format_resources``); ``spec``, ``exception``, ``traceback`` and ``killed``
+as opaque bytes; ``rejected`` and ``loose`` as ``1`` or empty.  The ``CLAIM`` script in
+``schema.py`` reads ``spec``, ``deps``, ``state``, ``queued_on``, ``resources``,
+``who_has`` and ``nbytes`` in the same formats (a test checks that it names only fields
+of this record).
 
 Reading is tolerant: a missing field takes its default (records written by older code
 lack ``queued_on``, for instance: ``None`` then says "absent", unlike an empty list),
@@ -32,6 +34,7 @@ from typing import Any
 import redis
 
 from redisdask import schema
+from redisdask.placement import format_resources, split_resources
 
 Raw = bytes | None  # a field as redis-py returns it (None: absent)
 
@@ -105,6 +108,8 @@ _ENCODERS: dict[str, Callable[[Any], Any]] = {
     "type": _same,
     "retries": _same,
     "workers": join_words,
+    "loose": _flag,
+    "resources": format_resources,
     "queued_on": join_words,
     "exception": _bytes_or_empty,
     "traceback": _bytes_or_empty,
@@ -137,6 +142,8 @@ class TaskRecord:
     type: str = ""
     retries: int = 0
     workers: list[str] = field(default_factory=list)  # the restriction as given
+    loose: bool = False  # allow_other_workers: the restriction is a preference
+    resources: dict[str, float] = field(default_factory=dict)  # what one run needs
     queued_on: list[str] | None = None  # None: absent (a record older than the field)
     exception: bytes | None = None
     traceback: bytes | None = None
@@ -194,6 +201,8 @@ class TaskRecord:
             type=_text(get(b"type")),
             retries=_int(get(b"retries")),
             workers=split_words(get(b"workers")),
+            loose=bool(get(b"loose")),
+            resources=split_resources(get(b"resources")),
             queued_on=None if queued_on is None else split_words(queued_on),
             exception=get(b"exception") or None,
             traceback=get(b"traceback") or None,

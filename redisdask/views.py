@@ -95,6 +95,10 @@ def header(snap: Snapshot, url: str) -> Text:
         f"   finished {snap.finished_total:,} ({per_second:,.0f}/s)  erred {snap.erred_total:,}"
         f"  clients {snap.clients}"
     )
+    for waiting in snap.no_worker:  # tasks no worker may run: say what they ask for
+        text.append(f"\n{waiting['count']} no-worker", style="yellow")
+        text.append(f" (e.g. {waiting['key']}): ", style="dim")
+        text.append(waiting["reason"])
     return text
 
 
@@ -317,7 +321,8 @@ def status_view(snap: Snapshot, url: str, width: int = 120) -> Group:
 def dashboard(snap: Snapshot, url: str, width: int = 120, height: int = 40) -> Group:
     """One frame of ``redisdask monitor``, fitted to ``height`` lines: the header and the
     workers first; prefixes, then events, get what is left."""
-    spare = height - (4 if width >= NARROW else 6) - 2  # header; throughput and footer
+    # the header (and its no-worker lines); throughput and footer
+    spare = height - (4 if width >= NARROW else 6) - len(snap.no_worker) - 2
     legend = height >= 30
     worker_rows = min(max(1, len(snap.workers)), max(1, spare - 5 - 6 - legend))
     spare -= worker_rows + 5 + legend

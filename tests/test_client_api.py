@@ -68,11 +68,15 @@ def test_a_tuple_key_as_dask_writes_it(client: Client) -> None:
 
 
 def test_distributeds_keywords_never_reach_the_function(client: Client) -> None:
-    future = client.submit(keywords, 1, fifo_timeout="1s", allow_other_workers=True, pure=False)
+    future = client.submit(
+        keywords, 1, fifo_timeout="1s", workers="nobody", allow_other_workers=True, pure=False
+    )
     assert future.result(timeout=10) == {}
     assert client.gather(client.map(keywords, [1], fifo_timeout="1s", batch_size=5)) == [{}]
-    with pytest.raises(NotImplementedError, match="resources"):
-        client.submit(keywords, 1, resources={"GPU": 1})
+    with pytest.raises(ValueError, match="Only use allow_other_workers= if using workers="):
+        client.submit(keywords, 1, allow_other_workers=True)  # as distributed says
+    with pytest.raises(NotImplementedError, match="actors"):
+        client.submit(keywords, 1, actor=True)
 
 
 def test_sys_exit_in_a_task_fails_the_task_and_never_ends_the_client(client: Client) -> None:

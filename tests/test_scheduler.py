@@ -139,7 +139,7 @@ def test_a_task_restricted_by_host_is_claimed_once_and_leaves_every_ready_set(
     assert r.zscore(keys.worker_ready(b), "x") is not None
     assert r.hmget(keys.task("x"), "workers", "queued_on") == [b"10.9.9.9", f"{a} {b}".encode()]
     assert scheduler._load().tasks["x"].queued_on == (a, b)
-    claimed, _last, _inbox = scheduler.scripts.claim(worker=b, count=5, last_inbox_id="0-0")
+    claimed, *_ = scheduler.scripts.claim(worker=b, count=5, last_inbox_id="0-0")
     assert [task[0] for task in claimed] == [b"x"]
     assert r.zcard(keys.worker_ready(a)) == r.zcard(keys.worker_ready(b)) == 0
 

@@ -11,13 +11,17 @@ back and it must equal the state machine's own, in everything the records carry:
 
 * tasks: state, score, whether a spec is stored, dependencies and dependents, what they
   wait on and who waits on them, who wants them, who holds them, the worker of a
-  processing task, size and type, retries, restriction, the workers a queued
-  restricted task is queued on, deaths, ``suspicious``, ``killed``, replicas, the error
-  (exception, traceback, their texts, where and whose) and ``rejected``;
+  processing task, size and type, retries, restriction (and whether it is a preference),
+  resources, the workers a queued restricted or resourced task is queued on, deaths,
+  ``suspicious``, ``killed``, replicas, the error (exception, traceback, their texts,
+  where and whose) and ``rejected``;
 * the ``no-worker`` set, the sequence counter, workers (info, processing, held keys),
   clients and what each wants;
 * and in Redis itself: each queued task sits in the ready set(s) it is queued on with
-  its score, and each worker's processing set is what the state machine has on it.
+  its score (the workers' constrained sets for a task with resources), and each
+  worker's processing set is what the state machine has on it.  Workers have GPUs or
+  not, and claim with what they have free, so the ``CLAIM`` script's resource check
+  runs too.
 
 Not compared, because no record carries them (a reloaded scheduler starts them afresh,
 by design): a task's ``queued_on`` once it left ``queued`` (stale, documented), its
@@ -36,6 +40,7 @@ from typing import Any, TypeVar
 import pytest
 import redis
 
+from redisdask.placement import format_resources
 from redisdask.protocol import (
     AddKeys,
     AddWorker,
@@ -92,7 +97,11 @@ def carried(state: SchedulerState) -> dict[str, Any]:
             "type": ts.type,
             "retries": ts.retries,
             "restrict": ts.restrict,
-            "queued_on": ts.queued_on if ts.state == "queued" and ts.restrict else None,
+            "loose": ts.loose,
+            "resources": ts.resources,
+            "queued_on": ts.queued_on
+            if ts.state == "queued" and (ts.restrict or ts.resources)
+            else None,
             "suspicious": ts.suspicious,
             "deaths": ts.deaths,
             "killed": ts.killed,
@@ -178,7 +187,8 @@ class Run:
         for key, ts in self.state.tasks.items():
             if ts.state != "queued":
                 continue
-            sets = [k.worker_ready(w) for w in ts.queued_on] if ts.restrict else [k.ready]
+            own = k.worker_constrained if ts.resources else k.worker_ready
+            sets = [own(w) for w in ts.queued_on] if ts.queued_on else [k.ready]
             for name in sets:
                 if self.r.zscore(name, key) != ts.score:
                     yield f"queued {key!r} (score {ts.score}) not in {name}"
@@ -214,6 +224,7 @@ class Run:
             "host": address[6:].split(":")[0],
             "nthreads": 1,
             "started": self.rng.choice([1.0, float(self.n)]),
+            "resources": self.rng.choice([{}, {}, {"GPU": 1}, {"GPU": 2}]),
         }
         self.r.hset(self.keys.workers, address, pack(info))  # the worker's own write
         self.apply(self.ev(AddWorker, worker=address, info=info))
@@ -252,6 +263,10 @@ class Run:
                 names = [*self.state.workers, *HOSTS, "w-nobody", "10.9.9.9"]
                 names += [ws.info["name"] for ws in self.state.workers.values()]
                 task["workers"] = self.pick(names, self.rng.randint(1, 2))
+                if self.rng.random() < 0.3:
+                    task["allow_other_workers"] = True
+            if self.rng.random() < 0.25:
+                task["resources"] = {"GPU": self.rng.choice([1, 1, 2, 3])}
             tasks.append(task)
             new.append(key)
         self.task_keys += [k for k in new if k not in self.task_keys]
@@ -264,7 +279,12 @@ class Run:
         worker = self.pick(self.state.workers)
         if worker is None:
             return
-        self.scripts.claim(worker=worker, count=self.rng.randint(1, 3), last_inbox_id="0-0")
+        # what the worker has free of its GPUs: all, some, or none
+        gpus = self.state.workers[worker].info.get("resources", {}).get("GPU", 0)
+        free = format_resources({"GPU": self.rng.choice([0, 1, gpus])} if gpus else {})
+        self.scripts.claim(
+            worker=worker, count=self.rng.randint(1, 3), last_inbox_id="0-0", free=free
+        )
         self.claim_read()
 
     def claim_read(self) -> None:

@@ -1967,3 +1967,136 @@ def test_every_event_type_has_its_handler():
     assert set(SCHEDULER_EVENTS.values()) <= set(SchedulerState._HANDLERS)
     handlers = {n for n in dir(SchedulerState) if n.startswith("_handle_")}
     assert {f.__name__ for f in SchedulerState._HANDLERS.values()} == handlers
+
+
+# --------------------------------------------------------------------------- resources
+
+
+def gpus(**workers: float) -> SchedulerState:
+    """Workers W1, W2, W3 with these GPUs (``W1=1``); one not named has none."""
+    s = SchedulerState(validate=True)
+    for name, address in (("W1", W1), ("W2", W2), ("W3", W3)):
+        has = {"GPU": workers[name]} if name in workers else {}
+        info = {"name": name.lower(), "resources": has}
+        s.handle_stimulus(AddWorker(worker=address, info=info, stimulus_id=f"add-{name}"))
+    return s
+
+
+def test_a_task_with_resources_is_queued_on_the_workers_able_to_run_it_and_waits_otherwise():
+    s = gpus(W1=1, W3=2)
+    tasks = [task("one", resources={"GPU": 1}), task("two", resources={"GPU": 2})]
+    out = submit(s, "c", tasks, ["one", "two"])
+    queued = {e.key: (e.workers, e.queued_on, e.constrained, e.placed) for e in of(out, Enqueue)}
+    assert queued == {"one": ((W1, W3), (W1, W3), True, True), "two": ((W3,), (W3,), True, True)}
+    [store] = [st for st in of(out, StoreTask) if st.key == "two"]
+    assert (store.resources, store.loose) == ({"GPU": 2}, False)
+    out = submit(s, "c", [task("four", resources={"GPU": 4})], ["four"])
+    assert s.tasks["four"].state == "no-worker" and not of(out, Enqueue)
+    # a worker able to run it joins: it is queued there, and so is what it could run too
+    info = {"name": "big", "resources": {"GPU": 4}}
+    out = s.handle_stimulus(AddWorker(worker="tcp://10.0.0.4:8000", info=info, stimulus_id="a"))
+    assert s.tasks["four"].state == "queued"
+    assert sorted((e.key, e.workers) for e in of(out, Enqueue)) == [
+        ("four", ("tcp://10.0.0.4:8000",)),
+        ("one", ("tcp://10.0.0.4:8000",)),
+        ("two", ("tcp://10.0.0.4:8000",)),
+    ]
+    assert s.tasks["two"].queued_on == (W3, "tcp://10.0.0.4:8000")
+    # taken out of the constrained sets, not the ready sets
+    out = s.handle_stimulus(CancelKeys(client="c", keys=["two"], stimulus_id="cx"))
+    [dequeue] = of(out, Dequeue)
+    assert (dequeue.workers, dequeue.constrained) == ((W3, "tcp://10.0.0.4:8000"), True)
+
+
+def test_a_dead_or_retired_workers_resourced_tasks_go_to_the_others_able_to_run_them():
+    s = gpus(W1=1, W3=1)
+    submit(s, "c", [task("x", resources={"GPU": 1}), task("y", resources={"GPU": 1})], ["x", "y"])
+    s.handle_stimulus(TaskClaimed(worker=W1, keys=["x"], stimulus_id="claim"))
+    out = s.handle_stimulus(RemoveWorker(worker=W1, how="connection", reason="x", stimulus_id="rm"))
+    assert s.tasks["x"].state == "queued" and s.tasks["x"].suspicious == 1
+    assert s.tasks["x"].queued_on == (W3,) and s.tasks["y"].queued_on == (W3,)
+    assert ("x", (W3,), True) in [(e.key, e.workers, e.constrained) for e in of(out, Enqueue)]
+    assert ("y", (W1,), True) in [(d.key, d.workers, d.constrained) for d in of(out, Dequeue)]
+    # the last able worker retires: what it claimed and had not started comes back, and
+    # waits for a worker with a GPU once it is gone
+    s.handle_stimulus(TaskClaimed(worker=W3, keys=["x", "y"], stimulus_id="claim2"))
+    s.handle_stimulus(RetireWorkers(client="c", workers=[W3], stimulus_id="rw"))
+    s.handle_stimulus(ReleasedKeys(worker=W3, keys=["y"], stimulus_id="back"))
+    assert s.tasks["y"].state == "queued" and s.tasks["y"].queued_on == (W3,)
+    run_x = s.handle_stimulus(
+        TaskFinished(worker=W3, key="x", nbytes=1, type="int", stimulus_id="fin")
+    )
+    assert s.tasks["x"].state == "memory" and of(run_x, WorkerMsg)  # copied off W3 first
+    s.handle_stimulus(RemoveWorker(worker=W3, reason="retired", stimulus_id="bye"))
+    assert s.tasks["y"].state == "no-worker"
+    s.handle_stimulus(AddWorker(worker=W1, info={"resources": {"GPU": 1}}, stimulus_id="back"))
+    assert s.tasks["y"].state == "queued" and s.tasks["y"].queued_on == (W1,)
+
+
+def test_resources_and_a_restriction_both_hold_and_allow_other_workers_drops_only_the_restriction():
+    s = gpus(W1=1, W3=1)
+    tasks = [
+        task("strict", workers=["w2"], resources={"GPU": 1}),  # w2 has no GPU
+        task("loose", workers=["w2"], resources={"GPU": 1}, allow_other_workers=True),
+        task("both", workers=["w1", "w2"], resources={"GPU": 1}),
+        task("nowhere", workers=["w1"], resources={"GPU": 5}, allow_other_workers=True),
+    ]
+    submit(s, "c", tasks, [t["key"] for t in tasks])
+    assert states(s) == {"strict": "no-worker", "loose": "queued", "both": "queued",
+                         "nowhere": "no-worker"}  # fmt: skip
+    assert s.tasks["loose"].queued_on == (W1, W3)  # any able worker: resources are never loose
+    assert s.tasks["both"].queued_on == (W1,)
+
+
+def test_allow_other_workers_makes_a_restriction_a_preference():
+    s = gpus()
+    tasks = [
+        task("pref", workers=["w2"], allow_other_workers=True),
+        task("gone", workers=["nobody"], allow_other_workers=True),
+        task("hard", workers=["nobody"]),
+    ]
+    out = submit(s, "c", tasks, ["pref", "gone", "hard"])
+    queued = {e.key: (e.workers, e.placed) for e in of(out, Enqueue)}
+    # the named worker while it is there; else the cluster's ready set (queued_on written
+    # empty, so a reload knows where it is)
+    assert queued == {"pref": ((W2,), True), "gone": ((), True)}
+    assert s.tasks["hard"].state == "no-worker"
+    assert [st.loose for st in of(out, StoreTask)] == [True, True, False]
+    out = s.handle_stimulus(RemoveWorker(worker=W2, reason="bye", stimulus_id="rm"))
+    assert s.tasks["pref"].state == "queued" and s.tasks["pref"].queued_on == ()
+    assert [(e.key, e.workers, e.placed) for e in of(out, Enqueue)] == [("pref", (), True)]
+    # a preference given without any worker named means nothing (as in distributed)
+    submit(s, "c", [task("plain", allow_other_workers=True)], ["plain"])
+    assert not s.tasks["plain"].loose
+
+
+def test_no_worker_tasks_say_what_they_ask_for_and_what_the_workers_have():
+    from redisdask.scheduler_redis import no_worker_reasons
+
+    s = gpus(W1=1)
+    tasks = [task(f"big-{i}", resources={"GPU": 2}) for i in range(3)]
+    tasks.append(task("named", workers=["gpu-box"]))
+    submit(s, "c", tasks, [t["key"] for t in tasks])
+    big, named = no_worker_reasons(s)
+    assert (big["count"], big["key"], named["count"]) == (3, "big-0", 1)
+    assert "needs GPU=2 on one worker" in big["reason"]
+    assert f"w1 ({W1}): GPU=1" in big["reason"] and f"w2 ({W2}): no resources" in big["reason"]
+    assert "--resources 'GPU=2'" in big["reason"]
+    assert "workers=['gpu-box'] matches no registered worker" in named["reason"]
+
+
+def test_resources_in_an_update_graph_must_be_a_map_of_amounts():
+    for bad, match in (
+        ({"GPU": "1"}, "must be a number"),
+        ({"GPU": -1}, "0 or more"),
+        ([1], "must be a dict"),
+        ({"GPU": float("nan")}, "finite"),
+    ):
+        with pytest.raises(ProtocolError, match=match):
+            Event.from_dict(
+                {"op": "update-graph", "client": "c", "tasks": [{"key": "x", "resources": bad}]}
+            )
+    with pytest.raises(ProtocolError, match="allow_other_workers"):
+        Event.from_dict(
+            {"op": "update-graph", "client": "c", "tasks": [{"key": "x", "allow_other_workers": 1}]}
+        )

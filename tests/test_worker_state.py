@@ -662,13 +662,15 @@ class RandomDriver:
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
+        self.needs = random.Random(-seed)  # what claims ask of the worker's GPUs
         self.ws = WorkerState(
             address=SELF,
             nthreads=self.rng.randint(1, 3),
             transfer_batch_bytes=self.rng.choice([5, 50, 1000]),
             transfer_concurrency=self.rng.randint(1, 3),
             rng=random.Random(seed),
-            validate=True,
+            validate=True,  # which checks the resources held add up, and never go over
+            resources={"GPU": self.needs.choice([1.0, 2.0, 2.5])},
         )
         self.executing: set[str] = set()
         self.seceded: set[str] = set()  # running threads that called secede()
@@ -708,7 +710,8 @@ class RandomDriver:
                 self.graph[key] = sorted({f"d{rng.randint(0, top)}" for _ in range(n)})
             deps = {d: (self.holders(), rng.randint(1, 20)) for d in self.graph[key]}
             prio = (rng.randint(0, 5), self.n)
-            return ComputeTaskEvent(key, b"spec", prio, deps, sid)
+            needs = self.needs.choice([{}, {}, {"GPU": 1.0}, {"GPU": 0.5}, {"GPU": 3.0}])
+            return ComputeTaskEvent(key, b"spec", prio, deps, sid, needs)
         if choice < 0.45 and running:
             key = rng.choice(running)  # a thread blocked in rejoin() cannot finish
             self.executing.discard(key)
@@ -780,6 +783,7 @@ def test_random_event_sequences(seed: int) -> None:
         driver.feed(UpdateWhoHasEvent({k: [] for k in missing}, "end"))
         assert not driver.ws.executing and not driver.ws.long_running
         assert not driver.ws.rejoining
+        assert driver.ws.free_resources() == driver.ws.total_resources  # all given back
     except Exception as e:
         raise AssertionError(f"seed={seed} after {driver.n} events: {e!r}") from e
     ws = driver.ws
@@ -943,4 +947,92 @@ def test_validate_state_catches_a_seceded_task_counted_as_executing() -> None:
     ws.handle_stimulus(compute("x"), SecedeEvent("x", "s"))
     ws.executing.add(ws.tasks["x"])
     with pytest.raises(AssertionError, match="executing"):
+        ws.validate_state()
+
+
+# --- resources --------------------------------------------------------------------
+
+
+def gpu_task(key: str, gpus: float = 1.0, deps: dict[str, tuple[list[str], int]] | None = None):
+    return ComputeTaskEvent(key, b"run-spec", (0,), deps or {}, f"compute-{key}", {"GPU": gpus})
+
+
+def test_a_claimed_task_holds_its_resources_until_it_finishes_or_errs() -> None:
+    ws = make(nthreads=4, resources={"GPU": 2})
+    out = ws.handle_stimulus(gpu_task("a"), gpu_task("b"), compute("plain"))
+    assert {i.key for i in of(out, Execute)} == {"a", "b", "plain"}
+    assert ws.free_resources() == {"GPU": 0.0}
+    # a claim that does not fit (claims count what is free, so only a bug sends one) is
+    # handed back to the scheduler, never run
+    out = ws.handle_stimulus(gpu_task("c"))
+    assert of(out, ReleasedKeys) == [ReleasedKeys(SELF, ["c"], stimulus_id="compute-c")]
+    assert "c" not in ws.tasks and not of(out, Execute)
+    ws.handle_stimulus(success("a"))
+    assert ws.free_resources() == {"GPU": 1.0} and ws.resources_freed == 1
+    ws.handle_stimulus(failure("b"))
+    assert ws.free_resources() == {"GPU": 2.0} and ws.resources_freed == 2
+    ws.handle_stimulus(gpu_task("a"))  # claimed again when in memory: answered, not held
+    assert ws.free_resources() == {"GPU": 2.0}
+
+
+def test_a_task_waiting_for_its_dependencies_holds_its_resources() -> None:
+    ws = make(nthreads=2, resources={"GPU": 1})
+    out = ws.handle_stimulus(gpu_task("y", deps={"x": ([A], 8)}))
+    assert ws.tasks["y"].state == "waiting" and ws.free_resources() == {"GPU": 0.0}
+    assert [g.keys for g in of(out, GatherDep)] == [{"x"}]
+    assert of(ws.handle_stimulus(gpu_task("z")), ReleasedKeys)  # no room while y waits
+    out = ws.handle_stimulus(GatherDepSuccessEvent(A, {"x": 1}, {"x": 8}, "got-x"))
+    assert of(out, Execute) == [Execute("y", "got-x")]
+    assert ws.free_resources() == {"GPU": 0.0}
+    ws.handle_stimulus(success("y"))
+    assert ws.free_resources() == {"GPU": 1.0}
+
+
+def test_a_cancelled_run_holds_its_resources_until_its_thread_returns() -> None:
+    ws = make(nthreads=2, resources={"GPU": 1})
+    ws.handle_stimulus(gpu_task("x"))
+    ws.handle_stimulus(FreeKeysEvent(["x"], "free"))
+    assert ws.tasks["x"].state == "cancelled" and ws.free_resources() == {"GPU": 0.0}
+    assert of(ws.handle_stimulus(gpu_task("y")), ReleasedKeys)  # the GPU is still busy
+    ws.handle_stimulus(gpu_task("x"))  # claimed again: it resumes, holding what it held
+    assert ws.tasks["x"].state == "executing" and ws.free_resources() == {"GPU": 0.0}
+    ws.handle_stimulus(FreeKeysEvent(["x"], "free-again"))
+    out = ws.handle_stimulus(success("x"))
+    assert of(out, ReleasedKeys) and "x" not in ws.tasks
+    assert ws.free_resources() == {"GPU": 1.0}
+
+
+def test_retiring_hands_back_what_has_not_started_and_its_resources() -> None:
+    ws = make(nthreads=1, resources={"GPU": 3})
+    ws.handle_stimulus(gpu_task("x"), gpu_task("y"), gpu_task("z"))
+    assert ws.tasks["x"].state == "executing" and ws.free_resources() == {"GPU": 0.0}
+    out = ws.handle_stimulus(RetireEvent("retire"))
+    assert of(out, ReleasedKeys) == [ReleasedKeys(SELF, ["y", "z"], stimulus_id="retire")]
+    assert ws.free_resources() == {"GPU": 2.0}
+    ws.handle_stimulus(success("x"))
+    assert ws.free_resources() == {"GPU": 3.0}
+
+
+def test_a_claim_deferred_behind_a_transfer_holds_its_resources() -> None:
+    ws = make(nthreads=1, resources={"GPU": 1})
+    ws.handle_stimulus(compute("y", {"x": ([A], 8)}))
+    assert ws.tasks["x"].state == "flight"
+    assert not ws.handle_stimulus(gpu_task("x"))  # computed here only if the transfer fails
+    assert ws.free_resources() == {"GPU": 0.0}
+    ws.handle_stimulus(GatherDepNetworkFailureEvent(A, ["x"], "gone", "fail"))
+    assert ws.tasks["x"].state == "executing" and ws.free_resources() == {"GPU": 0.0}
+    ws.handle_stimulus(success("x"))
+    assert ws.free_resources() == {"GPU": 1.0}
+    # and a transfer that succeeds answers the claim: nothing held
+    ws2 = make(nthreads=1, resources={"GPU": 1})
+    ws2.handle_stimulus(compute("y", {"x": ([A], 8)}), gpu_task("x"))
+    ws2.handle_stimulus(GatherDepSuccessEvent(A, {"x": 1}, {"x": 8}, "got"))
+    assert ws2.tasks["x"].state == "memory" and ws2.free_resources() == {"GPU": 1.0}
+
+
+def test_validate_state_catches_resources_that_do_not_add_up() -> None:
+    ws = make(resources={"GPU": 1})
+    ws.handle_stimulus(gpu_task("x"))
+    ws.available_resources["GPU"] = 1.0  # as if x had given back what it still holds
+    with pytest.raises(AssertionError, match="GPU"):
         ws.validate_state()

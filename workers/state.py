@@ -66,7 +66,15 @@ Task states and the transitions implemented here::
   task then counts again.  A task finishes, errs or is freed from ``long-running`` as
   from ``executing``; its run time then says nothing of its cost, so it is left out of
   the average task duration that sizes claims.
-* ``constrained`` (resource restrictions) and ``rescheduled`` are declared for later
+* **Resources** (``--resources GPU=2``): a claimed computation holds what its claim says
+  it needs (``TaskState.held``, counted out of ``available_resources``) from the claim
+  until it leaves: ``memory``, ``error``, released, handed back (a seceded run keeps
+  them: its thread may still use them, as in distributed); a cancelled run until
+  its thread returns, and a claim deferred behind a transfer while it waits.  The driver
+  claims only within what is available (the ``CLAIM`` script counts it down), so no task
+  waits here for resources, and Dask's ``constrained`` state is not needed; a claim
+  that does not fit all the same is handed back (``ReleasedKeys``), never run.
+* ``constrained`` and ``rescheduled`` are declared for later
   issues; no event reaches them yet.
 
 Fetched dependencies are private replicas: they are not announced to the scheduler and
@@ -86,6 +94,7 @@ from typing import Any, ClassVar
 
 from redisdask.comm import MAX_KEYS_PER_MESSAGE
 from redisdask.errors import RedisDaskError
+from redisdask.placement import EPSILON, fits
 from redisdask.protocol import NO_SCORE, AddKeys, MissingData, ReleasedKeys, TaskErred, TaskFinished
 from redisdask.state_machine import InvalidTransition
 
@@ -175,6 +184,7 @@ class ComputeTaskEvent(StateMachineEvent):
     priority: tuple[Any, ...]
     dependencies: dict[str, tuple[list[str], int]]
     stimulus_id: str
+    resources: dict[str, float] = field(default_factory=dict)  # what a run holds here
 
     @classmethod
     def _coerce(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -372,6 +382,8 @@ class TaskState:
     replica: bool = False  # fetched to be kept as a copy, reported with AddKeys
     unrecorded: int = 0  # copies put here (scatter) that the scheduler has not recorded yet
     seceded: bool = False  # this run left the pool: its duration is no compute time
+    resources: dict[str, float] | None = None  # what a run needs (from its claim)
+    held: dict[str, float] | None = None  # what it holds of this worker's resources now
 
     def __repr__(self) -> str:
         return f"<TaskState {self.key!r} {self.state}>"
@@ -411,6 +423,7 @@ class WorkerState:
         validate: bool = False,
         story_limit: int = 100_000,
         record_stimuli: bool = False,
+        resources: dict[str, float] | None = None,
     ) -> None:
         self.address = address
         self.host = _host(address)
@@ -422,6 +435,9 @@ class WorkerState:
         self.validate = validate
         self.paused = False
         self.retiring = False
+        self.total_resources: dict[str, float] = dict(resources or {})
+        self.available_resources: dict[str, float] = dict(self.total_resources)
+        self.resources_freed = 0  # runs that gave their resources back (claim again then)
 
         self.tasks: dict[str, TaskState] = {}
         self.by_state: defaultdict[str, set[TaskState]] = defaultdict(set)
@@ -516,8 +532,10 @@ class WorkerState:
     def _handle_compute(self, ev: ComputeTaskEvent) -> None:
         sid = ev.stimulus_id
         known = self.tasks.get(ev.key)
-        if self.retiring and (known is None or known.state in ("fetch", "missing")):
-            # a claim that crossed the retirement, or one whose transfer here failed: hand
+        retiring = self.retiring and (known is None or known.state in ("fetch", "missing"))
+        if retiring or not self._may_hold(known, ev.resources):
+            # a claim that crossed the retirement, or one whose transfer here failed, or
+            # (never: claims count what is free) one that does not fit what is free: hand
             # it back (what runs, is fetched or is held here already is answered as usual)
             self._emit(ReleasedKeys(self.address, [ev.key], stimulus_id=sid))
             if known is not None:
@@ -537,12 +555,16 @@ class WorkerState:
             return  # a duplicate claim
         if ts.state == "flight":
             ts.deferred = ev  # the transfer may still bring it; if it fails, compute it
+            if ts.held is None:
+                ts.resources = ev.resources or None
+            self._sync_resources(ts)
             return
         # fetch or missing: its data was lost elsewhere and the scheduler asks this worker
         # to compute it: stop waiting for a transfer and set it up like any claimed task
         if ts.state == "cancelled":  # freed while running, now claimed again: resume
             self._transition(ts, ts.previous or "executing", stimulus_id=sid)
             return
+        ts.resources = ev.resources or None  # held from here until the run leaves
         for dep_key, (who_has, nbytes) in ev.dependencies.items():
             dep = self._ensure_task(dep_key)
             ts.dependencies.add(dep)
@@ -663,6 +685,7 @@ class WorkerState:
                 ts.wanted = ts.replica = False
                 ts.deferred = None
                 self._release_if_unneeded(ts, ev.stimulus_id)
+                self._sync_resources(ts)  # a deferred claim gave its resources back
 
     def _handle_put_data(self, ev: PutDataEvent) -> None:
         accepted: dict[str, int] = {}
@@ -838,6 +861,49 @@ class WorkerState:
         ts.state = finish
         if finish != "released":
             self.by_state[finish].add(ts)
+        if ts.resources or ts.held is not None:
+            self._sync_resources(ts)
+
+    # -- resources -------------------------------------------------------------------
+
+    def free_resources(self) -> dict[str, float]:
+        """What more tasks may be claimed for: each resource's amount nothing holds."""
+        available = self.available_resources
+        return {name: max(0.0, available.get(name, 0.0)) for name in self.total_resources}
+
+    def _may_hold(self, known: TaskState | None, need: dict[str, float]) -> bool:
+        """Whether a claim needing ``need`` may start here: it fits what is free, or its
+        key holds what it needs already (a duplicate claim, a run resumed)."""
+        if not need or (known is not None and known.held is not None):
+            return True
+        starts = known is None or known.state in ("fetch", "missing", "error", "flight")
+        return not starts or fits(need, self.available_resources)
+
+    @staticmethod
+    def _holds(ts: TaskState) -> bool:
+        """Whether a task holds its resources now: a claimed run, from its claim until
+        it leaves (a cancelled one until its thread returns)."""
+        if not ts.resources:
+            return False
+        return (
+            ts.state in ("waiting", "ready", "executing", "long-running")
+            or (ts.state == "cancelled" and ts.previous in _RUNNING)
+            or (ts.state == "flight" and ts.deferred is not None)
+        )
+
+    def _sync_resources(self, ts: TaskState) -> None:
+        """Take or give back a task's resources as its state says (``_holds``)."""
+        available = self.available_resources
+        if self._holds(ts):
+            if ts.held is None:
+                ts.held = dict(ts.resources or {})
+                for name, amount in ts.held.items():
+                    available[name] = available.get(name, 0.0) - amount
+        elif ts.held is not None:
+            for name, amount in ts.held.items():
+                available[name] = available.get(name, 0.0) + amount
+            ts.held = None
+            self.resources_freed += 1
 
     def _transition_released_waiting(self, ts: TaskState, *, stimulus_id: str) -> None:
         self._set_state(ts, "waiting", stimulus_id)
@@ -1303,6 +1369,17 @@ class WorkerState:
             not self.rejoining or len(self.executing) >= self.nthreads,
             "a task waits to rejoin while a slot is free",
         )
+        used: dict[str, float] = {}
+        for ts in self.tasks.values():
+            check((ts.held is not None) == self._holds(ts), f"{ts} holds {ts.held}")
+            for name, amount in (ts.held or {}).items():
+                used[name] = used.get(name, 0.0) + amount
+        for name in {*self.total_resources, *self.available_resources, *used}:
+            total = self.total_resources.get(name, 0.0)
+            free = self.available_resources.get(name, 0.0)
+            slack = EPSILON * max(1.0, abs(total))
+            check(abs(total - used.get(name, 0.0) - free) <= slack, f"{name}: {total} vs held")
+            check(free >= -slack, f"{name}: {used.get(name)} held of {total}")
         check(len(self.in_flight_workers) <= self.transfer_concurrency, "too many GatherDeps")
         in_heap = {id(entry[2]) for entry in self._ready_heap}
         for ts in self.by_state["ready"]:

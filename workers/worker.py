@@ -8,7 +8,9 @@ What it does, and the Redis or TCP call behind each:
   script, which pops ready tasks, records them as processing on this worker and tells the
   scheduler, atomically.  When the ready set is empty it waits on the ``ready-signal``
   stream (XREAD BLOCK, no polling); the claim script returns that stream's last id, so a
-  signal written after an empty claim always wakes us (no lost wake-ups);
+  signal written after an empty claim always wakes us (no lost wake-ups).  Tasks with
+  resources are claimed only within what this worker has free; a claim that left some
+  for lack of resources is tried again once a run gives resources back;
 * runs tasks in a ``ThreadPoolExecutor`` and keeps results in ``WorkerState.data``; a
   task that secedes (``redisdask.secede``, ``worker_client``) keeps its thread but frees
   its slot, so the pool grows beyond ``nthreads`` while tasks are seceded (the state
@@ -47,6 +49,7 @@ from redisdask.backoff import Backoff
 from redisdask.connection import connect, connect_async
 from redisdask.errors import ProtocolError, TaskInterrupted
 from redisdask.nanny_contract import GRACEFUL_TIMEOUT
+from redisdask.placement import format_resources, parse_resources, split_resources
 from redisdask.protocol import (
     SCHEDULER_TO_WORKER,
     AcquireReplicas,
@@ -119,8 +122,11 @@ class Worker:
         story_maxlen: int = 500,
         validate: bool = False,
         preload: str | Sequence[str] | None = None,
+        resources: dict[str, float] | str | None = None,
     ) -> None:
         self.redis_url = redis_url
+        # Dask's worker resources ("GPU=2,MEM=10e9" or a dict); a mistake fails here
+        self.resources = parse_resources(resources, "worker resources")
         self.keys = Keys(cluster)
         self.nthreads = nthreads
         self.name = name
@@ -174,6 +180,7 @@ class Worker:
         self._linger: asyncio.TimerHandle | None = None
         self._latest_signal = (0, 0)
         self._empty_at: tuple[int, int] | None = None
+        self._blocked_at: int | None = None  # resources_freed when a claim lacked resources
         self._background: set[asyncio.Task[Any]] = set()
         self._inbox_id = "0-0"
         self.started = time.time()
@@ -223,6 +230,7 @@ class Worker:
             data=self.data,
             validate=self.validate,
             transfer_batch_bytes=self.transfer_batch_bytes,
+            resources=self.resources,
         )
         self.scripts = schema.Scripts(self.redis, self.keys)  # type: ignore[arg-type]
         await self.plugin_host.start(self)  # preloads, uploads, plugins: before any claim
@@ -283,6 +291,7 @@ class Worker:
             "nanny": self.nanny_pid,
             "restarts": self.restarts,
             "local_directory": str(self.local_directory),
+            "resources": self.resources,
             # the marks of its memory bar in the monitor (terminate: its nanny's, if any)
             "memory_fractions": {
                 "target": self.memory_target,
@@ -547,6 +556,8 @@ class Worker:
     # ------------------------------------------------------------------ claiming work
 
     def _may_have_work(self) -> bool:
+        if self._blocked_at is not None and self.state.resources_freed > self._blocked_at:
+            return True  # tasks were left for lack of resources, and some came free
         return self._empty_at is None or self._latest_signal > self._empty_at
 
     async def _claim_loop(self) -> None:
@@ -555,7 +566,7 @@ class Worker:
             if budget > 0 and self._may_have_work():
                 async with self._claim_lock:
                     try:
-                        claimed, last_id, inbox = await self._claim(budget)
+                        claimed, last_id, inbox, blocked = await self._claim(budget)
                     except redis.ResponseError as exc:
                         if "UNKNOWN_WORKER" not in str(exc):
                             raise
@@ -568,6 +579,7 @@ class Worker:
                         )
                         return
                     self._empty_at = _parse_id(last_id) if len(claimed) < budget else None
+                    self._blocked_at = self.state.resources_freed if blocked else None
                     self._handle_inbox(script_entries(inbox))
                     if claimed:
                         events = [self._compute_event(c) for c in claimed]
@@ -579,16 +591,20 @@ class Worker:
             await self._wake.wait()
 
     async def _claim(self, budget: int) -> Any:
+        free = format_resources(self.state.free_resources()) if self.resources else ""
         return await self.scripts.claim(
-            worker=self.address, count=budget, last_inbox_id=self._inbox_id
+            worker=self.address, count=budget, last_inbox_id=self._inbox_id, free=free
         )
 
     @staticmethod
     def _compute_event(claimed: list[Any]) -> ws.ComputeTaskEvent:
-        key, spec, score, deps = claimed
+        key, spec, score, deps, *needs = claimed
         key = key.decode()
         dependencies = {d.decode(): (split_words(who), int(nb or 0)) for d, who, nb in deps}
-        return ws.ComputeTaskEvent(key, spec, (float(score),), dependencies, f"claim-{key}")
+        resources = split_resources(needs[0]) if needs else {}
+        return ws.ComputeTaskEvent(
+            key, spec, (float(score),), dependencies, f"claim-{key}", resources
+        )
 
     async def _listen_loop(self) -> None:
         """Wait on the ready-signal stream and this worker's inbox (one XREAD BLOCK)."""
@@ -864,6 +880,7 @@ class Worker:
                 if ts.state in ("fetch", "flight", "missing")
             },
             "story": [list(map(str, s)) for s in list(st.story)[-50:]],
+            "resources": {"total": st.total_resources, "available": st.free_resources()},
         }
 
 
@@ -945,6 +962,7 @@ def options_from_config(config: Any) -> dict[str, Any]:
         "memory_pause": config.worker.memory.pause,
         "memory_monitor_interval": config.worker.memory.monitor_interval,
         "memory_terminate": config.worker.memory.terminate,
+        "resources": config.worker.resources,
     }
 
 
