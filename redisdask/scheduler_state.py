@@ -512,7 +512,8 @@ class SchedulerState:
         for key in ev.keys:
             if key in self.tasks:
                 self._make_needed(self.tasks[key], stimulus_id=ev.stimulus_id)
-            else:  # e.g. a future unpickled in a task after its submitter let it go
+            elif not schema.is_holder(ev.client):  # a holder hears nothing
+                # e.g. a future unpickled in a task after its submitter let it go
                 text = (
                     f"task {key!r} is unknown to the scheduler: it was released (no client "
                     "wanted it) before this future asked for it; keep a future of it alive "
