@@ -1036,3 +1036,15 @@ def test_validate_state_catches_resources_that_do_not_add_up() -> None:
     ws.available_resources["GPU"] = 1.0  # as if x had given back what it still holds
     with pytest.raises(AssertionError, match="GPU"):
         ws.validate_state()
+
+
+def test_a_seceded_task_keeps_its_resources_until_it_leaves() -> None:
+    """As in distributed: its thread may still use them while it waits on other tasks."""
+    ws = make(nthreads=1, resources={"GPU": 1})
+    ws.handle_stimulus(gpu_task("x"), SecedeEvent("x", "s"))
+    assert ws.tasks["x"].state == "long-running" and ws.free_resources() == {"GPU": 0.0}
+    assert ws.claim_budget() >= 1  # its slot is free for tasks without resources
+    ws.handle_stimulus(FreeKeysEvent(["x"], "free"))
+    assert ws.tasks["x"].state == "cancelled" and ws.free_resources() == {"GPU": 0.0}
+    ws.handle_stimulus(success("x"))
+    assert ws.free_resources() == {"GPU": 1.0}
