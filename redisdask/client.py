@@ -134,8 +134,14 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         *,
         timeout: float | str | None = None,
         set_as_default: bool = True,
+        asynchronous: bool = False,
         **kwargs: Any,
     ) -> None:
+        if asynchronous:
+            raise NotImplementedError(
+                "Client(asynchronous=True): redisdask has no async client yet; use the "
+                "blocking one (from async code: await asyncio.to_thread(future.result))"
+            )
         cluster_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _LOCAL_CLUSTER_ARGS}
         self.config = load_config(kwargs or None)
         self.cluster: LocalCluster | None = None  # a cluster this client started (and closes)
