@@ -73,6 +73,7 @@ from redisdask.protocol import (
     Restarted,
     RetireRefused,
     RetryKeys,
+    TaskRetried,
     UpdateData,
     UpdateGraph,
     dicts,
@@ -1175,6 +1176,10 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
                         state = self._states.get(key)
                         if state is not None and state.generation <= msg.generation:
                             state.cancel()
+                elif isinstance(msg, TaskRetried):
+                    state = self._states.get(msg.key)
+                    if state is not None and state.status == "error":
+                        state.reset()  # pending again: the task runs again
 
     # ------------------------------------------------------------------ lifecycle
 

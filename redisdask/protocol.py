@@ -576,6 +576,14 @@ class CancelledKeys(ClientEvent):
 
 
 @dataclass(slots=True)
+class TaskRetried(ClientEvent):
+    """An erred task runs again (``client.retry``): its future is pending again."""
+
+    op: ClassVar[str] = "task-retried"
+    key: str
+
+
+@dataclass(slots=True)
 class Restarted(ClientEvent):
     """``Client.restart`` happened (``by`` the client that asked)."""
 
@@ -616,7 +624,7 @@ SCHEDULER_TO_WORKER: dict[str, type[InboxMessage]] = registry(
     FreeKeys, KeysRecorded, WhoHas, AcquireReplicas, RestartWorker, RetireWorker, CloseWorker
 )
 SCHEDULER_TO_CLIENT: dict[str, type[ClientEvent]] = registry(
-    KeyInMemory, KeyErred, CancelledKeys, Restarted, RetireRefused, Closing
+    KeyInMemory, KeyErred, CancelledKeys, TaskRetried, Restarted, RetireRefused, Closing
 )
 CHANNELS: dict[str, dict[str, Any]] = {
     "client -> scheduler": CLIENT_TO_SCHEDULER,

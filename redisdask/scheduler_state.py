@@ -83,6 +83,7 @@ from redisdask.protocol import (
     TaskClaimed,
     TaskErred,
     TaskFinished,
+    TaskRetried,
     UpdateData,
     UpdateGraph,
     WhoHas,
@@ -587,31 +588,36 @@ class SchedulerState:
         self.clients = {client: set() for client in clients if not schema.is_holder(client)}
 
     def _handle_retry_keys(self, ev: RetryKeys) -> None:
-        """Run erred tasks again, as distributed's ``retry``: each erred key the client
-        wants, with every erred task it depends on (where its error came from), goes
-        back to released and is needed anew.  A task the scheduler refused stays erred."""
+        """Run erred tasks again, as distributed's ``stimulus_retry``: each erred key the
+        client wants and the erred tasks it depends on (where its error came from) go
+        back to released, and so does every erred task downstream of them or of the task
+        that raised (which inherited the error: distributed's erred-to-released
+        recommends those too); their clients hear ``task-retried``, and what is wanted
+        is needed anew.  A task the scheduler refused stays erred."""
         wanted = self.clients.get(ev.client, set())
-        roots = [
-            ts
-            for key in dict.fromkeys(ev.keys)
-            if (ts := self.tasks.get(key)) is not None
-            and ts in wanted
-            and ts.state == "erred"
-            and not ts.rejected
-        ]
-        erred: list[TaskState] = []
-        seen, todo = set(roots), list(roots)
-        while todo:
-            ts = todo.pop()
-            erred.append(ts)
-            for dep in ts.dependencies:
-                if dep.state == "erred" and dep not in seen and not dep.rejected:
-                    seen.add(dep)
-                    todo.append(dep)
-        for ts in erred:
+        up = [ts for key in dict.fromkeys(ev.keys) if (ts := self.tasks.get(key)) in wanted]
+        retried: dict[TaskState, None] = {}  # erred tasks to run again, in the order found
+        while up:
+            ts = up.pop()
+            if ts not in retried and ts.state == "erred" and not ts.rejected:
+                retried[ts] = None
+                up.extend(ts.dependencies)
+        # the task that raised may be released (nobody wanted it): start below it too
+        down = [*retried, *(self.tasks[t.exception_blame] for t in retried
+                            if t.exception_blame in self.tasks)]  # fmt: skip
+        while down:
+            for dependent in down.pop().dependents:
+                erred = dependent.state == "erred" and not dependent.rejected
+                if erred and dependent not in retried:
+                    retried[dependent] = None
+                    down.append(dependent)
+        for ts in retried:
             self._transition(ts, "released", stimulus_id=ev.stimulus_id)
-        for ts in roots:
-            self._make_needed(ts, stimulus_id=ev.stimulus_id)
+            for client in ts.who_wants:
+                self._emit(ClientMsg(ev.stimulus_id, client, TaskRetried(ts.key)))
+        for ts in retried:
+            if ts.who_wants:
+                self._make_needed(ts, stimulus_id=ev.stimulus_id)
 
     def _handle_close_client(self, ev: CloseClient) -> None:
         wanted = [ts.key for ts in self.clients.get(ev.client, ())]

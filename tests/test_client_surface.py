@@ -69,16 +69,21 @@ def test_retry_runs_an_erred_task_again(client: Client, tmp_path: Path) -> None:
     assert future.result(timeout=30) == "second attempt"
 
 
-def test_retry_of_a_dependent_reruns_the_task_its_error_came_from(
+def test_retry_of_a_dependent_reruns_the_task_its_error_came_from_and_its_heirs(
     client: Client, tmp_path: Path
 ) -> None:
     root = client.submit(fails_once, str(tmp_path / "flag"))
     dependent = client.submit(str.upper, root)
-    del root  # only the dependent is wanted: its root is kept as history
+    sibling = client.submit(str.lower, root)  # inherited the same error
+    del root  # only the dependents are wanted: their root is kept as history
     with pytest.raises(RuntimeError, match="first attempt fails"):
         dependent.result(timeout=30)
+    with pytest.raises(RuntimeError, match="first attempt fails"):
+        sibling.result(timeout=30)
     client.retry([dependent])
     assert dependent.result(timeout=30) == "SECOND ATTEMPT"
+    # as in distributed, what inherited the error runs again too (task-retried)
+    assert sibling.result(timeout=30) == "second attempt"
 
 
 def test_as_completed_batches_and_its_helpers(client: Client) -> None:

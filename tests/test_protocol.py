@@ -70,6 +70,7 @@ def samples() -> list[wire.Message]:
             rejected=True,
         ),
         wire.CancelledKeys(["x"], generation=2),
+        wire.TaskRetried("x"),
         wire.Restarted(by="c"),
         wire.RetireRefused([W1], reason="no worker would stay"),
         wire.Closing(),

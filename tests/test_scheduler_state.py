@@ -393,16 +393,31 @@ def test_retry_runs_an_erred_task_again_and_reports_its_new_result():
     assert client_msgs(out, "key-in-memory", "c")[0]["key"] == "a"
 
 
-def test_retry_of_a_dependent_reruns_what_its_error_came_from_and_not_its_siblings():
+def test_retry_reruns_where_the_error_came_from_and_everything_that_inherited_it():
+    """As distributed's stimulus_retry: the erred dependencies of what is retried, and
+    every erred task downstream of the task that raised, run again; each client wanting
+    one hears task-retried."""
     s = make(W1)
-    submit(s, "c", [task("a"), task("b", ["a"]), task("d", ["b"])], ["b", "d"])
+    graph = [task("a"), task("b", ["a"]), task("d", ["b"]), task("e", ["a"]), task("f")]
+    submit(s, "c", graph, ["b", "d", "e", "f"])
+    submit(s, "other", [], ["d"])
     fail(s, "a")
-    assert states(s) == {"a": "released", "b": "erred", "d": "erred"}
-    s.handle_stimulus(RetryKeys(client="c", keys=["b"], stimulus_id="retry"))
-    assert states(s) == {"a": "queued", "b": "waiting", "d": "erred"}  # only what was asked
+    fail(s, "f")  # another error: not retried with a's
+    assert states(s) == {"a": "released", "b": "erred", "d": "erred", "e": "erred", "f": "erred"}
+    out = s.handle_stimulus(RetryKeys(client="c", keys=["b"], stimulus_id="retry"))
+    assert states(s) == {
+        "a": "queued",
+        "b": "waiting",
+        "d": "waiting",
+        "e": "waiting",
+        "f": "erred",
+    }
+    assert {m["key"] for m in client_msgs(out, "task-retried", "c")} == {"b", "d", "e"}
+    assert [m["key"] for m in client_msgs(out, "task-retried", "other")] == ["d"]
     run(s, "a")
-    out = run(s, "b")
-    assert client_msgs(out, "key-in-memory", "c")[0]["key"] == "b"
+    run(s, "b")
+    out = run(s, "d")
+    assert client_msgs(out, "key-in-memory", "other")[0]["key"] == "d"
 
 
 def test_retry_ignores_keys_the_client_does_not_want_or_that_did_not_err():
