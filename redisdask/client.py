@@ -208,24 +208,26 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         limit = self.config.client.no_scheduler_timeout
         deadline = time.monotonic() + limit
         backoff = Backoff(base=0.05, cap=1.0)
-        warned = False
+        if (secret := schema.cluster_secret(self.redis, self.keys)) is not None:
+            return secret
+        logger.warning("%s; waiting up to %g s for it", self._no_cluster_text(), limit)
         while (secret := schema.cluster_secret(self.redis, self.keys)) is None:
-            found = schema.known_clusters(self.redis)
-            text = (
-                f"no cluster named {self.keys.cluster!r} on {redact(self.redis_url)} (no "
-                "scheduler or worker ever ran it); the clusters there are "
-                f"{found or 'none'}: check the name, or start its scheduler with "
-                f"`redisdask scheduler {redact(self.redis_url)} --cluster {self.keys.cluster}`"
-            )
             if time.monotonic() > deadline:
                 raise ClusterNotRunningError(
-                    f"{text} (waited {limit:g} s: client.no-scheduler-timeout)"
+                    f"{self._no_cluster_text()} (waited {limit:g} s: client.no-scheduler-timeout)"
                 )
-            if not warned:
-                logger.warning("%s; waiting up to %g s for it", text, limit)
-                warned = True
             time.sleep(backoff.next())  # connecting: wait for the cluster to be created
         return secret
+
+    def _no_cluster_text(self) -> str:
+        """No such cluster, the ones there are (a SCAN: only for a message), what to do."""
+        url, name = redact(self.redis_url), self.keys.cluster
+        found = schema.known_clusters(self.redis)
+        return (
+            f"no cluster named {name!r} on {url} (no scheduler or worker ever ran it); the "
+            f"clusters there are {found or 'none'}: check the name, or start its scheduler "
+            f"with `redisdask scheduler {url} --cluster {name}`"
+        )
 
     # ------------------------------------------------------------------ submission
 
