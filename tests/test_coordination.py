@@ -153,7 +153,7 @@ def set_event(name: str) -> bool:
 
 
 def queue_roundtrip(name: str) -> list[int]:
-    """Plain values through a queue inside a task (no client there: the worker's Redis)."""
+    """Plain values through a queue inside a task (through the worker's client)."""
     from redisdask import Queue
 
     q = Queue(name)
@@ -674,3 +674,11 @@ def test_what_the_scripts_send_the_scheduler_is_the_protocols(
     assert not coordination_keys(r, keys)
     for name in r.scan_iter(match=keys.prefix.replace("{", "[{]") + "*"):
         r.delete(name)
+
+
+def test_a_primitive_in_a_process_with_no_client_says_to_create_one() -> None:
+    """Neither a client nor a worker's task: the first use says what is missing."""
+    code = "from redisdask import Lock\nLock('x').acquire()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "Lock('x').acquire(): no Client is running here" in done.stderr, done.stderr

@@ -3,10 +3,7 @@
 * ``Backend``: a Redis connection, the cluster's keys and scripts, and the ``Client``
   whose futures a value may hold.  A primitive made with ``client=None`` takes
   ``redisdask.client.default_client()`` at its first use, which inside a task is the
-  worker's client (``get_client()``); should there be none, it talks to the worker's
-  Redis directly (``get_worker()``), which is all a ``Lock``, ``Semaphore`` or
-  ``Event``, or a ``Variable`` or ``Queue`` of plain values, needs.  Futures need a
-  client to own them.
+  worker's client (``get_client()``).
 * ``wait_until``: blocking without polling Redis hot.  Each attempt is one script that
   either succeeds or, atomically with its failure, records the caller as a waiter and
   returns the last id of the primitive's signal stream; the caller then blocks in
@@ -35,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import os
 import threading
 import time
 import uuid
@@ -47,9 +43,8 @@ import msgpack
 import redis
 
 from redisdask import schema, spec
-from redisdask.config import load_config, parse_duration
-from redisdask.connection import connect
-from redisdask.errors import ClientClosedError, ClusterConnectionError, RedisDaskError
+from redisdask.config import parse_duration
+from redisdask.errors import ClientClosedError, ClusterConnectionError
 from redisdask.futures import Future, _FutureState
 from redisdask.schema import CoordinationScripts, Keys
 
@@ -66,22 +61,22 @@ MAX_VALUE_BYTES = 256 << 20  # a value travels through Redis: well below its 512
 @dataclass(eq=False)
 class Backend:
     """Where a primitive lives: Redis, the cluster's keys and scripts, and the client
-    whose futures its values may hold (None inside a task)."""
+    whose futures its values may hold."""
 
     redis: redis.Redis
     keys: Keys
     scripts: CoordinationScripts
-    client: Client | None
+    client: Client
     lease_timeout: float  # scheduler.locks.lease-timeout, seconds
 
     @property
     def client_id(self) -> str:
-        return self.client.id if self.client is not None else ""
+        return self.client.id
 
     def check(self, what: str) -> None:
         """Raise ``ClientClosedError`` if the client is closed (or closing)."""
         client = self.client
-        if client is not None and client.status != "running":
+        if client.status != "running":
             raise ClientClosedError(
                 f"{what}: its client {client.id} is {client.status}; create a new Client "
                 "and make the primitive with client= it (or after it, as the default client)"
@@ -93,45 +88,24 @@ class Backend:
         futures it hands over): no send of the client's own can interleave (a release of
         the same key popped before, landing after), and its event thread cannot hear of
         those keys before their futures exist."""
-        if self.client is None:
-            yield
-            return
         with self.client._send_lock, self.client._lock:
             yield
 
-    def needs_client(self, what: str) -> RedisDaskError:
-        return RedisDaskError(
-            f"{what}: the value holds futures, and this process has no Client to own them; "
-            "create one with Client(...) and pass client=, or share plain values instead"
-        )
 
-    @contextlib.contextmanager
-    def handing_over(self, what: str) -> Iterator[None]:
-        """``sending()``, with a script's refusal to hand futures to no client (it took
-        nothing) raised as ``needs_client``."""
-        with self.sending():
-            try:
-                yield
-            except redis.ResponseError as exc:
-                if script_error(exc, "NEEDS_CLIENT"):
-                    raise self.needs_client(what) from None
-                raise
-
-
-_worker_backends: dict[tuple[str, str, int], Backend] = {}
 _backends_lock = threading.Lock()
 
 
 def backend_of(client: Client | None, what: str) -> Backend:
-    """The backend of ``client``, of the default client, or (inside a task, with no
-    client in this process) of the worker running the task."""
+    """The backend of ``client``, or of the default client (in a task: its worker's)."""
     if client is None:
         from redisdask.client import default_client
 
         try:
             client = default_client()
         except ValueError:
-            return _worker_backend(what)
+            raise ValueError(
+                f"{what}: no Client is running here: create one with Client(...), or pass client="
+            ) from None
     backend: Backend | None = client._coordination  # (kept on the client: see DatasetMethods)
     if backend is None:
         with _backends_lock:
@@ -145,34 +119,6 @@ def backend_of(client: Client | None, what: str) -> Backend:
                     client.config.scheduler.locks.lease_timeout,
                 )
     backend.check(what)
-    return backend
-
-
-def _worker_backend(what: str) -> Backend:
-    try:
-        from redisdask.workers import get_worker
-
-        worker = get_worker()
-    except (ImportError, ValueError):
-        raise ValueError(
-            f"{what}: no Client is running here: create one with Client(...), or pass "
-            "client= (inside a task, the primitive uses its worker's Redis by itself)"
-        ) from None
-    key = (worker.redis_url, worker.keys.cluster, os.getpid())
-    with _backends_lock:
-        backend = _worker_backends.get(key)
-        if backend is None:
-            r = connect(
-                worker.redis_url, cluster_errors=True, name=f"rd-coordination-{os.getpid()}"
-            )
-            config = load_config()
-            backend = _worker_backends[key] = Backend(
-                r,
-                worker.keys,
-                CoordinationScripts(r, worker.keys),
-                None,
-                config.scheduler.locks.lease_timeout,
-            )
     return backend
 
 
@@ -197,15 +143,17 @@ class Bound:
 
     @property
     def client(self) -> Client | None:
-        """The client this primitive uses, or would use now (None inside a task without
-        one, or when no client is running)."""
+        """The client this primitive uses, or would use now (None when no client runs)."""
         if self._backend is not None:
             return self._backend.client
         if self._client is not None:
             return self._client
-        from redisdask.client import _default_client
+        from redisdask.client import default_client
 
-        return _default_client[0]
+        try:
+            return default_client()
+        except ValueError:
+            return None
 
     def _what(self, op: str) -> str:
         return f"{type(self).__name__}({self.name!r}).{op}"
@@ -307,13 +255,11 @@ def encode(value: Any, what: str) -> tuple[bytes, list[str]]:
     return data, sorted({future._key for future in futures})
 
 
-def hand_over(backend: Backend, keys: list[str], lost: bool, what: str) -> dict[str, Future]:
+def hand_over(backend: Backend, keys: list[str], lost: bool) -> dict[str, Future]:
     """Futures of ``backend``'s client for ``keys`` (call it inside ``sending()``, where
     the script that sent their want ran).  ``lost``: recorded before a restart."""
     if not keys:
         return {}
-    if backend.client is None:
-        raise backend.needs_client(what)
     if not lost:
         return {key: Future(key, backend.client) for key in keys}
     reason = (

@@ -129,12 +129,12 @@ class DatasetMethods:
         found = []
         with b.sending():
             current, *raws = b.scripts.get_datasets(client=b.client_id, names=fields)
-            for f, raw in zip(fields, raws, strict=True):
+            for raw in raws:
                 if raw is None:
                     found.append(None)
                     continue
                 epoch, keys, data, _ = unpack_record(raw)
-                found.append((data, hand_over(b, keys, epoch != current, f"{what} of {f!r}")))
+                found.append((data, hand_over(b, keys, epoch != current)))
         out = []
         for f, item in zip(fields, found, strict=True):
             if item is not None:

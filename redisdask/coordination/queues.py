@@ -103,7 +103,7 @@ class Queue(Bound):
         """Up to ``count`` items (0: all there are), waiting for the first."""
 
         def attempt(waiter: str, wait_ms: int) -> tuple[bool, Any, str, float | None]:
-            with b.handing_over(what):
+            with b.sending():
                 reply = b.scripts.queue_get(
                     name=self.name, holder=self._holder, waiter=waiter, wait_ms=wait_ms,
                     client=b.client_id, count=count,
@@ -114,7 +114,7 @@ class Queue(Bound):
                 taken = []
                 for raw in reply[2:]:
                     epoch, keys, data = unpack_record(raw)
-                    taken.append((data, hand_over(b, keys, epoch != current, what)))
+                    taken.append((data, hand_over(b, keys, epoch != current)))
             return True, [decode(data, futures) for data, futures in taken], "", None
 
         done, items = wait_until(b, self.kind, self.name, what, timeout, attempt)

@@ -47,7 +47,7 @@ class Variable(Bound):
         b = self._bind("get()")
 
         def attempt(waiter: str, wait_ms: int) -> tuple[bool, Any, str, float | None]:
-            with b.handing_over(what):
+            with b.sending():
                 reply = b.scripts.variable_get(
                     name=self.name, waiter=waiter, wait_ms=wait_ms, client=b.client_id
                 )
@@ -55,7 +55,7 @@ class Variable(Bound):
                     return False, None, reply[1].decode(), None
                 _, data, packed, epoch, current = reply
                 keys = schema.unpack(packed)
-                futures = hand_over(b, keys, epoch != current, what)
+                futures = hand_over(b, keys, epoch != current)
             return True, decode(data, futures), "", None
 
         found, value = wait_until(b, self.kind, self.name, what, seconds(timeout), attempt)
