@@ -59,11 +59,17 @@ def read_task_stream(
 
 
 def _rows(fields: dict[bytes, bytes]) -> list[list[Any]]:
-    try:
-        rows = schema.unpack(fields[b"m"])
-    except (KeyError, ValueError):
-        return []
-    return [row for row in rows if isinstance(row, list) and len(row) == 5 and row[1]]
+    """The task rows of one story entry; nothing from an entry that is not one."""
+    rows = schema.unpack_or(fields.get(b"m"), [], list)
+    return [
+        row
+        for row in rows
+        if isinstance(row, list)
+        and len(row) == 5
+        and isinstance(row[0], int | float)
+        and isinstance(row[1], str)
+        and row[1]
+    ]
 
 
 def _runs(worker: str, rows: list[list[Any]]) -> list[dict[str, Any]]:

@@ -9,7 +9,9 @@ import time
 from concurrent.futures import TimeoutError as FuturesTimeoutError
 from pathlib import Path
 
+import msgpack
 import pytest
+import redis
 from polling import poll
 
 from redisdask import Client, FutureCancelledError, as_completed, get_task_stream, wait
@@ -158,6 +160,13 @@ def test_get_task_stream_reads_when_and_where_tasks_ran(client: Client) -> None:
     assert by_key["stream-boom"]["status"] == "error" and by_key["stream-0"]["status"] == "OK"
     assert len(client.get_task_stream(start="1h", count=2)) == 2
     assert client.get_task_stream(start=time.time() + 60) == []
+    # a story entry that is not one (a stranger's, or a broken write) is left out
+    r = redis.Redis.from_url(client.redis_url)
+    story = client.keys.worker_story(sorted(workers)[0])
+    for junk in (b"\xc1", msgpack.packb(7), msgpack.packb([[1.0, 2, "a", "b", "c"], "x"])):
+        r.xadd(story, {"m": junk})
+    r.xadd(story, {"other": b"field"})
+    assert {t["key"] for t in client.get_task_stream()} == {t["key"] for t in ts.data}
 
 
 def test_get_versions_reads_more_packages_in_the_client_and_every_worker(client: Client) -> None:
