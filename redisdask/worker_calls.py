@@ -62,15 +62,14 @@ def funcname(function: Any) -> str:
 
 
 class WorkerCalls:
-    """The methods ``Client`` inherits from this module (see its docstring)."""
+    """The methods ``Client`` inherits from this module (see its docstring); they use
+    the client's own helpers (``_check_running``), of which this mixin declares no stub
+    that could come before the real one in ``Client``'s MRO."""
 
     redis: redis.Redis
     keys: Keys
     secret: bytes
     config: Config
-
-    def _check_running(self) -> None:  # pragma: no cover - Client's own is used
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ run
 
