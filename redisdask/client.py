@@ -14,6 +14,10 @@ garbage-collected.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
 import importlib.util
 import inspect
 import logging
@@ -24,9 +28,19 @@ import threading
 import time
 import uuid
 from collections import defaultdict, deque
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Coroutine,
+    Generator,
+    Hashable,
+    Iterable,
+    Iterator,
+    Mapping,
+)
 from concurrent.futures import TimeoutError as FuturesTimeoutError
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import cloudpickle
 import redis
@@ -37,7 +51,7 @@ from redisdask.backoff import Backoff
 from redisdask.cluster import LocalCluster
 from redisdask.cluster_admin import ClusterAdmin
 from redisdask.config import load_config
-from redisdask.connection import connect, redact
+from redisdask.connection import check_async, connect, connect_async, redact
 from redisdask.coordination.datasets import DatasetMethods
 from redisdask.errors import (
     ClusterConnectionError,
@@ -57,6 +71,14 @@ from redisdask.futures import (
     as_completed,
     wait,
 )
+from redisdask.loop import (
+    LoopThread,
+    awaitable_on,
+    offloaded,
+    run_blocking,
+    running_loop,
+    wake,
+)
 from redisdask.memory import format_bytes
 from redisdask.placement import task_options as _options
 from redisdask.protocol import (
@@ -66,7 +88,6 @@ from redisdask.protocol import (
     ClientDesiresKeys,
     ClientReleasesKeys,
     CloseClient,
-    Closing,
     Event,
     KeyErred,
     KeyInMemory,
@@ -103,6 +124,7 @@ MAX_SPEC_BYTES = 256 << 20
 SEND_ATTEMPTS = 3  # writes refused while Redis answers PING before the client gives up
 # keywords of Client() with no address that go to the LocalCluster it starts
 _LOCAL_CLUSTER_ARGS = frozenset(inspect.signature(LocalCluster).parameters) - {"cluster_name"}
+T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------- client
@@ -138,16 +160,17 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         asynchronous: bool = False,
         **kwargs: Any,
     ) -> None:
-        if asynchronous:
-            raise NotImplementedError(
-                "Client(asynchronous=True): redisdask has no async client yet; use the "
-                "blocking one (from async code: await asyncio.to_thread(future.result))"
+        if asynchronous and running_loop() is None:
+            raise RuntimeError(
+                "Client(asynchronous=True) belongs to a running event loop: make it in a "
+                "coroutine (client = await Client(..., asynchronous=True), or async with)"
             )
         cluster_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _LOCAL_CLUSTER_ARGS}
         self.config = load_config(kwargs or None)
         self.cluster: LocalCluster | None = None  # a cluster this client started (and closes)
+        self._new_cluster: dict[str, Any] | None = None  # LocalCluster arguments, to start one
         if address is None and "url" not in self.config.redis.model_fields_set:
-            address = self.cluster = LocalCluster(cluster_name=cluster_name, **cluster_kwargs)
+            self._new_cluster = {"cluster_name": cluster_name, **cluster_kwargs}
         elif cluster_kwargs:
             raise TypeError(
                 f"Client({address!r}) connects to a running cluster; {sorted(cluster_kwargs)} "
@@ -160,25 +183,18 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         self.keys = Keys(cluster_name or self.config.cluster.name)
         self.timeout = _seconds(timeout) or self.config.redis.connect_timeout
         self.id = f"client-{uuid.uuid4().hex[:12]}"
-        # its connection failures are ClusterConnectionError (redisdask.connection)
-        self.redis = connect(
-            self.redis_url, timeout=self.timeout, name=f"rd-client-{self.id}", cluster_errors=True
-        )
-        try:
-            self.secret = self._find_cluster()
-        except BaseException:
-            self.redis.close()
-            if self.cluster is not None:
-                self.cluster.close()
-            raise
-        self.status = "running"
-        self.asynchronous = False  # dask asks before using a client as its scheduler
+        self.status = "connecting"
+        self.asynchronous = asynchronous  # dask asks before using a client as its scheduler
         self._lock = threading.RLock()
         self._states: dict[str, _FutureState] = {}
         self._refcount: dict[str, int] = defaultdict(int)
         # keys whose last future went, to release with the next send (an ordered set)
         self._pending_release: dict[str, None] = {}
-        self._send_lock = threading.Lock()
+        self._outbox: deque[_Outgoing] = deque()  # for the sender task, in order
+        # held by the sender from popping releases to writing them, and by coordination
+        # scripts that send wants (``coordination.backend``): neither lands in the other
+        # (reentrant: a primitive used on an asynchronous client's loop cannot deadlock)
+        self._send_lock = threading.RLock()
         self._restarted = threading.Event()
         self._retire_refused: dict[str, str] = {}  # worker -> why the scheduler refused
         self._versions = versions()
@@ -186,48 +202,120 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         # since when (monotonic) each heartbeat found no leading scheduler / no worker
         self._missing_since: dict[str, float] = {}
         self._generation = 0
-        self._peers = comm.BlockingPool(self.secret, timeout=self.timeout)
-        self._stop = threading.Event()
-        self._heartbeat()
+        self._callbacks: concurrent.futures.ThreadPoolExecutor | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._dask_config: Any = None
+        self._set_as_default = set_as_default
+        self._loop_thread: LoopThread | None = None
+        if asynchronous:
+            self.loop = asyncio.get_running_loop()
+            self._started: asyncio.Future[None] = asyncio.ensure_future(self._astart())
+            return
+        self._loop_thread = LoopThread(name=f"{self.id}-loop")
+        self.loop = self._loop_thread.loop
+        try:
+            run_blocking(self.loop, self._astart)
+        except BaseException:
+            self._loop_thread.stop()
+            raise
+
+    async def _astart(self) -> None:
+        """Connect (a new ``LocalCluster`` first, for ``Client()``), find the cluster,
+        say hello, and start the tasks that read the scheduler's messages and send ours."""
+        loop = asyncio.get_running_loop()
+        if self._new_cluster is not None:
+            self.cluster = await loop.run_in_executor(
+                None, functools.partial(LocalCluster, **self._new_cluster)
+            )
+            self.redis_url = self.cluster.redis_url
+            self.keys = Keys(self.cluster.cluster_name)
+        name = f"rd-client-{self.id}"
+        # connection failures are ClusterConnectionError (redisdask.connection); the
+        # blocking connection serves the cluster-wide calls (ClusterAdmin, WorkerCalls…)
+        self._aredis = connect_async(self.redis_url, timeout=self.timeout, name=name,
+                                     cluster_errors=True)  # fmt: skip
+        self.redis = connect(self.redis_url, timeout=self.timeout, name=name,
+                             cluster_errors=True, check=False)  # fmt: skip
+        self._events_redis = connect_async(
+            self.redis_url, timeout=self.timeout, name=f"{name}-events"
+        )
+        try:
+            await check_async(self._aredis, self.redis_url, self.timeout)
+            self.secret = await self._afind_cluster()
+            await self._aheartbeat()
+        except BaseException:
+            await self._disconnect()
+            if self.cluster is not None:
+                await loop.run_in_executor(None, self.cluster.close)
+            self.status = "failed"
+            raise
         for what in self._missing_since:
             logger.warning("%s", self._missing_text(what, waited=None))
-        self._events_redis = connect(
-            self.redis_url, timeout=self.timeout, name=f"rd-client-{self.id}-events"
-        )
-        self._thread = threading.Thread(
-            target=self._event_loop, name=f"{self.id}-events", daemon=True
-        )
-        self._thread.start()
-        self._dask_config: Any = None
-        if set_as_default:
+        self._peers = comm.ConnectionPool(self.secret, timeout=self.timeout)
+        self._outbox_ready = asyncio.Event()
+        self._tasks = [
+            asyncio.ensure_future(self._aevent_loop()),
+            asyncio.ensure_future(self._asender()),
+        ]
+        self.status = "running"
+        if self._set_as_default:
             _set_default(self)
             self._dask_config = _make_dask_default(self)
 
-    def _find_cluster(self) -> bytes:
+    async def _afind_cluster(self) -> bytes:
         """The cluster's secret, once a scheduler or a worker created the cluster."""
         limit = self.config.client.no_scheduler_timeout
         deadline = time.monotonic() + limit
         backoff = Backoff(base=0.05, cap=1.0)
-        if (secret := schema.cluster_secret(self.redis, self.keys)) is not None:
+        if (secret := await schema.cluster_secret(self._aredis, self.keys)) is not None:
             return secret
-        logger.warning("%s; waiting up to %g s for it", self._no_cluster_text(), limit)
-        while (secret := schema.cluster_secret(self.redis, self.keys)) is None:
+        logger.warning("%s; waiting up to %g s for it", await self._no_cluster_text(), limit)
+        while (secret := await schema.cluster_secret(self._aredis, self.keys)) is None:
             if time.monotonic() > deadline:
                 raise ClusterNotRunningError(
-                    f"{self._no_cluster_text()} (waited {limit:g} s: client.no-scheduler-timeout)"
+                    f"{await self._no_cluster_text()} (waited {limit:g} s: "
+                    "client.no-scheduler-timeout)"
                 )
-            time.sleep(backoff.next())  # connecting: wait for the cluster to be created
+            await asyncio.sleep(backoff.next())  # connecting: wait for the cluster to be created
         return secret
 
-    def _no_cluster_text(self) -> str:
+    async def _no_cluster_text(self) -> str:
         """No such cluster, the ones there are (a SCAN: only for a message), what to do."""
         url, name = redact(self.redis_url), self.keys.cluster
-        found = schema.known_clusters(self.redis)
+        loop = asyncio.get_running_loop()
+        found = await loop.run_in_executor(None, schema.known_clusters, self.redis)
         return (
             f"no cluster named {name!r} on {url} (no scheduler or worker ever ran it); the "
             f"clusters there are {found or 'none'}: check the name, or start its scheduler "
             f"with `redisdask scheduler {url} --cluster {name}`"
         )
+
+    # ------------------------------------------------------------------ sync and async
+
+    def _sync(self, make: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kwargs: Any) -> Any:
+        """``make(...)`` run on the client's loop: awaitable for an asynchronous client,
+        waited for (its value) by a blocking one, as distributed's ``Client.sync``."""
+        if self.asynchronous:
+            return awaitable_on(self.loop, make, *args, **kwargs)
+        return run_blocking(self.loop, make, *args, **kwargs)
+
+    def _block(self, make: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kwargs: Any) -> T:
+        """``make(...)`` run on the client's loop, waited for from this (other) thread."""
+        return run_blocking(self.loop, make, *args, **kwargs)
+
+    def __await__(self) -> Generator[Any, None, Client]:
+        async def started() -> Client:
+            if self.asynchronous:
+                await self._started
+            return self
+
+        return started().__await__()
+
+    async def __aenter__(self) -> Client:
+        return await self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._sync(self._aclose)
 
     # ------------------------------------------------------------------ submission
 
@@ -411,53 +499,128 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
             entries.append([ClientReleasesKeys(self.id, bridge_keys)])
         self._send(*entries, resubmitted=submitted)
 
-    def _send(self, *batches: list[Event], resubmitted: Iterable[str] = ()) -> None:
-        """XADD entries to the clients stream in one pipeline, pending releases first.
+    # ------------------------------------------------------------------ sending
 
-        One lock orders every send of this client: a release popped by the heartbeat thread
-        can never land after a resubmission of the same key by the user's thread."""
-        with self._send_lock:
-            releases = self._release_messages(resubmitted)
-            if releases:
-                batches = (releases, *batches)
-            entries = tuple(dicts(batch) for batch in batches)
-            backoff = Backoff(base=0.05, cap=1.0)
-            refused = 0  # failures while Redis itself answers: the write is the problem
-            while True:
+    def _send(
+        self, *batches: list[Event], resubmitted: Iterable[str] = ()
+    ) -> Awaitable[None] | None:
+        """Queue stream entries (each a batch of messages) for the sender task, which
+        writes them in order.  From another thread, wait until they are written (raising
+        what went wrong).  On the client's loop return an awaitable of the write at once
+        (an asynchronous client's ``submit`` does not wait): a graph that cannot be
+        written makes its futures err, whether awaited or not."""
+        self._check_running()
+        on_loop = running_loop() is self.loop
+        item = _Outgoing(batches, tuple(resubmitted), concurrent.futures.Future(), on_loop)
+        self._outbox.append(item)
+        wake(self.loop, self._outbox_ready)
+        if on_loop:
+            awaitable = asyncio.wrap_future(item.written)
+            # awaited or not: a failure reaches the futures and the log (``_send_failed``)
+            awaitable.add_done_callback(_retrieved)
+            return awaitable
+        item.written.result()
+        return None
+
+    async def _asend(self, *batches: list[Event], resubmitted: Iterable[str] = ()) -> None:
+        """``_send`` from a coroutine on the client's loop: waits until written."""
+        await self._send(*batches, resubmitted=resubmitted)  # type: ignore[misc]
+
+    async def _asender(self) -> None:
+        """Write what ``_send`` queued: everything queued at a time in one pipeline,
+        pending releases first.  One writer orders every send of this client, so a release
+        can never land after a resubmission of the same key."""
+        while True:
+            await self._outbox_ready.wait()
+            self._outbox_ready.clear()
+            while self._outbox:
+                items = [self._outbox.popleft() for _ in range(len(self._outbox))]
                 try:
-                    pipe = self.redis.pipeline(transaction=False)
-                    for messages in entries:
-                        pipe.xadd(self.keys.client_stream, schema.entry(messages))
-                    pipe.execute()  # a retry after a lost reply may repeat an entry: harmless
-                    self._redis_back()
-                    return
-                except redis.ResponseError as exc:
-                    raise RedisDaskError(
-                        f"Redis at {redact(self.redis_url)} refused a write of "
-                        f"{format_bytes(_entries_size(entries))} to the clients stream: {exc}; "
-                        "send large data with client.scatter"
-                    ) from exc
-                except ClusterConnectionError as exc:
-                    if self._redis_answers():
-                        refused += 1
-                        if refused >= SEND_ATTEMPTS:
-                            raise ClusterConnectionError(
-                                f"Redis at {redact(self.redis_url)} answers but dropped the "
-                                f"connection on each of {refused} attempts to write "
-                                f"{format_bytes(_entries_size(entries))} to the clients "
-                                f"stream ({exc}); a "
-                                "write that large may pass Redis's limits "
-                                "(proto-max-bulk-len, client-query-buffer-limit): send large "
-                                "data with client.scatter"
-                            ) from exc
-                    else:
-                        self._redis_lost(exc)
-                        self._check_redis()
-                    time.sleep(backoff.next())  # backoff while Redis is away
+                    await self._awrite(items)
+                except asyncio.CancelledError:
+                    _fail(items, RedisDaskError(f"client {self.id} closed before sending"))
+                    raise
+                except Exception as exc:
+                    if len(items) == 1:
+                        self._send_failed(items[0], exc)
+                        continue
+                    for item in items:  # which one was it? each alone says
+                        try:
+                            await self._awrite([item])
+                        except Exception as exc:
+                            self._send_failed(item, exc)
+                        else:
+                            _written(item)
+                else:
+                    for item in items:
+                        _written(item)
 
-    def _redis_answers(self) -> bool:
+    def _send_failed(self, item: _Outgoing, exc: Exception) -> None:
+        """Tell the waiter and, when nobody may be waiting (sent from the loop), the
+        futures of the graph that was not sent."""
+        item.written.set_exception(exc)
+        if not item.from_loop:
+            return
+        logger.error("client %s could not send %d messages: %s", self.id, item.size, exc)
+        with self._lock:
+            for key in item.resubmitted:
+                state = self._states.get(key)
+                if state is not None and not state.event.is_set():
+                    state.set_error(exc, None)
+
+    async def _awrite(self, items: list[_Outgoing]) -> None:
+        """XADD the items' entries in one pipeline; retries while Redis is away, for up
+        to ``redis.down-deadline``."""
+        with self._send_lock:
+            await self._awrite_locked(items)
+
+    async def _awrite_locked(self, items: list[_Outgoing]) -> None:
+        releases = self._release_messages(k for item in items for k in item.resubmitted)
+        batches = [b for item in items for b in item.batches]
+        if releases:
+            batches.insert(0, releases)
+        entries = tuple(dicts(batch) for batch in batches if batch)
+        if not entries:
+            return
+        backoff = Backoff(base=0.05, cap=1.0)
+        refused = 0  # failures while Redis itself answers: the write is the problem
+        while True:
+            try:
+                pipe = self._aredis.pipeline(transaction=False)
+                for messages in entries:
+                    pipe.xadd(self.keys.client_stream, schema.entry(messages))
+                await pipe.execute()  # a retry after a lost reply may repeat an entry: harmless
+                self._redis_back()
+                return
+            except redis.ResponseError as exc:
+                why = str(exc).rpartition("caused error: ")[2]  # (not the command's bytes)
+                raise RedisDaskError(
+                    f"Redis at {redact(self.redis_url)} refused a write of "
+                    f"{format_bytes(_entries_size(entries))} to the clients stream: {why}; "
+                    "a write that large may pass Redis's limits (proto-max-bulk-len, "
+                    "client-query-buffer-limit): send large data with client.scatter"
+                ) from exc
+            except ClusterConnectionError as exc:
+                if await self._redis_answers():
+                    refused += 1
+                    if refused >= SEND_ATTEMPTS:
+                        raise ClusterConnectionError(
+                            f"Redis at {redact(self.redis_url)} answers but dropped the "
+                            f"connection on each of {refused} attempts to write "
+                            f"{format_bytes(_entries_size(entries))} to the clients "
+                            f"stream ({exc}); a "
+                            "write that large may pass Redis's limits "
+                            "(proto-max-bulk-len, client-query-buffer-limit): send large "
+                            "data with client.scatter"
+                        ) from exc
+                else:
+                    self._redis_lost(exc)
+                    await self._acheck_redis()
+                await asyncio.sleep(backoff.next())  # backoff while Redis is away
+
+    async def _redis_answers(self) -> bool:
         try:
-            self.redis.ping()
+            await self._aredis.ping()
         except ClusterConnectionError:
             return False
         return True
@@ -481,17 +644,14 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
             )
             self._down_since = None
 
-    def _check_redis(self) -> None:
+    async def _acheck_redis(self) -> None:
         """Raise once Redis has been unreachable for longer than ``redis.down-deadline``."""
         since = self._down_since
         deadline = self.config.redis.down_deadline
         if since is not None and time.monotonic() - since > deadline:
-            try:
-                self.redis.ping()  # back meanwhile? (the event thread may not know yet)
+            if await self._redis_answers():  # back meanwhile? (the reader may not know yet)
                 self._redis_back()
                 return
-            except ClusterConnectionError:
-                pass
             raise ClusterConnectionError(
                 f"Redis at {redact(self.redis_url)} has been unreachable for more than "
                 f"{deadline:g} s (redis.down-deadline); nothing is lost: the futures are kept "
@@ -526,10 +686,13 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         packed = _pack_lists(keys, lambda k: futures[k])
         if not sync:
             return packed
+        return self._sync(self._aget, packed, list(futures.values()))
+
+    async def _aget(self, packed: Any, futures: list[Future]) -> Any:
         try:
-            return self.gather(packed)
+            return await self._agather(packed, "raise")
         finally:
-            for f in futures.values():
+            for f in futures:
                 f.release()
 
     def compute(
@@ -577,8 +740,13 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         done = iter(names)
         for item in items:
             out.append(futures[next(done)] if dask.is_dask_collection(item) else item)
-        result = self.gather(out) if sync else out
-        return result[0] if singleton else result
+        if sync:
+            return self._sync(self._acompute_values, out, singleton)
+        return out[0] if singleton else out
+
+    async def _acompute_values(self, out: list[Any], singleton: bool) -> Any:
+        values = await self._agather(out, "raise")
+        return values[0] if singleton else values
 
     def persist(
         self,
@@ -697,14 +865,19 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
 
     # ------------------------------------------------------------------ results
 
-    def gather(self, futures: Any, errors: str = "raise") -> Any:
+    def gather(self, futures: Any, errors: str = "raise", direct: bool | None = None) -> Any:
         """Wait for futures (also nested in lists, tuples, sets and dicts) and fetch their
         values.  ``errors="raise"`` raises the first error as soon as it happens;
-        ``"skip"`` leaves the erred and cancelled futures out of the result."""
+        ``"skip"`` leaves the erred and cancelled futures out of the result.  ``direct``
+        is accepted for distributed's sake: values always come straight from the workers.
+        Awaitable on an asynchronous client."""
         if errors not in ("raise", "skip"):
             raise ValueError(f"errors= is 'raise' or 'skip', got {errors!r}")
+        return self._sync(self._agather, futures, errors)
+
+    async def _agather(self, futures: Any, errors: str) -> Any:
         flat = [f for f in _flatten(futures) if isinstance(f, Future)]
-        values = self._results(flat, None, skip_errors=errors == "skip")
+        values = await self._aresults(flat, None, skip_errors=errors == "skip")
         packed = _pack_like(
             futures,
             lambda f: values.get(f._key, _SKIPPED) if isinstance(f, Future) else f,
@@ -712,6 +885,16 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         return None if packed is _SKIPPED else packed
 
     def _results(
+        self, futures: list[Future], timeout: float | None, skip_errors: bool = False
+    ) -> dict[str, Any]:
+        """``_aresults`` from another thread than the client's loop."""
+        return self._block(self._aresults, futures, timeout, skip_errors)
+
+    def _wait_for(self, futures: list[Future], deadline: float | None, stop_on_error: bool) -> None:
+        """``_await_for`` from another thread than the client's loop."""
+        self._block(self._await_for, futures, deadline, stop_on_error)
+
+    async def _aresults(
         self, futures: list[Future], timeout: float | None, skip_errors: bool = False
     ) -> dict[str, Any]:
         """Wait for ``futures`` and fetch their values from the workers; without
@@ -724,12 +907,12 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         values: dict[str, Any] = {}
         pending = futures
         while pending:
-            self._wait_for(pending, deadline, stop_on_error=not skip_errors)
+            await self._await_for(pending, deadline, stop_on_error=not skip_errors)
             if not skip_errors:
                 for f in pending:
                     f._raise_if_failed()
             finished = {f._key: f._state.finishes for f in pending if f.status == "finished"}
-            got, stale = self._gather_keys(list(finished))
+            got, stale = await self._agather_keys(list(finished))
             values.update(got)
             with self._lock:
                 for key in stale:
@@ -737,7 +920,7 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
                     if state is not None and state.finishes == finished[key]:
                         state.reset()  # no newer news arrived meanwhile
             # what is still to come: stale news, or a future reset meanwhile by another
-            # thread's gather of the same key (never left out of the result silently)
+            # gather of the same key (never left out of the result silently)
             pending = [
                 f
                 for f in pending
@@ -745,13 +928,16 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
             ]
         return values
 
-    def _wait_for(self, futures: list[Future], deadline: float | None, stop_on_error: bool) -> None:
+    async def _await_for(
+        self, futures: list[Future], deadline: float | None, stop_on_error: bool
+    ) -> None:
         """Return when every future is done, or (``stop_on_error``) as soon as one erred or
-        was cancelled.  Each finishing future wakes this thread once (done callbacks), so
-        waiting for 100,000 futures costs no scan per wake-up.  While Redis is away, gives
-        up after ``redis.down-deadline`` (the futures are kept)."""
+        was cancelled.  Each finishing future wakes this coroutine once (done callbacks),
+        so waiting for 100,000 futures costs no scan per wake-up.  While Redis is away,
+        gives up after ``redis.down-deadline`` (the futures are kept)."""
+        loop = asyncio.get_running_loop()
         finished: deque[_FutureState] = deque()  # appended to by the done callbacks
-        woken = threading.Event()
+        woken = asyncio.Event()
         remaining = 0
         with self._lock:
             for f in futures:
@@ -759,7 +945,7 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
                 if not state.event.is_set():
                     remaining += 1
                     state.callbacks.append(
-                        lambda state=state: (finished.append(state), woken.set())  # type: ignore[misc]
+                        lambda state=state: (finished.append(state), wake(loop, woken))  # type: ignore[misc]
                     )
                 elif stop_on_error and state.status in _FAILED:
                     return
@@ -778,12 +964,14 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
                 raise FuturesTimeoutError(
                     f"{undone} of {len(futures)} futures did not finish within the timeout"
                 )
-            self._check_waiting()
-            woken.wait(0.25 if left is None else min(left, 0.25))
+            await self._acheck_waiting()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(woken.wait(), 0.25 if left is None else min(left, 0.25))
 
-    def _gather_keys(self, keys: list[str]) -> tuple[dict[str, Any], set[str]]:
-        """Fetch values from the workers holding them, one request per worker.  Returns
-        the values and the keys whose task the scheduler no longer has in memory."""
+    async def _agather_keys(self, keys: list[str]) -> tuple[dict[str, Any], set[str]]:
+        """Fetch values from the workers holding them, one request per worker (all at
+        once).  Returns the values and the keys whose task the scheduler no longer has
+        in memory."""
         remaining = set(keys)
         stale: set[str] = set()
         values: dict[str, Any] = {}
@@ -808,23 +996,19 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
                         f"(tried {dict(tried)}); the workers may have died — resubmit the work"
                     )
                 same_holders = False
-                for key, state in self._refresh_who_has(unknown).items():
+                for key, state in (await self._arefresh_who_has(unknown)).items():
                     if state is not None and state != "memory":
                         stale.add(key)
                         remaining.discard(key)
                     elif set(self._state_for(key).who_has) <= tried[key]:
                         same_holders = True
                     tried[key].clear()
-                if same_holders:
-                    time.sleep(backoff.next())  # the same dead holders: let the scheduler notice
+                if same_holders:  # the same dead holders: let the scheduler notice
+                    await asyncio.sleep(backoff.next())
                 continue
-            for address, wkeys in _batches(by_worker, comm.MAX_KEYS_PER_MESSAGE):
-                try:
-                    header, frames = self._peers.rpc(address, {"op": "get-data", "keys": wkeys})
-                    got, errs = comm.deserialize_dict(header, frames)
-                except (OSError, comm.CommError) as exc:
-                    logger.warning("could not fetch %d keys from %s: %s", len(wkeys), address, exc)
-                    got, errs = {}, {}
+            requests = list(_batches(by_worker, comm.MAX_KEYS_PER_MESSAGE))
+            answers = await asyncio.gather(*(self._fetch(a, k) for a, k in requests))
+            for (address, wkeys), (got, errs) in zip(requests, answers, strict=True):
                 if errs:
                     raise next(iter(errs.values()))
                 values.update(got)
@@ -835,14 +1019,26 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
                         tried[key].add(address)
         return values, stale
 
-    def _refresh_who_has(self, keys: list[str]) -> dict[str, str | None]:
+    async def _fetch(
+        self, address: str, keys: list[str]
+    ) -> tuple[dict[Hashable, Any], dict[Hashable, BaseException]]:
+        """Values (and errors unpickling them) of ``keys`` from one worker; none if it
+        cannot be reached."""
+        try:
+            header, frames = await self._peers.rpc(address, {"op": "get-data", "keys": keys})
+            return comm.deserialize_dict(header, frames)
+        except (OSError, comm.CommError) as exc:
+            logger.warning("could not fetch %d keys from %s: %s", len(keys), address, exc)
+            return {}, {}
+
+    async def _arefresh_who_has(self, keys: list[str]) -> dict[str, str | None]:
         """Read holders from the scheduler's records; returns each key's recorded state."""
         fields = ("who_has", "state")
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self._aredis.pipeline(transaction=False)
         for key in keys:
             pipe.hmget(self.keys.task(key), fields)
         states: dict[str, str | None] = {}
-        for key, values in zip(keys, pipe.execute(), strict=True):
+        for key, values in zip(keys, await pipe.execute(), strict=True):
             record = TaskRecord.from_hmget(fields, values)
             states[key] = record.state or None
             # the scheduler's record wins once it has one; until then (e.g. data scattered
@@ -852,10 +1048,16 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         return states
 
     def who_has(self, futures: Any = None) -> dict[str, list[str]]:
+        """``{key: [addresses of the workers holding its value]}`` (awaitable on an
+        asynchronous client)."""
         keys = [f._key for f in _flatten(futures)] if futures is not None else list(self._states)
-        self._refresh_who_has(keys)
+        return self._sync(self._awho_has, keys)
+
+    async def _awho_has(self, keys: list[str]) -> dict[str, list[str]]:
+        await self._arefresh_who_has(keys)
         return {k: list(self._state_for(k).who_has) for k in keys}
 
+    @offloaded
     def recreate_error_locally(self, future: Future) -> None:
         """Run the task that made ``future`` err here, in this process, with the same
         function, arguments and dependencies, so that a debugger can stop in it (e.g.
@@ -909,15 +1111,21 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         frame), so equal data gets one key and different data never shares one.
         ``workers``: addresses (or one).  ``direct`` and ``timeout`` are accepted for
         distributed's sake: data always goes straight to the workers here, and each
-        worker's answer is bounded by the client's connection timeout."""
+        worker's answer is bounded by the client's connection timeout.  Awaitable on an
+        asynchronous client."""
         self._check_running()
+        return self._sync(self._ascatter, data, workers, broadcast, hash)
+
+    async def _ascatter(
+        self, data: Any, workers: str | Iterable[str] | None, broadcast: bool, hash: bool
+    ) -> Any:
         if isinstance(data, dict):
             items = list(data.items())
         elif isinstance(data, list | tuple | set | frozenset):
             items = [(None, v) for v in data]
         else:
             items = [(None, data)]
-        live = sorted(self._cluster_info()["workers"])
+        live = sorted(a.decode() for a in await self._aredis.hkeys(self.keys.workers))
         if isinstance(workers, str):
             workers = [workers]
         targets = list(workers) if workers else live
@@ -951,7 +1159,7 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
             header, frames, errors = comm.serialize_dict(values)
             if errors:
                 raise TypeError(next(iter(errors.values())))
-            reply, _ = self._peers.rpc(address, {"op": "put-data", **header}, frames)
+            reply, _ = await self._peers.rpc(address, {"op": "put-data", **header}, frames)
             if reply.get("status") != "OK":
                 raise RedisDaskError(f"worker {address} refused scattered data: {reply}")
         nbytes = {k: _sizeof(v) for k, v in keyed.items()}
@@ -961,7 +1169,7 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
                 self._state_for(key).finish(who_has[key], types[key])
         msg = UpdateData(self.id, dict(who_has), nbytes, types)
         futures = {k: Future(k, self) for k in keyed}
-        self._send([msg])
+        await self._asend([msg])
         if isinstance(data, dict):
             return dict(zip(data, (futures[key] for key in item_keys), strict=True))
         if isinstance(data, list | tuple | set | frozenset):
@@ -977,11 +1185,12 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         force: bool = False,
         reason: str | None = None,
         msg: str | None = None,
-    ) -> None:
+    ) -> Awaitable[None] | None:
         """Cancel futures (and this client's dependents of them): ``result()`` then raises
         ``FutureCancelledError``, with ``reason`` (or ``msg``) in its message.  The
         tasks stop unless another client wants them (``force`` is accepted for
-        distributed's sake: another client's wants are its own here)."""
+        distributed's sake: another client's wants are its own here).  On an
+        asynchronous client it returns an awaitable (the cancellation is sent anyway)."""
         keys = [f._key for f in _flatten(futures) if isinstance(f, Future)]
         why = reason or msg or "it was cancelled"
         with self._lock:
@@ -990,17 +1199,16 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
             generation = self._generation
         # the scheduler answers with every key it cancelled (dependents too), echoing the
         # generation so that keys submitted again since are not cancelled by the answer
-        self._send([CancelKeys(self.id, keys, generation)])
+        return self._send([CancelKeys(self.id, keys, generation)])
 
-    def retry(self, futures: Any, asynchronous: bool | None = None) -> None:
+    def retry(self, futures: Any, asynchronous: bool | None = None) -> Awaitable[None] | None:
         """Run erred futures' tasks again (with the erred tasks they depend on), as
         distributed does; the futures are pending until they finish or err anew."""
         keys = [f._key for f in _flatten(futures) if isinstance(f, Future) and f.status == "error"]
         with self._lock:
             for key in keys:
                 self._state_for(key).reset()
-        if keys:
-            self._send([RetryKeys(self.id, keys)])
+        return self._send([RetryKeys(self.id, keys)]) if keys else self._sync(_nothing)
 
     # ------------------------------------------------------------------ reference counting
 
@@ -1050,11 +1258,11 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
             return []
         return [ClientReleasesKeys(self.id, keys)]
 
-    # ------------------------------------------------------------------ background thread
+    # ------------------------------------------------------------------ the reader task
 
-    def _heartbeat(self) -> None:
+    async def _aheartbeat(self) -> None:
         ttl_ms = int(self.config.scheduler.client_ttl * 1000)
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self._aredis.pipeline(transaction=False)
         pipe.set(self.keys.client_alive(self.id), 1, px=ttl_ms)
         pipe.hset(
             self.keys.clients,
@@ -1068,13 +1276,13 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
                 }
             ),
         )
-        self._look_for_cluster(pipe)
+        await self._alook_for_cluster(pipe)
 
-    def _look_for_cluster(self, pipe: Any) -> None:
+    async def _alook_for_cluster(self, pipe: Any) -> None:
         """Run ``pipe`` with a look at the lease and the workers; note what is missing."""
         pipe.exists(self.keys.lease)
         pipe.hlen(self.keys.workers)
-        *_, leads, workers = pipe.execute()
+        *_, leads, workers = await pipe.execute()
         now = time.monotonic()
         for what, present in (("scheduler", leads), ("workers", workers)):
             if present:
@@ -1100,32 +1308,36 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         )
 
     def _check_waiting(self) -> None:
+        """``_acheck_waiting`` from another thread than the client's loop."""
+        self._block(self._acheck_waiting)
+
+    async def _acheck_waiting(self) -> None:
         """What every wait on this client's futures calls between its slices: raise once
         waiting longer is pointless (Redis away, or the cluster not running, too long)."""
-        self._check_redis()
-        self._check_cluster()
+        await self._acheck_redis()
+        await self._acheck_cluster()
 
-    def _check_cluster(self) -> None:
+    async def _acheck_cluster(self) -> None:
         """Raise once the cluster has had no leading scheduler, or no worker, for longer
         than ``client.no-scheduler-timeout`` (each heartbeat looks)."""
         now, limit = time.monotonic(), self.config.client.no_scheduler_timeout
-        # (copies: the event thread updates the dict at each heartbeat)
-        if not any(now - since > limit for since in dict(self._missing_since).values()):
+        if not any(now - since > limit for since in self._missing_since.values()):
             return
-        self._look_for_cluster(self.redis.pipeline(transaction=False))  # not gone meanwhile?
+        await self._alook_for_cluster(self._aredis.pipeline(transaction=False))  # gone since?
         for what, since in dict(self._missing_since).items():
             if now - since > limit:
                 raise ClusterNotRunningError(self._missing_text(what, waited=now - since))
 
-    def _event_loop(self) -> None:
+    async def _aevent_loop(self) -> None:
+        """Read the scheduler's messages to this client; heartbeat between reads."""
         stream = self.keys.client_events(self.id)
         last_id = "0"
         interval = self.config.client.heartbeat_interval
         next_beat = time.monotonic() + interval
-        while not self._stop.is_set():
+        while self.status == "running":
             try:
                 block = max(1, int((next_beat - time.monotonic()) * 1000))
-                reply = self._events_redis.xread({stream: last_id}, block=block, count=1000)
+                reply = await self._events_redis.xread({stream: last_id}, block=block, count=1000)
                 for _name, items in reply or []:
                     for entry_id, fields in items:
                         last_id = entry_id
@@ -1133,21 +1345,22 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + interval
                     # trimming what was read waits for the heartbeat: off the latency path
-                    self._events_redis.xtrim(stream, minid=last_id)
-                    self._heartbeat()
-                    if self._pending_release:
+                    await self._events_redis.xtrim(stream, minid=last_id)
+                    await self._aheartbeat()
+                    if self._pending_release and self.status == "running":
                         self._send()
                 self._redis_back()
-            # (its own reads raise redis-py's errors, the heartbeat and sends ours)
-            except (redis.ConnectionError, redis.TimeoutError, ClusterConnectionError) as exc:
-                if self._stop.is_set():
-                    return
-                self._redis_lost(exc)
-                self._stop.wait(0.2)
-            except Exception:
-                if self._stop.is_set():
-                    return
-                logger.exception("client %s: error handling scheduler messages", self.id)
+            except Exception as exc:
+                if self.status != "running":
+                    return  # closing: ``_aclose`` cut the connection
+                # (its own reads raise redis-py's errors, the heartbeat ours)
+                if isinstance(
+                    exc, redis.ConnectionError | redis.TimeoutError | ClusterConnectionError
+                ):
+                    self._redis_lost(exc)
+                    await asyncio.sleep(0.2)
+                else:
+                    logger.exception("client %s: error handling scheduler messages", self.id)
 
     def _handle_entry(self, fields: dict[bytes, bytes]) -> None:
         for raw in schema.unpack(fields[b"m"]):
@@ -1183,44 +1396,91 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
                     if state is not None and state.status == "error":
                         state.reset()  # pending again: the task runs again
 
+    def _run_callback(self, callback: Callable[[], Any]) -> None:
+        """Run a user's done callback in a thread of its own (as distributed does), so
+        that it may block, or wait for other futures, without stalling the client."""
+        with self._lock:
+            if self._callbacks is None:
+                self._callbacks = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix=f"{self.id}-callbacks"
+                )
+            self._callbacks.submit(_logged(callback))
+
     # ------------------------------------------------------------------ lifecycle
 
     def _check_running(self) -> None:
-        if self.status != "running":
-            raise RedisDaskError(f"client {self.id} is {self.status}; create a new Client")
+        if self.status == "running":
+            return
+        if self.status == "connecting":
+            raise RedisDaskError(
+                f"client {self.id} is still connecting: await it first "
+                "(client = await Client(..., asynchronous=True))"
+            )
+        raise RedisDaskError(f"client {self.id} is {self.status}; create a new Client")
 
-    def close(self) -> None:
+    def close(self, timeout: float | str | None = None) -> Any:
+        """Close the client (and the ``LocalCluster`` it started): every future of it is
+        cancelled, the scheduler forgets what only it wanted.  Awaitable on an
+        asynchronous client."""
+        if self.status in ("closing", "closed", "failed"):
+            return self._sync(_nothing) if self.asynchronous else None
+        if self.asynchronous:
+            return awaitable_on(self.loop, self._aclose)
+        if self._loop_thread is not None and running_loop() is not self.loop:
+            try:
+                run_blocking(self.loop, self._aclose)
+            finally:
+                self._loop_thread.stop()
+        return None
+
+    async def _aclose(self) -> None:
+        if self.status == "connecting":
+            with contextlib.suppress(Exception):
+                await self._started
         if self.status != "running":
             return
-        self.status = "closing"
         with self._lock:
             for state in list(self._states.values()):
                 state.cancel(f"its client {self.id} closed")
-        self._stop.set()
+        # what was queued goes first (e.g. fire_and_forget's message), for a while at most
+        flushed = self._send()
+        self.status = "closing"
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(flushed, self.timeout)  # type: ignore[arg-type]
         try:
-            pipe = self.redis.pipeline(transaction=True)
-            # wake our event thread from its blocking read, then say goodbye (the scheduler
-            # deletes the events stream when it handles close-client, after this entry)
-            pipe.xadd(self.keys.client_events(self.id), schema.entry([Closing().to_dict()]))
+            pipe = self._aredis.pipeline(transaction=True)
+            # (the scheduler deletes our events stream when it handles close-client)
             pipe.xadd(self.keys.client_stream, schema.entry([CloseClient(self.id).to_dict()]))
             pipe.delete(self.keys.client_alive(self.id))
-            pipe.execute()
+            await pipe.execute()
         except (redis.RedisError, ClusterConnectionError) as exc:
             logger.warning("client %s could not say goodbye to Redis: %s", self.id, exc)
-        self._thread.join(timeout=5)
-        self._peers.close()
-        self._events_redis.close()
-        self.redis.close()
+        # the reader ends when its blocking read fails: cut its connection
+        await self._events_redis.connection_pool.disconnect(inuse_connections=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.wait(self._tasks, timeout=self.timeout)
+        await self._peers.close()
+        await self._disconnect()
+        if self._callbacks is not None:
+            self._callbacks.shutdown(wait=False)
         self.status = "closed"
         if self.cluster is not None:
-            self.cluster.close()
+            await asyncio.get_running_loop().run_in_executor(None, self.cluster.close)
         if _default_client[0] is self:
             _default_client[0] = None
         if self._dask_config is not None:  # dask's scheduler as it was before this client
             self._dask_config.__exit__(None, None, None)
             self._dask_config = None
 
+    async def _disconnect(self) -> None:
+        await self._events_redis.aclose()
+        await self._aredis.aclose()
+        self.redis.close()
+
     def __enter__(self) -> Client:
+        if self.asynchronous:
+            raise TypeError("an asynchronous Client is used with `async with`, not `with`")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -1231,6 +1491,52 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+@dataclass(slots=True)
+class _Outgoing:
+    """Stream entries queued for the sender task, and who hears how the write went."""
+
+    batches: tuple[list[Event], ...]
+    resubmitted: tuple[str, ...]  # the keys of a graph (a failed send errs their futures)
+    written: concurrent.futures.Future[None]
+    from_loop: bool  # sent from the client's loop, where nobody blocks on ``written``
+
+    @property
+    def size(self) -> int:
+        return sum(len(batch) for batch in self.batches)
+
+
+def _written(item: _Outgoing) -> None:
+    if not item.written.done():
+        item.written.set_result(None)
+
+
+def _retrieved(future: asyncio.Future[None]) -> None:
+    """Mark the exception of ``future`` seen (asyncio logs the unseen ones)."""
+    if not future.cancelled():
+        future.exception()
+
+
+def _fail(items: list[_Outgoing], exc: BaseException) -> None:
+    for item in items:
+        if not item.written.done():
+            item.written.set_exception(exc)
+
+
+async def _nothing() -> None:
+    """An awaitable that does nothing (what an asynchronous client returns when there is
+    nothing to do)."""
+
+
+def _logged(callback: Callable[[], Any]) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            callback()
+        except Exception:
+            logger.exception("a future's done callback raised")
+
+    return run
 
 
 def _batches(by_worker: Mapping[str, Iterable[str]], size: int) -> Iterator[tuple[str, list[str]]]:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from redisdask import schema
 from redisdask.connection import redact
 from redisdask.futures import Future, _flatten, _FutureState, _seconds
+from redisdask.loop import offloaded
 from redisdask.protocol import Replicate, Restart, RetireWorkers
 from redisdask.task_stream import read_task_stream, when
 from redisdask.versions import VersionMismatchError, mismatches, table, versions
@@ -43,6 +44,7 @@ class ClusterAdmin:
     _restarted: threading.Event
     _retire_refused: dict[str, str]
 
+    @offloaded
     def restart(self, timeout: float | str = 30.0, wait_for_workers: bool = True) -> None:
         """Restart the cluster (as in Dask): every task is forgotten, every future of every
         client becomes cancelled, every worker drops what it holds and runs, and a worker
@@ -82,6 +84,7 @@ class ClusterAdmin:
                 )
             time.sleep(0.02)  # the nannies start new processes; their registration is polled
 
+    @offloaded
     def replicate(
         self,
         futures: Any,
@@ -101,13 +104,14 @@ class ClusterAdmin:
         self._send([Replicate(self.id, keys, int(n))])
         want = min(n, len(self._cluster_info()["workers"]))
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not all(len(holders) >= want for holders in self.who_has(flat).values()):
+        while not all(len(h) >= want for h in self._block(self._awho_has, keys).values()):
             if deadline is not None and time.monotonic() > deadline:
                 raise FuturesTimeoutError(
                     f"{want} copies of {len(keys)} keys not made within {timeout} s"
                 )
             time.sleep(0.02)  # the copies are made worker to worker; their arrival is polled
 
+    @offloaded
     def retire_workers(
         self,
         workers: str | list[str] | None = None,
@@ -172,6 +176,7 @@ class ClusterAdmin:
 
     # ------------------------------------------------------------------ information
 
+    @offloaded
     def scheduler_info(self, n_workers: int = -1, **kwargs: Any) -> dict[str, Any]:
         """A Dask-like summary: ``workers`` keyed by worker address (the first
         ``n_workers`` by address, as distributed; -1: all), ``n_workers`` how many there
@@ -206,6 +211,7 @@ class ClusterAdmin:
             "workers": workers,
         }
 
+    @offloaded
     def get_versions(self, check: bool = False, packages: Iterable[str] = ()) -> dict[str, Any]:
         """Versions of this client, the scheduler and every worker (as in Dask).
         ``packages``: more package names, read in the client and each worker (with
@@ -237,6 +243,7 @@ class ClusterAdmin:
                 )
         return result
 
+    @offloaded
     def get_task_stream(
         self,
         start: float | str | None = None,
@@ -255,5 +262,6 @@ class ClusterAdmin:
             )
         return read_task_stream(self.redis, self.keys, when(start), when(stop), count)
 
+    @offloaded
     def nthreads(self) -> dict[str, int]:
         return {a: w.get("nthreads", 0) for a, w in self._cluster_info()["workers"].items()}

@@ -16,6 +16,7 @@ from typing import Any
 
 import redis
 import redis.asyncio
+import redis.asyncio.client
 import redis.client
 
 from redisdask.errors import ClusterConnectionError
@@ -80,50 +81,104 @@ class _ClusterPipeline(redis.client.Pipeline):
             return super().execute(raise_on_error)
 
 
+class AsyncClusterRedis(redis.asyncio.Redis):
+    """``ClusterRedis`` for redis-py's asyncio client."""
+
+    url = ""
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        with cluster_connection_errors(self.url):
+            return await super().execute_command(*args, **options)
+
+    def pipeline(self, transaction: bool = True, shard_hint: str | None = None) -> Any:
+        pipe = _AsyncClusterPipeline(
+            self.connection_pool, self.response_callbacks, transaction, shard_hint
+        )
+        pipe.url = self.url
+        return pipe
+
+
+class _AsyncClusterPipeline(redis.asyncio.client.Pipeline):
+    url = ""
+
+    async def execute(self, raise_on_error: bool = True) -> list[Any]:
+        with cluster_connection_errors(self.url):
+            return await super().execute(raise_on_error)
+
+
 def connect(
-    url: str, *, timeout: float = 5.0, name: str | None = None, cluster_errors: bool = False
+    url: str,
+    *,
+    timeout: float = 5.0,
+    name: str | None = None,
+    cluster_errors: bool = False,
+    check: bool = True,
 ) -> redis.Redis:
-    """A Redis client for ``url``, checked with PING; ``ClusterConnectionError`` if not.
-    ``cluster_errors``: a ``ClusterRedis``, whose later connection failures are
-    ``ClusterConnectionError`` too."""
+    """A Redis client for ``url``, checked with PING (unless not ``check``);
+    ``ClusterConnectionError`` if not.  ``cluster_errors``: a ``ClusterRedis``, whose
+    later connection failures are ``ClusterConnectionError`` too."""
     try:
         client = (ClusterRedis if cluster_errors else redis.Redis).from_url(
             url, **_options(timeout, name)
         )
     except ValueError as exc:
-        raise ClusterConnectionError(
-            f"invalid Redis URL {redact(url)!r}: {exc}; expected redis://host:port/db"
-        ) from exc
+        raise _invalid_url(url, exc) from exc
     if isinstance(client, ClusterRedis):
         client.url = url
+    if not check:
+        return client
     try:
         # through the shared pool but without the boundary: each failure says its own why
         redis.Redis(connection_pool=client.connection_pool).ping()
-    except redis.AuthenticationError as exc:  # a subclass of ConnectionError: first
+    except (redis.RedisError, OSError) as exc:
         client.close()
-        raise ClusterConnectionError(
-            f"Redis at {redact(url)} refused our credentials ({exc}); check the user and "
-            "password in the URL"
-        ) from exc
-    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-        client.close()
-        raise ClusterConnectionError(
-            f"cannot reach Redis at {redact(url)} within {timeout:g} s: {exc}. Is redis-server "
-            "running there? Pass the right URL, or use LocalCluster() to start one"
-        ) from exc
-    except redis.ResponseError as exc:  # e.g. a database index out of range
-        client.close()
-        raise ClusterConnectionError(f"Redis at {redact(url)} refused us: {exc}") from exc
+        raise unreachable(url, timeout, exc) from exc
     return client
 
 
 def connect_async(
-    url: str, *, timeout: float = 5.0, name: str | None = None
+    url: str, *, timeout: float = 5.0, name: str | None = None, cluster_errors: bool = False
 ) -> redis.asyncio.Redis:
-    """An asyncio Redis client for ``url`` (not yet checked: call ``ping()``)."""
+    """An asyncio Redis client for ``url`` (not yet checked: ``await check_async(...)``);
+    with ``cluster_errors`` an ``AsyncClusterRedis``."""
     try:
-        return redis.asyncio.Redis.from_url(url, **_options(timeout, name))
+        client = (AsyncClusterRedis if cluster_errors else redis.asyncio.Redis).from_url(
+            url, **_options(timeout, name)
+        )
     except ValueError as exc:
-        raise ClusterConnectionError(
-            f"invalid Redis URL {redact(url)!r}: {exc}; expected redis://host:port/db"
-        ) from exc
+        raise _invalid_url(url, exc) from exc
+    if isinstance(client, AsyncClusterRedis):
+        client.url = url
+    return client
+
+
+async def check_async(client: redis.asyncio.Redis, url: str, timeout: float) -> None:
+    """PING through ``client``'s pool; ``ClusterConnectionError`` saying why not."""
+    try:
+        await redis.asyncio.Redis(connection_pool=client.connection_pool).ping()
+    except (redis.RedisError, OSError) as exc:
+        raise unreachable(url, timeout, exc) from exc
+
+
+def _invalid_url(url: str, exc: ValueError) -> ClusterConnectionError:
+    return ClusterConnectionError(
+        f"invalid Redis URL {redact(url)!r}: {exc}; expected redis://host:port/db"
+    )
+
+
+def unreachable(url: str, timeout: float, exc: BaseException) -> BaseException:
+    """What a failed first PING means, as an error that says what to do (other
+    ``RedisError``s are returned as they are)."""
+    if isinstance(exc, redis.AuthenticationError):  # a subclass of ConnectionError: first
+        return ClusterConnectionError(
+            f"Redis at {redact(url)} refused our credentials ({exc}); check the user and "
+            "password in the URL"
+        )
+    if isinstance(exc, redis.ConnectionError | redis.TimeoutError | OSError):
+        return ClusterConnectionError(
+            f"cannot reach Redis at {redact(url)} within {timeout:g} s: {exc}. Is redis-server "
+            "running there? Pass the right URL, or use LocalCluster() to start one"
+        )
+    if isinstance(exc, redis.ResponseError):  # e.g. a database index out of range
+        return ClusterConnectionError(f"Redis at {redact(url)} refused us: {exc}")
+    return exc

@@ -12,18 +12,20 @@ unpickled, bound to the client there: in a task its worker's (``rebind_future``)
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Generator, Hashable, Iterable, Iterator
 from concurrent.futures import TimeoutError as FuturesTimeoutError
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from redisdask import spec as specs
 from redisdask.config import parse_duration
 from redisdask.errors import FutureCancelledError
+from redisdask.loop import awaitable_on, wake
 
 if TYPE_CHECKING:
     from redisdask.client import Client
@@ -132,13 +134,24 @@ class Future:
         return self._state.type
 
     def _wait(self, timeout: float | str | None) -> None:
-        """Wait until done (see ``Client._wait_for``: the same checks as every wait)."""
-        seconds = _seconds(timeout)
-        deadline = None if seconds is None else time.monotonic() + seconds
-        self.client._wait_for([self], deadline, stop_on_error=False)
+        """Wait until done, from another thread than the client's loop."""
+        self.client._block(self._adone, _seconds(timeout))
+
+    async def _adone(self, timeout: float | None) -> None:
+        """Wait until done (see ``Client._await_for``: the same checks as every wait)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        await self.client._await_for([self], deadline, stop_on_error=False)
 
     def result(self, timeout: float | str | None = None) -> Any:
-        return self.client._results([self], _seconds(timeout))[self._key]
+        """The value, fetched from a worker holding it; the task's error if it erred.
+        Awaitable on an asynchronous client (and ``await future`` anywhere)."""
+        return self.client._sync(self._aresult, _seconds(timeout))
+
+    async def _aresult(self, timeout: float | None = None) -> Any:
+        return (await self.client._aresults([self], timeout))[self._key]
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return awaitable_on(self.client.loop, self._aresult).__await__()
 
     def _raise_if_failed(self) -> None:
         if self._state.status == "error":
@@ -146,26 +159,38 @@ class Future:
         if self._state.status == "cancelled":
             raise FutureCancelledError(self._key, self._state.cancel_reason)
 
-    def exception(self, timeout: float | str | None = None) -> BaseException | None:
-        self._wait(timeout)
+    def exception(self, timeout: float | str | None = None) -> Any:
+        """The exception of an erred future (None otherwise), once done; awaitable on an
+        asynchronous client."""
+        return self.client._sync(self._aexception, _seconds(timeout))
+
+    async def _aexception(self, timeout: float | None) -> BaseException | None:
+        await self._adone(timeout)
         return self._state.exception
 
     def traceback(self, timeout: float | str | None = None) -> Any:
-        self._wait(timeout)
+        """The traceback of an erred future, once done; awaitable on an asynchronous
+        client."""
+        return self.client._sync(self._atraceback, _seconds(timeout))
+
+    async def _atraceback(self, timeout: float | None) -> Any:
+        await self._adone(timeout)
         return self._state.traceback
 
-    def cancel(self, reason: str | None = None, msg: str | None = None) -> None:
-        self.client.cancel([self], reason=reason, msg=msg)
+    def cancel(self, reason: str | None = None, msg: str | None = None) -> Any:
+        return self.client.cancel([self], reason=reason, msg=msg)
 
-    def retry(self) -> None:
+    def retry(self) -> Any:
         """Run the task again if it erred (see ``Client.retry``)."""
-        self.client.retry([self])
+        return self.client.retry([self])
 
     def add_done_callback(self, fn: Callable[[Future], Any]) -> None:
-        """Call ``fn(future)`` when it finishes (at once if it has); runs in a client thread."""
-        with self.client._lock:
+        """Call ``fn(future)`` when it finishes (at once if it has).  It runs in a thread
+        of the client's own (one, in order), so it may block or wait for futures."""
+        client = self.client
+        with client._lock:
             if not self._state.event.is_set():
-                self._state.callbacks.append(lambda: fn(self))
+                self._state.callbacks.append(lambda: client._run_callback(lambda: fn(self)))
                 return
         fn(self)
 
@@ -215,23 +240,33 @@ class DoneAndNotDoneFutures(NamedTuple):
     not_done: set[Future]
 
 
-def wait(
-    fs: Any, timeout: float | str | None = None, return_when: str = "ALL_COMPLETED"
-) -> DoneAndNotDoneFutures:
+def wait(fs: Any, timeout: float | str | None = None, return_when: str = "ALL_COMPLETED") -> Any:
     """Wait until all (or the first, ``return_when="FIRST_COMPLETED"``) futures finish.
-    ``timeout``: seconds, or a string such as ``"1s"`` or ``"500ms"``."""
-    timeout = _seconds(timeout)
+    ``timeout``: seconds, or a string such as ``"1s"`` or ``"500ms"``.  Returns
+    ``(done, not_done)``; awaitable when the futures' client is asynchronous."""
+    if return_when not in ("ALL_COMPLETED", "FIRST_COMPLETED"):
+        raise ValueError(f"return_when is ALL_COMPLETED or FIRST_COMPLETED, got {return_when!r}")
     futures = [f for f in _flatten(fs) if isinstance(f, Future)]
+    if not futures:
+        return DoneAndNotDoneFutures(set(), set())
+    return futures[0].client._sync(_await_wait, futures, _seconds(timeout), return_when)
+
+
+async def _await_wait(
+    futures: list[Future], timeout: float | None, return_when: str
+) -> DoneAndNotDoneFutures:
     deadline = None if timeout is None else time.monotonic() + timeout
     if return_when == "FIRST_COMPLETED":
-        first = threading.Event()
+        loop = asyncio.get_running_loop()
+        first = asyncio.Event()
         for f in futures:
-            f.add_done_callback(lambda _f: first.set())
-        if futures and not _wait_checking(first.wait, _clients(futures), deadline):
+            f.add_done_callback(lambda _f: wake(loop, first))
+        if not await _await_checking(first, _clients(futures), deadline):
             raise FuturesTimeoutError(f"none of {len(futures)} futures finished in {timeout} s")
     else:
         for client in _clients(futures):
-            client._wait_for([f for f in futures if f.client is client], deadline, False)
+            mine = [f for f in futures if f.client is client]
+            await awaitable_on(client.loop, client._await_for, mine, deadline, False)
     done = {f for f in futures if f.done()}
     return DoneAndNotDoneFutures(done, set(futures) - done)
 
@@ -253,6 +288,8 @@ class as_completed:
     ) -> None:
         self._queue: deque[Future] = deque()
         self._cond = threading.Condition()
+        # the loop and event of an ``async for`` waiting for the next one, if any
+        self._async_waiter: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
         self._pending = 0  # added and not yet handed out
         self._added: dict[int, int] = {}  # id(future) -> times added and not yet done
         self._clients: dict[Client, None] = {}  # whose waits' checks apply
@@ -281,6 +318,9 @@ class as_completed:
                 self._added[id(future)] = left - 1
             self._queue.append(future)
             self._cond.notify_all()
+            waiter = self._async_waiter
+        if waiter is not None:
+            wake(*waiter)
 
     def count(self) -> int:
         """How many futures are still to come out (finished or not)."""
@@ -348,8 +388,34 @@ class as_completed:
         if not self.with_results:
             return future
         if not self.raise_errors and future.status == "error":
-            return future, future.exception()
-        return future, future.result()
+            return future, future._state.exception
+        return future, future.client._block(future._aresult)
+
+    # asynchronous iteration: ``async for future in as_completed(futures)``
+
+    def __aiter__(self) -> as_completed:
+        return self
+
+    async def __anext__(self) -> Any:
+        loop = asyncio.get_running_loop()
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            with self._cond:
+                if self._pending == 0:
+                    raise StopAsyncIteration
+                if self._queue:
+                    future = self._queue.popleft()
+                    self._pending -= 1
+                    break
+                event = asyncio.Event()
+                self._async_waiter = (loop, event)
+            if not await _await_checking(event, self._clients, deadline):
+                raise FuturesTimeoutError(f"no future finished within {self.timeout} s")
+        if not self.with_results:
+            return future
+        if not self.raise_errors and future.status == "error":
+            return future, future._state.exception
+        return future, await awaitable_on(future.client.loop, future._aresult)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -357,6 +423,21 @@ class as_completed:
 
 def _clients(futures: Iterable[Future]) -> list[Client]:
     return list(dict.fromkeys(f.client for f in futures))
+
+
+async def _await_checking(
+    event: asyncio.Event, clients: Iterable[Client], deadline: float | None
+) -> bool:
+    """``_wait_checking`` for a coroutine: wait for ``event`` until ``deadline``."""
+    while True:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return False
+        for client in clients:
+            await awaitable_on(client.loop, client._acheck_waiting)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), 0.25 if left is None else min(left, 0.25))
+            return True
 
 
 def _wait_checking(

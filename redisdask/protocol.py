@@ -600,13 +600,6 @@ class RetireRefused(ClientEvent):
     reason: str = ""
 
 
-@dataclass(slots=True)
-class Closing(ClientEvent):
-    """Written by the client itself in ``close()`` to wake its event thread."""
-
-    op: ClassVar[str] = "closing"
-
-
 # --------------------------------------------------------------------------- channels
 
 CLIENT_TO_SCHEDULER: dict[str, type[Event]] = registry(
@@ -624,7 +617,7 @@ SCHEDULER_TO_WORKER: dict[str, type[InboxMessage]] = registry(
     FreeKeys, KeysRecorded, WhoHas, AcquireReplicas, RestartWorker, RetireWorker, CloseWorker
 )
 SCHEDULER_TO_CLIENT: dict[str, type[ClientEvent]] = registry(
-    KeyInMemory, KeyErred, CancelledKeys, TaskRetried, Restarted, RetireRefused, Closing
+    KeyInMemory, KeyErred, CancelledKeys, TaskRetried, Restarted, RetireRefused
 )
 CHANNELS: dict[str, dict[str, Any]] = {
     "client -> scheduler": CLIENT_TO_SCHEDULER,

@@ -59,6 +59,7 @@ from typing import Any
 
 import msgpack
 import redis
+import redis.asyncio
 from redis.commands.core import Script
 
 SCHEMA_VERSION = 1
@@ -956,10 +957,10 @@ def ensure_cluster(client: redis.Redis, keys: Keys) -> bytes:
     return _checked_secret(keys, version, secret)
 
 
-def cluster_secret(client: redis.Redis, keys: Keys) -> bytes | None:
+async def cluster_secret(client: redis.asyncio.Redis, keys: Keys) -> bytes | None:
     """The secret of an existing cluster, or None when no scheduler or worker ever created
     one under this name (nothing is written: a mistyped name leaves no keys behind)."""
-    version, secret = client.hmget(keys.meta, ["schema_version", "secret"])
+    version, secret = await client.hmget(keys.meta, ["schema_version", "secret"])
     if version is None or secret is None:
         return None
     return _checked_secret(keys, version, secret)

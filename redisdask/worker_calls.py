@@ -36,6 +36,7 @@ import cloudpickle
 from redisdask import comm, pickling, schema
 from redisdask.config import parse_duration
 from redisdask.errors import RedisDaskError, WorkerStartTimeoutError, WorkerUnresponsiveError
+from redisdask.loop import offloaded
 from redisdask.memory import format_bytes
 from redisdask.plugins import UPLOAD_SUFFIXES, check_worker_plugin, plugin_name
 
@@ -73,6 +74,7 @@ class WorkerCalls:
 
     # ------------------------------------------------------------------ run
 
+    @offloaded
     def run(
         self,
         function: Any,
@@ -142,6 +144,7 @@ class WorkerCalls:
 
     # ------------------------------------------------------------------ workers
 
+    @offloaded
     def wait_for_workers(self, n_workers: int, timeout: float | str | None = None) -> None:
         """Block until ``n_workers`` workers are registered (retiring ones do not count);
         ``WorkerStartTimeoutError`` (a ``TimeoutError``) after ``timeout`` seconds, naming
@@ -248,6 +251,7 @@ class WorkerCalls:
 
     # ------------------------------------------------------------------ uploads and plugins
 
+    @offloaded
     def upload_file(self, filename: str | Path, load: bool = True) -> dict[str, Any]:
         """Send a ``.py``, ``.zip``, ``.egg`` or ``.pyz`` file to every current and future
         worker, which writes it to a directory on its ``sys.path`` and, with ``load=True``,
@@ -276,6 +280,7 @@ class WorkerCalls:
         fields = {"data": data, "load": bool(load)}
         return self._publish("upload", path.name, fields, f"upload_file({path.name!r})")
 
+    @offloaded
     def register_plugin(self, plugin: Any, name: str | None = None) -> dict[str, Any]:
         """Register a worker plugin (``redisdask.WorkerPlugin``, distributed's
         ``WorkerPlugin``, or any object with ``setup``, ``teardown`` or ``transition``):
@@ -302,6 +307,7 @@ class WorkerCalls:
         _check_size(len(blob), f"register_plugin({name!r})")
         return self._publish("plugin", name, {"plugin": blob}, f"register_plugin({name!r})")
 
+    @offloaded
     def register_worker_plugin(
         self, plugin: Any = None, name: str | None = None, nanny: bool | None = None
     ) -> dict[str, Any]:
@@ -315,6 +321,7 @@ class WorkerCalls:
             raise NotImplementedError("nanny plugins: redisdask's nannies do not run plugins")
         return self.register_plugin(plugin, name=name)
 
+    @offloaded
     def unregister_worker_plugin(self, name: str, nanny: bool | None = None) -> dict[str, Any]:
         """Remove a worker plugin: every worker calls its ``teardown``; workers that start
         later no longer get it.  ``ValueError`` if no plugin has that name."""

@@ -175,8 +175,3 @@ def test_get_versions_reads_more_packages_in_the_client_and_every_worker(client:
         assert process["pytest"] == pytest.__version__
         assert process["no-such-package-xyz"] is None
     assert len(found["workers"]) == 2
-
-
-def test_an_async_client_is_refused_with_what_to_do_instead() -> None:
-    with pytest.raises(NotImplementedError, match="no async client yet"):
-        Client("redis://127.0.0.1:1/0", asynchronous=True)

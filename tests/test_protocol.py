@@ -73,7 +73,6 @@ def samples() -> list[wire.Message]:
         wire.TaskRetried("x"),
         wire.Restarted(by="c"),
         wire.RetireRefused([W1], reason="no worker would stay"),
-        wire.Closing(),
     ]  # fmt: skip
 
 

@@ -28,6 +28,7 @@ from redisdask.coordination.backend import (
     script_error,
     unpack_record,
 )
+from redisdask.loop import offloaded
 
 if TYPE_CHECKING:
     from redisdask.client import Client
@@ -48,6 +49,7 @@ class DatasetMethods:
 
     _coordination: Backend | None = None
 
+    @offloaded
     def publish_dataset(
         self, *args: Any, name: Hashable | None = None, override: bool = False, **kwargs: Any
     ) -> None:
@@ -100,6 +102,7 @@ class DatasetMethods:
                     ) from None
                 raise
 
+    @offloaded
     def unpublish_dataset(self, name: Hashable | list[Hashable], **kwargs: Any) -> None:
         """Remove published datasets (a name or a list of names); their futures are let
         go.  A name that is not published is ignored, as in distributed."""
@@ -109,6 +112,7 @@ class DatasetMethods:
         with b.sending():
             b.scripts.unpublish(datasets=[(f, schema.holder("dataset", f)) for f in fields])
 
+    @offloaded
     def list_datasets(self, **kwargs: Any) -> list[Hashable]:
         """The names of the published datasets (as published: str or dask keys)."""
         client: Client = self  # type: ignore[assignment]
@@ -116,6 +120,7 @@ class DatasetMethods:
         records = b.redis.hvals(b.keys.datasets)
         return sorted((pickling.loads(unpack_record(raw)[3]) for raw in records), key=str)
 
+    @offloaded
     def get_dataset(
         self, name: Hashable | list[Hashable], default: Any = _NO_DEFAULT, **kwargs: Any
     ) -> Any:
