@@ -188,9 +188,12 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         self._lock = threading.RLock()
         self._states: dict[str, _FutureState] = {}
         self._refcount: dict[str, int] = defaultdict(int)
-        # keys whose last future went, to release with the next send (an ordered set)
-        self._pending_release: dict[str, None] = {}
+        # key whose last future went -> how many sends were queued by then: its release
+        # goes after those (they may depend on it), with the next write
+        self._pending_release: dict[str, int] = {}
+        self._queued = 0  # sends ever queued: the next one's sequence number
         self._outbox: deque[_Outgoing] = deque()  # for the sender task, in order
+        self._writing = False  # the sender is writing what it took from the outbox
         # held by the sender from popping releases to writing them, and by coordination
         # scripts that send wants (``coordination.backend``): neither lands in the other
         # (reentrant: a primitive used on an asynchronous client's loop cannot deadlock)
@@ -473,7 +476,7 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         chunks = _chunks(tasks, self.config.client.submit_batch, SUBMIT_BATCH_BYTES)
         submitted = [t["key"] for t in tasks]
         if len(chunks) == 1:
-            self._send([UpdateGraph(self.id, tasks, wanted)], resubmitted=submitted)
+            self._send([UpdateGraph(self.id, tasks, wanted)], resubmitted=submitted, wait=False)
             return
         # A graph sent in several entries: a chunk's tasks that later chunks depend on are
         # wanted until the whole graph is in (else the scheduler would forget them as
@@ -497,30 +500,49 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         bridge_keys = [k for bridge in bridges for k in bridge]
         if bridge_keys:
             entries.append([ClientReleasesKeys(self.id, bridge_keys)])
-        self._send(*entries, resubmitted=submitted)
+        self._send(*entries, resubmitted=submitted, wait=False)
 
     # ------------------------------------------------------------------ sending
 
     def _send(
-        self, *batches: list[Event], resubmitted: Iterable[str] = ()
+        self,
+        *batches: list[Event],
+        resubmitted: Iterable[str] = (),
+        wait: bool = True,
     ) -> Awaitable[None] | None:
         """Queue stream entries (each a batch of messages) for the sender task, which
         writes them in order.  From another thread, wait until they are written (raising
-        what went wrong).  On the client's loop return an awaitable of the write at once
-        (an asynchronous client's ``submit`` does not wait): a graph that cannot be
-        written makes its futures err, whether awaited or not."""
+        what went wrong); on the client's loop, return an awaitable of the write.
+
+        A graph (``wait=False``: ``submit``, ``map``, ``compute``…) is not waited for,
+        as in distributed: the sender batches what is queued meanwhile, and a graph that
+        cannot be written makes its futures err, whether anyone waits or not."""
         self._check_running()
         on_loop = running_loop() is self.loop
-        item = _Outgoing(batches, tuple(resubmitted), concurrent.futures.Future(), on_loop)
-        self._outbox.append(item)
+        waited = wait and not on_loop
+        item = _Outgoing(batches, tuple(resubmitted), concurrent.futures.Future(), waited)
+        with self._lock:
+            item.seq = self._queued
+            self._queued += 1
+            self._outbox.append(item)
         wake(self.loop, self._outbox_ready)
-        if on_loop:
-            awaitable = asyncio.wrap_future(item.written)
-            # awaited or not: a failure reaches the futures and the log (``_send_failed``)
-            awaitable.add_done_callback(_retrieved)
-            return awaitable
-        item.written.result()
-        return None
+        if waited:
+            item.written.result()
+            return None
+        if not on_loop:
+            return None
+        awaitable = asyncio.wrap_future(item.written)
+        # awaited or not: a failure reaches the futures and the log (``_send_failed``)
+        awaitable.add_done_callback(_retrieved)
+        return awaitable
+
+    def _flush(self) -> None:
+        """Wait until everything queued so far is written: a barrier for writes made
+        outside the sender (a coordination script sending wants of futures just made).
+        Free when nothing is queued or being written (the outbox is read first: the
+        sender marks itself writing before it empties it)."""
+        if (self._outbox or self._writing) and running_loop() is not self.loop:
+            self._send()
 
     async def _asend(self, *batches: list[Event], resubmitted: Iterable[str] = ()) -> None:
         """``_send`` from a coroutine on the client's loop: waits until written."""
@@ -534,6 +556,7 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
             await self._outbox_ready.wait()
             self._outbox_ready.clear()
             while self._outbox:
+                self._writing = True
                 items = [self._outbox.popleft() for _ in range(len(self._outbox))]
                 try:
                     await self._awrite(items)
@@ -554,12 +577,14 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
                 else:
                     for item in items:
                         _written(item)
+                finally:
+                    self._writing = False
 
     def _send_failed(self, item: _Outgoing, exc: Exception) -> None:
-        """Tell the waiter and, when nobody may be waiting (sent from the loop), the
-        futures of the graph that was not sent."""
+        """Tell the waiter and, when nobody may be waiting (a graph, or a send from the
+        loop), the futures of the graph that was not sent."""
         item.written.set_exception(exc)
-        if not item.from_loop:
+        if item.waited:
             return
         logger.error("client %s could not send %d messages: %s", self.id, item.size, exc)
         with self._lock:
@@ -575,11 +600,7 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
             await self._awrite_locked(items)
 
     async def _awrite_locked(self, items: list[_Outgoing]) -> None:
-        releases = self._release_messages(k for item in items for k in item.resubmitted)
-        batches = [b for item in items for b in item.batches]
-        if releases:
-            batches.insert(0, releases)
-        entries = tuple(dicts(batch) for batch in batches if batch)
+        entries = tuple(dicts(batch) for batch in self._with_releases(items) if batch)
         if not entries:
             return
         backoff = Backoff(base=0.05, cap=1.0)
@@ -1241,22 +1262,38 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
             if self._refcount[key] <= 0:
                 del self._refcount[key]
                 self._states.pop(key, None)
-                self._pending_release[key] = None
+                self._pending_release[key] = self._queued
 
-    def _release_messages(self, resubmitted: Iterable[str] = ()) -> list[Event]:
-        """The release of every key whose last future went.  A key that has futures
-        again is released only if it is being submitted again now, in the same pipeline
-        after the release: the scheduler then forgets the old run before it reads the new
-        graph, so a key reused for another computation (``get({"y": ...}, "y")`` twice)
-        is computed anew.  Otherwise it stays pending while it has futures."""
-        again = set(resubmitted)
+    def _with_releases(self, items: list[_Outgoing]) -> list[list[Event]]:
+        """The items' batches in order, with the release of every key whose last future
+        went (``_dec_ref``) placed after every send queued before it went (a graph queued
+        earlier may depend on the key) and before the items queued after.
+
+        A key that has futures again is released only before an item that submits it
+        again: the scheduler then forgets the old run before it reads the new graph, so a
+        key reused for another computation (``get({"y": ...}, "y")`` twice) is computed
+        anew.  Otherwise it stays pending while it has futures."""
+        batches: list[list[Event]] = []
         with self._lock:
-            keys = [k for k in self._pending_release if k not in self._refcount or k in again]
-            for key in keys:
-                del self._pending_release[key]
-        if not keys:
-            return []
-        return [ClientReleasesKeys(self.id, keys)]
+            pending = self._pending_release
+            for item in items:
+                again = set(item.resubmitted)
+                keys = [
+                    k
+                    for k, after in pending.items()
+                    if after <= item.seq and (k not in self._refcount or k in again)
+                ]
+                if keys:
+                    batches.append([ClientReleasesKeys(self.id, keys)])
+                    for key in keys:
+                        del pending[key]
+                batches.extend(item.batches)
+            keys = [k for k in pending if k not in self._refcount]
+            if keys:
+                batches.append([ClientReleasesKeys(self.id, keys)])
+                for key in keys:
+                    del pending[key]
+        return batches
 
     # ------------------------------------------------------------------ the reader task
 
@@ -1500,7 +1537,8 @@ class _Outgoing:
     batches: tuple[list[Event], ...]
     resubmitted: tuple[str, ...]  # the keys of a graph (a failed send errs their futures)
     written: concurrent.futures.Future[None]
-    from_loop: bool  # sent from the client's loop, where nobody blocks on ``written``
+    waited: bool  # a thread blocks on ``written`` (else a failure errs the futures)
+    seq: int = 0  # its place among the client's sends (``Client._with_releases``)
 
     @property
     def size(self) -> int:

@@ -40,7 +40,7 @@ class ClusterAdmin:
     keys: Keys
     _lock: threading.RLock
     _states: dict[str, _FutureState]
-    _pending_release: dict[str, None]
+    _pending_release: dict[str, int]
     _restarted: threading.Event
     _retire_refused: dict[str, str]
 

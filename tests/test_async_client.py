@@ -7,6 +7,7 @@ thread of its own."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import threading
 import traceback
@@ -199,3 +200,29 @@ def test_an_async_graph_redis_refuses_errs_its_future_instead_of_hanging(
                     assert await client.submit(inc, 1) == 2  # the client goes on
 
             run(main)
+
+
+def test_a_release_never_overtakes_a_graph_queued_before_it(client: Client) -> None:
+    """``submit`` queues its graph for the sender task.  A future dropped after a graph
+    that depends on it was queued, but before that graph was written, must be released
+    after it: released first, the scheduler forgot the key, and the dependent erred with
+    DataUnavailableError (found by the chaos test)."""
+    a = client.submit(inc, 1)
+    assert a.result(timeout=30) == 2  # its graph is in
+    with client._send_lock:  # the sender waits: the next sends pile up in its outbox
+        b = client.submit(inc, a)
+        del a  # its release is queued after b, which depends on it
+        gc.collect()
+    assert b.result(timeout=30) == 3
+
+
+def test_a_key_released_then_submitted_again_in_one_write_is_computed_anew(
+    client: Client,
+) -> None:
+    y = client.get({"y": (inc, 1)}, "y", sync=False)
+    assert y.result(timeout=30) == 2
+    with client._send_lock:  # its release and the new graph go in one pipeline
+        del y
+        gc.collect()
+        y = client.get({"y": (inc, 10)}, "y", sync=False)
+    assert y.result(timeout=30) == 11

@@ -189,12 +189,13 @@ def test_a_write_redis_refuses_while_it_answers_is_given_up(tmp_path: Path) -> N
     ):
         r = redis.Redis.from_url(server.url)
         r.config_set("client-query-buffer-limit", 1 << 20)  # drops the connection
+        # submit does not wait for its write (as in distributed): the future errs
         with pytest.raises(ClusterConnectionError, match="scatter"):
-            client.submit(len, b"x" * (4 << 20))
+            client.submit(len, b"x" * (4 << 20)).result(timeout=30)
         r.config_set("client-query-buffer-limit", 1 << 30)
         r.config_set("proto-max-bulk-len", 1 << 20)  # answers with an error
         with pytest.raises(RedisDaskError, match="scatter"):
-            client.submit(len, b"y" * (2 << 20))
+            client.submit(len, b"y" * (2 << 20)).result(timeout=30)
         assert client.submit(inc, 1).result(timeout=10) == 2
 
 

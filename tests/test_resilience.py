@@ -407,8 +407,8 @@ def test_a_client_waits_for_redis_then_says_so_and_keeps_its_futures(
         with pytest.raises(ClusterConnectionError, match="unreachable for more than 1 s"):
             gate.result()
         assert time.monotonic() - started < 10
-        with pytest.raises(ClusterConnectionError):
-            client.submit(inc, 2)
+        with pytest.raises(ClusterConnectionError):  # its graph could not be sent
+            client.submit(inc, 2).result()
         server.start()  # same port, same AOF
         assert gate.result(timeout=30) == 11  # the same future, kept
         assert client.submit(inc, 2).result(timeout=30) == 3
