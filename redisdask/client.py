@@ -3,9 +3,10 @@
 
 The client talks to the scheduler only through Redis: submissions go on the clients
 stream (batched: ``map`` of 100,000 items is a few pipelined XADDs), and the scheduler
-answers on this client's own events stream, which a background thread reads.  Results
-are fetched straight from the workers that hold them, over authenticated TCP
-(``redisdask.comm``); they never pass through Redis.
+answers on this client's own events stream (both in ``client_channel.py``).  Results are
+fetched straight from the workers that hold them, over authenticated TCP
+(``redisdask.comm``); they never pass through Redis.  The I/O is coroutines, run on the
+caller's loop (``asynchronous=True``) or on the blocking client's own loop thread.
 
 Futures of one key share a ``_FutureState`` (``redisdask.futures``); the client counts
 references per key and tells the scheduler to release a key when its last future is
@@ -21,8 +22,6 @@ import functools
 import importlib.util
 import inspect
 import logging
-import os
-import socket
 import sys
 import threading
 import time
@@ -39,7 +38,6 @@ from collections.abc import (
     Mapping,
 )
 from concurrent.futures import TimeoutError as FuturesTimeoutError
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import cloudpickle
@@ -48,6 +46,7 @@ import redis
 from redisdask import comm, schema, task_context
 from redisdask import spec as specs
 from redisdask.backoff import Backoff
+from redisdask.client_channel import SchedulerChannel, _Outgoing
 from redisdask.cluster import LocalCluster
 from redisdask.cluster_admin import ClusterAdmin
 from redisdask.config import load_config
@@ -57,10 +56,7 @@ from redisdask.errors import (
     ClusterConnectionError,
     ClusterNotRunningError,
     DataUnavailableError,
-    KilledWorker,
-    ProtocolError,
     RedisDaskError,
-    TaskInterrupted,
 )
 from redisdask.futures import (
     DoneAndNotDoneFutures,
@@ -82,23 +78,14 @@ from redisdask.loop import (
 from redisdask.memory import format_bytes
 from redisdask.placement import task_options as _options
 from redisdask.protocol import (
-    SCHEDULER_TO_CLIENT,
     CancelKeys,
-    CancelledKeys,
     ClientDesiresKeys,
     ClientReleasesKeys,
     CloseClient,
     Event,
-    KeyErred,
-    KeyInMemory,
-    Restarted,
-    RetireRefused,
     RetryKeys,
-    TaskRetried,
     UpdateData,
     UpdateGraph,
-    dicts,
-    parse,
 )
 from redisdask.schema import Keys
 from redisdask.task_record import TaskRecord
@@ -121,7 +108,6 @@ SUBMIT_BATCH_BYTES = 16 << 20  # specs per stream entry, so the scheduler's writ
 # whose bulk strings stop at 512 MB, once from the client and again in the scheduler's
 # fenced write
 MAX_SPEC_BYTES = 256 << 20
-SEND_ATTEMPTS = 3  # writes refused while Redis answers PING before the client gives up
 # keywords of Client() with no address that go to the LocalCluster it starts
 _LOCAL_CLUSTER_ARGS = frozenset(inspect.signature(LocalCluster).parameters) - {"cluster_name"}
 T = TypeVar("T")
@@ -130,7 +116,7 @@ T = TypeVar("T")
 # --------------------------------------------------------------------------- client
 
 
-class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
+class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
     """Connects to a cluster through Redis.
 
     ``address`` is a ``LocalCluster``, a Redis URL, or None: then the configured URL
@@ -143,9 +129,14 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
     ``ClusterNotRunningError`` naming the clusters it found, so a mistyped name leaves no
     keys behind.
 
-    The cluster-wide operations (``restart``, ``retire_workers``, ``scheduler_info``…)
-    come from ``ClusterAdmin`` (``cluster_admin.py``); ``run``, ``upload_file`` and
-    plugins from ``WorkerCalls`` (``worker_calls.py``).
+    With ``asynchronous=True`` (made in a coroutine) its calls return awaitables on the
+    caller's loop; a blocking client runs the same coroutines on a loop thread of its own
+    (``redisdask.loop``; docs/design.md, "One client, blocking or asynchronous").
+
+    Sending to the scheduler and reading its messages come from ``SchedulerChannel``
+    (``client_channel.py``); the cluster-wide operations (``restart``,
+    ``retire_workers``, ``scheduler_info``…) from ``ClusterAdmin`` (``cluster_admin.py``);
+    ``run``, ``upload_file`` and plugins from ``WorkerCalls`` (``worker_calls.py``).
     ``publish_dataset``, ``get_dataset``, ``list_datasets``, ``unpublish_dataset`` and
     ``datasets`` come from ``DatasetMethods`` (``redisdask.coordination.datasets``).
     """
@@ -501,183 +492,6 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
         if bridge_keys:
             entries.append([ClientReleasesKeys(self.id, bridge_keys)])
         self._send(*entries, resubmitted=submitted, wait=False)
-
-    # ------------------------------------------------------------------ sending
-
-    def _send(
-        self,
-        *batches: list[Event],
-        resubmitted: Iterable[str] = (),
-        wait: bool = True,
-    ) -> Awaitable[None] | None:
-        """Queue stream entries (each a batch of messages) for the sender task, which
-        writes them in order.  From another thread, wait until they are written (raising
-        what went wrong); on the client's loop, return an awaitable of the write.
-
-        A graph (``wait=False``: ``submit``, ``map``, ``compute``…) is not waited for,
-        as in distributed: the sender batches what is queued meanwhile, and a graph that
-        cannot be written makes its futures err, whether anyone waits or not."""
-        self._check_running()
-        on_loop = running_loop() is self.loop
-        waited = wait and not on_loop
-        item = _Outgoing(batches, tuple(resubmitted), concurrent.futures.Future(), waited)
-        with self._lock:
-            item.seq = self._queued
-            self._queued += 1
-            self._outbox.append(item)
-        wake(self.loop, self._outbox_ready)
-        if waited:
-            item.written.result()
-            return None
-        if not on_loop:
-            return None
-        awaitable = asyncio.wrap_future(item.written)
-        # awaited or not: a failure reaches the futures and the log (``_send_failed``)
-        awaitable.add_done_callback(_retrieved)
-        return awaitable
-
-    def _flush(self) -> None:
-        """Wait until everything queued so far is written: a barrier for writes made
-        outside the sender (a coordination script sending wants of futures just made).
-        Free when nothing is queued or being written (the outbox is read first: the
-        sender marks itself writing before it empties it)."""
-        if (self._outbox or self._writing) and running_loop() is not self.loop:
-            self._send()
-
-    async def _asend(self, *batches: list[Event], resubmitted: Iterable[str] = ()) -> None:
-        """``_send`` from a coroutine on the client's loop: waits until written."""
-        await self._send(*batches, resubmitted=resubmitted)  # type: ignore[misc]
-
-    async def _asender(self) -> None:
-        """Write what ``_send`` queued: everything queued at a time in one pipeline,
-        pending releases first.  One writer orders every send of this client, so a release
-        can never land after a resubmission of the same key."""
-        while True:
-            await self._outbox_ready.wait()
-            self._outbox_ready.clear()
-            while self._outbox:
-                self._writing = True
-                items = [self._outbox.popleft() for _ in range(len(self._outbox))]
-                try:
-                    await self._awrite(items)
-                except asyncio.CancelledError:
-                    _fail(items, RedisDaskError(f"client {self.id} closed before sending"))
-                    raise
-                except Exception as exc:
-                    if len(items) == 1:
-                        self._send_failed(items[0], exc)
-                        continue
-                    for item in items:  # which one was it? each alone says
-                        try:
-                            await self._awrite([item])
-                        except Exception as exc:
-                            self._send_failed(item, exc)
-                        else:
-                            _written(item)
-                else:
-                    for item in items:
-                        _written(item)
-                finally:
-                    self._writing = False
-
-    def _send_failed(self, item: _Outgoing, exc: Exception) -> None:
-        """Tell the waiter and, when nobody may be waiting (a graph, or a send from the
-        loop), the futures of the graph that was not sent."""
-        item.written.set_exception(exc)
-        if item.waited:
-            return
-        logger.error("client %s could not send %d messages: %s", self.id, item.size, exc)
-        with self._lock:
-            for key in item.resubmitted:
-                state = self._states.get(key)
-                if state is not None and not state.event.is_set():
-                    state.set_error(exc, None)
-
-    async def _awrite(self, items: list[_Outgoing]) -> None:
-        """XADD the items' entries in one pipeline; retries while Redis is away, for up
-        to ``redis.down-deadline``."""
-        with self._send_lock:
-            await self._awrite_locked(items)
-
-    async def _awrite_locked(self, items: list[_Outgoing]) -> None:
-        entries = tuple(dicts(batch) for batch in self._with_releases(items) if batch)
-        if not entries:
-            return
-        backoff = Backoff(base=0.05, cap=1.0)
-        refused = 0  # failures while Redis itself answers: the write is the problem
-        while True:
-            try:
-                pipe = self._aredis.pipeline(transaction=False)
-                for messages in entries:
-                    pipe.xadd(self.keys.client_stream, schema.entry(messages))
-                await pipe.execute()  # a retry after a lost reply may repeat an entry: harmless
-                self._redis_back()
-                return
-            except redis.ResponseError as exc:
-                why = str(exc).rpartition("caused error: ")[2]  # (not the command's bytes)
-                raise RedisDaskError(
-                    f"Redis at {redact(self.redis_url)} refused a write of "
-                    f"{format_bytes(_entries_size(entries))} to the clients stream: {why}; "
-                    "a write that large may pass Redis's limits (proto-max-bulk-len, "
-                    "client-query-buffer-limit): send large data with client.scatter"
-                ) from exc
-            except ClusterConnectionError as exc:
-                if await self._redis_answers():
-                    refused += 1
-                    if refused >= SEND_ATTEMPTS:
-                        raise ClusterConnectionError(
-                            f"Redis at {redact(self.redis_url)} answers but dropped the "
-                            f"connection on each of {refused} attempts to write "
-                            f"{format_bytes(_entries_size(entries))} to the clients "
-                            f"stream ({exc}); a "
-                            "write that large may pass Redis's limits "
-                            "(proto-max-bulk-len, client-query-buffer-limit): send large "
-                            "data with client.scatter"
-                        ) from exc
-                else:
-                    self._redis_lost(exc)
-                    await self._acheck_redis()
-                await asyncio.sleep(backoff.next())  # backoff while Redis is away
-
-    async def _redis_answers(self) -> bool:
-        try:
-            await self._aredis.ping()
-        except ClusterConnectionError:
-            return False
-        return True
-
-    def _redis_lost(self, exc: Exception) -> None:
-        if self._down_since is None:
-            self._down_since = time.monotonic()
-            logger.warning(
-                "client %s lost Redis at %s (%s); retrying with backoff",
-                self.id,
-                redact(self.redis_url),
-                exc,
-            )
-
-    def _redis_back(self) -> None:
-        if self._down_since is not None:
-            logger.warning(
-                "client %s reconnected to Redis after %.1f s",
-                self.id,
-                time.monotonic() - self._down_since,
-            )
-            self._down_since = None
-
-    async def _acheck_redis(self) -> None:
-        """Raise once Redis has been unreachable for longer than ``redis.down-deadline``."""
-        since = self._down_since
-        deadline = self.config.redis.down_deadline
-        if since is not None and time.monotonic() - since > deadline:
-            if await self._redis_answers():  # back meanwhile? (the reader may not know yet)
-                self._redis_back()
-                return
-            raise ClusterConnectionError(
-                f"Redis at {redact(self.redis_url)} has been unreachable for more than "
-                f"{deadline:g} s (redis.down-deadline); nothing is lost: the futures are kept "
-                "and work again once Redis is back"
-            )
 
     def get(
         self,
@@ -1264,175 +1078,6 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
                 self._states.pop(key, None)
                 self._pending_release[key] = self._queued
 
-    def _with_releases(self, items: list[_Outgoing]) -> list[list[Event]]:
-        """The items' batches in order, with the release of every key whose last future
-        went (``_dec_ref``) placed after every send queued before it went (a graph queued
-        earlier may depend on the key) and before the items queued after.
-
-        A key that has futures again is released only before an item that submits it
-        again: the scheduler then forgets the old run before it reads the new graph, so a
-        key reused for another computation (``get({"y": ...}, "y")`` twice) is computed
-        anew.  Otherwise it stays pending while it has futures."""
-        batches: list[list[Event]] = []
-        with self._lock:
-            pending = self._pending_release
-            for item in items:
-                again = set(item.resubmitted)
-                keys = [
-                    k
-                    for k, after in pending.items()
-                    if after <= item.seq and (k not in self._refcount or k in again)
-                ]
-                if keys:
-                    batches.append([ClientReleasesKeys(self.id, keys)])
-                    for key in keys:
-                        del pending[key]
-                batches.extend(item.batches)
-            keys = [k for k in pending if k not in self._refcount]
-            if keys:
-                batches.append([ClientReleasesKeys(self.id, keys)])
-                for key in keys:
-                    del pending[key]
-        return batches
-
-    # ------------------------------------------------------------------ the reader task
-
-    async def _aheartbeat(self) -> None:
-        ttl_ms = int(self.config.scheduler.client_ttl * 1000)
-        pipe = self._aredis.pipeline(transaction=False)
-        pipe.set(self.keys.client_alive(self.id), 1, px=ttl_ms)
-        pipe.hset(
-            self.keys.clients,
-            self.id,
-            schema.pack(
-                {
-                    "host": socket.gethostname(),
-                    "pid": os.getpid(),
-                    "last_seen": time.time(),
-                    "versions": self._versions,
-                }
-            ),
-        )
-        await self._alook_for_cluster(pipe)
-
-    async def _alook_for_cluster(self, pipe: Any) -> None:
-        """Run ``pipe`` with a look at the lease and the workers; note what is missing."""
-        pipe.exists(self.keys.lease)
-        pipe.hlen(self.keys.workers)
-        *_, leads, workers = await pipe.execute()
-        now = time.monotonic()
-        for what, present in (("scheduler", leads), ("workers", workers)):
-            if present:
-                self._missing_since.pop(what, None)
-            else:
-                self._missing_since.setdefault(what, now)
-
-    def _missing_text(self, what: str, waited: float | None) -> str:
-        """What a client found missing, for how long, and what to do about it."""
-        url, name = redact(self.redis_url), self.keys.cluster
-        if what == "scheduler":
-            missing = f"no scheduler leads cluster {name!r} on {url}"
-            start = f"start one with `redisdask scheduler {url} --cluster {name}`"
-        else:
-            missing = f"no worker is registered in cluster {name!r} on {url}"
-            start = f"start one with `redisdask worker {url} --cluster {name}`"
-        if waited is None:
-            return f"{missing}: tasks will wait; {start}, or check the cluster name"
-        limit = self.config.client.no_scheduler_timeout
-        return (
-            f"{missing}, for {waited:.0f} s (client.no-scheduler-timeout: {limit:g} s): "
-            f"{start}, or check the cluster name; the futures are kept and go on once it runs"
-        )
-
-    def _check_waiting(self) -> None:
-        """``_acheck_waiting`` from another thread than the client's loop."""
-        self._block(self._acheck_waiting)
-
-    async def _acheck_waiting(self) -> None:
-        """What every wait on this client's futures calls between its slices: raise once
-        waiting longer is pointless (Redis away, or the cluster not running, too long)."""
-        await self._acheck_redis()
-        await self._acheck_cluster()
-
-    async def _acheck_cluster(self) -> None:
-        """Raise once the cluster has had no leading scheduler, or no worker, for longer
-        than ``client.no-scheduler-timeout`` (each heartbeat looks)."""
-        now, limit = time.monotonic(), self.config.client.no_scheduler_timeout
-        if not any(now - since > limit for since in self._missing_since.values()):
-            return
-        await self._alook_for_cluster(self._aredis.pipeline(transaction=False))  # gone since?
-        for what, since in dict(self._missing_since).items():
-            if now - since > limit:
-                raise ClusterNotRunningError(self._missing_text(what, waited=now - since))
-
-    async def _aevent_loop(self) -> None:
-        """Read the scheduler's messages to this client; heartbeat between reads."""
-        stream = self.keys.client_events(self.id)
-        last_id = "0"
-        interval = self.config.client.heartbeat_interval
-        next_beat = time.monotonic() + interval
-        while self.status == "running":
-            try:
-                block = max(1, int((next_beat - time.monotonic()) * 1000))
-                reply = await self._events_redis.xread({stream: last_id}, block=block, count=1000)
-                for _name, items in reply or []:
-                    for entry_id, fields in items:
-                        last_id = entry_id
-                        self._handle_entry(fields)
-                if time.monotonic() >= next_beat:
-                    next_beat = time.monotonic() + interval
-                    # trimming what was read waits for the heartbeat: off the latency path
-                    await self._events_redis.xtrim(stream, minid=last_id)
-                    await self._aheartbeat()
-                    if self._pending_release and self.status == "running":
-                        self._send()
-                self._redis_back()
-            except Exception as exc:
-                if self.status != "running":
-                    return  # closing: ``_aclose`` cut the connection
-                # (its own reads raise redis-py's errors, the heartbeat ours)
-                if isinstance(
-                    exc, redis.ConnectionError | redis.TimeoutError | ClusterConnectionError
-                ):
-                    self._redis_lost(exc)
-                    await asyncio.sleep(0.2)
-                else:
-                    logger.exception("client %s: error handling scheduler messages", self.id)
-
-    def _handle_entry(self, fields: dict[bytes, bytes]) -> None:
-        for raw in schema.unpack(fields[b"m"]):
-            try:
-                msg = parse(raw, SCHEDULER_TO_CLIENT)
-            except ProtocolError as exc:
-                logger.warning("client %s: ignoring a scheduler message: %s", self.id, exc)
-                continue
-            with self._lock:
-                if isinstance(msg, KeyInMemory):
-                    state = self._states.get(msg.key)
-                    if state is not None:
-                        state.finish(msg.who_has, msg.type)
-                elif isinstance(msg, KeyErred):
-                    state = self._states.get(msg.key)
-                    if state is not None:
-                        exc, tb = _load_error(msg)
-                        state.set_error(exc, tb)
-                elif isinstance(msg, RetireRefused):
-                    for address in msg.workers:
-                        self._retire_refused[address] = msg.reason
-                elif isinstance(msg, Restarted):
-                    for state in list(self._states.values()):
-                        state.cancel("the cluster was restarted")
-                    self._restarted.set()
-                elif isinstance(msg, CancelledKeys):
-                    for key in msg.keys:
-                        state = self._states.get(key)
-                        if state is not None and state.generation <= msg.generation:
-                            state.cancel()
-                elif isinstance(msg, TaskRetried):
-                    state = self._states.get(msg.key)
-                    if state is not None and state.status == "error":
-                        state.reset()  # pending again: the task runs again
-
     def _run_callback(self, callback: Callable[[], Any]) -> None:
         """Run a user's done callback in a thread of its own (as distributed does), so
         that it may block, or wait for other futures, without stalling the client."""
@@ -1530,38 +1175,6 @@ class Client(ClusterAdmin, WorkerCalls, DatasetMethods):
 # --------------------------------------------------------------------------- helpers
 
 
-@dataclass(slots=True)
-class _Outgoing:
-    """Stream entries queued for the sender task, and who hears how the write went."""
-
-    batches: tuple[list[Event], ...]
-    resubmitted: tuple[str, ...]  # the keys of a graph (a failed send errs their futures)
-    written: concurrent.futures.Future[None]
-    waited: bool  # a thread blocks on ``written`` (else a failure errs the futures)
-    seq: int = 0  # its place among the client's sends (``Client._with_releases``)
-
-    @property
-    def size(self) -> int:
-        return sum(len(batch) for batch in self.batches)
-
-
-def _written(item: _Outgoing) -> None:
-    if not item.written.done():
-        item.written.set_result(None)
-
-
-def _retrieved(future: asyncio.Future[None]) -> None:
-    """Mark the exception of ``future`` seen (asyncio logs the unseen ones)."""
-    if not future.cancelled():
-        future.exception()
-
-
-def _fail(items: list[_Outgoing], exc: BaseException) -> None:
-    for item in items:
-        if not item.written.done():
-            item.written.set_exception(exc)
-
-
 async def _nothing() -> None:
     """An awaitable that does nothing (what an asynchronous client returns when there is
     nothing to do)."""
@@ -1583,10 +1196,6 @@ def _batches(by_worker: Mapping[str, Iterable[str]], size: int) -> Iterator[tupl
         keys = list(keys)
         for i in range(0, len(keys), size):
             yield worker, keys[i : i + size]
-
-
-def _entries_size(entries: tuple[list[dict[str, Any]], ...]) -> int:
-    return sum(len(schema.entry(messages)["m"]) for messages in entries)
 
 
 def _chunks(
@@ -1627,41 +1236,6 @@ def _check_key(key: Hashable) -> str:
             "int, float or a tuple of those, as in dask"
         )
     return specs.stringify(key)
-
-
-def _load_error(msg: KeyErred) -> tuple[BaseException, Any]:
-    """Rebuild the original exception and traceback a worker pickled."""
-    exc: BaseException
-    try:
-        exc = cloudpickle.loads(msg.exception) if msg.exception else None  # type: ignore[assignment]
-    except Exception as err:
-        exc = RedisDaskError(
-            f"the task raised an exception that could not be unpickled here: {err}; "
-            f"it was: {msg.exception_text}"
-        )
-    if exc is not None and not isinstance(exc, Exception):
-        exc = TaskInterrupted(
-            f"the task raised {exc!r}, which is no Exception (it would end this program if "
-            "raised here)"
-        )
-    if exc is None and msg.killed:
-        evidence = schema.unpack(msg.killed)
-        exc = KilledWorker(evidence["task"], evidence["deaths"], msg.exception_text)
-    if exc is None and msg.rejected:
-        from redisdask.errors import SchedulerRejectedError
-
-        exc = SchedulerRejectedError(msg.exception_text or "the scheduler refused it")
-    if exc is None:
-        exc = DataUnavailableError(msg.exception_text or "task erred")
-    tb = None
-    if msg.traceback:
-        try:
-            from tblib import Traceback
-
-            tb = Traceback.from_dict(cloudpickle.loads(msg.traceback)).as_traceback()
-        except Exception:
-            tb = None
-    return exc, tb
 
 
 _FAILED = ("error", "cancelled")
