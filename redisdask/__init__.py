@@ -21,6 +21,7 @@ from redisdask.errors import (
     WorkerStartTimeoutError,
     WorkerUnresponsiveError,
 )
+from redisdask.performance_report import performance_report
 from redisdask.plugins import WorkerPlugin
 from redisdask.task_context import get_client, get_worker, rejoin, secede, worker_client
 from redisdask.task_stream import get_task_stream
@@ -50,6 +51,7 @@ __all__ = [
     "get_client",
     "get_task_stream",
     "get_worker",
+    "performance_report",
     "progress",
     "rejoin",
     "secede",

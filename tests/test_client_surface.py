@@ -14,7 +14,17 @@ import pytest
 import redis
 from polling import poll
 
-from redisdask import Client, FutureCancelledError, as_completed, get_task_stream, wait
+from redisdask import (
+    Client,
+    FutureCancelledError,
+    LocalCluster,
+    as_completed,
+    get_task_stream,
+    performance_report,
+    wait,
+)
+from redisdask.performance_report import report_text
+from redisdask.schema import Keys
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -175,3 +185,53 @@ def test_get_versions_reads_more_packages_in_the_client_and_every_worker(client:
         assert process["pytest"] == pytest.__version__
         assert process["no-such-package-xyz"] is None
     assert len(found["workers"]) == 2
+
+
+def test_performance_report_says_what_ran_where_and_which_worker_died(
+    client: Client, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    report = tmp_path / "report.txt"
+    keys = Keys(cluster.cluster_name)
+    r = redis.Redis.from_url(client.redis_url)
+    workers = client.scheduler_info()["workers"]
+    busy, idle = sorted(workers)  # the tasks run on one; the other is killed (holding
+    victim = next(p for p in cluster.worker_processes if p.pid == workers[idle]["pid"])
+    with performance_report(filename=report) as perf:  # nothing, so nothing reruns)
+        futures = client.map(inc, range(30), key=[f"report-{i}" for i in range(30)],
+                             workers=[busy])  # fmt: skip
+        erred = client.submit(boom, key="report-boom", workers=[busy])
+        wait([*futures, erred])
+        victim.kill()  # kill -9: the report names its death
+        victim.wait()
+        poll(lambda: r.xlen(keys.deaths) > 0, timeout=30)
+    text = report.read_text()
+    assert text == perf.text
+    assert f"cluster {cluster.cluster_name!r}" in text
+    assert "tasks computed: 31 (1 erred)" in text
+    rows = {line.split()[0]: line.split()[1:3] for line in text.splitlines() if "report" in line}
+    assert rows["report"] == ["30", "0"] and rows["report-boom"] == ["1", "1"]  # tasks, erred
+    assert next(line for line in text.splitlines() if busy in line).split()[1] == "31"
+    assert "worker deaths while it ran: 1" in text
+
+
+def test_report_text_sums_prefixes_and_workers() -> None:
+    def task(key: str, worker: str, start: float, stop: float, status: str = "OK") -> dict:
+        span = {"action": "compute", "start": start, "stop": stop}
+        return {"key": key, "worker": worker, "status": status, "startstops": (span,)}
+
+    tasks = [
+        task("inc-aaaaaaaa", "tcp://a:1", 0.0, 1.0),
+        task("inc-bbbbbbbb", "tcp://b:1", 0.0, 3.0, "error"),
+        task("slow-cccccccc", "tcp://a:1", 1.0, 6.0),
+    ]
+    workers = {"tcp://a:1": {"nthreads": 1}, "tcp://b:1": {"nthreads": 1}}
+    text = report_text("cluster 'c'", tasks, workers, [], 0.0, 10.0)
+    assert "tasks computed: 3 (1 erred); compute time 9.00 s; thread utilisation 45%" in text
+    lines = text.splitlines()
+    row = {p: next(i for i, x in enumerate(lines) if x.strip().startswith(p + " ")) for p in
+           ("slow", "inc")}  # fmt: skip
+    slow, inc = row["slow"], row["inc"]
+    assert slow < inc  # by compute time
+    assert lines[inc].split() == ["inc", "2", "1", "4.000", "2000.00", "3000.00"]
+    assert next(x for x in lines if "tcp://a:1" in x).split()[1:4] == ["2", "6.00", "60%"]
+    assert "worker deaths while it ran: none" in text
