@@ -144,9 +144,10 @@ class SchedulerChannel:
         await self._send(*batches, resubmitted=resubmitted)  # type: ignore[misc]
 
     async def _asender(self) -> None:
-        """Write what ``_send`` queued: everything queued at a time in one pipeline,
-        pending releases first.  One writer orders every send of this client, so a release
-        can never land after a resubmission of the same key."""
+        """Write what ``_send`` queued: everything queued at a time in one pipeline, with
+        the pending releases where ``_with_releases`` places them.  One writer orders
+        every send of this client.  When a pipeline of several sends fails, each is tried
+        alone, so the error goes to the send that caused it."""
         while True:
             await self._outbox_ready.wait()
             self._outbox_ready.clear()
@@ -195,7 +196,16 @@ class SchedulerChannel:
             await self._awrite_locked(items)
 
     async def _awrite_locked(self, items: list[_Outgoing]) -> None:
-        entries = tuple(dicts(batch) for batch in self._with_releases(items) if batch)
+        batches, released = self._with_releases(items)
+        try:
+            await self._awrite_entries(tuple(dicts(batch) for batch in batches if batch))
+        except BaseException:
+            with self._lock:  # not sent: released with a later write
+                for key, after in released.items():
+                    self._pending_release.setdefault(key, after)
+            raise
+
+    async def _awrite_entries(self, entries: tuple[list[dict[str, Any]], ...]) -> None:
         if not entries:
             return
         backoff = Backoff(base=0.05, cap=1.0)
@@ -274,7 +284,7 @@ class SchedulerChannel:
                 "and work again once Redis is back"
             )
 
-    def _with_releases(self, items: list[_Outgoing]) -> list[list[Event]]:
+    def _with_releases(self, items: list[_Outgoing]) -> tuple[list[list[Event]], dict[str, int]]:
         """The items' batches in order, with the release of every key whose last future
         went (``_dec_ref``) placed after every send queued before it went (a graph queued
         earlier may depend on the key) and before the items queued after.
@@ -282,8 +292,10 @@ class SchedulerChannel:
         A key that has futures again is released only before an item that submits it
         again: the scheduler then forgets the old run before it reads the new graph, so a
         key reused for another computation (``get({"y": ...}, "y")`` twice) is computed
-        anew.  Otherwise it stays pending while it has futures."""
+        anew.  Otherwise it stays pending while it has futures.  Also returns the
+        releases taken (key -> its place), to put back if the write fails."""
         batches: list[list[Event]] = []
+        released: dict[str, int] = {}
         with self._lock:
             pending = self._pending_release
             for item in items:
@@ -296,14 +308,14 @@ class SchedulerChannel:
                 if keys:
                     batches.append([ClientReleasesKeys(self.id, keys)])
                     for key in keys:
-                        del pending[key]
+                        released[key] = pending.pop(key)
                 batches.extend(item.batches)
             keys = [k for k in pending if k not in self._refcount]
             if keys:
                 batches.append([ClientReleasesKeys(self.id, keys)])
                 for key in keys:
-                    del pending[key]
-        return batches
+                    released[key] = pending.pop(key)
+        return batches, released
 
     # ------------------------------------------------------------------ the reader task
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import redis
+from polling import poll
 
 from redisdask import (
     Client,
@@ -226,3 +227,23 @@ def test_a_key_released_then_submitted_again_in_one_write_is_computed_anew(
         gc.collect()
         y = client.get({"y": (inc, 10)}, "y", sync=False)
     assert y.result(timeout=30) == 11
+
+
+def test_a_release_sent_with_a_refused_graph_is_sent_again(redis_url: str) -> None:
+    """A write Redis refuses is tried again without the graph: the releases it carried
+    still reach the scheduler (before, they were dropped and the keys stayed wanted)."""
+    with EmbeddedRedis() as server:
+        r = redis.Redis.from_url(server.url)
+        r.config_set("proto-max-bulk-len", 1 << 20)
+        with LocalCluster(1, redis_url=server.url, nanny=False) as cluster, Client(cluster) as c:
+            a = c.submit(inc, 1)
+            assert a.result(timeout=30) == 2
+            task = c.keys.task(a._key)
+            with c._send_lock:  # the refused graph and then a's release go in one write
+                big = c.submit(len, b"x" * (2 << 20))
+                del a
+                gc.collect()
+            with pytest.raises(RedisDaskError, match="proto-max-bulk-len"):
+                big.result(timeout=60)
+            # the scheduler forgets a once the release lands (no one else wants it)
+            poll(lambda: not r.exists(task), timeout=30)
