@@ -426,6 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 client_ttl=config.scheduler.client_ttl,
                 connect_timeout=config.redis.connect_timeout,
                 retention=config.retention,
+                rebalance=config.worker.memory.rebalance,
             )
         elif args.command == "worker":
             role = "worker" if args.no_nanny else "nanny"

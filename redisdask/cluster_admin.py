@@ -1,13 +1,14 @@
 """The client's operations on the cluster as a whole, as distributed names them:
-``restart``, ``replicate``, ``retire_workers``, ``scheduler_info``, ``get_versions``,
-``nthreads``.  ``Client`` inherits them; they read Redis and send the scheduler messages
-through the client's own machinery (``_send``, ``_results``)."""
+``restart``, ``replicate``, ``rebalance``, ``retire_workers``, ``scheduler_info``,
+``get_versions``, ``nthreads``.  ``Client`` inherits them; they read Redis and send the
+scheduler messages through the client's own machinery (``_send``, ``_results``)."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Iterable
 from concurrent.futures import TimeoutError as FuturesTimeoutError
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,8 @@ from redisdask import schema
 from redisdask.connection import redact
 from redisdask.futures import Future, _flatten, _FutureState, _seconds
 from redisdask.loop import offloaded
-from redisdask.protocol import Replicate, Restart, RetireWorkers
+from redisdask.protocol import Rebalance, Replicate, Restart, RetireWorkers
+from redisdask.scheduler_moves import RebalanceRecord
 from redisdask.task_stream import read_task_stream, when
 from redisdask.versions import VersionMismatchError, mismatches, table, versions
 
@@ -110,6 +112,75 @@ class ClusterAdmin:
                     f"{want} copies of {len(keys)} keys not made within {timeout} s"
                 )
             time.sleep(0.02)  # the copies are made worker to worker; their arrival is polled
+
+    @offloaded
+    def rebalance(self, futures: Any = None, workers: Any = None, **kwargs: Any) -> None:
+        """Move results between workers so that each holds about the same bytes (as
+        distributed's ``rebalance``): workers above the mean give their oldest results
+        to workers below it, within ``worker.memory.rebalance``'s limits (as in Dask, by
+        default nothing moves while every worker holds under 30% of its memory limit;
+        see ``redisdask.scheduler_moves``).  A worker is weighed by the sizes of the
+        results it holds (Dask's *managed* memory).
+
+        ``futures``: move only their keys (waited for first; None: any result);
+        ``workers``: addresses or names, moves only among those (None: all).  Each copy
+        goes worker to worker; the sender drops its copy only once the recipient holds
+        it, so nothing is lost or recomputed, and a move whose recipient dies first
+        leaves the data where it was.  Returns when every move is done (a scheduler
+        restarted meanwhile carries on with them); ``timeout=`` (seconds, 60; None: no
+        limit) else raises ``TimeoutError``.  With ``futures``, a key that was not in
+        memory (an erred or cancelled future) or could not be moved raises ``KeyError``
+        naming it, as in distributed; nothing moves when one was not in memory."""
+        self._check_running()
+        timeout = _seconds(kwargs.pop("timeout", 60.0))
+        if kwargs:
+            raise TypeError(f"rebalance() got unexpected keyword arguments {sorted(kwargs)}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        keys = None
+        if futures is not None:
+            flat = [f for f in _flatten(futures) if isinstance(f, Future)]
+            if not flat:
+                return  # (as distributed: no keys, nothing to move)
+            self._wait_for(flat, deadline, stop_on_error=False)  # finished; not fetched
+            keys = list(dict.fromkeys(f._key for f in flat))
+        addresses = None
+        if workers is not None:
+            addresses = list(self._workers_named(workers))  # ValueError naming unknown ones
+            if not addresses:
+                return
+        request = uuid.uuid4().hex
+        self._send([Rebalance(self.id, request, keys=keys, workers=addresses)])
+        record = self._rebalance_done(request, deadline, timeout)
+        if keys is not None:
+            self._block(self._arefresh_who_has, keys)  # where the values are now
+            if record.failed:
+                raise KeyError(f"Could not rebalance keys: {record.failed}")
+
+    def _rebalance_done(
+        self, request: str, deadline: float | None, timeout: float | None
+    ) -> RebalanceRecord:
+        """Wait for the scheduler's record of a rebalance to say it is done."""
+        name = self.keys.rebalance(request)
+        fields = ("client", "status", "moves", "moved", "failed")
+        while True:
+            values = self.redis.hmget(name, fields)
+            record = RebalanceRecord.from_hash(
+                {f.encode(): v for f, v in zip(fields, values, strict=True) if v is not None}
+            )
+            if record.status == "done":
+                return record
+            if deadline is not None and time.monotonic() > deadline:
+                if not record.status:
+                    raise FuturesTimeoutError(
+                        f"the scheduler did not take up the rebalance within {timeout} s "
+                        "(is a scheduler running?)"
+                    )
+                raise FuturesTimeoutError(
+                    f"the rebalance did not finish within {timeout} s: {record.moved} of "
+                    f"{record.moves} moves done; the rest go on (a recipient fetches each "
+                    "copy from its sender)"
+                )
+            time.sleep(0.02)  # the copies are made worker to worker; the record is polled
 
     @offloaded
     def retire_workers(

@@ -155,12 +155,28 @@ class SchedulerConfig(Section):
     locks: LocksConfig = Field(default_factory=LocksConfig)
 
 
+Share = Annotated[float, Field(ge=0, le=1)]
+
+
+class RebalanceConfig(Section):
+    """``Client.rebalance`` (Dask's ``distributed.worker.memory.rebalance``), read by the
+    scheduler; fractions of each worker's memory limit (ignored for a worker without
+    one).  Dask's ``measure`` is not offered: the scheduler weighs what a worker holds by
+    its results' sizes (Dask's managed memory)."""
+
+    sender_min: Share = 0.30  # a worker holding less than this gives nothing
+    recipient_max: Share = 0.60  # a worker holding more than this takes nothing
+    # around the mean, a band this wide where a worker neither gives nor takes
+    sender_recipient_gap: Share = 0.10
+
+
 class WorkerMemoryConfig(Section):
     target: Fraction = 0.60
     spill: Fraction = 0.70
     pause: Fraction = 0.80
     terminate: Fraction = 0.95
     monitor_interval: Seconds = 0.2
+    rebalance: RebalanceConfig = Field(default_factory=RebalanceConfig)
 
     @model_validator(mode="after")
     def _check_order(self) -> WorkerMemoryConfig:

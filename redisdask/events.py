@@ -17,6 +17,9 @@ worker-died          worker, name, how, cause (the death's kind: memory, signal,
 killed-worker        key, workers (the task erred with KilledWorker)             scheduler
 lost-claim           key, worker (processing there, but the worker does not      scheduler
                      have it: its claim's reply was lost; queued again)
+rebalance            client, request, moves, bytes, senders, recipients          scheduler
+                     (``Client.rebalance``'s plan; missing: keys not in memory)
+rebalanced           request, moved, failed (its moves are over)                 scheduler
 ==================== =========================================================== ===========
 
 The stream is trimmed to ``retention.events`` entries on every append.  Readers must
@@ -74,6 +77,15 @@ def describe(event: dict[str, Any]) -> str:
             f"{event.get('key')} was processing on {who}, which never got it (the claim's "
             "reply was lost): queued again"
         )
+    if kind == "rebalance":
+        size = event.get("bytes")
+        shown = f" ({format_bytes(int(size))})" if _number(size) else ""
+        return (
+            f"rebalance: {event.get('moves')} keys{shown} from {event.get('senders')} to "
+            f"{event.get('recipients')} workers"
+        )
+    if kind == "rebalanced":
+        return f"rebalance done: {event.get('moved')} keys moved, {event.get('failed')} not"
     if kind == "scheduler-start":
         previous = event.get("previous")
         took = f", taking over from {previous}" if previous else ""

@@ -458,7 +458,7 @@ def _kind(name: str) -> str:
     """``task:inc-1`` -> ``task:*``; ``worker:tcp://h:1:story`` -> ``worker:*:story``;
     ``lock:x`` -> ``lock:*``; ``waiters:queue:q`` -> ``waiters:queue:*``."""
     head, _, rest = name.partition(":")
-    if head in ("task", "queue-refs", *schema.COORDINATION_KINDS):
+    if head in ("task", "queue-refs", "rebalance", *schema.COORDINATION_KINDS):
         return f"{head}:*"
     if head in ("waiters", "signal") and rest:
         return f"{head}:{rest.partition(':')[0]}:*"

@@ -64,6 +64,7 @@ _CHECKS: dict[str, Callable[[Any], bool]] = {
     "bytes": lambda v: isinstance(v, bytes),
     "bytes | None": lambda v: v is None or isinstance(v, bytes),
     "list[str]": _is_strs,
+    "list[str] | None": lambda v: v is None or _is_strs(v),
     "list[Any]": lambda v: isinstance(v, list),
     "list[dict[str, Any]]": lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
     "dict[str, Any]": _is_str_map,
@@ -321,6 +322,25 @@ class Replicate(Event):
     client: str
     keys: list[str] = field(default_factory=list)
     n: int = 2
+
+
+@dataclass(slots=True)
+class Rebalance(Event):
+    """A client asks to even out the bytes its workers hold (``Client.rebalance``):
+    ``keys`` only those (None: any key), among ``workers`` only (None: every worker).
+    The scheduler records its plan and progress under ``request`` (the client's id for
+    this call), where the client reads when the moves are done."""
+
+    op: ClassVar[str] = "rebalance"
+    optional: ClassVar[frozenset[str]] = frozenset({"keys", "workers"})
+    client: str
+    request: str
+    keys: list[str] | None = None
+    workers: list[str] | None = None
+
+    def _validate(self) -> None:
+        if not self.request:
+            raise ValueError("'request' is empty")
 
 
 @dataclass(slots=True)
@@ -604,7 +624,7 @@ class RetireRefused(ClientEvent):
 
 CLIENT_TO_SCHEDULER: dict[str, type[Event]] = registry(
     UpdateGraph, ClientDesiresKeys, ClientReleasesKeys, CancelKeys, RetryKeys, Replicate,
-    Restart, RetireWorkers, UpdateData, CloseClient,
+    Rebalance, Restart, RetireWorkers, UpdateData, CloseClient,
 )  # fmt: skip
 WORKER_TO_SCHEDULER: dict[str, type[Event]] = registry(
     AddWorker, TaskClaimed, TaskFinished, TaskErred, MissingData, AddKeys, ReleasedKeys,

@@ -33,7 +33,7 @@ import redis
 
 from redisdask import schema
 from redisdask.backoff import Backoff
-from redisdask.config import RetentionConfig
+from redisdask.config import RebalanceConfig, RetentionConfig
 from redisdask.connection import connect, redact
 from redisdask.errors import FencedError, ProtocolError
 from redisdask.scheduler_redis import Summary, Translator, decode_entry, load_state, rejected_graphs
@@ -63,6 +63,7 @@ class Scheduler:
         worker_ttl: float = 3.0,
         client_ttl: float = 30.0,
         retention: RetentionConfig | None = None,
+        rebalance: RebalanceConfig | None = None,
     ) -> None:
         self.keys = Keys(cluster)
         self.retention = retention or RetentionConfig()
@@ -75,7 +76,10 @@ class Scheduler:
         self.id = f"scheduler-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.token: str | None = None
         self.allowed_failures = allowed_failures
-        self.state = SchedulerState(validate=validate, allowed_failures=allowed_failures)
+        self.rebalance = rebalance  # worker.memory.rebalance: Client.rebalance's limits
+        self.state = SchedulerState(
+            validate=validate, allowed_failures=allowed_failures, rebalance=rebalance
+        )
         self.worker_ttl = worker_ttl
         self.client_ttl = client_ttl
         self.watch = WorkerWatch(self.keys, worker_ttl)
@@ -267,7 +271,9 @@ class Scheduler:
         return [CloseClient(client=client, stimulus_id=f"client-ttl-{client}") for client in gone]
 
     def _load(self) -> SchedulerState:
-        return load_state(self.redis, self.keys, self.validate, self.allowed_failures)
+        return load_state(
+            self.redis, self.keys, self.validate, self.allowed_failures, self.rebalance
+        )
 
     def stop(self) -> None:
         self._stopping = True

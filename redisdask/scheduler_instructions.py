@@ -151,3 +151,16 @@ class RecordDeath(Instruction):
     """Append a worker's death record (the answer to "why did my worker die?")."""
 
     record: dict[str, Any]
+
+
+@dataclass(slots=True)
+class RecordRebalance(Instruction):
+    """Write to a rebalance's record (``rd:{c}:rebalance:<request>``, see
+    ``scheduler_moves``): set ``fields`` (values as stored: str, int or bytes), delete the
+    fields in ``drop``; ``done``: the rebalance is over (it leaves the running set and its
+    record expires a while after, once its client had time to read it)."""
+
+    request: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    drop: list[str] = field(default_factory=list)
+    done: bool = False

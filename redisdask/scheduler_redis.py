@@ -40,6 +40,7 @@ from redisdask.scheduler_instructions import (
     Instruction,
     LogEvent,
     RecordDeath,
+    RecordRebalance,
     ResetCluster,
     SetState,
     SetWants,
@@ -47,6 +48,7 @@ from redisdask.scheduler_instructions import (
     Unclaim,
     WorkerMsg,
 )
+from redisdask.scheduler_moves import RebalanceConfig, RebalanceRecord
 from redisdask.scheduler_state import HOLDS_DEPENDENCIES, RejectedGraph, SchedulerState, TaskState
 from redisdask.schema import Keys
 from redisdask.task_record import TaskRecord
@@ -54,6 +56,7 @@ from redisdask.task_record import TaskRecord
 logger = logging.getLogger("redisdask.scheduler")
 
 MAX_ARGS = 2000  # Lua's unpack() limit is ~8000 arguments per command
+REBALANCE_RECORD_TTL_MS = 3_600_000  # a finished rebalance's record, for its client to read
 SUMMARY_INTERVAL = 0.5  # seconds between writes of the summary hash while tasks change
 SUMMARY_SHARE = 0.05  # the most of the scheduler's time the summary's passes may take
 THROUGHPUT_WINDOW = 60  # seconds of finished-task counts the summary keeps
@@ -81,6 +84,9 @@ class _Batch:
     unclaims: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     exists: dict[str, bool] = field(default_factory=dict)  # stored (True) or forgotten, last wins
     forgotten: list[str] = field(default_factory=list)
+    # per rebalance record: field -> value (None: deleted), last wins; and whether it is done
+    rebalances: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rebalances_done: dict[str, bool] = field(default_factory=dict)
 
     def fields(self, key: str) -> dict[str, Any]:
         return self.task_fields.setdefault(key, {})
@@ -134,6 +140,20 @@ class _Batch:
             n = len(self.enqueue) + len(self.enqueue_on)
             signal = ["XADD", k.ready_signal, "MAXLEN", "~", schema.READY_SIGNAL_MAXLEN, "*"]
             cmds.append([*signal, "n", n])
+        for request, changes in self.rebalances.items():
+            record = k.rebalance(request)
+            dropped = [name for name, value in changes.items() if value is None]
+            pairs = [x for name, value in changes.items() if value is not None
+                     for x in (name, value)]  # fmt: skip
+            if dropped:
+                cmds.extend(_chunked(["HDEL", record], dropped))
+            if pairs:
+                cmds.extend(_chunked(["HSET", record], pairs, step=2))
+            if self.rebalances_done[request]:
+                cmds += [["SREM", k.rebalances, request],
+                         ["PEXPIRE", record, REBALANCE_RECORD_TTL_MS]]  # fmt: skip
+            else:
+                cmds.append(["SADD", k.rebalances, request])
         return cmds
 
 
@@ -270,6 +290,13 @@ class Translator:
         # the futures a dataset, variable or queue recorded before now are gone
         b.cmds.append(["HINCRBY", k.meta, "restarts", 1])
 
+    def _record_rebalance(self, ins: RecordRebalance, b: _Batch) -> None:
+        changes = b.rebalances.setdefault(ins.request, {})
+        for name in ins.drop:
+            changes[name] = None
+        changes.update(ins.fields)
+        b.rebalances_done[ins.request] = b.rebalances_done.get(ins.request, False) or ins.done
+
     def _record_death(self, ins: RecordDeath, b: _Batch) -> None:
         now = time.time()
         record = schema.pack({"time": now, **ins.record})
@@ -322,6 +349,7 @@ _TRANSLATIONS: dict[type[Instruction], Callable[[Translator, Any, _Batch], None]
     ForgetWorker: Translator._forget_worker,
     ResetCluster: Translator._reset_cluster,
     RecordDeath: Translator._record_death,
+    RecordRebalance: Translator._record_rebalance,
     LogEvent: Translator._log_event,
 }
 
@@ -490,14 +518,23 @@ def no_worker_reasons(state: SchedulerState) -> list[dict[str, Any]]:
 
 
 def load_state(
-    r: redis.Redis, keys: Keys, validate: bool = False, allowed_failures: int = 3
+    r: redis.Redis,
+    keys: Keys,
+    validate: bool = False,
+    allowed_failures: int = 3,
+    rebalance: RebalanceConfig | None = None,
 ) -> SchedulerState:
     """Rebuild the scheduler's state from Redis (start-up, and after a failed write):
     the inverse of ``Translator.to_commands``.  What the task hash does not carry (see
     ``docs/redis-schema.md``) starts afresh: a retirement, replicas being made, holding
-    report counts."""
+    report counts.  The rebalances under way are reloaded with their moves in flight."""
     seq = r.hget(keys.meta, "seq")
-    state = SchedulerState(validate=validate, seq=int(seq or 0), allowed_failures=allowed_failures)
+    state = SchedulerState(
+        validate=validate,
+        seq=int(seq or 0),
+        allowed_failures=allowed_failures,
+        rebalance=rebalance,
+    )
     for address, info in r.hgetall(keys.workers).items():
         state.handle_stimulus(
             AddWorker(worker=address.decode(), info=schema.unpack(info), stimulus_id="load")
@@ -532,6 +569,9 @@ def load_state(
                 wanted.add(ts)
         if not wanted and schema.is_holder(cid):
             del state.clients[cid]  # (a holder exists only while it wants something)
+    for request in sorted(m.decode() for m in r.smembers(keys.rebalances)):
+        record = RebalanceRecord.from_hash(r.hgetall(keys.rebalance(request)))
+        state.restore_rebalance(request, record)
     logger.info(
         "loaded %d tasks, %d workers, %d clients from Redis",
         len(state.tasks),

@@ -70,6 +70,7 @@ from redisdask.protocol import (
     KeyInMemory,
     KeysRecorded,
     MissingData,
+    Rebalance,
     ReleasedKeys,
     RemoveWorker,
     Replicate,
@@ -106,6 +107,7 @@ from redisdask.scheduler_instructions import (
     Unclaim,
     WorkerMsg,
 )
+from redisdask.scheduler_moves import DataMoves, RebalanceConfig
 from redisdask.state_machine import InvalidTransition
 
 logger = logging.getLogger(__name__)
@@ -240,8 +242,9 @@ class WorkerInfo:
     holding_reports: int = 0  # its holding reports read (since this scheduler loaded)
 
 
-class SchedulerState:
-    """Every task, worker and client the scheduler knows, and the rules between them."""
+class SchedulerState(DataMoves):
+    """Every task, worker and client the scheduler knows, and the rules between them
+    (``DataMoves``: the copies and moves clients ask for)."""
 
     def __init__(
         self,
@@ -249,6 +252,7 @@ class SchedulerState:
         seq: int = 0,
         allowed_failures: int = 3,
         story_limit: int = 100_000,
+        rebalance: RebalanceConfig | None = None,
     ) -> None:
         self.allowed_failures = allowed_failures
         self.tasks: dict[str, TaskState] = {}
@@ -259,7 +263,8 @@ class SchedulerState:
         self.validate = validate
         self._instructions: list[Instruction] = []
         self._candidates: deque[TaskState] = deque()
-        self._retirement_changed = False  # something a retirement waits for happened
+        self._holders_changed = False  # something a retirement or a rebalance waits for
+        self._init_moves(rebalance)
         self.placement = Placement(lambda: {a: ws.info for a, ws in self.workers.items()})
         # results that came in and tasks that erred, since this state was built (metrics
         # for the summary the monitor shows)
@@ -278,9 +283,10 @@ class SchedulerState:
             stimulus_id = event.stimulus_id
             self._HANDLERS[type(event)](self, event)
             self._drain(stimulus_id=stimulus_id)
-        if self._retirement_changed:
-            self._retirement_changed = False
+        if self._holders_changed:
+            self._holders_changed = False
             self._move_retiring_data(stimulus_id=stimulus_id)
+            self._settle_moves(stimulus_id=stimulus_id)
         instructions, self._instructions = self._instructions, []
         if self.validate:
             self.validate_state()
@@ -468,6 +474,7 @@ class SchedulerState:
         and it is recomputed (or, without a task to recompute it, errs) if still needed."""
         self._set_state(ts, "released", stimulus_id=stimulus_id)
         ts.replicating.clear()
+        self._cancel_move(ts, stimulus_id=stimulus_id)
         self._emit(SetState(stimulus_id, ts.key, "released", {"who_has": []}))
         for dependent in sorted(ts.waiters, key=lambda t: t.score):
             if dependent.state in ("queued", "processing", "no-worker"):
@@ -584,6 +591,7 @@ class SchedulerState:
         self.tasks.clear()
         self.unrunnable.clear()
         self._candidates.clear()
+        self._forget_moves(stimulus_id=ev.stimulus_id)
         # (the holders wanted only tasks: they go with them)
         self.clients = {client: set() for client in clients if not schema.is_holder(client)}
 
@@ -686,7 +694,7 @@ class SchedulerState:
             shown = ("name", "host", "nthreads", "memory_limit", "restarts")
             fields = {k: ev.info[k] for k in shown if ev.info.get(k) is not None}
             self._emit(LogEvent(ev.stimulus_id, "worker-joined", {"worker": ev.worker, **fields}))
-        self._retirement_changed = True  # somewhere new to put a retiring worker's data
+        self._holders_changed = True  # somewhere new to put a retiring worker's data
         if ev.resync:
             self._resync(self.workers[ev.worker], ev.resync, stimulus_id=ev.stimulus_id)
         for ts in sorted(self.unrunnable, key=lambda t: t.score):
@@ -765,7 +773,7 @@ class SchedulerState:
                 gone = WorkerInfo(ev.worker, {k: ev.evidence.get(k) for k in known})
                 self._emit(RecordDeath(ev.stimulus_id, self._death_record(ev, gone, [])))
             return
-        self._retirement_changed = True  # a copy it held or was fetching may be gone
+        self._holders_changed = True  # a copy it held or was fetching may be gone
         for other in self.workers.values():
             if other.retiring:
                 other.to_move |= ws.has_what & other.has_what
@@ -936,11 +944,15 @@ class SchedulerState:
                 continue
             if ev.worker in ts.replicating:  # a copy that did not come: ask again
                 ts.replicating.discard(ev.worker)
-                self._retirement_changed = True
+                self._holders_changed = True
             errant = self.workers.get(ev.errant_worker)
-            # a retiring holder is alive and keeps its data until it is told to close: a
-            # failed fetch from it is taken for a passing network failure
+            # a retiring holder is alive and keeps its data until it is told to close, and
+            # a rebalance's sender until its recipient has the copy: a failed fetch from
+            # either is taken for a passing network failure (that move is abandoned)
             trusted = errant is not None and errant.retiring
+            trusted |= self._move_failed(
+                ts, ev.worker, ev.errant_worker, stimulus_id=ev.stimulus_id
+            )
             if ev.errant_worker in ts.who_has and not trusted:
                 ts.who_has.discard(ev.errant_worker)
                 ws = self.workers.get(ev.errant_worker)
@@ -963,7 +975,7 @@ class SchedulerState:
                 self._lost_data(ts, stimulus_id=ev.stimulus_id)
 
     def _handle_add_keys(self, ev: AddKeys) -> None:
-        self._retirement_changed = True
+        self._holders_changed = True
         for key in ev.keys:
             ts = self.tasks.get(key)
             if ts is not None:
@@ -971,15 +983,6 @@ class SchedulerState:
             if ts is not None and ts.state == "memory" and ev.worker in self.workers:
                 self._add_replica(ts, ev.worker)
                 self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
-
-    def _handle_replicate(self, ev: Replicate) -> None:
-        for key in ev.keys:
-            ts = self.tasks.get(key)
-            if ts is None or ts.state != "memory":
-                continue
-            ts.replicas = max(1, int(ev.n))
-            self._emit(SetState(ev.stimulus_id, key, "memory", {"replicas": ts.replicas}))
-            self._ensure_replicas(ts, stimulus_id=ev.stimulus_id)
 
     def _handle_retire_workers(self, ev: RetireWorkers) -> None:
         leaving = [self.workers[a] for a in dict.fromkeys(ev.workers) if a in self.workers]
@@ -993,7 +996,7 @@ class SchedulerState:
             msg = RetireRefused([ws.address for ws in leaving], reason=reason)
             self._emit(ClientMsg(ev.stimulus_id, ev.client, msg))
             return
-        self._retirement_changed = True
+        self._holders_changed = True
         for ws in leaving:
             if not ws.retiring and ev.client:
                 self._emit(WorkerMsg(ev.stimulus_id, ws.address, RetireWorker()))
@@ -1046,26 +1049,6 @@ class SchedulerState:
         ws.told_to_close = True
         self._emit(WorkerMsg("retire-" + stimulus_id, ws.address, CloseWorker(reason)))
 
-    def _ensure_replicas(self, ts: TaskState, *, stimulus_id: str) -> None:
-        """Ask workers without a copy to fetch one, until ``ts.replicas`` are (or will be)
-        held; the least loaded workers first."""
-        ts.replicating &= set(self.workers)
-        missing = ts.replicas - len(ts.who_has) - len(ts.replicating)
-        if missing <= 0 or not ts.who_has:
-            return
-        candidates = sorted(
-            (
-                ws
-                for a, ws in self.workers.items()
-                if a not in ts.who_has and a not in ts.replicating and not ws.retiring
-            ),
-            key=lambda ws: (len(ws.has_what), ws.address),
-        )
-        for ws in candidates[:missing]:
-            ts.replicating.add(ws.address)
-            who_has = {ts.key: sorted(ts.who_has)}
-            self._emit(WorkerMsg(stimulus_id, ws.address, AcquireReplicas(who_has)))
-
     def _handle_released_keys(self, ev: ReleasedKeys) -> None:
         ws = self.workers.get(ev.worker)
         for key in ev.keys:
@@ -1105,7 +1088,8 @@ class SchedulerState:
         MissingData: _handle_missing_data,
         AddKeys: _handle_add_keys,
         ReleasedKeys: _handle_released_keys,
-        Replicate: _handle_replicate,
+        Replicate: DataMoves._handle_replicate,
+        Rebalance: DataMoves._handle_rebalance,
         RetryKeys: _handle_retry_keys,
         RetireWorkers: _handle_retire_workers,
     }
@@ -1248,7 +1232,7 @@ class SchedulerState:
         self._add_replica(ts, worker.address)
         if worker.retiring:  # finished while its worker retires: to be copied elsewhere
             worker.to_move.add(ts)
-            self._retirement_changed = True
+            self._holders_changed = True
         self._emit(SetState(stimulus_id, ts.key, "memory", self._memory_fields(ts)))
         for client in ts.who_wants:
             self._emit(ClientMsg(stimulus_id, client, self._memory_msg(ts)))
@@ -1274,6 +1258,7 @@ class SchedulerState:
         ws = self.workers.get(worker)
         if ws is not None:
             ws.has_what.add(ts)
+        self._new_holder(ts)  # (a rebalance may wait for it)
 
     def _transition_processing_erred(self, ts: TaskState, *, stimulus_id: str) -> None:
         if ts.processing_on is not None:
@@ -1335,6 +1320,7 @@ class SchedulerState:
         for worker in ts.replicating - ts.who_has:  # fetching a copy nobody needs now
             self._free(worker, ts.key, stimulus_id=stimulus_id)
         ts.replicating.clear()
+        self._cancel_move(ts, stimulus_id=stimulus_id)
         for worker in ts.who_has:
             ws = self.workers.get(worker)
             if ws is not None:
@@ -1526,6 +1512,7 @@ class SchedulerState:
                 assert ts.processing_on == ws.address, (ts, ws.address)
             for ts in ws.has_what:
                 assert ws.address in ts.who_has, (ts, ws.address)
+        self._validate_moves()
         for client, wanted in self.clients.items():
             assert wanted or not schema.is_holder(client), client  # gone when it wants nothing
             for ts in wanted:

@@ -228,6 +228,15 @@ class Keys:
     def holders(self) -> str:
         return self.prefix + "holders"
 
+    @property
+    def rebalances(self) -> str:
+        """The requests of the rebalances under way (``Client.rebalance``)."""
+        return self.prefix + "rebalances"
+
+    def rebalance(self, request: str) -> str:
+        """A rebalance's plan and progress (``scheduler_moves``)."""
+        return f"{self.prefix}rebalance:{request}"
+
     # the coordination primitives (redisdask/coordination): see CoordinationScripts
 
     def coordination(self, kind: str, name: str) -> str:

@@ -35,6 +35,7 @@ def samples() -> list[wire.Message]:
             client="c", who_has={"x": [W1]}, nbytes={"x": 3}, types={"x": "int"}, stimulus_id="s"
         ),
         wire.Replicate(client="c", keys=["x"], n=3, stimulus_id="s"),
+        wire.Rebalance(client="c", request="r1", keys=["x"], workers=[W1], stimulus_id="s"),
         wire.Restart(client="c", stimulus_id="s"),
         wire.RetireWorkers(client="c", workers=[W1], force=True, stimulus_id="s"),
         wire.AddWorker(

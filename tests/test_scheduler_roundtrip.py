@@ -3,11 +3,12 @@ with fixed seeds; no new dependency).
 
 Random event sequences (workers joining, leaving, dying and re-registering; graphs with
 dependencies, restrictions, retries and priorities; claims through the real ``CLAIM``
-script, delivered late; results, errors, missing data, replicas, releases, cancels,
-scatters, retirements, restarts) go through the pure ``SchedulerState``; each batch's
-instructions are translated (``Translator.to_commands``) and written through the real
-``APPLY_FENCED`` script.  Whenever no claim is in flight, ``load_state`` reads the state
-back and it must equal the state machine's own, in everything the records carry:
+script, delivered late; results, errors, missing data, replicas, rebalances and the
+copies they ask for, releases, cancels, scatters, retirements, restarts) go through the
+pure ``SchedulerState``; each batch's instructions are translated
+(``Translator.to_commands``) and written through the real ``APPLY_FENCED`` script.
+Whenever no claim is in flight, ``load_state`` reads the state back and it must equal the
+state machine's own, in everything the records carry:
 
 * tasks: state, score, whether a spec is stored, dependencies and dependents, what they
   wait on and who waits on them, who wants them, who holds them, the worker of a
@@ -16,7 +17,7 @@ back and it must equal the state machine's own, in everything the records carry:
   ``suspicious``, ``killed``, replicas, the error (exception, traceback, their texts,
   where and whose) and ``rejected``;
 * the ``no-worker`` set, the sequence counter, workers (info, processing, held keys),
-  clients and what each wants;
+  clients and what each wants, the rebalances under way and their moves in flight;
 * and in Redis itself: each queued task sits in the ready set(s) it is queued on with
   its score (the workers' constrained sets for a task with resources), and each
   worker's processing set is what the state machine has on it.  Workers have GPUs or
@@ -40,6 +41,7 @@ from typing import Any, TypeVar
 import pytest
 import redis
 
+from redisdask.config import RebalanceConfig
 from redisdask.placement import format_resources
 from redisdask.protocol import (
     AddKeys,
@@ -51,6 +53,7 @@ from redisdask.protocol import (
     Event,
     Holding,
     MissingData,
+    Rebalance,
     ReleasedKeys,
     RemoveWorker,
     Replicate,
@@ -72,6 +75,8 @@ SEEDS = range(int(os.environ.get("REDISDASK_ROUNDTRIP_SEEDS", "30")))
 STEPS = 150
 HOSTS = ("10.0.0.1", "10.0.0.2")
 E = TypeVar("E", bound=Event)
+# small test data: the thresholds of a rebalance would move nothing
+LIMITS = RebalanceConfig(sender_min=0, sender_recipient_gap=0)
 
 
 def carried(state: SchedulerState) -> dict[str, Any]:
@@ -123,11 +128,16 @@ def carried(state: SchedulerState) -> dict[str, Any]:
             for a, ws in state.workers.items()
         },
         "clients": {c: keys(wanted) for c, wanted in state.clients.items()},
+        "moving": {k: (m.sender, m.recipient, m.request) for k, m in state.moving.items()},
+        "rebalances": {
+            name: (r.client, r.planned, r.moved, r.failed, sorted(r.pending))
+            for name, r in state.rebalances.items()
+        },
     }
 
 
 def differences(ours: dict[str, Any], loaded: dict[str, Any]) -> Iterator[str]:
-    for section in ("unrunnable", "seq", "clients"):
+    for section in ("unrunnable", "seq", "clients", "moving", "rebalances"):
         if ours[section] != loaded[section]:
             yield f"{section}: {ours[section]!r} != loaded {loaded[section]!r}"
     for section in ("tasks", "workers"):
@@ -146,7 +156,7 @@ class Run:
 
     def __init__(self, r: redis.Redis, keys: Keys, seed: int) -> None:
         self.r, self.keys, self.rng = r, keys, random.Random(seed)
-        self.state = SchedulerState(validate=True)
+        self.state = SchedulerState(validate=True, rebalance=LIMITS)
         self.translator = Translator(keys)
         self.scripts = Scripts(r, keys)
         self.token = self.scripts.acquire_lease(token=None, ttl_ms=600_000).decode()
@@ -175,7 +185,7 @@ class Run:
         self.scripts.apply_fenced(token=self.token, commands=commands, ttl_ms=600_000)
 
     def check(self) -> None:
-        loaded = load_state(self.r, self.keys, validate=True)
+        loaded = load_state(self.r, self.keys, validate=True, rebalance=LIMITS)
         problems = list(differences(carried(self.state), carried(loaded)))
         problems += list(self.redis_sets())
         assert not problems, "\n".join([*problems[:20], "after:", *self.history[-8:]])
@@ -356,6 +366,46 @@ class Run:
             nbytes = {k: self.state.tasks[k].nbytes for k in keys}
             self.apply(self.ev(AddKeys, worker=worker, keys=keys, nbytes=nbytes))
 
+    def rebalance(self) -> None:
+        client = self.pick(self.clients)
+        worker = self.pick(self.state.workers)
+        if worker is not None and self.rng.random() < 0.5:  # small data on one worker first
+            self.r.hset(self.keys.clients, client, pack({"host": "h", "pid": 1, "last_seen": 0}))
+            data = [f"data-{self.n}-{i}" for i in range(self.rng.randint(2, 8))]
+            self.task_keys += data
+            self.apply(
+                self.ev(
+                    UpdateData,
+                    client=client,
+                    who_has={k: [worker] for k in data},
+                    nbytes={k: self.rng.choice([8, 8, 100]) for k in data},
+                    types={k: "bytes" for k in data},
+                )
+            )
+        keys = workers = None
+        if self.rng.random() < 0.3:
+            keys = self.pick([*self.tasks_in("memory"), "nobody"], self.rng.randint(1, 4))
+        if self.rng.random() < 0.3:
+            workers = self.pick(self.state.workers, self.rng.randint(1, 3))
+        request = f"r{self.n}"
+        self.apply(self.ev(Rebalance, client=client, request=request, keys=keys, workers=workers))
+
+    def move_arrives(self) -> None:
+        """A recipient of a rebalance holds the copy it was asked for."""
+        key = self.pick(self.state.moving)
+        if key is not None:
+            worker, nbytes = self.state.moving[key].recipient, self.state.tasks[key].nbytes
+            self.apply(self.ev(AddKeys, worker=worker, keys=[key], nbytes={key: nbytes}))
+
+    def move_fails(self) -> None:
+        """A recipient of a rebalance could not fetch from its sender."""
+        key = self.pick(self.state.moving)
+        if key is not None:
+            move = self.state.moving[key]
+            self.apply(
+                self.ev(MissingData, worker=move.recipient, keys=[key], errant_worker=move.sender)
+            )
+
     def released_keys(self) -> None:
         worker = self.pick(self.state.workers)
         if worker is None:
@@ -448,6 +498,9 @@ class Run:
         "err": 4,
         "missing_data": 3,
         "add_keys": 3,
+        "rebalance": 3,
+        "move_arrives": 4,
+        "move_fails": 1,
         "released_keys": 3,
         "holding": 3,
         "client_event": 10,
@@ -464,7 +517,7 @@ class Run:
     # it declares a worker dead)
     FROM_CLIENTS = {
         "update_graph", "client_event", "holder_event", "scatter", "retire", "close_client",
-        "restart",
+        "restart", "rebalance",
     }  # fmt: skip
 
     def run(self, steps: int) -> None:
