@@ -335,6 +335,8 @@ class DataMoves:
             recipient = self.workers.get(move.recipient)
             gone = self.tasks.get(ts.key) is not ts or ts.state != "memory"
             if gone or recipient is None or recipient is not move.to or recipient.retiring:
+                if not gone and recipient is not None and move.recipient not in ts.who_has:
+                    self._free(move.recipient, key, stimulus_id=stimulus_id)  # (its fetch)
                 self._end_move(move, moved=False, stimulus_id=stimulus_id)
             elif move.recipient in ts.who_has:
                 # (never below the copies replicate asked for)

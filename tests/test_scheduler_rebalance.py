@@ -379,7 +379,7 @@ def test_a_recipient_that_starts_retiring_mid_move_gets_nothing():
     assert all(k not in s.moving for k in sent[W2])  # abandoned: W1 keeps those
     assert all(s.tasks[k].who_has == {W1} for k in sent[W2])
     assert all(k in s.moving for k in sent[W3])
-    assert not freed(out, W1)
+    assert not freed(out, W1) and freed(out, W2) == set(sent[W2])  # W2 drops its fetches
 
 
 def test_retiring_workers_take_no_part():
