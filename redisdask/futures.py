@@ -2,7 +2,7 @@
 
 A ``Future`` is the client's handle on one task of the cluster; futures of one key share a
 ``_FutureState`` (status, exception, holders, done callbacks), which the client's
-background thread updates from the scheduler's messages.  The client counts references
+reader task updates from the scheduler's messages.  The client counts references
 per key and tells the scheduler to release a key when its last future is
 garbage-collected (``Future.release``).  Pickled inside a task's arguments a future is a
 reference to its key's value (``spec.reduce_future``); pickled anywhere else (a closure of

@@ -86,7 +86,7 @@ class Backend:
     def sending(self) -> Iterator[None]:
         """Around a script that sends wants for the client (and the creation of the
         futures it hands over): no send of the client's own can interleave (a release of
-        the same key popped before, landing after), and its event thread cannot hear of
+        the same key popped before, landing after), and its reader task cannot hear of
         those keys before their futures exist."""
         self.client._flush()  # a graph just submitted is in Redis before its wants
         with self.client._send_lock, self.client._lock:
