@@ -244,7 +244,11 @@ class WorkerCalls:
             if future in late:
                 answers[address] = ("unanswered", f"no answer within {timeout:g} s")
             elif isinstance(error := future.exception(), OSError | comm.CommError):
-                answers[address] = ("unanswered", f"{error} (has it died?)")
+                if isinstance(error, TimeoutError) or isinstance(error.__cause__, TimeoutError):
+                    # (the connection's own timeout, in the handshake, can come first)
+                    answers[address] = ("unanswered", f"no answer within {timeout:g} s")
+                else:
+                    answers[address] = ("unanswered", f"{error} (has it died?)")
             else:
                 answers[address] = _decode(*future.result())
         return answers
