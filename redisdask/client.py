@@ -457,15 +457,17 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
     def _send_graph(self, tasks: list[dict[str, Any]], wanted: list[str]) -> None:
         """Send the graph in batches (one pipeline).  The caller holds futures for
         ``wanted`` already, so no release of those keys can be sent after this."""
+        submitted = [t["key"] for t in tasks]
+        sent_again = set(submitted)
         with self._lock:
             self._generation += 1
             for key in wanted:
                 state = self._state_for(key)
-                if state.status == "cancelled":
+                # pending again: cancelled, or erred because its graph was never written
+                if state.status == "cancelled" or (state.unsent and key in sent_again):
                     state.reset()
                 state.generation = self._generation
         chunks = _chunks(tasks, self.config.client.submit_batch, SUBMIT_BATCH_BYTES)
-        submitted = [t["key"] for t in tasks]
         if len(chunks) == 1:
             self._send([UpdateGraph(self.id, tasks, wanted)], resubmitted=submitted, wait=False)
             return

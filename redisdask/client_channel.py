@@ -188,22 +188,21 @@ class SchedulerChannel:
                 state = self._states.get(key)
                 if state is not None and not state.event.is_set():
                     state.set_error(exc, None)
+                    state.unsent = True  # submitted again, it is sent again
 
     async def _awrite(self, items: list[_Outgoing]) -> None:
-        """XADD the items' entries in one pipeline; retries while Redis is away, for up
-        to ``redis.down-deadline``."""
+        """XADD the items' entries, with the releases due, in one pipeline (retried while
+        Redis is away, for up to ``redis.down-deadline``); the releases of a write that
+        fails go with a later one."""
         with self._send_lock:
-            await self._awrite_locked(items)
-
-    async def _awrite_locked(self, items: list[_Outgoing]) -> None:
-        batches, released = self._with_releases(items)
-        try:
-            await self._awrite_entries(tuple(dicts(batch) for batch in batches if batch))
-        except BaseException:
-            with self._lock:  # not sent: released with a later write
-                for key, after in released.items():
-                    self._pending_release.setdefault(key, after)
-            raise
+            batches, released = self._with_releases(items)
+            try:
+                await self._awrite_entries(tuple(dicts(batch) for batch in batches if batch))
+            except BaseException:
+                with self._lock:
+                    for key, after in released.items():
+                        self._pending_release.setdefault(key, after)
+                raise
 
     async def _awrite_entries(self, entries: tuple[list[dict[str, Any]], ...]) -> None:
         if not entries:
@@ -365,10 +364,6 @@ class SchedulerChannel:
             f"{missing}, for {waited:.0f} s (client.no-scheduler-timeout: {limit:g} s): "
             f"{start}, or check the cluster name; the futures are kept and go on once it runs"
         )
-
-    def _check_waiting(self) -> None:
-        """``_acheck_waiting`` from another thread than the client's loop."""
-        self._block(self._acheck_waiting)
 
     async def _acheck_waiting(self) -> None:
         """What every wait on this client's futures calls between its slices: raise once

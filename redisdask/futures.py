@@ -49,6 +49,7 @@ class _FutureState:
         "status",
         "traceback",
         "type",
+        "unsent",
         "who_has",
     )
 
@@ -63,6 +64,7 @@ class _FutureState:
         self.generation = 0  # the client's submission counter when last (re)submitted
         self.finishes = 0  # how many key-in-memory messages arrived (to spot stale ones)
         self.cancel_reason = "it was cancelled"
+        self.unsent = False  # erred because its graph could not be written to Redis
 
     def _set(self, status: str) -> None:
         self.status = status
@@ -91,6 +93,7 @@ class _FutureState:
 
     def reset(self) -> None:
         self.status = "pending"
+        self.unsent = False
         self.event.clear()
 
 
@@ -287,9 +290,9 @@ class as_completed:
         timeout: float | str | None = None,
     ) -> None:
         self._queue: deque[Future] = deque()
-        self._cond = threading.Condition()
-        # the loop and event of an ``async for`` waiting for the next one, if any
-        self._async_waiter: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        self._lock = threading.Lock()
+        # the loop and event of each wait for the next one (``_atake``)
+        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
         self._pending = 0  # added and not yet handed out
         self._added: dict[int, int] = {}  # id(future) -> times added and not yet done
         self._clients: dict[Client, None] = {}  # whose waits' checks apply
@@ -299,7 +302,7 @@ class as_completed:
         self.update(futures)
 
     def add(self, future: Future) -> None:
-        with self._cond:
+        with self._lock:
             self._pending += 1
             self._added[id(future)] = self._added.get(id(future), 0) + 1
             self._clients[future.client] = None
@@ -310,33 +313,32 @@ class as_completed:
             self.add(future)
 
     def _on_done(self, future: Future) -> None:
-        with self._cond:
+        with self._lock:
             left = self._added.pop(id(future), 0)  # 0: cleared meanwhile
             if left == 0:
                 return
             if left > 1:
                 self._added[id(future)] = left - 1
             self._queue.append(future)
-            self._cond.notify_all()
-            waiter = self._async_waiter
-        if waiter is not None:
+            waiters = list(self._waiters)
+        for waiter in waiters:
             wake(*waiter)
 
     def count(self) -> int:
         """How many futures are still to come out (finished or not)."""
-        with self._cond:
+        with self._lock:
             return self._pending
 
     def is_empty(self) -> bool:
         return self.count() == 0
 
     def has_ready(self) -> bool:
-        with self._cond:
+        with self._lock:
             return bool(self._queue)
 
     def clear(self) -> None:
         """Forget every future not handed out yet."""
-        with self._cond:
+        with self._lock:
             self._queue.clear()
             self._added.clear()
             self._pending = 0
@@ -353,7 +355,7 @@ class as_completed:
     def next_batch(self, block: bool = True) -> list[Any]:
         """Every future finished so far (waiting for one with ``block``), as a list."""
         if not block:
-            with self._cond:
+            with self._lock:
                 ready = list(self._queue)
                 self._queue.clear()
                 self._pending -= len(ready)
@@ -366,30 +368,50 @@ class as_completed:
             yield batch
 
     def _take(self, most: int | None) -> list[Future]:
+        """``_atake`` from a thread: at once when some are ready, else on a client's loop."""
+        with self._lock:
+            if self._pending == 0 or self._queue:
+                return self._pop(most)
+            client = next(iter(self._clients))
+        return client._block(self._atake, most)
+
+    async def _atake(self, most: int | None) -> list[Future]:
         """Wait for at least one finished future and take up to ``most`` (all: None);
-        ``[]`` when none is left to come."""
-        with self._cond:
-            if self._pending == 0:
-                return []
-            deadline = None if self.timeout is None else time.monotonic() + self.timeout
-            ready = _wait_checking(
-                lambda slice_: self._cond.wait_for(lambda: bool(self._queue), slice_),
-                self._clients,
-                deadline,
-            )
-            if not ready:
-                raise FuturesTimeoutError(f"no future finished within {self.timeout} s")
-            n = len(self._queue) if most is None else min(most, len(self._queue))
-            taken = [self._queue.popleft() for _ in range(n)]
-            self._pending -= n
+        ``[]`` when none is left to come.  Waits run the clients' checks (Redis away or
+        the cluster not running too long raises), as every wait on futures does."""
+        loop = asyncio.get_running_loop()
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        waiter = (loop, asyncio.Event())
+        try:
+            while True:
+                with self._lock:
+                    if self._pending == 0 or self._queue:
+                        return self._pop(most)
+                    waiter[1].clear()
+                    self._waiters.add(waiter)
+                if not await _await_checking(waiter[1], self._clients, deadline):
+                    raise FuturesTimeoutError(f"no future finished within {self.timeout} s")
+        finally:
+            with self._lock:
+                self._waiters.discard(waiter)
+
+    def _pop(self, most: int | None) -> list[Future]:
+        n = len(self._queue) if most is None else min(most, len(self._queue))
+        taken = [self._queue.popleft() for _ in range(n)]
+        self._pending -= n
         return taken
 
     def _output(self, future: Future) -> Any:
         if not self.with_results:
             return future
+        return future.client._block(self._aoutput, future)
+
+    async def _aoutput(self, future: Future) -> Any:
+        if not self.with_results:
+            return future
         if not self.raise_errors and future.status == "error":
             return future, future._state.exception
-        return future, future.client._block(future._aresult)
+        return future, await awaitable_on(future.client.loop, future._aresult)
 
     # asynchronous iteration: ``async for future in as_completed(futures)``
 
@@ -397,25 +419,10 @@ class as_completed:
         return self
 
     async def __anext__(self) -> Any:
-        loop = asyncio.get_running_loop()
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        while True:
-            with self._cond:
-                if self._pending == 0:
-                    raise StopAsyncIteration
-                if self._queue:
-                    future = self._queue.popleft()
-                    self._pending -= 1
-                    break
-                event = asyncio.Event()
-                self._async_waiter = (loop, event)
-            if not await _await_checking(event, self._clients, deadline):
-                raise FuturesTimeoutError(f"no future finished within {self.timeout} s")
-        if not self.with_results:
-            return future
-        if not self.raise_errors and future.status == "error":
-            return future, future._state.exception
-        return future, await awaitable_on(future.client.loop, future._aresult)
+        batch = await self._atake(1)
+        if not batch:
+            raise StopAsyncIteration
+        return await self._aoutput(batch[0])
 
 
 # --------------------------------------------------------------------------- helpers
@@ -428,7 +435,8 @@ def _clients(futures: Iterable[Future]) -> list[Client]:
 async def _await_checking(
     event: asyncio.Event, clients: Iterable[Client], deadline: float | None
 ) -> bool:
-    """``_wait_checking`` for a coroutine: wait for ``event`` until ``deadline``."""
+    """Wait for ``event`` until ``deadline`` (False then), in slices of at most 0.25 s,
+    running each client's checks between slices, as ``Client._await_for`` does."""
     while True:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
@@ -437,22 +445,6 @@ async def _await_checking(
             await awaitable_on(client.loop, client._acheck_waiting)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), 0.25 if left is None else min(left, 0.25))
-            return True
-
-
-def _wait_checking(
-    wait_slice: Callable[[float], bool], clients: Iterable[Client], deadline: float | None
-) -> bool:
-    """``wait_slice(seconds) -> done?`` in slices of at most 0.25 s until done (True) or
-    ``deadline`` (False), running each client's checks between slices, as
-    ``Client._wait_for`` does: Redis away or the cluster not running too long raises."""
-    while True:
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-            return False
-        for client in clients:
-            client._check_waiting()
-        if wait_slice(0.25 if left is None else min(left, 0.25)):
             return True
 
 

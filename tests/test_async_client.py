@@ -43,6 +43,11 @@ def pid() -> int:
     return os.getpid()
 
 
+def later(value: int, seconds: float) -> int:
+    threading.Event().wait(seconds)  # (a task that takes a while: the waits start first)
+    return value
+
+
 def slow() -> None:
     threading.Event().wait(30)  # a task that is still running when it is cancelled
 
@@ -247,3 +252,37 @@ def test_a_release_sent_with_a_refused_graph_is_sent_again(redis_url: str) -> No
                 big.result(timeout=60)
             # the scheduler forgets a once the release lands (no one else wants it)
             poll(lambda: not r.exists(task), timeout=30)
+
+
+def test_two_waits_on_one_as_completed_are_both_woken(cluster: LocalCluster) -> None:
+    """Each ``async for`` (or blocking iteration) waiting on one ``as_completed`` gets
+    its wake-up: the wait registered second used to take the first one's place, and the
+    first waited for ever."""
+
+    async def main() -> None:
+        async with Client(cluster, asynchronous=True) as client:
+            a, b = client.submit(later, 1, 0.5), client.submit(later, 2, 0.5)
+            ac = as_completed([a, b])
+            got = await asyncio.wait_for(asyncio.gather(ac.__anext__(), ac.__anext__()), 30)
+            assert {f.key for f in got} == {a.key, b.key}
+
+    run(main)
+
+
+def test_a_graph_that_was_never_written_is_sent_again_when_resubmitted(
+    redis_url: str,
+) -> None:
+    """The future of a refused graph errs; submitting the same (pure) key again, once
+    Redis takes it, sends it again instead of answering with the old error."""
+    with EmbeddedRedis() as server:
+        r = redis.Redis.from_url(server.url)
+        r.config_set("proto-max-bulk-len", 1 << 20)
+        with LocalCluster(1, redis_url=server.url, nanny=False) as cluster, Client(cluster) as c:
+            data = b"x" * (2 << 20)
+            refused = c.submit(len, data)
+            with pytest.raises(RedisDaskError, match="proto-max-bulk-len"):
+                refused.result(timeout=60)
+            r.config_set("proto-max-bulk-len", 512 << 20)
+            again = c.submit(len, data)  # the same key, while `refused` is still held
+            assert again.key == refused.key
+            assert again.result(timeout=60) == 2 << 20
