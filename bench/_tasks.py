@@ -26,6 +26,10 @@ def inc(x: int) -> int:
     return x + 1
 
 
+def add(x: int, y: int) -> int:
+    return x + y
+
+
 def make_array(nbytes: int) -> Any:
     import numpy as np
 

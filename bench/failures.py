@@ -19,7 +19,17 @@ with SIGKILL on its own.  Every scenario starts a fresh cluster of each system a
    kill 4 workers).  This bench stands in for a nanny for both systems: it starts a new
    worker process as soon as one died (polled every 20 ms);
 5. ``killed-worker-nannies``: the same with each system's own nannies (``redisdask
-   worker`` and ``dask worker`` with nannies) restarting the workers.
+   worker`` and ``dask worker`` with nannies) restarting the workers;
+6. ``standby-takeover`` (redisdask only: Dask has no standby scheduler): a standby runs
+   beside the scheduler (default ``scheduler.lease-ttl``, 5 s), the scheduler is killed
+   (SIGKILL) once 50 tasks are done; how long until the standby holds the lease
+   (``takeover_s``, polled every 5 ms) and until a task submitted right after the kill,
+   with a priority above the queued ones, has its result (``new_task_s``: work moving
+   again), and the total;
+7. ``long-batch`` (redisdask only): ``client.map(inc, range(200_000))`` with a 2 s lease
+   (``scheduler.lease-ttl``) and one scheduler: the total, and whether the scheduler kept
+   its lease throughout (``kept_lease``: the same token, the scheduler still running; a
+   batch that outlasted the lease used to fence it out, and the cluster was wedged).
 
     python bench/failures.py [--repeats 3] [--only redisdask|dask] [--scenario NAME ...]
                              [--json out.json]
@@ -52,6 +62,8 @@ N_TASKS = 200
 TASK_SECONDS = 0.05
 KILL_AFTER = 50  # tasks done before the fault
 TIMEOUT = 120.0  # a hang becomes a reported failure, not a stalled bench
+LONG_BATCH_TASKS = 200_000
+LONG_BATCH_LEASE_TTL = 2.0
 
 log = logging.getLogger("bench.failures")
 
@@ -123,6 +135,14 @@ class System:
     def kill_scheduler_and_restart(self) -> None:
         raise NotImplementedError
 
+    def start_standby(self) -> None:
+        """Start a standby scheduler and return once it watches the scheduler."""
+        raise NotImplementedError(f"{self.name} has no standby scheduler")
+
+    def kill_scheduler(self) -> Callable[[], bool]:
+        """SIGKILL the scheduler; returns whether another one has taken over now."""
+        raise NotImplementedError
+
     def close(self) -> None:
         raise NotImplementedError
 
@@ -130,25 +150,30 @@ class System:
 class RedisDask(System):
     name = "redisdask"
 
-    def __init__(self, redis_url: str, logdir: Path, nanny: bool = False) -> None:
+    def __init__(
+        self, redis_url: str, logdir: Path, nanny: bool = False, lease_ttl: float | None = None
+    ) -> None:
         import redis
 
         from redisdask import Client, KilledWorker, LocalCluster
         from redisdask.schema import Keys, unpack
 
         self.KilledWorker = KilledWorker
+        self.logdir = logdir
         self.cluster = LocalCluster(
             n_workers=2,
             threads_per_worker=1,
             redis_url=redis_url,
             log_directory=logdir,
             nanny=nanny,
+            scheduler_options={"lease_ttl": lease_ttl} if lease_ttl else None,
         )
         self.client = Client(self.cluster)
         self.redis = redis.Redis.from_url(redis_url)
         self.keys = Keys(self.cluster.cluster_name)
         self._unpack = unpack
         self._n = 2
+        self.leader: subprocess.Popen[bytes] | None = None
 
     def worker_processes(self) -> list[subprocess.Popen[bytes]]:
         return self.cluster.worker_processes
@@ -170,6 +195,20 @@ class RedisDask(System):
         process.kill()
         process.wait()
         self.cluster.start_scheduler()  # takes over when the dead one's lease expires
+
+    def start_standby(self) -> None:
+        log = self.logdir / "scheduler.log"
+        seen = log.read_bytes().count(b"standing by") if log.exists() else 0
+        self.leader = self.cluster.scheduler_process
+        self.cluster.start_scheduler(standby=True)
+        # it says so once it has looked at the leader's connections
+        poll_until(lambda: log.read_bytes().count(b"standing by") > seen, TIMEOUT, 0.01)
+
+    def kill_scheduler(self) -> Callable[[], bool]:
+        token = self.redis.get(self.keys.lease)
+        assert self.leader is not None
+        self.leader.kill()
+        return lambda: self.redis.get(self.keys.lease) not in (None, token)
 
     def close(self) -> None:
         self.client.close()
@@ -325,12 +364,48 @@ def killed_worker_nannies(system: System) -> dict[str, Any]:
     raise AssertionError("the task returned")
 
 
+def long_batch(system: System) -> dict[str, Any]:
+    """200,000 tasks in one ``map`` with a 2 s lease and one scheduler."""
+    assert isinstance(system, RedisDask)
+    token = system.redis.get(system.keys.lease)
+    scheduler = system.cluster.scheduler_process
+    t0 = time.perf_counter()
+    futures = system.client.map(_tasks.inc, range(LONG_BATCH_TASKS))
+    values = system.client.gather(futures)
+    total = time.perf_counter() - t0
+    if values != list(range(1, LONG_BATCH_TASKS + 1)):
+        raise AssertionError("wrong results")
+    kept = system.redis.get(system.keys.lease) == token and scheduler.poll() is None
+    return {"total_s": total, "kept_lease": kept}
+
+
+def standby_takeover(system: System) -> dict[str, Any]:
+    """SIGKILL of the scheduler while a standby runs: how long until work moves again."""
+    system.start_standby()
+    t0 = time.perf_counter()
+    futures = _map(system)
+    wait_done(futures, KILL_AFTER)
+    taken_over = system.kill_scheduler()
+    killed = time.perf_counter()
+    # ahead of the 150 tasks still queued: it waits for the scheduler, not for them
+    new = system.client.submit(_tasks.sleep_inc, -1, delay=0, pure=False, priority=100)
+    takeover = poll_until(taken_over, TIMEOUT, 0.005)
+    if new.result(timeout=TIMEOUT) != 0:
+        raise AssertionError("wrong result")
+    new_task = time.perf_counter() - killed
+    _check(system.client.gather(futures))
+    return {"takeover_s": takeover, "new_task_s": new_task, "total_s": time.perf_counter() - t0}
+
+
+REDISDASK_ONLY = {"standby-takeover", "long-batch"}  # Dask: no standby, no lease
 SCENARIOS: dict[str, Callable[[System], dict[str, Any]]] = {
     "baseline": baseline,
     "worker-kill": worker_kill,
     "scheduler-kill": scheduler_kill,
     "killed-worker": killed_worker,
     "killed-worker-nannies": killed_worker_nannies,
+    "standby-takeover": standby_takeover,
+    "long-batch": long_batch,
 }
 
 
@@ -338,9 +413,13 @@ SCENARIOS: dict[str, Callable[[System], dict[str, Any]]] = {
 
 
 @contextlib.contextmanager
-def make(name: str, redis_url: str, logdir: Path, nanny: bool) -> Iterator[System]:
+def make(name: str, redis_url: str, logdir: Path, scenario: str) -> Iterator[System]:
+    nanny = scenario.endswith("-nannies")
+    lease_ttl = LONG_BATCH_LEASE_TTL if scenario == "long-batch" else None
     system: System = (
-        RedisDask(redis_url, logdir, nanny) if name == "redisdask" else Dask(logdir, nanny)
+        RedisDask(redis_url, logdir, nanny, lease_ttl)
+        if name == "redisdask"
+        else Dask(logdir, nanny)
     )
     try:
         yield system
@@ -360,10 +439,11 @@ def run(
                 continue
             for r in range(repeats):
                 for name in names:  # interleaved, so drift in machine load hits both
+                    if name != "redisdask" and scenario in REDISDASK_ONLY:
+                        continue
                     print(f"[{name}] {scenario} #{r + 1} ...", file=sys.stderr, flush=True)
                     try:
-                        nanny = scenario.endswith("-nannies")
-                        with make(name, redis_server.url, logdir, nanny) as system:
+                        with make(name, redis_server.url, logdir, scenario) as system:
                             outcome = fn(system)
                     except Exception as exc:
                         outcome = {"error": f"{type(exc).__name__}: {exc}"[:300]}
@@ -384,6 +464,9 @@ ROWS = [  # scenario, field, label
     ("scheduler-kill", "total_s", "kill -9 of the scheduler + restart: total s"),
     ("killed-worker", "killed_worker_s", "task calling os._exit(1): KilledWorker after, s"),
     ("killed-worker-nannies", "killed_worker_s", "  same, workers under nannies, s"),
+    ("standby-takeover", "takeover_s", "kill -9 of the scheduler, standby: lease taken, s"),
+    ("standby-takeover", "new_task_s", "  a task submitted after the kill: result after, s"),
+    ("long-batch", "total_s", "map of 200,000 tasks, 2 s lease: total s"),
 ]
 
 
@@ -410,6 +493,8 @@ def report(results: dict[str, dict[str, list[Any]]]) -> str:
             for o in outcomes:
                 if "error" in o:
                     lines.append(f"ERROR [{name}] {scenario}: {o['error']}")
+                elif o.get("kept_lease") is False:
+                    lines.append(f"[{name}] {scenario}: the scheduler lost its lease")
                 elif o.get("client_saw") not in (None, "every result"):
                     lines.append(f"[{name}] {scenario}: the client saw {o['client_saw']}")
     return "\n".join(lines)

@@ -108,11 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--standby",
         action="store_true",
-        help="wait for the lease of a running scheduler to expire, then take over",
+        help="stand by: take over as soon as the running scheduler dies (its Redis "
+        "connections close) or its lease expires",
     )
     p.add_argument(
         "--lease-ttl",
-        help="seconds a dead scheduler's lease lasts before a standby takes over "
+        help="seconds the lease of a scheduler that stopped renewing it (paused, cut off) "
+        "lasts before a standby takes over "
         f"(config scheduler.lease-ttl: {config.scheduler.lease_ttl})",
     )
     p.add_argument(

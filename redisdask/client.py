@@ -65,6 +65,7 @@ from redisdask.futures import (
     _FutureState,
     _seconds,
     as_completed,
+    inline_value,
     wait,
 )
 from redisdask.loop import (
@@ -87,7 +88,7 @@ from redisdask.protocol import (
     UpdateData,
     UpdateGraph,
 )
-from redisdask.schema import Keys
+from redisdask.schema import REDIS_COPY, Keys
 from redisdask.task_record import TaskRecord
 from redisdask.versions import versions
 from redisdask.worker_calls import WorkerCalls
@@ -343,7 +344,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         options = _options(retries, priority, workers, allow_other_workers, resources)
         task_key = None if key is None else _check_key(key)
         task = self._make_task(func, function_bytes, args, kwargs, task_key, pure, options)
-        future = Future(task["key"], self, dask_key=key)
+        future = Future(task["key"], self, dask_key=key, _state=self._state_for(task["key"], True))
         cancelled = self._cancelled_dependency(task)
         if cancelled is not None:
             future._state.cancel(f"it depends on {cancelled!r}, which was cancelled")
@@ -395,7 +396,10 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
             tasks.append(
                 self._make_task(func, function_bytes, args, kwargs, name, pure, options, prefix)
             )
-        futures = [Future(t["key"], self, dask_key=k) for t, k in zip(tasks, keys, strict=True)]
+        futures = [
+            Future(t["key"], self, dask_key=k, _state=self._state_for(t["key"], True))
+            for t, k in zip(tasks, keys, strict=True)
+        ]
         sendable = []
         for task, future in zip(tasks, futures, strict=True):
             cancelled = self._cancelled_dependency(task)
@@ -461,6 +465,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         sent_again = set(submitted)
         with self._lock:
             self._generation += 1
+            generation = self._generation
             for key in wanted:
                 state = self._state_for(key)
                 # pending again: cancelled, or erred because its graph was never written
@@ -469,7 +474,8 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
                 state.generation = self._generation
         chunks = _chunks(tasks, self.config.client.submit_batch, SUBMIT_BATCH_BYTES)
         if len(chunks) == 1:
-            self._send([UpdateGraph(self.id, tasks, wanted)], resubmitted=submitted, wait=False)
+            graph = UpdateGraph(self.id, tasks, wanted, generation)
+            self._send([graph], resubmitted=submitted, wait=False)
             return
         # A graph sent in several entries: a chunk's tasks that later chunks depend on are
         # wanted until the whole graph is in (else the scheduler would forget them as
@@ -483,13 +489,19 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
             )
             later_deps.update(d for t in chunk for d in t["deps"])
         bridges.reverse()
-        entries: list[list[Event]] = []
-        outside = set(wanted) - set(submitted)  # futures the graph depends on, held already
-        for chunk, bridge in zip(chunks, bridges, strict=True):
-            keys = {t["key"] for t in chunk} | outside
-            outside = set()
-            want = [k for k in wanted if k in keys] + bridge
-            entries.append([UpdateGraph(self.id, chunk, want)])
+        # each wanted key goes with the chunk of its task (its first), a future the graph
+        # depends on and already held with the first chunk
+        chunk_of: dict[str, int] = {}
+        for i, chunk in enumerate(chunks):
+            for t in chunk:
+                chunk_of.setdefault(t["key"], i)
+        wanted_in: list[list[str]] = [[] for _ in chunks]
+        for key in wanted:
+            wanted_in[chunk_of.get(key, 0)].append(key)
+        entries: list[list[Event]] = [
+            [UpdateGraph(self.id, chunk, want + bridge, generation)]
+            for chunk, want, bridge in zip(chunks, wanted_in, bridges, strict=True)
+        ]
         bridge_keys = [k for bridge in bridges for k in bridge]
         if bridge_keys:
             entries.append([ClientReleasesKeys(self.id, bridge_keys)])
@@ -668,7 +680,10 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         ]
         if absent:
             raise KeyError(f"keys {absent[:5]} are not in the graph (nor futures of this client)")
-        futures = {k: Future(name, self, dask_key=k) for k, name in zip(keys, wanted, strict=True)}
+        futures = {
+            k: Future(name, self, dask_key=k, _state=self._state_for(name, True))
+            for k, name in zip(keys, wanted, strict=True)
+        }
         self._send_graph(tasks, list(dict.fromkeys(wanted)))
         return futures
 
@@ -779,7 +794,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         with self._lock:
             for f in futures:
                 state = f._state
-                if not state.event.is_set():
+                if not state.is_set():
                     remaining += 1
                     state.callbacks.append(
                         lambda state=state: (finished.append(state), wake(loop, woken))  # type: ignore[misc]
@@ -817,12 +832,19 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         # under a second; scheduler.worker-ttl at worst): wait that long, then give up
         patience = time.monotonic() + self.config.scheduler.worker_ttl + 2.0
         backoff = Backoff(base=0.02, cap=0.5)
+        for key in keys:  # small results came with the news: nothing to fetch
+            raw = self._state_for(key).value
+            if raw is not None:
+                values[key] = inline_value(key, raw)
+                remaining.discard(key)
         while remaining:
             by_worker: dict[str, list[str]] = defaultdict(list)
             unknown = []
             for key in remaining:
                 holders = [w for w in self._state_for(key).who_has if w not in tried[key]]
-                if holders:
+                if REDIS_COPY in holders:  # a small result, in the task's record
+                    by_worker[REDIS_COPY].append(key)
+                elif holders:
                     by_worker[holders[hash(key) % len(holders)]].append(key)
                 else:
                     unknown.append(key)
@@ -859,8 +881,14 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
     async def _fetch(
         self, address: str, keys: list[str]
     ) -> tuple[dict[Hashable, Any], dict[Hashable, BaseException]]:
-        """Values (and errors unpickling them) of ``keys`` from one worker; none if it
-        cannot be reached."""
+        """Values (and errors unpickling them) of ``keys`` from one worker (or, from
+        ``REDIS_COPY``, their records); none if it cannot be reached."""
+        if address == REDIS_COPY:
+            pipe = self._aredis.pipeline(transaction=False)
+            for key in keys:
+                pipe.hget(self.keys.task(key), "value")
+            raws = await pipe.execute()
+            return {k: inline_value(k, raw) for k, raw in zip(keys, raws, strict=True) if raw}, {}
         try:
             header, frames = await self._peers.rpc(address, {"op": "get-data", "keys": keys})
             return comm.deserialize_dict(header, frames)
@@ -886,13 +914,14 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
 
     def who_has(self, futures: Any = None) -> dict[str, list[str]]:
         """``{key: [addresses of the workers holding its value]}`` (awaitable on an
-        asynchronous client)."""
+        asynchronous client).  A small result is in Redis too (``worker.inline-result-
+        bytes``): it is not lost when this list becomes empty."""
         keys = [f._key for f in _flatten(futures)] if futures is not None else list(self._states)
         return self._sync(self._awho_has, keys)
 
     async def _awho_has(self, keys: list[str]) -> dict[str, list[str]]:
         await self._arefresh_who_has(keys)
-        return {k: list(self._state_for(k).who_has) for k in keys}
+        return {k: [w for w in self._state_for(k).who_has if w != REDIS_COPY] for k in keys}
 
     @offloaded
     def recreate_error_locally(self, future: Future) -> None:
@@ -1061,11 +1090,17 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         with self._lock:
             return dict(self._refcount)
 
-    def _state_for(self, key: str) -> _FutureState:
+    def _state_for(self, key: str, submitting: bool = False) -> _FutureState:
+        """The state shared by the futures of ``key``.  A new one made for a submission
+        takes no news written before the scheduler reads that submission
+        (``KeyInMemory.seen``): such news is about an earlier run of the key, perhaps of
+        another computation, whose release the submission follows."""
         with self._lock:
             state = self._states.get(key)
             if state is None:
                 state = self._states[key] = _FutureState()
+                if submitting:
+                    state.generation = self._generation + 1  # (``_send_graph`` sets it)
             return state
 
     def _inc_ref(self, key: str) -> None:

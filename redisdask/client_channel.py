@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +67,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("redisdask.client")
 
 SEND_ATTEMPTS = 3  # writes refused while Redis answers PING before the client gives up
+WRITE_BYTES = 16 << 20  # stream entries written per round trip (one entry may be more)
 
 
 class SchedulerChannel:
@@ -183,11 +184,12 @@ class SchedulerChannel:
         if item.waited:
             return
         logger.error("client %s could not send %d messages: %s", self.id, item.size, exc)
+        unsent = _never_sent(exc)
         with self._lock:
             for key in item.resubmitted:
                 state = self._states.get(key)
-                if state is not None and not state.event.is_set():
-                    state.set_error(exc, None)
+                if state is not None and not state.is_set():
+                    state.set_error(unsent, None)
                     state.unsent = True  # submitted again, it is sent again
 
     async def _awrite(self, items: list[_Outgoing]) -> None:
@@ -209,19 +211,29 @@ class SchedulerChannel:
             return
         backoff = Backoff(base=0.05, cap=1.0)
         refused = 0  # failures while Redis itself answers: the write is the problem
-        while True:
+        packed = [schema.entry(messages) for messages in entries]
+        while packed:
             try:
+                # at most WRITE_BYTES per round trip: a 1,000,000-task graph is 175 MiB,
+                # which a busy Redis on a shared machine may take longer to read than the
+                # socket timeout; what was written is not written again
                 pipe = self._aredis.pipeline(transaction=False)
-                for messages in entries:
-                    pipe.xadd(self.keys.client_stream, schema.entry(messages))
+                size = 0
+                for entry in packed:
+                    if size and size + len(entry["m"]) > WRITE_BYTES:
+                        break
+                    pipe.xadd(self.keys.client_stream, entry)
+                    size += len(entry["m"])
+                written = len(pipe)
                 await pipe.execute()  # a retry after a lost reply may repeat an entry: harmless
+                del packed[:written]
+                refused = 0
                 self._redis_back()
-                return
             except redis.ResponseError as exc:
                 why = str(exc).rpartition("caused error: ")[2]  # (not the command's bytes)
                 raise RedisDaskError(
                     f"Redis at {redact(self.redis_url)} refused a write of "
-                    f"{format_bytes(_entries_size(entries))} to the clients stream: {why}; "
+                    f"{format_bytes(_entries_size(packed))} to the clients stream: {why}; "
                     "a write that large may pass Redis's limits (proto-max-bulk-len, "
                     "client-query-buffer-limit): send large data with client.scatter"
                 ) from exc
@@ -232,7 +244,7 @@ class SchedulerChannel:
                         raise ClusterConnectionError(
                             f"Redis at {redact(self.redis_url)} answers but dropped the "
                             f"connection on each of {refused} attempts to write "
-                            f"{format_bytes(_entries_size(entries))} to the clients "
+                            f"{format_bytes(_entries_size(packed))} to the clients "
                             f"stream ({exc}); a "
                             "write that large may pass Redis's limits "
                             "(proto-max-bulk-len, client-query-buffer-limit): send large "
@@ -286,7 +298,8 @@ class SchedulerChannel:
     def _with_releases(self, items: list[_Outgoing]) -> tuple[list[list[Event]], dict[str, int]]:
         """The items' batches in order, with the release of every key whose last future
         went (``_dec_ref``) placed after every send queued before it went (a graph queued
-        earlier may depend on the key) and before the items queued after.
+        earlier may depend on the key) and before the items queued after.  A release due
+        after a send that is not among ``items`` (queued since they were taken) waits.
 
         A key that has futures again is released only before an item that submits it
         again: the scheduler then forgets the old run before it reads the new graph, so a
@@ -305,16 +318,39 @@ class SchedulerChannel:
                     if after <= item.seq and (k not in self._refcount or k in again)
                 ]
                 if keys:
-                    batches.append([ClientReleasesKeys(self.id, keys)])
                     for key in keys:
                         released[key] = pending.pop(key)
-                batches.extend(item.batches)
-            keys = [k for k in pending if k not in self._refcount]
+                    *alone, last = self._releases(keys)
+                    batches.extend(alone)
+                    _prepend(batches, item.batches, last)
+                else:
+                    batches.extend(item.batches)
+            # the others wait for every send queued before they went: one queued while
+            # these items were taken out of the outbox is not in this write
+            last_seq = items[-1].seq if items else self._queued
+            keys = [
+                k
+                for k, after in pending.items()
+                if after <= last_seq + 1 and k not in self._refcount
+            ]
             if keys:
-                batches.append([ClientReleasesKeys(self.id, keys)])
                 for key in keys:
                     released[key] = pending.pop(key)
+                *alone, last = self._releases(keys)
+                if batches and not alone:  # the same entry: one scheduler batch, not two
+                    batches[-1] = [*batches[-1], last]
+                else:
+                    batches.extend([*alone, [last]])
         return batches, released
+
+    def _releases(self, keys: list[str]) -> list[Any]:
+        """The release of ``keys``: entries of one message each but the last, which is a
+        message alone (to share the entry of what follows).  Each names at most
+        ``client.submit-batch`` keys, as a graph's entries do: the scheduler applies an
+        entry in one batch, and releasing 1,000,000 keys in one would outlive its lease."""
+        size = self.config.client.submit_batch
+        msgs = [ClientReleasesKeys(self.id, keys[i : i + size]) for i in range(0, len(keys), size)]
+        return [[msg] for msg in msgs[:-1]] + [msgs[-1]]
 
     # ------------------------------------------------------------------ the reader task
 
@@ -426,11 +462,11 @@ class SchedulerChannel:
             with self._lock:
                 if isinstance(msg, KeyInMemory):
                     state = self._states.get(msg.key)
-                    if state is not None:
-                        state.finish(msg.who_has, msg.type)
+                    if state is not None and _about_this_run(msg.seen, state):
+                        state.finish(msg.who_has, msg.type, msg.value)
                 elif isinstance(msg, KeyErred):
                     state = self._states.get(msg.key)
-                    if state is not None:
+                    if state is not None and _about_this_run(msg.seen, state):
                         exc, tb = _load_error(msg)
                         state.set_error(exc, tb)
                 elif isinstance(msg, RetireRefused):
@@ -480,14 +516,47 @@ def _retrieved(future: asyncio.Future[None]) -> None:
         future.exception()
 
 
+def _about_this_run(seen: int | None, state: _FutureState) -> bool:
+    """Whether news of a key is about the run its future waits for: written after the
+    scheduler read the future's submission (``KeyInMemory.seen``)."""
+    return seen is None or seen >= state.generation
+
+
+def _never_sent(exc: Exception) -> Exception:
+    """The error of a future whose graph could not be written: of the same class as
+    ``exc`` where it can be (``except ClusterConnectionError`` still catches it)."""
+    text = (
+        f"the graph of this future was never sent to the cluster: {exc}; submit it again "
+        "(the same call) once that is mended"
+    )
+    try:
+        unsent = type(exc)(text)
+    except Exception:
+        unsent = RedisDaskError(text)
+    unsent.__cause__ = exc
+    return unsent
+
+
 def _fail(items: list[_Outgoing], exc: BaseException) -> None:
     for item in items:
         if not item.written.done():
             item.written.set_exception(exc)
 
 
-def _entries_size(entries: tuple[list[dict[str, Any]], ...]) -> int:
-    return sum(len(schema.entry(messages)["m"]) for messages in entries)
+def _prepend(batches: list[list[Event]], following: Sequence[list[Event]], msg: Event) -> None:
+    """Append ``following`` to ``batches`` with ``msg`` first, in the same stream entry as
+    the first of them: separate entries are read as separate scheduler batches, and a
+    release written just before a submission would cost the submission a batch of its
+    own in the scheduler."""
+    if following:
+        batches.append([msg, *following[0]])
+        batches.extend(following[1:])
+    else:
+        batches.append([msg])
+
+
+def _entries_size(packed: list[dict[str, bytes]]) -> int:
+    return sum(len(entry["m"]) for entry in packed)
 
 
 def _load_error(msg: KeyErred) -> tuple[BaseException, Any]:

@@ -150,7 +150,10 @@ class SchedulerConfig(Section):
     allowed_failures: Annotated[int, Field(ge=0)] = 3
     worker_ttl: Seconds = 3.0
     lease_ttl: Seconds = 5.0
-    batch_size: Annotated[int, Field(gt=0)] = 1000  # max stream entries per read
+    # max stream entries per read (of each input stream): a client's entry carries up to
+    # client.submit-batch tasks, and 1,000 of them (175 MB) took longer to read than the
+    # lease on a loaded machine
+    batch_size: Annotated[int, Field(gt=0)] = 100
     client_ttl: Seconds = 30.0
     locks: LocksConfig = Field(default_factory=LocksConfig)
 
@@ -201,6 +204,9 @@ class WorkerConfig(Section):
     local_directory: str | None = None
     connection_limit: Annotated[int, Field(gt=0)] = 50
     transfer_batch_bytes: Annotated[int, Field(gt=0)] = 200_000_000
+    # a result at most this big (pickled) travels with its report into its task's record
+    # in Redis: no fetch from the worker, and it survives the worker's death; 0: never
+    inline_result_bytes: Annotated[int, Field(ge=0)] = 65_536
     claim_horizon: NonNegSeconds = 0.02  # seconds of estimated run time to claim ahead
     hang_timeout: Seconds = 10.0  # silent and idle this long: the nanny restarts it
     # abstract amounts tasks may ask for (submit(..., resources={"GPU": 1})), as in Dask
@@ -227,7 +233,9 @@ class WorkerConfig(Section):
 
 class ClientConfig(Section):
     heartbeat_interval: Seconds = 2.0
-    submit_batch: Annotated[int, Field(gt=0)] = 5000  # tasks per stream entry
+    # tasks per stream entry; the scheduler applies an entry in one batch, which must end
+    # well within its lease even on a loaded machine (5,000 took 3.9 s at a load of 10)
+    submit_batch: Annotated[int, Field(gt=0)] = 1000
     # result()/gather()/wait() raise ClusterNotRunningError once no scheduler has led the
     # cluster, or no worker has been registered, this long (seen at each heartbeat)
     no_scheduler_timeout: Seconds = 30.0

@@ -1,5 +1,6 @@
 """Opening Redis connections with errors that say what to do, and URLs safe to log.
 
+Every connection waits out a Redis busy running a script (``BUSY``: ``redisdask/busy.py``).
 ``connect(url, cluster_errors=True)`` (the client's connections) gives a ``ClusterRedis``:
 every command and every pipeline on it turns redis-py's ``ConnectionError`` and
 ``TimeoutError`` into ``ClusterConnectionError`` at one boundary
@@ -15,10 +16,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import redis
-import redis.asyncio
-import redis.asyncio.client
-import redis.client
 
+from redisdask import busy
 from redisdask.errors import ClusterConnectionError
 
 
@@ -55,7 +54,7 @@ def cluster_connection_errors(url: str) -> Iterator[None]:
         ) from exc
 
 
-class ClusterRedis(redis.Redis):
+class ClusterRedis(busy.Redis):
     """A redis-py client whose commands and pipelines raise ``ClusterConnectionError``
     instead of redis-py's connection errors and timeouts (``connect(cluster_errors=True)``)."""
 
@@ -73,7 +72,7 @@ class ClusterRedis(redis.Redis):
         return pipe
 
 
-class _ClusterPipeline(redis.client.Pipeline):
+class _ClusterPipeline(busy.Pipeline):
     url = ""
 
     def execute(self, raise_on_error: bool = True) -> list[Any]:
@@ -81,7 +80,7 @@ class _ClusterPipeline(redis.client.Pipeline):
             return super().execute(raise_on_error)
 
 
-class AsyncClusterRedis(redis.asyncio.Redis):
+class AsyncClusterRedis(busy.AsyncRedis):
     """``ClusterRedis`` for redis-py's asyncio client."""
 
     url = ""
@@ -98,7 +97,7 @@ class AsyncClusterRedis(redis.asyncio.Redis):
         return pipe
 
 
-class _AsyncClusterPipeline(redis.asyncio.client.Pipeline):
+class _AsyncClusterPipeline(busy.AsyncPipeline):
     url = ""
 
     async def execute(self, raise_on_error: bool = True) -> list[Any]:
@@ -118,7 +117,7 @@ def connect(
     ``ClusterConnectionError`` if not.  ``cluster_errors``: a ``ClusterRedis``, whose
     later connection failures are ``ClusterConnectionError`` too."""
     try:
-        client = (ClusterRedis if cluster_errors else redis.Redis).from_url(
+        client = (ClusterRedis if cluster_errors else busy.Redis).from_url(
             url, **_options(timeout, name)
         )
     except ValueError as exc:
@@ -129,7 +128,7 @@ def connect(
         return client
     try:
         # through the shared pool but without the boundary: each failure says its own why
-        redis.Redis(connection_pool=client.connection_pool).ping()
+        busy.Redis(connection_pool=client.connection_pool).ping()
     except (redis.RedisError, OSError) as exc:
         client.close()
         raise unreachable(url, timeout, exc) from exc
@@ -142,7 +141,7 @@ def connect_async(
     """An asyncio Redis client for ``url`` (not yet checked: ``await check_async(...)``);
     with ``cluster_errors`` an ``AsyncClusterRedis``."""
     try:
-        client = (AsyncClusterRedis if cluster_errors else redis.asyncio.Redis).from_url(
+        client = (AsyncClusterRedis if cluster_errors else busy.AsyncRedis).from_url(
             url, **_options(timeout, name)
         )
     except ValueError as exc:
@@ -155,7 +154,7 @@ def connect_async(
 async def check_async(client: redis.asyncio.Redis, url: str, timeout: float) -> None:
     """PING through ``client``'s pool; ``ClusterConnectionError`` saying why not."""
     try:
-        await redis.asyncio.Redis(connection_pool=client.connection_pool).ping()
+        await busy.AsyncRedis(connection_pool=client.connection_pool).ping()
     except (redis.RedisError, OSError) as exc:
         raise unreachable(url, timeout, exc) from exc
 

@@ -22,15 +22,28 @@ from collections.abc import Callable, Generator, Hashable, Iterable, Iterator
 from concurrent.futures import TimeoutError as FuturesTimeoutError
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from redisdask import comm
 from redisdask import spec as specs
 from redisdask.config import parse_duration
 from redisdask.errors import FutureCancelledError
-from redisdask.loop import awaitable_on, wake
+from redisdask.loop import awaitable_on, running_loop, wake
 
 if TYPE_CHECKING:
     from redisdask.client import Client
 
 logger = logging.getLogger("redisdask.client")  # the client's log: futures are its side
+
+QUICK_WAIT = 0.25  # seconds a blocking result() waits in its own thread for a small result
+_EVENT_LOCK = threading.Lock()  # the making of a future state's event (``_FutureState.wait``)
+
+
+def inline_value(key: str, raw: bytes) -> Any:
+    """A small result as it came with its news or from its record: unpickled (Redis is
+    trusted as for the task specs it holds)."""
+    try:
+        return comm.deserialize([raw])
+    except comm.SerializationError as exc:
+        raise comm.SerializationError(f"key {key!r}: {exc}", key=key) from exc
 
 
 # --------------------------------------------------------------------------- futures
@@ -40,9 +53,9 @@ class _FutureState:
     """What the client knows of one key, shared by all futures of that key."""
 
     __slots__ = (
+        "_event",
         "callbacks",
         "cancel_reason",
-        "event",
         "exception",
         "finishes",
         "generation",
@@ -50,25 +63,48 @@ class _FutureState:
         "traceback",
         "type",
         "unsent",
+        "value",
         "who_has",
     )
 
     def __init__(self) -> None:
         self.status = "pending"
-        self.event = threading.Event()
+        # made by the first blocking wait only: a threading.Event (with its Condition
+        # and Lock) per key was a quarter of the time of a 1,000,000-task ``map``
+        self._event: threading.Event | None = None
         self.exception: BaseException | None = None
         self.traceback: Any = None
         self.type = ""
         self.who_has: list[str] = []
+        self.value: bytes | None = None  # a small result, pickled, as the news brought it
         self.callbacks: list[Callable[[], None]] = []
         self.generation = 0  # the client's submission counter when last (re)submitted
         self.finishes = 0  # how many key-in-memory messages arrived (to spot stale ones)
         self.cancel_reason = "it was cancelled"
         self.unsent = False  # erred because its graph could not be written to Redis
 
+    def is_set(self) -> bool:
+        """Done: finished, erred or cancelled."""
+        return self.status != "pending"
+
+    def wait(self, timeout: float) -> bool:
+        """Block until done or ``timeout`` seconds passed (from a thread other than the
+        client's loop); whether it is done."""
+        event = self._event
+        if event is None:
+            with _EVENT_LOCK:
+                if self._event is None:
+                    # made, then the status read: a ``_set`` in between finds the event
+                    self._event = threading.Event()
+                    if self.status != "pending":
+                        self._event.set()
+                event = self._event
+        return event.wait(timeout)
+
     def _set(self, status: str) -> None:
-        self.status = status
-        self.event.set()
+        self.status = status  # first, then the event read (see ``wait``)
+        if self._event is not None:
+            self._event.set()
         callbacks, self.callbacks = self.callbacks, []
         for callback in callbacks:
             try:
@@ -76,8 +112,8 @@ class _FutureState:
             except Exception:
                 logger.exception("a future's done callback raised")
 
-    def finish(self, who_has: list[str], type: str) -> None:
-        self.who_has, self.type = who_has, type
+    def finish(self, who_has: list[str], type: str, value: bytes | None = None) -> None:
+        self.who_has, self.type, self.value = who_has, type, value
         self.finishes += 1
         self._set("finished")
 
@@ -88,13 +124,16 @@ class _FutureState:
     def cancel(self, reason: str = "it was cancelled") -> None:
         if self.status != "cancelled":
             self.who_has, self.exception, self.traceback = [], None, None
+            self.value = None
             self.cancel_reason = reason
             self._set("cancelled")
 
     def reset(self) -> None:
         self.status = "pending"
         self.unsent = False
-        self.event.clear()
+        self.value = None
+        if self._event is not None:
+            self._event.clear()
 
 
 class Future:
@@ -125,7 +164,7 @@ class Future:
         return self._state.status
 
     def done(self) -> bool:
-        return self._state.event.is_set()
+        return self._state.is_set()
 
     def cancelled(self) -> bool:
         return self._state.status == "cancelled"
@@ -148,7 +187,18 @@ class Future:
     def result(self, timeout: float | str | None = None) -> Any:
         """The value, fetched from a worker holding it; the task's error if it erred.
         Awaitable on an asynchronous client (and ``await future`` anywhere)."""
-        return self.client._sync(self._aresult, _seconds(timeout))
+        seconds = _seconds(timeout)
+        if not self.client.asynchronous and running_loop() is not self.client.loop:
+            # a small result comes with its news: take it here, without a trip through
+            # the client's loop thread (the full path below waits with its checks)
+            state, start = self._state, time.monotonic()
+            state.wait(QUICK_WAIT if seconds is None else min(seconds, QUICK_WAIT))
+            raw = state.value
+            if state.status == "finished" and raw is not None:
+                return inline_value(self._key, raw)
+            if seconds is not None:
+                seconds = max(0.0, seconds - (time.monotonic() - start))
+        return self.client._sync(self._aresult, seconds)
 
     async def _aresult(self, timeout: float | None = None) -> Any:
         return (await self.client._aresults([self], timeout))[self._key]
@@ -192,7 +242,7 @@ class Future:
         of the client's own (one, in order), so it may block or wait for futures."""
         client = self.client
         with client._lock:
-            if not self._state.event.is_set():
+            if not self._state.is_set():
                 self._state.callbacks.append(lambda: client._run_callback(lambda: fn(self)))
                 return
         fn(self)

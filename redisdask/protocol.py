@@ -60,6 +60,7 @@ _CHECKS: dict[str, Callable[[Any], bool]] = {
     "str": lambda v: isinstance(v, str),
     "bool": lambda v: isinstance(v, bool),
     "int": lambda v: isinstance(v, int),
+    "int | None": lambda v: v is None or isinstance(v, int),
     "float": lambda v: isinstance(v, int | float),
     "bytes": lambda v: isinstance(v, bytes),
     "bytes | None": lambda v: v is None or isinstance(v, bytes),
@@ -228,12 +229,14 @@ class UpdateGraph(Event):
     """A client submits tasks.  Each task: {key, spec: bytes|None, deps: [keys],
     priority: int, retries: int, workers?: [address, name or host],
     allow_other_workers?: bool, resources?: {name: amount}}.  ``wanted`` are the keys the
-    client holds futures for."""
+    client holds futures for; ``generation`` the client's submission counter, echoed as
+    ``seen`` in the news of its keys."""
 
     op: ClassVar[str] = "update-graph"
     client: str
     tasks: list[dict[str, Any]] = field(default_factory=list)
     wanted: list[str] = field(default_factory=list)
+    generation: int = 0
 
     def _validate(self) -> None:
         for t in self.tasks:
@@ -428,7 +431,7 @@ class TaskFinished(Event):
     it).  ``score``: the run it answers (a task's score is new at each submission)."""
 
     op: ClassVar[str] = "task-finished"
-    optional: ClassVar[frozenset[str]] = frozenset({"score"})
+    optional: ClassVar[frozenset[str]] = frozenset({"score", "value"})
     worker: str
     key: str
     nbytes: int = 0
@@ -436,6 +439,9 @@ class TaskFinished(Event):
     start: float = 0.0
     stop: float = 0.0
     score: float = NO_SCORE
+    # the result pickled, when it is at most ``worker.inline-result-bytes``: the scheduler
+    # keeps it in the task's record, so it outlives the worker and needs no fetch
+    value: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -476,11 +482,14 @@ class AddKeys(Event):
 
 @dataclass(slots=True)
 class ReleasedKeys(Event):
-    """A worker dropped ``keys`` (e.g. a cancelled task's late result)."""
+    """A worker dropped ``keys`` (e.g. a cancelled task's late result), or handed back
+    its claims of them; ``scores`` say which run of each key (none: unknown)."""
 
     op: ClassVar[str] = "released-keys"
+    optional: ClassVar[frozenset[str]] = frozenset({"scores"})
     worker: str
     keys: list[str] = field(default_factory=list)
+    scores: list[Any] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- scheduler -> worker
@@ -555,13 +564,23 @@ class ClientEvent(Message):
 
 @dataclass(slots=True)
 class KeyInMemory(ClientEvent):
-    """The future is finished: its value is on each of ``who_has``."""
+    """The future is finished: its value is on each of ``who_has`` (``schema.REDIS_COPY``:
+    in the task's record) and, for a result small enough, in ``value`` (pickled).
+
+    ``seen``, here and in ``task-erred``: the ``generation`` of the client's last
+    ``update-graph`` the scheduler had read when it wrote this (none after a scheduler
+    restart).  News with ``seen`` below the generation of the future's own submission is
+    about an earlier run of the key (released and submitted again meanwhile, perhaps as
+    another computation): the client ignores it, and hears of the new run later."""
 
     op: ClassVar[str] = "key-in-memory"
+    optional: ClassVar[frozenset[str]] = frozenset({"value", "seen"})
     key: str
     who_has: list[str]
     nbytes: int = 0
     type: str = ""
+    value: bytes | None = None
+    seen: int | None = None
 
 
 @dataclass(slots=True)
@@ -572,7 +591,9 @@ class KeyErred(ClientEvent):
     these (``client._load_error``)."""
 
     op: ClassVar[str] = "task-erred"
-    optional: ClassVar[frozenset[str]] = frozenset({"killed", "suspicious", "deaths", "rejected"})
+    optional: ClassVar[frozenset[str]] = frozenset(
+        {"killed", "suspicious", "deaths", "rejected", "seen"}
+    )
     key: str
     exception: bytes = b""
     traceback: bytes = b""
@@ -584,6 +605,7 @@ class KeyErred(ClientEvent):
     suspicious: int = 0
     deaths: bytes | None = None  # msgpack list of death records
     rejected: bool = False
+    seen: int | None = None  # as in key-in-memory (none for a rejected graph: always news)
 
 
 @dataclass(slots=True)

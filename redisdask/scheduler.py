@@ -2,9 +2,10 @@
 
 ::
 
-    XREADGROUP (clients + workers streams, BLOCK)  ->  decode  ->  handle_stimulus
-        ->  instructions  ->  Redis commands + XACK/XDEL of the batch
-        ->  one EVALSHA of APPLY_FENCED (checks our lease token, renews it)
+    XREADGROUP (clients + workers streams, BLOCK)  ->  decode  ->  batches (bounded)
+        ->  per batch: handle_stimulus  ->  instructions  ->  Redis commands + XACK/XDEL
+        ->  one EVALSHA of APPLY_FENCED (checks our lease token, renews it; a big write
+            goes as several, in one MULTI/EXEC)
 
 Delivery semantics: a batch's effects and its acknowledgement land in one atomic script,
 so a crash before the write leaves the batch pending for the next scheduler (it re-reads
@@ -13,20 +14,24 @@ the lease moved on (``FencedError``) stops this scheduler: a standby owns the cl
 Any other failed write discards the in-memory state and reloads it from Redis, which is
 the source of truth.
 
-This module keeps the loop, the lease, the dead-letter path and the watch for dead
-workers; what the instructions become in Redis, and how the state is read back, is
-``scheduler_redis.py``.
+This module keeps the loop, the dead-letter path and the watch for dead workers; the
+lease (its renewal, a standby's takeover) is ``lease.py``; what the instructions become
+in Redis, and how the state is read back, is ``scheduler_redis.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
+import re
 import signal
 import socket
 import time
 import uuid
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -36,6 +41,8 @@ from redisdask.backoff import Backoff
 from redisdask.config import RebalanceConfig, RetentionConfig
 from redisdask.connection import connect, redact
 from redisdask.errors import FencedError, ProtocolError
+from redisdask.heap import Heap
+from redisdask.lease import LOOK_INTERVAL, HolderWatch, Lease
 from redisdask.scheduler_redis import Summary, Translator, decode_entry, load_state, rejected_graphs
 from redisdask.scheduler_state import CloseClient, Event, RemoveWorker, SchedulerState
 from redisdask.schema import Keys
@@ -45,7 +52,16 @@ logger = logging.getLogger("redisdask.scheduler")
 
 CHECK_INTERVAL = 0.2  # seconds between looks for dead workers (CLIENT LIST, heartbeats)
 NANNY_GRACE_LOOKS = 8  # looks without connections before a nanny's worker is dead (~1.5 s)
-MAX_BATCH_BYTES = 64 << 20  # one atomic write stays far below Redis's 512 MB per argument
+DRAIN_READS = 100  # reads of waiting entries, at most, before deaths are applied
+# Entries of at most this much payload, naming at most so many tasks and keys, are applied
+# per write (one entry at least).  A batch's cost grows with the tasks and messages in it
+# (20-50 us each, ten times that on a loaded machine); the lease is renewed while a batch
+# runs (``Lease.kept``), and small batches let workers' reports through between the
+# batches of a big submission.
+MAX_BATCH_BYTES = 256 << 10
+SLOW_BATCH = 0.2  # a batch longer than this share of the lease is logged, with its parts
+MAX_BATCH_WEIGHT = 10_000  # tasks and keys named per batch (see _batches)
+MAX_SCRIPT_COMMANDS = 5_000  # commands per APPLY_FENCED script (see Scheduler.apply)
 DEAD_LETTER_SAMPLE = 4096  # bytes of each field kept of a dead-lettered entry
 
 
@@ -56,7 +72,7 @@ class Scheduler:
         cluster: str = "default",
         *,
         lease_ttl: float = 5.0,
-        batch_size: int = 1000,
+        batch_size: int = 100,
         validate: bool = False,
         connect_timeout: float = 5.0,
         allowed_failures: int = 3,
@@ -68,13 +84,13 @@ class Scheduler:
         self.keys = Keys(cluster)
         self.retention = retention or RetentionConfig()
         self.redis_url = redis_url
-        self.redis = connect(redis_url, timeout=connect_timeout, name=f"rd-scheduler-{cluster}")
+        self.id = f"scheduler-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        name = self.keys.scheduler_connection(self.id)  # what standbys watch
+        self.redis = connect(redis_url, timeout=connect_timeout, name=name)
         self.scripts = schema.Scripts(self.redis, self.keys)
-        self.lease_ttl_ms = int(lease_ttl * 1000)
         self.batch_size = batch_size
         self.validate = validate
-        self.id = f"scheduler-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.token: str | None = None
+        self.lease = Lease(self.scripts, lease_ttl, self.id, name)
         self.allowed_failures = allowed_failures
         self.rebalance = rebalance  # worker.memory.rebalance: Client.rebalance's limits
         self.state = SchedulerState(
@@ -84,13 +100,19 @@ class Scheduler:
         self.client_ttl = client_ttl
         self.watch = WorkerWatch(self.keys, worker_ttl)
         self.trust_clients_at = 0.0
+        self.looked_at = time.monotonic()  # the last look for the dead
         self._stopping = False
         self.previous: str | None = None  # the lease holder before us
         self.redis_away: float | None = None  # seconds Redis was away before this lead
         self.summary = Summary()
         self.translator = Translator(self.keys, self.retention)
+        self.heap = Heap()  # keeps full collections off the tasks (see redisdask/heap.py)
 
     # ------------------------------------------------------------------ lease
+
+    @property
+    def token(self) -> str | None:
+        return self.lease.token
 
     def acquire_lease(self, standby: bool = True) -> str:
         """Block until this scheduler holds the lease; returns the fencing token.
@@ -98,14 +120,20 @@ class Scheduler:
         Without ``standby``, give up (``FencedError``) if a live scheduler keeps renewing it."""
         announced = False
         # a dead predecessor's lease expires within one TTL; a live one keeps renewing it
-        give_up_at = time.monotonic() + 2 * self.lease_ttl_ms / 1000
+        give_up_at = time.monotonic() + 2 * self.lease.ttl_ms / 1000
+        watch = HolderWatch(self.redis, self.keys)
+        gone = ""  # the token of a holder whose connections closed
         while not self._stopping:
             # ours still (after Redis was away): renewed
-            token = self.scripts.acquire_lease(token=self.token, ttl_ms=self.lease_ttl_ms)
-            if token is not None:
-                self.token = token.decode()
+            if self.lease.try_acquire(gone) is not None:
                 holder = self.redis.hget(self.keys.scheduler, "id")
                 self.previous = holder.decode() if holder and holder.decode() != self.id else None
+                if gone:
+                    logger.warning(
+                        "took the lease over from %s (token %s): its Redis connections closed",
+                        self.previous,
+                        gone,
+                    )
                 self.redis.hset(
                     self.keys.scheduler,
                     mapping={
@@ -126,13 +154,15 @@ class Scheduler:
                     f"the lease of cluster {self.keys.cluster!r}; start this one with --standby "
                     "to take over when that one stops"
                 )
-            if not announced:
+            gone = watch.gone()
+            if not announced:  # (after the first look: the watch has seen the holder)
                 holder = self.redis.hget(self.keys.scheduler, "id")
                 logger.info(
                     "standing by: the lease is held by %s", holder.decode() if holder else "?"
                 )
                 announced = True
-            time.sleep(self.lease_ttl_ms / 3000)  # lease expiry is time-based by nature
+            if not gone:  # lease expiry and a look at connections are time-based by nature
+                time.sleep(self.lease.ttl_ms / 3000 if watch.refused else LOOK_INTERVAL)
         raise FencedError("stopped while waiting for the lease")
 
     def release_lease(self) -> None:
@@ -144,12 +174,8 @@ class Scheduler:
             logger.info("scheduler %s released the lease (token %s)", self.id, self.token)
         except (FencedError, redis.RedisError) as exc:
             logger.warning("could not release the lease: %s", exc)
-        self.token = None
-
-    def renew_lease(self) -> None:
-        token = self.scripts.acquire_lease(token=self.token, ttl_ms=self.lease_ttl_ms)
-        if token is None or token.decode() != self.token:
-            raise FencedError(f"scheduler {self.id} lost its lease (token {self.token})")
+        self.lease.token = None
+        self.lease.close()
 
     # ------------------------------------------------------------------ main loop
 
@@ -162,6 +188,7 @@ class Scheduler:
                 schema.ensure_cluster(self.redis, self.keys)
                 self.acquire_lease(standby or self.token is not None)
                 self.state = self._load()
+                self.heap.settle()
                 self.watch = WorkerWatch(self.keys, self.worker_ttl)
                 self.trust_clients_at = time.monotonic() + self.client_ttl
                 self._event(
@@ -196,7 +223,7 @@ class Scheduler:
     def _lead(self) -> None:
         pending = True  # first re-read entries a dead predecessor read but never applied
         # idle wake-ups renew the lease, look for dead workers and notice a stop request
-        block_ms = max(1, min(self.lease_ttl_ms // 3, int(CHECK_INTERVAL * 1000)))
+        block_ms = max(1, min(self.lease.ttl_ms // 3, int(CHECK_INTERVAL * 1000)))
         next_check = 0.0
         while not self._stopping:
             if time.monotonic() >= next_check:
@@ -216,39 +243,58 @@ class Scheduler:
                 count=self.batch_size,
                 block=None if pending else block_ms,
             )
-            entries = [
-                (s.decode(), eid, fields) for s, items in reply or [] for eid, fields in items
-            ]
-            if pending and not entries:
+            read = any(items for _, items in reply or [])
+            if pending and not read:
                 pending = False
                 continue
-            if not entries:
+            if not read:
                 if self.summary.due():
                     self.apply([self.summary.command(self.keys, self.state, self.id)])
+                elif self.lease.due:
+                    self.lease.renew()
                 else:
-                    self.renew_lease()
+                    self.heap.settle()  # (a full collection now and then, when idle)
                 continue
-            for batch in _by_size(entries, MAX_BATCH_BYTES):
-                self.process(batch)
+            with self.lease.kept():
+                for batch in _batches(decode_reply(reply)):
+                    self.process(batch)
 
     def look_for_the_dead(self) -> None:
         """Remove the workers and clients that are gone.  A process that leaves says
         goodbye on its stream before its connections and its ``alive`` key go, so the
-        entries waiting now are applied first: one that left is not also recorded dead."""
+        entries waiting now are applied first, all of them (a goodbye behind a batch's
+        worth of others counts too): one that left is not also recorded dead."""
+        self._blind_spell()
         dead = self.watch.check(self.redis, self.state.workers) + self._gone_clients()
         if not dead:
             return
-        reply = self.redis.xreadgroup(
-            schema.SCHEDULER_GROUP,
-            schema.SCHEDULER_CONSUMER,
-            {self.keys.worker_stream: ">", self.keys.client_stream: ">"},
-            count=self.batch_size,
-        )
-        entries = [(s.decode(), eid, fields) for s, items in reply or [] for eid, fields in items]
-        *first, last = _by_size(entries, MAX_BATCH_BYTES)
-        for batch in first:
-            self.process(batch)
-        self.process(last, dead)
+        with self.lease.kept():
+            for _ in range(DRAIN_READS):  # (bounded: writers may go on meanwhile)
+                reply = self.redis.xreadgroup(
+                    schema.SCHEDULER_GROUP,
+                    schema.SCHEDULER_CONSUMER,
+                    {self.keys.worker_stream: ">", self.keys.client_stream: ">"},
+                    count=self.batch_size,
+                )
+                if not any(items for _, items in reply or []):
+                    break
+                for batch in _batches(decode_reply(reply)):
+                    self.process(batch)
+            self.process([], dead)
+
+    def _blind_spell(self) -> None:
+        """A heartbeat that lapsed while this scheduler could not look says nothing: what
+        kept it from looking (Redis busy running a script, a long batch, a stalled
+        machine) may have kept the heartbeats from being written too.  After a gap of
+        half a TTL, each kind of heartbeat is trusted again one TTL later."""
+        now = time.monotonic()
+        gap, self.looked_at = now - self.looked_at, now
+        if gap > self.worker_ttl / 2:
+            self.watch.trust_heartbeats_at = max(
+                self.watch.trust_heartbeats_at, now + self.worker_ttl
+            )
+        if gap > self.client_ttl / 2:
+            self.trust_clients_at = max(self.trust_clients_at, now + self.client_ttl)
 
     def _gone_clients(self) -> list[Event]:
         """Clients whose heartbeat key expired: their keys are released as if they had
@@ -271,24 +317,27 @@ class Scheduler:
         return [CloseClient(client=client, stimulus_id=f"client-ttl-{client}") for client in gone]
 
     def _load(self) -> SchedulerState:
-        return load_state(
-            self.redis, self.keys, self.validate, self.allowed_failures, self.rebalance
-        )
+        with self.lease.kept():
+            state = load_state(
+                self.redis, self.keys, self.validate, self.allowed_failures, self.rebalance
+            )
+        self.heap.settle()
+        return state
 
     def stop(self) -> None:
         self._stopping = True
 
-    def process(
-        self, entries: list[tuple[str, bytes, dict[bytes, bytes]]], events: list[Event] = ()
-    ) -> None:
-        """Apply one batch of stream entries: decode, transition, write atomically.
+    def process(self, entries: list[Entry], events: list[Event] = ()) -> None:
+        """Apply one batch of decoded stream entries: transition, write atomically.
 
         If the state machine raises on a batch (a bug, or a message that passed validation
         but makes no sense), the state is reloaded from Redis and the entries are retried
         one by one; the entry that still fails is dead-lettered, so one bad message can
         never stop the cluster or crash every scheduler that reads it after a restart."""
         try:
-            self._process(entries, list(events))
+            with self.lease.kept():
+                self._process(entries, list(events))
+            self.heap.settle()
         except (FencedError, redis.RedisError):
             raise
         except Exception as exc:
@@ -302,31 +351,32 @@ class Scheduler:
                 for one in entries:
                     self.process([one])
                 return
-            stream, entry_id, fields = entries[0]
+            one = entries[0]
+            error = f"state machine failed: {exc!r}"
             self.apply(
                 [
-                    self._dead_letter(stream, entry_id, fields, f"state machine failed: {exc!r}"),
-                    ["XACK", stream, schema.SCHEDULER_GROUP, entry_id],
-                    ["XDEL", stream, entry_id],
+                    self._dead_letter(one.stream, one.id, one.fields, error),
+                    ["XACK", one.stream, schema.SCHEDULER_GROUP, one.id],
+                    ["XDEL", one.stream, one.id],
                 ]
             )
 
-    def _process(
-        self, entries: list[tuple[str, bytes, dict[bytes, bytes]]], events: list[Event]
-    ) -> None:
+    def _process(self, entries: list[Entry], events: list[Event]) -> None:
         commands: list[list[Any]] = []
         acks: dict[str, list[bytes]] = defaultdict(list)
         received: list[Event] = []
-        for stream, entry_id, fields in entries:
-            acks[stream].append(entry_id)
-            try:
-                received.extend(decode_entry(entry_id, fields, stream.rsplit(":", 1)[-1]))
-            except ProtocolError as exc:
-                commands.append(self._dead_letter(stream, entry_id, fields, str(exc)))
-                if stream == self.keys.client_stream:  # its client must not wait forever
-                    received.extend(rejected_graphs(entry_id, fields, str(exc), "clients"))
+        for e in entries:
+            acks[e.stream].append(e.id)
+            if e.error is None:
+                received.extend(e.events)
+                continue
+            commands.append(self._dead_letter(e.stream, e.id, e.fields, e.error))
+            if e.stream == self.keys.client_stream:  # its client must not wait forever
+                received.extend(rejected_graphs(e.id, e.fields, e.error, "clients"))
         events = received + events  # what the processes said, then the scheduler's verdicts
+        times = [time.monotonic()]
         instructions = self.state.handle_stimulus(*events)
+        times.append(time.monotonic())
         commands = self.translator.to_commands(instructions) + commands
         commands += self.translator.story(events, instructions)
         self.summary.count(self.state, changed=bool(instructions))
@@ -336,7 +386,18 @@ class Scheduler:
             commands.append(["XACK", stream, schema.SCHEDULER_GROUP, *ids])
             commands.append(["XDEL", stream, *ids])
         commands.append(["HSET", self.keys.meta, "seq", self.state.seq])
+        times.append(time.monotonic())
         self.apply(commands)
+        times.append(time.monotonic())
+        if times[-1] - times[0] > SLOW_BATCH * self.lease.ttl_ms / 1000:
+            logger.warning(
+                "a batch of %d entries (%d events, %d instructions, %d commands) took "
+                "%.2f s: state machine %.2f s, translation %.2f s, write %.2f s; the lease "
+                "is %.1f s",
+                len(entries), len(events), len(instructions), len(commands),
+                times[-1] - times[0], times[1] - times[0], times[2] - times[1],
+                times[3] - times[2], self.lease.ttl_ms / 1000,
+            )  # fmt: skip
 
     def _dead_letter(
         self, stream: str, entry_id: bytes, fields: dict[bytes, bytes], error: str
@@ -364,14 +425,34 @@ class Scheduler:
         ]
 
     def apply(self, commands: list[list[Any]]) -> None:
+        """Write ``commands`` atomically, fenced by our token.  A big write goes as
+        several scripts of at most ``MAX_SCRIPT_COMMANDS`` commands in one MULTI/EXEC
+        (see ``schema.APPLY_FENCED``): no script runs long enough for Redis to answer
+        the other processes BUSY, and the write stays all-or-nothing for them."""
+        started = time.monotonic()
+        parts = [commands[i : i + MAX_SCRIPT_COMMANDS]
+                 for i in range(0, len(commands), MAX_SCRIPT_COMMANDS)] or [[]]  # fmt: skip
+        fenced = functools.partial(
+            self.scripts.apply_fenced, token=self.token, ttl_ms=self.lease.ttl_ms
+        )
         try:
-            self.scripts.apply_fenced(token=self.token, commands=commands, ttl_ms=self.lease_ttl_ms)
+            if len(parts) == 1:
+                fenced(commands=commands)
+            else:
+                pipe = self.redis.pipeline(transaction=True)
+                for i, part in enumerate(parts, 1):
+                    fenced(commands=part, part=(i, len(parts)), client=pipe)
+                # the first part's error says why; the later parts only that they followed
+                errors = [r for r in pipe.execute(raise_on_error=False) if isinstance(r, Exception)]
+                if errors:
+                    raise errors[0]
         except redis.ResponseError as exc:
-            if "FENCED" in str(exc):
+            if str(exc).startswith("FENCED"):
                 raise FencedError(f"scheduler {self.id}: {exc}") from exc
             logger.exception("applying a batch failed; reloading state from Redis")
             self.state = self._load()
             raise
+        self.lease.wrote(started)
 
     def _event(self, kind: str, **fields: Any) -> None:
         self.redis.execute_command(*self.translator.event_command(kind, time.time(), **fields))
@@ -479,19 +560,64 @@ class WorkerWatch:
         return events
 
 
-def _by_size(
-    entries: list[tuple[str, bytes, dict[bytes, bytes]]], limit: int
-) -> list[list[tuple[str, bytes, dict[bytes, bytes]]]]:
-    """Split a read into batches of at most ``limit`` payload bytes (one entry at least)."""
-    batches: list[list[tuple[str, bytes, dict[bytes, bytes]]]] = [[]]
-    size = 0
-    for item in entries:
-        n = sum(len(k) + len(v) for k, v in item[2].items())
-        if batches[-1] and size + n > limit:
+@dataclass(slots=True)
+class Entry:
+    """One entry of an input stream, decoded: its events, or why it cannot be."""
+
+    stream: str
+    id: bytes
+    fields: dict[bytes, bytes]
+    events: list[Event]
+    error: str | None  # the ProtocolError: the entry is dead-lettered
+    size: int  # payload bytes
+    weight: int  # what its events carry: tasks, keys (see _weight)
+
+
+def decode_reply(reply: Any) -> list[Entry]:
+    """The entries of an XREADGROUP reply, decoded."""
+    out = []
+    for name, items in reply:
+        stream = name.decode()
+        for entry_id, fields in items:
+            size = sum(len(k) + len(v) for k, v in fields.items())
+            try:
+                events = decode_entry(entry_id, fields, stream.rsplit(":", 1)[-1])
+            except ProtocolError as exc:
+                out.append(Entry(stream, entry_id, fields, [], str(exc), size, 1))
+                continue
+            weight = sum(map(_weight, events))
+            out.append(Entry(stream, entry_id, fields, events, None, size, weight))
+    return out
+
+
+def _weight(event: Event) -> int:
+    """What an event asks of a batch, roughly: one, plus one per task, key or worker that
+    it names (the lengths of its list and map fields)."""
+    sized = _SIZED.get(type(event))
+    if sized is None:
+        sized = _SIZED[type(event)] = tuple(
+            f.name for f in dataclasses.fields(event) if re.search(r"\b(list|dict)\b", str(f.type))
+        )
+    return 1 + sum(len(getattr(event, name) or ()) for name in sized)
+
+
+_SIZED: dict[type, tuple[str, ...]] = {}  # event class -> its list and map fields
+
+
+def _batches(entries: list[Entry]) -> list[list[Entry]]:
+    """Split a read into batches of at most ``MAX_BATCH_BYTES`` payload bytes and
+    ``MAX_BATCH_WEIGHT`` (one entry at least), so that each batch's work and write stay
+    short: a client's entries of 5,000 tasks each go one or two per batch."""
+    batches: list[list[Entry]] = [[]]
+    size = weight = 0
+    for e in entries:
+        full = size + e.size > MAX_BATCH_BYTES or weight + e.weight > MAX_BATCH_WEIGHT
+        if batches[-1] and full:
             batches.append([])
-            size = 0
-        batches[-1].append(item)
-        size += n
+            size = weight = 0
+        batches[-1].append(e)
+        size += e.size
+        weight += e.weight
     return batches
 
 

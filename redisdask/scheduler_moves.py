@@ -234,7 +234,7 @@ class DataMoves:
         held; the least loaded workers first."""
         ts.replicating &= set(self.workers)
         missing = ts.replicas - len(ts.who_has) - len(ts.replicating)
-        if missing <= 0 or not ts.who_has:
+        if missing <= 0 or not (ts.who_has or ts.inline):
             return
         candidates = sorted(
             (
@@ -246,7 +246,7 @@ class DataMoves:
         )
         for ws in candidates[:missing]:
             ts.replicating.add(ws.address)
-            who_has = {ts.key: sorted(ts.who_has)}
+            who_has = {ts.key: ts.holders()}
             self._emit(WorkerMsg(stimulus_id, ws.address, AcquireReplicas(who_has)))
 
     # ------------------------------------------------------------------ rebalance

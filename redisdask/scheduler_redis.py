@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,7 @@ from redisdask import schema
 from redisdask.config import RetentionConfig
 from redisdask.errors import ProtocolError
 from redisdask.events import death_fields, event_command
+from redisdask.heap import no_collections
 from redisdask.protocol import SCHEDULER_EVENTS, AddWorker, Event, FreeKeys, parse
 from redisdask.scheduler_instructions import (
     ClaimAccepted,
@@ -56,6 +58,7 @@ from redisdask.task_record import TaskRecord
 logger = logging.getLogger("redisdask.scheduler")
 
 MAX_ARGS = 2000  # Lua's unpack() limit is ~8000 arguments per command
+LOAD_PAGE = 2000  # task records per LOAD_TASKS call (a few milliseconds of Redis's time)
 REBALANCE_RECORD_TTL_MS = 3_600_000  # a finished rebalance's record, for its client to read
 SUMMARY_INTERVAL = 0.5  # seconds between writes of the summary hash while tasks change
 SUMMARY_SHARE = 0.05  # the most of the scheduler's time the summary's passes may take
@@ -539,36 +542,9 @@ def load_state(
         state.handle_stimulus(
             AddWorker(worker=address.decode(), info=schema.unpack(info), stimulus_id="load")
         )
-    records = _read_records(r, keys)
-    for key, record in records.items():
-        if record.state:  # (a hash without a state is no record: nothing to rebuild)
-            state.tasks[key] = _task_state(key, record, state)
-    for key, record in records.items():
-        ts = state.tasks.get(key)
-        if ts is None:
-            continue
-        for dep in filter(None, map(state.tasks.get, record.deps)):
-            ts.dependencies.add(dep)
-            dep.dependents.add(ts)
-    for ts in state.tasks.values():
-        if ts.state in HOLDS_DEPENDENCIES:
-            ts.waiting_on = {d for d in ts.dependencies if d.state != "memory"}
-            for dep in ts.dependencies:
-                dep.waiters.add(ts)
-        if ts.processing_on and ts.processing_on in state.workers:
-            state.workers[ts.processing_on].processing.add(ts)
-        for w in ts.who_has:
-            state.workers[w].has_what.add(ts)
-    holders = [h.decode() for h in r.smembers(keys.holders)]
-    for cid in [c.decode() for c in r.hkeys(keys.clients)] + holders:
-        wanted = state.clients.setdefault(cid, set())
-        for key in r.smembers(keys.client_wants(cid)):
-            ts = state.tasks.get(key.decode())
-            if ts is not None:
-                ts.who_wants.add(cid)
-                wanted.add(ts)
-        if not wanted and schema.is_holder(cid):
-            del state.clients[cid]  # (a holder exists only while it wants something)
+    with no_collections():  # every object made here is kept: nothing to collect
+        _load_tasks(r, keys, state)
+        _load_wants(r, keys, state)
     for request in sorted(m.decode() for m in r.smembers(keys.rebalances)):
         record = RebalanceRecord.from_hash(r.hgetall(keys.rebalance(request)))
         state.restore_rebalance(request, record)
@@ -581,19 +557,62 @@ def load_state(
     return state
 
 
-def _read_records(r: redis.Redis, keys: Keys) -> dict[str, TaskRecord]:
-    """Every task hash, in pipelines of 1,000."""
-    task_keys = [k.decode() for k in r.smembers(keys.tasks)]
-    records: dict[str, TaskRecord] = {}
-    for i in range(0, len(task_keys), 1000):
-        chunk = task_keys[i : i + 1000]
-        pipe = r.pipeline(transaction=False)
-        for key in chunk:
-            pipe.hgetall(keys.task(key))
-        for key, raw in zip(chunk, pipe.execute(), strict=True):
-            if raw:
-                records[key] = TaskRecord.from_hash(raw)
-    return records
+def _load_wants(r: redis.Redis, keys: Keys, state: SchedulerState) -> None:
+    """Who wants what: each client's and each holder's wants set."""
+    holders = [h.decode() for h in r.smembers(keys.holders)]
+    for cid in [c.decode() for c in r.hkeys(keys.clients)] + holders:
+        wanted = state.clients.setdefault(cid, set())
+        tasks = state.tasks
+        for key in r.smembers(keys.client_wants(cid)):
+            ts = tasks.get(key.decode())
+            if ts is not None:
+                ts.who_wants.add(cid)
+                wanted.add(ts)
+        if not wanted and schema.is_holder(cid):
+            del state.clients[cid]  # (a holder exists only while it wants something)
+
+
+def _pages(r: redis.Redis, keys: Keys) -> Iterator[list[list[bytes]]]:
+    """The pages of ``LOAD_TASKS``, each read while the caller decodes the one before:
+    Redis's time (a third of a reload) overlaps Python's."""
+    scripts = schema.Scripts(r, keys)
+    with ThreadPoolExecutor(1, thread_name_prefix="load-state") as reader:
+        page = reader.submit(scripts.load_tasks, cursor=0, count=LOAD_PAGE)
+        while page is not None:
+            cursor, rows = page.result()
+            page = None
+            if cursor not in (b"0", 0):
+                page = reader.submit(scripts.load_tasks, cursor=cursor, count=LOAD_PAGE)
+            yield rows
+
+
+def _load_tasks(r: redis.Redis, keys: Keys, state: SchedulerState) -> None:
+    """Every task record into ``state``, linked: pages of ``LOAD_PAGE`` records, each one
+    script call that leaves out what a scheduler never reads (specs, small results)."""
+    deps: dict[str, list[str]] = {}
+    for rows in _pages(r, keys):
+        for row in rows:
+            fields = iter(row[1:])
+            record = TaskRecord.from_pairs(zip(fields, fields, strict=False))
+            if record.state:  # (a hash without a state is no record: nothing to rebuild)
+                key = row[0].decode()
+                deps[key] = record.deps
+                state.tasks[key] = _task_state(key, record, state)
+    tasks = state.tasks
+    for key, dep_keys in deps.items():
+        ts = tasks[key]
+        for dep in filter(None, map(tasks.get, dep_keys)):
+            ts.dependencies.add(dep)
+            dep.dependents.add(ts)
+    for ts in tasks.values():
+        if ts.state in HOLDS_DEPENDENCIES:
+            ts.waiting_on = {d for d in ts.dependencies if d.state != "memory"}
+            for dep in ts.dependencies:
+                dep.waiters.add(ts)
+        if ts.processing_on and ts.processing_on in state.workers:
+            state.workers[ts.processing_on].processing.add(ts)
+        for w in ts.who_has:
+            state.workers[w].has_what.add(ts)
 
 
 def _task_state(key: str, rec: TaskRecord, state: SchedulerState) -> TaskState:
@@ -617,6 +636,7 @@ def _task_state(key: str, rec: TaskRecord, state: SchedulerState) -> TaskState:
     if ts.state == "no-worker":
         state.unrunnable.add(ts)
     ts.who_has = {w for w in rec.who_has if w in state.workers}
+    ts.inline = ts.state == "memory" and schema.REDIS_COPY in rec.who_has
     ts.exception, ts.traceback = rec.exception, rec.traceback
     ts.exception_text, ts.traceback_text = rec.exception_text, rec.traceback_text
     if ts.state == "processing":

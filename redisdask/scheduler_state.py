@@ -188,6 +188,7 @@ class TaskState:
     waiters: set[TaskState] = field(default_factory=set)  # dependents that still need us
     who_wants: set[str] = field(default_factory=set)
     who_has: set[str] = field(default_factory=set)
+    inline: bool = False  # memory: the result is in its record too (outlives every worker)
     processing_on: str | None = None
     claimed_before: int = 0  # processing: its worker's holding reports read before the claim
     unlisted: int = 0  # processing: holding reports in a row since then that lacked it
@@ -220,6 +221,10 @@ class TaskState:
 
     def __repr__(self) -> str:
         return f"<TaskState {self.key!r} {self.state}>"
+
+    def holders(self) -> list[str]:
+        """Where the result is: its workers and, for a small one, Redis (``REDIS_COPY``)."""
+        return [*sorted(self.who_has), schema.REDIS_COPY] if self.inline else sorted(self.who_has)
 
     def __hash__(self) -> int:
         return id(self)
@@ -258,6 +263,7 @@ class SchedulerState(DataMoves):
         self.tasks: dict[str, TaskState] = {}
         self.workers: dict[str, WorkerInfo] = {}
         self.clients: dict[str, set[TaskState]] = {}  # client id -> tasks it wants
+        self.generations: dict[str, int] = {}  # client id -> its last graph's generation
         self.unrunnable: set[TaskState] = set()  # state no-worker
         self.seq = seq
         self.validate = validate
@@ -298,12 +304,20 @@ class SchedulerState(DataMoves):
         return [entry for entry in self.story if entry[0] in wanted]
 
     def _emit(self, instruction: Instruction) -> None:
+        if isinstance(instruction, ClientMsg):
+            # news of a key says which of the client's graphs had been read (``seen``);
+            # not a rejected graph's, whose generation is unknown
+            msg = instruction.msg
+            if isinstance(msg, KeyInMemory) or (isinstance(msg, KeyErred) and not msg.rejected):
+                msg.seen = self.generations.get(instruction.client)
         self._instructions.append(instruction)
 
     # ------------------------------------------------------------------ client events
 
     def _handle_update_graph(self, ev: UpdateGraph) -> None:
         self.clients.setdefault(ev.client, set())
+        if ev.generation:
+            self.generations[ev.client] = max(ev.generation, self.generations.get(ev.client, 0))
         new: list[TaskState] = []
         stores: dict[str, StoreTask] = {}  # new tasks' records, written once deps are known
         deps_of: dict[str, list[str]] = {}
@@ -630,6 +644,7 @@ class SchedulerState(DataMoves):
     def _handle_close_client(self, ev: CloseClient) -> None:
         wanted = [ts.key for ts in self.clients.get(ev.client, ())]
         self._release_wants(ev.client, wanted, stimulus_id=ev.stimulus_id)
+        self.generations.pop(ev.client, None)
         if self.clients.pop(ev.client, None) is not None or not schema.is_holder(ev.client):
             self._emit(ForgetClient(ev.stimulus_id, ev.client))  # (a holder's went with its wants)
 
@@ -800,7 +815,7 @@ class SchedulerState(DataMoves):
                 self._transition(ts, "queued", stimulus_id=ev.stimulus_id)
         for ts in list(ws.has_what):
             ts.who_has.discard(ws.address)
-            if not ts.who_has and ts.state == "memory":
+            if not (ts.who_has or ts.inline) and ts.state == "memory":
                 # lost its only copy: recompute if still needed
                 ts.lost_on = ws.address
                 self._lost_data(ts, stimulus_id=ev.stimulus_id)
@@ -915,7 +930,7 @@ class SchedulerState(DataMoves):
                 self._free(ev.worker, ev.key, stimulus_id=ev.stimulus_id)
             return
         ts.nbytes, ts.type = int(ev.nbytes), ev.type
-        self._transition(ts, "memory", worker=ws, stimulus_id=ev.stimulus_id)
+        self._transition(ts, "memory", worker=ws, value=ev.value, stimulus_id=ev.stimulus_id)
 
     def _handle_task_erred(self, ev: TaskErred) -> None:
         ts = self.tasks.get(ev.key)
@@ -967,9 +982,9 @@ class SchedulerState(DataMoves):
                 reporter = self.workers.get(ev.worker)
                 if reporter is not None:
                     reporter.has_what.discard(ts)
-            if ts.state == "memory" and ts.who_has:
+            if ts.state == "memory" and (ts.who_has or ts.inline):
                 self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
-                who_has = {key: sorted(ts.who_has)}
+                who_has = {key: ts.holders()}
                 self._emit(WorkerMsg(ev.stimulus_id, ev.worker, WhoHas(who_has)))
             elif ts.state == "memory":
                 self._lost_data(ts, stimulus_id=ev.stimulus_id)
@@ -1027,7 +1042,9 @@ class SchedulerState(DataMoves):
         sid = "retire-" + stimulus_id
         for ws in [w for w in self.workers.values() if w.retiring and not w.told_to_close]:
             ws.to_move = {
-                ts for ts in ws.to_move if ts.state == "memory" and not (ts.who_has & staying)
+                ts
+                for ts in ws.to_move
+                if ts.state == "memory" and not (ts.inline or ts.who_has & staying)
             }
             if not ws.to_move and not ws.processing and ws.retire_heard:
                 self._tell_to_close(ws, "retired", stimulus_id=stimulus_id)
@@ -1051,10 +1068,11 @@ class SchedulerState(DataMoves):
 
     def _handle_released_keys(self, ev: ReleasedKeys) -> None:
         ws = self.workers.get(ev.worker)
-        for key in ev.keys:
+        scores = list(ev.scores) + [NO_SCORE] * (len(ev.keys) - len(ev.scores))
+        for key, score in zip(ev.keys, scores, strict=False):
             ts = self.tasks.get(key)
-            if ts is None or ws is None:
-                continue
+            if ts is None or ws is None or _stale(float(score), ts):
+                continue  # (stale: a run of the key before the current one)
             if ts in ws.processing:
                 ws.processing.discard(ts)
                 self._emit(Unclaim(ev.stimulus_id, ws.address, key))
@@ -1064,7 +1082,7 @@ class SchedulerState(DataMoves):
             if ev.worker in ts.who_has:
                 ts.who_has.discard(ev.worker)
                 ws.has_what.discard(ts)
-                if ts.state == "memory" and not ts.who_has:
+                if ts.state == "memory" and not (ts.who_has or ts.inline):
                     self._lost_data(ts, stimulus_id=ev.stimulus_id)
                 elif ts.state == "memory":
                     self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
@@ -1221,9 +1239,10 @@ class SchedulerState(DataMoves):
         ts.dequeued = False
 
     def _transition_processing_memory(
-        self, ts: TaskState, worker: WorkerInfo, *, stimulus_id: str
+        self, ts: TaskState, worker: WorkerInfo, value: bytes | None = None, *, stimulus_id: str
     ) -> None:
-        """The result of the claim holder, ``worker`` (the only one accepted)."""
+        """The result of the claim holder, ``worker`` (the only one accepted); ``value``,
+        a small result itself, goes into the record and to the clients that want it."""
         worker.processing.discard(ts)
         self._emit(Unclaim(stimulus_id, worker.address, ts.key))
         ts.processing_on = None
@@ -1233,9 +1252,13 @@ class SchedulerState(DataMoves):
         if worker.retiring:  # finished while its worker retires: to be copied elsewhere
             worker.to_move.add(ts)
             self._holders_changed = True
-        self._emit(SetState(stimulus_id, ts.key, "memory", self._memory_fields(ts)))
+        ts.inline = value is not None
+        fields = self._memory_fields(ts)
+        if value is not None:
+            fields["value"] = value
+        self._emit(SetState(stimulus_id, ts.key, "memory", fields))
         for client in ts.who_wants:
-            self._emit(ClientMsg(stimulus_id, client, self._memory_msg(ts)))
+            self._emit(ClientMsg(stimulus_id, client, self._memory_msg(ts, value)))
         self._fired_done(ts, stimulus_id=stimulus_id)
         self._wake_waiters(ts, stimulus_id=stimulus_id)
         for dep in ts.dependencies:
@@ -1328,7 +1351,10 @@ class SchedulerState(DataMoves):
             self._free(worker, ts.key, stimulus_id=stimulus_id)
         ts.who_has.clear()
         self._set_state(ts, "released", stimulus_id=stimulus_id)
-        self._emit(SetState(stimulus_id, ts.key, "released", {"who_has": []}))
+        released: dict[str, Any] = {"who_has": []}
+        if ts.inline:
+            ts.inline, released["value"] = False, None
+        self._emit(SetState(stimulus_id, ts.key, "released", released))
         self._release_dependencies(ts)
         self._maybe_release(ts)
 
@@ -1431,10 +1457,10 @@ class SchedulerState(DataMoves):
     # ------------------------------------------------------------------ messages
 
     def _memory_fields(self, ts: TaskState) -> dict[str, Any]:
-        return {"who_has": sorted(ts.who_has), "nbytes": ts.nbytes, "type": ts.type}
+        return {"who_has": ts.holders(), "nbytes": ts.nbytes, "type": ts.type}
 
-    def _memory_msg(self, ts: TaskState) -> KeyInMemory:
-        return KeyInMemory(ts.key, sorted(ts.who_has), nbytes=ts.nbytes, type=ts.type)
+    def _memory_msg(self, ts: TaskState, value: bytes | None = None) -> KeyInMemory:
+        return KeyInMemory(ts.key, ts.holders(), nbytes=ts.nbytes, type=ts.type, value=value)
 
     def _erred_fields(self, ts: TaskState) -> dict[str, Any]:
         fields = {
@@ -1481,7 +1507,7 @@ class SchedulerState(DataMoves):
             for dependent in ts.dependents:
                 assert ts in dependent.dependencies, (ts, dependent)
             if ts.state == "memory":
-                assert ts.who_has, ts
+                assert ts.who_has or ts.inline, ts
                 assert ts.processing_on is None, ts
             if ts.state == "processing":
                 assert ts.processing_on is not None, ts

@@ -6,7 +6,8 @@ MULTI/EXEC stay valid on Redis Cluster, Valkey and managed Redis::
     rd:{c}:meta                        hash    schema version, secret, sequence counter
     rd:{c}:lease                       string  fencing token of the active scheduler (PX ttl)
     rd:{c}:lease-token                 string  INCR counter the tokens come from
-    rd:{c}:scheduler                   hash    id, host, pid, since of the lease holder
+    rd:{c}:scheduler                   hash    id, host, pid, since, token, conn of the holder
+    rd:{c}:applying                    string  within one cut fenced write: the last part done
     rd:{c}:stream:clients              stream  client -> scheduler messages (group "scheduler")
     rd:{c}:stream:workers              stream  worker -> scheduler messages (group "scheduler")
     rd:{c}:stream:dead-letter          stream  input entries that could not be decoded
@@ -69,6 +70,10 @@ READY_SIGNAL_MAXLEN = 1000
 STORY_CHUNK = 100  # transitions per entry of a story stream
 
 COORDINATION_KINDS = ("lock", "semaphore", "event", "variable", "queue")
+# in a who_has list: the task's record holds the result itself (field ``value``), a
+# result small enough to travel with its report (``worker.inline-result-bytes``); worker
+# addresses have a scheme (tcp://...), so no worker is called this
+REDIS_COPY = "redis"
 HOLDER_PREFIX = "holder:"  # a client id with this prefix is a holder (see above)
 FIRE_AND_FORGET = HOLDER_PREFIX + "fire-and-forget"
 
@@ -123,6 +128,10 @@ class Keys:
     @property
     def scheduler(self) -> str:
         return self.prefix + "scheduler"
+
+    @property
+    def applying(self) -> str:
+        return self.prefix + "applying"
 
     @property
     def client_stream(self) -> str:
@@ -184,6 +193,10 @@ class Keys:
 
     def worker_processing(self, address: str) -> str:
         return f"{self.prefix}worker:{address}:processing"
+
+    def scheduler_connection(self, scheduler_id: str) -> str:
+        """The CLIENT SETNAME of the Redis connections of that scheduler (not a key)."""
+        return f"rd-{self.cluster}-{scheduler_id}"
 
     def worker_connection(self, address: str) -> str:
         """The CLIENT SETNAME of every Redis connection of that worker (not a key)."""
@@ -296,36 +309,76 @@ def entry(messages: Sequence[dict[str, Any]]) -> dict[str, bytes]:
 
 # --------------------------------------------------------------------------- scripts
 
+# The fence of the scheduler's writes, shared by its scripts: whether the lease is held
+# with the token ARGV[1].  KEYS[1] lease, KEYS[2] lease-token.  A lease that expired and
+# that nobody took since is still ours: the counter still stands at our token, so no
+# scheduler was ever handed a newer one and nobody else can have written.  A leader that
+# overran its TTL (a long batch, a GC pause, a stalled machine) goes on; one that a
+# standby took over from (or that released the lease) is refused.
+_FENCE = """
+local function ours(token)
+  local current = redis.call('GET', KEYS[1])
+  if current then return current == token, current end
+  return token ~= '' and redis.call('GET', KEYS[2]) == token, 'none (expired)'
+end
+"""
+
 # Applies a scheduler batch atomically, fenced by the lease token.  ARGV[2] is a msgpack
 # list of Redis commands (each a list of arguments) computed by the scheduler driver from
 # the state machine's instructions, including the XACK of the batch: effects and
 # acknowledgement land together or not at all, and only while the lease is ours.
-APPLY_FENCED = """
-local current = redis.call('GET', KEYS[1])
-if current ~= ARGV[1] then
+# KEYS: lease, lease-token, applying.  ARGV: token, commands, ttl ms, part, parts.
+# A big write is cut into parts (so that no script runs long enough for Redis to answer
+# other clients BUSY), sent as one MULTI/EXEC: nothing runs between them.  Each part
+# checks the fence and that the part before it succeeded (``applying`` holds the number
+# of the last part that did), so a command that fails stops the rest of the write,
+# acknowledgements included (they are in the last part): the batch stays pending.
+APPLY_FENCED = (
+    _FENCE
+    + """
+local held, current = ours(ARGV[1])
+if not held then
   return redis.error_reply('FENCED lease token is ' .. tostring(current) .. ', ours is ' .. ARGV[1])
 end
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
+local part, parts = tonumber(ARGV[4]), tonumber(ARGV[5])
+if part > 1 and redis.call('GET', KEYS[3]) ~= tostring(part - 1) then
+  return redis.error_reply('ABORTED part ' .. part .. ' of ' .. parts .. ': an earlier part failed')
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
 local commands = cmsgpack.unpack(ARGV[2])
 for i = 1, #commands do
-  redis.call(unpack(commands[i]))
+  local reply = redis.pcall(unpack(commands[i]))
+  if type(reply) == 'table' and reply.err then
+    redis.call('DEL', KEYS[3])
+    return reply
+  end
 end
+if part < parts then redis.call('SET', KEYS[3], part) else redis.call('DEL', KEYS[3]) end
 return #commands
 """
+)
 
-# Takes (or renews) the scheduler lease.  KEYS: lease, lease-token.  ARGV: our token
-# ('' to ask for a new one), ttl ms.  Returns the token held, or false.
-ACQUIRE_LEASE = """
-local current = redis.call('GET', KEYS[1])
-if current and current == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return current
+# Takes (or renews) the scheduler lease.  KEYS: lease, lease-token, scheduler.  ARGV:
+# our token ('' to ask for a new one), ttl ms, the name of our Redis connection, and the
+# token of a holder whose connection closed ('' if none: see ``lease.HolderWatch``), whose
+# lease is then taken although it has not expired.  A new token is written with the
+# connection's name into the scheduler hash, for the standbys to watch.  Returns the
+# token held, or false.
+ACQUIRE_LEASE = (
+    _FENCE
+    + """
+if ours(ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return ARGV[1]
 end
-if current then return false end
+local current = redis.call('GET', KEYS[1])
+if current and current ~= ARGV[4] then return false end
 local token = tostring(redis.call('INCR', KEYS[2]))
 redis.call('SET', KEYS[1], token, 'PX', ARGV[2])
+redis.call('HSET', KEYS[3], 'token', token, 'conn', ARGV[3])
 return token
 """
+)
 
 # A worker claims up to ARGV[2] queued tasks, from its own ready set first (tasks
 # restricted to it), then its constrained set (tasks with resources it could run), then
@@ -345,9 +398,11 @@ return token
 # scheduler writes it as it queues the task; ``workers`` holds the restriction as given,
 # which may name hosts or names).  Returns {tasks, last ready-signal id, inbox entries
 # after ARGV[5], blocked (0 or 1)}; each task is {key, spec, score,
-# {{dep, who_has, nbytes}...}, resources}.  The inbox entries were written before anything claimed
-# here was queued (e.g. free-keys of an earlier run of a key that is queued again); the
-# worker applies them first, so the inbox and the ready sets cannot overtake each other.
+# {{dep, who_has, nbytes[, value]}...}, resources}: ``value``, a dependency's result kept in
+# its record, for up to 4 MiB of them per claim (the rest is read when fetched).  The inbox
+# entries were written before anything claimed here was queued (e.g. free-keys of an
+# earlier run of a key that is queued again); the worker applies them first, so the inbox
+# and the ready sets cannot overtake each other.
 CLAIM = """
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then
   return redis.error_reply('UNKNOWN_WORKER ' .. ARGV[1] .. ' is not registered')
@@ -361,6 +416,7 @@ local claimed = {}
 local scores = {}
 local blocked = 0
 local SKIP = 64  -- tasks that do not fit, passed over per claim at most
+local inline_left = 4194304  -- bytes of small results (``value``) a claim returns at most
 local free = {}
 for name, amount in string.gmatch(ARGV[6] or '', '([^%s=]+)=(%S+)') do
   free[name] = tonumber(amount)
@@ -384,8 +440,13 @@ local function take(key, score, f)
   local deps = {}
   if f[2] then
     for _, dep in ipairs(cmsgpack.unpack(f[2])) do
-      local d = redis.call('HMGET', ARGV[3] .. dep, 'who_has', 'nbytes')
-      deps[#deps + 1] = {dep, d[1] or '', d[2] or '0'}
+      local d = redis.call('HMGET', ARGV[3] .. dep, 'who_has', 'nbytes', 'value')
+      if d[3] and d[3] ~= '' and inline_left >= #d[3] then
+        inline_left = inline_left - #d[3]
+        deps[#deps + 1] = {dep, d[1] or '', d[2] or '0', d[3]}
+      else
+        deps[#deps + 1] = {dep, d[1] or '', d[2] or '0'}
+      end
     end
   end
   out[#out + 1] = {key, f[1], score, deps, f[5] or ''}
@@ -448,6 +509,34 @@ return {out, last_id, redis.call('XRANGE', KEYS[7], '(' .. ARGV[5], '+'), blocke
 """
 
 
+# One page of the task records, for ``load_state``: SSCAN of the tasks set from cursor
+# ARGV[1] (COUNT ARGV[2]), and each member's hash (the task prefix ARGV[3] + the key)
+# without what a reloading scheduler never reads: ``spec`` becomes '' (present: the task
+# has its graph history; absent stays absent) and ``value`` (a small result) is left out.
+# KEYS: the tasks set.  Returns {next cursor, {{key, field, value, ...}, ...}}.  A page
+# of a few thousand hashes takes milliseconds: no other command waits long (BUSY).
+LOAD_TASKS = """
+local page = redis.call('SSCAN', KEYS[1], ARGV[1], 'COUNT', tonumber(ARGV[2]))
+local out = {}
+for _, key in ipairs(page[2]) do
+  local fields = redis.call('HGETALL', ARGV[3] .. key)
+  local row = {key}
+  for i = 1, #fields, 2 do
+    local name = fields[i]
+    if name == 'spec' then
+      row[#row + 1] = name
+      row[#row + 1] = ''
+    elseif name ~= 'value' then
+      row[#row + 1] = name
+      row[#row + 1] = fields[i + 1]
+    end
+  end
+  out[#out + 1] = row
+end
+return {page[1], out}
+"""
+
+
 class Scripts:
     """The cluster's Lua scripts, registered on one Redis client (EVALSHA, reloaded on
     NOSCRIPT by redis-py's ``Script``), called with named parameters: each method puts
@@ -459,18 +548,39 @@ class Scripts:
         self._apply_fenced: Script = client.register_script(APPLY_FENCED)
         self._acquire_lease: Script = client.register_script(ACQUIRE_LEASE)
         self._claim: Script = client.register_script(CLAIM)
+        self._load_tasks: Script = client.register_script(LOAD_TASKS)
 
-    def apply_fenced(self, *, token: str | None, commands: list[list[Any]], ttl_ms: int) -> Any:
+    def apply_fenced(
+        self,
+        *,
+        token: str | None,
+        commands: list[list[Any]],
+        ttl_ms: int,
+        part: tuple[int, int] = (1, 1),
+        client: Any = None,
+    ) -> Any:
         """Run ``commands`` (each a list of arguments) atomically if the lease is held
-        with ``token``, renewing it for ``ttl_ms``; raises ``ResponseError`` ``FENCED``."""
-        args = [token or "", pack_for_lua(commands), ttl_ms]
-        return self._apply_fenced(keys=[self.keys.lease], args=args)
+        with ``token``, renewing it for ``ttl_ms``; raises ``ResponseError`` ``FENCED``.
+        ``part`` (number, of how many) and ``client`` (a MULTI/EXEC pipeline): one part
+        of a write cut in several (see ``APPLY_FENCED``)."""
+        keys = [self.keys.lease, self.keys.lease_token, self.keys.applying]
+        args = [token or "", pack_for_lua(commands), ttl_ms, *part]
+        return self._apply_fenced(keys=keys, args=args, client=client)
 
-    def acquire_lease(self, *, token: str | None, ttl_ms: int) -> Any:
+    def acquire_lease(
+        self, *, token: str | None, ttl_ms: int, connection: str = "", gone: str = ""
+    ) -> Any:
         """Renew the lease held with ``token``, or take it with a new token if it is free
-        (``token`` None asks for a new one); returns the token held, or None."""
-        keys = [self.keys.lease, self.keys.lease_token]
-        return self._acquire_lease(keys=keys, args=[token or "", ttl_ms])
+        or held by ``gone`` (``token`` None asks for a new one); returns the token held,
+        or None.  ``connection``: the name of the caller's Redis connection."""
+        keys = [self.keys.lease, self.keys.lease_token, self.keys.scheduler]
+        return self._acquire_lease(keys=keys, args=[token or "", ttl_ms, connection, gone])
+
+    def load_tasks(self, *, cursor: int | bytes, count: int) -> Any:
+        """One page of the task records from ``cursor`` (0: the first); returns
+        ``[next cursor (b"0": done), [[key, field, value, ...], ...]]`` (see
+        ``LOAD_TASKS``)."""
+        return self._load_tasks(keys=[self.keys.tasks], args=[cursor, count, self.keys.task_prefix])
 
     def claim(self, *, worker: str, count: int, last_inbox_id: str, free: str = "") -> Any:
         """Claim up to ``count`` queued tasks for ``worker``, those with resources only

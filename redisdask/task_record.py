@@ -122,6 +122,7 @@ _ENCODERS: dict[str, Callable[[Any], Any]] = {
     "killed": _bytes_or_empty,
     "replicas": _same,
     "rejected": _flag,
+    "value": _bytes_or_empty,
 }
 
 
@@ -156,6 +157,8 @@ class TaskRecord:
     killed: bytes | None = None  # msgpack {task, deaths}: passed on to clients as it is
     replicas: int = 1
     rejected: bool = False
+    # memory: the result itself, pickled, when small enough (who_has names schema.REDIS_COPY)
+    value: bytes | None = None
 
     # ------------------------------------------------------------------ writing
 
@@ -187,35 +190,18 @@ class TaskRecord:
     @classmethod
     def from_hash(cls, raw: Mapping[bytes, bytes]) -> TaskRecord:
         """Decode an HGETALL reply (or part of one: absent fields take their defaults)."""
-        get = raw.get
-        deaths = schema.unpack_or(get(b"deaths"), [], list)
-        queued_on = get(b"queued_on")
-        return cls(
-            state=_text(get(b"state")),
-            spec=get(b"spec"),
-            deps=[d for d in schema.unpack_or(get(b"deps"), [], list) if isinstance(d, str)],
-            score=_float(get(b"score")),
-            worker=_text(get(b"worker")),
-            who_has=split_words(get(b"who_has")),
-            nbytes=_int(get(b"nbytes")),
-            type=_text(get(b"type")),
-            retries=_int(get(b"retries")),
-            workers=split_words(get(b"workers")),
-            loose=bool(get(b"loose")),
-            resources=split_resources(get(b"resources")),
-            queued_on=None if queued_on is None else split_words(queued_on),
-            exception=get(b"exception") or None,
-            traceback=get(b"traceback") or None,
-            exception_text=_text(get(b"exception_text")),
-            traceback_text=_text(get(b"traceback_text")),
-            erred_on=_text(get(b"erred_on")),
-            exception_blame=_text(get(b"exception_blame")),
-            suspicious=_int(get(b"suspicious")),
-            deaths=[d for d in deaths if isinstance(d, dict)],
-            killed=get(b"killed") or None,
-            replicas=_int(get(b"replicas"), 1),
-            rejected=bool(get(b"rejected")),
-        )
+        return cls.from_pairs(raw.items())
+
+    @classmethod
+    def from_pairs(cls, pairs: Iterable[tuple[bytes, bytes]]) -> TaskRecord:
+        """Decode ``(field, value)`` pairs: only the fields present cost anything (a
+        reloading scheduler decodes 1,000,000 records); unknown fields are ignored."""
+        record = cls()
+        for name, value in pairs:
+            decode = _DECODERS.get(name)
+            if decode is not None:
+                setattr(record, decode[0], decode[1](value))
+        return record
 
     @classmethod
     def from_hmget(cls, names: Sequence[str], values: Sequence[Raw]) -> TaskRecord:
@@ -230,5 +216,55 @@ class TaskRecord:
         return cls.from_hmget(names, r.hmget(name, list(names)))
 
 
+def _strs(raw: bytes) -> list[str]:
+    return [d for d in schema.unpack_or(raw, [], list) if isinstance(d, str)]
+
+
+def _maps(raw: bytes) -> list[dict[str, Any]]:
+    return [d for d in schema.unpack_or(raw, [], list) if isinstance(d, dict)]
+
+
+def _bytes_or_none(raw: bytes) -> bytes | None:
+    return raw or None
+
+
+def _as_is(raw: bytes) -> bytes:
+    return raw
+
+
+# stored field -> (attribute, decoder of a present value); absent fields keep the
+# record's defaults
+_DECODERS: dict[bytes, tuple[str, Callable[[bytes], Any]]] = {
+    name.encode(): (name, decode)
+    for name, decode in {
+        "state": _text,
+        "spec": _as_is,
+        "deps": _strs,
+        "score": _float,
+        "worker": _text,
+        "who_has": split_words,
+        "nbytes": _int,
+        "type": _text,
+        "retries": _int,
+        "workers": split_words,
+        "loose": bool,
+        "resources": split_resources,
+        "queued_on": split_words,
+        "exception": _bytes_or_none,
+        "traceback": _bytes_or_none,
+        "exception_text": _text,
+        "traceback_text": _text,
+        "erred_on": _text,
+        "exception_blame": _text,
+        "suspicious": _int,
+        "deaths": _maps,
+        "killed": _bytes_or_none,
+        "replicas": lambda raw: _int(raw, 1),
+        "rejected": bool,
+        "value": _bytes_or_none,
+    }.items()
+}
+
 FIELDS: tuple[str, ...] = tuple(f.name for f in fields(TaskRecord))
 assert set(FIELDS) == set(_ENCODERS), "every field of the record needs an encoder"
+assert {n.decode() for n in _DECODERS} == set(FIELDS), "every field needs a decoder"

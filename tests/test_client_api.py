@@ -230,3 +230,32 @@ def test_without_dask_dict_graphs_and_scatter_tokens_still_work(
     assert client.get(graph, [("t", 0), "y"]) == [14, 13]
     fa, fb = client.scatter([np.zeros(1000), np.ones(1000)])
     assert fa.key != fb.key and client.gather(fb).sum() == 1000
+
+
+def one() -> int:
+    return 1
+
+
+def two() -> int:
+    return 2
+
+
+@pytest.mark.timeout(120)
+def test_a_key_submitted_again_as_another_computation_gives_the_new_result(
+    client: Client,
+) -> None:
+    """A future dropped and its key submitted again at once, as another function: the
+    result is the new function's.  Before, about one in twelve came back as the old
+    one's: the client took the old run's news (written before the scheduler read the
+    resubmission) for the new future, and a worker resumed the old run, freed while it
+    ran, as the new one, or answered the new claim with the old run's result."""
+    wrong = []
+    for i in range(300):
+        key = f"reused-{i % 3}"
+        old = client.submit(one, key=key)
+        del old  # released, then submitted again in the same write
+        new = client.submit(two, key=key)
+        if new.result(timeout=30) != 2:
+            wrong.append(i)
+        del new
+    assert wrong == []

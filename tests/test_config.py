@@ -40,7 +40,7 @@ def test_defaults() -> None:
     assert config.get("scheduler.allowed-failures") == 3
     assert config.scheduler.worker_ttl == 3.0
     assert config.scheduler.lease_ttl == 5.0
-    assert config.scheduler.batch_size == 1000
+    assert config.scheduler.batch_size == 100
     assert config.scheduler.client_ttl == 30.0
     assert config.worker.nthreads is None
     assert config.worker.memory_limit == "auto"
@@ -54,7 +54,7 @@ def test_defaults() -> None:
     )  # fmt: skip
     assert config.get("worker.memory.monitor-interval") == 0.2
     assert config.client.heartbeat_interval == 2.0
-    assert config.client.submit_batch == 5000
+    assert config.client.submit_batch == 1000
     assert config.logging.level == "INFO"
     assert config == Config()
 

@@ -145,7 +145,11 @@ def test_a_hung_worker_is_removed_when_its_heartbeat_expires(
         assert hung.wait(timeout=20) == 1  # it wakes up unknown to the cluster and leaves
 
 
-def test_a_result_lost_with_its_worker_is_recomputed(redis_url: str, cluster_name: str) -> None:
+def test_a_result_lost_with_its_worker_is_recomputed(
+    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (a small result is kept in Redis too, and never lost: tests/test_inline_results.py)
+    monkeypatch.setenv("REDISDASK__WORKER__INLINE_RESULT_BYTES", "0")
     with (
         LocalCluster(
             nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name
@@ -402,12 +406,14 @@ def test_a_client_waits_for_redis_then_says_so_and_keeps_its_futures(
         x = client.submit(inc, 1)
         assert x.result(timeout=10) == 2
         gate = client.submit(slow_inc, 10, 1.5)  # still running when Redis goes
+        record = Keys(cluster_name).task(gate.key)
+        poll(lambda: cluster.redis.hget(record, "state") == b"processing")
         server.kill()  # kill -9: no goodbye
         started = time.monotonic()
         with pytest.raises(ClusterConnectionError, match="unreachable for more than 1 s"):
             gate.result()
         assert time.monotonic() - started < 10
-        with pytest.raises(ClusterConnectionError):  # its graph could not be sent
+        with pytest.raises(ClusterConnectionError):  # never sent, or Redis away too long
             client.submit(inc, 2).result()
         server.start()  # same port, same AOF
         assert gate.result(timeout=30) == 11  # the same future, kept

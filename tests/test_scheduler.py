@@ -13,7 +13,7 @@ from polling import poll
 from redisdask import Client, LocalCluster
 from redisdask.errors import FencedError
 from redisdask.protocol import FreeKeys, KeysRecorded
-from redisdask.scheduler import Scheduler
+from redisdask.scheduler import Scheduler, decode_reply
 from redisdask.scheduler_instructions import Forget, StoreTask, WorkerMsg
 from redisdask.scheduler_redis import Translator, load_state, rejected_graphs
 from redisdask.schema import SCHEDULER_GROUP, Keys, ensure_cluster, entry, pack, unpack
@@ -105,8 +105,7 @@ def test_a_batch_and_its_acknowledgement_land_together(redis_url: str, cluster_n
         ),
     )
     entries = r.xreadgroup(SCHEDULER_GROUP, "scheduler", {keys.client_stream: ">"})
-    batch = [(keys.client_stream, eid, fields) for _s, items in entries for eid, fields in items]
-    scheduler.process(batch)
+    scheduler.process(decode_reply(entries))
     assert r.hget(keys.task("x"), "state") == b"queued"
     assert r.zscore(keys.ready, "x") is not None
     assert r.xpending(keys.client_stream, SCHEDULER_GROUP)["pending"] == 0
@@ -134,7 +133,7 @@ def test_a_task_restricted_by_host_is_claimed_once_and_leaves_every_ready_set(
         entry([{"op": "update-graph", "client": "c", "wanted": ["x"], "tasks": [task]}]),
     )
     entries = r.xreadgroup(SCHEDULER_GROUP, "scheduler", {keys.client_stream: ">"})
-    scheduler.process([(keys.client_stream, eid, f) for _s, items in entries for eid, f in items])
+    scheduler.process(decode_reply(entries))
     assert r.zscore(keys.worker_ready(a), "x") is not None
     assert r.zscore(keys.worker_ready(b), "x") is not None
     assert r.hmget(keys.task("x"), "workers", "queued_on") == [b"10.9.9.9", f"{a} {b}".encode()]
@@ -157,7 +156,7 @@ def test_a_fenced_scheduler_cannot_write(redis_url: str, cluster_name: str) -> N
         old.apply([["SET", keys.prefix + "late-write", 1]])
     assert not r.exists(keys.prefix + "late-write")
     with pytest.raises(FencedError):
-        old.renew_lease()
+        old.lease.renew()
     new.apply([["SET", keys.prefix + "write", 1]])
     assert r.exists(keys.prefix + "write")
 
@@ -279,7 +278,7 @@ def test_an_entry_that_crashes_the_state_machine_is_dead_lettered(
             ),
         )
     entries = r.xreadgroup(SCHEDULER_GROUP, "scheduler", {keys.client_stream: ">"})
-    scheduler.process([(keys.client_stream, eid, f) for _s, items in entries for eid, f in items])
+    scheduler.process(decode_reply(entries))
     assert r.hget(keys.task("good-1"), "state") == r.hget(keys.task("good-2"), "state") == b"queued"
     assert not r.exists(keys.task("poison"))
     [(_id, fields)] = r.xrange(keys.dead_letter)
@@ -311,7 +310,7 @@ def test_state_reloaded_from_redis_keeps_restrictions_retries_and_priorities(
         entry([{"op": "update-graph", "client": "c", "wanted": ["b"], "tasks": tasks}]),
     )
     entries = r.xreadgroup(SCHEDULER_GROUP, "scheduler", {keys.client_stream: ">"})
-    scheduler.process([(keys.client_stream, eid, f) for _s, items in entries for eid, f in items])
+    scheduler.process(decode_reply(entries))
     before = scheduler.state.tasks
     assert before["a"].state == "no-worker"  # restricted to a worker that is not there
     reloaded = load_state(r, keys, validate=True)
@@ -348,16 +347,18 @@ def test_a_stopped_scheduler_hands_the_lease_over_at_once(
             assert client.submit(inc, 1).result(timeout=15) == 2
 
 
+@pytest.mark.parametrize("behind", [0, 7])
 def test_a_worker_that_said_goodbye_as_its_heartbeat_went_is_not_recorded_dead(
-    redis_url: str, cluster_name: str
+    redis_url: str, cluster_name: str, behind: int
 ) -> None:
     """A closing worker writes its goodbye, then deletes its ``alive`` key.  A look for
     the dead that falls between the two writes and the scheduler's next read must apply
-    the goodbye first: the worker left, it did not die."""
+    the goodbye first: the worker left, it did not die.  Also when the goodbye waits
+    behind more entries than one read takes (``behind``; it was recorded dead)."""
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cluster_name)
     ensure_cluster(r, keys)
-    scheduler = Scheduler(redis_url, cluster_name, validate=True)
+    scheduler = Scheduler(redis_url, cluster_name, validate=True, batch_size=2)
     scheduler.acquire_lease()
     worker = "tcp://10.0.0.1:9000"
     info = {"name": "leaving", "nthreads": 1}
@@ -366,10 +367,12 @@ def test_a_worker_that_said_goodbye_as_its_heartbeat_went_is_not_recorded_dead(
     r.xadd(keys.worker_stream, entry([{"op": "add-worker", "worker": worker, "info": info}]))
     scheduler.look_for_the_dead()  # nobody is dead: nothing read, nothing applied
     reply = r.xreadgroup(SCHEDULER_GROUP, "scheduler", {keys.worker_stream: ">"})
-    scheduler.process([(keys.worker_stream, eid, f) for _s, items in reply for eid, f in items])
+    scheduler.process(decode_reply(reply))
     assert worker in scheduler.state.workers
     scheduler.watch.trust_heartbeats_at = 0.0  # (a scheduler that has run a while)
 
+    for _ in range(behind):  # (its last holding report, say)
+        r.xadd(keys.worker_stream, entry([{"op": "holding", "worker": worker, "keys": []}]))
     goodbye = {"op": "remove-worker", "worker": worker, "reason": "closed"}
     r.xadd(keys.worker_stream, entry([goodbye]))  # what Worker.close does, in its order
     r.delete(keys.worker_alive(worker))

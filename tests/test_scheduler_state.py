@@ -2115,3 +2115,72 @@ def test_resources_in_an_update_graph_must_be_a_map_of_amounts():
         Event.from_dict(
             {"op": "update-graph", "client": "c", "tasks": [{"key": "x", "allow_other_workers": 1}]}
         )
+
+
+def test_a_small_result_kept_in_its_record_outlives_its_only_worker():
+    """A result that came with its report (``value``) is written to the record and sent
+    to the clients; the holder's death leaves it in memory (no recomputation), with
+    ``redis`` as its holder; its release empties the record's value."""
+    s = make(W1, W2)
+    submit(s, "c", [task("x"), task("y", ["x"])], ["x", "y"])
+    s.handle_stimulus(TaskClaimed(worker=W1, keys=["x"], stimulus_id="claim"))
+    out = s.handle_stimulus(
+        TaskFinished(worker=W1, key="x", nbytes=28, type="int", value=b"pickled", stimulus_id="f")
+    )
+    [stored] = [i for i in of(out, SetState) if i.key == "x" and i.state == "memory"]
+    assert stored.fields["value"] == b"pickled" and stored.fields["who_has"] == [W1, "redis"]
+    [news] = client_msgs(out, "key-in-memory", "c")
+    assert news["value"] == b"pickled" and news["who_has"] == [W1, "redis"]
+    out = s.handle_stimulus(RemoveWorker(worker=W1, stimulus_id="rm"))
+    assert s.tasks["x"].state == "memory" and s.tasks["x"].holders() == ["redis"]
+    assert s.tasks["y"].state == "queued" and not of(out, StoreTask)  # nothing recomputed
+    # a client that wants it now hears where it is (the value is read from the record)
+    out = s.handle_stimulus(ClientDesiresKeys(client="d", keys=["x"], stimulus_id="cd"))
+    [news] = client_msgs(out, "key-in-memory", "d")
+    assert news["who_has"] == ["redis"] and "value" not in news
+    s.handle_stimulus(ClientReleasesKeys(client="c", keys=["x", "y"], stimulus_id="rel"))
+    out = s.handle_stimulus(ClientReleasesKeys(client="d", keys=["x"], stimulus_id="rel2"))
+    assert "x" not in s.tasks  # forgotten: the record is deleted, its value with it
+    assert any(i.key == "x" and i.fields.get("value", 1) is None for i in of(out, SetState))
+
+
+def test_news_of_a_key_says_which_submission_the_scheduler_had_read():
+    """``seen``: the generation of the client's last graph read when the news was
+    written, for the client to tell news of an earlier run of a resubmitted key."""
+    s = make(W1)
+    s.handle_stimulus(
+        UpdateGraph(client="c", tasks=[task("x")], wanted=["x"], generation=4, stimulus_id="g")
+    )
+    [news] = client_msgs(run(s, "x"), "key-in-memory", "c")
+    assert news["seen"] == 4
+    out = s.handle_stimulus(
+        UpdateGraph(client="c", tasks=[task("y")], wanted=["x", "y"], generation=5, stimulus_id="h")
+    )
+    [news] = client_msgs(out, "key-in-memory", "c")  # x asked for again: reported again
+    assert news["seen"] == 5
+    [erred] = client_msgs(fail(s, "y"), "task-erred", "c")
+    assert erred["seen"] == 5
+    s.handle_stimulus(CloseClient(client="c", stimulus_id="bye"))
+    assert "c" not in s.generations
+    # a client whose graphs the scheduler has not read since it (re)started: no claim
+    out = s.handle_stimulus(ClientDesiresKeys(client="d", keys=["gone"], stimulus_id="d"))
+    assert "seen" not in client_msgs(out, "task-erred", "d")[0]
+
+
+def test_a_released_keys_of_an_earlier_run_leaves_the_current_claim_alone():
+    """A worker drops a cancelled run's result after it claimed the key's next run: its
+    released-keys names the old run's score and must not take the new claim back (it
+    did, and the worker's later free-keys dropped the new result: DataUnavailableError)."""
+    s = make(W1)
+    submit(s, "c", [task("x")], ["x"])
+    old = s.tasks["x"].score
+    s.handle_stimulus(TaskClaimed(worker=W1, keys=["x"], stimulus_id="claim"))
+    s.handle_stimulus(ClientReleasesKeys(client="c", keys=["x"], stimulus_id="rel"))
+    submit(s, "c", [task("x")], ["x"])
+    assert s.tasks["x"].score != old
+    s.handle_stimulus(TaskClaimed(worker=W1, keys=["x"], stimulus_id="claim2"))
+    out = s.handle_stimulus(ReleasedKeys(worker=W1, keys=["x"], scores=[old], stimulus_id="r"))
+    assert s.tasks["x"].state == "processing" and not freed(out)
+    new = s.tasks["x"].score  # the same message about the current run hands it back
+    s.handle_stimulus(ReleasedKeys(worker=W1, keys=["x"], scores=[new], stimulus_id="r2"))
+    assert s.tasks["x"].state == "queued"

@@ -317,7 +317,7 @@ class Soak:
     def gather(self, futures: list[Future]) -> list[Any]:
         deadline = time.monotonic() + ROUND_TIMEOUT
         for f in futures:
-            if not f._state.event.wait(max(0.0, deadline - time.monotonic())):
+            if not f._state.wait(max(0.0, deadline - time.monotonic())):
                 self.stalled([f.key], f"{f.key} did not finish")
         return self.client.gather(futures)
 

@@ -240,7 +240,7 @@ def test_free_keys_of_executing_task_cancels_it() -> None:
     assert ws.tasks["x"].state == "cancelled"
     assert ws.claim_budget() == 0  # the thread is still busy
     out = ws.handle_stimulus(success("x"))
-    assert out == [ReleasedKeys(SELF, ["x"], stimulus_id="done-x")]
+    assert out == [ReleasedKeys(SELF, ["x"], [0.0], stimulus_id="done-x")]
     assert "x" not in ws.data and "x" not in ws.tasks
 
 
@@ -257,7 +257,7 @@ def test_strays_freed_after_a_resync_are_all_dropped() -> None:
     assert ws.handle_stimulus(FreeKeysEvent(["held", "runs", "queued"], "free")) == []
     assert set(ws.tasks) == {"runs"} and ws.tasks["runs"].state == "cancelled" and not ws.data
     assert ws.handle_stimulus(success("runs")) == [
-        ReleasedKeys(SELF, ["runs"], stimulus_id="done-runs")
+        ReleasedKeys(SELF, ["runs"], [0.0], stimulus_id="done-runs")
     ]
     assert ws.tasks == {}
 
@@ -269,6 +269,37 @@ def test_cancelled_task_claimed_again_resumes() -> None:
     assert ws.handle_stimulus(compute("x")) == []  # still running: no second Execute
     assert ws.tasks["x"].state == "executing"
     assert of(ws.handle_stimulus(success("x")), TaskFinished)
+
+
+@pytest.mark.parametrize("freed", [True, False], ids=["freed", "claim-taken-back"])
+@pytest.mark.parametrize("outcome", [success, failure])
+def test_another_run_of_a_running_task_runs_after_it(outcome: Any, freed: bool) -> None:
+    """The key was released while it ran and submitted again (perhaps as another
+    computation): the new claim, of another score, must not resume the old run, whose
+    result would be reported as the new run's (a wrong result, seen end to end).  Nor
+    when no free-keys came (the scheduler took the old claim back as stale)."""
+    ws = make()
+    ws.handle_stimulus(compute("x", priority=(1.0,)))
+    if freed:
+        ws.handle_stimulus(FreeKeysEvent(["x"], "free"))
+    assert ws.handle_stimulus(compute("x", priority=(2.0,))) == []  # waits for the thread
+    assert ws.tasks["x"].state == "cancelled" and ws.claim_budget() == 0
+    out = ws.handle_stimulus(outcome("x"))  # the old run's outcome: dropped
+    assert not of(out, TaskFinished) and not of(out, TaskErred)
+    assert [e.key for e in of(out, Execute)] == ["x"]  # the new run
+    out = ws.handle_stimulus(success("x", value=2))
+    assert [f.score for f in of(out, TaskFinished)] == [2.0] and ws.data["x"] == 2
+
+
+def test_a_result_of_another_run_is_not_the_answer_to_a_claim() -> None:
+    """A claim of a key held here from an earlier run (its free-keys not read yet) runs
+    it again instead of answering with the old result."""
+    ws = make()
+    ws.handle_stimulus(compute("x", priority=(1.0,)), success("x", value=1))
+    out = ws.handle_stimulus(compute("x", priority=(1.0,)))  # the same run: the answer again
+    assert [f.score for f in of(out, TaskFinished)] == [1.0]
+    out = ws.handle_stimulus(compute("x", priority=(2.0,)))
+    assert not of(out, TaskFinished) and of(out, Execute) and "x" not in ws.data
 
 
 @pytest.mark.parametrize("outcome", ["success", "failure", "failure-no-holder"])
@@ -399,12 +430,14 @@ def test_retire_hands_back_what_has_not_started_and_keeps_the_rest() -> None:
     ws.handle_stimulus(compute("running"), compute("queued"), compute("z", {"a": ([A], 1)}))
     ws.handle_stimulus(PutDataEvent({"held": 1}, {"held": 8}, "put"))
     out = ws.handle_stimulus(RetireEvent("retire"))
-    assert of(out, ReleasedKeys) == [ReleasedKeys(SELF, ["queued", "z"], stimulus_id="retire")]
+    assert of(out, ReleasedKeys) == [
+        ReleasedKeys(SELF, ["queued", "z"], [0.0, 0.0], stimulus_id="retire")
+    ]
     assert set(ws.tasks) == {"running", "held", "a"}  # "a" is in flight: cancelled
     assert ws.tasks["a"].state == "cancelled" and ws.claim_budget() == 0
     # a claim that crossed the retirement goes back too; what runs finishes here
     assert ws.handle_stimulus(compute("late")) == [
-        ReleasedKeys(SELF, ["late"], stimulus_id="compute-late")
+        ReleasedKeys(SELF, ["late"], [0.0], stimulus_id="compute-late")
     ]
     assert ws.handle_stimulus(success("running")) == [finished("running")]
     assert set(ws.data) == {"running", "held"}
@@ -901,7 +934,7 @@ def test_a_seceded_task_freed_keeps_its_thread_and_no_slot() -> None:
     assert ws.tasks["x"].state == "cancelled" and ws.tasks["x"].previous == "long-running"
     assert ws.claim_budget() == 1 and ws.long_running == {ws.tasks["x"]}
     out = ws.handle_stimulus(success("x"))
-    assert out == [ReleasedKeys(SELF, ["x"], stimulus_id="done-x")]
+    assert out == [ReleasedKeys(SELF, ["x"], [0.0], stimulus_id="done-x")]
     assert not ws.tasks and not ws.long_running
 
 
@@ -923,7 +956,9 @@ def test_a_freed_running_task_that_secedes_frees_its_slot_and_may_rejoin() -> No
     out = ws.handle_stimulus(success("y"))
     assert of(out, Rejoin) == [Rejoin("x", "done-y")]
     assert ws.tasks["x"].state == "cancelled" and ws.executing == {ws.tasks["x"]}
-    assert ws.handle_stimulus(success("x")) == [ReleasedKeys(SELF, ["x"], stimulus_id="done-x")]
+    assert ws.handle_stimulus(success("x")) == [
+        ReleasedKeys(SELF, ["x"], [0.0], stimulus_id="done-x")
+    ]
 
 
 def test_rejoin_is_not_held_back_by_a_pause() -> None:
@@ -965,7 +1000,7 @@ def test_a_claimed_task_holds_its_resources_until_it_finishes_or_errs() -> None:
     # a claim that does not fit (claims count what is free, so only a bug sends one) is
     # handed back to the scheduler, never run
     out = ws.handle_stimulus(gpu_task("c"))
-    assert of(out, ReleasedKeys) == [ReleasedKeys(SELF, ["c"], stimulus_id="compute-c")]
+    assert of(out, ReleasedKeys) == [ReleasedKeys(SELF, ["c"], [0.0], stimulus_id="compute-c")]
     assert "c" not in ws.tasks and not of(out, Execute)
     ws.handle_stimulus(success("a"))
     assert ws.free_resources() == {"GPU": 1.0} and ws.resources_freed == 1
@@ -1007,7 +1042,9 @@ def test_retiring_hands_back_what_has_not_started_and_its_resources() -> None:
     ws.handle_stimulus(gpu_task("x"), gpu_task("y"), gpu_task("z"))
     assert ws.tasks["x"].state == "executing" and ws.free_resources() == {"GPU": 0.0}
     out = ws.handle_stimulus(RetireEvent("retire"))
-    assert of(out, ReleasedKeys) == [ReleasedKeys(SELF, ["y", "z"], stimulus_id="retire")]
+    assert of(out, ReleasedKeys) == [
+        ReleasedKeys(SELF, ["y", "z"], [0.0, 0.0], stimulus_id="retire")
+    ]
     assert ws.free_resources() == {"GPU": 2.0}
     ws.handle_stimulus(success("x"))
     assert ws.free_resources() == {"GPU": 3.0}

@@ -49,7 +49,12 @@ Task states and the transitions implemented here::
   once (removed from ``tasks`` and its value from ``data``).
 * ``cancelled``: the scheduler freed a task whose computation (or fetch) is still under
   way.  It keeps its thread (or peer) until the result arrives; the result is then
-  dropped (``ReleasedKeys`` for a computation) unless the task was wanted again.
+  dropped (``ReleasedKeys`` for a computation) unless the task was wanted again.  A
+  claim of the same run (the same score) resumes it; a claim of another run of the key
+  (released, then submitted again, perhaps as another computation under the same key)
+  waits in ``deferred`` until the thread returns, and the old run's outcome is dropped.
+  Likewise a result in ``memory`` from another run is not the answer to a claim: the key
+  is computed anew.
 * ``missing``: no known holder; ``MissingData`` asks the scheduler, whose answer comes
   back as ``UpdateWhoHasEvent``.
 * Scattered data (``PutDataEvent``) comes straight from a client over TCP, while
@@ -96,6 +101,7 @@ from redisdask.comm import MAX_KEYS_PER_MESSAGE
 from redisdask.errors import RedisDaskError
 from redisdask.placement import EPSILON, fits
 from redisdask.protocol import NO_SCORE, AddKeys, MissingData, ReleasedKeys, TaskErred, TaskFinished
+from redisdask.schema import REDIS_COPY
 from redisdask.state_machine import InvalidTransition
 
 STATES: frozenset[str] = frozenset(
@@ -204,7 +210,8 @@ class ExecuteSuccessEvent(StateMachineEvent):
     start: float
     stop: float
     stimulus_id: str
-    _excluded: ClassVar[tuple[str, ...]] = ("value",)
+    inline: bytes | None = None  # the value pickled, when small enough to travel in Redis
+    _excluded: ClassVar[tuple[str, ...]] = ("value", "inline")
 
 
 @dataclass(slots=True)
@@ -378,7 +385,8 @@ class TaskState:
     start: float | None = None
     stop: float | None = None
     error: ExecuteFailureEvent | None = None
-    deferred: ComputeTaskEvent | None = None  # claimed while in flight
+    # claimed while in flight, or (another run of the key) while a cancelled run ran
+    deferred: ComputeTaskEvent | None = None
     replica: bool = False  # fetched to be kept as a copy, reported with AddKeys
     unrecorded: int = 0  # copies put here (scatter) that the scheduler has not recorded yet
     seceded: bool = False  # this run left the pool: its duration is no compute time
@@ -532,12 +540,26 @@ class WorkerState:
     def _handle_compute(self, ev: ComputeTaskEvent) -> None:
         sid = ev.stimulus_id
         known = self.tasks.get(ev.key)
+        if known is not None and ev.priority[:1] != (known.priority or ())[:1]:
+            # a claim of another run of the key than the one here (the key released, then
+            # submitted again: perhaps another computation under the same key; or the
+            # claim of this run taken back as stale).  This run must not answer it.
+            if known.state in ("waiting", "ready", *_RUNNING):
+                known.wanted = False  # dropped (a running one once its thread returns)
+                self._release_if_unneeded(known, sid)
+            if known.state == "cancelled" and known.previous in _RUNNING:
+                known.deferred = ev  # set up once the thread returns (``_rerun``)
+                return
+            if known.state == "memory" and not known.dependents:
+                self._transition(known, "released", stimulus_id=sid)  # computed anew
+            known = self.tasks.get(ev.key)
         retiring = self.retiring and (known is None or known.state in ("fetch", "missing"))
         if retiring or not self._may_hold(known, ev.resources):
             # a claim that crossed the retirement, or one whose transfer here failed, or
             # (never: claims count what is free) one that does not fit what is free: hand
             # it back (what runs, is fetched or is held here already is answered as usual)
-            self._emit(ReleasedKeys(self.address, [ev.key], stimulus_id=sid))
+            score = [float(ev.priority[0])] if ev.priority else []
+            self._emit(ReleasedKeys(self.address, [ev.key], score, stimulus_id=sid))
             if known is not None:
                 known.wanted = False
                 self._release_if_unneeded(known, sid)
@@ -591,20 +613,20 @@ class WorkerState:
 
     def _handle_execute_success(self, ev: ExecuteSuccessEvent) -> None:
         ts = self._finished_execution(ev.key, ev.start, ev.stop, "memory", ev.stimulus_id)
-        if ts is None:
+        if ts is None or self._rerun(ts, ev.stimulus_id):
             return
         ts.type, ts.start, ts.stop = ev.type, ev.start, ev.stop
         if ts.state in ("executing", "long-running") or ts.dependents or ts.replica:
+            inline = {"inline": ev.inline} if ts.state != "cancelled" else {}
             self._transition(
-                ts, "memory", value=ev.value, nbytes=ev.nbytes, stimulus_id=ev.stimulus_id
+                ts, "memory", value=ev.value, nbytes=ev.nbytes, stimulus_id=ev.stimulus_id, **inline
             )
         else:  # cancelled and nobody wants it: drop the result
-            self._transition(ts, "released", stimulus_id=ev.stimulus_id)
-            self._emit(ReleasedKeys(self.address, [ev.key], stimulus_id=ev.stimulus_id))
+            self._dropped(ts, ev.stimulus_id)
 
     def _handle_execute_failure(self, ev: ExecuteFailureEvent) -> None:
         ts = self._finished_execution(ev.key, ev.start, ev.stop, "error", ev.stimulus_id)
-        if ts is None:
+        if ts is None or self._rerun(ts, ev.stimulus_id):
             return
         ts.start, ts.stop = ev.start, ev.stop
         if ts.state in ("executing", "long-running"):
@@ -612,8 +634,25 @@ class WorkerState:
         elif ts.dependents:  # cancelled, but needed here: fetch it from elsewhere
             self._after_failed_fetch(ts, ev.stimulus_id)
         else:
-            self._transition(ts, "released", stimulus_id=ev.stimulus_id)
-            self._emit(ReleasedKeys(self.address, [ev.key], stimulus_id=ev.stimulus_id))
+            self._dropped(ts, ev.stimulus_id)
+
+    def _dropped(self, ts: TaskState, sid: str) -> None:
+        """A cancelled run's outcome, that nobody wants: dropped, and the scheduler told
+        which run it was (a claim of a newer run of the key may be under way here)."""
+        score = _run_score(ts)
+        self._transition(ts, "released", stimulus_id=sid)
+        self._emit(ReleasedKeys(self.address, [ts.key], [score], stimulus_id=sid))
+
+    def _rerun(self, ts: TaskState, sid: str) -> bool:
+        """A cancelled run's thread returned while another run of its key waits
+        (``deferred``): drop this run's outcome and set that one up."""
+        if ts.state != "cancelled" or ts.deferred is None:
+            return False
+        self._transition(ts, "fetch", stimulus_id=sid)  # (frees the thread; not for long)
+        self._sync_resources(ts)  # what the old run held
+        claim, ts.deferred = ts.deferred, None
+        self._handle_compute(claim)
+        return True
 
     def _finished_execution(
         self, key: str, start: float, stop: float, finish: str, sid: str
@@ -737,14 +776,15 @@ class WorkerState:
 
     def _handle_retire(self, ev: RetireEvent) -> None:
         self.retiring = True
-        handed_back = []
+        handed_back, scores = [], []
         for ts in sorted(self.tasks.values(), key=lambda t: t.key):
             if ts.wanted and ts.state in ("waiting", "ready"):
                 ts.wanted = False
                 handed_back.append(ts.key)
+                scores.append(_run_score(ts))
                 self._release_if_unneeded(ts, ev.stimulus_id)
         if handed_back:
-            self._emit(ReleasedKeys(self.address, handed_back, stimulus_id=ev.stimulus_id))
+            self._emit(ReleasedKeys(self.address, handed_back, scores, stimulus_id=ev.stimulus_id))
 
     def _handle_secede(self, ev: SecedeEvent) -> None:
         ts = self.tasks.get(ev.key)
@@ -825,8 +865,11 @@ class WorkerState:
             holders = [w for w in ts.who_has if w not in self.in_flight_workers]
             if not holders:
                 continue  # all holders busy: wait for one to answer
-            local = [w for w in holders if _host(w) == self.host]
-            peer = self.rng.choice(sorted(local or holders))
+            if REDIS_COPY in holders:  # small: one read of Redis, often answered already
+                peer = REDIS_COPY
+            else:
+                local = [w for w in holders if _host(w) == self.host]
+                peer = self.rng.choice(sorted(local or holders))
             batch: list[TaskState] = []
             total = 0
             for other in queue:
@@ -942,13 +985,19 @@ class WorkerState:
             self.rejoining.remove(ts)
 
     def _transition_executing_memory(
-        self, ts: TaskState, value: object, nbytes: int, *, stimulus_id: str
+        self,
+        ts: TaskState,
+        value: object,
+        nbytes: int,
+        inline: bytes | None = None,
+        *,
+        stimulus_id: str,
     ) -> None:
         self._free_thread(ts)
         self._store(ts, value, nbytes, stimulus_id)
         self._unlink_dependencies(ts, stimulus_id)
         if ts.wanted:
-            self._emit_finished(ts, stimulus_id)
+            self._emit_finished(ts, stimulus_id, inline)
 
     def _transition_executing_error(
         self, ts: TaskState, error: ExecuteFailureEvent, *, stimulus_id: str
@@ -1189,7 +1238,9 @@ class WorkerState:
     def _emit(self, instruction: Instruction | Report) -> None:
         self._instructions.append(instruction)
 
-    def _emit_finished(self, ts: TaskState, sid: str) -> None:
+    def _emit_finished(self, ts: TaskState, sid: str, inline: bytes | None = None) -> None:
+        """Report the result; ``inline``, a small result pickled, travels with the report
+        (the scheduler keeps it in Redis, where it outlives this worker)."""
         self._emit(
             TaskFinished(
                 self.address,
@@ -1199,6 +1250,7 @@ class WorkerState:
                 start=ts.start or 0.0,
                 stop=ts.stop or 0.0,
                 score=_run_score(ts),
+                value=inline,
                 stimulus_id=sid,
             )
         )

@@ -29,6 +29,7 @@ import faulthandler
 import itertools
 import logging
 import os
+import pickle
 import signal
 import socket
 import tempfile
@@ -44,10 +45,11 @@ from typing import Any, Literal
 import psutil
 import redis
 
-from redisdask import comm, logs, nanny_contract, schema, task_context
+from redisdask import comm, logs, nanny_contract, pickling, schema, task_context
 from redisdask.backoff import Backoff
 from redisdask.connection import connect, connect_async
 from redisdask.errors import ProtocolError, TaskInterrupted
+from redisdask.heap import Heap
 from redisdask.nanny_contract import GRACEFUL_TIMEOUT
 from redisdask.placement import format_resources, parse_resources, split_resources
 from redisdask.protocol import (
@@ -84,6 +86,7 @@ HEARTBEAT_KEYS = 20  # executing task keys named in a heartbeat, at most
 RETIRE_REPEAT = 1.0  # seconds between a retiring worker's requests to be retired
 # threads the pool may hold beyond nthreads for seceded tasks (each waits in its thread)
 MAX_SECEDED = 10_000
+HEAP_SETTLE_INTERVAL = 1.0  # seconds between freezes of what survived (``redisdask.heap``)
 
 
 _STIMULI = itertools.count()  # makes the worker's own stimulus ids unique (thread-safe)
@@ -111,6 +114,7 @@ class Worker:
         claim_horizon: float = 0.02,
         connection_limit: int = 50,
         transfer_batch_bytes: int = 200_000_000,
+        inline_result_bytes: int = 65_536,
         connect_timeout: float = 5.0,
         local_directory: str | None = None,
         memory_target: float | Literal[False] = 0.60,
@@ -137,6 +141,9 @@ class Worker:
         self.claim_horizon = claim_horizon
         self.connection_limit = connection_limit
         self.transfer_batch_bytes = transfer_batch_bytes
+        self.inline_result_bytes = inline_result_bytes
+        # small results of dependencies that came with a claim, for its GatherDeps
+        self._claimed_values: dict[str, bytes] = {}
         self.connect_timeout = connect_timeout
         self.validate = validate
         self.local_directory = Path(local_directory or tempfile.gettempdir()) / (
@@ -431,6 +438,10 @@ class Worker:
         for ins in instructions:
             if isinstance(ins, ws.Execute):
                 self._execute(ins.key)
+            elif isinstance(ins, ws.GatherDep) and ins.worker == schema.REDIS_COPY:
+                came = self._claimed_values
+                claimed = {k: came[k] for k in ins.keys if k in came}
+                self._spawn(self._gather_from_redis(sorted(ins.keys), claimed))
             elif isinstance(ins, ws.GatherDep):
                 self._spawn(self._gather(ins.worker, sorted(ins.keys)))
             elif isinstance(ins, ws.Report):
@@ -539,7 +550,7 @@ class Worker:
         try:
             value = run_spec(spec, deps, self.functions)
             try:
-                comm.serialize(value)
+                frames = comm.serialize(value)
             except comm.SerializationError as exc:
                 raise TypeError(
                     f"the result of task {key!r} ({type(value).__qualname__}) cannot be pickled, "
@@ -550,8 +561,24 @@ class Worker:
         finally:
             task_context.end_task()
         return ws.ExecuteSuccessEvent(
-            key, value, sizeof(value), type(value).__qualname__, start, time.time(), sid
+            key,
+            value,
+            sizeof(value),
+            type(value).__qualname__,
+            start,
+            time.time(),
+            sid,
+            inline=self._inline(value, frames),
         )
+
+    def _inline(self, value: object, frames: list[Any]) -> bytes | None:
+        """``value`` pickled in one piece if it is at most ``inline_result_bytes``: it
+        then travels with its report into the task's record (``schema.REDIS_COPY``)."""
+        if sum(memoryview(f).nbytes for f in frames) > self.inline_result_bytes:
+            return None
+        if len(frames) == 1:
+            return bytes(frames[0])
+        return pickling.dumps(value)  # out-of-band buffers, small: in band instead
 
     # ------------------------------------------------------------------ claiming work
 
@@ -582,10 +609,11 @@ class Worker:
                     self._blocked_at = self.state.resources_freed if blocked else None
                     self._handle_inbox(script_entries(inbox))
                     if claimed:
-                        events = [self._compute_event(c) for c in claimed]
+                        events = [self._compute_event(c, self._claimed_values) for c in claimed]
                         for ev in events:
                             self._claimed_before[ev.key] = self._holding_reports
                         self.handle(*events)
+                        self._claimed_values.clear()  # (those not fetched were not needed)
                 continue
             self._wake.clear()
             await self._wake.wait()
@@ -597,10 +625,16 @@ class Worker:
         )
 
     @staticmethod
-    def _compute_event(claimed: list[Any]) -> ws.ComputeTaskEvent:
+    def _compute_event(claimed: list[Any], values: dict[str, bytes]) -> ws.ComputeTaskEvent:
+        """A claimed task; the small results of its dependencies that came with it go
+        into ``values``."""
         key, spec, score, deps, *needs = claimed
         key = key.decode()
-        dependencies = {d.decode(): (split_words(who), int(nb or 0)) for d, who, nb in deps}
+        dependencies = {}
+        for dep, who, nb, *value in deps:
+            dependencies[dep.decode()] = (split_words(who), int(nb or 0))
+            if value:
+                values[dep.decode()] = value[0]
         resources = split_resources(needs[0]) if needs else {}
         return ws.ComputeTaskEvent(
             key, spec, (float(score),), dependencies, f"claim-{key}", resources
@@ -737,8 +771,11 @@ class Worker:
             pipe = self.redis.pipeline(transaction=False)
             pipe.set(self.keys.worker_alive(self.address), 1, px=ttl)
             pipe.hset(self.keys.heartbeats, self.address, schema.pack(self._metrics()))
-            # what the inbox listener read is trimmed here, off the task path
-            pipe.xtrim(self.keys.worker_inbox(self.address), minid=self._inbox_id)
+            # what the inbox listener read is trimmed here, off the task path: everything
+            # up to and including the last entry read (MINID keeps the entry it names,
+            # which kept a free-keys of 10,000 keys in Redis until the next message)
+            ms, seq = _parse_id(self._inbox_id)
+            pipe.xtrim(self.keys.worker_inbox(self.address), minid=f"{ms}-{seq + 1}")
             for chunk in self._new_story():
                 pipe.xadd(
                     self.keys.worker_story(self.address),
@@ -815,6 +852,31 @@ class Worker:
         self.retire(force=True)
 
     # ------------------------------------------------------------------ peer-to-peer
+
+    async def _gather_from_redis(self, keys: list[str], claimed: dict[str, bytes]) -> None:
+        """Small results kept in their task records: those that came with the claim, the
+        others read now.  A key whose record holds no value any more is not in the answer
+        (the state machine asks the scheduler where it is)."""
+        values = dict(claimed)
+        missing = [k for k in keys if k not in values]
+        if missing:
+            try:
+                pipe = self.redis.pipeline(transaction=False)
+                for key in missing:
+                    pipe.hget(self.keys.task(key), "value")
+                values.update(zip(missing, await pipe.execute(), strict=True))
+            except redis.RedisError as exc:
+                logger.warning("could not read %d small results from Redis: %s", len(missing), exc)
+        data: dict[str, Any] = {}
+        for key, raw in values.items():
+            if raw:
+                try:
+                    data[key] = pickle.loads(raw)  # (Redis is trusted as for task specs)
+                except Exception as exc:
+                    logger.warning("the small result of %r in Redis cannot be read: %s", key, exc)
+        nbytes = {k: sizeof(v) for k, v in data.items()}
+        sid = f"gather-redis-{time.time():.6f}-{next(_STIMULI)}"
+        self.handle(ws.GatherDepSuccessEvent(schema.REDIS_COPY, data, nbytes, sid))
 
     async def _gather(self, worker: str, keys: list[str]) -> None:
         try:
@@ -955,6 +1017,7 @@ def options_from_config(config: Any) -> dict[str, Any]:
         "claim_horizon": config.worker.claim_horizon,
         "connection_limit": config.worker.connection_limit,
         "transfer_batch_bytes": config.worker.transfer_batch_bytes,
+        "inline_result_bytes": config.worker.inline_result_bytes,
         "connect_timeout": config.redis.connect_timeout,
         "local_directory": config.worker.local_directory,
         "memory_target": config.worker.memory.target,
@@ -1010,6 +1073,13 @@ class ThreadWorker:
         self.thread.join(timeout)
 
 
+async def _settle_heap() -> None:
+    heap = Heap()
+    while True:
+        heap.settle()
+        await asyncio.sleep(HEAP_SETTLE_INTERVAL)  # a timer by nature
+
+
 def main(redis_url: str, cluster: str, **kwargs: Any) -> None:
     """Run one worker in this process until SIGTERM/SIGINT, then leave gracefully."""
     faulthandler.enable()  # a crash in compiled code prints every thread's Python stack
@@ -1041,6 +1111,9 @@ def main(redis_url: str, cluster: str, **kwargs: Any) -> None:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
+        # the process is ours (not an in-thread worker's host): keep the cycle collector
+        # off the results it holds, whose full scans outlived the heartbeat's TTL
+        closing.add(asyncio.ensure_future(_settle_heap()))
         await worker.run()
         if worker.failure is not None:
             raise SystemExit(1)

@@ -1,0 +1,180 @@
+"""The scheduler's lease under load: a long batch never fences the only scheduler out,
+a busy Redis (a long script: ``BUSY``) is waited out, and a standby takes over at once
+from a leader killed with SIGKILL (real Redis, real processes)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from polling import poll
+
+from redisdask import Client, Future, LocalCluster, wait
+from redisdask import scheduler as scheduler_module
+from redisdask.embedded import EmbeddedRedis
+from redisdask.errors import FencedError
+from redisdask.inspect import read_events
+from redisdask.scheduler import Scheduler
+from redisdask.schema import Keys, ensure_cluster
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def inc(x: int) -> int:
+    return x + 1
+
+
+@contextlib.contextmanager
+def cluster_and_client(redis_url: str, cluster_name: str, **options: Any) -> Iterator[Any]:
+    """Two bare worker processes of one thread, a scheduler, and a client."""
+    with (
+        LocalCluster(
+            nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name, **options
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        yield cluster, client
+
+
+def all_done(futures: list[Future], step: float) -> bool:
+    """Whether every future finished, waiting up to ``step`` seconds for them."""
+    try:
+        wait(futures, timeout=step)
+    except TimeoutError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(600)
+def test_a_200k_task_map_with_a_short_lease_never_fences_the_only_scheduler(
+    redis_url: str, cluster_name: str
+) -> None:
+    """One ``map`` of 200,000 tasks makes batches of work far longer than a 2 s lease
+    if nothing bounds them; the only scheduler must keep its lease (the same token, one
+    ``scheduler-start``) and the work must finish right."""
+    n = 200_000
+    with cluster_and_client(redis_url, cluster_name, scheduler_options={"lease_ttl": 2}) as (
+        cluster,
+        client,
+    ):
+        r = redis.Redis.from_url(redis_url)
+        keys = Keys(cluster_name)
+        token = r.get(keys.lease)
+        scheduler = cluster.scheduler_process
+        futures = client.map(inc, range(n))
+        deadline = time.monotonic() + 500
+        while not all_done(futures, step=2):  # (the old scheduler was fenced in seconds)
+            assert scheduler is not None and scheduler.poll() is None, "the scheduler left"
+            assert time.monotonic() < deadline
+        assert client.gather(futures) == list(range(1, n + 1))
+        assert scheduler.poll() is None  # never fenced, never left
+        assert r.get(keys.lease) == token
+        kinds = [e["kind"] for e in read_events(r, keys, count=1000)]
+        assert kinds.count("scheduler-start") == 1
+
+
+# a script that keeps Redis busy for ARGV[1] microseconds (Redis's own clock)
+BUSY_LOOP = """
+local t0 = redis.call('TIME')
+while true do
+  local t = redis.call('TIME')
+  if (t[1] - t0[1]) * 1000000 + (t[2] - t0[2]) > tonumber(ARGV[1]) then return 1 end
+end
+"""
+
+
+def slow_inc(x: int) -> int:
+    threading.Event().wait(0.01)  # stands for real work
+    return x + 1
+
+
+def test_a_long_script_is_waited_out_by_every_process(cluster_name: str) -> None:
+    """Redis answers BUSY to every other command while a script runs past
+    busy-reply-threshold (100 ms here): the workers, the scheduler and the client wait
+    until it is over, and the computation finishes right."""
+    with EmbeddedRedis() as server:
+        server.client().config_set("lua-time-limit", 100)  # busy-reply-threshold since 7.0
+        with cluster_and_client(server.url, cluster_name) as (cluster, client):
+            processes = [cluster.scheduler_process, *cluster.worker_processes]
+            futures = client.map(slow_inc, range(300))
+            poll(lambda: any(f.done() for f in futures))
+            for _ in range(2):  # twice: while tasks run, and once more
+                assert server.client().eval(BUSY_LOOP, 0, 2_000_000) == 1
+            assert client.gather(futures) == list(range(1, 301))
+            assert all(p is not None and p.poll() is None for p in processes)
+            assert client.submit(inc, 1).result(timeout=30) == 2
+
+
+def test_a_standby_takes_over_at_once_from_a_leader_killed_with_sigkill(
+    redis_url: str, cluster_name: str, tmp_path: Path
+) -> None:
+    """The killed leader's Redis connections close at once; the standby, watching them,
+    takes the lease long before its 5 s TTL runs out, and the work finishes right."""
+    with cluster_and_client(redis_url, cluster_name, log_directory=tmp_path) as (cluster, client):
+        r = redis.Redis.from_url(redis_url)
+        keys = Keys(cluster_name)
+        leader = cluster.scheduler_process
+        token = r.get(keys.lease)
+        assert client.submit(inc, 1).result(timeout=10) == 2
+        standby = cluster.start_scheduler(standby=True)
+        poll(lambda: b"standing by" in (tmp_path / "scheduler.log").read_bytes(), timeout=30)
+        futures = client.map(slow_inc, range(200))
+        poll(lambda: sum(f.done() for f in futures) >= 20, timeout=30)
+        assert leader is not None
+        leader.kill()
+        killed = time.monotonic()
+        poll(lambda: r.get(keys.lease) not in (None, token), timeout=30)
+        took = time.monotonic() - killed
+        assert took < 2.5, f"the standby took {took:.2f} s: it waited for the TTL (5 s)"
+        assert client.submit(inc, 10).result(timeout=30) == 11  # work the leader never saw
+        assert client.gather(futures) == list(range(1, 201))
+        assert standby.poll() is None
+        starts = [e for e in read_events(r, keys) if e["kind"] == "scheduler-start"]
+        assert len(starts) == 2 and starts[1]["previous"] == starts[0]["scheduler"]
+
+
+def test_an_expired_lease_nobody_took_is_still_its_holders(
+    redis_url: str, cluster_name: str
+) -> None:
+    """A write after the lease expired goes through, and renews it, while no other
+    scheduler was handed a token since; once one was, it is fenced."""
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ensure_cluster(r, keys)
+    old = Scheduler(redis_url, cluster_name)
+    token = old.acquire_lease()
+    r.delete(keys.lease)  # as if its batch had outlasted the TTL
+    old.apply([["SET", keys.prefix + "late-write", 1]])
+    assert r.get(keys.lease) == token.encode() and r.pttl(keys.lease) > 0
+    r.delete(keys.lease)
+    new = Scheduler(redis_url, cluster_name)
+    assert int(new.acquire_lease()) > int(token)
+    with pytest.raises(FencedError):
+        old.apply([["SET", keys.prefix + "too-late", 1]])
+    assert not r.exists(keys.prefix + "too-late")
+
+
+def test_a_write_in_parts_is_all_or_nothing_after_a_failed_command(
+    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write cut into parts (one MULTI/EXEC of several scripts) stops at the command
+    that fails: the later parts, where the acknowledgements are, are not applied."""
+    monkeypatch.setattr(scheduler_module, "MAX_SCRIPT_COMMANDS", 2)
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ensure_cluster(r, keys)
+    scheduler = Scheduler(redis_url, cluster_name)
+    scheduler.acquire_lease()
+    k = [keys.prefix + name for name in "abcde"]
+    scheduler.apply([["SET", k[0], 1], ["SET", k[1], 1], ["SET", k[2], 1], ["SET", k[3], 1]])
+    assert r.mget(k[:4]) == [b"1"] * 4 and not r.exists(keys.applying)
+    r.set(k[4], "text")
+    with pytest.raises(redis.ResponseError, match="not an integer"):
+        scheduler.apply([["DEL", k[0]], ["INCR", k[4]], ["DEL", k[1]], ["DEL", k[2]]])
+    assert r.mget(k[:3]) == [None, b"1", b"1"] and not r.exists(keys.applying)
