@@ -11,6 +11,8 @@ was **not executed**, so sending it again later is always safe; every redisdask 
 * A transaction (MULTI/EXEC) with a refused command is discarded whole by Redis
   (``EXECABORT``): it is sent again whole.  One that WATCHed keys raises ``WatchError``
   instead, so that ``Redis.transaction`` reads the watched keys again and rebuilds it.
+* A new connection's handshake (``CLIENT SETNAME``, which Redis 6.2 refuses too) is
+  tried again before any command is sent on it.
 * A plain pipeline may have some commands executed and some refused (the script began or
   ended while Redis read it): the refused ones are sent again, in their order, and their
   replies take their places.  Such commands may then run after commands that followed them
@@ -124,16 +126,31 @@ class Pipeline(redis.client.Pipeline):
                     raise redis.WatchError("Redis was busy running a script") from exc
                 self.command_stack, self.scripts = list(stack), set(scripts)
                 self.explicit_transaction = explicit
-        replies = super().execute(raise_on_error=False)
+        replies = self._send(stack, scripts)
         while refused := [i for i, reply in enumerate(replies) if is_busy(reply)]:
             wait = wait or _Wait(self, f"{len(refused)} commands of a pipeline")
             time.sleep(wait.next(replies[refused[0]]))
-            self.command_stack, self.scripts = [stack[i] for i in refused], set(scripts)
-            for i, reply in zip(refused, super().execute(raise_on_error=False), strict=True):
+            again = self._send([stack[i] for i in refused], scripts)
+            for i, reply in zip(refused, again, strict=True):
                 replies[i] = reply
         if raise_on_error:
             self.raise_first_error(stack, replies)
         return replies
+
+    def _send(self, stack: list[Any], scripts: set[Any]) -> list[Any]:
+        """``stack`` as a plain pipeline, errors in their replies' places.  A BUSY raised
+        rather than replied refused a new connection's handshake, before anything was
+        sent (Redis 6.2 refuses ``CLIENT SETNAME``): it is waited out."""
+        wait: _Wait | None = None
+        while True:
+            self.command_stack, self.scripts = list(stack), set(scripts)
+            try:
+                return super().execute(raise_on_error=False)
+            except redis.ResponseError as exc:
+                if not is_busy(exc):
+                    raise
+                wait = wait or _Wait(self, "a pipeline on a new connection")
+                time.sleep(wait.next(exc))
 
 
 class AsyncRedis(redis.asyncio.Redis):
@@ -183,14 +200,26 @@ class AsyncPipeline(redis.asyncio.client.Pipeline):
                     raise redis.WatchError("Redis was busy running a script") from exc
                 self.command_stack, self.scripts = list(stack), set(scripts)
                 self.explicit_transaction = explicit
-        replies = await super().execute(raise_on_error=False)
+        replies = await self._send(stack, scripts)
         while refused := [i for i, reply in enumerate(replies) if is_busy(reply)]:
             wait = wait or _Wait(self, f"{len(refused)} commands of a pipeline")
             await asyncio.sleep(wait.next(replies[refused[0]]))
-            self.command_stack, self.scripts = [stack[i] for i in refused], set(scripts)
-            again = await super().execute(raise_on_error=False)
+            again = await self._send([stack[i] for i in refused], scripts)
             for i, reply in zip(refused, again, strict=True):
                 replies[i] = reply
         if raise_on_error:
             self.raise_first_error(stack, replies)
         return replies
+
+    async def _send(self, stack: list[Any], scripts: set[Any]) -> list[Any]:
+        """``Pipeline._send``."""
+        wait: _Wait | None = None
+        while True:
+            self.command_stack, self.scripts = list(stack), set(scripts)
+            try:
+                return await super().execute(raise_on_error=False)
+            except redis.ResponseError as exc:
+                if not is_busy(exc):
+                    raise
+                wait = wait or _Wait(self, "a pipeline on a new connection")
+                await asyncio.sleep(wait.next(exc))

