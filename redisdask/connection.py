@@ -13,12 +13,15 @@ from __future__ import annotations
 import contextlib
 import urllib.parse
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from redisdask import busy
 from redisdask.errors import ClusterConnectionError
+
+if TYPE_CHECKING:
+    from redisdask.config import RedisConfig
 
 
 def redact(url: str) -> str:
@@ -31,12 +34,30 @@ def redact(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=user + netloc))
 
 
-def _options(timeout: float, name: str | None) -> dict[str, Any]:
+def login(config: RedisConfig | None = None) -> dict[str, str]:
+    """The ACL user and password to connect as: ``redis.username`` and ``redis.password``
+    of ``config`` (else of ``load_config()``: the config file and the environment, which
+    the processes a cluster starts inherit).  A user and password in the URL win.  Why not
+    the URL only: a URL on a command line shows its password in ``ps``."""
+    if config is None:
+        from redisdask.config import load_config
+
+        config = load_config().redis
+    out = {}
+    if config.username:
+        out["username"] = config.username
+    if config.password is not None:
+        out["password"] = config.password.get_secret_value()
+    return out
+
+
+def _options(timeout: float, name: str | None, config: RedisConfig | None) -> dict[str, Any]:
     return {
         "socket_connect_timeout": timeout,
         "socket_keepalive": True,
         "health_check_interval": 30,
         "client_name": name,
+        **login(config),
     }
 
 
@@ -112,13 +133,15 @@ def connect(
     name: str | None = None,
     cluster_errors: bool = False,
     check: bool = True,
+    config: RedisConfig | None = None,
 ) -> redis.Redis:
     """A Redis client for ``url``, checked with PING (unless not ``check``);
     ``ClusterConnectionError`` if not.  ``cluster_errors``: a ``ClusterRedis``, whose
-    later connection failures are ``ClusterConnectionError`` too."""
+    later connection failures are ``ClusterConnectionError`` too.  ``config``: where the
+    user and password come from (``login``)."""
     try:
         client = (ClusterRedis if cluster_errors else busy.Redis).from_url(
-            url, **_options(timeout, name)
+            url, **_options(timeout, name, config)
         )
     except ValueError as exc:
         raise _invalid_url(url, exc) from exc
@@ -136,13 +159,18 @@ def connect(
 
 
 def connect_async(
-    url: str, *, timeout: float = 5.0, name: str | None = None, cluster_errors: bool = False
+    url: str,
+    *,
+    timeout: float = 5.0,
+    name: str | None = None,
+    cluster_errors: bool = False,
+    config: RedisConfig | None = None,
 ) -> redis.asyncio.Redis:
     """An asyncio Redis client for ``url`` (not yet checked: ``await check_async(...)``);
-    with ``cluster_errors`` an ``AsyncClusterRedis``."""
+    with ``cluster_errors`` an ``AsyncClusterRedis``; ``config`` as for ``connect``."""
     try:
         client = (AsyncClusterRedis if cluster_errors else busy.AsyncRedis).from_url(
-            url, **_options(timeout, name)
+            url, **_options(timeout, name, config)
         )
     except ValueError as exc:
         raise _invalid_url(url, exc) from exc
@@ -171,7 +199,8 @@ def unreachable(url: str, timeout: float, exc: BaseException) -> BaseException:
     if isinstance(exc, redis.AuthenticationError):  # a subclass of ConnectionError: first
         return ClusterConnectionError(
             f"Redis at {redact(url)} refused our credentials ({exc}); check the user and "
-            "password in the URL"
+            "password in the URL, or redis.username and redis.password in the config "
+            "(REDISDASK__REDIS__USERNAME, REDISDASK__REDIS__PASSWORD)"
         )
     if isinstance(exc, redis.ConnectionError | redis.TimeoutError | OSError):
         return ClusterConnectionError(
