@@ -68,17 +68,18 @@ KEY_FAMILIES: Mapping[str, tuple[str, ...]] = {
     "monitor": tuple(f for f in FAMILIES if f != "secret"),
 }
 
-# what every connection sends: redis-py names its connections (CLIENT SETNAME), says its
-# library (CLIENT SETINFO, Redis >= 7.2: refused harmlessly before), PINGs, SELECTs the
-# URL's database
+# what every connection sends: redis-py names its connections (CLIENT SETNAME), PINGs,
+# SELECTs the URL's database.  Not CLIENT SETINFO (Redis >= 7.2; redis-py ignores a
+# refusal): Redis 7.0 refuses the rule itself, as a subcommand it does not know
 _CONNECTION = ("+ping", "+echo", "+select", "+client|setname", "+client|getname",
-               "+client|setinfo", "+client|id")  # fmt: skip
+               "+client|id")  # fmt: skip
 # reads and writes of keys (stream consumer groups included: XGROUP, XREADGROUP, XACK
 # are @write), MULTI/EXEC, WATCH, and scripts run by EVALSHA (redis-py's ``Script``
-# loads one on NOSCRIPT, or in a pipeline after SCRIPT EXISTS); no EVAL, no FUNCTION
+# loads one on NOSCRIPT, or in a pipeline after SCRIPT EXISTS; TIME: the coordination
+# scripts read the clock); no EVAL, no FUNCTION
 # (not used), nothing @dangerous (FLUSHALL, KEYS, SORT, CONFIG, DEBUG, MIGRATE, ...)
 _READ_WRITE = ("+@read", "+@write", "+@transaction", "-@dangerous",
-               "+evalsha", "+script|load", "+script|exists")  # fmt: skip
+               "+evalsha", "+script|load", "+script|exists", "+time")  # fmt: skip
 
 COMMANDS: Mapping[str, tuple[str, ...]] = {
     # CLIENT LIST: the leader's watch of workers' connections, a standby's of the
@@ -117,7 +118,9 @@ def rules(role: str, cluster: str) -> list[str]:
     return ["resetchannels", *keys, "-@all", *COMMANDS[role]]
 
 
-def setuser(role: str, cluster: str, *, user: str | None = None, password: str | None = None) -> str:
+def setuser(
+    role: str, cluster: str, *, user: str | None = None, password: str | None = None
+) -> str:
     """The ``ACL SETUSER`` line of ``role``, for ``redis-cli``; ``password`` None: a
     placeholder to replace."""
     secret = PASSWORD_PLACEHOLDER if password is None else password
@@ -126,9 +129,7 @@ def setuser(role: str, cluster: str, *, user: str | None = None, password: str |
     return " ".join(words)
 
 
-def setuser_args(
-    role: str, cluster: str, *, user: str | None = None, password: str
-) -> list[str]:
+def setuser_args(role: str, cluster: str, *, user: str | None = None, password: str) -> list[str]:
     """The same as arguments for ``execute_command`` (tests, provisioning scripts)."""
     return ["ACL", "SETUSER", user or default_user(role, cluster), "reset", "on",
             ">" + password, *rules(role, cluster)]  # fmt: skip

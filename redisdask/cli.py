@@ -231,9 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="configuration")
     p.add_argument("action", choices=["show"], help="show: print the effective configuration")
 
-    p = sub.add_parser(
-        "acl", help="print the Redis ACL SETUSER line of a role (docs/security.md)"
-    )
+    p = sub.add_parser("acl", help="print the Redis ACL SETUSER line of a role (docs/security.md)")
     p.add_argument("role", choices=[*ROLES, "all"], help="the role; all: one line each")
     p.add_argument("--cluster", default=cluster, help=f"cluster name (default: {cluster})")
     p.add_argument("--user", help="the user's name (default: rd-<cluster>-<role>)")
