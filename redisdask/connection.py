@@ -11,6 +11,7 @@ scheduler, workers and nannies keep redis-py's errors: their reconnection loops 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import urllib.parse
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -51,12 +52,29 @@ def login(config: RedisConfig | None = None) -> dict[str, str]:
     return out
 
 
+# No CLIENT subcommands on connecting but SETNAME: redis-py (>= 5) sends CLIENT SETINFO
+# and (>= 7, over RESP3, which it speaks when it logs in) CLIENT MAINT_NOTIFICATIONS,
+# ignoring a refusal.  The ACL roles of redisdask/acl.py grant neither (Redis 7.0 refuses
+# a rule naming a subcommand it does not know), and every refusal would fill the ACL LOG.
+_PARAMETERS = inspect.signature(redis.connection.AbstractConnection.__init__).parameters
+_QUIET: dict[str, Any] = (
+    {"driver_info": None}  # redis-py >= 7; before it lib_name/lib_version (deprecated since)
+    if "driver_info" in _PARAMETERS
+    else {"lib_name": None, "lib_version": None}
+)
+if "maint_notifications_config" in _PARAMETERS:
+    from redis.maint_notifications import MaintNotificationsConfig
+
+    _QUIET["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
+
+
 def _options(timeout: float, name: str | None, config: RedisConfig | None) -> dict[str, Any]:
     return {
         "socket_connect_timeout": timeout,
         "socket_keepalive": True,
         "health_check_interval": 30,
         "client_name": name,
+        **_QUIET,
         **login(config),
     }
 

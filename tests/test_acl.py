@@ -123,9 +123,7 @@ class Users:
         finally:
             admin.close()
         ours = {self.name(role) for role in ROLES}
-        # CLIENT SETINFO (Redis >= 7.2): redis-py's optional hello, not granted
-        return [e for e in entries if e.get("username") in ours
-                and not str(e.get("object", "")).startswith("client|setinfo")]  # fmt: skip
+        return [e for e in entries if e.get("username") in ours]
 
     def delete(self) -> None:
         admin = redis.Redis.from_url(self.url)
