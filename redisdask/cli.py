@@ -1,5 +1,5 @@
 """The ``redisdask`` command: ``scheduler``, ``worker``, ``status``, ``monitor``, ``inspect``,
-``demo``, ``config show``.
+``demo``, ``config show``, ``acl``.
 
 Every command that talks to a cluster takes the Redis URL as its first positional
 argument (default from config, else ``redis://127.0.0.1:6379/0``) and ``--cluster NAME``.
@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import yaml
 
 from redisdask import __version__, logs, memory
+from redisdask.acl import PASSWORD_PLACEHOLDER, ROLES, setuser
 from redisdask.config import Config, ConfigError, load_config, parse_duration
 from redisdask.errors import RedisDaskError
 from redisdask.placement import format_resources
@@ -229,7 +230,42 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("config", help="configuration")
     p.add_argument("action", choices=["show"], help="show: print the effective configuration")
+
+    p = sub.add_parser("acl", help="print the Redis ACL SETUSER line of a role (docs/security.md)")
+    p.add_argument("role", choices=[*ROLES, "all"], help="the role; all: one line each")
+    p.add_argument("--cluster", default=cluster, help=f"cluster name (default: {cluster})")
+    p.add_argument("--user", help="the user's name (default: rd-<cluster>-<role>)")
+    p.add_argument(
+        "--password-env",
+        metavar="VAR",
+        help="the environment variable holding the password (default: a <password> "
+        "placeholder to replace); never a password on the command line: ps shows it",
+    )
     return parser
+
+
+def _acl(args: argparse.Namespace) -> int:
+    """``redisdask acl``: the ``ACL SETUSER`` lines, for ``redis-cli`` (or ACL files)."""
+    password = None
+    if args.password_env is not None:
+        password = os.environ.get(args.password_env)
+        if not password:
+            raise ConfigError(
+                f"--password-env {args.password_env}: that environment variable is not set "
+                f"or empty; export it first (e.g. {args.password_env}=$(openssl rand -hex 32))"
+            )
+    roles = ROLES if args.role == "all" else (args.role,)
+    if args.user and len(roles) > 1:
+        raise ConfigError("--user names one user: give one role, not all")
+    try:
+        lines = [setuser(r, args.cluster, user=args.user, password=password) for r in roles]
+    except ValueError as exc:  # a cluster name that cannot be a hash tag
+        raise ConfigError(str(exc)) from None
+    print("\n".join(lines))
+    if password is None:
+        print(f"redisdask acl: replace {PASSWORD_PLACEHOLDER} before use, or pass "
+              "--password-env VAR", file=sys.stderr)  # fmt: skip
+    return 0
 
 
 def _worker(args: argparse.Namespace, config: Config) -> int:
@@ -450,6 +486,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_demo(args.redis_url, n_workers=args.workers, only_dask=args.dask)
         elif args.command == "config":
             print(config.to_yaml(), end="")
+        elif args.command == "acl":
+            return _acl(args)
     except ConfigError as exc:
         print(f"redisdask {args.command}: {exc}", file=sys.stderr)
         return 2

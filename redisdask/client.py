@@ -227,12 +227,13 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         name = f"rd-client-{self.id}"
         # connection failures are ClusterConnectionError (redisdask.connection); the
         # blocking connection serves the cluster-wide calls (ClusterAdmin, WorkerCalls…)
+        login = self.config.redis  # the ACL user: redis.username, redis.password
         self._aredis = connect_async(self.redis_url, timeout=self.timeout, name=name,
-                                     cluster_errors=True)  # fmt: skip
+                                     cluster_errors=True, config=login)  # fmt: skip
         self.redis = connect(self.redis_url, timeout=self.timeout, name=name,
-                             cluster_errors=True, check=False)  # fmt: skip
+                             cluster_errors=True, check=False, config=login)  # fmt: skip
         self._events_redis = connect_async(
-            self.redis_url, timeout=self.timeout, name=f"{name}-events"
+            self.redis_url, timeout=self.timeout, name=f"{name}-events", config=login
         )
         try:
             await check_async(self._aredis, self.redis_url, self.timeout)

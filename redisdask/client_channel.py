@@ -374,7 +374,7 @@ class SchedulerChannel:
 
     async def _alook_for_cluster(self, pipe: Any) -> None:
         """Run ``pipe`` with a look at the lease and the workers; note what is missing."""
-        pipe.exists(self.keys.lease)
+        pipe.exists(self.keys.leader)  # not the lease: see Keys.leader
         pipe.hlen(self.keys.workers)
         *_, leads, workers = await pipe.execute()
         now = time.monotonic()

@@ -31,6 +31,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
     field_validator,
     model_validator,
@@ -130,6 +131,11 @@ class Section(BaseModel):
 
 class RedisConfig(Section):
     url: str = "redis://127.0.0.1:6379/0"
+    # the Redis ACL user every connection logs in as (``docs/security.md``): from the
+    # config file or the environment, not the URL on a command line, which ``ps`` shows;
+    # a user and password in the URL win over these
+    username: str | None = None
+    password: SecretStr | None = None
     connect_timeout: Seconds = 5.0
     server_binary: str | None = None  # explicit redis-server for the embedded server
     down_deadline: Seconds = 30.0  # how long to retry a Redis that is down before raising
@@ -380,12 +386,19 @@ def _read_file(path: Path) -> Mapping[str, Any]:
     return data
 
 
+# taken from the environment as written: a password of digits, or "yes", is a string
+_VERBATIM = {("redis", "username"), ("redis", "password")}
+
+
 def _env_items(environ: Mapping[str, str]) -> Iterable[tuple[Key, Any, str]]:
     for name in sorted(environ):
         if not name.startswith(ENV_PREFIX) or len(name) == len(ENV_PREFIX):
             continue
         source = f"environment variable {name}"
         key = tuple(_dash(part.lower()) for part in name[len(ENV_PREFIX) :].split("__"))
+        if key in _VERBATIM:
+            yield key, environ[name], source
+            continue
         try:
             value = yaml.safe_load(environ[name])
         except yaml.YAMLError as exc:

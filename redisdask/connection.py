@@ -11,14 +11,18 @@ scheduler, workers and nannies keep redis-py's errors: their reconnection loops 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import urllib.parse
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from redisdask import busy
 from redisdask.errors import ClusterConnectionError
+
+if TYPE_CHECKING:
+    from redisdask.config import RedisConfig
 
 
 def redact(url: str) -> str:
@@ -31,12 +35,47 @@ def redact(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=user + netloc))
 
 
-def _options(timeout: float, name: str | None) -> dict[str, Any]:
+def login(config: RedisConfig | None = None) -> dict[str, str]:
+    """The ACL user and password to connect as: ``redis.username`` and ``redis.password``
+    of ``config`` (else of ``load_config()``: the config file and the environment, which
+    the processes a cluster starts inherit).  A user and password in the URL win.  Why not
+    the URL only: a URL on a command line shows its password in ``ps``."""
+    if config is None:
+        from redisdask.config import load_config
+
+        config = load_config().redis
+    out = {}
+    if config.username:
+        out["username"] = config.username
+    if config.password is not None:
+        out["password"] = config.password.get_secret_value()
+    return out
+
+
+# No CLIENT subcommands on connecting but SETNAME: redis-py (>= 5) sends CLIENT SETINFO
+# and (>= 7, over RESP3, which it speaks when it logs in) CLIENT MAINT_NOTIFICATIONS,
+# ignoring a refusal.  The ACL roles of redisdask/acl.py grant neither (Redis 7.0 refuses
+# a rule naming a subcommand it does not know), and every refusal would fill the ACL LOG.
+_PARAMETERS = inspect.signature(redis.connection.AbstractConnection.__init__).parameters
+_QUIET: dict[str, Any] = (
+    {"driver_info": None}  # redis-py >= 7; before it lib_name/lib_version (deprecated since)
+    if "driver_info" in _PARAMETERS
+    else {"lib_name": None, "lib_version": None}
+)
+if "maint_notifications_config" in _PARAMETERS:
+    from redis.maint_notifications import MaintNotificationsConfig
+
+    _QUIET["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
+
+
+def _options(timeout: float, name: str | None, config: RedisConfig | None) -> dict[str, Any]:
     return {
         "socket_connect_timeout": timeout,
         "socket_keepalive": True,
         "health_check_interval": 30,
         "client_name": name,
+        **_QUIET,
+        **login(config),
     }
 
 
@@ -112,13 +151,15 @@ def connect(
     name: str | None = None,
     cluster_errors: bool = False,
     check: bool = True,
+    config: RedisConfig | None = None,
 ) -> redis.Redis:
     """A Redis client for ``url``, checked with PING (unless not ``check``);
     ``ClusterConnectionError`` if not.  ``cluster_errors``: a ``ClusterRedis``, whose
-    later connection failures are ``ClusterConnectionError`` too."""
+    later connection failures are ``ClusterConnectionError`` too.  ``config``: where the
+    user and password come from (``login``)."""
     try:
         client = (ClusterRedis if cluster_errors else busy.Redis).from_url(
-            url, **_options(timeout, name)
+            url, **_options(timeout, name, config)
         )
     except ValueError as exc:
         raise _invalid_url(url, exc) from exc
@@ -136,13 +177,18 @@ def connect(
 
 
 def connect_async(
-    url: str, *, timeout: float = 5.0, name: str | None = None, cluster_errors: bool = False
+    url: str,
+    *,
+    timeout: float = 5.0,
+    name: str | None = None,
+    cluster_errors: bool = False,
+    config: RedisConfig | None = None,
 ) -> redis.asyncio.Redis:
     """An asyncio Redis client for ``url`` (not yet checked: ``await check_async(...)``);
-    with ``cluster_errors`` an ``AsyncClusterRedis``."""
+    with ``cluster_errors`` an ``AsyncClusterRedis``; ``config`` as for ``connect``."""
     try:
         client = (AsyncClusterRedis if cluster_errors else busy.AsyncRedis).from_url(
-            url, **_options(timeout, name)
+            url, **_options(timeout, name, config)
         )
     except ValueError as exc:
         raise _invalid_url(url, exc) from exc
@@ -171,7 +217,8 @@ def unreachable(url: str, timeout: float, exc: BaseException) -> BaseException:
     if isinstance(exc, redis.AuthenticationError):  # a subclass of ConnectionError: first
         return ClusterConnectionError(
             f"Redis at {redact(url)} refused our credentials ({exc}); check the user and "
-            "password in the URL"
+            "password in the URL, or redis.username and redis.password in the config "
+            "(REDISDASK__REDIS__USERNAME, REDISDASK__REDIS__PASSWORD)"
         )
     if isinstance(exc, redis.ConnectionError | redis.TimeoutError | OSError):
         return ClusterConnectionError(

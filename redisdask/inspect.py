@@ -439,8 +439,11 @@ def read_keys(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
         pipe.type(sample[0])
         for name in sample:
             pipe.memory_usage(name, samples=5)
-        redis_type, *usages = pipe.execute()
-        measured = [u for u in usages if u is not None]
+        # a key the user may not read (the ``monitor`` role and ``secret``): counted, no type
+        redis_type, *usages = pipe.execute(raise_on_error=False)
+        if isinstance(redis_type, redis.ResponseError):
+            redis_type = b"(not readable)"
+        measured = [u for u in usages if isinstance(u, int)]
         mean = sum(measured) / len(measured) if measured else 0
         rows.append(
             {

@@ -170,7 +170,7 @@ class Scheduler:
         if self.token is None:
             return
         try:
-            self.apply([["DEL", self.keys.lease]])
+            self.apply([["DEL", self.keys.lease], ["DEL", self.keys.leader]])
             logger.info("scheduler %s released the lease (token %s)", self.id, self.token)
         except (FencedError, redis.RedisError) as exc:
             logger.warning("could not release the lease: %s", exc)

@@ -3,9 +3,14 @@
 All keys of one cluster share the hash tag ``{<cluster>}`` so that multi-key scripts and
 MULTI/EXEC stay valid on Redis Cluster, Valkey and managed Redis::
 
-    rd:{c}:meta                        hash    schema version, secret, sequence counter
+    rd:{c}:meta                        hash    schema version, sequence counter, versions
+    rd:{c}:secret                      string  the peer-to-peer HMAC key (hex): its own key,
+                                               which the ``monitor`` ACL role cannot read
     rd:{c}:lease                       string  fencing token of the active scheduler (PX ttl)
     rd:{c}:lease-token                 string  INCR counter the tokens come from
+    rd:{c}:leader                      string  present while a scheduler leads (the lease's
+                                               PX ttl): what clients look at, who may not
+                                               be given the lease itself
     rd:{c}:scheduler                   hash    id, host, pid, since, token, conn of the holder
     rd:{c}:applying                    string  within one cut fenced write: the last part done
     rd:{c}:stream:clients              stream  client -> scheduler messages (group "scheduler")
@@ -118,12 +123,26 @@ class Keys:
         return self.prefix + "meta"
 
     @property
+    def secret(self) -> str:
+        """The cluster's peer-to-peer secret: a key of its own, so that a read-only user
+        (the ``monitor`` role of ``redisdask/acl.py``) can be refused it alone."""
+        return self.prefix + "secret"
+
+    @property
     def lease(self) -> str:
         return self.prefix + "lease"
 
     @property
     def lease_token(self) -> str:
         return self.prefix + "lease-token"
+
+    @property
+    def leader(self) -> str:
+        """Present while a scheduler leads, with the lease's TTL: set with it by every
+        renewal.  Clients look here, not at the lease: Redis 6.2's ACL cannot give a key
+        read-only, so the ``client`` role gets this copy instead of write access to the
+        lease (``redisdask/acl.py``)."""
+        return self.prefix + "leader"
 
     @property
     def scheduler(self) -> str:
@@ -327,7 +346,8 @@ end
 # list of Redis commands (each a list of arguments) computed by the scheduler driver from
 # the state machine's instructions, including the XACK of the batch: effects and
 # acknowledgement land together or not at all, and only while the lease is ours.
-# KEYS: lease, lease-token, applying.  ARGV: token, commands, ttl ms, part, parts.
+# KEYS: lease, lease-token, applying, leader.  ARGV: token, commands, ttl ms, part,
+# parts.  ``leader`` is renewed with the lease (``Keys.leader``).
 # A big write is cut into parts (so that no script runs long enough for Redis to answer
 # other clients BUSY), sent as one MULTI/EXEC: nothing runs between them.  Each part
 # checks the fence and that the part before it succeeded (``applying`` holds the number
@@ -345,6 +365,7 @@ if part > 1 and redis.call('GET', KEYS[3]) ~= tostring(part - 1) then
   return redis.error_reply('ABORTED part ' .. part .. ' of ' .. parts .. ': an earlier part failed')
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+redis.call('SET', KEYS[4], '1', 'PX', ARGV[3])
 local commands = cmsgpack.unpack(ARGV[2])
 for i = 1, #commands do
   local reply = redis.pcall(unpack(commands[i]))
@@ -358,7 +379,8 @@ return #commands
 """
 )
 
-# Takes (or renews) the scheduler lease.  KEYS: lease, lease-token, scheduler.  ARGV:
+# Takes (or renews) the scheduler lease.  KEYS: lease, lease-token, scheduler, leader
+# (renewed with the lease: ``Keys.leader``).  ARGV:
 # our token ('' to ask for a new one), ttl ms, the name of our Redis connection, and the
 # token of a holder whose connection closed ('' if none: see ``lease.HolderWatch``), whose
 # lease is then taken although it has not expired.  A new token is written with the
@@ -369,12 +391,14 @@ ACQUIRE_LEASE = (
     + """
 if ours(ARGV[1]) then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  redis.call('SET', KEYS[4], '1', 'PX', ARGV[2])
   return ARGV[1]
 end
 local current = redis.call('GET', KEYS[1])
 if current and current ~= ARGV[4] then return false end
 local token = tostring(redis.call('INCR', KEYS[2]))
 redis.call('SET', KEYS[1], token, 'PX', ARGV[2])
+redis.call('SET', KEYS[4], '1', 'PX', ARGV[2])
 redis.call('HSET', KEYS[3], 'token', token, 'conn', ARGV[3])
 return token
 """
@@ -563,7 +587,7 @@ class Scripts:
         with ``token``, renewing it for ``ttl_ms``; raises ``ResponseError`` ``FENCED``.
         ``part`` (number, of how many) and ``client`` (a MULTI/EXEC pipeline): one part
         of a write cut in several (see ``APPLY_FENCED``)."""
-        keys = [self.keys.lease, self.keys.lease_token, self.keys.applying]
+        keys = [self.keys.lease, self.keys.lease_token, self.keys.applying, self.keys.leader]
         args = [token or "", pack_for_lua(commands), ttl_ms, *part]
         return self._apply_fenced(keys=keys, args=args, client=client)
 
@@ -573,7 +597,7 @@ class Scripts:
         """Renew the lease held with ``token``, or take it with a new token if it is free
         or held by ``gone`` (``token`` None asks for a new one); returns the token held,
         or None.  ``connection``: the name of the caller's Redis connection."""
-        keys = [self.keys.lease, self.keys.lease_token, self.keys.scheduler]
+        keys = [self.keys.lease, self.keys.lease_token, self.keys.scheduler, self.keys.leader]
         return self._acquire_lease(keys=keys, args=[token or "", ttl_ms, connection, gone])
 
     def load_tasks(self, *, cursor: int | bytes, count: int) -> Any:
@@ -1061,12 +1085,22 @@ def ensure_cluster(client: redis.Redis, keys: Keys) -> bytes:
     read-only tools never create a cluster: see ``cluster_secret``).  Returns the cluster
     secret used to authenticate peer-to-peer connections.  Raises ``SchemaError`` when the
     cluster was created by an incompatible version of redisdask.
+
+    The secret lives in a key of its own (``Keys.secret``), which the ``monitor`` ACL role
+    is not given: whoever holds it can make a worker unpickle.  A cluster created before
+    that kept it in ``meta``; the first scheduler or worker to start moves it (the same
+    value, so processes already connected keep talking) and deletes the readable copy.
     """
     pipe = client.pipeline(transaction=True)
     pipe.hsetnx(keys.meta, "schema_version", SCHEMA_VERSION)
-    pipe.hsetnx(keys.meta, "secret", secrets.token_hex(32))
     pipe.hmget(keys.meta, ["schema_version", "secret"])
-    version, secret = pipe.execute()[-1]
+    version, legacy = pipe.execute()[-1]
+    pipe = client.pipeline(transaction=True)
+    pipe.set(keys.secret, legacy or secrets.token_hex(32), nx=True)
+    pipe.get(keys.secret)
+    if legacy is not None:
+        pipe.hdel(keys.meta, "secret")
+    secret = pipe.execute()[1]
     for stream in (keys.client_stream, keys.worker_stream):
         try:
             client.xgroup_create(stream, SCHEDULER_GROUP, id="0", mkstream=True)
@@ -1079,7 +1113,10 @@ def ensure_cluster(client: redis.Redis, keys: Keys) -> bytes:
 async def cluster_secret(client: redis.asyncio.Redis, keys: Keys) -> bytes | None:
     """The secret of an existing cluster, or None when no scheduler or worker ever created
     one under this name (nothing is written: a mistyped name leaves no keys behind)."""
-    version, secret = await client.hmget(keys.meta, ["schema_version", "secret"])
+    pipe = client.pipeline(transaction=False)
+    pipe.hget(keys.meta, "schema_version")
+    pipe.get(keys.secret)
+    version, secret = await pipe.execute()
     if version is None or secret is None:
         return None
     return _checked_secret(keys, version, secret)
