@@ -45,6 +45,12 @@ DEATHS_PAGE = 1000  # entries of the deaths stream per XRANGE
 TASK_STATES = ("released", "waiting", "queued", "no-worker", "processing", "memory", "erred")
 # the worker task states distributed's dask_worker_tasks reports, from our heartbeats
 WORKER_TASK_STATES = {"executing": "executing", "ready": "ready", "stored": "in_memory"}
+# the kinds of the deaths stream's records (docs/redis-schema.md), exported from 0 on so
+# that rate() and increase() see a cluster's first death of each
+DEATH_KINDS = (
+    "graceful", "memory", "hung", "signal", "exception", "exit-code",
+    "heartbeat", "connection", "replaced",
+)  # fmt: skip
 
 
 class DeathCounts:
@@ -55,7 +61,7 @@ class DeathCounts:
     counter reset, as for any restarted process."""
 
     def __init__(self) -> None:
-        self.kinds: dict[str, int] = {}
+        self.kinds: dict[str, int] = dict.fromkeys(DEATH_KINDS, 0)
         self.last_id: bytes | None = None
 
     def read(self, r: redis.Redis, keys: Keys) -> None:
