@@ -80,6 +80,9 @@ def setup(level: str, role: str, name: str | None = None, log_format: LogFormat 
     root = logging.getLogger()
     root.handlers[:] = [_handler(log_format)]
     root.setLevel(level)
+    # warnings.warn's text, too, as JSON lines (not bare lines among them); an uncaught
+    # exception's traceback stays Python's text: a nanny reads it from its worker's output
+    logging.captureWarnings(log_format == "json")
 
 
 def setup_client(level: str, log_format: LogFormat) -> None:

@@ -158,6 +158,7 @@ def test_the_figures_follow_the_work_read_only(
     records = metrics.records
     assert {r["role"] for r in records} == {"exporter"}
     assert not [line for line in metrics.lines if password in line]
+    assert "redis://observer:***@" in records[0]["message"]  # the URL is logged, redacted
 
 
 def test_a_redis_that_goes_away_is_up_0_and_the_exporter_keeps_serving(
