@@ -197,3 +197,37 @@ def test_a_port_in_use_is_said_and_exits_1(redis_url: str, cluster_name: str) ->
         assert f"cannot serve metrics on 127.0.0.1:{first.port}" in done.stderr
         assert "free --port" in done.stderr
         first.stop()
+
+
+def healthcheck(url: str, cluster: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, REDISDASK__REDIS__URL=url, REDISDASK__CLUSTER__NAME=cluster)
+    return subprocess.run(
+        [sys.executable, "-m", "redisdask.healthcheck", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_the_compose_healthchecks_on_a_running_and_an_absent_cluster(
+    redis_url: str, read_only_url: str, cluster_name: str
+) -> None:
+    with (
+        LocalCluster(
+            nanny=False, n_workers=1, threads_per_worker=1, redis_url=redis_url,
+            cluster_name=cluster_name,
+        ),
+        exporter(read_only_url, cluster_name) as metrics,
+    ):  # fmt: skip
+        for role in ("scheduler", "worker"):  # read-only, as the monitor
+            assert healthcheck(read_only_url, cluster_name, role).returncode == 0, role
+        assert healthcheck(redis_url, cluster_name, "exporter", str(metrics.port)).returncode == 0
+    absent = f"{cluster_name}-absent"
+    led = healthcheck(read_only_url, absent, "scheduler")
+    assert led.returncode == 1 and "no scheduler holds the lease" in led.stderr
+    worker = healthcheck(read_only_url, absent, "worker")
+    assert worker.returncode == 1 and "sent a heartbeat in the last 3 s" in worker.stderr
+    assert "observer:***@" in worker.stderr and read_only_url not in worker.stderr
+    gone = healthcheck(redis_url, cluster_name, "exporter", str(metrics.port))
+    assert gone.returncode == 1 and "unhealthy" in gone.stderr
