@@ -1,8 +1,10 @@
 """The ``redisdask`` command: ``scheduler``, ``worker``, ``status``, ``monitor``, ``inspect``,
-``demo``, ``config show``, ``acl``.
+``exporter``, ``demo``, ``config show``, ``acl``.
 
 Every command that talks to a cluster takes the Redis URL as its first positional
 argument (default from config, else ``redis://127.0.0.1:6379/0``) and ``--cluster NAME``.
+A URL with a password belongs in the environment (``REDISDASK__REDIS__URL``) or the config
+file rather than on the command line, where ``ps`` shows it to every user of the machine.
 Exit codes: 0 success, 1 failure at run time, 2 bad usage or configuration.
 """
 
@@ -35,6 +37,7 @@ CONFIG_FLAGS = {
     "resources": "worker.resources",
 }
 CONFIG_PATH_FLAGS = {"local_directory": "worker.local-directory"}
+DEFAULT_EXPORTER_PORT = 9649  # redisdask exporter's /metrics
 
 
 def _int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -218,6 +221,23 @@ def build_parser() -> argparse.ArgumentParser:
         "-n", "--count", type=_int_at_least(0), default=50, help="how many recent events"
     )
     q.add_argument("--json", action="store_true", help="JSON (one object per line with -f)")
+
+    p = sub.add_parser(
+        "exporter", help="serve the cluster's figures to Prometheus on /metrics (read-only)"
+    )
+    _add_common(p, url, cluster)
+    p.add_argument(
+        "--port",
+        type=_int_at_least(0, 65535),
+        default=DEFAULT_EXPORTER_PORT,
+        help=f"port of the metrics endpoint; 0: any free port (default: {DEFAULT_EXPORTER_PORT})",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="interface to serve on; 0.0.0.0 for a Prometheus on another machine "
+        "(default: 127.0.0.1)",
+    )
 
     p = sub.add_parser("demo", help="run a small computation on a local cluster")
     p.add_argument(
@@ -450,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         if args.command == "scheduler":
-            logs.setup(config.logging.level, "scheduler")
+            logs.setup(config.logging.level, "scheduler", log_format=config.logging.format)
             from redisdask.scheduler import main as scheduler_main
 
             scheduler_main(
@@ -468,12 +488,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         elif args.command == "worker":
             role = "worker" if args.no_nanny else "nanny"
-            logs.setup(config.logging.level, role, args.name)
+            logs.setup(config.logging.level, role, args.name, config.logging.format)
             return _worker(args, config)
+        elif args.command == "exporter":
+            logs.setup(config.logging.level, "exporter", args.cluster, config.logging.format)
+            from redisdask.exporter import run_exporter
+
+            return run_exporter(
+                args.redis_url,
+                args.cluster,
+                host=args.host,
+                port=args.port,
+                connect_timeout=config.redis.connect_timeout,
+            )
         elif args.command in ("inspect", "status", "monitor"):
             return _read_only(args, config)
         elif args.command == "demo":
-            logs.setup("WARNING", "demo")
+            logs.setup("WARNING", "demo", log_format=config.logging.format)
             try:
                 from redisdask.demo import run_demo
             except ModuleNotFoundError as exc:

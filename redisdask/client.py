@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 import cloudpickle
 import redis
 
-from redisdask import comm, schema, task_context
+from redisdask import comm, logs, schema, task_context
 from redisdask import spec as specs
 from redisdask.backoff import Backoff
 from redisdask.client_channel import SchedulerChannel, _Outgoing
@@ -159,6 +159,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
             )
         cluster_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _LOCAL_CLUSTER_ARGS}
         self.config = load_config(kwargs or None)
+        logs.setup_client(self.config.logging.level, self.config.logging.format)
         self.cluster: LocalCluster | None = None  # a cluster this client started (and closes)
         self._new_cluster: dict[str, Any] | None = None  # LocalCluster arguments, to start one
         if address is None and "url" not in self.config.redis.model_fields_set:

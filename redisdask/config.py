@@ -251,6 +251,9 @@ class ClientConfig(Section):
 
 class LoggingConfig(Section):
     level: LogLevel = "INFO"
+    # text: one readable line per record; json: one JSON object per line (redisdask/logs.py),
+    # for log shippers
+    format: Literal["text", "json"] = "text"
 
 
 class RetentionConfig(Section):

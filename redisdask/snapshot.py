@@ -4,9 +4,9 @@ frame of ``monitor`` draws.
 ``read_snapshot`` sends one pipeline of read-only commands (``SNAPSHOT_COMMANDS`` of
 them: the scheduler and summary hashes, the lease's TTL, the workers and heartbeats
 hashes, the newest events and deaths, ``INFO``, whether the cluster exists; a SCAN
-for the other clusters only when it does not), so a refresh costs Redis the same
-whether the cluster runs ten tasks or a million: the scheduler keeps the counts per task
-prefix and state in ``rd:{c}:summary`` for exactly this.
+for the other clusters only when it does not, and not for the exporter), so a refresh
+costs Redis the same whether the cluster runs ten tasks or a million: the scheduler keeps
+the counts per task prefix and state in ``rd:{c}:summary`` for exactly this.
 """
 
 from __future__ import annotations
@@ -92,9 +92,16 @@ class Snapshot:
 
 
 def read_snapshot(
-    r: redis.Redis, keys: Keys, *, events: int = 20, deaths: int = 5, window: int = 60
+    r: redis.Redis,
+    keys: Keys,
+    *,
+    events: int = 20,
+    deaths: int = 5,
+    window: int = 60,
+    others: bool = True,
 ) -> Snapshot:
-    """Everything the monitor shows, in one round trip of read-only commands."""
+    """Everything the monitor shows, in one round trip of read-only commands (and, when
+    the cluster does not exist and ``others``, a SCAN for the names of those that do)."""
     pipe = r.pipeline(transaction=False)
     pipe.hgetall(keys.scheduler)
     pipe.pttl(keys.lease)
@@ -110,7 +117,7 @@ def read_snapshot(
     )
     now = time.time()
     snap = Snapshot(cluster=keys.cluster, time=now, lease_ttl_ms=int(pttl), exists=bool(exists))
-    if not exists:
+    if not exists and others:
         snap.other_clusters = known_clusters(r)
     snap.scheduler = {k.decode(): v.decode(errors="replace") for k, v in scheduler.items()}
     snap.scheduler.pop("versions", None)

@@ -22,12 +22,14 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     )
 
 
-@pytest.mark.parametrize("command", [[], ["scheduler"], ["worker"], ["demo"], ["config"]])
+@pytest.mark.parametrize(
+    "command", [[], ["scheduler"], ["worker"], ["exporter"], ["demo"], ["config"]]
+)
 def test_help_on_every_command(command: list[str]) -> None:
     result = run(*command, "--help")
     assert result.returncode == 0
     assert "usage: redisdask" in result.stdout
-    if command in (["scheduler"], ["worker"]):
+    if command in (["scheduler"], ["worker"], ["exporter"]):
         assert "redis_url" in result.stdout and "--cluster" in result.stdout
 
 
@@ -42,6 +44,13 @@ def test_invalid_config_exits_2_naming_the_key() -> None:
     assert result.returncode == 2
     assert "scheduler.worker-ttl" in result.stderr
     assert "REDISDASK__SCHEDULER__WORKER_TTL" in result.stderr
+
+
+def test_an_unknown_log_format_exits_2_naming_the_key() -> None:
+    result = run("config", "show", env={"REDISDASK__LOGGING__FORMAT": "xml"})
+    assert result.returncode == 2
+    assert "logging.format" in result.stderr and "REDISDASK__LOGGING__FORMAT" in result.stderr
+    assert "json" in result.stderr  # the values it takes
 
 
 def test_bad_usage_exits_2() -> None:
