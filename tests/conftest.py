@@ -69,17 +69,17 @@ def _ship_test_functions_by_value(request: pytest.FixtureRequest) -> None:
         cloudpickle.register_pickle_by_value(sys.modules["tasklib"])
 
 
-@pytest.fixture(scope="session")
-def read_only_url(redis_server: EmbeddedRedis) -> str:
-    """The session's Redis as a user that may only read: the observing tools run as it,
-    so any write they tried would fail the test (Redis refuses it)."""
+@pytest.fixture
+def read_only_url(redis_server: EmbeddedRedis, cluster_name: str) -> str:
+    """The session's Redis as the ``monitor`` role of the test's cluster (docs/security.md):
+    the observing tools run as it, so any write they tried, or any read of the peer secret,
+    would fail the test (Redis refuses it)."""
     import redis
+
+    from redisdask.acl import setuser_args
 
     password = uuid.uuid4().hex
     r = redis.Redis.from_url(redis_server.url)
-    r.execute_command(
-        "ACL", "SETUSER", "observer", "on", f">{password}", "~*", "resetchannels", "-@all",
-        "+@read", "+@connection", "+info", "+memory|usage", "+select",
-    )  # fmt: skip
+    r.execute_command(*setuser_args("monitor", cluster_name, user="observer", password=password))
     r.close()
     return redis_server.url.replace("redis://", f"redis://observer:{password}@", 1)

@@ -223,10 +223,9 @@ def test_the_compose_healthchecks_on_a_running_and_an_absent_cluster(
         for role in ("scheduler", "worker"):  # read-only, as the monitor
             assert healthcheck(read_only_url, cluster_name, role).returncode == 0, role
         assert healthcheck(redis_url, cluster_name, "exporter", str(metrics.port)).returncode == 0
-    absent = f"{cluster_name}-absent"
-    led = healthcheck(read_only_url, absent, "scheduler")
+    led = healthcheck(read_only_url, cluster_name, "scheduler")  # the cluster stopped
     assert led.returncode == 1 and "no scheduler holds the lease" in led.stderr
-    worker = healthcheck(read_only_url, absent, "worker")
+    worker = healthcheck(read_only_url, cluster_name, "worker")
     assert worker.returncode == 1 and "sent a heartbeat in the last 3 s" in worker.stderr
     assert "observer:***@" in worker.stderr and read_only_url not in worker.stderr
     gone = healthcheck(redis_url, cluster_name, "exporter", str(metrics.port))
