@@ -142,9 +142,12 @@ def test_a_restarted_scheduler_skips_malformed_records_and_the_good_work_finishe
         ):
             done = run_cli("inspect", *args, redis_url, "--cluster", cluster_name)
             assert done.returncode == 0, (args, done.stdout, done.stderr)
-        assert "state" in run_cli(
-            "inspect", "task", "victim-score", redis_url, "--cluster", cluster_name, "--json"
-        ).stdout
+        assert (
+            "state"
+            in run_cli(
+                "inspect", "task", "victim-score", redis_url, "--cluster", cluster_name, "--json"
+            ).stdout
+        )
 
         old_token = r.get(keys.lease)
         cluster.start_scheduler()
