@@ -553,8 +553,13 @@ class WorkerWatch:
         for (address, (how, reason)), beat in zip(dead.items(), beats, strict=True):
             self.missing.pop(address, None)
             self.seen_on.pop(address, None)
-            last = schema.unpack(beat) if beat else {}
-            age = f"; last heartbeat {time.time() - last['time']:.1f} s ago" if last else ""
+            last = schema.unpack_or(beat, {}, dict)  # (a stranger's: no evidence, no crash)
+            beat_time = last.get("time")
+            age = (
+                f"; last heartbeat {time.time() - beat_time:.1f} s ago"
+                if isinstance(beat_time, int | float) and not isinstance(beat_time, bool)
+                else ""
+            )
             events.append(
                 RemoveWorker(
                     worker=address,

@@ -358,6 +358,17 @@ def worker_info(record: str, raw: bytes) -> dict[str, Any]:
     return info
 
 
+def worker_info_or_empty(raw: bytes | None) -> dict[str, Any]:
+    """A workers entry for a reader that shows what it can: ``{}`` when it is malformed
+    (the scheduler, which acts on it, logs and repairs it: ``redisdask/quarantine.py``)."""
+    from redisdask.errors import RecordError
+
+    try:
+        return worker_info("", raw or b"")
+    except RecordError:
+        return {}
+
+
 def entry(messages: Sequence[dict[str, Any]]) -> dict[str, bytes]:
     """The fields of one stream entry carrying ``messages``."""
     return {"m": pack(list(messages))}

@@ -12,6 +12,7 @@ same cases on every run, on CI too.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import pickle
 import struct
@@ -224,10 +225,8 @@ worker_infos = st.one_of(
 def test_workers_entries_and_msgpack_decode_or_raise_their_error() -> None:
     def one(raw: bytes) -> None:
         schema.unpack_or(raw, "default")  # tolerant: never raises
-        try:
+        with contextlib.suppress(ValueError):  # its one error
             schema.unpack(raw)
-        except ValueError:
-            pass
         try:
             info = schema.worker_info("rd:{fuzz}:workers/tcp://x:1", raw)
         except RecordError as exc:
