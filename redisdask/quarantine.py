@@ -13,7 +13,8 @@ was found, what to do) and notes it here; the driver then writes, in one fenced 
 * the repair: a task's hash is deleted and the task errs (``BadRecord``: its futures
   raise ``SchedulerRejectedError`` naming the record, instead of waiting for ever), a
   workers entry is replaced by an empty map (the worker stays registered and watched,
-  so what it runs is recovered if it is dead), a rebalance's record is dropped.
+  so what it runs is recovered if it is dead), a rebalance's record is marked done with
+  the error as what failed (its client raises ``KeyError`` naming it, instead of waiting).
 
 After the write the record is gone, so it is logged once, not at every reload.
 """
@@ -34,6 +35,7 @@ logger = logging.getLogger("redisdask.scheduler")
 DEAD_LETTER_SAMPLE = 4096  # bytes of each field kept of a dead-lettered entry or record
 DEAD_LETTER_FIELDS = 16  # fields kept of one
 DEAD_LETTER_MAXLEN = 10_000  # entries the dead-letter stream keeps (about)
+REBALANCE_RECORD_TTL_MS = 3_600_000  # a finished rebalance's record, for its client to read
 
 
 def dead_letter_command(
@@ -75,7 +77,7 @@ class Quarantined:
         then = {
             "task": "its task errs with SchedulerRejectedError; submit it again",
             "worker": "the worker stays registered without its info; restart it",
-            "rebalance": "that rebalance is dropped; ask for it again",
+            "rebalance": "that rebalance ends, failed; ask for it again",
         }[self.kind]
         logger.warning(
             "skipped a malformed %s record: %s. It is copied to the dead-letter stream and "
@@ -94,8 +96,14 @@ class Quarantined:
                 out.append(["HDEL", keys.workers, self.member])
             else:
                 out.append(["HSET", keys.workers, self.member, schema.pack({})])
-        else:
-            out += [["DEL", self.key], ["SREM", keys.rebalances, self.member]]
+        else:  # done, with the error as what failed: its client raises instead of waiting
+            failed = schema.pack([f"the rebalance's record was malformed: {self.error}"])
+            out += [
+                ["DEL", self.key],
+                ["SREM", keys.rebalances, self.member],
+                ["HSET", self.key, "status", "done", "moves", 0, "moved", 0, "failed", failed],
+                ["PEXPIRE", self.key, REBALANCE_RECORD_TTL_MS],
+            ]
         return out
 
     def events(self) -> list[BadRecord]:

@@ -31,7 +31,7 @@ from redisdask.errors import ProtocolError, RecordError
 from redisdask.events import death_fields, event_command
 from redisdask.heap import no_collections
 from redisdask.protocol import SCHEDULER_EVENTS, AddWorker, Event, FreeKeys, parse
-from redisdask.quarantine import Quarantined
+from redisdask.quarantine import REBALANCE_RECORD_TTL_MS, Quarantined
 from redisdask.scheduler_instructions import (
     ClaimAccepted,
     ClientMsg,
@@ -60,7 +60,6 @@ logger = logging.getLogger("redisdask.scheduler")
 
 MAX_ARGS = 2000  # Lua's unpack() limit is ~8000 arguments per command
 LOAD_PAGE = 2000  # task records per LOAD_TASKS call (a few milliseconds of Redis's time)
-REBALANCE_RECORD_TTL_MS = 3_600_000  # a finished rebalance's record, for its client to read
 SUMMARY_INTERVAL = 0.5  # seconds between writes of the summary hash while tasks change
 SUMMARY_SHARE = 0.05  # the most of the scheduler's time the summary's passes may take
 THROUGHPUT_WINDOW = 60  # seconds of finished-task counts the summary keeps

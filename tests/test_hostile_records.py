@@ -66,12 +66,15 @@ def test_load_state_skips_each_malformed_record_and_says_what_was_wrong(
     worker = sorted(ours.workers)[0]
     r.hset(keys.workers, worker, NOT_MSGPACK)
     r.hset(keys.meta, "seq", "twelve")
+    r.sadd(keys.rebalances, "rb-1")
+    r.hset(keys.rebalance("rb-1"), mapping={"client": "c", "status": "moving", "moves": "x"})
 
     found: list[Quarantined] = []
     with caplog.at_level(logging.WARNING, "redisdask.scheduler"):
         state = load_state(r, keys, quarantined=found)
     by_name = {q.name: q for q in found}
-    assert set(by_name) == {no_state, bad_score, bad_deps, worker}
+    assert set(by_name) == {no_state, bad_score, bad_deps, worker, None}
+    assert [q.kind for q in found if q.name is None] == ["rebalance"]
     assert by_name[no_state].error.field == "state"
     assert by_name[bad_score].error.field == "score"
     assert "not-a-number" in by_name[bad_score].error.evidence
@@ -89,6 +92,28 @@ def test_load_state_skips_each_malformed_record_and_says_what_was_wrong(
         assert keys.task(key) in text
     assert "'score'" in text and "not-a-number" in text and "XRANGE" in text
     assert "seq" in text and "twelve" in text
+
+    # the repair (the driver writes it fenced, with the tasks' errors; here as it is)
+    pipe = r.pipeline(transaction=True)
+    for one in found:
+        for command in one.commands(keys):
+            pipe.execute_command(*command)
+    pipe.execute()
+    dead = [f for _, f in r.xrange(keys.dead_letter)]
+    assert {f[b"stream"] for f in dead} == {
+        keys.task(no_state).encode(), keys.task(bad_score).encode(),
+        keys.task(bad_deps).encode(), f"{keys.workers}/{worker}".encode(),
+        keys.rebalance("rb-1").encode(),
+    }  # fmt: skip
+    assert all(f[b"id"] == b"record" for f in dead)
+    assert unpack(r.hget(keys.workers, worker)) == {}
+    rebalance = r.hgetall(keys.rebalance("rb-1"))
+    assert rebalance[b"status"] == b"done" and b"malformed" in rebalance[b"failed"]
+    caplog.clear()
+    again: list[Quarantined] = []
+    with caplog.at_level(logging.WARNING, "redisdask.scheduler"):
+        load_state(r, keys, quarantined=again)
+    assert again == [] and "malformed" not in caplog.text  # repaired: logged once
 
 
 def test_a_restarted_scheduler_skips_malformed_records_and_the_good_work_finishes(
