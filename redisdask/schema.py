@@ -349,7 +349,8 @@ def worker_info(record: str, raw: bytes) -> dict[str, Any]:
     try:
         info = unpack(raw)
     except ValueError as exc:
-        raise RecordError(record, "info", evidence(raw), f"is not msgpack ({exc})") from None
+        problem = f"is not msgpack ({exc or type(exc).__name__})"
+        raise RecordError(record, "info", evidence(raw), problem) from None
     if not isinstance(info, dict) or not all(isinstance(k, str) for k in info):
         raise RecordError(record, "info", evidence(raw), "should be a msgpack map of str keys")
     for name, check in _WORKER_INFO.items():

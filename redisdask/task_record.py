@@ -340,7 +340,7 @@ def _checked_list(raw: bytes, kind: type, what: str) -> list[Any]:
     try:
         value = schema.unpack(raw)
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"is not msgpack ({exc})") from None
+        raise ValueError(f"is not msgpack ({exc or type(exc).__name__})") from None
     if not isinstance(value, list) or not all(isinstance(x, kind) for x in value):
         raise ValueError(f"should be a msgpack list of {what}")
     return value

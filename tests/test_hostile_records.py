@@ -113,7 +113,7 @@ def test_load_state_skips_each_malformed_record_and_says_what_was_wrong(
     again: list[Quarantined] = []
     with caplog.at_level(logging.WARNING, "redisdask.scheduler"):
         load_state(r, keys, quarantined=again)
-    assert again == [] and "malformed" not in caplog.text  # repaired: logged once
+    assert again == [] and "skipped a malformed" not in caplog.text  # repaired: logged once
 
 
 def test_a_restarted_scheduler_skips_malformed_records_and_the_good_work_finishes(
