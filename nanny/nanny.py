@@ -413,7 +413,7 @@ class Nanny:
         last: dict[str, Any] = {}
         if watch.address is not None:
             raw = await self.redis.hget(self.keys.heartbeats, watch.address)
-            last = schema.unpack(raw) if raw else {}
+            last = schema.unpack_or(raw, {}, dict)  # (a stranger's: no evidence, no crash)
         evidence = deaths.evidence(watch.exit, kind, restarted, last)
         evidence.update(pid=watch.pid, host=socket.gethostname(), name=self.name or self.label)
         if kind != "graceful" and watch.address is not None:

@@ -453,7 +453,14 @@ class SchedulerChannel:
                     logger.exception("client %s: error handling scheduler messages", self.id)
 
     def _handle_entry(self, fields: dict[bytes, bytes]) -> None:
-        for raw in schema.unpack(fields[b"m"]):
+        messages = schema.unpack_or(fields.get(b"m"), None, list)
+        if messages is None:
+            logger.warning(
+                "client %s: ignoring an entry of its events stream that is no msgpack list "
+                "of messages in field 'm' (fields %s)", self.id, sorted(fields)[:5],
+            )  # fmt: skip
+            return
+        for raw in messages:
             try:
                 msg = parse(raw, SCHEDULER_TO_CLIENT)
             except ProtocolError as exc:
@@ -575,8 +582,11 @@ def _load_error(msg: KeyErred) -> tuple[BaseException, Any]:
             "raised here)"
         )
     if exc is None and msg.killed:
-        evidence = schema.unpack(msg.killed)
-        exc = KilledWorker(evidence["task"], evidence["deaths"], msg.exception_text)
+        # (a record's bytes, passed on as they are: whatever they hold, the future errs)
+        evidence = schema.unpack_or(msg.killed, {}, dict)
+        deaths = evidence.get("deaths")
+        deaths = [d for d in deaths if isinstance(d, dict)] if isinstance(deaths, list) else []
+        exc = KilledWorker(str(evidence.get("task") or msg.key), deaths, msg.exception_text)
     if exc is None and msg.rejected:
         from redisdask.errors import SchedulerRejectedError
 

@@ -55,7 +55,8 @@ class ClusterAdmin:
         self._check_running()
         timeout = _seconds(timeout) or 30.0
         before = {
-            a.decode(): schema.unpack(v) for a, v in self.redis.hgetall(self.keys.workers).items()
+            a.decode(errors="replace"): schema.worker_info_or_empty(v)
+            for a, v in self.redis.hgetall(self.keys.workers).items()
         }
         deadline = time.monotonic() + timeout
         self._restarted.clear()
@@ -73,7 +74,7 @@ class ClusterAdmin:
 
         def back() -> bool:
             now = {
-                a.decode(): schema.unpack(v)
+                a.decode(errors="replace"): schema.worker_info_or_empty(v)
                 for a, v in self.redis.hgetall(self.keys.workers).items()
             }
             fresh = [a for a, w in now.items() if (a, w.get("started")) not in old]
@@ -240,9 +241,10 @@ class ClusterAdmin:
         """Bytes of results each worker holds, from its last heartbeat."""
         held = dict.fromkeys(addresses, 0)
         for address, raw in self.redis.hgetall(self.keys.heartbeats).items():
-            beat = schema.unpack(raw)
-            if address.decode() in held and isinstance(beat, dict):
-                held[address.decode()] = int(beat.get("managed") or 0)
+            beat = schema.unpack_or(raw, {}, dict)
+            managed = beat.get("managed")
+            if address.decode(errors="replace") in held and isinstance(managed, int):
+                held[address.decode()] = managed
         return held
 
     # ------------------------------------------------------------------ information
@@ -266,17 +268,17 @@ class ClusterAdmin:
         workers_raw, beats_raw, sched = pipe.execute()
         workers = {}
         for address, info in workers_raw.items():
-            entry = schema.unpack(info)
+            entry = schema.worker_info_or_empty(info)  # (a stranger's entry: what is known)
             beat = beats_raw.get(address)
             if beat:
-                entry["metrics"] = schema.unpack(beat)
-            workers[address.decode()] = entry
+                entry["metrics"] = schema.unpack_or(beat, {}, dict)
+            workers[address.decode(errors="replace")] = entry
         return {
             "type": "Scheduler",
             "id": (sched.get(b"id") or b"").decode(),
             "address": redact(self.redis_url),
             "cluster": self.keys.cluster,
-            "started": float(sched[b"since"]) if sched.get(b"since") else None,
+            "started": _since(sched.get(b"since")),
             "n_workers": len(workers),
             "total_threads": sum(int(w.get("nthreads") or 0) for w in workers.values()),
             "workers": workers,
@@ -295,9 +297,10 @@ class ClusterAdmin:
         sched, workers = pipe.execute()
         result = {
             "client": versions(packages),
-            "scheduler": schema.unpack(sched) if sched else None,
+            "scheduler": schema.unpack_or(sched, None, dict),
             "workers": {
-                a.decode(): schema.unpack(i).get("versions", {}) for a, i in workers.items()
+                a.decode(errors="replace"): schema.worker_info_or_empty(i).get("versions", {})
+                for a, i in workers.items()
             },
         }
         if packages:
@@ -336,3 +339,11 @@ class ClusterAdmin:
     @offloaded
     def nthreads(self) -> dict[str, int]:
         return {a: w.get("nthreads", 0) for a, w in self._cluster_info()["workers"].items()}
+
+
+def _since(raw: bytes | None) -> float | None:
+    """When the leading scheduler took the lease; None when unknown (or unreadable)."""
+    try:
+        return float(raw) if raw else None
+    except ValueError:
+        return None

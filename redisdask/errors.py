@@ -13,6 +13,9 @@
     ├── SchemaError                                    the cluster in Redis is incompatible
     ├── FencedError                                    a scheduler lost its lease
     ├── ProtocolError                                  a malformed stream entry or frame
+    │   └── RecordError                                a malformed record in Redis (a task
+    │                                                  hash, a workers entry): skipped,
+    │                                                  dead-lettered, its futures err
     ├── CommError                                      peer-to-peer transport (redisdask.comm)
     │   ├── ProtocolError (also the one above)         a malformed frame from a peer
     │   ├── AuthenticationError                        the HMAC handshake failed
@@ -98,6 +101,17 @@ class FencedError(RedisDaskError):
 
 class ProtocolError(RedisDaskError):
     """A message on a stream or a socket does not follow the protocol."""
+
+
+class RecordError(ProtocolError):
+    """A record in Redis (a task hash, an entry of the workers hash) that does not follow
+    ``docs/redis-schema.md``: a field missing, or one that cannot be decoded.  ``record``
+    names the Redis key (and the hash field, for an entry of a hash), ``field`` the
+    record's field, ``evidence`` a bounded ``repr`` of what was found there."""
+
+    def __init__(self, record: str, field: str, evidence: str, problem: str) -> None:
+        super().__init__(f"record {record!r}: field {field!r} {problem} (found {evidence})")
+        self.record, self.field, self.evidence, self.problem = record, field, evidence, problem
 
 
 class FutureCancelledError(RedisDaskError, CancelledError):

@@ -250,7 +250,7 @@ def read_task(r: redis.Redis, keys: Keys, key: str) -> dict[str, Any]:
     task["resources"] = record.resources
     if record.state == "no-worker":  # why: what it asks for, what the workers have
         infos = {
-            a.decode(errors="replace"): schema.unpack_or(i, {}, dict)
+            a.decode(errors="replace"): schema.worker_info_or_empty(i)
             for a, i in r.hgetall(keys.workers).items()
         }
         placement = Placement(lambda: infos)
@@ -344,7 +344,7 @@ def _worker_story_table(rows: list[dict[str, Any]], title: str) -> Table:
 def read_worker(r: redis.Redis, keys: Keys, who: str, story: int = 200) -> dict[str, Any] | None:
     """A live worker by address or name; else the newest death record of one."""
     workers = {
-        a.decode(errors="replace"): schema.unpack_or(i, {}, dict)
+        a.decode(errors="replace"): schema.worker_info_or_empty(i)
         for a, i in r.hgetall(keys.workers).items()
     }
     address = next((a for a, i in workers.items() if who in (a, i.get("name"))), None)

@@ -43,6 +43,7 @@ from redisdask.connection import connect, redact
 from redisdask.errors import FencedError, ProtocolError
 from redisdask.heap import Heap
 from redisdask.lease import LOOK_INTERVAL, HolderWatch, Lease
+from redisdask.quarantine import Quarantined, dead_letter_command
 from redisdask.scheduler_redis import Summary, Translator, decode_entry, load_state, rejected_graphs
 from redisdask.scheduler_state import CloseClient, Event, RemoveWorker, SchedulerState
 from redisdask.schema import Keys
@@ -62,7 +63,6 @@ MAX_BATCH_BYTES = 256 << 10
 SLOW_BATCH = 0.2  # a batch longer than this share of the lease is logged, with its parts
 MAX_BATCH_WEIGHT = 10_000  # tasks and keys named per batch (see _batches)
 MAX_SCRIPT_COMMANDS = 5_000  # commands per APPLY_FENCED script (see Scheduler.apply)
-DEAD_LETTER_SAMPLE = 4096  # bytes of each field kept of a dead-lettered entry
 
 
 class Scheduler:
@@ -102,6 +102,7 @@ class Scheduler:
         self.trust_clients_at = 0.0
         self.looked_at = time.monotonic()  # the last look for the dead
         self._stopping = False
+        self._quarantining = False  # writing the repair of malformed records
         self.previous: str | None = None  # the lease holder before us
         self.redis_away: float | None = None  # seconds Redis was away before this lead
         self.summary = Summary()
@@ -317,12 +318,38 @@ class Scheduler:
         return [CloseClient(client=client, stimulus_id=f"client-ttl-{client}") for client in gone]
 
     def _load(self) -> SchedulerState:
+        quarantined: list[Quarantined] = []
         with self.lease.kept():
             state = load_state(
-                self.redis, self.keys, self.validate, self.allowed_failures, self.rebalance
-            )
+                self.redis, self.keys, self.validate, self.allowed_failures, self.rebalance,
+                quarantined=None if self._quarantining else quarantined,
+            )  # fmt: skip
+            if quarantined:
+                self._quarantine(state, quarantined)
         self.heap.settle()
         return state
+
+    def _quarantine(self, state: SchedulerState, quarantined: list[Quarantined]) -> None:
+        """Dead-letter and repair the malformed records ``load_state`` skipped and err
+        their tasks, in one fenced write (``redisdask/quarantine.py``).  A write that
+        fails leaves them to the next reload, which skips them again: never a loop."""
+        commands = [c for q in quarantined for c in q.commands(self.keys)]
+        events: list[Event] = [e for q in quarantined for e in q.events()]
+        if events:
+            instructions = state.handle_stimulus(*events)
+            commands += self.translator.to_commands(instructions)
+            commands += self.translator.story(events, instructions)
+        commands.append(["HSET", self.keys.meta, "seq", state.seq])
+        self._quarantining = True  # (a failed write reloads: without quarantining again)
+        try:
+            self.apply(commands)
+        except redis.ResponseError as exc:
+            logger.error(
+                "could not quarantine %d malformed records (%s): they stay, and are skipped "
+                "again at the next reload", len(quarantined), exc,
+            )  # fmt: skip
+        finally:
+            self._quarantining = False
 
     def stop(self) -> None:
         self._stopping = True
@@ -403,26 +430,7 @@ class Scheduler:
         self, stream: str, entry_id: bytes, fields: dict[bytes, bytes], error: str
     ) -> list[Any]:
         logger.warning("dead-lettered entry %s of %s: %s", entry_id.decode(), stream, error)
-        # a bounded copy: a stranger's entry may have any number of fields of any size
-        sample = schema.pack({k: v[:DEAD_LETTER_SAMPLE] for k, v in list(fields.items())[:16]})
-        return [
-            "XADD",
-            self.keys.dead_letter,
-            "MAXLEN",
-            "~",
-            10_000,
-            "*",
-            "stream",
-            stream,
-            "id",
-            entry_id,
-            "error",
-            error[:DEAD_LETTER_SAMPLE],
-            "nfields",
-            len(fields),
-            "sample",
-            sample,
-        ]
+        return dead_letter_command(self.keys, stream, entry_id, fields, error)
 
     def apply(self, commands: list[list[Any]]) -> None:
         """Write ``commands`` atomically, fenced by our token.  A big write goes as
@@ -545,8 +553,13 @@ class WorkerWatch:
         for (address, (how, reason)), beat in zip(dead.items(), beats, strict=True):
             self.missing.pop(address, None)
             self.seen_on.pop(address, None)
-            last = schema.unpack(beat) if beat else {}
-            age = f"; last heartbeat {time.time() - last['time']:.1f} s ago" if last else ""
+            last = schema.unpack_or(beat, {}, dict)  # (a stranger's: no evidence, no crash)
+            beat_time = last.get("time")
+            age = (
+                f"; last heartbeat {time.time() - beat_time:.1f} s ago"
+                if isinstance(beat_time, int | float) and not isinstance(beat_time, bool)
+                else ""
+            )
             events.append(
                 RemoveWorker(
                     worker=address,

@@ -27,10 +27,11 @@ import redis
 
 from redisdask import schema
 from redisdask.config import RetentionConfig
-from redisdask.errors import ProtocolError
+from redisdask.errors import ProtocolError, RecordError
 from redisdask.events import death_fields, event_command
 from redisdask.heap import no_collections
 from redisdask.protocol import SCHEDULER_EVENTS, AddWorker, Event, FreeKeys, parse
+from redisdask.quarantine import REBALANCE_RECORD_TTL_MS, Quarantined
 from redisdask.scheduler_instructions import (
     ClaimAccepted,
     ClientMsg,
@@ -53,13 +54,12 @@ from redisdask.scheduler_instructions import (
 from redisdask.scheduler_moves import RebalanceConfig, RebalanceRecord
 from redisdask.scheduler_state import HOLDS_DEPENDENCIES, RejectedGraph, SchedulerState, TaskState
 from redisdask.schema import Keys
-from redisdask.task_record import TaskRecord
+from redisdask.task_record import TaskRecord, evidence
 
 logger = logging.getLogger("redisdask.scheduler")
 
 MAX_ARGS = 2000  # Lua's unpack() limit is ~8000 arguments per command
 LOAD_PAGE = 2000  # task records per LOAD_TASKS call (a few milliseconds of Redis's time)
-REBALANCE_RECORD_TTL_MS = 3_600_000  # a finished rebalance's record, for its client to read
 SUMMARY_INTERVAL = 0.5  # seconds between writes of the summary hash while tasks change
 SUMMARY_SHARE = 0.05  # the most of the scheduler's time the summary's passes may take
 THROUGHPUT_WINDOW = 60  # seconds of finished-task counts the summary keeps
@@ -447,7 +447,7 @@ class Summary:
     def resumed(cls, r: redis.Redis, keys: Keys) -> Summary:
         """Carry the totals on from the summary of the scheduler before us."""
         totals = r.hmget(keys.summary, "finished_total", "erred_total")
-        return cls(*(int(v or 0) for v in totals))
+        return cls(*(int(v) if v and v.isdigit() else 0 for v in totals))  # (a bad one: 0)
 
     def count(self, state: SchedulerState, changed: bool) -> None:
         """Take in what the last batch did: results in and tasks erred (whatever made them
@@ -526,35 +526,83 @@ def load_state(
     validate: bool = False,
     allowed_failures: int = 3,
     rebalance: RebalanceConfig | None = None,
+    quarantined: list[Quarantined] | None = None,
 ) -> SchedulerState:
     """Rebuild the scheduler's state from Redis (start-up, and after a failed write):
     the inverse of ``Translator.to_commands``.  What the task hash does not carry (see
     ``docs/redis-schema.md``) starts afresh: a retirement, replicas being made, holding
-    report counts.  The rebalances under way are reloaded with their moves in flight."""
+    report counts.  The rebalances under way are reloaded with their moves in flight.
+
+    A malformed record is skipped and logged, never raised (``redisdask/quarantine.py``):
+    it is appended to ``quarantined`` for the driver to dead-letter and repair; a task's
+    stands in the state as a ``released`` task without a spec, so that ``BadRecord`` can
+    err it and its dependents."""
+    bad: list[Quarantined] = [] if quarantined is None else quarantined
     seq = r.hget(keys.meta, "seq")
+    try:
+        first_seq = int(seq or 0)
+    except ValueError:
+        logger.warning(
+            "the sequence counter of %s is no integer (found %s): counting from 0 again "
+            "(it orders the priorities of new submissions only)",
+            keys.meta, evidence(seq),
+        )  # fmt: skip
+        first_seq = 0
     state = SchedulerState(
         validate=validate,
-        seq=int(seq or 0),
+        seq=first_seq,
         allowed_failures=allowed_failures,
         rebalance=rebalance,
     )
-    for address, info in r.hgetall(keys.workers).items():
-        state.handle_stimulus(
-            AddWorker(worker=address.decode(), info=schema.unpack(info), stimulus_id="load")
-        )
+    for raw_address, raw_info in r.hgetall(keys.workers).items():
+        address, info = _worker_entry(keys, raw_address, raw_info, bad)
+        if address is not None:
+            state.handle_stimulus(AddWorker(worker=address, info=info, stimulus_id="load"))
     with no_collections():  # every object made here is kept: nothing to collect
-        _load_tasks(r, keys, state)
+        _load_tasks(r, keys, state, bad)
         _load_wants(r, keys, state)
-    for request in sorted(m.decode() for m in r.smembers(keys.rebalances)):
-        record = RebalanceRecord.from_hash(r.hgetall(keys.rebalance(request)))
+    for member in sorted(r.smembers(keys.rebalances)):
+        name = keys.rebalance(member.decode(errors="replace"))
+        raw = r.hgetall(name)
+        try:
+            request = member.decode()
+            record = RebalanceRecord.from_hash(raw)
+        except (ValueError, TypeError) as exc:
+            error = RecordError(name, "?", evidence(raw), f"is malformed ({exc})")
+            bad.append(Quarantined("rebalance", name, member, error, raw))
+            continue
         state.restore_rebalance(request, record)
+    for one in bad:
+        one.log(keys)
     logger.info(
-        "loaded %d tasks, %d workers, %d clients from Redis",
+        "loaded %d tasks, %d workers, %d clients from Redis%s",
         len(state.tasks),
         len(state.workers),
         len(state.clients),
+        f" ({len(bad)} malformed records skipped)" if bad else "",
     )
     return state
+
+
+def _worker_entry(
+    keys: Keys, raw_address: bytes, raw_info: bytes, bad: list[Quarantined]
+) -> tuple[str | None, dict[str, Any]]:
+    """A workers entry: the address and its info; ``{}`` for info that is malformed,
+    ``None`` for an address that is no text (both noted in ``bad``)."""
+    address = raw_address.decode(errors="replace")
+    record = f"{keys.workers}/{address}"
+    try:
+        address = raw_address.decode()
+    except UnicodeDecodeError:
+        error = RecordError(record, "address", evidence(raw_address), "is no UTF-8 text")
+        bad.append(Quarantined("worker", keys.workers, raw_address, error, {raw_address: raw_info}))
+        return None, {}
+    try:
+        return address, schema.worker_info(record, raw_info)
+    except RecordError as error:
+        fields = {raw_address: raw_info}
+        bad.append(Quarantined("worker", keys.workers, raw_address, error, fields, address))
+        return address, {}
 
 
 def _load_wants(r: redis.Redis, keys: Keys, state: SchedulerState) -> None:
@@ -586,18 +634,28 @@ def _pages(r: redis.Redis, keys: Keys) -> Iterator[list[list[bytes]]]:
             yield rows
 
 
-def _load_tasks(r: redis.Redis, keys: Keys, state: SchedulerState) -> None:
+def _load_tasks(r: redis.Redis, keys: Keys, state: SchedulerState, bad: list[Quarantined]) -> None:
     """Every task record into ``state``, linked: pages of ``LOAD_PAGE`` records, each one
     script call that leaves out what a scheduler never reads (specs, small results)."""
     deps: dict[str, list[str]] = {}
+    placeholders: list[str] = []
+    prefix = keys.task_prefix
     for rows in _pages(r, keys):
         for row in rows:
+            if len(row) == 1:  # (no hash: a forgotten task's key, on its way out)
+                continue
             fields = iter(row[1:])
-            record = TaskRecord.from_pairs(zip(fields, fields, strict=False))
-            if record.state:  # (a hash without a state is no record: nothing to rebuild)
+            try:
                 key = row[0].decode()
-                deps[key] = record.deps
-                state.tasks[key] = _task_state(key, record, state)
+                record = TaskRecord.checked(prefix + key, zip(fields, fields, strict=False))
+            except (RecordError, UnicodeDecodeError) as exc:
+                placeholders += _bad_task(r, keys, row, exc, bad)
+                continue
+            deps[key] = record.deps
+            state.tasks[key] = _task_state(key, record, state)
+    for key in placeholders:  # (a bad record's task: its dependents wait on it, it errs)
+        if key not in state.tasks:
+            state.tasks[key] = TaskState(key, state="released", has_spec=False)
     tasks = state.tasks
     for key, dep_keys in deps.items():
         ts = tasks[key]
@@ -613,6 +671,23 @@ def _load_tasks(r: redis.Redis, keys: Keys, state: SchedulerState) -> None:
             state.workers[ts.processing_on].processing.add(ts)
         for w in ts.who_has:
             state.workers[w].has_what.add(ts)
+
+
+def _bad_task(
+    r: redis.Redis, keys: Keys, row: list[bytes], exc: Exception, bad: list[Quarantined]
+) -> list[str]:
+    """Note the malformed task record of ``row`` (read again whole, for its copy in the
+    dead-letter stream: the page left out its spec); the key of its placeholder, if any."""
+    member = row[0]
+    name = member.decode(errors="replace")
+    hash_key = keys.task_prefix.encode() + member
+    fields = r.hgetall(hash_key)
+    if isinstance(exc, RecordError):
+        bad.append(Quarantined("task", hash_key, member, exc, fields, name))
+        return [name]
+    error = RecordError(keys.task(name), "key", evidence(member), "is no UTF-8 text")
+    bad.append(Quarantined("task", hash_key, member, error, fields))
+    return []
 
 
 def _task_state(key: str, rec: TaskRecord, state: SchedulerState) -> TaskState:

@@ -172,6 +172,19 @@ class RejectedGraph(Event):
     reason: str = ""
 
 
+@dataclass(slots=True)
+class BadRecord(Event):
+    """The task record of ``key`` in Redis was malformed (``reason`` says how): the
+    driver moved it to the dead-letter stream, and ``load_state`` left a ``released``
+    task without a spec in its place.  The task errs (``SchedulerRejectedError``, with
+    ``reason``) and so do its dependents that are not done, so that no future waits for
+    a task nothing will run.  Made by the driver only, never read from a stream."""
+
+    op: ClassVar[str] = "bad-record"
+    key: str
+    reason: str = ""
+
+
 # --------------------------------------------------------------------------- state
 
 
@@ -438,6 +451,23 @@ class SchedulerState(DataMoves):
             )
             msg = KeyErred(key, exception_text=text, rejected=True)
             self._emit(ClientMsg(ev.stimulus_id, ev.client, msg))
+
+    def _handle_bad_record(self, ev: BadRecord) -> None:
+        ts = self.tasks.get(ev.key)
+        if ts is None or ts.state != "released":
+            return  # (submitted again since: the new submission stands)
+        for dependent in sorted(ts.dependents, key=lambda t: t.score):
+            if dependent.state in ("queued", "processing", "no-worker"):
+                # (the bad record was of a result: the dependent waits on it again, and errs)
+                self._transition(dependent, "waiting", stimulus_id=ev.stimulus_id)
+        text = (
+            f"SchedulerRejectedError: the record of task {ev.key!r} in Redis was malformed "
+            f"({ev.reason}), so the scheduler cannot run or recompute it. The record was "
+            "copied to the cluster's dead-letter stream and dropped; find what wrote it "
+            "(redisdask inspect dead-letter) and submit the task again"
+        )
+        self._refuse(ts, text, stimulus_id=ev.stimulus_id)
+        self._maybe_release(ts)
 
     def _make_needed(self, root: TaskState, *, stimulus_id: str) -> None:
         """Bring ``root`` and every released dependency it needs towards memory."""
@@ -1091,6 +1121,7 @@ class SchedulerState(DataMoves):
     _HANDLERS: ClassVar[dict[type[Event], Callable[[SchedulerState, Any], None]]] = {
         UpdateGraph: _handle_update_graph,
         RejectedGraph: _handle_rejected_graph,
+        BadRecord: _handle_bad_record,
         ClientDesiresKeys: _handle_client_desires_keys,
         ClientReleasesKeys: _handle_client_releases_keys,
         CancelKeys: _handle_cancel_keys,

@@ -57,6 +57,7 @@ with an ``op``.  Nothing on a stream is ever unpickled to route it; opaque pickl
 
 from __future__ import annotations
 
+import math
 import re
 import secrets
 from collections.abc import Sequence
@@ -305,7 +306,13 @@ def pack_for_lua(obj: Any) -> bytes:
 
 
 def unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    """``data`` decoded; ``ValueError`` for every input that is no msgpack (msgpack's own
+    errors, and a map whose key cannot be a dict key, are turned into it).  Never
+    unpickles: an extension type comes back as ``msgpack.ExtType``."""
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except TypeError as exc:  # (an unhashable map key: a map or a list as key)
+        raise ValueError(f"not msgpack this reader can take: {exc}") from None
 
 
 def unpack_or(raw: bytes | None, default: Any, kind: type | None = None) -> Any:
@@ -319,6 +326,67 @@ def unpack_or(raw: bytes | None, default: Any, kind: type | None = None) -> Any:
     except (ValueError, TypeError):
         return default
     return default if kind is not None and not isinstance(value, kind) else value
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# the fields of a workers entry others read, and what each must be when present (a
+# worker writes more: ``workers/worker.py``, ``Worker.register``)
+_WORKER_INFO: dict[str, Any] = {
+    "address": lambda v: isinstance(v, str),
+    "name": lambda v: isinstance(v, str | int),
+    "host": lambda v: isinstance(v, str),
+    "pid": _is_count,
+    "nthreads": _is_count,
+    "memory_limit": lambda v: v is None or (_is_number(v) and v >= 0),
+    "started": _is_number,
+    "nanny": lambda v: v is None or _is_count(v),
+    "restarts": _is_count,
+    "local_directory": lambda v: isinstance(v, str),
+    "resources": lambda v: (
+        isinstance(v, dict)
+        and all(isinstance(k, str) and _is_number(x) and x >= 0 for k, x in v.items())
+    ),
+    "versions": lambda v: isinstance(v, dict),
+    "memory_fractions": lambda v: isinstance(v, dict),
+}
+
+
+def worker_info(record: str, raw: bytes) -> dict[str, Any]:
+    """An entry of the workers hash (``record`` names it: ``rd:{c}:workers/<address>``),
+    decoded and checked: ``RecordError`` when it is no msgpack map with str keys, or a
+    field others read has the wrong type.  Unknown fields are kept as they are."""
+    from redisdask.errors import RecordError  # (errors imports nothing of ours)
+    from redisdask.task_record import evidence
+
+    try:
+        info = unpack(raw)
+    except ValueError as exc:
+        problem = f"is not msgpack ({exc or type(exc).__name__})"
+        raise RecordError(record, "info", evidence(raw), problem) from None
+    if not isinstance(info, dict) or not all(isinstance(k, str) for k in info):
+        raise RecordError(record, "info", evidence(raw), "should be a msgpack map of str keys")
+    for name, check in _WORKER_INFO.items():
+        if name in info and not check(info[name]):
+            raise RecordError(record, name, evidence(info[name]), "has the wrong type")
+    return info
+
+
+def worker_info_or_empty(raw: bytes | None) -> dict[str, Any]:
+    """A workers entry for a reader that shows what it can: ``{}`` when it is malformed
+    (the scheduler, which acts on it, logs and repairs it: ``redisdask/quarantine.py``)."""
+    from redisdask.errors import RecordError
+
+    try:
+        return worker_info("", raw or b"")
+    except RecordError:
+        return {}
 
 
 def entry(messages: Sequence[dict[str, Any]]) -> dict[str, bytes]:

@@ -122,7 +122,8 @@ def read_snapshot(
     snap.scheduler = {k.decode(): v.decode(errors="replace") for k, v in scheduler.items()}
     snap.scheduler.pop("versions", None)
     views = (
-        _worker_view(a.decode(), _unpack(i), _unpack(beats.get(a)), now) for a, i in workers.items()
+        _worker_view(a.decode(errors="replace"), _unpack(i), _unpack(beats.get(a)), now)
+        for a, i in workers.items()
     )
     snap.workers = sorted(views, key=lambda w: (w.name, w.address))
     _read_summary(snap, summary, now, window)
@@ -186,34 +187,42 @@ def _parse_worker(
     )
 
 
+def _number(raw: Any, kind: type = int) -> Any:
+    """A count or a time from a stranger's value; 0 for what is no number."""
+    try:
+        value = kind(raw or 0)
+    except (TypeError, ValueError, OverflowError):
+        return kind(0)
+    return value if value == value else kind(0)  # (nan)
+
+
 def _read_summary(snap: Snapshot, summary: dict[bytes, bytes], now: float, window: int) -> None:
     prefixes = _unpack(summary.get(b"prefixes"))
     states: dict[str, int] = {}
-    for prefix, counts in sorted(prefixes.items()):
+    for prefix, counts in sorted(prefixes.items(), key=lambda item: str(item[0])):
         view = PrefixView(str(prefix))
-        for state, n in dict(counts).items():
-            states[state] = states.get(state, 0) + int(n)
+        for state, n in counts.items() if isinstance(counts, dict) else ():
+            n = _number(n)
+            states[str(state)] = states.get(str(state), 0) + n
             if state in WAITING_STATES:
-                view.waiting += int(n)
+                view.waiting += n
             elif state in ("processing", "memory", "erred", "released"):
-                setattr(view, state, getattr(view, state) + int(n))
+                setattr(view, state, getattr(view, state) + n)
         snap.prefixes.append(view)
     snap.states = states
-    try:
-        per_second = dict(schema.unpack(summary.get(b"finished") or b"\x90"))
-    except (ValueError, TypeError):
-        per_second = {}  # a stranger's value: no throughput rather than no monitor
+    finished = schema.unpack_or(summary.get(b"finished"), [], list)
+    per_second = {p[0]: p[1] for p in finished if isinstance(p, list | tuple) and len(p) == 2}
     last = int(now) - 1  # the current second is not over yet
-    snap.finished = [int(per_second.get(s, 0)) for s in range(last - window + 1, last + 1)]
-    snap.finished_total = int(summary.get(b"finished_total") or 0)
-    snap.erred_total = int(summary.get(b"erred_total") or 0)
-    snap.clients = int(summary.get(b"clients") or 0)
+    snap.finished = [_number(per_second.get(s)) for s in range(last - window + 1, last + 1)]
+    snap.finished_total = _number(summary.get(b"finished_total"))
+    snap.erred_total = _number(summary.get(b"erred_total"))
+    snap.clients = _number(summary.get(b"clients"))
     snap.no_worker = [
         {"reason": str(n.get("reason", "")), "count": n.get("count"), "key": str(n.get("key"))}
         for n in schema.unpack_or(summary.get(b"no_worker"), [], list)
         if isinstance(n, dict)
     ]
-    snap.summary_time = float(summary[b"time"]) if summary.get(b"time") else None
+    snap.summary_time = _number(summary.get(b"time"), float) or None
 
 
 def _entries(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[dict[str, Any]]:

@@ -23,10 +23,18 @@ lack ``queued_on``, for instance: ``None`` then says "absent", unlike an empty l
 and a value that cannot be decoded does too, so a reader shows what it can instead of
 failing on what anyone may have written.  Writing takes each field in its decoded type
 (a list of words, a list of deaths), so this module is the only encoder.
+
+The scheduler, which acts on what it reads, decodes with ``TaskRecord.checked``
+instead: a record without ``state``, or with a field that cannot be decoded (a score that
+is no finite number, ``deps`` that are no msgpack list of keys, an unknown state...),
+raises ``RecordError`` naming the record, the field and what was found, and the
+scheduler quarantines it (``docs/design.md``, "Malformed records").  No decoder here
+ever unpickles: ``spec``, ``exception``, ``value`` stay bytes.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -34,9 +42,21 @@ from typing import Any
 import redis
 
 from redisdask import schema
+from redisdask.errors import RecordError
 from redisdask.placement import format_resources, split_resources
 
 Raw = bytes | None  # a field as redis-py returns it (None: absent)
+
+# the states a task record may be in (the scheduler's states but ``forgotten``, whose
+# record is deleted)
+STATES = frozenset(("released", "waiting", "queued", "processing", "memory", "erred", "no-worker"))
+EVIDENCE = 80  # characters of a malformed value quoted in its error
+
+
+def evidence(raw: Any, limit: int = EVIDENCE) -> str:
+    """A bounded ``repr`` of a malformed value, for an error or a log line."""
+    text = repr(raw)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(raw)} bytes)"
 
 
 # --------------------------------------------------------------------------- field codecs
@@ -204,6 +224,35 @@ class TaskRecord:
         return record
 
     @classmethod
+    def checked(cls, name: str, pairs: Iterable[tuple[bytes, bytes]]) -> TaskRecord:
+        """Decode ``(field, value)`` pairs of the hash ``name`` strictly, for a reader that
+        acts on them (the scheduler): ``RecordError`` when ``state`` is missing or a
+        field cannot be decoded.  Unknown fields are ignored, as by ``from_pairs``."""
+        record = cls()
+        state_seen = False
+        for field_name, value in pairs:
+            decode = _CHECKED.get(field_name)
+            if decode is None:
+                continue
+            try:
+                setattr(record, decode[0], decode[1](value))
+            except (ValueError, TypeError, OverflowError) as exc:
+                raise RecordError(
+                    name, field_name.decode(errors="replace"), evidence(value), str(exc)
+                ) from None
+            state_seen = state_seen or field_name == b"state"
+        if not state_seen:
+            raise RecordError(name, "state", "no such field", "is missing")
+        if record.state == "processing" and not record.worker:
+            raise RecordError(
+                name,
+                "worker",
+                evidence(record.worker),
+                "should name the worker of a processing task",
+            )
+        return record
+
+    @classmethod
     def from_hmget(cls, names: Sequence[str], values: Sequence[Raw]) -> TaskRecord:
         """Decode an HMGET reply of the fields ``names`` (None: absent)."""
         return cls.from_hash(
@@ -263,6 +312,68 @@ _DECODERS: dict[bytes, tuple[str, Callable[[bytes], Any]]] = {
         "rejected": bool,
         "value": _bytes_or_none,
     }.items()
+}
+
+
+def _checked_state(raw: bytes) -> str:
+    state = raw.decode()
+    if state not in STATES:
+        raise ValueError(f"is no task state (one of {', '.join(sorted(STATES))})")
+    return state
+
+
+def _checked_float(raw: bytes) -> float:
+    value = float(raw)
+    if not math.isfinite(value):
+        raise ValueError("is no finite number")
+    return value
+
+
+def _checked_int(raw: bytes) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        return int(_checked_float(raw))  # (an int written as a float: 3.0)
+
+
+def _checked_list(raw: bytes, kind: type, what: str) -> list[Any]:
+    try:
+        value = schema.unpack(raw)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"is not msgpack ({exc or type(exc).__name__})") from None
+    if not isinstance(value, list) or not all(isinstance(x, kind) for x in value):
+        raise ValueError(f"should be a msgpack list of {what}")
+    return value
+
+
+def _checked_resources(raw: bytes) -> dict[str, float]:
+    out = {}
+    for word in raw.decode().split():
+        name, _, amount = word.partition("=")
+        value = float(amount) if name else math.nan
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"should be NAME=AMOUNT words, not {word!r}")
+        out[name] = value
+    return out
+
+
+# the decoders of ``TaskRecord.checked``: those that raise where ``_DECODERS`` default
+_CHECKED: dict[bytes, tuple[str, Callable[[bytes], Any]]] = {
+    **_DECODERS,
+    **{
+        name.encode(): (name, decode)
+        for name, decode in {
+            "state": _checked_state,
+            "deps": lambda raw: _checked_list(raw, str, "keys"),
+            "score": _checked_float,
+            "nbytes": _checked_int,
+            "retries": _checked_int,
+            "resources": _checked_resources,
+            "suspicious": _checked_int,
+            "deaths": lambda raw: _checked_list(raw, dict, "maps"),
+            "replicas": _checked_int,
+        }.items()
+    },
 }
 
 FIELDS: tuple[str, ...] = tuple(f.name for f in fields(TaskRecord))

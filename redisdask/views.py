@@ -64,7 +64,11 @@ def header(snap: Snapshot, url: str) -> Text:
     if snap.has_scheduler:
         text.append("scheduler ", style="bold")
         text.append(sched.get("id", "?"))
-        since = float(sched["since"]) if sched.get("since") else None
+        try:
+            since: float | None = float(sched.get("since") or "nan")
+        except ValueError:  # (a stranger's value)
+            since = None
+        since = since if since == since else None
         text.append(
             f"  leads since {clock(since)} ({ago(snap.time - since if since else None)}), "
             f"token {sched.get('token', '?')}, lease {snap.lease_ttl_ms / 1000:.1f}s left\n"

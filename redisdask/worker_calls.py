@@ -176,7 +176,7 @@ class WorkerCalls:
         retiring = 0
         for address in addresses:
             beat = beats.get(address)
-            if beat and (schema.unpack(beat) or {}).get("status") == "retiring":
+            if schema.unpack_or(beat, {}, dict).get("status") == "retiring":
                 retiring += 1
         return len(addresses) - retiring
 
@@ -184,7 +184,9 @@ class WorkerCalls:
         """``{address: name}`` of the registered workers ``workers`` names (addresses or
         names; all when None); ``ValueError`` naming any that is not registered."""
         registered = {
-            address.decode(): str(schema.unpack(info).get("name") or address.decode())
+            address.decode(errors="replace"): str(
+                schema.worker_info_or_empty(info).get("name") or address.decode(errors="replace")
+            )
             for address, info in self.redis.hgetall(self.keys.workers).items()
         }
         if workers is None:
@@ -386,7 +388,7 @@ class WorkerCalls:
 
         def delete(pipe: Any) -> None:
             raw = pipe.hget(key, name)
-            if raw is not None and schema.unpack(raw).get("token") == token:
+            if schema.unpack_or(raw, {}, dict).get("token") == token:
                 pipe.multi()
                 pipe.hdel(key, name)
 

@@ -1,0 +1,113 @@
+"""Malformed records: what ``load_state`` skipped, and the write that quarantines them.
+
+Redis is the source of truth, but anyone who can write to it can write anything: a task
+hash without ``state``, a score that is no number, a workers entry that is no msgpack.
+One such record must not crash the scheduler at every start (a crash loop that no
+restart ends).  So ``load_state`` decodes every record strictly (``TaskRecord.checked``,
+``schema.worker_info``) and, for one that fails, logs it once (the key, the field, what
+was found, what to do) and notes it here; the driver then writes, in one fenced write:
+
+* a copy of the record (bounded) into the cluster's dead-letter stream, beside the stream
+  entries dead-lettered for the same reason (``stream`` names the record's key, ``id``
+  says ``record``, ``error`` why);
+* the repair: a task's hash is deleted and the task errs (``BadRecord``: its futures
+  raise ``SchedulerRejectedError`` naming the record, instead of waiting for ever), a
+  workers entry is replaced by an empty map (the worker stays registered and watched,
+  so what it runs is recovered if it is dead), a rebalance's record is marked done with
+  the error as what failed (its client raises ``KeyError`` naming it, instead of waiting).
+
+After the write the record is gone, so it is logged once, not at every reload.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from redisdask import schema
+from redisdask.errors import RecordError
+from redisdask.scheduler_state import BadRecord
+from redisdask.schema import Keys
+
+logger = logging.getLogger("redisdask.scheduler")
+
+DEAD_LETTER_SAMPLE = 4096  # bytes of each field kept of a dead-lettered entry or record
+DEAD_LETTER_FIELDS = 16  # fields kept of one
+DEAD_LETTER_MAXLEN = 10_000  # entries the dead-letter stream keeps (about)
+REBALANCE_RECORD_TTL_MS = 3_600_000  # a finished rebalance's record, for its client to read
+
+
+def dead_letter_command(
+    keys: Keys, source: str, entry_id: bytes | str, fields: dict[bytes, bytes], error: str
+) -> list[Any]:
+    """The XADD of a bounded copy of a stream entry (or a record) into the dead-letter
+    stream: a stranger's entry may have any number of fields of any size."""
+    sample = schema.pack(
+        {k: v[:DEAD_LETTER_SAMPLE] for k, v in list(fields.items())[:DEAD_LETTER_FIELDS]}
+    )
+    return [
+        "XADD", keys.dead_letter, "MAXLEN", "~", DEAD_LETTER_MAXLEN, "*",
+        "stream", source, "id", entry_id, "error", error[:DEAD_LETTER_SAMPLE],
+        "nfields", len(fields), "sample", sample,
+    ]  # fmt: skip
+
+
+@dataclass(slots=True)
+class Quarantined:
+    """One malformed record ``load_state`` skipped."""
+
+    kind: str  # "task", "worker" or "rebalance"
+    key: str | bytes  # the record's Redis key (for a workers entry, the workers hash)
+    member: bytes  # its name: the task key, the worker's address, the rebalance request
+    error: RecordError
+    fields: dict[bytes, bytes]  # what the record held (for the dead-letter copy)
+    # the member as text (the task a placeholder stands for in the loaded state, the
+    # worker loaded without its info); None when it is no UTF-8: nobody's name
+    name: str | None = None
+
+    @property
+    def source(self) -> str:
+        """What the dead-letter entry names: the key (and the hash field of an entry)."""
+        key = self.key.decode(errors="replace") if isinstance(self.key, bytes) else self.key
+        member = self.member.decode(errors="replace")
+        return f"{key}/{member}" if self.kind == "worker" else key
+
+    def log(self, keys: Keys) -> None:
+        then = {
+            "task": "its task errs with SchedulerRejectedError; submit it again",
+            "worker": "the worker stays registered without its info; restart it",
+            "rebalance": "that rebalance ends, failed; ask for it again",
+        }[self.kind]
+        logger.warning(
+            "skipped a malformed %s record: %s. It is copied to the dead-letter stream and "
+            "repaired: %s. Find what wrote it: XRANGE %s - +",
+            self.kind, self.error, then, keys.dead_letter,
+        )  # fmt: skip
+
+    def commands(self, keys: Keys) -> list[list[Any]]:
+        out = [dead_letter_command(keys, self.source, "record", self.fields, str(self.error))]
+        if self.kind == "task":
+            out.append(["DEL", self.key])  # (the task's erred record is written after this)
+            if self.name is None:  # (a key no client can name: not even a placeholder)
+                out.append(["SREM", keys.tasks, self.member])
+        elif self.kind == "worker":
+            if self.name is None:  # (an address that is no text: no worker's)
+                out.append(["HDEL", keys.workers, self.member])
+            else:
+                out.append(["HSET", keys.workers, self.member, schema.pack({})])
+        else:  # done, with the error as what failed: its client raises instead of waiting
+            failed = schema.pack([f"the rebalance's record was malformed: {self.error}"])
+            out += [
+                ["DEL", self.key],
+                ["SREM", keys.rebalances, self.member],
+                ["HSET", self.key, "status", "done", "moves", 0, "moved", 0, "failed", failed],
+                ["PEXPIRE", self.key, REBALANCE_RECORD_TTL_MS],
+            ]
+        return out
+
+    def events(self) -> list[BadRecord]:
+        if self.kind != "task" or self.name is None:
+            return []
+        reason = f"field {self.error.field!r} {self.error.problem}, found {self.error.evidence}"
+        return [BadRecord(key=self.name, reason=reason, stimulus_id=f"bad-record-{self.name}")]

@@ -1,0 +1,219 @@
+"""Malformed records in Redis, planted as a stranger (or a bug) would write them: a task
+hash without ``state``, a score that is no number, a workers entry that is no msgpack,
+garbage stream entries.  Every reader survives them; the scheduler skips them, logs each
+once, dead-letters a copy, errs the tasks whose record is lost (their futures raise,
+naming the record: no hang), and finishes the rest of the work with every result right.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+from mixed_state import build
+from polling import poll
+from tasklib import wait_for_file
+
+from redisdask import Client, LocalCluster
+from redisdask.errors import SchedulerRejectedError
+from redisdask.quarantine import Quarantined
+from redisdask.scheduler_redis import load_state
+from redisdask.schema import Keys, unpack
+from redisdask.snapshot import read_snapshot
+
+pytestmark = pytest.mark.timeout(120)
+
+NOT_MSGPACK = b"\xc1\xc1 never msgpack"  # 0xc1 is the one byte msgpack never uses
+
+
+def inc(x: int) -> int:
+    return x + 1
+
+
+def first_char(path: str) -> str:
+    return path[0]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "redisdask", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, COLUMNS="160"),
+    )
+
+
+def test_load_state_skips_each_malformed_record_and_says_what_was_wrong(
+    redis_url: str, cluster_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ours = build(r, keys, 200)
+    queued = sorted(k for k, ts in ours.tasks.items() if ts.state == "queued")
+    waiting = sorted(k for k, ts in ours.tasks.items() if ts.state == "waiting")
+    no_state, bad_score, bad_deps = queued[0], queued[1], waiting[0]
+    r.hdel(keys.task(no_state), "state")
+    r.hset(keys.task(bad_score), "score", "not-a-number")
+    r.hset(keys.task(bad_deps), "deps", NOT_MSGPACK)
+    worker = sorted(ours.workers)[0]
+    r.hset(keys.workers, worker, NOT_MSGPACK)
+    r.hset(keys.meta, "seq", "twelve")
+    r.sadd(keys.rebalances, "rb-1")
+    r.hset(keys.rebalance("rb-1"), mapping={"client": "c", "status": "moving", "moves": "x"})
+
+    found: list[Quarantined] = []
+    with caplog.at_level(logging.WARNING, "redisdask.scheduler"):
+        state = load_state(r, keys, quarantined=found)
+    by_name = {q.name: q for q in found}
+    assert set(by_name) == {no_state, bad_score, bad_deps, worker, None}
+    assert [q.kind for q in found if q.name is None] == ["rebalance"]
+    assert by_name[no_state].error.field == "state"
+    assert by_name[bad_score].error.field == "score"
+    assert "not-a-number" in by_name[bad_score].error.evidence
+    assert by_name[bad_deps].error.field == "deps"
+    assert by_name[worker].kind == "worker" and by_name[worker].error.field == "info"
+    # each stands in the state as a task nothing will run until BadRecord errs it
+    for key in (no_state, bad_score, bad_deps):
+        assert state.tasks[key].state == "released" and not state.tasks[key].has_spec
+    assert state.workers[worker].info == {}  # registered still: watched, its work recovered
+    # the good records are loaded as they were
+    good = set(ours.tasks) - {no_state, bad_score, bad_deps}
+    assert all(state.tasks[k].state == ours.tasks[k].state for k in good)
+    text = caplog.text
+    for key in (no_state, bad_score, bad_deps):
+        assert keys.task(key) in text
+    assert "'score'" in text and "not-a-number" in text and "XRANGE" in text
+    assert "seq" in text and "twelve" in text
+
+    # the repair (the driver writes it fenced, with the tasks' errors; here as it is)
+    pipe = r.pipeline(transaction=True)
+    for one in found:
+        for command in one.commands(keys):
+            pipe.execute_command(*command)
+    pipe.execute()
+    dead = [f for _, f in r.xrange(keys.dead_letter)]
+    assert {f[b"stream"] for f in dead} == {
+        keys.task(no_state).encode(), keys.task(bad_score).encode(),
+        keys.task(bad_deps).encode(), f"{keys.workers}/{worker}".encode(),
+        keys.rebalance("rb-1").encode(),
+    }  # fmt: skip
+    assert all(f[b"id"] == b"record" for f in dead)
+    assert unpack(r.hget(keys.workers, worker)) == {}
+    rebalance = r.hgetall(keys.rebalance("rb-1"))
+    assert rebalance[b"status"] == b"done" and b"malformed" in rebalance[b"failed"]
+    caplog.clear()
+    again: list[Quarantined] = []
+    with caplog.at_level(logging.WARNING, "redisdask.scheduler"):
+        load_state(r, keys, quarantined=again)
+    assert again == [] and "skipped a malformed" not in caplog.text  # repaired: logged once
+
+
+def test_a_restarted_scheduler_skips_malformed_records_and_the_good_work_finishes(
+    redis_url: str, cluster_name: str, tmp_path: Path
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    gate = tmp_path / "gate"
+    with (
+        LocalCluster(
+            nanny=False,
+            n_workers=2,
+            threads_per_worker=2,
+            redis_url=redis_url,
+            cluster_name=cluster_name,
+            log_directory=tmp_path / "logs",
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        assert client.gather(client.map(inc, range(10))) == list(range(1, 11))
+        blocked = client.submit(wait_for_file, str(gate), key="blocked")
+        good = client.submit(first_char, blocked, key="good-dependent")
+        no_state = client.submit(first_char, blocked, key="victim-no-state")
+        behind = client.submit(inc, 1, key="behind")  # (a dependency of the next)
+        bad_score = client.submit(lambda a, b: a, blocked, behind, key="victim-score")
+        after_bad = client.submit(len, no_state, key="victim-dependent")
+        poll(lambda: r.hget(keys.task("blocked"), "state") == b"processing")
+        poll(lambda: r.hget(keys.task("victim-dependent"), "state") == b"waiting")
+
+        cluster.scheduler_process.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
+        cluster.scheduler_process.wait(10)  # type: ignore[union-attr]
+        r.hdel(keys.task("victim-no-state"), "state")
+        r.hset(keys.task("victim-score"), "score", "very high")
+        worker = sorted(a.decode() for a in r.hkeys(keys.workers))[0]
+        r.hset(keys.workers, worker, NOT_MSGPACK)
+        r.xadd(keys.client_stream, {"m": NOT_MSGPACK})
+        r.xadd(keys.worker_stream, {"garbage": b"\x00" * 100})
+        r.hset(keys.summary, "finished_total", "many")
+
+        # the readers survive the records while they are bad
+        status = run_cli("status", redis_url, "--cluster", cluster_name)
+        assert status.returncode == 0, status.stderr
+        snap = read_snapshot(r, keys)
+        assert worker in {w.address for w in snap.workers}
+        for args in (
+            ("task", "victim-no-state"),
+            ("task", "victim-score"),
+            ("worker", worker),
+            ("keys",),
+            ("events",),
+        ):
+            done = run_cli("inspect", *args, redis_url, "--cluster", cluster_name)
+            assert done.returncode == 0, (args, done.stdout, done.stderr)
+        assert (
+            "state"
+            in run_cli(
+                "inspect", "task", "victim-score", redis_url, "--cluster", cluster_name, "--json"
+            ).stdout
+        )
+
+        old_token = r.get(keys.lease)
+        cluster.start_scheduler()
+        poll(lambda: r.get(keys.lease) not in (None, old_token), timeout=30)
+
+        # the tasks whose record was lost err, naming it, and so does a dependent
+        for future, field in ((no_state, "'state'"), (bad_score, "'score'")):
+            with pytest.raises(SchedulerRejectedError, match=field) as info:
+                future.result(timeout=30)
+            assert future.key in str(info.value) and "dead-letter" in str(info.value)
+        with pytest.raises(SchedulerRejectedError, match="victim-no-state"):
+            after_bad.result(timeout=30)
+        # the good work finishes, every result right
+        gate.write_text("go")
+        assert good.result(timeout=30) == str(gate)[0]
+        assert blocked.result(timeout=30) == str(gate)
+        assert behind.result(timeout=30) == 2
+        assert client.gather(client.map(inc, range(50))) == list(range(1, 51))
+
+        # copies in the dead-letter stream, each saying what was wrong
+        dead = {
+            f[b"stream"].decode(): f
+            for _, f in r.xrange(keys.dead_letter)  # (stream entries and records)
+        }
+        assert b"'state'" in dead[keys.task("victim-no-state")][b"error"]
+        copy = unpack(dead[keys.task("victim-score")][b"sample"])
+        assert copy[b"score"] == b"very high" and copy[b"spec"]  # the whole record
+        assert f"{keys.workers}/{worker}" in dead
+        assert {keys.client_stream, keys.worker_stream} <= set(dead)
+
+        # logged once: a second restart finds nothing left to skip
+        log = tmp_path / "logs" / "scheduler.log"
+        assert log.read_text().count("skipped a malformed") == 3
+        cluster.scheduler_process.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
+        cluster.scheduler_process.wait(10)  # type: ignore[union-attr]
+        old_token = r.get(keys.lease)
+        cluster.start_scheduler()
+        poll(lambda: r.get(keys.lease) not in (None, old_token), timeout=30)
+        assert client.gather(client.map(inc, range(5))) == list(range(1, 6))
+        assert log.read_text().count("skipped a malformed") == 3
+        assert "Traceback" not in log.read_text()
+
+        keys_json = run_cli("inspect", "keys", redis_url, "--cluster", cluster_name, "--json")
+        assert keys_json.returncode == 0 and json.loads(keys_json.stdout)
