@@ -377,7 +377,8 @@ end
 local current = redis.call('GET', KEYS[1])
 if current and current ~= ARGV[4] then return false end
 local last = redis.call('GET', KEYS[2])
-local token = tostring((tonumber(last and string.match(last, '^%d+') or 0) or 0) + 1) .. '.' .. ARGV[5]
+local n = tonumber(last and string.match(last, '^%d+') or 0) or 0
+local token = tostring(n + 1) .. '.' .. ARGV[5]
 redis.call('SET', KEYS[2], token)
 redis.call('SET', KEYS[1], token, 'PX', ARGV[2])
 redis.call('HSET', KEYS[3], 'token', token, 'conn', ARGV[3])
