@@ -59,8 +59,10 @@ class SentinelAddress:
 
 def parse_sentinel_url(url: str) -> SentinelAddress | None:
     """The Sentinels and service of a ``redis+sentinel://`` URL (None for any other
-    scheme), in the form of the ``redis-sentinel-url`` package and of Sidekiq and
-    Symfony: ``redis+sentinel://[user:password@]host1:26379,host2:26379/service[/db]``.
+    scheme), in the form of the ``redis-sentinel-url`` package:
+    ``redis+sentinel://[user:password@]host1:26379,host2:26379/service[/db]`` (kombu's
+    ``sentinel://h1:26379;sentinel://h2:26379`` leaves the service to an option; one URL
+    that names it travels whole through ``REDISDASK__REDIS__URL`` and command lines).
     The credentials are the data servers' (the Sentinels are asked without any); a host
     without a port is on 26379.  ``ValueError`` naming what is wrong."""
     parts = urllib.parse.urlsplit(url)
