@@ -256,6 +256,10 @@ def _invalid_url(url: str, exc: ValueError) -> ClusterConnectionError:
     )
 
 
+def _is_sentinel(url: str) -> bool:
+    return urllib.parse.urlsplit(url).scheme == SENTINEL_SCHEME
+
+
 def unreachable(url: str, timeout: float, exc: BaseException) -> BaseException:
     """What a failed first PING means, as an error that says what to do (other
     ``RedisError``s are returned as they are)."""
@@ -263,6 +267,12 @@ def unreachable(url: str, timeout: float, exc: BaseException) -> BaseException:
         return ClusterConnectionError(
             f"Redis at {redact(url)} refused our credentials ({exc}); check the user and "
             "password in the URL"
+        )
+    if isinstance(exc, redis.ConnectionError | redis.TimeoutError | OSError) and _is_sentinel(url):
+        return ClusterConnectionError(
+            f"cannot reach the primary of {redact(url)} within {timeout:g} s: {exc}. Are the "
+            "Sentinels running there, do they monitor that service name, and is its primary "
+            "up (during a failover: try again once a replica is promoted)?"
         )
     if isinstance(exc, redis.ConnectionError | redis.TimeoutError | OSError):
         return ClusterConnectionError(
