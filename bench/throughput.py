@@ -27,6 +27,7 @@ Each figure is the median of the runs:
    around one extra 10,000-task map.
 
     python bench/throughput.py [--repeats 3] [--only redisdask|dask|ray] [--json out.json]
+        [--redis-url redis://host:6379/0] [--wait-replicas 1]
 
 Needs ``pip install -e '.[bench]'``; a system that is not installed shows "not
 installed" and the others run.  Numbers are noisy on a shared machine: compare ratios,
@@ -372,9 +373,9 @@ def _diff(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 def redis_commands_per_task(bench: Bench, redis_url: str) -> None:
     """INFO commandstats around one extra 10,000-task map (plus the release messages that
     follow it), minus the idle background rate over the same wall time."""
-    import redis
+    from redisdask.connection import connect
 
-    r = redis.Redis.from_url(redis_url)
+    r = connect(redis_url)  # (a redis+sentinel:// URL too)
     try:
         # Does this Redis count the commands a script runs in commandstats?
         before = _commandstats(r)
@@ -443,7 +444,13 @@ def run_redisdask(out: Results, run: int, args: argparse.Namespace, logdir: Path
 
     with (
         _up(out, run),
-        LocalCluster(n_workers=2, threads_per_worker=1, log_directory=logdir) as cluster,
+        LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            log_directory=logdir,
+            redis_url=args.redis_url,
+            scheduler_options={"wait_replicas": args.wait_replicas},
+        ) as cluster,
         Client(cluster) as client,
     ):
         bench = Bench(out, client, wait, args.timeout, args.tasks)
@@ -638,6 +645,12 @@ def _versions() -> dict[str, Any]:
     return out
 
 
+def _shown(url: str | None) -> str | None:
+    from redisdask.connection import redact
+
+    return redact(url) if url else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs (median)")
@@ -645,6 +658,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
     parser.add_argument("--timeout", type=float, default=120.0, help="per-step timeout, s")
     parser.add_argument("--tasks", type=int, default=N_MAP, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--redis-url",
+        help="redisdask: the Redis (redis:// or redis+sentinel://) its clusters use, each "
+        "under a new cluster name (default: a new embedded Redis per run)",
+    )
+    parser.add_argument(
+        "--wait-replicas",
+        type=int,
+        default=0,
+        help="redisdask: the scheduler's redis.wait-replicas (WAIT for that many replicas "
+        "after each write; needs --redis-url of a primary with replicas)",
+    )
     args = parser.parse_args(argv)
     _quiet_logs()
 
@@ -691,6 +716,8 @@ def main(argv: list[str] | None = None) -> int:
                 "array_bytes": ARRAY_BYTES,
                 "workers": 2,
                 "threads_per_worker": 1,
+                "redis_url": _shown(args.redis_url),
+                "wait_replicas": args.wait_replicas,
             },
             "env": {**_versions(), "loadavg_start": loadavg_start},
             "targets": {k: {"op": op, "value": v} for k, (op, v) in TARGETS.items()},

@@ -32,6 +32,7 @@ from redisdask.placement import format_resources
 CONFIG_FLAGS = {
     "lease_ttl": "scheduler.lease-ttl",
     "allowed_failures": "scheduler.allowed-failures",
+    "wait_replicas": "redis.wait-replicas",
     "nthreads": "worker.nthreads",
     "memory_limit": "worker.memory-limit",
     "resources": "worker.resources",
@@ -83,11 +84,14 @@ def _flag_overrides(args: argparse.Namespace) -> tuple[dict[str, object], dict[s
 
 
 def _add_common(parser: argparse.ArgumentParser, default_url: str, default_cluster: str) -> None:
+    from redisdask.connection import redact
+
     parser.add_argument(
         "redis_url",
         nargs="?",
         default=default_url,
-        help=f"Redis URL of the cluster (default: {default_url})",
+        help=f"Redis URL of the cluster, redis:// or redis+sentinel:// (default: "
+        f"{redact(default_url)})",
     )
     parser.add_argument(
         "--cluster",
@@ -98,7 +102,7 @@ def _add_common(parser: argparse.ArgumentParser, default_url: str, default_clust
 
 def build_parser() -> argparse.ArgumentParser:
     config = load_config()
-    url, cluster = config.redis.url, config.cluster.name
+    url, cluster = config.redis.address, config.cluster.name
     parser = argparse.ArgumentParser(prog="redisdask", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--version",
@@ -125,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--allowed-failures",
         help="deaths of workers running a task before it errs with KilledWorker "
         f"(config scheduler.allowed-failures: {config.scheduler.allowed_failures})",
+    )
+    p.add_argument(
+        "--wait-replicas",
+        help="replicas that must acknowledge each scheduler write (Redis WAIT) so that it "
+        f"survives a failover (config redis.wait-replicas: {config.redis.wait_replicas})",
     )
 
     p = sub.add_parser("worker", help="run a worker")
@@ -485,6 +494,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 connect_timeout=config.redis.connect_timeout,
                 retention=config.retention,
                 rebalance=config.worker.memory.rebalance,
+                wait_replicas=config.redis.wait_replicas,
+                wait_timeout=config.redis.wait_timeout,
             )
         elif args.command == "worker":
             role = "worker" if args.no_nanny else "nanny"

@@ -120,10 +120,11 @@ T = TypeVar("T")
 class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
     """Connects to a cluster through Redis.
 
-    ``address`` is a ``LocalCluster``, a Redis URL, or None: then the configured URL
-    (``redis.url``) if one is configured, else, as distributed's ``Client()`` does, a new
-    ``LocalCluster`` that the client owns and closes (keywords such as ``n_workers`` go to
-    it).  Other keywords are config overrides (``**{"client.heartbeat-interval": 1}``).
+    ``address`` is a ``LocalCluster``, a Redis URL (``redis://``, ``redis+sentinel://``),
+    or None: then the configured URL (``redis.url``, or ``redis.sentinels``) if one is
+    configured, else, as distributed's ``Client()`` does, a new ``LocalCluster`` that the
+    client owns and closes (keywords such as ``n_workers`` go to it).  Other keywords are
+    config overrides (``**{"client.heartbeat-interval": 1}``).
 
     A client never creates a cluster: when none of that name exists in Redis it waits up
     to ``client.no-scheduler-timeout`` for one to appear, then raises
@@ -162,7 +163,8 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         logs.setup_client(self.config.logging.level, self.config.logging.format)
         self.cluster: LocalCluster | None = None  # a cluster this client started (and closes)
         self._new_cluster: dict[str, Any] | None = None  # LocalCluster arguments, to start one
-        if address is None and "url" not in self.config.redis.model_fields_set:
+        configured = {"url", "sentinels"} & self.config.redis.model_fields_set
+        if address is None and not configured:
             self._new_cluster = {"cluster_name": cluster_name, **cluster_kwargs}
         elif cluster_kwargs:
             raise TypeError(
@@ -172,7 +174,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         if address is not None and not isinstance(address, str):  # a LocalCluster
             cluster_name = cluster_name or address.cluster_name
             address = address.redis_url
-        self.redis_url: str = address or self.config.redis.url
+        self.redis_url: str = address or self.config.redis.address
         self.keys = Keys(cluster_name or self.config.cluster.name)
         self.timeout = _seconds(timeout) or self.config.redis.connect_timeout
         self.id = f"client-{uuid.uuid4().hex[:12]}"

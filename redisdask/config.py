@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import urllib.parse
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -130,15 +131,64 @@ class Section(BaseModel):
 
 
 class RedisConfig(Section):
+    """Where Redis is: ``url`` (``redis://``, or ``redis+sentinel://`` naming Sentinels:
+    ``connection.parse_sentinel_url``), or ``sentinels`` and ``sentinel-service``, which
+    stand for such a URL (with the credentials and db of a ``redis://`` ``url``).  Read
+    it as ``address``."""
+
     url: str = "redis://127.0.0.1:6379/0"
     # the Redis ACL user every connection logs in as (``docs/security.md``): from the
     # config file or the environment, not the URL on a command line, which ``ps`` shows;
     # a user and password in the URL win over these
     username: str | None = None
     password: SecretStr | None = None
+    # host:port of Redis Sentinels; with sentinel-service, every process connects to the
+    # primary they name and follows it through a failover
+    sentinels: list[str] = Field(default_factory=list)
+    sentinel_service: str | None = None  # the primary's name in the Sentinels' config
     connect_timeout: Seconds = 5.0
     server_binary: str | None = None  # explicit redis-server for the embedded server
     down_deadline: Seconds = 30.0  # how long to retry a Redis that is down before raising
+    # replicas that must have each scheduler write (WAIT) before it counts as done, so
+    # that an acknowledged batch survives a failover; a WAIT that times out is logged
+    wait_replicas: Annotated[int, Field(ge=0)] = 0
+    wait_timeout: Seconds = 1.0
+
+    @model_validator(mode="after")
+    def _check_sentinels(self) -> RedisConfig:
+        if bool(self.sentinels) != bool(self.sentinel_service):
+            raise ValueError(
+                "redis.sentinels and redis.sentinel-service go together: the Sentinels' "
+                "host:port addresses, and the name of the primary they watch"
+            )
+        if self.sentinels:
+            from redisdask.connection import parse_sentinel_url
+
+            try:
+                parse_sentinel_url(self.address)
+            except ValueError as exc:
+                raise ValueError(f"redis.sentinels: {exc}") from None
+        return self
+
+    @property
+    def address(self) -> str:
+        """The URL every process connects with: ``url``, or the ``redis+sentinel://``
+        URL of ``sentinels`` and ``sentinel-service`` (with the login and db of ``url``)
+        unless ``url`` is itself a ``redis+sentinel://`` URL (as a ``LocalCluster`` hands
+        its processes)."""
+        if not self.sentinels or self.url.startswith("redis+sentinel:"):
+            return self.url
+        from redisdask.connection import sentinel_url
+
+        parts = urllib.parse.urlsplit(self.url)
+        db = parts.path.strip("/")
+        return sentinel_url(
+            self.sentinels,
+            self.sentinel_service or "",
+            urllib.parse.unquote(parts.username) if parts.username else None,
+            urllib.parse.unquote(parts.password) if parts.password is not None else None,
+            int(db) if db.isdigit() else 0,
+        )
 
 
 class ClusterConfig(Section):

@@ -6,17 +6,26 @@ every command and every pipeline on it turns redis-py's ``ConnectionError`` and
 ``TimeoutError`` into ``ClusterConnectionError`` at one boundary
 (``cluster_connection_errors``), so no raw ``redis`` error reaches the user.  The
 scheduler, workers and nannies keep redis-py's errors: their reconnection loops catch them.
+
+A ``redis+sentinel://`` URL (``parse_sentinel_url``) names Redis Sentinels and a
+service instead of one server: every connection is then made to the primary that the
+Sentinels name at that moment (redis-py's ``SentinelConnectionPool``), so after a failover
+each process's reconnection finds the promoted replica.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import urllib.parse
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import redis
+import redis.asyncio.sentinel
+import redis.sentinel
 
 from redisdask import busy
 from redisdask.errors import ClusterConnectionError
@@ -66,6 +75,90 @@ if "maint_notifications_config" in _PARAMETERS:
     from redis.maint_notifications import MaintNotificationsConfig
 
     _QUIET["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
+
+
+SENTINEL_SCHEME = "redis+sentinel"
+SENTINEL_PORT = 26379
+SENTINEL_FORM = "redis+sentinel://[user:password@]host:26379[,host2:26379...]/service-name[/db]"
+
+
+@dataclass(frozen=True)
+class SentinelAddress:
+    """What a ``redis+sentinel://`` URL names: the Sentinels to ask, the service (the
+    name of the primary in their configuration), and how to log in to the primary."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+
+def parse_sentinel_url(url: str) -> SentinelAddress | None:
+    """The Sentinels and service of a ``redis+sentinel://`` URL (None for any other
+    scheme), in the form of the ``redis-sentinel-url`` package:
+    ``redis+sentinel://[user:password@]host1:26379,host2:26379/service[/db]`` (kombu's
+    ``sentinel://h1:26379;sentinel://h2:26379`` leaves the service to an option; one URL
+    that names it travels whole through ``REDISDASK__REDIS__URL`` and command lines).
+    The credentials are the data servers' (the Sentinels are asked without any); a host
+    without a port is on 26379.  ``ValueError`` naming what is wrong."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != SENTINEL_SCHEME:
+        return None
+    if parts.query or parts.fragment:
+        raise ValueError(f"a Sentinel URL takes no query or fragment; expected {SENTINEL_FORM}")
+    hosts = parts.netloc.rsplit("@", 1)[-1]
+    sentinels = []
+    for host in hosts.split(","):
+        name, colon, port = host.strip().rpartition(":") if ":" in host else (host, "", "")
+        name = name.strip("[]")  # an IPv6 address in brackets
+        if not name or (colon and not port.isdigit()) or not 0 < int(port or 1) < 65536:
+            raise ValueError(f"bad Sentinel address {host!r}; expected {SENTINEL_FORM}")
+        sentinels.append((name, int(port) if port else SENTINEL_PORT))
+    path = [urllib.parse.unquote(p) for p in parts.path.strip("/").split("/") if p]
+    if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ValueError(f"expected a service name and an optional db number: {SENTINEL_FORM}")
+    return SentinelAddress(
+        sentinels=tuple(sentinels),
+        service=path[0],
+        db=int(path[1]) if len(path) == 2 else 0,
+        username=urllib.parse.unquote(parts.username) if parts.username else None,
+        password=urllib.parse.unquote(parts.password) if parts.password is not None else None,
+    )
+
+
+def sentinel_url(
+    sentinels: list[str], service: str, username: str | None, password: str | None, db: int
+) -> str:
+    """A ``redis+sentinel://`` URL of ``host:port`` Sentinels (the config's
+    ``redis.sentinels`` and ``redis.sentinel-service``)."""
+    login = ""
+    if password is not None or username:
+        quote = functools.partial(urllib.parse.quote, safe="")
+        login = f"{quote(username or '')}:{quote(password or '')}@"
+    return f"{SENTINEL_SCHEME}://{login}{','.join(sentinels)}/{service}/{db}"
+
+
+def _master(
+    address: SentinelAddress, cls: type[Any], options: dict[str, Any], sentinel: type[Any]
+) -> Any:
+    """A ``cls`` client of the service's primary, through a Sentinel connection pool."""
+    ask = {"socket_connect_timeout": options["socket_connect_timeout"],
+           "socket_timeout": options["socket_connect_timeout"]}  # fmt: skip
+    manager = sentinel(list(address.sentinels), sentinel_kwargs=ask)
+    if address.username is not None or address.password is not None:  # the URL's win
+        options = {**options, "username": address.username, "password": address.password}
+    return manager.master_for(address.service, redis_class=cls, db=address.db, **options)
+
+
+def _client(url: str, cls: type[Any], options: dict[str, Any], sentinel: type[Any]) -> Any:
+    try:
+        address = parse_sentinel_url(url)
+        if address is None:
+            return cls.from_url(url, **options)
+    except ValueError as exc:
+        raise _invalid_url(url, exc) from exc
+    return _master(address, cls, options, sentinel)
 
 
 def _options(timeout: float, name: str | None, config: RedisConfig | None) -> dict[str, Any]:
@@ -157,12 +250,8 @@ def connect(
     ``ClusterConnectionError`` if not.  ``cluster_errors``: a ``ClusterRedis``, whose
     later connection failures are ``ClusterConnectionError`` too.  ``config``: where the
     user and password come from (``login``)."""
-    try:
-        client = (ClusterRedis if cluster_errors else busy.Redis).from_url(
-            url, **_options(timeout, name, config)
-        )
-    except ValueError as exc:
-        raise _invalid_url(url, exc) from exc
+    cls = ClusterRedis if cluster_errors else busy.Redis
+    client = _client(url, cls, _options(timeout, name, config), redis.sentinel.Sentinel)
     if isinstance(client, ClusterRedis):
         client.url = url
     if not check:
@@ -186,12 +275,8 @@ def connect_async(
 ) -> redis.asyncio.Redis:
     """An asyncio Redis client for ``url`` (not yet checked: ``await check_async(...)``);
     with ``cluster_errors`` an ``AsyncClusterRedis``; ``config`` as for ``connect``."""
-    try:
-        client = (AsyncClusterRedis if cluster_errors else busy.AsyncRedis).from_url(
-            url, **_options(timeout, name, config)
-        )
-    except ValueError as exc:
-        raise _invalid_url(url, exc) from exc
+    cls = AsyncClusterRedis if cluster_errors else busy.AsyncRedis
+    client = _client(url, cls, _options(timeout, name, config), redis.asyncio.sentinel.Sentinel)
     if isinstance(client, AsyncClusterRedis):
         client.url = url
     return client
@@ -207,8 +292,13 @@ async def check_async(client: redis.asyncio.Redis, url: str, timeout: float) -> 
 
 def _invalid_url(url: str, exc: ValueError) -> ClusterConnectionError:
     return ClusterConnectionError(
-        f"invalid Redis URL {redact(url)!r}: {exc}; expected redis://host:port/db"
+        f"invalid Redis URL {redact(url)!r}: {exc}; expected redis://host:port/db or "
+        f"{SENTINEL_FORM}"
     )
+
+
+def _is_sentinel(url: str) -> bool:
+    return urllib.parse.urlsplit(url).scheme == SENTINEL_SCHEME
 
 
 def unreachable(url: str, timeout: float, exc: BaseException) -> BaseException:
@@ -219,6 +309,12 @@ def unreachable(url: str, timeout: float, exc: BaseException) -> BaseException:
             f"Redis at {redact(url)} refused our credentials ({exc}); check the user and "
             "password in the URL, or redis.username and redis.password in the config "
             "(REDISDASK__REDIS__USERNAME, REDISDASK__REDIS__PASSWORD)"
+        )
+    if isinstance(exc, redis.ConnectionError | redis.TimeoutError | OSError) and _is_sentinel(url):
+        return ClusterConnectionError(
+            f"cannot reach the primary of {redact(url)} within {timeout:g} s: {exc}. Are the "
+            "Sentinels running there, do they monitor that service name, and is its primary "
+            "up (during a failover: try again once a replica is promoted)?"
         )
     if isinstance(exc, redis.ConnectionError | redis.TimeoutError | OSError):
         return ClusterConnectionError(

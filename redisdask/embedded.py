@@ -170,7 +170,9 @@ class EmbeddedRedis:
         *,
         startup_timeout: float = 15.0,
         stop_timeout: float = 10.0,
+        args: list[str] | None = None,
     ) -> None:
+        self.args = list(args or [])  # more redis-server options: ["--replicaof", host, port]
         self._requested_dir = Path(data_dir) if data_dir is not None else None
         self._binary_option = binary
         self.startup_timeout = startup_timeout
@@ -290,6 +292,7 @@ class EmbeddedRedis:
             "--appendfsync", "everysec",
             "--save", "",
             "--dir", os.fspath(self.data_dir),
+            *self.args,
         ]  # fmt: skip
 
     def _launch_on_some_port(self, binary: Path) -> None:

@@ -146,8 +146,9 @@ class ClusterCollector:
             yield info
             yield self._gauge(
                 "scheduler_lease_token",
-                "Fencing token of the lease holder: it grows by one at every take-over",
-                _number(s.get("token")),
+                "Fencing token of the lease holder (its number): it grows by one at every "
+                "take-over",
+                _number(str(s.get("token", "")).partition(".")[0]),
             )
             yield self._gauge(
                 "scheduler_start_time_seconds",

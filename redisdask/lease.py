@@ -1,7 +1,9 @@
 """The scheduler's lease: one leader per cluster, fenced by a token.
 
 * ``rd:{c}:lease`` holds the leader's token with a PX TTL (``scheduler.lease-ttl``);
-  tokens come from the INCR counter ``rd:{c}:lease-token``.  Every write of the leader is
+  ``rd:{c}:lease-token`` holds the last token handed out, ``<n>.<nonce>`` (n counts up;
+  the random nonce keeps two tokens apart where a Redis failover lost the last one and
+  n is handed out again: see ``token_number``).  Every write of the leader is
   an ``APPLY_FENCED`` that checks the token first (``schema._FENCE``), so a scheduler
   that was paused or partitioned while a standby took over can never write again.
 * **An expired lease nobody took since is still ours**: the counter still stands at our
@@ -35,6 +37,13 @@ from redisdask import schema
 from redisdask.errors import FencedError
 
 logger = logging.getLogger("redisdask.scheduler")
+
+
+def token_number(token: str | bytes) -> int:
+    """The counting part of a lease token (``"7.1f2e3d4c"`` -> 7): later takeovers have
+    larger numbers, except after a Redis failover that lost the last takeover."""
+    text = token.decode() if isinstance(token, bytes) else token
+    return int(text.partition(".")[0])
 
 
 class Lease:

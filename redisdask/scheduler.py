@@ -63,6 +63,7 @@ MAX_BATCH_BYTES = 256 << 10
 SLOW_BATCH = 0.2  # a batch longer than this share of the lease is logged, with its parts
 MAX_BATCH_WEIGHT = 10_000  # tasks and keys named per batch (see _batches)
 MAX_SCRIPT_COMMANDS = 5_000  # commands per APPLY_FENCED script (see Scheduler.apply)
+UNREPLICATED_WARN_EVERY = 10.0  # seconds between warnings of writes no replica acknowledged
 
 
 class Scheduler:
@@ -80,8 +81,14 @@ class Scheduler:
         client_ttl: float = 30.0,
         retention: RetentionConfig | None = None,
         rebalance: RebalanceConfig | None = None,
+        wait_replicas: int = 0,
+        wait_timeout: float = 1.0,
     ) -> None:
         self.keys = Keys(cluster)
+        self.wait_replicas = wait_replicas  # redis.wait-replicas (see wait_for_replicas)
+        self.wait_timeout_ms = max(1, int(wait_timeout * 1000))
+        self.unreplicated = 0  # writes whose WAIT timed out since the last warning
+        self.unreplicated_warned_at = 0.0
         self.retention = retention or RetentionConfig()
         self.redis_url = redis_url
         self.id = f"scheduler-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -461,6 +468,32 @@ class Scheduler:
             self.state = self._load()
             raise
         self.lease.wrote(started)
+        if self.wait_replicas:
+            self.wait_for_replicas()
+
+    def wait_for_replicas(self) -> None:
+        """``WAIT redis.wait-replicas redis.wait-timeout`` after a write: a write that
+        replicas hold survives a failover to one of them.  A WAIT that times out is
+        counted and logged (at most every ``UNREPLICATED_WARN_EVERY`` s), and the
+        scheduler goes on: the write is done on the primary and cannot be taken back,
+        and stopping every batch while a replica is away would turn the loss of a
+        replica into the loss of the cluster.  Each batch then waits up to the timeout."""
+        acked = self.redis.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+        if acked >= self.wait_replicas:
+            return
+        self.unreplicated += 1
+        now = time.monotonic()
+        if now - self.unreplicated_warned_at >= UNREPLICATED_WARN_EVERY:
+            logger.warning(
+                "%d scheduler writes were not acknowledged by %d replicas within %d ms "
+                "(redis.wait-replicas, redis.wait-timeout; the last by %d): a failover now "
+                "may lose them, and their tasks are then computed again",
+                self.unreplicated,
+                self.wait_replicas,
+                self.wait_timeout_ms,
+                acked,
+            )
+            self.unreplicated, self.unreplicated_warned_at = 0, now
 
     def _event(self, kind: str, **fields: Any) -> None:
         self.redis.execute_command(*self.translator.event_command(kind, time.time(), **fields))

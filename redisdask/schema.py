@@ -7,7 +7,7 @@ MULTI/EXEC stay valid on Redis Cluster, Valkey and managed Redis::
     rd:{c}:secret                      string  the peer-to-peer HMAC key (hex): its own key,
                                                which the ``monitor`` ACL role cannot read
     rd:{c}:lease                       string  fencing token of the active scheduler (PX ttl)
-    rd:{c}:lease-token                 string  INCR counter the tokens come from
+    rd:{c}:lease-token                 string  the last token handed out (<n>.<nonce>)
     rd:{c}:leader                      string  present while a scheduler leads (the lease's
                                                PX ttl): what clients look at, who may not
                                                be given the lease itself
@@ -449,11 +449,14 @@ return #commands
 
 # Takes (or renews) the scheduler lease.  KEYS: lease, lease-token, scheduler, leader
 # (renewed with the lease: ``Keys.leader``).  ARGV:
-# our token ('' to ask for a new one), ttl ms, the name of our Redis connection, and the
+# our token ('' to ask for a new one), ttl ms, the name of our Redis connection, the
 # token of a holder whose connection closed ('' if none: see ``lease.HolderWatch``), whose
-# lease is then taken although it has not expired.  A new token is written with the
-# connection's name into the scheduler hash, for the standbys to watch.  Returns the
-# token held, or false.
+# lease is then taken although it has not expired, and a random nonce.  A new token is
+# ``<n>.<nonce>``, n one more than the last token's: the nonce makes every token unique
+# even where the counter went back (a failover to a replica that missed the last
+# acquisition hands out the same n again: two schedulers must not share a token).  It is
+# written with the connection's name into the scheduler hash, for the standbys to watch.
+# Returns the token held, or false.
 ACQUIRE_LEASE = (
     _FENCE
     + """
@@ -464,7 +467,10 @@ if ours(ARGV[1]) then
 end
 local current = redis.call('GET', KEYS[1])
 if current and current ~= ARGV[4] then return false end
-local token = tostring(redis.call('INCR', KEYS[2]))
+local last = redis.call('GET', KEYS[2])
+local n = tonumber(last and string.match(last, '^%d+') or 0) or 0
+local token = tostring(n + 1) .. '.' .. ARGV[5]
+redis.call('SET', KEYS[2], token)
 redis.call('SET', KEYS[1], token, 'PX', ARGV[2])
 redis.call('SET', KEYS[4], '1', 'PX', ARGV[2])
 redis.call('HSET', KEYS[3], 'token', token, 'conn', ARGV[3])
@@ -666,7 +672,8 @@ class Scripts:
         or held by ``gone`` (``token`` None asks for a new one); returns the token held,
         or None.  ``connection``: the name of the caller's Redis connection."""
         keys = [self.keys.lease, self.keys.lease_token, self.keys.scheduler, self.keys.leader]
-        return self._acquire_lease(keys=keys, args=[token or "", ttl_ms, connection, gone])
+        args = [token or "", ttl_ms, connection, gone, secrets.token_hex(4)]
+        return self._acquire_lease(keys=keys, args=args)
 
     def load_tasks(self, *, cursor: int | bytes, count: int) -> Any:
         """One page of the task records from ``cursor`` (0: the first); returns

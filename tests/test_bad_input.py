@@ -259,3 +259,32 @@ def test_malformed_scheduler_messages_are_skipped_by_the_client(
         r.xadd(keys.client_events(client.id), entry([*bad, {"op": "restarted", "by": "x"}]))
         poll(future.cancelled)
         assert future.status == "cancelled"
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("redis+sentinel://h1:26379/", "expected a service name"),
+        ("redis+sentinel://h1:26379/svc/zero", "expected a service name and an optional db"),
+        ("redis+sentinel://h1:port/svc", "bad Sentinel address 'h1:port'"),
+        ("redis+sentinel://:hunter2@h1/svc?db=1", "takes no query"),
+    ],
+)
+def test_a_bad_sentinel_url_is_named_with_the_form_expected(url: str, why: str) -> None:
+    with pytest.raises(ClusterConnectionError) as info:
+        Client(url)
+    assert why in str(info.value)
+    assert "redis+sentinel://[user:password@]host:26379" in str(info.value)
+    assert "hunter2" not in str(info.value)
+
+
+def test_sentinels_that_cannot_be_reached_are_a_clear_connection_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here
+    url = f"redis+sentinel://:hunter2@127.0.0.1:{port}/mymaster/0"
+    with pytest.raises(ClusterConnectionError) as info:
+        Client(url, timeout=1)
+    assert f"127.0.0.1:{port}/mymaster" in str(info.value)
+    assert "Sentinels running there" in str(info.value)
+    assert "hunter2" not in str(info.value)

@@ -10,6 +10,7 @@ import yaml
 
 from redisdask import memory
 from redisdask.config import Config, ConfigError, load_config
+from redisdask.connection import parse_sentinel_url
 
 
 @pytest.fixture(autouse=True)
@@ -212,3 +213,38 @@ def test_marks_may_be_switched_off_and_a_limit_of_one_is_all_memory() -> None:
     assert config.worker.memory.spill is False
     assert load_config({"worker.memory.target": 0.9}).worker.memory.target == 0.9  # as Dask
     assert memory.memory_limit(1, 1) == memory.memory_limit(1.0, 1) > 2**20
+
+
+def test_sentinels_and_their_service_stand_for_a_sentinel_url() -> None:
+    config = load_config(
+        {
+            "redis.url": "redis://alice:p%40ss@ignored:6379/3",
+            "redis.sentinels": ["10.0.0.1:26379", "10.0.0.2"],
+            "redis.sentinel-service": "mymaster",
+        },
+        environ={},
+    )
+    address = config.redis.address
+    assert address == "redis+sentinel://alice:p%40ss@10.0.0.1:26379,10.0.0.2/mymaster/3"
+    parsed = parse_sentinel_url(address)
+    assert parsed is not None
+    assert parsed.sentinels == (("10.0.0.1", 26379), ("10.0.0.2", 26379))
+    assert (parsed.service, parsed.db, parsed.username, parsed.password) == (
+        "mymaster",
+        3,
+        "alice",
+        "p@ss",
+    )
+    # a redis+sentinel:// URL (what a LocalCluster hands its processes) wins
+    url = "redis+sentinel://127.0.0.1:26380/other/0"
+    assert load_config({"redis.url": url}, environ={}).redis.address == url
+    assert load_config({}, environ={}).redis.address == "redis://127.0.0.1:6379/0"
+
+
+def test_sentinels_without_a_service_are_refused_naming_both_keys() -> None:
+    with pytest.raises(ConfigError, match=r"redis\.sentinels and redis\.sentinel-service go"):
+        load_config({"redis.sentinels": ["h:26379"]}, environ={})
+    with pytest.raises(ConfigError, match="bad Sentinel address 'h:x'"):
+        load_config({"redis.sentinels": ["h:x"], "redis.sentinel-service": "m"}, environ={})
+    with pytest.raises(ConfigError, match="wait-replicas"):
+        load_config({"redis.wait-replicas": -1}, environ={})

