@@ -89,6 +89,7 @@ from redisdask.protocol import (
     UpdateGraph,
 )
 from redisdask.schema import REDIS_COPY, Keys
+from redisdask.security import Security
 from redisdask.task_record import TaskRecord
 from redisdask.versions import versions
 from redisdask.worker_calls import WorkerCalls
@@ -150,6 +151,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         timeout: float | str | None = None,
         set_as_default: bool = True,
         asynchronous: bool = False,
+        security: Security | None = None,
         **kwargs: Any,
     ) -> None:
         if asynchronous and running_loop() is None:
@@ -171,7 +173,12 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
             )
         if address is not None and not isinstance(address, str):  # a LocalCluster
             cluster_name = cluster_name or address.cluster_name
+            security = security or address.security
             address = address.redis_url
+        # TLS to the workers (redisdask/security.py): given, the cluster's, or configured
+        self.security = security or Security.from_config(self.config)
+        if self._new_cluster is not None:
+            self._new_cluster["security"] = self.security
         self.redis_url: str = address or self.config.redis.url
         self.keys = Keys(cluster_name or self.config.cluster.name)
         self.timeout = _seconds(timeout) or self.config.redis.connect_timeout
@@ -248,7 +255,9 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
             raise
         for what in self._missing_since:
             logger.warning("%s", self._missing_text(what, waited=None))
-        self._peers = comm.ConnectionPool(self.secret, timeout=self.timeout)
+        self._peers = comm.ConnectionPool(
+            self.secret, timeout=self.timeout, tls=self.security.client_context()
+        )
         self._outbox_ready = asyncio.Event()
         self._tasks = [
             asyncio.ensure_future(self._aevent_loop()),
