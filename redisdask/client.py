@@ -903,6 +903,8 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         try:
             header, frames = await self._peers.rpc(address, {"op": "get-data", "keys": keys})
             return comm.deserialize_dict(header, frames)
+        except comm.SecurityMismatchError:
+            raise  # TLS here and not there (or the reverse): no retry mends it
         except (OSError, comm.CommError) as exc:
             logger.warning("could not fetch %d keys from %s: %s", len(keys), address, exc)
             return {}, {}

@@ -101,6 +101,11 @@ class CommClosedError(CommError, ConnectionError):
     """The connection is closed, could not be opened, or broke mid-way."""
 
 
+class SecurityMismatchError(CommClosedError):
+    """One side of a connection is set up for TLS, the other not: a configuration
+    mistake that no retry mends."""
+
+
 class SerializationError(CommError):
     """A value could not be (de)serialized; ``key`` names it when known."""
 
@@ -137,14 +142,14 @@ def check_scheme(address: str, tls: ssl.SSLContext | None) -> None:
     that requires it: either way the handshake would fail obscurely (or hang) later."""
     scheme = address.partition("://")[0]
     if scheme == "tls" and tls is None:
-        raise CommClosedError(
+        raise SecurityMismatchError(
             f"{address} accepts only TLS connections and this process has no TLS settings: "
             "give it the cluster's CA, a certificate and its key (config comm.tls.ca-file, "
             "comm.tls.cert, comm.tls.key; redisdask worker --tls-ca-file/--tls-cert/--tls-key; "
             "Client(security=Security(...)))"
         )
     if scheme == "tcp" and tls is not None:
-        raise CommClosedError(
+        raise SecurityMismatchError(
             f"refusing to send data in the clear to {address}: this process is set up for "
             "TLS (comm.tls.*), that worker is not. Start every worker of the cluster with "
             "the same TLS settings"
@@ -594,6 +599,7 @@ class AsyncConnection:
 
 
 TLS_WRITE_CHUNK = 4 << 20  # a big frame is encrypted this much at a time (bounded memory)
+EARLY_BYTES_LIMIT = 4096  # bytes a TLS peer may send before we ask for them (handshake)
 
 
 class _ExactReader:
@@ -618,15 +624,17 @@ class _TLSProtocol(asyncio.BufferedProtocol):
     """asyncio's SSL transport decrypts straight into the buffers this hands it: the
     handshake's fixed-size reads, then the frames the :class:`MessageReader` is filling
     (big frames in place: no copy between decryption and the result's buffer).  Bytes that
-    arrive when nothing is expected break the protocol (nothing is read ahead of a
-    request or a handshake step)."""
+    arrive before their reader is in place (the peer's hello may come before our side of
+    the handshake asks for it) wait in a small buffer; more than any handshake step
+    sends breaks the protocol."""
 
     def __init__(self, limits: Limits) -> None:
         self.transport: asyncio.Transport | None = None
         self.reader = MessageReader(limits)
         self._exact: _ExactReader | None = None
         self._messages = False  # the handshake is over: bytes are messages
-        self._stray = memoryview(bytearray(1))
+        self._early_in = memoryview(bytearray(EARLY_BYTES_LIMIT))
+        self._early = bytearray()  # received before anyone asked for them
         self._waiter: asyncio.Future[None] | None = None
         self._writable: asyncio.Future[None] | None = None
         self.error: BaseException | None = None
@@ -638,13 +646,14 @@ class _TLSProtocol(asyncio.BufferedProtocol):
         self.transport = transport
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._exact is not None:
+        # never an empty buffer: asyncio takes reading nothing into it for the peer's EOF
+        if self._exact is not None and not self._exact.done:
             return self._exact.next_buffer()
-        return self.reader.next_buffer() if self._messages else self._stray
+        return self.reader.next_buffer() if self._messages else self._early_in
 
     def buffer_updated(self, nbytes: int) -> None:
         try:
-            if self._exact is not None:
+            if self._exact is not None and not self._exact.done:
                 self._exact.received(nbytes)
                 if self._exact.done:
                     self._wake()
@@ -653,7 +662,9 @@ class _TLSProtocol(asyncio.BufferedProtocol):
                 if self.reader.ready:
                     self._wake()
             else:
-                raise ProtocolError("the peer sent bytes out of turn")
+                self._early += self._early_in[:nbytes]
+                if len(self._early) > EARLY_BYTES_LIMIT:
+                    raise ProtocolError("the peer sent too many bytes out of turn")
         except ProtocolError as exc:
             self._fail(exc)
             assert self.transport is not None
@@ -702,7 +713,11 @@ class _TLSProtocol(asyncio.BufferedProtocol):
             raise self.error
 
     async def read_exactly(self, n: int) -> bytes:
-        self._exact = _ExactReader(n)
+        self._exact = exact = _ExactReader(n)
+        early = min(n, len(self._early))
+        exact.buffer[:early] = self._early[:early]
+        exact.received(early)
+        del self._early[:early]
         try:
             while not self._exact.done:
                 await self._wait()
@@ -712,6 +727,9 @@ class _TLSProtocol(asyncio.BufferedProtocol):
 
     def start_messages(self) -> None:
         self._messages = True
+        if self._early:
+            self.reader.feed(self._early)
+            self._early.clear()
 
     async def next_message(self) -> Message:
         while (message := self.reader.next_message()) is None:
