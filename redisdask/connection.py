@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import urllib.parse
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -68,7 +69,37 @@ if "maint_notifications_config" in _PARAMETERS:
     _QUIET["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
 
 
-def _options(timeout: float, name: str | None, config: RedisConfig | None) -> dict[str, Any]:
+def tls_options(url: str, config: RedisConfig | None = None) -> dict[str, Any]:
+    """redis-py's ``ssl_*`` keywords for a ``rediss://`` URL, from ``redis.ssl-ca-certs``,
+    ``redis.ssl-certfile`` and ``redis.ssl-keyfile`` of ``config`` (else of
+    ``load_config()``); nothing for ``redis://`` (the keywords exist only with TLS).  The
+    files are checked here: a wrong path is named now, not as a failed handshake later."""
+    if urllib.parse.urlsplit(url).scheme != "rediss":
+        return {}
+    if config is None:
+        from redisdask.config import load_config
+
+        config = load_config().redis
+    out: dict[str, Any] = {}
+    for key, path in (
+        ("ssl_ca_certs", config.ssl_ca_certs),
+        ("ssl_certfile", config.ssl_certfile),
+        ("ssl_keyfile", config.ssl_keyfile),
+    ):
+        if path is None:
+            continue
+        if not os.access(path, os.R_OK):
+            raise ClusterConnectionError(
+                f"cannot read redis.{key.replace('_', '-')} = {path!r} (TLS to Redis at "
+                f"{redact(url)}): check the path, or unset it"
+            )
+        out[key] = path
+    return out
+
+
+def _options(
+    url: str, timeout: float, name: str | None, config: RedisConfig | None
+) -> dict[str, Any]:
     return {
         "socket_connect_timeout": timeout,
         "socket_keepalive": True,
@@ -76,6 +107,7 @@ def _options(timeout: float, name: str | None, config: RedisConfig | None) -> di
         "client_name": name,
         **_QUIET,
         **login(config),
+        **tls_options(url, config),
     }
 
 
@@ -159,7 +191,7 @@ def connect(
     user and password come from (``login``)."""
     try:
         client = (ClusterRedis if cluster_errors else busy.Redis).from_url(
-            url, **_options(timeout, name, config)
+            url, **_options(url, timeout, name, config)
         )
     except ValueError as exc:
         raise _invalid_url(url, exc) from exc
@@ -188,7 +220,7 @@ def connect_async(
     with ``cluster_errors`` an ``AsyncClusterRedis``; ``config`` as for ``connect``."""
     try:
         client = (AsyncClusterRedis if cluster_errors else busy.AsyncRedis).from_url(
-            url, **_options(timeout, name, config)
+            url, **_options(url, timeout, name, config)
         )
     except ValueError as exc:
         raise _invalid_url(url, exc) from exc
@@ -219,6 +251,13 @@ def unreachable(url: str, timeout: float, exc: BaseException) -> BaseException:
             f"Redis at {redact(url)} refused our credentials ({exc}); check the user and "
             "password in the URL, or redis.username and redis.password in the config "
             "(REDISDASK__REDIS__USERNAME, REDISDASK__REDIS__PASSWORD)"
+        )
+    if "SSL" in str(exc) or "certificate" in str(exc):
+        return ClusterConnectionError(
+            f"TLS with Redis at {redact(url)} failed: {exc}. Check redis.ssl-ca-certs (the CA "
+            "that signed the server's certificate) and, if the server asks for client "
+            "certificates, redis.ssl-certfile and redis.ssl-keyfile; a redis:// server wants "
+            "no rediss:// URL"
         )
     if isinstance(exc, redis.ConnectionError | redis.TimeoutError | OSError):
         return ClusterConnectionError(
