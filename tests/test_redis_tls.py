@@ -18,6 +18,7 @@ import pytest
 import trustme
 
 from redisdask import Client, LocalCluster
+from redisdask.config import load_config
 from redisdask.connection import connect
 from redisdask.embedded import find_redis_server
 from redisdask.errors import ClusterConnectionError
@@ -39,7 +40,7 @@ def _no_tls(reason: str) -> None:
 def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """A redis-server on TLS only (``--port 0``) that requires client certificates; the
     URL and the paths of the CA, a client certificate and its key."""
-    binary = str(find_redis_server())
+    binary = str(find_redis_server(load_config().redis.server_binary))
     directory = tmp_path_factory.mktemp("redis-tls")
     ca = trustme.CA()
     server, client = ca.issue_cert("127.0.0.1"), ca.issue_cert("redisdask-client")
