@@ -23,6 +23,7 @@ from redisdask.errors import (
 )
 from redisdask.performance_report import performance_report
 from redisdask.plugins import WorkerPlugin
+from redisdask.security import Security
 from redisdask.task_context import get_client, get_worker, rejoin, secede, worker_client
 from redisdask.task_stream import get_task_stream
 
@@ -38,6 +39,7 @@ __all__ = [
     "Queue",
     "RedisDaskError",
     "SchedulerRejectedError",
+    "Security",
     "Semaphore",
     "TaskInterrupted",
     "Variable",

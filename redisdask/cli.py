@@ -37,7 +37,12 @@ CONFIG_FLAGS = {
     "memory_limit": "worker.memory-limit",
     "resources": "worker.resources",
 }
-CONFIG_PATH_FLAGS = {"local_directory": "worker.local-directory"}
+CONFIG_PATH_FLAGS = {
+    "local_directory": "worker.local-directory",
+    "tls_ca_file": "comm.tls.ca-file",
+    "tls_cert": "comm.tls.cert",
+    "tls_key": "comm.tls.key",
+}
 DEFAULT_EXPORTER_PORT = 9649  # redisdask exporter's /metrics
 
 
@@ -196,6 +201,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="a module (or .py file) each worker imports at start; its dask_setup(worker) "
         "runs before the worker takes work, dask_teardown(worker) at its close (repeatable)",
     )
+    tls = config.comm.tls
+    p.add_argument(
+        "--tls-ca-file",
+        help="TLS between peers (docs/security.md): the CA that signed every peer's "
+        f"certificate, PEM (config comm.tls.ca-file: {tls.ca_file})",
+    )
+    p.add_argument(
+        "--tls-cert", help=f"this worker's certificate, PEM (config comm.tls.cert: {tls.cert})"
+    )
+    p.add_argument("--tls-key", help=f"its private key, PEM (config comm.tls.key: {tls.key})")
 
     p = sub.add_parser("status", help="a one-shot summary of a cluster (read-only)")
     _add_common(p, url, cluster)
@@ -335,6 +350,10 @@ def _worker(args: argparse.Namespace, config: Config) -> int:
         return 0
     from redisdask.connection import connect
     from redisdask.nanny.nanny import Nanny, run_nannies
+    from redisdask.security import Security
+
+    # unreadable TLS files are the same for every restart too: refuse them now
+    security = Security.from_config(config)
 
     # a wrong URL or a Redis that is down is the same for every restart: say so once
     connect(args.redis_url, timeout=config.redis.connect_timeout).close()
@@ -347,6 +366,13 @@ def _worker(args: argparse.Namespace, config: Config) -> int:
         worker_args += ["--resources", format_resources(config.worker.resources)]
     if args.port and args.nworkers == 1:
         worker_args += ["--port", str(args.port)]
+    for flag, path in (
+        ("--tls-ca-file", security.tls_ca_file),
+        ("--tls-cert", security.tls_cert),
+        ("--tls-key", security.tls_key),
+    ):
+        if path:
+            worker_args += [flag, path]
     nannies = [
         Nanny(
             args.redis_url,

@@ -89,6 +89,7 @@ from redisdask.protocol import (
     UpdateGraph,
 )
 from redisdask.schema import REDIS_COPY, Keys
+from redisdask.security import Security
 from redisdask.task_record import TaskRecord
 from redisdask.versions import versions
 from redisdask.worker_calls import WorkerCalls
@@ -151,6 +152,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         timeout: float | str | None = None,
         set_as_default: bool = True,
         asynchronous: bool = False,
+        security: Security | None = None,
         **kwargs: Any,
     ) -> None:
         if asynchronous and running_loop() is None:
@@ -173,7 +175,12 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
             )
         if address is not None and not isinstance(address, str):  # a LocalCluster
             cluster_name = cluster_name or address.cluster_name
+            security = security or address.security
             address = address.redis_url
+        # TLS to the workers (redisdask/security.py): given, the cluster's, or configured
+        self.security = security or Security.from_config(self.config)
+        if self._new_cluster is not None:
+            self._new_cluster["security"] = self.security
         self.redis_url: str = address or self.config.redis.address
         self.keys = Keys(cluster_name or self.config.cluster.name)
         self.timeout = _seconds(timeout) or self.config.redis.connect_timeout
@@ -250,7 +257,9 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
             raise
         for what in self._missing_since:
             logger.warning("%s", self._missing_text(what, waited=None))
-        self._peers = comm.ConnectionPool(self.secret, timeout=self.timeout)
+        self._peers = comm.ConnectionPool(
+            self.secret, timeout=self.timeout, tls=self.security.client_context()
+        )
         self._outbox_ready = asyncio.Event()
         self._tasks = [
             asyncio.ensure_future(self._aevent_loop()),
@@ -896,6 +905,8 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         try:
             header, frames = await self._peers.rpc(address, {"op": "get-data", "keys": keys})
             return comm.deserialize_dict(header, frames)
+        except comm.SecurityMismatchError:
+            raise  # TLS here and not there (or the reverse): no retry mends it
         except (OSError, comm.CommError) as exc:
             logger.warning("could not fetch %d keys from %s: %s", len(keys), address, exc)
             return {}, {}

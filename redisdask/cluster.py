@@ -20,6 +20,7 @@ from redisdask.errors import RedisDaskError
 from redisdask.placement import format_resources, parse_resources
 from redisdask.protocol import CloseWorker
 from redisdask.schema import Keys
+from redisdask.security import Security
 
 logger = logging.getLogger("redisdask.cluster")
 
@@ -35,7 +36,9 @@ class LocalCluster:
     instead of leaving the cluster without workers.  ``worker_processes`` are then the
     nannies' processes; ``nanny=False`` runs bare workers.  ``resources`` (``{"GPU": 2}``
     or ``"GPU=2"``) are given to every worker, as ``LocalCluster(resources=...)`` does in
-    Dask; ``start_worker(resources=...)`` gives one worker its own.
+    Dask; ``start_worker(resources=...)`` gives one worker its own.  ``security``
+    (``Security(tls_ca_file=..., tls_cert=..., tls_key=...)``, default: the config's
+    ``comm.tls``) gives every worker TLS between peers; ``Client(cluster)`` uses it too.
     """
 
     def __init__(
@@ -53,9 +56,11 @@ class LocalCluster:
         scheduler_options: dict[str, Any] | None = None,
         nanny: bool = True,
         resources: dict[str, float] | str | None = None,
+        security: Security | None = None,
     ) -> None:
         # checked before anything starts: a mistake is one clear error, not dead workers
         self.resources = parse_resources(resources, "LocalCluster(resources=...)")
+        self.security = security or Security.from_config()
         self.cluster_name = cluster_name or f"local-{uuid.uuid4().hex[:8]}"
         self.keys = Keys(self.cluster_name)
         self.n_workers = n_workers
@@ -99,6 +104,7 @@ class LocalCluster:
             PYTHONUNBUFFERED="1",
             REDISDASK__LOGGING__LEVEL=self.log_level,
             REDISDASK__REDIS__URL=self.redis_url,
+            **self.security.environment(),
         )
         return subprocess.Popen(
             spawn.command(*args),
@@ -127,6 +133,7 @@ class LocalCluster:
             from redisdask.workers.worker import ThreadWorker, options_from_config
 
             options = {**options_from_config(load_config()), **self.worker_options}
+            options["security"] = self.security
             if given:
                 options["resources"] = given
             worker = ThreadWorker(

@@ -43,6 +43,7 @@ import mmap
 import os
 import pickle
 import socket
+import ssl
 import struct
 import threading
 import weakref
@@ -100,6 +101,11 @@ class CommClosedError(CommError, ConnectionError):
     """The connection is closed, could not be opened, or broke mid-way."""
 
 
+class SecurityMismatchError(CommClosedError):
+    """One side of a connection is set up for TLS, the other not: a configuration
+    mistake that no retry mends."""
+
+
 class SerializationError(CommError):
     """A value could not be (de)serialized; ``key`` names it when known."""
 
@@ -111,20 +117,69 @@ class SerializationError(CommError):
 # ------------------------------------------------------------------------ addresses
 
 
+SCHEMES = ("tcp", "tls")  # tls: the peer speaks TLS (redisdask/security.py), then the rest
+
+
 def parse_address(address: str) -> tuple[str, int]:
-    """``"tcp://host:port"`` (IPv6 as ``tcp://[::1]:port``) -> ``(host, port)``."""
+    """``"tcp://host:port"`` or ``"tls://host:port"`` (IPv6 as ``tcp://[::1]:port``) ->
+    ``(host, port)``."""
     scheme, sep, rest = address.partition("://")
     host, colon, port = rest.rpartition(":")
-    if scheme != "tcp" or not sep or not colon or not host or not port.isdigit():
-        raise ValueError(f"invalid address {address!r}: expected 'tcp://host:port'")
+    if scheme not in SCHEMES or not sep or not colon or not host or not port.isdigit():
+        raise ValueError(f"invalid address {address!r}: expected 'tcp://host:port' or 'tls://...'")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     return host, int(port)
 
 
-def format_address(host: str, port: int) -> str:
-    """``(host, port)`` -> ``"tcp://host:port"``."""
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+def format_address(host: str, port: int, scheme: str = "tcp") -> str:
+    """``(host, port)`` -> ``"tcp://host:port"`` (or ``tls://``)."""
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+def check_scheme(address: str, tls: ssl.SSLContext | None) -> None:
+    """Refuse to connect in the clear when we have TLS settings, or without TLS to a peer
+    that requires it: either way the handshake would fail obscurely (or hang) later."""
+    scheme = address.partition("://")[0]
+    if scheme == "tls" and tls is None:
+        raise SecurityMismatchError(
+            f"{address} accepts only TLS connections and this process has no TLS settings: "
+            "give it the cluster's CA, a certificate and its key (config comm.tls.ca-file, "
+            "comm.tls.cert, comm.tls.key; redisdask worker --tls-ca-file/--tls-cert/--tls-key; "
+            "Client(security=Security(...)))"
+        )
+    if scheme == "tcp" and tls is not None:
+        raise SecurityMismatchError(
+            f"refusing to send data in the clear to {address}: this process is set up for "
+            "TLS (comm.tls.*), that worker is not. Start every worker of the cluster with "
+            "the same TLS settings"
+        )
+
+
+def describe_tls_error(exc: BaseException) -> str:
+    """What a failed TLS handshake most likely means, and what to do about it."""
+    reason = getattr(exc, "reason", None) or ""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return (
+            f"the peer's certificate was not accepted ({exc.verify_message}): it must be "
+            "signed by the CA of comm.tls.ca-file and be valid now"
+        )
+    if reason in (
+        "WRONG_VERSION_NUMBER",
+        "UNKNOWN_PROTOCOL",
+        "HTTP_REQUEST",
+        "RECORD_LAYER_FAILURE",
+    ):
+        return (
+            f"the peer does not speak TLS ({reason}): a process without the cluster's TLS "
+            "settings (comm.tls.*)?"
+        )
+    if "ALERT" in reason or "CERTIFICATE" in reason:
+        return (
+            f"the peer refused our certificate ({reason}): is it signed by the CA the "
+            "peer trusts (comm.tls.ca-file), and valid now?"
+        )
+    return f"TLS failed: {exc}"
 
 
 # -------------------------------------------------------------------- serialization
@@ -386,6 +441,11 @@ class MessageReader:
     def next_message(self) -> Message | None:
         return self._ready.popleft() if self._ready else None
 
+    @property
+    def ready(self) -> int:
+        """Messages received and not yet taken."""
+        return len(self._ready)
+
     def feed(self, data: Buffer) -> None:
         view = _byte_view(data)
         while view.nbytes:
@@ -538,15 +598,229 @@ class AsyncConnection:
         self._sock.close()
 
 
+TLS_WRITE_CHUNK = 4 << 20  # a big frame is encrypted this much at a time (bounded memory)
+EARLY_BYTES_LIMIT = 4096  # bytes a TLS peer may send before we ask for them (handshake)
+
+
+class _ExactReader:
+    """Receives exactly ``n`` bytes (the handshake's fixed-size messages)."""
+
+    def __init__(self, n: int) -> None:
+        self.buffer = memoryview(bytearray(n))
+        self.pos = 0
+
+    def next_buffer(self) -> memoryview:
+        return self.buffer[self.pos :]
+
+    def received(self, n: int) -> None:
+        self.pos += n
+
+    @property
+    def done(self) -> bool:
+        return self.pos == self.buffer.nbytes
+
+
+class _TLSProtocol(asyncio.BufferedProtocol):
+    """asyncio's SSL transport decrypts straight into the buffers this hands it: the
+    handshake's fixed-size reads, then the frames the :class:`MessageReader` is filling
+    (big frames in place: no copy between decryption and the result's buffer).  Bytes that
+    arrive before their reader is in place (the peer's hello may come before our side of
+    the handshake asks for it) wait in a small buffer; more than any handshake step
+    sends breaks the protocol."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.reader = MessageReader(limits)
+        self._exact: _ExactReader | None = None
+        self._messages = False  # the handshake is over: bytes are messages
+        self._early_in = memoryview(bytearray(EARLY_BYTES_LIMIT))
+        self._early = bytearray()  # received before anyone asked for them
+        self._waiter: asyncio.Future[None] | None = None
+        self._writable: asyncio.Future[None] | None = None
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------------ asyncio's side
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        # never an empty buffer: asyncio takes reading nothing into it for the peer's EOF
+        if self._exact is not None and not self._exact.done:
+            return self._exact.next_buffer()
+        return self.reader.next_buffer() if self._messages else self._early_in
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            if self._exact is not None and not self._exact.done:
+                self._exact.received(nbytes)
+                if self._exact.done:
+                    self._wake()
+            elif self._messages:
+                self.reader.received(nbytes)
+                if self.reader.ready:
+                    self._wake()
+            else:
+                self._early += self._early_in[:nbytes]
+                if len(self._early) > EARLY_BYTES_LIMIT:
+                    raise ProtocolError("the peer sent too many bytes out of turn")
+        except ProtocolError as exc:
+            self._fail(exc)
+            assert self.transport is not None
+            self.transport.abort()
+
+    def eof_received(self) -> bool:
+        self._fail(CommClosedError("connection closed by the peer"))
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if isinstance(exc, ssl.SSLError):
+            self._fail(CommClosedError(describe_tls_error(exc)))
+        else:
+            self._fail(CommClosedError(f"connection lost: {exc or 'closed'}"))
+        self.resume_writing()
+
+    def pause_writing(self) -> None:
+        if self._writable is None:
+            self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+        self._writable = None
+
+    # -------------------------------------------------------------------- our side
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        if self.error is not None:
+            raise self.error
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+        if self.error is not None:
+            raise self.error
+
+    async def read_exactly(self, n: int) -> bytes:
+        self._exact = exact = _ExactReader(n)
+        early = min(n, len(self._early))
+        exact.buffer[:early] = self._early[:early]
+        exact.received(early)
+        del self._early[:early]
+        try:
+            while not self._exact.done:
+                await self._wait()
+            return bytes(self._exact.buffer)
+        finally:
+            self._exact = None
+
+    def start_messages(self) -> None:
+        self._messages = True
+        if self._early:
+            self.reader.feed(self._early)
+            self._early.clear()
+
+    async def next_message(self) -> Message:
+        while (message := self.reader.next_message()) is None:
+            await self._wait()
+        return message
+
+    async def write(self, buffers: Sequence[Buffer]) -> None:
+        assert self.transport is not None
+        for buf in buffers:
+            view = _byte_view(buf)
+            for start in range(0, view.nbytes, TLS_WRITE_CHUNK):
+                if self.error is not None:
+                    raise self.error
+                self.transport.write(view[start : start + TLS_WRITE_CHUNK])
+                if self._writable is not None:
+                    await self._writable
+
+
+class TLSConnection:
+    """An authenticated TLS connection speaking the message protocol (the interface of
+    :class:`AsyncConnection`)."""
+
+    def __init__(self, protocol: _TLSProtocol, peer: str, limits: Limits = DEFAULT_LIMITS):
+        self.peer = peer
+        self._protocol = protocol
+        self._limits = limits
+
+    @property
+    def closed(self) -> bool:
+        transport = self._protocol.transport
+        return transport is None or transport.is_closing() or self._protocol.error is not None
+
+    async def send(self, header: Header, frames: Sequence[Buffer] = ()) -> None:
+        await self._protocol.write(encode_message(header, frames, self._limits))
+
+    async def recv(self) -> Message:
+        try:
+            return await self._protocol.next_message()
+        except CommClosedError as exc:
+            where = " mid-message" if self._protocol.reader.in_message else ""
+            raise CommClosedError(f"connection to {self.peer} closed{where}: {exc}") from exc
+
+    def close(self) -> None:
+        if self._protocol.transport is not None:
+            self._protocol.transport.close()
+
+
+PeerConnection: TypeAlias = AsyncConnection | TLSConnection
+
+
+async def _open_tls(
+    sock: socket.socket, address: str, secret: bytes, tls: ssl.SSLContext, limits: Limits
+) -> TLSConnection:
+    """TLS over the connected ``sock`` (``tls`` verifies the server and shows our own
+    certificate), then the client side of the HMAC handshake inside it."""
+    loop = asyncio.get_running_loop()
+    try:
+        _, protocol = await loop.create_connection(
+            lambda: _TLSProtocol(limits), sock=sock, ssl=tls, server_hostname=""
+        )
+    except ssl.SSLError as exc:
+        raise CommClosedError(describe_tls_error(exc)) from exc
+    try:
+        hello = await protocol.read_exactly(SERVER_HELLO_SIZE)
+        server_nonce, client_nonce, answer = client_answer(secret, hello)
+        await protocol.write([answer])
+        try:
+            proof = await protocol.read_exactly(SERVER_PROOF_SIZE)
+        except CommClosedError as exc:
+            raise AuthenticationError(f"server rejected our credentials ({exc})") from exc
+        check_server_proof(secret, server_nonce, client_nonce, proof)
+        protocol.start_messages()
+    except BaseException:
+        assert protocol.transport is not None
+        protocol.transport.abort()
+        raise
+    return TLSConnection(protocol, address, limits)
+
+
 async def open_connection(
     address: str,
     secret: bytes,
     *,
     timeout: float = DEFAULT_TIMEOUT,
     limits: Limits = DEFAULT_LIMITS,
-) -> AsyncConnection:
-    """Connect to ``address`` and run the client side of the handshake."""
+    tls: ssl.SSLContext | None = None,
+) -> PeerConnection:
+    """Connect to ``address`` and run the client side of the handshake (inside TLS with
+    ``tls``, which a ``tls://`` address needs and a ``tcp://`` one refuses)."""
     host, port = parse_address(address)
+    check_scheme(address, tls)
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(timeout):
@@ -558,6 +832,8 @@ async def open_connection(
                 sock.setblocking(False)
                 await loop.sock_connect(sock, addr)
                 _tune(sock)
+                if tls is not None:
+                    return await _open_tls(sock, address, secret, tls, limits)
                 hello = await _recv_exactly(sock, SERVER_HELLO_SIZE)
                 server_nonce, client_nonce, answer = client_answer(secret, hello)
                 await loop.sock_sendall(sock, answer)
@@ -573,13 +849,19 @@ async def open_connection(
         raise CommClosedError(f"timed out after {timeout}s connecting to {address}") from exc
     except AuthenticationError as exc:
         raise AuthenticationError(f"{address}: {exc}") from exc
+    except CommClosedError as exc:
+        raise CommClosedError(f"could not connect to {address}: {exc}") from exc
     except OSError as exc:
         raise CommClosedError(f"could not connect to {address}: {exc}") from exc
     return AsyncConnection(sock, address, limits)
 
 
 class DataServer:
-    """Asyncio server: authenticates peers, then answers requests with ``handler``."""
+    """Asyncio server: authenticates peers, then answers requests with ``handler``.
+
+    With ``tls`` (a server context that requires the client's certificate) every
+    connection is TLS first, then the HMAC handshake inside it; its address is
+    ``tls://``.  A peer that fails either is dropped and logged; the server goes on."""
 
     def __init__(
         self,
@@ -588,8 +870,10 @@ class DataServer:
         *,
         handshake_timeout: float = DEFAULT_TIMEOUT,
         limits: Limits = DEFAULT_LIMITS,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self._secret = _check_secret(secret)
+        self._tls = tls
         self._handler = handler
         self._handshake_timeout = handshake_timeout
         self._limits = limits
@@ -606,7 +890,8 @@ class DataServer:
         self._listener.setblocking(False)
         # listening on every interface: tell peers an address they can reach us at
         contact = local_ip() if host in ("0.0.0.0", "::", "") else host
-        self.address = format_address(contact, self._listener.getsockname()[1])
+        scheme = "tls" if self._tls is not None else "tcp"
+        self.address = format_address(contact, self._listener.getsockname()[1], scheme)
         self._accept_task = asyncio.create_task(self._accept_loop())
         return self.address
 
@@ -651,6 +936,8 @@ class DataServer:
     async def _serve(self, sock: socket.socket, peer: str) -> None:
         sock.setblocking(False)
         _tune(sock)
+        if self._tls is not None:
+            return await self._serve_tls(sock, peer)
         try:
             if not await self._authenticate(sock, peer):
                 return
@@ -663,11 +950,57 @@ class DataServer:
         finally:
             sock.close()
 
-    async def _request_loop(self, conn: AsyncConnection) -> None:
+    async def _serve_tls(self, sock: socket.socket, peer: str) -> None:
+        assert self._tls is not None
+        loop = asyncio.get_running_loop()
+        protocol: _TLSProtocol | None = None
+        try:
+            async with asyncio.timeout(self._handshake_timeout):
+                _, protocol = await loop.connect_accepted_socket(
+                    lambda: _TLSProtocol(self._limits), sock, ssl=self._tls
+                )
+                server_nonce = os.urandom(NONCE_SIZE)
+                await protocol.write([server_hello(server_nonce)])
+                answer = await protocol.read_exactly(CLIENT_ANSWER_SIZE)
+                proof = server_proof(self._secret, server_nonce, answer)
+                protocol.start_messages()
+                await protocol.write([proof])
+        except TimeoutError:
+            logger.warning(
+                "TLS or HMAC handshake with %s timed out (a peer that does not speak TLS, "
+                "or too slow); dropping it",
+                peer,
+            )
+            return self._drop(sock, protocol)
+        except ssl.SSLError as exc:
+            logger.warning("TLS with %s failed: %s; dropping it", peer, describe_tls_error(exc))
+            return self._drop(sock, protocol)
+        except (AuthenticationError, CommClosedError, OSError) as exc:
+            logger.warning("authentication of %s failed: %s; dropping it", peer, exc)
+            return self._drop(sock, protocol)
+        except BaseException:
+            self._drop(sock, protocol)
+            raise
+        conn = TLSConnection(protocol, peer, self._limits)
+        self.n_connections += 1
+        self.n_accepted += 1
+        try:
+            await self._request_loop(conn)
+        finally:
+            self.n_connections -= 1
+            conn.close()
+
+    @staticmethod
+    def _drop(sock: socket.socket, protocol: _TLSProtocol | None) -> None:
+        if protocol is not None and protocol.transport is not None:
+            protocol.transport.abort()
+        sock.close()
+
+    async def _request_loop(self, conn: PeerConnection) -> None:
         while await self._serve_one(conn):
             pass
 
-    async def _serve_one(self, conn: AsyncConnection) -> bool:
+    async def _serve_one(self, conn: PeerConnection) -> bool:
         """One request and its reply; False when the connection ended.  (Its own frame,
         so that neither the request's nor the reply's data outlive it while the
         connection waits for the next request.)"""
@@ -710,14 +1043,16 @@ class ConnectionPool:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         limits: Limits = DEFAULT_LIMITS,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         if limit < 1:
             raise ValueError("limit must be >= 1")
         self._secret = _check_secret(secret)
+        self._tls = tls
         self.limit = limit
         self.timeout = timeout
         self._limits = limits
-        self._idle: dict[str, list[AsyncConnection]] = {}
+        self._idle: dict[str, list[PeerConnection]] = {}
         self._waiters: list[asyncio.Future[None]] = []
         self.n_open = 0
         self._closed = False
@@ -738,7 +1073,7 @@ class ConnectionPool:
         finally:
             self._release(conn, ok)
 
-    async def _acquire(self, address: str) -> AsyncConnection:
+    async def _acquire(self, address: str) -> PeerConnection:
         while True:
             if self._closed:
                 raise CommClosedError("connection pool is closed")
@@ -757,7 +1092,7 @@ class ConnectionPool:
             self.n_open += 1
             try:
                 return await open_connection(
-                    address, self._secret, timeout=self.timeout, limits=self._limits
+                    address, self._secret, timeout=self.timeout, limits=self._limits, tls=self._tls
                 )
             except BaseException:
                 self.n_open -= 1
@@ -773,7 +1108,7 @@ class ConnectionPool:
                 return True
         return False
 
-    def _release(self, conn: AsyncConnection, ok: bool) -> None:
+    def _release(self, conn: PeerConnection, ok: bool) -> None:
         if ok and not self._closed:
             self._idle.setdefault(conn.peer, []).append(conn)
         else:
@@ -811,7 +1146,8 @@ def _recv_exactly_blocking(sock: socket.socket, n: int) -> bytes:
 
 
 class BlockingConnection:
-    """Synchronous client connection (plain socket, same codec and handshake).
+    """Synchronous client connection (a plain or, with ``tls``, an ``SSLSocket``; same
+    codec and handshake).
 
     ``timeout`` bounds connecting, the handshake and every single socket operation.
     """
@@ -823,20 +1159,32 @@ class BlockingConnection:
         timeout: float = DEFAULT_TIMEOUT,
         *,
         limits: Limits = DEFAULT_LIMITS,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.address = address
         self._limits = limits
         self._reader = MessageReader(limits)
+        check_scheme(address, tls)
         try:
             self._sock = socket.create_connection(parse_address(address), timeout=timeout)
         except OSError as exc:
             raise CommClosedError(f"could not connect to {address}: {exc}") from exc
         try:
             _tune(self._sock)
+            if tls is not None:
+                self._sock = self._wrap(tls)
             self._handshake(_check_secret(secret))
         except BaseException:
             self._sock.close()
             raise
+
+    def _wrap(self, tls: ssl.SSLContext) -> ssl.SSLSocket:
+        try:
+            return tls.wrap_socket(self._sock, server_side=False)
+        except ssl.SSLError as exc:
+            raise CommClosedError(f"{self.address}: {describe_tls_error(exc)}") from exc
+        except OSError as exc:
+            raise CommClosedError(f"TLS with {self.address} failed: {exc}") from exc
 
     def _handshake(self, secret: bytes) -> None:
         try:
@@ -850,6 +1198,8 @@ class BlockingConnection:
             check_server_proof(secret, server_nonce, client_nonce, proof)
         except AuthenticationError as exc:
             raise AuthenticationError(f"{self.address}: {exc}") from exc
+        except ssl.SSLError as exc:
+            raise CommClosedError(f"{self.address}: {describe_tls_error(exc)}") from exc
         except OSError as exc:
             raise CommClosedError(f"handshake with {self.address} failed: {exc}") from exc
 
@@ -894,9 +1244,12 @@ class BlockingConnection:
 class BlockingPool:
     """Thread-safe cache of :class:`BlockingConnection` keyed by address."""
 
-    def __init__(self, secret: bytes, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(
+        self, secret: bytes, timeout: float = DEFAULT_TIMEOUT, *, tls: ssl.SSLContext | None = None
+    ) -> None:
         self._secret = _check_secret(secret)
         self.timeout = timeout
+        self._tls = tls
         self._lock = threading.Lock()
         self._idle: dict[str, list[BlockingConnection]] = {}
 
@@ -905,7 +1258,7 @@ class BlockingPool:
             idle = self._idle.get(address)
             conn = idle.pop() if idle else None
         if conn is None:
-            conn = BlockingConnection(address, self._secret, self.timeout)
+            conn = BlockingConnection(address, self._secret, self.timeout, tls=self._tls)
         try:
             reply = conn.rpc(header, frames)
         except BaseException:

@@ -149,6 +149,10 @@ class RedisConfig(Section):
     connect_timeout: Seconds = 5.0
     server_binary: str | None = None  # explicit redis-server for the embedded server
     down_deadline: Seconds = 30.0  # how long to retry a Redis that is down before raising
+    # TLS to Redis (a rediss:// URL): redis-py's ssl_ca_certs, ssl_certfile, ssl_keyfile
+    ssl_ca_certs: str | None = None  # the CA that signed the server's certificate
+    ssl_certfile: str | None = None  # our client certificate, if Redis asks for one
+    ssl_keyfile: str | None = None
     # replicas that must have each scheduler write (WAIT) before it counts as done, so
     # that an acknowledged batch survives a failover; a WAIT that times out is logged
     wait_replicas: Annotated[int, Field(ge=0)] = 0
@@ -193,6 +197,20 @@ class RedisConfig(Section):
 
 class ClusterConfig(Section):
     name: Annotated[str, Field(min_length=1)] = "default"
+
+
+class TLSConfig(Section):
+    """TLS between peers (``redisdask/security.py``, distributed's ``comm.tls``): the CA
+    that signed every peer's certificate, this process's certificate and its key (PEM).
+    All set: TLS is on, and required; none set: plain TCP."""
+
+    ca_file: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+
+class CommConfig(Section):
+    tls: TLSConfig = Field(default_factory=TLSConfig)
 
 
 class LocksConfig(Section):
@@ -323,6 +341,7 @@ class Config(Section):
 
     redis: RedisConfig = Field(default_factory=RedisConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    comm: CommConfig = Field(default_factory=CommConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     client: ClientConfig = Field(default_factory=ClientConfig)
@@ -439,8 +458,13 @@ def _read_file(path: Path) -> Mapping[str, Any]:
     return data
 
 
-# taken from the environment as written: a password of digits, or "yes", is a string
-_VERBATIM = {("redis", "username"), ("redis", "password")}
+# taken from the environment as written: a password of digits, or "yes", is a string;
+# so is a path
+_VERBATIM = {
+    ("redis", "username"), ("redis", "password"),
+    ("redis", "ssl-ca-certs"), ("redis", "ssl-certfile"), ("redis", "ssl-keyfile"),
+    ("comm", "tls", "ca-file"), ("comm", "tls", "cert"), ("comm", "tls", "key"),
+}  # fmt: skip
 
 
 def _env_items(environ: Mapping[str, str]) -> Iterable[tuple[Key, Any, str]]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -161,7 +162,37 @@ def _client(url: str, cls: type[Any], options: dict[str, Any], sentinel: type[An
     return _master(address, cls, options, sentinel)
 
 
-def _options(timeout: float, name: str | None, config: RedisConfig | None) -> dict[str, Any]:
+def tls_options(url: str, config: RedisConfig | None = None) -> dict[str, Any]:
+    """redis-py's ``ssl_*`` keywords for a ``rediss://`` URL, from ``redis.ssl-ca-certs``,
+    ``redis.ssl-certfile`` and ``redis.ssl-keyfile`` of ``config`` (else of
+    ``load_config()``); nothing for ``redis://`` (the keywords exist only with TLS).  The
+    files are checked here: a wrong path is named now, not as a failed handshake later."""
+    if urllib.parse.urlsplit(url).scheme != "rediss":
+        return {}
+    if config is None:
+        from redisdask.config import load_config
+
+        config = load_config().redis
+    out: dict[str, Any] = {}
+    for key, path in (
+        ("ssl_ca_certs", config.ssl_ca_certs),
+        ("ssl_certfile", config.ssl_certfile),
+        ("ssl_keyfile", config.ssl_keyfile),
+    ):
+        if path is None:
+            continue
+        if not os.access(path, os.R_OK):
+            raise ClusterConnectionError(
+                f"cannot read redis.{key.replace('_', '-')} = {path!r} (TLS to Redis at "
+                f"{redact(url)}): check the path, or unset it"
+            )
+        out[key] = path
+    return out
+
+
+def _options(
+    url: str, timeout: float, name: str | None, config: RedisConfig | None
+) -> dict[str, Any]:
     return {
         "socket_connect_timeout": timeout,
         "socket_keepalive": True,
@@ -169,6 +200,7 @@ def _options(timeout: float, name: str | None, config: RedisConfig | None) -> di
         "client_name": name,
         **_QUIET,
         **login(config),
+        **tls_options(url, config),
     }
 
 
@@ -251,7 +283,8 @@ def connect(
     later connection failures are ``ClusterConnectionError`` too.  ``config``: where the
     user and password come from (``login``)."""
     cls = ClusterRedis if cluster_errors else busy.Redis
-    client = _client(url, cls, _options(timeout, name, config), redis.sentinel.Sentinel)
+    options = _options(url, timeout, name, config)
+    client = _client(url, cls, options, redis.sentinel.Sentinel)
     if isinstance(client, ClusterRedis):
         client.url = url
     if not check:
@@ -276,7 +309,8 @@ def connect_async(
     """An asyncio Redis client for ``url`` (not yet checked: ``await check_async(...)``);
     with ``cluster_errors`` an ``AsyncClusterRedis``; ``config`` as for ``connect``."""
     cls = AsyncClusterRedis if cluster_errors else busy.AsyncRedis
-    client = _client(url, cls, _options(timeout, name, config), redis.asyncio.sentinel.Sentinel)
+    options = _options(url, timeout, name, config)
+    client = _client(url, cls, options, redis.asyncio.sentinel.Sentinel)
     if isinstance(client, AsyncClusterRedis):
         client.url = url
     return client
@@ -315,6 +349,13 @@ def unreachable(url: str, timeout: float, exc: BaseException) -> BaseException:
             f"cannot reach the primary of {redact(url)} within {timeout:g} s: {exc}. Are the "
             "Sentinels running there, do they monitor that service name, and is its primary "
             "up (during a failover: try again once a replica is promoted)?"
+        )
+    if "SSL" in str(exc) or "certificate" in str(exc):
+        return ClusterConnectionError(
+            f"TLS with Redis at {redact(url)} failed: {exc}. Check redis.ssl-ca-certs (the CA "
+            "that signed the server's certificate) and, if the server asks for client "
+            "certificates, redis.ssl-certfile and redis.ssl-keyfile; a redis:// server wants "
+            "no rediss:// URL"
         )
     if isinstance(exc, redis.ConnectionError | redis.TimeoutError | OSError):
         return ClusterConnectionError(

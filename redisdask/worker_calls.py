@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
     from redisdask.config import Config
     from redisdask.schema import Keys
+    from redisdask.security import Security
 
 # an upload or a plugin is kept in Redis for the cluster's life and read by every worker
 # that starts: keep them small (a big library belongs in the workers' environment)
@@ -71,6 +72,7 @@ class WorkerCalls:
     keys: Keys
     secret: bytes
     config: Config
+    security: Security
 
     # ------------------------------------------------------------------ run
 
@@ -221,7 +223,9 @@ class WorkerCalls:
         lock = threading.Lock()
 
         def call(address: str) -> comm.Message:
-            conn = comm.BlockingConnection(address, self.secret, timeout)
+            conn = comm.BlockingConnection(
+                address, self.secret, timeout, tls=self.security.client_context()
+            )
             with lock:
                 open_conns[address] = conn
             try:

@@ -68,6 +68,7 @@ from redisdask.protocol import (
     parse,
 )
 from redisdask.schema import Keys
+from redisdask.security import Security
 from redisdask.spec import FunctionCache, run_spec
 from redisdask.task_record import split_words
 from redisdask.versions import VersionMismatchError, pickle_breaking, versions
@@ -113,6 +114,7 @@ class Worker:
         worker_ttl: float = 3.0,
         claim_horizon: float = 0.02,
         connection_limit: int = 50,
+        security: Security | None = None,
         transfer_batch_bytes: int = 200_000_000,
         inline_result_bytes: int = 65_536,
         connect_timeout: float = 5.0,
@@ -140,6 +142,7 @@ class Worker:
         self.worker_ttl = worker_ttl
         self.claim_horizon = claim_horizon
         self.connection_limit = connection_limit
+        self.security = security or Security()  # TLS between peers (redisdask/security.py)
         self.transfer_batch_bytes = transfer_batch_bytes
         self.inline_result_bytes = inline_result_bytes
         # small results of dependencies that came with a claim, for its GatherDeps
@@ -208,7 +211,7 @@ class Worker:
         self._loop = asyncio.get_running_loop()
         task_context.bind_thread(self)  # a future unpickled here binds to task_client
         secret = await asyncio.to_thread(self._ensure_cluster)
-        self.server = comm.DataServer(secret, self._handle_rpc)
+        self.server = comm.DataServer(secret, self._handle_rpc, tls=self.security.server_context())
         self.address = await self.server.start(self.host, self.port)
         self.name = self.name or self.address
         # every connection carries the worker's address in its name: the scheduler sees in
@@ -216,7 +219,9 @@ class Worker:
         name = self.keys.worker_connection(self.address)
         self.redis = connect_async(self.redis_url, timeout=self.connect_timeout, name=name)
         self.blocking_redis = connect_async(self.redis_url, timeout=self.connect_timeout, name=name)
-        self.pool = comm.ConnectionPool(secret, limit=self.connection_limit)
+        self.pool = comm.ConnectionPool(
+            secret, limit=self.connection_limit, tls=self.security.client_context()
+        )
         self.memory = WorkerMemoryManager(
             memory_limit=self.memory_limit,
             target=self.memory_target,
@@ -1026,6 +1031,7 @@ def options_from_config(config: Any) -> dict[str, Any]:
         "memory_monitor_interval": config.worker.memory.monitor_interval,
         "memory_terminate": config.worker.memory.terminate,
         "resources": config.worker.resources,
+        "security": Security.from_config(config),
     }
 
 
