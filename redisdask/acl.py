@@ -83,8 +83,9 @@ _READ_WRITE = ("+@read", "+@write", "+@transaction", "-@dangerous",
 
 COMMANDS: Mapping[str, tuple[str, ...]] = {
     # CLIENT LIST: the leader's watch of workers' connections, a standby's of the
-    # leader's; INFO server: the Redis run id (a restarted Redis forgot everyone)
-    "scheduler": (*_READ_WRITE, *_CONNECTION, "+client|list", "+info"),
+    # leader's; INFO server: the Redis run id (a restarted Redis forgot everyone); WAIT:
+    # redis.wait-replicas
+    "scheduler": (*_READ_WRITE, *_CONNECTION, "+client|list", "+info", "+wait"),
     "worker": (*_READ_WRITE, *_CONNECTION),
     "client": (*_READ_WRITE, *_CONNECTION),
     # INFO: status shows the server's version and memory; MEMORY USAGE: inspect keys

@@ -165,6 +165,12 @@ class RedisConfig(Section):
                 "redis.sentinels and redis.sentinel-service go together: the Sentinels' "
                 "host:port addresses, and the name of the primary they watch"
             )
+        if self.sentinels and self.url.startswith("rediss:"):
+            raise ValueError(
+                "redis.sentinels with a rediss:// redis.url: TLS through Sentinel is not "
+                "supported (the connections would go in the clear); use a redis:// URL on a "
+                "private network, or TLS to one Redis without Sentinel"
+            )
         if self.sentinels:
             from redisdask.connection import parse_sentinel_url
 

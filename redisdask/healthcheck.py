@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
                 return 0 if answer.status == 200 else 1
         config = load_config()
-        r = connect(config.redis.url, timeout=config.redis.connect_timeout)
+        r = connect(config.redis.address, timeout=config.redis.connect_timeout)
         try:
             snap = read_snapshot(r, Keys(config.cluster.name), events=1, deaths=1, others=False)
         finally:
@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if why is not None:
         print(f"unhealthy: {why} (cluster {config.cluster.name!r} at "
-              f"{redact(config.redis.url)})", file=sys.stderr)  # fmt: skip
+              f"{redact(config.redis.address)})", file=sys.stderr)  # fmt: skip
         return 1
     return 0
 

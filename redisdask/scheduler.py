@@ -332,14 +332,16 @@ class Scheduler:
                 quarantined=None if self._quarantining else quarantined,
             )  # fmt: skip
             if quarantined:
-                self._quarantine(state, quarantined)
+                state = self._quarantine(state, quarantined)
         self.heap.settle()
         return state
 
-    def _quarantine(self, state: SchedulerState, quarantined: list[Quarantined]) -> None:
+    def _quarantine(self, state: SchedulerState, quarantined: list[Quarantined]) -> SchedulerState:
         """Dead-letter and repair the malformed records ``load_state`` skipped and err
-        their tasks, in one fenced write (``redisdask/quarantine.py``).  A write that
-        fails leaves them to the next reload, which skips them again: never a loop."""
+        their tasks, in one fenced write (``redisdask/quarantine.py``); the state to go on
+        with.  A write that fails leaves them to the next reload, which skips them again
+        (never a loop), and the state is the one ``apply`` reloaded, in which nothing
+        erred that Redis and the clients do not know of."""
         commands = [c for q in quarantined for c in q.commands(self.keys)]
         events: list[Event] = [e for q in quarantined for e in q.events()]
         if events:
@@ -355,8 +357,10 @@ class Scheduler:
                 "could not quarantine %d malformed records (%s): they stay, and are skipped "
                 "again at the next reload", len(quarantined), exc,
             )  # fmt: skip
+            return self.state
         finally:
             self._quarantining = False
+        return state
 
     def stop(self) -> None:
         self._stopping = True
@@ -478,15 +482,19 @@ class Scheduler:
         scheduler goes on: the write is done on the primary and cannot be taken back,
         and stopping every batch while a replica is away would turn the loss of a
         replica into the loss of the cluster.  Each batch then waits up to the timeout."""
-        acked = self.redis.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
-        if acked >= self.wait_replicas:
-            return
+        try:
+            acked = self.redis.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+        except redis.ResponseError as exc:  # e.g. an ACL user without +wait: unreplicated
+            acked = f"none: {exc}"
+        else:
+            if acked >= self.wait_replicas:
+                return
         self.unreplicated += 1
         now = time.monotonic()
         if now - self.unreplicated_warned_at >= UNREPLICATED_WARN_EVERY:
             logger.warning(
                 "%d scheduler writes were not acknowledged by %d replicas within %d ms "
-                "(redis.wait-replicas, redis.wait-timeout; the last by %d): a failover now "
+                "(redis.wait-replicas, redis.wait-timeout; the last by %s): a failover now "
                 "may lose them, and their tasks are then computed again",
                 self.unreplicated,
                 self.wait_replicas,

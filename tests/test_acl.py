@@ -276,6 +276,7 @@ def test_each_role_is_refused_what_it_must_not_do(acl_cluster: Users) -> None:
     assert refused(lambda: scheduler.flushall())
     assert refused(lambda: scheduler.get(Keys("other").lease))
     assert refused(lambda: scheduler.execute_command("ACL", "LIST"))
+    assert scheduler.execute_command("WAIT", 0, 0) == 0  # redis.wait-replicas
     for r in (monitor, client, worker, scheduler):
         r.close()
 

@@ -248,3 +248,8 @@ def test_sentinels_without_a_service_are_refused_naming_both_keys() -> None:
         load_config({"redis.sentinels": ["h:x"], "redis.sentinel-service": "m"}, environ={})
     with pytest.raises(ConfigError, match="wait-replicas"):
         load_config({"redis.wait-replicas": -1}, environ={})
+    with pytest.raises(ConfigError, match="TLS through Sentinel is not supported"):
+        load_config(
+            {"redis.url": "rediss://h:6380/0", "redis.sentinels": ["h:26379"],
+             "redis.sentinel-service": "m"}, environ={},
+        )  # fmt: skip
