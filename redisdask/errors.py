@@ -8,6 +8,8 @@
     │                                                  no worker is registered, for longer
     │                                                  than client.no-scheduler-timeout
     ├── ConfigError (also ValueError)                  an invalid setting (redisdask.config)
+    │   └── TLSSetupError                              a TLS file is missing, unreadable or
+    │                                                  wrong (redisdask.security)
     ├── RedisServerNotFound (also FileNotFoundError)   no redis-server binary to embed
     ├── EmbeddedRedisError (also RuntimeError)         the embedded redis-server failed
     ├── SchemaError                                    the cluster in Redis is incompatible
@@ -20,6 +22,7 @@
     │   ├── ProtocolError (also the one above)         a malformed frame from a peer
     │   ├── AuthenticationError                        the HMAC handshake failed
     │   ├── CommClosedError (also ConnectionError)     a peer cannot be reached
+    │   │   └── SecurityMismatchError                  one side wants TLS, the other not
     │   └── SerializationError                         a value could not be (un)pickled
     ├── FutureCancelledError (also CancelledError)     the future's key was cancelled
     ├── ClientClosedError (also RuntimeError)          a Lock, Queue, Variable, ... used

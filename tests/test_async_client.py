@@ -12,11 +12,13 @@ import os
 import threading
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 from polling import poll
+from tasklib import wait_for_file
 
 from redisdask import (
     Client,
@@ -46,10 +48,6 @@ def pid() -> int:
 def later(value: int, seconds: float) -> int:
     threading.Event().wait(seconds)  # (a task that takes a while: the waits start first)
     return value
-
-
-def slow() -> None:
-    threading.Event().wait(30)  # a task that is still running when it is cancelled
 
 
 def run(main: Callable[[], Any]) -> Any:
@@ -98,10 +96,10 @@ def test_errors_come_back_with_their_traceback_and_await_raises(cluster: LocalCl
     run(main)
 
 
-def test_await_client_then_close_and_cancel(cluster: LocalCluster) -> None:
+def test_await_client_then_close_and_cancel(cluster: LocalCluster, tmp_path: Path) -> None:
     async def main() -> None:
         client = await Client(cluster.redis_url, cluster.cluster_name, asynchronous=True)
-        running = client.submit(slow)
+        running = client.submit(wait_for_file, str(tmp_path / "done"))  # still running
         await client.cancel(running, reason="not needed")
         with pytest.raises(FutureCancelledError, match="not needed"):
             await running
@@ -115,6 +113,7 @@ def test_await_client_then_close_and_cancel(cluster: LocalCluster) -> None:
         await client.close()  # twice: nothing
 
     run(main)
+    (tmp_path / "done").touch()  # the cancelled task ends: the cluster closes at once
 
 
 def test_cluster_wide_calls_are_awaitable(cluster: LocalCluster) -> None:

@@ -118,12 +118,15 @@ def test_wait_takes_dask_style_timeouts(client: Client, tmp_path: Path) -> None:
     (tmp_path / "never").touch()
 
 
-def test_depending_on_a_cancelled_future_says_it_was_cancelled(client: Client) -> None:
-    x = client.submit(wait_for_file, "/nonexistent/never", pure=False)
+def test_depending_on_a_cancelled_future_says_it_was_cancelled(
+    client: Client, tmp_path: Path
+) -> None:
+    x = client.submit(wait_for_file, str(tmp_path / "done"), pure=False)
     client.cancel([x])
     y = client.submit(inc, x)
     with pytest.raises(FutureCancelledError, match="cancelled"):  # was DataUnavailableError
         y.result(timeout=10)
+    (tmp_path / "done").touch()  # the cancelled run ends: the cluster closes at once
 
 
 def test_closing_while_done_callbacks_hold_the_last_futures(

@@ -5,6 +5,7 @@ stream read back from the workers' stories."""
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import TimeoutError as FuturesTimeoutError
 from pathlib import Path
@@ -42,9 +43,12 @@ def fails_once(flag: str) -> str:
     return "second attempt"
 
 
-def sleep_then(seconds: float, value: int) -> int:
-    time.sleep(seconds)  # a slow task (the test waits for its future, not on a clock)
-    return value
+def until_touched(flag: Path) -> None:
+    """A task that stays running until the test touches ``flag`` (at most a minute), so
+    that closing the cluster does not wait for it."""
+    deadline = time.monotonic() + 60
+    while not flag.exists() and time.monotonic() < deadline:
+        threading.Event().wait(0.02)
 
 
 def boom() -> None:
@@ -61,16 +65,17 @@ def test_futures_and_refcount_follow_the_futures_held(client: Client) -> None:
     assert "ref-a" not in client.refcount and "ref-a" not in client.futures
 
 
-def test_future_type_and_repr_say_what_it_holds(client: Client) -> None:
+def test_future_type_and_repr_say_what_it_holds(client: Client, tmp_path: Path) -> None:
     future = client.submit(inc, 1)
     assert future.result(timeout=30) == 2
     assert future.type == "int"
     assert repr(future) == f"<Future: finished, type: int, key: {future.key}>"
-    pending = client.submit(sleep_then, 30, 1)
+    pending = client.submit(until_touched, tmp_path / "done")
     assert repr(pending) == f"<Future: pending, key: {pending.key}>"
     client.cancel(pending, reason="the test is done with it")
     with pytest.raises(FutureCancelledError, match="the test is done with it"):
         pending.result(timeout=30)
+    (tmp_path / "done").touch()
 
 
 def test_retry_runs_an_erred_task_again(client: Client, tmp_path: Path) -> None:
@@ -98,7 +103,7 @@ def test_retry_of_a_dependent_reruns_the_task_its_error_came_from_and_its_heirs(
     assert sibling.result(timeout=30) == "second attempt"
 
 
-def test_as_completed_batches_and_its_helpers(client: Client) -> None:
+def test_as_completed_batches_and_its_helpers(client: Client, tmp_path: Path) -> None:
     futures = client.map(inc, range(6))
     ac = as_completed(futures[:3])
     ac.update(futures[3:])
@@ -114,13 +119,14 @@ def test_as_completed_batches_and_its_helpers(client: Client) -> None:
     ((future, exc),) = list(ac)
     assert future is erred and isinstance(exc, ValueError)
 
-    ac = as_completed([client.submit(sleep_then, 30, 1)])
+    ac = as_completed([client.submit(until_touched, tmp_path / "done")])
     ac.clear()
     assert ac.is_empty() and list(ac) == []
+    (tmp_path / "done").touch()
 
 
-def test_timeouts_take_strings_as_in_dask(client: Client) -> None:
-    slow = client.submit(sleep_then, 30, 1)
+def test_timeouts_take_strings_as_in_dask(client: Client, tmp_path: Path) -> None:
+    slow = client.submit(until_touched, tmp_path / "done")
     with pytest.raises(FuturesTimeoutError):
         slow.result(timeout="100ms")
     with pytest.raises(FuturesTimeoutError):
@@ -129,6 +135,7 @@ def test_timeouts_take_strings_as_in_dask(client: Client) -> None:
         slow.exception(timeout="100 ms")
     with pytest.raises(FuturesTimeoutError):
         next(as_completed([slow], timeout="100ms"))
+    (tmp_path / "done").touch()
 
 
 def test_scatter_keeps_sets_and_frozensets_and_hash_false_gives_new_keys(client: Client) -> None:
