@@ -34,6 +34,7 @@ from prometheus_client.core import (
 
 from redisdask import schema
 from redisdask.connection import connect, redact
+from redisdask.lease import token_number
 from redisdask.schema import Keys
 from redisdask.snapshot import Snapshot, read_snapshot
 
@@ -148,7 +149,7 @@ class ClusterCollector:
                 "scheduler_lease_token",
                 "Fencing token of the lease holder (its number): it grows by one at every "
                 "take-over",
-                _number(str(s.get("token", "")).partition(".")[0]),
+                _token_number(s.get("token")),
             )
             yield self._gauge(
                 "scheduler_start_time_seconds",
@@ -293,6 +294,13 @@ def _number(value: Any) -> float:
         return float(value)
     except (TypeError, ValueError):
         return float("nan")  # a stranger's value: Prometheus's "no figure"
+
+
+def _token_number(token: Any) -> float:
+    try:
+        return float(token_number(str(token)))
+    except ValueError:
+        return float("nan")  # a stranger's token, or none
 
 
 def run_exporter(url: str, cluster: str, *, host: str, port: int, connect_timeout: float) -> int:

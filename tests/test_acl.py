@@ -22,6 +22,7 @@ from polling import poll
 
 from redisdask import Client, Event, Lock, Queue, Variable, comm, get_client, secede
 from redisdask.acl import FAMILIES, ROLES, allows_key, default_user, setuser, setuser_args
+from redisdask.scheduler import Scheduler
 from redisdask.schema import Keys, Scripts
 
 pytestmark = pytest.mark.timeout(180)
@@ -364,3 +365,22 @@ def test_a_monitor_user_cannot_make_a_worker_unpickle(acl_cluster: Users, tmp_pa
         assert client.submit(inc, 2).result(timeout=60) == 3
         monitor.close()
     assert not evidence.exists()
+
+
+def test_a_refused_wait_counts_as_unreplicated_and_the_scheduler_goes_on(
+    redis_url: str, cluster_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A scheduler user that may not WAIT (a role set up by hand, or an older rule) with
+    redis.wait-replicas: its writes go through and are logged as unreplicated; it used to
+    exit after its first write, and again after every restart."""
+    keys, user, password = Keys(cluster_name), f"nowait-{cluster_name}", uuid.uuid4().hex
+    admin = redis.Redis.from_url(redis_url)
+    admin.execute_command(*setuser_args("scheduler", cluster_name, user=user, password=password))
+    admin.execute_command("ACL", "SETUSER", user, "-wait")
+    url = redis_url.replace("redis://", f"redis://{user}:{password}@", 1)
+    scheduler = Scheduler(url, cluster_name, wait_replicas=1, wait_timeout=0.05)
+    scheduler.acquire_lease()
+    scheduler.apply([["SET", keys.prefix + "written", 1]])
+    assert admin.get(keys.prefix + "written") == b"1"
+    assert "were not acknowledged by 1 replicas" in caplog.text and "wait" in caplog.text
+    admin.execute_command("ACL", "DELUSER", user)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trustme
+from polling import poll
 
 from redisdask import Client, LocalCluster
 from redisdask.config import load_config
@@ -64,17 +64,16 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
     ]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 15
-        while True:
+
+        def listening() -> bool:
             if proc.poll() is not None:
                 out = (proc.stdout.read() if proc.stdout else b"").decode(errors="replace")
                 text = out + (log.read_text(errors="replace") if log.exists() else "")
                 _no_tls(f"{binary} cannot serve TLS (it exited: {text.strip()[-300:]!r})")
             with socket.socket() as probe:
-                if probe.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert time.monotonic() < deadline, f"{binary} did not listen on {port}"
-            time.sleep(0.02)  # start-up: poll a condition with a deadline
+                return probe.connect_ex(("127.0.0.1", port)) == 0
+
+        poll(listening, timeout=15)
         yield {
             "url": f"rediss://127.0.0.1:{port}/0",
             **{name: str(path) for name, path in files.items()},
