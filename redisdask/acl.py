@@ -83,11 +83,11 @@ _READ_WRITE = ("+@read", "+@write", "+@transaction", "-@dangerous",
 
 COMMANDS: Mapping[str, tuple[str, ...]] = {
     # CLIENT LIST: the leader's watch of workers' connections, a standby's of the
-    # leader's; INFO server: the Redis run id (a restarted Redis forgot everyone); WAIT:
-    # redis.wait-replicas
+    # leader's; INFO server: the Redis run id (a restarted or failed-over Redis forgot
+    # everyone; a client then sends again the graphs it lost); WAIT: redis.wait-replicas
     "scheduler": (*_READ_WRITE, *_CONNECTION, "+client|list", "+info", "+wait"),
-    "worker": (*_READ_WRITE, *_CONNECTION),
-    "client": (*_READ_WRITE, *_CONNECTION),
+    "worker": (*_READ_WRITE, *_CONNECTION, "+info"),  # (a task may be a client)
+    "client": (*_READ_WRITE, *_CONNECTION, "+info"),
     # INFO: status shows the server's version and memory; MEMORY USAGE: inspect keys
     "monitor": ("+@read", "-@dangerous", *_CONNECTION, "+info", "+memory|usage"),
 }

@@ -206,6 +206,9 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         self._down_since: float | None = None  # when Redis was found unreachable
         # since when (monotonic) each heartbeat found no leading scheduler / no worker
         self._missing_since: dict[str, float] = {}
+        self._unsettled: deque[_Outgoing] = deque()  # graphs written, kept till settled
+        self._resends: list[_Outgoing] = []  # graphs a new Redis server lost: first out
+        self._run_id: str | None = ""  # of the Redis server (None: may not be known)
         self._generation = 0
         self._callbacks: concurrent.futures.ThreadPoolExecutor | None = None
         self._tasks: list[asyncio.Task[None]] = []

@@ -12,6 +12,13 @@ Delivery (see docs/design.md, "Redis goes away"): a send retries with a backoff 
 Redis is away and gives up after ``redis.down-deadline``; a retry after a lost reply may
 write an entry twice, which the scheduler treats as harmless.  A blocking caller waits
 for its write and gets its error; a graph nobody waits for makes its futures err.
+
+A graph Redis acknowledged can still be lost: a replica promoted before the entry
+reached it, an AOF that lost its last second.  So the client keeps every graph it wrote
+until its keys are settled (``_unsettled``), looks at the server's ``run_id`` with each
+heartbeat, and when it changed (another server, or the same one restarted) writes again
+every kept graph whose entry is past what the clients stream holds now
+(``_aresend_lost``): once, in order, before what is queued.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
@@ -97,6 +104,9 @@ class SchedulerChannel:
     _versions: dict[str, Any]
     _down_since: float | None
     _missing_since: dict[str, float]
+    _unsettled: deque[_Outgoing]
+    _resends: list[_Outgoing]
+    _run_id: str | None
 
     # ------------------------------------------------------------------ sending
 
@@ -152,6 +162,15 @@ class SchedulerChannel:
         while True:
             await self._outbox_ready.wait()
             self._outbox_ready.clear()
+            if self._resends:
+                resends, self._resends = self._resends, []
+                try:
+                    await self._awrite_again(resends)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    for item in resends:
+                        self._send_failed(item, exc)
             while self._outbox:
                 self._writing = True
                 items = [self._outbox.popleft() for _ in range(len(self._outbox))]
@@ -197,21 +216,52 @@ class SchedulerChannel:
         Redis is away, for up to ``redis.down-deadline``); the releases of a write that
         fails go with a later one."""
         with self._send_lock:
-            batches, released = self._with_releases(items)
+            batches, owners, released = self._with_releases(items)
+            entries = [schema.entry(dicts(batch)) for batch in batches if batch]
+            owners = [owner for batch, owner in zip(batches, owners, strict=True) if batch]
             try:
-                await self._awrite_entries(tuple(dicts(batch) for batch in batches if batch))
+                ids = await self._awrite_entries(entries)
             except BaseException:
                 with self._lock:
                     for key, after in released.items():
                         self._pending_release.setdefault(key, after)
                 raise
+        self._keep_until_settled(items, entries, owners, ids)
 
-    async def _awrite_entries(self, entries: tuple[list[dict[str, Any]], ...]) -> None:
-        if not entries:
-            return
+    async def _awrite_again(self, items: list[_Outgoing]) -> None:
+        """Write the entries of graphs a new Redis server lost (``_aresend_lost``)."""
+        entries = [entry for item in items for entry in item.entries]
+        owners = [item for item in items for _ in item.entries]
+        for item in items:
+            item.entries = []
+        ids = await self._awrite_entries(list(entries))
+        self._keep_until_settled(items, entries, owners, ids)
+
+    def _keep_until_settled(
+        self,
+        items: list[_Outgoing],
+        entries: list[dict[str, bytes]],
+        owners: list[_Outgoing | None],
+        ids: list[Any],
+    ) -> None:
+        """Keep the graphs just written, their entries as written, until their keys are
+        settled: a new Redis server may have lost them (``_aresend_lost``)."""
+        for entry, owner, entry_id in zip(entries, owners, ids, strict=True):
+            if owner is not None:
+                owner.entries.append(entry)
+                owner.last_id = max(owner.last_id, _entry_id(entry_id))
+        graphs = [item for item in items if item.resubmitted]
+        for item in items:
+            item.batches = ()  # (written: ``entries`` holds them)
+        with self._lock:
+            self._unsettled.extend(graphs)
+
+    async def _awrite_entries(self, entries: list[dict[str, bytes]]) -> list[Any]:
+        """XADD the packed ``entries`` in order; returns their ids."""
+        ids: list[Any] = []
         backoff = Backoff(base=0.05, cap=1.0)
         refused = 0  # failures while Redis itself answers: the write is the problem
-        packed = [schema.entry(messages) for messages in entries]
+        packed = list(entries)
         while packed:
             try:
                 # at most WRITE_BYTES per round trip: a 1,000,000-task graph is 175 MiB,
@@ -225,7 +275,8 @@ class SchedulerChannel:
                     pipe.xadd(self.keys.client_stream, entry)
                     size += len(entry["m"])
                 written = len(pipe)
-                await pipe.execute()  # a retry after a lost reply may repeat an entry: harmless
+                # a retry after a lost reply may repeat an entry: harmless
+                ids.extend(await pipe.execute())
                 del packed[:written]
                 refused = 0
                 self._redis_back()
@@ -254,6 +305,7 @@ class SchedulerChannel:
                     self._redis_lost(exc)
                     await self._acheck_redis()
                 await asyncio.sleep(backoff.next())  # backoff while Redis is away
+        return ids
 
     async def _redis_answers(self) -> bool:
         try:
@@ -295,7 +347,9 @@ class SchedulerChannel:
                 "and work again once Redis is back"
             )
 
-    def _with_releases(self, items: list[_Outgoing]) -> tuple[list[list[Event]], dict[str, int]]:
+    def _with_releases(
+        self, items: list[_Outgoing]
+    ) -> tuple[list[list[Event]], list[_Outgoing | None], dict[str, int]]:
         """The items' batches in order, with the release of every key whose last future
         went (``_dec_ref``) placed after every send queued before it went (a graph queued
         earlier may depend on the key) and before the items queued after.  A release due
@@ -304,9 +358,11 @@ class SchedulerChannel:
         A key that has futures again is released only before an item that submits it
         again: the scheduler then forgets the old run before it reads the new graph, so a
         key reused for another computation (``get({"y": ...}, "y")`` twice) is computed
-        anew.  Otherwise it stays pending while it has futures.  Also returns the
-        releases taken (key -> its place), to put back if the write fails."""
+        anew.  Otherwise it stays pending while it has futures.  Also returns the item
+        each batch is of (``None``: releases alone) and the releases taken (key -> its
+        place), to put back if the write fails."""
         batches: list[list[Event]] = []
+        owners: list[_Outgoing | None] = []
         released: dict[str, int] = {}
         with self._lock:
             pending = self._pending_release
@@ -322,9 +378,11 @@ class SchedulerChannel:
                         released[key] = pending.pop(key)
                     *alone, last = self._releases(keys)
                     batches.extend(alone)
+                    owners.extend([None] * len(alone))
                     _prepend(batches, item.batches, last)
                 else:
                     batches.extend(item.batches)
+                owners.extend([item] * (len(batches) - len(owners)))
             # the others wait for every send queued before they went: one queued while
             # these items were taken out of the outbox is not in this write
             last_seq = items[-1].seq if items else self._queued
@@ -341,7 +399,8 @@ class SchedulerChannel:
                     batches[-1] = [*batches[-1], last]
                 else:
                     batches.extend([*alone, [last]])
-        return batches, released
+                    owners.extend([None] * (len(alone) + 1))
+        return batches, owners, released
 
     def _releases(self, keys: list[str]) -> list[Any]:
         """The release of ``keys``: entries of one message each but the last, which is a
@@ -352,9 +411,69 @@ class SchedulerChannel:
         msgs = [ClientReleasesKeys(self.id, keys[i : i + size]) for i in range(0, len(keys), size)]
         return [[msg] for msg in msgs[:-1]] + [msgs[-1]]
 
+    # ------------------------------------------------------------------ lost graphs
+
+    async def _anew_server(self) -> bool:
+        """Whether Redis is another server than at the previous look, or the same one
+        restarted (``INFO server``'s ``run_id`` changed): then what it acknowledged last
+        may be lost.  A user whose ACL refuses INFO cannot tell (logged once)."""
+        if self._run_id is None:
+            return False
+        try:
+            run_id = (await self._aredis.info("server")).get("run_id", "")
+        except redis.ResponseError as exc:
+            logger.warning(
+                "client %s may not run INFO (%s): a graph Redis loses in a failover is not "
+                "sent again; give the client's Redis user +info (`redisdask acl client`)",
+                self.id, exc,
+            )  # fmt: skip
+            self._run_id = None
+            return False
+        new, self._run_id = self._run_id not in ("", run_id), run_id
+        return new
+
+    async def _aresend_lost(self) -> None:
+        """Write again, before anything queued, each graph this client wrote that the
+        clients stream no longer holds: its entry is past the stream's last id (a stream
+        replicates in order, so what is past it is lost and what is not is kept)."""
+        last = await _last_id(self._aredis, self.keys.client_stream)
+        with self._lock:
+            self._prune_settled()
+            lost = [item for item in self._unsettled if item.last_id > last]
+            if not lost:
+                return
+            self._unsettled = deque(i for i in self._unsettled if i.last_id <= last)
+            for item in lost:
+                item.written = concurrent.futures.Future()
+                item.waited = False
+            self._resends.extend(lost)
+        logger.warning(
+            "client %s: Redis at %s is a new server (failover or restart) that lost %d "
+            "graphs of this client (%d keys; the clients stream ends at %d-%d): sending "
+            "them again", self.id, redact(self.redis_url), len(lost),
+            sum(len(item.resubmitted) for item in lost), *last,
+        )  # fmt: skip
+        self._outbox_ready.set()
+
+    def _prune_settled(self) -> None:
+        """Forget the kept graphs whose every key is settled (or no longer wanted)."""
+        states = self._states
+        kept: deque[_Outgoing] = deque()
+        for item in self._unsettled:
+            keys = item.resubmitted
+            while item.settled < len(keys):
+                state = states.get(keys[item.settled])
+                if state is not None and not state.is_set():
+                    kept.append(item)
+                    break
+                item.settled += 1
+        self._unsettled = kept
+
     # ------------------------------------------------------------------ the reader task
 
-    async def _aheartbeat(self) -> None:
+    async def _aheartbeat(self) -> bool:
+        """Say this client is alive, look at the cluster, and return whether Redis is a
+        new server since the previous heartbeat (``_anew_server``)."""
         ttl_ms = int(self.config.scheduler.client_ttl * 1000)
         pipe = self._aredis.pipeline(transaction=False)
         pipe.set(self.keys.client_alive(self.id), 1, px=ttl_ms)
@@ -371,6 +490,7 @@ class SchedulerChannel:
             ),
         )
         await self._alook_for_cluster(pipe)
+        return await self._anew_server()
 
     async def _alook_for_cluster(self, pipe: Any) -> None:
         """Run ``pipe`` with a look at the lease and the workers; note what is missing."""
@@ -436,7 +556,16 @@ class SchedulerChannel:
                     next_beat = time.monotonic() + interval
                     # trimming what was read waits for the heartbeat: off the latency path
                     await self._events_redis.xtrim(stream, minid=last_id)
-                    await self._aheartbeat()
+                    if await self._aheartbeat():
+                        await self._aresend_lost()
+                        # a new primary's stream may end before what was read here: read
+                        # on from its end (what it holds was read; the rest is lost)
+                        ends = await _last_id(self._events_redis, stream)
+                        if ends < _entry_id(last_id):
+                            last_id = f"{ends[0]}-{ends[1]}"
+                    else:
+                        with self._lock:
+                            self._prune_settled()
                     if self._pending_release and self.status == "running":
                         self._send()
                 self._redis_back()
@@ -506,10 +635,28 @@ class _Outgoing:
     written: concurrent.futures.Future[None]
     waited: bool  # a thread blocks on ``written`` (else a failure errs the futures)
     seq: int = 0  # its place among the client's sends (``Client._with_releases``)
+    last_id: tuple[int, int] = (0, 0)  # of its last entry written
+    entries: list[dict[str, bytes]] = field(default_factory=list)  # as written (packed)
+    settled: int = 0  # how many of its first keys are known settled (``_prune_settled``)
 
     @property
     def size(self) -> int:
-        return sum(len(batch) for batch in self.batches)
+        return sum(len(batch) for batch in self.batches) or len(self.entries)
+
+
+def _entry_id(entry_id: bytes | str) -> tuple[int, int]:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+async def _last_id(r: Any, stream: str) -> tuple[int, int]:
+    """The last id a stream was given (``(0, 0)`` for a stream that is not there)."""
+    try:
+        info = await r.xinfo_stream(stream)
+    except redis.ResponseError:  # no such key
+        return (0, 0)
+    return _entry_id(info["last-generated-id"])
 
 
 def _written(item: _Outgoing) -> None:

@@ -389,6 +389,41 @@ def test_redis_killed_again_and_again_under_a_running_computation(
         assert total.result(timeout=60) == sum(range(1, 401))
 
 
+def test_a_graph_redis_acknowledged_then_lost_is_sent_again(tmp_path, cluster_name: str) -> None:  # type: ignore[no-untyped-def]
+    """Redis acknowledged a graph, then lost it: it came back from a snapshot taken just
+    before (as a replica promoted before the graph reached it, or an AOF without its last
+    second).  The client notices the new server and sends the graph again: its future
+    gets the right result instead of waiting forever."""
+    from tasklib import wait_for_file
+
+    from redisdask.embedded import EmbeddedRedis
+
+    gate = tmp_path / "gate"
+    server = EmbeddedRedis(data_dir=tmp_path / "redis").start()
+    try:
+        with (
+            LocalCluster(
+                nanny=False, n_workers=1, redis_url=server.url, cluster_name=cluster_name
+            ) as cluster,
+            Client(cluster) as client,
+        ):
+            x = client.submit(wait_for_file, str(gate), key="x")
+            poll(lambda: cluster.redis.hget(cluster.keys.task("x"), "state") == b"processing")
+            assert cluster.redis.save()  # the snapshot the server comes back from
+            y = client.submit(os.path.basename, x, key="y")
+            poll(lambda: cluster.redis.exists(cluster.keys.task("y")))  # acknowledged, read
+            server.kill()
+            server = EmbeddedRedis(
+                data_dir=server.data_dir, port=server.port, args=["--appendonly", "no"]
+            ).start()
+            assert not server.client().exists(cluster.keys.task("y"))  # lost, truly
+            gate.touch()
+            assert y.result(timeout=30) == "gate"
+            assert x.result() == str(gate)
+    finally:
+        server.stop()
+
+
 def test_a_client_waits_for_redis_then_says_so_and_keeps_its_futures(
     tmp_path,
     cluster_name: str,  # type: ignore[no-untyped-def]
