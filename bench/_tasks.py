@@ -87,9 +87,9 @@ def allocate_until_killed(limit: int, where: str, marker: str | None) -> None:
         time.sleep(0.02)
 
 
-def dask_local_cluster() -> Any:
+def dask_local_cluster(**options: Any) -> Any:
     """Dask's own ``LocalCluster`` as every benchmark here runs it: 2 worker processes x
-    1 thread, no dashboard, quiet."""
+    1 thread, no dashboard, quiet (``options``: more of its arguments)."""
     import logging
 
     import distributed
@@ -100,6 +100,7 @@ def dask_local_cluster() -> Any:
         processes=True,
         dashboard_address=None,
         silence_logs=logging.ERROR,
+        **options,
     )
 
 
