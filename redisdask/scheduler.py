@@ -389,11 +389,19 @@ class Scheduler:
                 for one in entries:
                     self.process([one])
                 return
-            one = entries[0]
-            error = f"state machine failed: {exc!r}"
+            one = dataclasses.replace(entries[0], error=f"state machine failed: {exc!r}")
+            try:  # dead-lettered as a malformed entry is: its client is told (no hang)
+                with self.lease.kept():
+                    self._process([one], [])
+                return
+            except (FencedError, redis.RedisError):
+                raise
+            except Exception:
+                logger.exception("telling the client of a dead-lettered entry failed too")
+                self.state = self._load()
             self.apply(
                 [
-                    self._dead_letter(one.stream, one.id, one.fields, error),
+                    self._dead_letter(one.stream, one.id, one.fields, one.error or ""),
                     ["XACK", one.stream, schema.SCHEDULER_GROUP, one.id],
                     ["XDEL", one.stream, one.id],
                 ]

@@ -285,6 +285,11 @@ def test_an_entry_that_crashes_the_state_machine_is_dead_lettered(
     [(_id, fields)] = r.xrange(keys.dead_letter)
     assert b"injected bug" in fields[b"error"]
     assert r.xpending(keys.client_stream, SCHEDULER_GROUP)["pending"] == 0
+    # and its client is told, so that the future of "poison" errs instead of waiting
+    news = [m for _id, f in r.xrange(keys.client_events("c")) for m in unpack(f[b"m"])]
+    [poisoned] = [m for m in news if m.get("key") == "poison"]
+    assert poisoned["op"] == "task-erred" and poisoned["rejected"]
+    assert "injected bug" in poisoned["exception_text"]
 
 
 def test_state_reloaded_from_redis_keeps_restrictions_retries_and_priorities(
