@@ -4,6 +4,7 @@ sockets and real worker processes, certificates from a throwaway CA made by trus
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import socket
 import subprocess
@@ -183,6 +184,48 @@ def test_certificate_of_another_ca_is_refused(
             asyncio.run(through_pool())
         poll(lambda: "TLS with" in caplog.text and "dropping it" in caplog.text)
     assert tls_server.n_accepted == 0
+
+
+def test_an_expired_certificate_is_refused_and_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker whose certificate expired (from the cluster's own CA): its peers refuse
+    it both ways, with the reason, and the server keeps serving."""
+    ca = trustme.CA()
+    good = _write(ca, tmp_path / "good")
+    past = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=1)
+    old = ca.issue_cert("127.0.0.1", not_before=past - datetime.timedelta(days=30), not_after=past)
+    old.cert_chain_pems[0].write_to_path(str(tmp_path / "old.pem"))
+    old.private_key_pem.write_to_path(str(tmp_path / "old-key.pem"))
+    expired = Security(good.tls_ca_file, tmp_path / "old.pem", tmp_path / "old-key.pem")
+    # its server: a peer with a good certificate refuses it
+    server, loop, thread = _serve(expired)
+    try:
+        with pytest.raises(CommClosedError, match="certificate has expired"):
+            BlockingConnection(server.address or "", SECRET, tls=good.client_context())
+    finally:
+        _stop(server, loop, thread)
+    # as a client: a server with a good certificate refuses it, says why, and goes on
+    server, loop, thread = _serve(good)
+    try:
+        with caplog.at_level(logging.WARNING, logger="redisdask.comm"):
+
+            async def through_pool() -> None:
+                pool = ConnectionPool(SECRET, tls=expired.client_context())
+                try:
+                    await pool.rpc(server.address or "", {"op": "x"})
+                finally:
+                    await pool.close()
+
+            with pytest.raises(CommClosedError):
+                asyncio.run(through_pool())
+            poll(lambda: "certificate has expired" in caplog.text)
+        conn = BlockingConnection(server.address or "", SECRET, tls=good.client_context())
+        assert conn.rpc({"op": "after"})[0]["op"] == "after"
+        conn.close()
+        assert server.n_accepted == 1
+    finally:
+        _stop(server, loop, thread)
 
 
 def test_bad_tls_files_are_named(security: Security, tmp_path: Path) -> None:
