@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -88,6 +90,18 @@ def test_a_computation_follows_a_failover_to_the_replica(tmp_path: Path) -> None
             )
             with connect(redis_set.url) as r:  # everyone writes to the promoted replica
                 assert r.connection_pool.get_master_address()[1] == redis_set.replica.port
+            # compose's healthchecks follow the Sentinels too
+            env = {
+                **os.environ,
+                "REDISDASK__REDIS__URL": redis_set.url,
+                "REDISDASK__CLUSTER__NAME": cluster.keys.cluster,
+            }
+            for role in ("scheduler", "worker"):
+                checked = subprocess.run(
+                    [sys.executable, "-m", "redisdask.healthcheck", role],
+                    env=env, capture_output=True, text=True, timeout=30,
+                )  # fmt: skip
+                assert checked.returncode == 0, (role, checked.stderr)
 
 
 @pytest.fixture
