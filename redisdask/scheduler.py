@@ -37,7 +37,7 @@ from typing import Any
 import redis
 
 from redisdask import schema
-from redisdask.backoff import Backoff
+from redisdask.backoff import redis_away
 from redisdask.config import RebalanceConfig, RetentionConfig
 from redisdask.connection import connect, redact
 from redisdask.errors import FencedError, ProtocolError
@@ -215,7 +215,7 @@ class Scheduler:
             "lost Redis at %s (%s); reconnecting with backoff", redact(self.redis_url), exc
         )
         lost_at = time.monotonic()
-        backoff = Backoff(base=0.05, cap=2.0)
+        backoff = redis_away()
         while not self._stopping:
             time.sleep(backoff.next())  # backoff while Redis is away
             try:

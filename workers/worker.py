@@ -46,7 +46,7 @@ import psutil
 import redis
 
 from redisdask import comm, logs, nanny_contract, pickling, schema, task_context
-from redisdask.backoff import Backoff
+from redisdask.backoff import redis_away
 from redisdask.connection import connect, connect_async
 from redisdask.errors import ProtocolError, TaskInterrupted
 from redisdask.heap import Heap
@@ -346,7 +346,7 @@ class Worker:
     async def _reconnect(self, exc: Exception) -> None:
         logger.warning("lost Redis (%s); reconnecting with backoff", exc)
         lost_at = time.monotonic()
-        backoff = Backoff(base=0.05, cap=2.0)
+        backoff = redis_away()
         while self.status == "running":
             await asyncio.sleep(backoff.next())  # backoff while Redis is away
             try:
