@@ -84,7 +84,7 @@ _READ_WRITE = ("+@read", "+@write", "+@transaction", "-@dangerous",
 COMMANDS: Mapping[str, tuple[str, ...]] = {
     # CLIENT LIST: the leader's watch of workers' connections, a standby's of the
     # leader's; INFO server: the Redis run id (a restarted or failed-over Redis forgot
-    # everyone; a client then sends again the graphs it lost); WAIT: redis.wait-replicas
+    # everyone; a client then reads its news again); WAIT: redis.wait-replicas
     "scheduler": (*_READ_WRITE, *_CONNECTION, "+client|list", "+info", "+wait"),
     "worker": (*_READ_WRITE, *_CONNECTION, "+info"),  # (a task may be a client)
     "client": (*_READ_WRITE, *_CONNECTION, "+info"),

@@ -206,9 +206,12 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         self._down_since: float | None = None  # when Redis was found unreachable
         # since when (monotonic) each heartbeat found no leading scheduler / no worker
         self._missing_since: dict[str, float] = {}
+        self._written = 0  # entries written to the clients stream that Redis holds
         self._unsettled: deque[_Outgoing] = deque()  # graphs written, kept till settled
-        self._resends: list[_Outgoing] = []  # graphs a new Redis server lost: first out
+        self._lost_seen = False  # a heartbeat found Redis holds fewer: write them again
         self._run_id: str | None = ""  # of the Redis server (None: may not be known)
+        self._read_ids: set[bytes] = set()  # of the news read since the last trim
+        self._trimmed_below = (0, 0)  # the news before it was read and trimmed
         self._generation = 0
         self._callbacks: concurrent.futures.ThreadPoolExecutor | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -243,6 +246,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         login = self.config.redis  # the ACL user: redis.username, redis.password
         self._aredis = connect_async(self.redis_url, timeout=self.timeout, name=name,
                                      cluster_errors=True, config=login)  # fmt: skip
+        self._write_entries = self._aredis.register_script(schema.WRITE_ENTRIES)
         self.redis = connect(self.redis_url, timeout=self.timeout, name=name,
                              cluster_errors=True, check=False, config=login)  # fmt: skip
         self._events_redis = connect_async(
@@ -1188,7 +1192,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
             pipe = self._aredis.pipeline(transaction=True)
             # (the scheduler deletes our events stream when it handles close-client)
             pipe.xadd(self.keys.client_stream, schema.entry([CloseClient(self.id).to_dict()]))
-            pipe.delete(self.keys.client_alive(self.id))
+            pipe.delete(self.keys.client_alive(self.id), self.keys.client_written(self.id))
             await pipe.execute()
         except (redis.RedisError, ClusterConnectionError) as exc:
             logger.warning("client %s could not say goodbye to Redis: %s", self.id, exc)

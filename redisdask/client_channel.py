@@ -14,16 +14,19 @@ write an entry twice, which the scheduler treats as harmless.  A blocking caller
 for its write and gets its error; a graph nobody waits for makes its futures err.
 
 A graph Redis acknowledged can still be lost: a replica promoted before the entry
-reached it, an AOF that lost its last second.  So the client keeps every graph it wrote
-until its keys are settled (``_unsettled``), looks at the server's ``run_id`` with each
-heartbeat, and when it changed (another server, or the same one restarted) writes again
-every kept graph whose entry is past what the clients stream holds now
-(``_aresend_lost``): once, in order, before what is queued.
+reached it, an AOF that lost its last second.  So the client numbers its entries: each
+write is one ``WRITE_ENTRIES`` call that writes only if Redis holds as many of this
+client's entries as the client wrote (``_written``), and the client keeps every graph's
+entries until its keys are settled (``_unsettled``).  When Redis holds fewer (found by
+the next write, or by a heartbeat), the lost entries are written again, in their order,
+before anything else (``_lost_since``).  The news reader reads a new server's stream
+from its start, less the news it read already (``_news_read``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import concurrent.futures
 import logging
 import os
@@ -33,6 +36,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
@@ -104,9 +108,13 @@ class SchedulerChannel:
     _versions: dict[str, Any]
     _down_since: float | None
     _missing_since: dict[str, float]
+    _written: int
+    _write_entries: Any
     _unsettled: deque[_Outgoing]
-    _resends: list[_Outgoing]
+    _lost_seen: bool
     _run_id: str | None
+    _read_ids: set[bytes]
+    _trimmed_below: tuple[int, int]
 
     # ------------------------------------------------------------------ sending
 
@@ -155,22 +163,20 @@ class SchedulerChannel:
         await self._send(*batches, resubmitted=resubmitted)  # type: ignore[misc]
 
     async def _asender(self) -> None:
-        """Write what ``_send`` queued: everything queued at a time in one pipeline, with
+        """Write what ``_send`` queued: everything queued at a time in one write, with
         the pending releases where ``_with_releases`` places them.  One writer orders
-        every send of this client.  When a pipeline of several sends fails, each is tried
+        every send of this client.  When a write of several sends fails, each is tried
         alone, so the error goes to the send that caused it."""
         while True:
             await self._outbox_ready.wait()
             self._outbox_ready.clear()
-            if self._resends:
-                resends, self._resends = self._resends, []
+            if self._lost_seen:  # a heartbeat found entries lost: write them again now
+                self._lost_seen = False
                 try:
-                    await self._awrite_again(resends)
-                except asyncio.CancelledError:
-                    raise
+                    await self._awrite_entries([], [])
                 except Exception as exc:
-                    for item in resends:
-                        self._send_failed(item, exc)
+                    logger.warning("client %s: writing lost graphs again failed: %s",
+                                   self.id, exc)  # fmt: skip
             while self._outbox:
                 self._writing = True
                 items = [self._outbox.popleft() for _ in range(len(self._outbox))]
@@ -212,91 +218,77 @@ class SchedulerChannel:
                     state.unsent = True  # submitted again, it is sent again
 
     async def _awrite(self, items: list[_Outgoing]) -> None:
-        """XADD the items' entries, with the releases due, in one pipeline (retried while
-        Redis is away, for up to ``redis.down-deadline``); the releases of a write that
-        fails go with a later one."""
+        """Write the items' entries, with the releases due (retried while Redis is away,
+        for up to ``redis.down-deadline``); the releases of a write that fails go with a
+        later one.  A graph's entries are kept until its keys settle (``_unsettled``)."""
         with self._send_lock:
             batches, owners, released = self._with_releases(items)
             entries = [schema.entry(dicts(batch)) for batch in batches if batch]
             owners = [owner for batch, owner in zip(batches, owners, strict=True) if batch]
             try:
-                ids = await self._awrite_entries(entries)
+                await self._awrite_entries(entries, owners)
             except BaseException:
                 with self._lock:
                     for key, after in released.items():
                         self._pending_release.setdefault(key, after)
                 raise
-        self._keep_until_settled(items, entries, owners, ids)
-
-    async def _awrite_again(self, items: list[_Outgoing]) -> None:
-        """Write the entries of graphs a new Redis server lost (``_aresend_lost``)."""
-        entries = [entry for item in items for entry in item.entries]
-        owners = [item for item in items for _ in item.entries]
-        for item in items:
-            item.entries = []
-        ids = await self._awrite_entries(list(entries))
-        self._keep_until_settled(items, entries, owners, ids)
-
-    def _keep_until_settled(
-        self,
-        items: list[_Outgoing],
-        entries: list[dict[str, bytes]],
-        owners: list[_Outgoing | None],
-        ids: list[Any],
-    ) -> None:
-        """Keep the graphs just written, their entries as written, until their keys are
-        settled: a new Redis server may have lost them (``_aresend_lost``)."""
-        for entry, owner, entry_id in zip(entries, owners, ids, strict=True):
-            if owner is not None:
-                owner.entries.append(entry)
-                owner.last_id = max(owner.last_id, _entry_id(entry_id))
-        graphs = [item for item in items if item.resubmitted]
-        for item in items:
-            item.batches = ()  # (written: ``entries`` holds them)
         with self._lock:
-            self._unsettled.extend(graphs)
+            self._unsettled.extend(item for item in items if item.resubmitted)
+        for item in items:
+            item.batches = ()  # (written: ``item.entries`` holds a graph's)
 
-    async def _awrite_entries(self, entries: list[dict[str, bytes]]) -> list[Any]:
-        """XADD the packed ``entries`` in order; returns their ids."""
-        ids: list[Any] = []
+    async def _awrite_entries(
+        self, entries: list[dict[str, bytes]], owners: list[_Outgoing | None]
+    ) -> None:
+        """XADD ``entries`` in order, at most WRITE_BYTES per round trip, each round trip
+        one ``WRITE_ENTRIES`` call numbered by this client's count of entries written
+        (``_written``).  When Redis holds fewer than that, it lost some (a failover, an
+        AOF's last second): the lost entries of kept graphs, and of this write, are
+        written again first, in their order (``_lost_since``).  With no entries, only
+        looks for lost ones."""
         backoff = Backoff(base=0.05, cap=1.0)
         refused = 0  # failures while Redis itself answers: the write is the problem
-        packed = list(entries)
-        while packed:
+        queue = deque(zip(entries, owners, strict=True))
+        writing: list[_Outgoing] = []  # this write's graphs, kept as their entries land
+        look = not queue
+        while queue or look:
+            look = False
+            chunk: list[tuple[dict[str, bytes], _Outgoing | None]] = []
+            size = 0
+            # at most WRITE_BYTES per round trip: a 1,000,000-task graph is 175 MiB,
+            # which a busy Redis on a shared machine may take longer to read than the
+            # socket timeout; what was written is not written again
+            while queue and not (size and size + len(queue[0][0]["m"]) > WRITE_BYTES):
+                chunk.append(queue.popleft())
+                size += len(chunk[-1][0]["m"])
+            expected = self._written
             try:
-                # at most WRITE_BYTES per round trip: a 1,000,000-task graph is 175 MiB,
-                # which a busy Redis on a shared machine may take longer to read than the
-                # socket timeout; what was written is not written again
-                pipe = self._aredis.pipeline(transaction=False)
-                size = 0
-                for entry in packed:
-                    if size and size + len(entry["m"]) > WRITE_BYTES:
-                        break
-                    pipe.xadd(self.keys.client_stream, entry)
-                    size += len(entry["m"])
-                written = len(pipe)
-                # a retry after a lost reply may repeat an entry: harmless
-                ids.extend(await pipe.execute())
-                del packed[:written]
+                held = int(
+                    await self._write_entries(
+                        keys=[self.keys.client_stream, self.keys.client_written(self.id)],
+                        args=[expected, *(entry["m"] for entry, _ in chunk)],
+                    )
+                )
                 refused = 0
                 self._redis_back()
             except redis.ResponseError as exc:
                 why = str(exc).rpartition("caused error: ")[2]  # (not the command's bytes)
                 raise RedisDaskError(
                     f"Redis at {redact(self.redis_url)} refused a write of "
-                    f"{format_bytes(_entries_size(packed))} to the clients stream: {why}; "
+                    f"{format_bytes(size)} to the clients stream: {why}; "
                     "a write that large may pass Redis's limits (proto-max-bulk-len, "
                     "client-query-buffer-limit): send large data with client.scatter"
                 ) from exc
             except ClusterConnectionError as exc:
+                queue.extendleft(reversed(chunk))
+                look = not queue
                 if await self._redis_answers():
                     refused += 1
                     if refused >= SEND_ATTEMPTS:
                         raise ClusterConnectionError(
                             f"Redis at {redact(self.redis_url)} answers but dropped the "
                             f"connection on each of {refused} attempts to write "
-                            f"{format_bytes(_entries_size(packed))} to the clients "
-                            f"stream ({exc}); a "
+                            f"{format_bytes(size)} to the clients stream ({exc}); a "
                             "write that large may pass Redis's limits "
                             "(proto-max-bulk-len, client-query-buffer-limit): send large "
                             "data with client.scatter"
@@ -305,7 +297,45 @@ class SchedulerChannel:
                     self._redis_lost(exc)
                     await self._acheck_redis()
                 await asyncio.sleep(backoff.next())  # backoff while Redis is away
-        return ids
+                continue
+            if held == expected + len(chunk):  # written (now, or by a try whose reply was lost)
+                for number, (entry, owner) in enumerate(chunk, start=expected):
+                    if owner is not None:
+                        if not owner.entries:
+                            writing.append(owner)
+                        owner.entries.append(entry)
+                        owner.numbers.append(number)
+                self._written = held
+            elif held < expected:
+                queue.extendleft(reversed(chunk))
+                queue.extendleft(reversed(self._lost_since(held, writing)))
+                self._written = held
+            else:
+                raise RedisDaskError(
+                    f"Redis at {redact(self.redis_url)} holds {held} entries of client "
+                    f"{self.id} where it wrote {expected}: another process writes as "
+                    "this client (two clients with one id?)"
+                )
+
+    def _lost_since(
+        self, held: int, writing: list[_Outgoing]
+    ) -> list[tuple[dict[str, bytes], _Outgoing | None]]:
+        """Redis holds only the first ``held`` entries this client wrote: take the
+        others out of the graphs that kept them (kept graphs, and ``writing``: those of
+        the write under way), in the order they were first written."""
+        lost: list[tuple[int, dict[str, bytes], _Outgoing]] = []
+        with self._lock:
+            for item in (*self._unsettled, *writing):
+                cut = bisect.bisect_left(item.numbers, held)
+                lost.extend(zip(item.numbers[cut:], item.entries[cut:], repeat(item)))
+                del item.numbers[cut:], item.entries[cut:]
+        if lost:
+            logger.warning(
+                "client %s: Redis at %s lost %d entries this client wrote (%d graphs; a "
+                "failover, or a restart without its last writes): writing them again",
+                self.id, redact(self.redis_url), len(lost), len({id(i) for *_, i in lost}),
+            )  # fmt: skip
+        return [(entry, item) for _, entry, item in sorted(lost, key=lambda t: t[0])]
 
     async def _redis_answers(self) -> bool:
         try:
@@ -411,49 +441,27 @@ class SchedulerChannel:
         msgs = [ClientReleasesKeys(self.id, keys[i : i + size]) for i in range(0, len(keys), size)]
         return [[msg] for msg in msgs[:-1]] + [msgs[-1]]
 
-    # ------------------------------------------------------------------ lost graphs
+    # ------------------------------------------------------------------ lost writes
 
     async def _anew_server(self) -> bool:
         """Whether Redis is another server than at the previous look, or the same one
-        restarted (``INFO server``'s ``run_id`` changed): then what it acknowledged last
-        may be lost.  A user whose ACL refuses INFO cannot tell (logged once)."""
+        restarted (``INFO server``'s ``run_id`` changed): then the news written to this
+        client may have been lost, and new news may come with smaller ids.  A user whose
+        ACL refuses INFO cannot tell (logged once)."""
         if self._run_id is None:
             return False
         try:
             run_id = (await self._aredis.info("server")).get("run_id", "")
-        except redis.ResponseError as exc:
+        except redis.exceptions.NoPermissionError as exc:
             logger.warning(
-                "client %s may not run INFO (%s): a graph Redis loses in a failover is not "
-                "sent again; give the client's Redis user +info (`redisdask acl client`)",
-                self.id, exc,
+                "client %s may not run INFO (%s): after a failover, news with smaller ids "
+                "than what it read would be missed; give the client's Redis user +info "
+                "(`redisdask acl client`)", self.id, exc,
             )  # fmt: skip
             self._run_id = None
             return False
         new, self._run_id = self._run_id not in ("", run_id), run_id
         return new
-
-    async def _aresend_lost(self) -> None:
-        """Write again, before anything queued, each graph this client wrote that the
-        clients stream no longer holds: its entry is past the stream's last id (a stream
-        replicates in order, so what is past it is lost and what is not is kept)."""
-        last = await _last_id(self._aredis, self.keys.client_stream)
-        with self._lock:
-            self._prune_settled()
-            lost = [item for item in self._unsettled if item.last_id > last]
-            if not lost:
-                return
-            self._unsettled = deque(i for i in self._unsettled if i.last_id <= last)
-            for item in lost:
-                item.written = concurrent.futures.Future()
-                item.waited = False
-            self._resends.extend(lost)
-        logger.warning(
-            "client %s: Redis at %s is a new server (failover or restart) that lost %d "
-            "graphs of this client (%d keys; the clients stream ends at %d-%d): sending "
-            "them again", self.id, redact(self.redis_url), len(lost),
-            sum(len(item.resubmitted) for item in lost), *last,
-        )  # fmt: skip
-        self._outbox_ready.set()
 
     def _prune_settled(self) -> None:
         """Forget the kept graphs whose every key is settled (or no longer wanted)."""
@@ -472,8 +480,9 @@ class SchedulerChannel:
     # ------------------------------------------------------------------ the reader task
 
     async def _aheartbeat(self) -> bool:
-        """Say this client is alive, look at the cluster, and return whether Redis is a
-        new server since the previous heartbeat (``_anew_server``)."""
+        """Say this client is alive, look at the cluster and at what Redis holds of this
+        client's writes (fewer than it wrote: the sender writes them again), and return
+        whether Redis is a new server since the previous heartbeat (``_anew_server``)."""
         ttl_ms = int(self.config.scheduler.client_ttl * 1000)
         pipe = self._aredis.pipeline(transaction=False)
         pipe.set(self.keys.client_alive(self.id), 1, px=ttl_ms)
@@ -489,20 +498,29 @@ class SchedulerChannel:
                 }
             ),
         )
-        await self._alook_for_cluster(pipe)
+        pipe.get(self.keys.client_written(self.id))
+        _, _, held, *_ = await self._alook_for_cluster(pipe)
+        # (Redis never holds fewer than ``_written`` unless it lost some: it counts up
+        # as the writes land, ``_written`` once their replies are read)
+        if int(held or 0) < self._written:
+            self._lost_seen = True
+            self._outbox_ready.set()
         return await self._anew_server()
 
-    async def _alook_for_cluster(self, pipe: Any) -> None:
-        """Run ``pipe`` with a look at the lease and the workers; note what is missing."""
+    async def _alook_for_cluster(self, pipe: Any) -> list[Any]:
+        """Run ``pipe`` with a look at the lease and the workers; note what is missing.
+        Returns the replies."""
         pipe.exists(self.keys.leader)  # not the lease: see Keys.leader
         pipe.hlen(self.keys.workers)
-        *_, leads, workers = await pipe.execute()
+        replies = await pipe.execute()
+        *_, leads, workers = replies
         now = time.monotonic()
         for what, present in (("scheduler", leads), ("workers", workers)):
             if present:
                 self._missing_since.pop(what, None)
             else:
                 self._missing_since.setdefault(what, now)
+        return replies
 
     def _missing_text(self, what: str, waited: float | None) -> str:
         """What a client found missing, for how long, and what to do about it."""
@@ -551,21 +569,22 @@ class SchedulerChannel:
                 for _name, items in reply or []:
                     for entry_id, fields in items:
                         last_id = entry_id
+                        if self._news_read(entry_id):
+                            continue
+                        self._read_ids.add(entry_id)
                         self._handle_entry(fields)
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + interval
                     # trimming what was read waits for the heartbeat: off the latency path
                     await self._events_redis.xtrim(stream, minid=last_id)
+                    self._trimmed_below, self._read_ids = _entry_id(last_id), {last_id}
                     if await self._aheartbeat():
-                        await self._aresend_lost()
-                        # a new primary's stream may end before what was read here: read
-                        # on from its end (what it holds was read; the rest is lost)
-                        ends = await _last_id(self._events_redis, stream)
-                        if ends < _entry_id(last_id):
-                            last_id = f"{ends[0]}-{ends[1]}"
-                    else:
-                        with self._lock:
-                            self._prune_settled()
+                        # a new primary may hold news written after the failover with
+                        # ids below what was read here (its clock behind the old one's):
+                        # read its stream from the start, less the news read already
+                        last_id = "0"
+                    with self._lock:
+                        self._prune_settled()
                     if self._pending_release and self.status == "running":
                         self._send()
                 self._redis_back()
@@ -580,6 +599,11 @@ class SchedulerChannel:
                     await asyncio.sleep(0.2)
                 else:
                     logger.exception("client %s: error handling scheduler messages", self.id)
+
+    def _news_read(self, entry_id: bytes) -> bool:
+        """Whether the news of this entry was read already (only a read from the start
+        of the stream, after a failover, meets such entries)."""
+        return entry_id in self._read_ids or _entry_id(entry_id) < self._trimmed_below
 
     def _handle_entry(self, fields: dict[bytes, bytes]) -> None:
         messages = schema.unpack_or(fields.get(b"m"), None, list)
@@ -635,28 +659,20 @@ class _Outgoing:
     written: concurrent.futures.Future[None]
     waited: bool  # a thread blocks on ``written`` (else a failure errs the futures)
     seq: int = 0  # its place among the client's sends (``Client._with_releases``)
-    last_id: tuple[int, int] = (0, 0)  # of its last entry written
-    entries: list[dict[str, bytes]] = field(default_factory=list)  # as written (packed)
+    entries: list[dict[str, bytes]] = field(default_factory=list)  # a graph's, as written
+    numbers: list[int] = field(default_factory=list)  # theirs among the client's entries
     settled: int = 0  # how many of its first keys are known settled (``_prune_settled``)
 
     @property
     def size(self) -> int:
-        return sum(len(batch) for batch in self.batches) or len(self.entries)
+        return sum(len(batch) for batch in self.batches)
 
 
 def _entry_id(entry_id: bytes | str) -> tuple[int, int]:
+    """A stream entry id, comparable: ``b"1700000000000-3"`` -> ``(1700000000000, 3)``."""
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     ms, _, seq = text.partition("-")
     return int(ms), int(seq or 0)
-
-
-async def _last_id(r: Any, stream: str) -> tuple[int, int]:
-    """The last id a stream was given (``(0, 0)`` for a stream that is not there)."""
-    try:
-        info = await r.xinfo_stream(stream)
-    except redis.ResponseError:  # no such key
-        return (0, 0)
-    return _entry_id(info["last-generated-id"])
 
 
 def _written(item: _Outgoing) -> None:

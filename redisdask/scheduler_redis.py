@@ -257,7 +257,10 @@ class Translator:
 
     def _forget_client(self, ins: ForgetClient, b: _Batch) -> None:
         k = self.keys
-        b.cmds.append(["DEL", k.client_wants(ins.client), k.client_events(ins.client)])
+        b.cmds.append(
+            ["DEL", k.client_wants(ins.client), k.client_events(ins.client),
+             k.client_written(ins.client)]
+        )  # fmt: skip
         if schema.is_holder(ins.client):
             b.cmds.append(["SREM", k.holders, ins.client])
         else:

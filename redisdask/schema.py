@@ -244,6 +244,10 @@ class Keys:
     def client_events(self, client_id: str) -> str:
         return f"{self.prefix}client:{client_id}:events"
 
+    def client_written(self, client_id: str) -> str:
+        """How many entries the client wrote to the clients stream (``WRITE_ENTRIES``)."""
+        return f"{self.prefix}client:{client_id}:written"
+
     def client_wants(self, client_id: str) -> str:
         return f"{self.prefix}client:{client_id}:wants"
 
@@ -632,6 +636,24 @@ for _, key in ipairs(page[2]) do
   out[#out + 1] = row
 end
 return {page[1], out}
+"""
+
+
+# A client's writes to the clients stream, numbered.  KEYS: the clients stream, the
+# client's count of entries written (``Keys.client_written``).  ARGV: the count the
+# client believes Redis holds, then each entry's ``m`` field.  Writes only when Redis
+# holds that count.  A smaller one: Redis lost entries the client wrote (a failover to a
+# replica they had not reached, an AOF's last second), which the client writes again
+# first; a larger one: a write whose reply was lost was applied (not written twice).
+# Returns the count after the call (a call without entries only reads it).
+WRITE_ENTRIES = """
+local held = tonumber(redis.call('GET', KEYS[2]) or '0')
+if held ~= tonumber(ARGV[1]) or #ARGV == 1 then return held end
+for i = 2, #ARGV do
+  redis.call('XADD', KEYS[1], '*', 'm', ARGV[i])
+end
+redis.call('SET', KEYS[2], held + #ARGV - 1)
+return held + #ARGV - 1
 """
 
 

@@ -389,11 +389,17 @@ def test_redis_killed_again_and_again_under_a_running_computation(
         assert total.result(timeout=60) == sum(range(1, 401))
 
 
-def test_a_graph_redis_acknowledged_then_lost_is_sent_again(tmp_path, cluster_name: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("then", ["waits", "writes"])
+def test_a_graph_redis_acknowledged_then_lost_is_sent_again(
+    tmp_path,  # type: ignore[no-untyped-def]
+    cluster_name: str,
+    then: str,
+) -> None:
     """Redis acknowledged a graph, then lost it: it came back from a snapshot taken just
     before (as a replica promoted before the graph reached it, or an AOF without its last
-    second).  The client notices the new server and sends the graph again: its future
-    gets the right result instead of waiting forever."""
+    second).  The client finds Redis holds fewer of its entries than it wrote (at its
+    next heartbeat, or at its next write) and sends the graph again: its future gets the
+    right result instead of waiting forever."""
     from tasklib import wait_for_file
 
     from redisdask.embedded import EmbeddedRedis
@@ -417,9 +423,21 @@ def test_a_graph_redis_acknowledged_then_lost_is_sent_again(tmp_path, cluster_na
                 data_dir=server.data_dir, port=server.port, args=["--appendonly", "no"]
             ).start()
             assert not server.client().exists(cluster.keys.task("y"))  # lost, truly
-            gate.touch()
-            assert y.result(timeout=30) == "gate"
-            assert x.result() == str(gate)
+            if then == "waits":  # the client's next heartbeat finds y lost
+                gate.touch()
+                assert y.result(timeout=30) == "gate"
+                return
+            with Client(cluster) as other:
+                # another client writes to the new server first, and this one writes a
+                # graph that needs y before any heartbeat: it finds y lost and sends it
+                # again before z (which would otherwise err: a dependency nobody sent)
+                elsewhere = other.submit(abs, -3)
+                z = client.submit(len, y, key="z")
+                gate.touch()
+                assert y.result(timeout=30) == "gate"
+                assert z.result(timeout=30) == 4
+                assert x.result() == str(gate)
+                assert elsewhere.result(timeout=30) == 3
     finally:
         server.stop()
 
