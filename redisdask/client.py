@@ -207,11 +207,14 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         # since when (monotonic) each heartbeat found no leading scheduler / no worker
         self._missing_since: dict[str, float] = {}
         self._written = 0  # entries written to the clients stream that Redis holds
-        self._unsettled: deque[_Outgoing] = deque()  # graphs written, kept till settled
+        self._unsettled: deque[_Outgoing] = deque()  # sends written, kept a while
         self._lost_seen = False  # a heartbeat found Redis holds fewer: write them again
+        self._replay: deque[Any] = deque()  # lost entries, written again before the rest
         self._run_id: str | None = ""  # of the Redis server (None: may not be known)
-        self._read_ids: set[bytes] = set()  # of the news read since the last trim
-        self._trimmed_below = (0, 0)  # the news before it was read and trimmed
+        self._read_ids: set[bytes] = set()  # news ids read since the last trim
+        self._read_before: set[bytes] = set()  # ... and since the trim before it
+        self._trimmed_at: bytes | str = "0-0"  # the last trim's id
+        self._trimmed_below: bytes | str = "0-0"  # the one before: news below was read
         self._generation = 0
         self._callbacks: concurrent.futures.ThreadPoolExecutor | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -1188,6 +1191,9 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         self.status = "closing"
         with contextlib.suppress(Exception):
             await asyncio.wait_for(flushed, self.timeout)  # type: ignore[arg-type]
+        # a write still under way would find the goodbye's cleared count and, taking it
+        # for a lost Redis, write everything kept again
+        self._tasks[1].cancel()  # the sender
         try:
             pipe = self._aredis.pipeline(transaction=True)
             # (the scheduler deletes our events stream when it handles close-client)

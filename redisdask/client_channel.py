@@ -79,6 +79,7 @@ logger = logging.getLogger("redisdask.client")
 
 SEND_ATTEMPTS = 3  # writes refused while Redis answers PING before the client gives up
 WRITE_BYTES = 16 << 20  # stream entries written per round trip (one entry may be more)
+KEEP_WRITTEN = 10.0  # s a send is kept after it was written (and its keys settled)
 
 
 class SchedulerChannel:
@@ -112,9 +113,12 @@ class SchedulerChannel:
     _write_entries: Any
     _unsettled: deque[_Outgoing]
     _lost_seen: bool
+    _replay: deque[tuple[dict[str, bytes], _Outgoing]]
     _run_id: str | None
-    _read_ids: set[bytes]
-    _trimmed_below: tuple[int, int]
+    _read_ids: set[bytes]  # news ids read since the last trim
+    _read_before: set[bytes]  # ... and between the trim before it and that one
+    _trimmed_at: bytes | str  # the last trim's id
+    _trimmed_below: bytes | str  # the trim's before it: news below was read
 
     # ------------------------------------------------------------------ sending
 
@@ -173,7 +177,7 @@ class SchedulerChannel:
             if self._lost_seen:  # a heartbeat found entries lost: write them again now
                 self._lost_seen = False
                 try:
-                    await self._awrite_entries([], [])
+                    await self._awrite_entries([])
                 except Exception as exc:
                     logger.warning("client %s: writing lost graphs again failed: %s",
                                    self.id, exc)  # fmt: skip
@@ -220,47 +224,54 @@ class SchedulerChannel:
     async def _awrite(self, items: list[_Outgoing]) -> None:
         """Write the items' entries, with the releases due (retried while Redis is away,
         for up to ``redis.down-deadline``); the releases of a write that fails go with a
-        later one.  A graph's entries are kept until its keys settle (``_unsettled``)."""
+        later one.  What is written is kept a while (``_unsettled``), for a Redis that
+        loses it."""
         with self._send_lock:
             batches, owners, released = self._with_releases(items)
-            entries = [schema.entry(dicts(batch)) for batch in batches if batch]
-            owners = [owner for batch, owner in zip(batches, owners, strict=True) if batch]
+            alone = _Outgoing((), (), concurrent.futures.Future(), False)  # lone releases
+            written = [
+                (schema.entry(dicts(batch)), owner or alone)
+                for batch, owner in zip(batches, owners, strict=True)
+                if batch
+            ]
             try:
-                await self._awrite_entries(entries, owners)
+                await self._awrite_entries(written)
             except BaseException:
                 with self._lock:
                     for key, after in released.items():
                         self._pending_release.setdefault(key, after)
                 raise
         with self._lock:
-            self._unsettled.extend(item for item in items if item.resubmitted)
+            self._unsettled.extend(item for item in (*items, alone) if item.entries)
         for item in items:
-            item.batches = ()  # (written: ``item.entries`` holds a graph's)
+            item.batches = ()  # (written: ``item.entries`` holds them)
 
-    async def _awrite_entries(
-        self, entries: list[dict[str, bytes]], owners: list[_Outgoing | None]
-    ) -> None:
-        """XADD ``entries`` in order, at most WRITE_BYTES per round trip, each round trip
-        one ``WRITE_ENTRIES`` call numbered by this client's count of entries written
-        (``_written``).  When Redis holds fewer than that, it lost some (a failover, an
-        AOF's last second): the lost entries of kept graphs, and of this write, are
-        written again first, in their order (``_lost_since``).  With no entries, only
-        looks for lost ones."""
+    async def _awrite_entries(self, entries: list[tuple[dict[str, bytes], _Outgoing]]) -> None:
+        """XADD ``entries`` (each with the send it is of) in order, at most WRITE_BYTES
+        per round trip, each round trip one ``WRITE_ENTRIES`` call numbered by this
+        client's count of entries written (``_written``).  When Redis holds fewer, it
+        lost some (a failover, an AOF's last second): they go to ``_replay``
+        (``_lost_since``), which every write empties first, in order.  With no entries,
+        it looks for lost ones and writes what ``_replay`` holds."""
         backoff = Backoff(base=0.05, cap=1.0)
         refused = 0  # failures while Redis itself answers: the write is the problem
-        queue = deque(zip(entries, owners, strict=True))
-        writing: list[_Outgoing] = []  # this write's graphs, kept as their entries land
-        look = not queue
-        while queue or look:
+        own = deque(entries)
+        writing: list[_Outgoing] = []  # the sends of this write, as their entries land
+        look = not own
+        while self._replay or own or look:
             look = False
-            chunk: list[tuple[dict[str, bytes], _Outgoing | None]] = []
+            chunk: list[tuple[dict[str, bytes], _Outgoing]] = []
+            replayed = 0  # the first entries of ``chunk`` came from ``_replay``
             size = 0
             # at most WRITE_BYTES per round trip: a 1,000,000-task graph is 175 MiB,
             # which a busy Redis on a shared machine may take longer to read than the
             # socket timeout; what was written is not written again
-            while queue and not (size and size + len(queue[0][0]["m"]) > WRITE_BYTES):
-                chunk.append(queue.popleft())
-                size += len(chunk[-1][0]["m"])
+            for source in (self._replay, own):
+                while source and not (size and size + len(source[0][0]["m"]) > WRITE_BYTES):
+                    chunk.append(source.popleft())
+                    size += len(chunk[-1][0]["m"])
+                if source is self._replay:
+                    replayed = len(chunk)
             expected = self._written
             try:
                 held = int(
@@ -271,17 +282,20 @@ class SchedulerChannel:
                 )
                 refused = 0
                 self._redis_back()
-            except redis.ResponseError as exc:
-                why = str(exc).rpartition("caused error: ")[2]  # (not the command's bytes)
-                raise RedisDaskError(
-                    f"Redis at {redact(self.redis_url)} refused a write of "
-                    f"{format_bytes(size)} to the clients stream: {why}; "
-                    "a write that large may pass Redis's limits (proto-max-bulk-len, "
-                    "client-query-buffer-limit): send large data with client.scatter"
-                ) from exc
-            except ClusterConnectionError as exc:
-                queue.extendleft(reversed(chunk))
-                look = not queue
+            except BaseException as exc:
+                self._replay.extendleft(reversed(chunk[:replayed]))  # (never dropped)
+                own.extendleft(reversed(chunk[replayed:]))
+                if isinstance(exc, redis.ResponseError):
+                    why = str(exc).rpartition("caused error: ")[2]  # (not the command's bytes)
+                    raise RedisDaskError(
+                        f"Redis at {redact(self.redis_url)} refused a write of "
+                        f"{format_bytes(size)} to the clients stream: {why}; a write that "
+                        "large may pass Redis's limits (proto-max-bulk-len, "
+                        "client-query-buffer-limit): send large data with client.scatter"
+                    ) from exc
+                if not isinstance(exc, ClusterConnectionError):
+                    raise
+                look = not (own or self._replay)
                 if await self._redis_answers():
                     refused += 1
                     if refused >= SEND_ATTEMPTS:
@@ -299,30 +313,33 @@ class SchedulerChannel:
                 await asyncio.sleep(backoff.next())  # backoff while Redis is away
                 continue
             if held == expected + len(chunk):  # written (now, or by a try whose reply was lost)
+                now = time.monotonic()
                 for number, (entry, owner) in enumerate(chunk, start=expected):
-                    if owner is not None:
-                        if not owner.entries:
-                            writing.append(owner)
-                        owner.entries.append(entry)
-                        owner.numbers.append(number)
+                    if not owner.entries:
+                        writing.append(owner)
+                    owner.entries.append(entry)
+                    owner.numbers.append(number)
+                    owner.written_at = now
                 self._written = held
-            elif held < expected:
-                queue.extendleft(reversed(chunk))
-                queue.extendleft(reversed(self._lost_since(held, writing)))
-                self._written = held
-            else:
-                raise RedisDaskError(
-                    f"Redis at {redact(self.redis_url)} holds {held} entries of client "
-                    f"{self.id} where it wrote {expected}: another process writes as "
-                    "this client (two clients with one id?)"
-                )
+                continue
+            self._replay.extendleft(reversed(chunk[:replayed]))
+            own.extendleft(reversed(chunk[replayed:]))
+            if held < expected:
+                self._replay.extendleft(reversed(self._lost_since(held, writing)))
+            else:  # a write it gave up on had landed after all: written again, harmless
+                logger.warning(
+                    "client %s: Redis holds %d of its entries where it counted %d (a "
+                    "write whose reply was lost); counting on from there",
+                    self.id, held, expected,
+                )  # fmt: skip
+            self._written = held
 
     def _lost_since(
         self, held: int, writing: list[_Outgoing]
-    ) -> list[tuple[dict[str, bytes], _Outgoing | None]]:
+    ) -> list[tuple[dict[str, bytes], _Outgoing]]:
         """Redis holds only the first ``held`` entries this client wrote: take the
-        others out of the graphs that kept them (kept graphs, and ``writing``: those of
-        the write under way), in the order they were first written."""
+        others out of the sends that kept them (``_unsettled``, and ``writing``: those
+        of the write under way), in the order they were first written."""
         lost: list[tuple[int, dict[str, bytes], _Outgoing]] = []
         with self._lock:
             for item in (*self._unsettled, *writing):
@@ -331,11 +348,12 @@ class SchedulerChannel:
                 del item.numbers[cut:], item.entries[cut:]
         if lost:
             logger.warning(
-                "client %s: Redis at %s lost %d entries this client wrote (%d graphs; a "
-                "failover, or a restart without its last writes): writing them again",
-                self.id, redact(self.redis_url), len(lost), len({id(i) for *_, i in lost}),
+                "client %s: Redis at %s lost %d entries this client wrote (a failover, "
+                "or a restart without its last writes): writing them again",
+                self.id, redact(self.redis_url), len(lost),
             )  # fmt: skip
-        return [(entry, item) for _, entry, item in sorted(lost, key=lambda t: t[0])]
+        lost.sort(key=lambda t: t[0])
+        return [(entry, item) for _, entry, item in lost]
 
     async def _redis_answers(self) -> bool:
         try:
@@ -452,7 +470,7 @@ class SchedulerChannel:
             return False
         try:
             run_id = (await self._aredis.info("server")).get("run_id", "")
-        except redis.exceptions.NoPermissionError as exc:
+        except redis.ResponseError as exc:  # (refused by an ACL, or renamed away)
             logger.warning(
                 "client %s may not run INFO (%s): after a failover, news with smaller ids "
                 "than what it read would be missed; give the client's Redis user +info "
@@ -464,17 +482,20 @@ class SchedulerChannel:
         return new
 
     def _prune_settled(self) -> None:
-        """Forget the kept graphs whose every key is settled (or no longer wanted)."""
-        states = self._states
+        """Forget the kept sends whose every key is settled (or no longer wanted) and
+        that were written more than KEEP_WRITTEN ago: a failover loses the last instant
+        of writes, news of their keys included."""
+        states, old = self._states, time.monotonic() - KEEP_WRITTEN
         kept: deque[_Outgoing] = deque()
         for item in self._unsettled:
             keys = item.resubmitted
             while item.settled < len(keys):
                 state = states.get(keys[item.settled])
                 if state is not None and not state.is_set():
-                    kept.append(item)
                     break
                 item.settled += 1
+            if item.settled < len(keys) or item.written_at > old:
+                kept.append(item)
         self._unsettled = kept
 
     # ------------------------------------------------------------------ the reader task
@@ -502,7 +523,7 @@ class SchedulerChannel:
         _, _, held, *_ = await self._alook_for_cluster(pipe)
         # (Redis never holds fewer than ``_written`` unless it lost some: it counts up
         # as the writes land, ``_written`` once their replies are read)
-        if int(held or 0) < self._written:
+        if int(held or 0) < self._written or self._replay:
             self._lost_seen = True
             self._outbox_ready.set()
         return await self._anew_server()
@@ -575,14 +596,16 @@ class SchedulerChannel:
                         self._handle_entry(fields)
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + interval
-                    # trimming what was read waits for the heartbeat: off the latency path
-                    await self._events_redis.xtrim(stream, minid=last_id)
-                    self._trimmed_below, self._read_ids = _entry_id(last_id), {last_id}
                     if await self._aheartbeat():
                         # a new primary may hold news written after the failover with
                         # ids below what was read here (its clock behind the old one's):
                         # read its stream from the start, less the news read already
                         last_id = "0"
+                    else:  # trimming what was read waits for the heartbeat (off the
+                        # latency path); what it trims is remembered for a while
+                        await self._events_redis.xtrim(stream, minid=last_id)
+                        self._trimmed_below, self._trimmed_at = self._trimmed_at, last_id
+                        self._read_before, self._read_ids = self._read_ids, {last_id}
                     with self._lock:
                         self._prune_settled()
                     if self._pending_release and self.status == "running":
@@ -602,8 +625,14 @@ class SchedulerChannel:
 
     def _news_read(self, entry_id: bytes) -> bool:
         """Whether the news of this entry was read already (only a read from the start
-        of the stream, after a failover, meets such entries)."""
-        return entry_id in self._read_ids or _entry_id(entry_id) < self._trimmed_below
+        of the stream, after a failover, meets such entries): its id was read since the
+        trim before last, or is below that trim's (a new primary whose clock is behind
+        the old one's by more than two heartbeats could give new news such ids)."""
+        return (
+            entry_id in self._read_ids
+            or entry_id in self._read_before
+            or _entry_id(entry_id) < _entry_id(self._trimmed_below)
+        )
 
     def _handle_entry(self, fields: dict[bytes, bytes]) -> None:
         messages = schema.unpack_or(fields.get(b"m"), None, list)
@@ -659,8 +688,9 @@ class _Outgoing:
     written: concurrent.futures.Future[None]
     waited: bool  # a thread blocks on ``written`` (else a failure errs the futures)
     seq: int = 0  # its place among the client's sends (``Client._with_releases``)
-    entries: list[dict[str, bytes]] = field(default_factory=list)  # a graph's, as written
+    entries: list[dict[str, bytes]] = field(default_factory=list)  # as written (packed)
     numbers: list[int] = field(default_factory=list)  # theirs among the client's entries
+    written_at: float = 0.0  # when its last entry was written (monotonic)
     settled: int = 0  # how many of its first keys are known settled (``_prune_settled``)
 
     @property
