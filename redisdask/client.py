@@ -1191,9 +1191,6 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         self.status = "closing"
         with contextlib.suppress(Exception):
             await asyncio.wait_for(flushed, self.timeout)  # type: ignore[arg-type]
-        # a write still under way would find the goodbye's cleared count and, taking it
-        # for a lost Redis, write everything kept again
-        self._tasks[1].cancel()  # the sender
         try:
             pipe = self._aredis.pipeline(transaction=True)
             # (the scheduler deletes our events stream when it handles close-client)

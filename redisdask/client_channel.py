@@ -30,6 +30,7 @@ import bisect
 import concurrent.futures
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -210,6 +211,8 @@ class SchedulerChannel:
         """Tell the waiter and, when nobody may be waiting (a graph, or a send from the
         loop), the futures of the graph that was not sent."""
         item.written.set_exception(exc)
+        if any(owner is item for _, owner in self._replay):  # said unsent: not written later
+            self._replay = deque(pair for pair in self._replay if pair[1] is not item)
         if item.waited:
             return
         logger.error("client %s could not send %d messages: %s", self.id, item.size, exc)
@@ -258,6 +261,7 @@ class SchedulerChannel:
         own = deque(entries)
         writing: list[_Outgoing] = []  # the sends of this write, as their entries land
         look = not own
+        token = ""  # of a call tried again after a dropped connection: it may have landed
         while self._replay or own or look:
             look = False
             chunk: list[tuple[dict[str, bytes], _Outgoing]] = []
@@ -273,12 +277,14 @@ class SchedulerChannel:
                 if source is self._replay:
                     replayed = len(chunk)
             expected = self._written
+            token = token or secrets.token_hex(8)
             try:
-                held = int(
+                held, wrote = map(
+                    int,
                     await self._write_entries(
                         keys=[self.keys.client_stream, self.keys.client_written(self.id)],
-                        args=[expected, *(entry["m"] for entry, _ in chunk)],
-                    )
+                        args=[expected, token, *(entry["m"] for entry, _ in chunk)],
+                    ),
                 )
                 refused = 0
                 self._redis_back()
@@ -312,7 +318,8 @@ class SchedulerChannel:
                     await self._acheck_redis()
                 await asyncio.sleep(backoff.next())  # backoff while Redis is away
                 continue
-            if held == expected + len(chunk):  # written (now, or by a try whose reply was lost)
+            token = ""
+            if wrote:  # now, or by a try of this call whose reply was lost
                 now = time.monotonic()
                 for number, (entry, owner) in enumerate(chunk, start=expected):
                     if not owner.entries:
@@ -325,11 +332,13 @@ class SchedulerChannel:
             self._replay.extendleft(reversed(chunk[:replayed]))
             own.extendleft(reversed(chunk[replayed:]))
             if held < expected:
+                if self.status != "running":  # (the goodbye cleared the count)
+                    raise RedisDaskError(f"client {self.id} closed before sending")
                 self._replay.extendleft(reversed(self._lost_since(held, writing)))
-            else:  # a write it gave up on had landed after all: written again, harmless
+            elif held > expected:  # a write it gave up on had landed: this one goes again
                 logger.warning(
                     "client %s: Redis holds %d of its entries where it counted %d (a "
-                    "write whose reply was lost); counting on from there",
+                    "write it gave up on had landed); counting on from there",
                     self.id, held, expected,
                 )  # fmt: skip
             self._written = held
@@ -523,7 +532,7 @@ class SchedulerChannel:
         _, _, held, *_ = await self._alook_for_cluster(pipe)
         # (Redis never holds fewer than ``_written`` unless it lost some: it counts up
         # as the writes land, ``_written`` once their replies are read)
-        if int(held or 0) < self._written or self._replay:
+        if int((held or b"0").split()[0]) < self._written or self._replay:
             self._lost_seen = True
             self._outbox_ready.set()
         return await self._anew_server()

@@ -640,20 +640,29 @@ return {page[1], out}
 
 
 # A client's writes to the clients stream, numbered.  KEYS: the clients stream, the
-# client's count of entries written (``Keys.client_written``).  ARGV: the count the
-# client believes Redis holds, then each entry's ``m`` field.  Writes only when Redis
-# holds that count.  A smaller one: Redis lost entries the client wrote (a failover to a
-# replica they had not reached, an AOF's last second), which the client writes again
-# first; a larger one: a write whose reply was lost was applied (not written twice).
-# Returns the count after the call (a call without entries only reads it).
+# client's count of entries written (``Keys.client_written``: "<count> <token>").  ARGV:
+# the count the client believes Redis holds, the call's token, then each entry's ``m``
+# field.  Writes only when Redis holds that count.  A smaller one: Redis lost entries
+# the client wrote (a failover to a replica they had not reached, an AOF's last second),
+# which the client writes again first; a larger one: a write the client gave up on had
+# landed.  A call made again after its reply was lost (same token) is not written twice.
+# Returns {the count after the call, 1 if this call's entries are written} (a call
+# without entries only reads).
 WRITE_ENTRIES = """
-local held = tonumber(redis.call('GET', KEYS[2]) or '0')
-if held ~= tonumber(ARGV[1]) or #ARGV == 1 then return held end
-for i = 2, #ARGV do
+local held, last = 0, ''
+local stored = redis.call('GET', KEYS[2])
+if stored then
+  local count, token = string.match(stored, '^(%d+) ?(.*)$')
+  held, last = tonumber(count) or 0, token or ''
+end
+local n = #ARGV - 2
+if n > 0 and last == ARGV[2] and held == tonumber(ARGV[1]) + n then return {held, 1} end
+if held ~= tonumber(ARGV[1]) or n == 0 then return {held, 0} end
+for i = 3, #ARGV do
   redis.call('XADD', KEYS[1], '*', 'm', ARGV[i])
 end
-redis.call('SET', KEYS[2], held + #ARGV - 1)
-return held + #ARGV - 1
+redis.call('SET', KEYS[2], string.format('%d %s', held + n, ARGV[2]))
+return {held + n, 1}
 """
 
 
