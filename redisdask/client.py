@@ -207,7 +207,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         # since when (monotonic) each heartbeat found no leading scheduler / no worker
         self._missing_since: dict[str, float] = {}
         self._written = 0  # entries written to the clients stream that Redis holds
-        self._unsettled: deque[_Outgoing] = deque()  # sends written, kept a while
+        self._kept: deque[_Outgoing] = deque()  # sends written, kept a while
         self._lost_seen = False  # a heartbeat found Redis holds fewer: write them again
         self._replay: deque[Any] = deque()  # lost entries, written again before the rest
         self._run_id: str | None = ""  # of the Redis server (None: may not be known)

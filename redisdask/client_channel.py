@@ -17,7 +17,7 @@ A graph Redis acknowledged can still be lost: a replica promoted before the entr
 reached it, an AOF that lost its last second.  So the client numbers its entries: each
 write is one ``WRITE_ENTRIES`` call that writes only if Redis holds as many of this
 client's entries as the client wrote (``_written``), and the client keeps every graph's
-entries until its keys are settled (``_unsettled``).  When Redis holds fewer (found by
+entries until its keys are settled (``_kept``).  When Redis holds fewer (found by
 the next write, or by a heartbeat), the lost entries are written again, in their order,
 before anything else (``_lost_since``).  The news reader reads a new server's stream
 from its start, less the news it read already (``_news_read``).
@@ -112,7 +112,7 @@ class SchedulerChannel:
     _missing_since: dict[str, float]
     _written: int
     _write_entries: Any
-    _unsettled: deque[_Outgoing]
+    _kept: deque[_Outgoing]
     _lost_seen: bool
     _replay: deque[tuple[dict[str, bytes], _Outgoing]]
     _run_id: str | None
@@ -158,9 +158,10 @@ class SchedulerChannel:
     def _flush(self) -> None:
         """Wait until everything queued so far is written: a barrier for writes made
         outside the sender (a coordination script sending wants of futures just made).
-        Free when nothing is queued or being written (the outbox is read first: the
-        sender marks itself writing before it empties it)."""
-        if (self._outbox or self._writing) and running_loop() is not self.loop:
+        Free when nothing is queued, being written or waiting to be written again (the
+        outbox is read first: the sender marks itself writing before it empties it)."""
+        busy = self._outbox or self._writing or self._replay or self._lost_seen
+        if busy and running_loop() is not self.loop:
             self._send()
 
     async def _asend(self, *batches: list[Event], resubmitted: Iterable[str] = ()) -> None:
@@ -227,7 +228,7 @@ class SchedulerChannel:
     async def _awrite(self, items: list[_Outgoing]) -> None:
         """Write the items' entries, with the releases due (retried while Redis is away,
         for up to ``redis.down-deadline``); the releases of a write that fails go with a
-        later one.  What is written is kept a while (``_unsettled``), for a Redis that
+        later one.  What is written is kept a while (``_kept``), for a Redis that
         loses it."""
         with self._send_lock:
             batches, owners, released = self._with_releases(items)
@@ -245,7 +246,7 @@ class SchedulerChannel:
                         self._pending_release.setdefault(key, after)
                 raise
         with self._lock:
-            self._unsettled.extend(item for item in (*items, alone) if item.entries)
+            self._kept.extend(item for item in (*items, alone) if item.entries)
         for item in items:
             item.batches = ()  # (written: ``item.entries`` holds them)
 
@@ -347,11 +348,11 @@ class SchedulerChannel:
         self, held: int, writing: list[_Outgoing]
     ) -> list[tuple[dict[str, bytes], _Outgoing]]:
         """Redis holds only the first ``held`` entries this client wrote: take the
-        others out of the sends that kept them (``_unsettled``, and ``writing``: those
+        others out of the sends that kept them (``_kept``, and ``writing``: those
         of the write under way), in the order they were first written."""
         lost: list[tuple[int, dict[str, bytes], _Outgoing]] = []
         with self._lock:
-            for item in (*self._unsettled, *writing):
+            for item in (*self._kept, *writing):
                 cut = bisect.bisect_left(item.numbers, held)
                 lost.extend(zip(item.numbers[cut:], item.entries[cut:], repeat(item)))
                 del item.numbers[cut:], item.entries[cut:]
@@ -490,13 +491,13 @@ class SchedulerChannel:
         new, self._run_id = self._run_id not in ("", run_id), run_id
         return new
 
-    def _prune_settled(self) -> None:
+    def _prune_kept(self) -> None:
         """Forget the kept sends whose every key is settled (or no longer wanted) and
         that were written more than KEEP_WRITTEN ago: a failover loses the last instant
         of writes, news of their keys included."""
         states, old = self._states, time.monotonic() - KEEP_WRITTEN
         kept: deque[_Outgoing] = deque()
-        for item in self._unsettled:
+        for item in self._kept:
             keys = item.resubmitted
             while item.settled < len(keys):
                 state = states.get(keys[item.settled])
@@ -505,7 +506,7 @@ class SchedulerChannel:
                 item.settled += 1
             if item.settled < len(keys) or item.written_at > old:
                 kept.append(item)
-        self._unsettled = kept
+        self._kept = kept
 
     # ------------------------------------------------------------------ the reader task
 
@@ -616,7 +617,7 @@ class SchedulerChannel:
                         self._trimmed_below, self._trimmed_at = self._trimmed_at, last_id
                         self._read_before, self._read_ids = self._read_ids, {last_id}
                     with self._lock:
-                        self._prune_settled()
+                        self._prune_kept()
                     if self._pending_release and self.status == "running":
                         self._send()
                 self._redis_back()
@@ -700,7 +701,7 @@ class _Outgoing:
     entries: list[dict[str, bytes]] = field(default_factory=list)  # as written (packed)
     numbers: list[int] = field(default_factory=list)  # theirs among the client's entries
     written_at: float = 0.0  # when its last entry was written (monotonic)
-    settled: int = 0  # how many of its first keys are known settled (``_prune_settled``)
+    settled: int = 0  # how many of its first keys are known settled (``_prune_kept``)
 
     @property
     def size(self) -> int:
