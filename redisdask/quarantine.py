@@ -27,7 +27,7 @@ from typing import Any
 
 from redisdask import schema
 from redisdask.errors import RecordError
-from redisdask.scheduler_state import BadRecord
+from redisdask.scheduler_tasks import BadRecord
 from redisdask.schema import Keys
 
 logger = logging.getLogger("redisdask.scheduler")

@@ -51,7 +51,7 @@ from redisdask.protocol import AcquireReplicas, Rebalance, Replicate
 from redisdask.scheduler_instructions import LogEvent, RecordRebalance, SetState, WorkerMsg
 
 if TYPE_CHECKING:
-    from redisdask.scheduler_state import TaskState, WorkerInfo
+    from redisdask.scheduler_tasks import TaskState, WorkerInfo
 
 MOVE_FIELD = "move:"  # a move in flight, in a rebalance's record: move:<key> -> [snd, rec]
 

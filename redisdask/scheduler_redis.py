@@ -52,7 +52,8 @@ from redisdask.scheduler_instructions import (
     WorkerMsg,
 )
 from redisdask.scheduler_moves import RebalanceConfig, RebalanceRecord
-from redisdask.scheduler_state import HOLDS_DEPENDENCIES, RejectedGraph, SchedulerState, TaskState
+from redisdask.scheduler_state import HOLDS_DEPENDENCIES, SchedulerState
+from redisdask.scheduler_tasks import RejectedGraph, TaskState
 from redisdask.schema import Keys
 from redisdask.task_record import TaskRecord, evidence
 

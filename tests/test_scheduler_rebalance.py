@@ -40,7 +40,8 @@ from redisdask.scheduler_instructions import (
 )
 from redisdask.scheduler_moves import RebalanceRecord, find_moves
 from redisdask.scheduler_redis import Translator
-from redisdask.scheduler_state import SchedulerState, TaskState, WorkerInfo
+from redisdask.scheduler_state import SchedulerState
+from redisdask.scheduler_tasks import TaskState, WorkerInfo
 from redisdask.schema import Keys
 
 pytestmark = pytest.mark.timeout(10)

@@ -56,9 +56,9 @@ from redisdask.scheduler_state import (
     TaskFinished,
     UpdateData,
     UpdateGraph,
-    key_prefix,
     priority_score,
 )
+from redisdask.scheduler_tasks import key_prefix
 from redisdask.state_machine import InvalidTransition, table_problems
 
 pytestmark = pytest.mark.timeout(10)

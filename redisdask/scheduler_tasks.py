@@ -1,0 +1,149 @@
+"""What the scheduler's state machine knows of one task and of one worker
+(``TaskState``, ``WorkerInfo``), the stimuli only its driver makes (``RejectedGraph``,
+``BadRecord``), and how a task is grouped (``key_prefix``) and ranked (``priority_score``).
+Kept apart from ``scheduler_state`` so that the readers of these records (the Redis
+translator, data moves, diagnostics) need not import the machine.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from redisdask import schema
+from redisdask.protocol import Event
+
+PRIORITY_SCALE = 2**40  # submission sequence numbers stay below this
+
+
+_HEX8 = re.compile(r"^[0-9a-f]{8}$")
+
+
+def key_prefix(key: str) -> str:
+    """The group a task key belongs to, as Dask's ``key_split`` finds it: ``"inc"`` for
+    ``"inc-5f3a9c..."``, ``"sum-chunk"`` for ``"sum-chunk-00ab12cd"``, ``"x"`` for the text
+    of a tuple key ``"('x-1a2b', 0)"``.  The monitor's progress rows are per prefix."""
+    words = key.split("-")
+    head = words[0]
+    if head.startswith("<"):  # "<lambda>", "<function f at 0x...>"
+        head = (head.strip("<>").split() or [""])[0].split(".")[-1]
+    elif head and not head[0].isalpha():
+        head = head.split(",")[0].strip("_'()\" ")
+    parts = [head]
+    for word in words[1:]:
+        if not word.isalpha() or _HEX8.match(word):
+            break
+        parts.append(word)
+    return "-".join(parts) or "other"
+
+
+def priority_score(user_priority: int, seq: int) -> float:
+    """Ready-set score: smaller runs first; exact in a double for |priority| < 2**12."""
+    return float(-user_priority * PRIORITY_SCALE + seq)
+
+
+# --------------------------------------------------------------------------- events
+# The events that travel (the client, worker and nanny messages) are the message classes
+# of ``redisdask.protocol``; only the scheduler's own stimuli are defined here.
+
+
+@dataclass(slots=True)
+class RejectedGraph(Event):
+    """The driver refused a client's message (it failed validation and was
+    dead-lettered, ``reason`` says why): the client is told that the keys it named will
+    not run, instead of waiting forever.  Made by the driver only, never read from a
+    stream (so it is in no ``protocol`` registry)."""
+
+    op: ClassVar[str] = "rejected-graph"
+    client: str
+    keys: list[str] = field(default_factory=list)
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class BadRecord(Event):
+    """The task record of ``key`` in Redis was malformed (``reason`` says how): the
+    driver moved it to the dead-letter stream, and ``load_state`` left a ``released``
+    task without a spec in its place.  The task errs (``SchedulerRejectedError``, with
+    ``reason``) and so do its dependents that are not done, so that no future waits for
+    a task nothing will run.  Made by the driver only, never read from a stream."""
+
+    op: ClassVar[str] = "bad-record"
+    key: str
+    reason: str = ""
+
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclass(slots=True, eq=False)
+class TaskState:
+    key: str
+    state: str = "released"
+    prefix: str = field(init=False)  # key_prefix(key): its row in the monitor
+    score: float = 0.0
+    has_spec: bool = True
+    dependencies: set[TaskState] = field(default_factory=set)
+    dependents: set[TaskState] = field(default_factory=set)
+    waiting_on: set[TaskState] = field(default_factory=set)  # deps not yet in memory
+    waiters: set[TaskState] = field(default_factory=set)  # dependents that still need us
+    who_wants: set[str] = field(default_factory=set)
+    who_has: set[str] = field(default_factory=set)
+    inline: bool = False  # memory: the result is in its record too (outlives every worker)
+    processing_on: str | None = None
+    claimed_before: int = 0  # processing: its worker's holding reports read before the claim
+    unlisted: int = 0  # processing: holding reports in a row since then that lacked it
+    nbytes: int = 0
+    type: str = ""
+    retries: int = 0
+    restrict: tuple[str, ...] = ()  # worker addresses, names or hosts it may run on
+    loose: bool = False  # allow_other_workers: the restriction is a preference
+    resources: dict[str, float] | None = None  # what one run holds of a worker's resources
+    queued_on: tuple[str, ...] = ()  # queued and placed: the workers whose sets hold it
+    # taken out of the ready sets since its last accepted claim: a claim made before that
+    # may still be on its way, and what was written since has overwritten it in Redis
+    dequeued: bool = False
+    suspicious: int = 0  # workers that died while it was processing there
+    deaths: list[dict[str, Any]] = field(default_factory=list)  # their death records
+    lost_on: str | None = None  # the worker whose death lost its only copy
+    killed: bytes | None = None  # msgpack {task, deaths} when erred with KilledWorker
+    replicas: int = 1  # copies wanted on distinct workers (client.replicate)
+    replicating: set[str] = field(default_factory=set)  # workers asked for a copy
+    exception: bytes | None = None
+    traceback: bytes | None = None
+    exception_text: str = ""
+    traceback_text: str = ""
+    erred_on: str | None = None
+    exception_blame: str | None = None  # the task whose error this one inherited
+    rejected: bool = False  # erred because the scheduler refused to run it (a cycle)
+
+    def __post_init__(self) -> None:
+        self.prefix = key_prefix(self.key)
+
+    def __repr__(self) -> str:
+        return f"<TaskState {self.key!r} {self.state}>"
+
+    def holders(self) -> list[str]:
+        """Where the result is: its workers and, for a small one, Redis (``REDIS_COPY``)."""
+        return [*sorted(self.who_has), schema.REDIS_COPY] if self.inline else sorted(self.who_has)
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+StoryEntry = tuple[str, str, str, str]  # key, start, finish, stimulus_id
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    address: str
+    info: dict[str, Any] = field(default_factory=dict)
+    processing: set[TaskState] = field(default_factory=set)
+    has_what: set[TaskState] = field(default_factory=set)
+    retiring: bool = False  # handing its data to others before it closes
+    retire_heard: bool = False  # it said itself that it retires: it claims no more
+    to_move: set[TaskState] = field(default_factory=set)  # results to copy elsewhere
+    told_to_close: bool = False  # retired: its data is safe elsewhere
+    announced: bool = False  # its worker-joined event was logged
+    holding_reports: int = 0  # its holding reports read (since this scheduler loaded)
