@@ -9,15 +9,16 @@ stream, updates the futures' states, and heartbeats: the client's ``alive`` key 
 ``clients`` entry, and a look at whether a scheduler leads and a worker is registered.
 
 Delivery (see docs/design.md, "Redis goes away"): a send retries with a backoff while
-Redis is away and gives up after ``redis.down-deadline``; a retry after a lost reply may
-write an entry twice, which the scheduler treats as harmless.  A blocking caller waits
+Redis is away and gives up after ``redis.down-deadline``; a retry after a lost reply is
+found written (by the call's token) and not written twice.  A blocking caller waits
 for its write and gets its error; a graph nobody waits for makes its futures err.
 
 A graph Redis acknowledged can still be lost: a replica promoted before the entry
 reached it, an AOF that lost its last second.  So the client numbers its entries: each
 write is one ``WRITE_ENTRIES`` call that writes only if Redis holds as many of this
-client's entries as the client wrote (``_written``), and the client keeps every graph's
-entries until its keys are settled (``_kept``).  When Redis holds fewer (found by
+client's entries as the client wrote (``_written``), and the client keeps every send's
+entries until its keys are settled, and a while after (``_kept``).  When Redis holds
+fewer (found by
 the next write, or by a heartbeat), the lost entries are written again, in their order,
 before anything else (``_lost_since``).  The news reader reads a new server's stream
 from its start, less the news it read already (``_news_read``).
