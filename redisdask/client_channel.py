@@ -18,10 +18,9 @@ reached it, an AOF that lost its last second.  So the client numbers its entries
 write is one ``WRITE_ENTRIES`` call that writes only if Redis holds as many of this
 client's entries as the client wrote (``_written``), and the client keeps every send's
 entries until its keys are settled, and a while after (``_kept``).  When Redis holds
-fewer (found by
-the next write, or by a heartbeat), the lost entries are written again, in their order,
-before anything else (``_lost_since``).  The news reader reads a new server's stream
-from its start, less the news it read already (``_news_read``).
+fewer (found by the next write, or by a heartbeat), the lost entries are written again,
+in their order, before anything else (``_lost_since``).  The news reader reads a new
+server's stream from its start, less the news it read already (``_news_read``).
 """
 
 from __future__ import annotations
