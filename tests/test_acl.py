@@ -20,7 +20,7 @@ import pytest
 import redis
 from polling import poll
 
-from redisdask import Client, Event, Lock, Queue, Variable, comm, get_client, secede
+from redisdask import Client, Event, LocalCluster, Lock, Queue, Variable, comm, get_client, secede
 from redisdask.acl import FAMILIES, ROLES, allows_key, default_user, setuser, setuser_args
 from redisdask.scheduler import Scheduler
 from redisdask.schema import Keys, Scripts
@@ -384,3 +384,26 @@ def test_a_refused_wait_counts_as_unreplicated_and_the_scheduler_goes_on(
     assert admin.get(keys.prefix + "written") == b"1"
     assert "were not acknowledged by 1 replicas" in caplog.text and "wait" in caplog.text
     admin.execute_command("ACL", "DELUSER", user)
+
+
+def test_a_client_user_without_info_is_warned_once_and_works(
+    redis_url: str, cluster_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client user from before clients read INFO (its server's run id, for the news
+    of a failed-over Redis): one warning naming the fix, and the work goes on."""
+    user, password = f"noinfo-{cluster_name}", uuid.uuid4().hex
+    admin = redis.Redis.from_url(redis_url)
+    admin.execute_command(*setuser_args("client", cluster_name, user=user, password=password))
+    admin.execute_command("ACL", "SETUSER", user, "-info")
+    try:
+        with (
+            LocalCluster(nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name),
+            Client(redis_url, cluster_name, redis={"username": user, "password": password}) as c,
+        ):
+            assert c.submit(inc, 1).result(timeout=30) == 2
+            assert c.submit(inc, 2).result(timeout=30) == 3
+        warned = [r for r in caplog.records if "may not run INFO" in r.getMessage()]
+        assert len(warned) == 1 and "+info" in warned[0].getMessage()
+    finally:
+        admin.execute_command("ACL", "DELUSER", user)
+        admin.close()

@@ -15,7 +15,7 @@ from polling import poll
 from redisdask import Client, KilledWorker, LocalCluster
 from redisdask.errors import DataUnavailableError
 from redisdask.inspect import read_events
-from redisdask.schema import Keys, entry, unpack
+from redisdask.schema import WRITE_ENTRIES, Keys, entry, unpack
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -387,6 +387,26 @@ def test_redis_killed_again_and_again_under_a_running_computation(
             server.start()  # same port, same AOF
         assert client.gather(futures) == list(range(1, 401))
         assert total.result(timeout=60) == sum(range(1, 401))
+
+
+def test_each_write_of_a_client_is_numbered_and_never_landed_twice(redis_url: str) -> None:
+    """WRITE_ENTRIES, the clients' only way into the clients stream: it writes only at
+    the count the client expects; a call made again after its reply was lost (its token)
+    is found written, not written twice; a stale or an ahead count writes nothing and
+    says what Redis holds."""
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(f"numbered-{os.getpid()}")
+    write = r.register_script(WRITE_ENTRIES)
+    ks = [keys.client_stream, keys.client_written("c")]
+    assert write(keys=ks, args=[0, "t1", b"a", b"b"]) == [2, 1]
+    assert write(keys=ks, args=[0, "t1", b"a", b"b"]) == [2, 1]  # the same call again
+    assert r.xlen(keys.client_stream) == 2
+    assert write(keys=ks, args=[0, "t2", b"c"]) == [2, 0]  # Redis holds more: a given-up write
+    assert write(keys=ks, args=[5, "t3", b"c"]) == [2, 0]  # Redis holds fewer: lost writes
+    assert write(keys=ks, args=[2, "t4"]) == [2, 0]  # a look writes nothing
+    assert write(keys=ks, args=[2, "t5", b"c"]) == [3, 1]
+    assert [f[b"m"] for _, f in r.xrange(keys.client_stream)] == [b"a", b"b", b"c"]
+    r.delete(*ks)
 
 
 @pytest.mark.parametrize("then", ["waits", "writes"])

@@ -79,6 +79,19 @@ def _stop(server: DataServer, loop: asyncio.AbstractEventLoop, thread: Any) -> N
     loop.close()
 
 
+def _pool_rpc(address: str, security: Security) -> None:
+    """One request to ``address`` through an asyncio ConnectionPool with ``security``."""
+
+    async def through_pool() -> None:
+        pool = ConnectionPool(SECRET, tls=security.client_context())
+        try:
+            await pool.rpc(address, {"op": "x"})
+        finally:
+            await pool.close()
+
+    asyncio.run(through_pool())
+
+
 @pytest.fixture
 def tls_server(security: Security) -> Any:
     server, loop, thread = _serve(security)
@@ -153,15 +166,8 @@ def test_tls_client_refuses_a_plaintext_server(security: Security) -> None:
         with pytest.raises(CommClosedError, match="does not speak TLS"):
             BlockingConnection(lying, SECRET, tls=security.client_context(), timeout=5)
 
-        async def through_pool() -> None:
-            pool = ConnectionPool(SECRET, tls=security.client_context())
-            try:
-                await pool.rpc(lying, {"op": "x"})
-            finally:
-                await pool.close()
-
         with pytest.raises(CommClosedError, match="does not speak TLS"):
-            asyncio.run(through_pool())
+            _pool_rpc(lying, security)
     finally:
         _stop(server, loop, thread)
 
@@ -173,15 +179,8 @@ def test_certificate_of_another_ca_is_refused(
         with pytest.raises(CommClosedError, match="certificate"):
             BlockingConnection(tls_server.address or "", SECRET, tls=stranger.client_context())
 
-        async def through_pool() -> None:
-            pool = ConnectionPool(SECRET, tls=stranger.client_context())
-            try:
-                await pool.rpc(tls_server.address or "", {"op": "x"})
-            finally:
-                await pool.close()
-
         with pytest.raises(CommClosedError, match="certificate"):
-            asyncio.run(through_pool())
+            _pool_rpc(tls_server.address or "", stranger)
         poll(lambda: "TLS with" in caplog.text and "dropping it" in caplog.text)
     assert tls_server.n_accepted == 0
 
@@ -209,16 +208,8 @@ def test_an_expired_certificate_is_refused_and_named(
     server, loop, thread = _serve(good)
     try:
         with caplog.at_level(logging.WARNING, logger="redisdask.comm"):
-
-            async def through_pool() -> None:
-                pool = ConnectionPool(SECRET, tls=expired.client_context())
-                try:
-                    await pool.rpc(server.address or "", {"op": "x"})
-                finally:
-                    await pool.close()
-
             with pytest.raises(CommClosedError):
-                asyncio.run(through_pool())
+                _pool_rpc(server.address or "", expired)
             poll(lambda: "certificate has expired" in caplog.text)
         conn = BlockingConnection(server.address or "", SECRET, tls=good.client_context())
         assert conn.rpc({"op": "after"})[0]["op"] == "after"
