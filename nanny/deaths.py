@@ -4,13 +4,15 @@
 memory or a hang), the last memory figures, the cgroup's OOM-kill count and the tail of
 the worker's log go in; a kind and a sentence come out:
 
-* ``graceful``  the worker closed itself (retired, SIGTERM, its lifetime ended);
+* ``graceful``  the worker closed itself (retired, SIGTERM, its lifetime ended): exit code
+  0 *and* the reason it wrote as the last step of ``Worker.close`` (``exit_reason``), which
+  a task cannot write; an exit 0 without it (a task's ``os._exit(0)``) is a death;
 * ``memory``    killed by its nanny past ``worker.memory.terminate``, or by the kernel's
   OOM killer (the cgroup's ``oom_kill`` count rose, or SIGKILL near the limit);
 * ``hung``      alive but silent and idle past ``worker.hang-timeout``: killed, restarted;
 * ``signal``    killed by a signal (SIGKILL from someone else, SIGSEGV from a crash ...);
 * ``exception`` exited with a Python traceback on its stderr (the traceback is kept);
-* ``exit-code`` any other exit status.
+* ``exit-code`` any other exit status, 0 included when the worker did not close itself.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ class WorkerExit:
     terminate: float | None = None  # the fraction the nanny kills at
     silent_for: float | None = None  # seconds without a heartbeat, for "hung"
     log_tail: list[str] = field(default_factory=list)
-    exit_reason: str | None = None  # what the worker wrote before a graceful exit
+    exit_reason: str | None = None  # what the worker wrote as it closed itself (None: it
+    # did not: whatever its exit code, it died)
     oom_kills_before: int | None = None
     oom_kills_after: int | None = None
 
@@ -74,8 +77,8 @@ def classify(ex: WorkerExit) -> tuple[str, str]:
     if ex.killed_for == "hung":
         silent = f"{ex.silent_for:.1f} s" if ex.silent_for is not None else "too long"
         return "hung", f"hung: no heartbeat for {silent} while idle; killed by its nanny"
-    if ex.returncode == 0:
-        return "graceful", f"closed: {ex.exit_reason or 'it left on its own'}"
+    if ex.returncode == 0 and ex.exit_reason:
+        return "graceful", f"closed: {ex.exit_reason}"
     if ex.returncode < 0:
         name = signal_name(-ex.returncode)
         oom = (
@@ -100,6 +103,11 @@ def classify(ex: WorkerExit) -> tuple[str, str]:
     if tb is not None:
         last = tb.strip().splitlines()[-1]
         return "exception", f"exited with code {ex.returncode} after an exception: {last}"
+    if ex.returncode == 0:
+        return "exit-code", (
+            "exited with code 0 without closing itself: a task (or a library it called) "
+            f"ended the process, e.g. with os._exit(0); {_memory(ex)}"
+        )
     return "exit-code", f"exited with code {ex.returncode}; {_memory(ex)}"
 
 

@@ -22,8 +22,10 @@ event loop in one process.  Each nanny:
 * restarts it, with a backoff doubling from 0.2 s to 10 s while it keeps dying within
   ``QUICK_DEATH`` s of its start, and gives up after ``MAX_START_FAILURES`` deaths in a row
   before it could register (a worker that can never start: a bad configuration, a
-  version the cluster refuses).  A graceful exit is not restarted, except for
-  ``Client.restart()`` and at the end of the worker's lifetime with ``--lifetime-restart``.
+  version the cluster refuses).  A graceful exit (the worker closed itself and said why:
+  retired, SIGTERM, lifetime) is not restarted, except for ``Client.restart()`` and at
+  the end of the worker's lifetime with ``--lifetime-restart``; any other end, exit code
+  0 included (a task's ``os._exit(0)``), is a death: reported, counted, restarted.
 """
 
 from __future__ import annotations
@@ -144,13 +146,13 @@ class Nanny:
                 started = time.monotonic()
                 watch = await self._run_worker_once()
                 uptime = time.monotonic() - started
-                if watch.address is None and watch.exit.returncode != 0 and not self.closing:
+                kind, reason = deaths.classify(watch.exit)
+                if watch.address is None and kind != "graceful" and not self.closing:
                     # a Redis that is away is no fault of the worker's: wait for it
                     if await self._wait_for_redis():
                         start_failures += 1
                 else:
                     start_failures = 0
-                kind, reason = deaths.classify(watch.exit)
                 give_up = start_failures >= MAX_START_FAILURES
                 restart = self._should_restart(kind, watch.exit) and not give_up
                 await self._report(watch, kind, reason, restart)
