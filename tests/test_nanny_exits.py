@@ -6,14 +6,29 @@ under tasks that use its client and a ``Semaphore``: every result right."""
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 
 import pytest
+import redis
 from polling import poll
 from test_nanny import deaths, workers_of
 
-from redisdask import Client, KilledWorker, LocalCluster
+from redisdask import (
+    Client,
+    KilledWorker,
+    LocalCluster,
+    Semaphore,
+    get_client,
+    get_worker,
+    rejoin,
+    schema,
+    secede,
+)
 from redisdask.nanny.deaths import WorkerExit, classify
+from redisdask.protocol import CloseWorker
+from redisdask.schema import Keys
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -91,3 +106,64 @@ def test_a_worker_at_the_end_of_its_lifetime_is_not_replaced(
         assert record["reason"] == "closed: lifetime; not restarted"
         assert cluster.worker_processes[0].wait(30) == 0  # its nanny ended
         assert not workers_of(redis_url, cluster_name)
+
+
+def guarded(i: int, name: str) -> int:
+    """Hold a lease of ``name`` while working a little and submitting a sub-task through
+    the worker's client; then wait for the sub-task (seceded: waiting takes no thread)."""
+    with Semaphore(max_leases=2, name=name):
+        threading.Event().wait(0.2)  # stands for work done while holding the lease
+        sub = get_client().submit(inc, i, pure=False)
+        threading.Event().wait(0.2)
+    secede()
+    value = sub.result(timeout=60)
+    rejoin()
+    return value * 10
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_a_worker_stopped_with_sigterm_under_running_tasks_loses_no_result(
+    redis_url: str, cluster_name: str, run: int
+) -> None:
+    with (
+        LocalCluster(
+            n_workers=2,
+            threads_per_worker=2,
+            nanny=True,
+            redis_url=redis_url,
+            cluster_name=cluster_name,
+        ),
+        Client(redis_url, cluster_name=cluster_name) as client,
+    ):
+        name = f"{cluster_name}-sem"
+        futures = client.map(guarded, range(12), name=name)
+        address, info = next(iter(workers_of(redis_url, cluster_name).items()))
+        poll(lambda: Semaphore(name=name).get_value() == 2, timeout=30)  # tasks are in
+        os.kill(info["pid"], signal.SIGTERM)
+        assert client.gather(futures) == [10 * (i + 1) for i in range(12)]
+        poll(lambda: any(d["worker"] == address for d in deaths(redis_url, cluster_name)))
+        [record] = deaths(redis_url, cluster_name)
+        assert record["reason"] == "closed: signal SIGTERM; not restarted"  # it retired
+
+
+def client_once_closing(url: str, mark: str) -> str:
+    """On the first worker to run it: wait until that worker begins to close, then ask
+    for its client (refused: it is closing).  On any other: return where it ran."""
+    worker = get_worker()
+    if redis.Redis.from_url(url).set(mark, worker.address, nx=True):
+        poll(lambda: worker.status != "running", timeout=30)
+        get_client()
+    return worker.address
+
+
+def test_an_error_caused_by_the_worker_closing_is_handed_back_not_the_result(
+    client: Client, redis_url: str, cluster_name: str
+) -> None:
+    mark = f"{cluster_name}-first"
+    future = client.submit(client_once_closing, redis_url, mark, pure=False)
+    r = redis.Redis.from_url(redis_url)
+    poll(lambda: r.exists(mark))
+    first = r.get(mark).decode()
+    keys = Keys(cluster_name)  # the close now that LocalCluster.close sends
+    r.xadd(keys.worker_inbox(first), schema.entry([CloseWorker("told to close").to_dict()]))
+    assert future.result(timeout=60) not in ("", first)  # it ran again elsewhere

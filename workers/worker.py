@@ -380,13 +380,13 @@ class Worker:
             for task in stuck:  # a library swallowed the cancellation: do not hang on it
                 logger.warning("background task %s ignored cancellation", task.get_coro())
         await self.plugin_host.close(self)  # plugins' teardown, preloads' dask_teardown
-        await self._close_task_client()
-        try:
+        try:  # first: the tasks still running are handed back (see _ran)
             self._report(RemoveWorker(self.address, reason=reason))
             await self._flush()
             await self.redis.delete(self.keys.worker_alive(self.address))
         except redis.RedisError as exc:
             logger.warning("worker %s could not say goodbye to Redis: %s", self.address, exc)
+        await self._close_task_client()
         await self.server.close()
         await self.pool.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -545,7 +545,25 @@ class Worker:
         deps = {d.key: self.state.data[d.key] for d in ts.dependencies}
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self.executor, self._run, key, ts.run_spec, deps)
-        future.add_done_callback(lambda f: self.handle(f.result()) if not f.cancelled() else None)
+        future.add_done_callback(self._ran)
+
+    def _ran(self, future: asyncio.Future[ws.StateMachineEvent]) -> None:
+        """A run's end, on the event loop.  A run that failed once this worker began to
+        close is not reported: its goodbye hands the task back (it runs elsewhere, as
+        distributed's ``Reschedule``), for the error may be the closing's own doing (its
+        client closed, ``get_client()`` refused) and must never become the result."""
+        if future.cancelled():
+            return
+        event = future.result()
+        if isinstance(event, ws.ExecuteFailureEvent) and self.status != "running":
+            logger.info(
+                "task %r failed while worker %s closes (%s): handed back, not erred",
+                event.key,
+                self.address,
+                event.exception_text,
+            )
+            return
+        self.handle(event)
 
     def _run(self, key: str, spec: bytes, deps: dict[str, Any]) -> ws.StateMachineEvent:
         """Runs in a pool thread: the task, then the checks its result must pass."""
@@ -1118,9 +1136,11 @@ def main(redis_url: str, cluster: str, **kwargs: Any) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
         # the process is ours (not an in-thread worker's host): keep the cycle collector
-        # off the results it holds, whose full scans outlived the heartbeat's TTL
-        closing.add(asyncio.ensure_future(_settle_heap()))
+        # off the results it holds, whose full scans outlived the heartbeat's TTL (kept
+        # apart from ``closing``, which says whether a signal already began the close)
+        settle = asyncio.ensure_future(_settle_heap())
         await worker.run()
+        settle.cancel()
         if worker.failure is not None:
             raise SystemExit(1)
 
