@@ -2,7 +2,10 @@
 
 The nanny passes four environment variables to its worker (``worker_environment``); the
 worker takes them out of its environment at start (``take_from_environment``), so the
-processes its tasks start do not believe they have a nanny.  ``GRACEFUL_TIMEOUT`` is how
+processes its tasks start do not believe they have a nanny.  The exit-reason file is the
+worker's word that it closed itself: written as the last step of ``Worker.close``, never by
+a task, so an exit without it (a task's ``os._exit(0)``) is a death whatever its exit
+code, and the nanny counts it and starts a new worker.  ``GRACEFUL_TIMEOUT`` is how
 long a worker stopped by SIGTERM may spend moving its data: the worker closes after it,
 and the nanny kills a worker still running a little later.
 """
