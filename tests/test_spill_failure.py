@@ -23,6 +23,8 @@ from rich.console import Console
 from tasklib import allocate_forever
 
 from redisdask import Client, KilledWorker, LocalCluster, wait
+from redisdask.events import describe
+from redisdask.nanny.deaths import WorkerExit, classify
 from redisdask.schema import Keys, unpack
 from redisdask.snapshot import read_snapshot
 from redisdask.views import status_view
@@ -65,6 +67,22 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(where)], check=False)
 
 
+@pytest.fixture(params=["tmpfs", "not-a-directory"])
+def failing_disk(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, str]:
+    """A local directory whose spills fail for real, and the error they fail with: a full
+    tmpfs (where the machine lets a test mount one), or, anywhere, a spill directory that
+    ``break_spill_directory`` replaces with a file once the worker made it."""
+    if request.param == "tmpfs":
+        return request.getfixturevalue("small_disk"), NO_SPACE
+    return tmp_path / "local", "Not a directory"
+
+
+def break_spill_directory(local: Path) -> None:
+    [directory] = spill_directories(local / "redisdask-worker-space")
+    shutil.rmtree(directory)
+    directory.write_bytes(b"")  # a file where the worker writes its spilled results
+
+
 @pytest.fixture
 def low_marks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Marks low enough for a 200 MB limit over a ~70 MB process: spill past 20 MB of
@@ -93,11 +111,12 @@ def status_text(redis_url: str, cluster_name: str) -> str:
 def test_a_worker_that_cannot_spill_says_so_and_its_claimed_tasks_run_elsewhere(
     redis_url: str,
     cluster_name: str,
-    small_disk: Path,
+    failing_disk: tuple[Path, str],
     tmp_path: Path,
     low_marks: None,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    local, error = failing_disk
     caplog.set_level(logging.WARNING, logger="redisdask.client")
     with (
         LocalCluster(
@@ -105,18 +124,20 @@ def test_a_worker_that_cannot_spill_says_so_and_its_claimed_tasks_run_elsewhere(
             n_workers=1,
             redis_url=redis_url,
             cluster_name=cluster_name,
-            worker_options={"memory_limit": "200MB", "local_directory": str(small_disk)},
+            worker_options={"memory_limit": "200MB", "local_directory": str(local)},
         ) as cluster,
         Client(cluster) as client,
     ):
         [full] = heartbeats(redis_url, cluster_name)
+        if error != NO_SPACE:
+            break_spill_directory(local)
         assert client.gather(client.map(inc, range(20))) == list(range(1, 21))  # short tasks:
         # the worker claims the next ones all at once, and starts them one by one
         futures = client.map(array, range(12), nbytes=8 * MB)
         poll(lambda: heartbeats(redis_url, cluster_name)[full].get("status") == "paused")
         paused_at = time.monotonic()
         beat = heartbeats(redis_url, cluster_name)[full]
-        assert beat["spill_error"] == NO_SPACE
+        assert beat["spill_error"] == error
         assert sum(f.status == "finished" for f in futures) < 12  # the rest wait for a worker
         # another worker, with room on its disk, runs what the full one claimed
         cluster.worker_options["local_directory"] = str(tmp_path / "roomy")
@@ -129,9 +150,9 @@ def test_a_worker_that_cannot_spill_says_so_and_its_claimed_tasks_run_elsewhere(
             assert value[0] == i and value.shape == (MB,)
         warnings = [r.getMessage() for r in caplog.records if "cannot spill" in r.getMessage()]
         assert warnings, "the client was not told"
-        assert full in warnings[0] and NO_SPACE in warnings[0] and str(small_disk) in warnings[0]
+        assert full in warnings[0] and error in warnings[0] and str(local) in warnings[0]
         shown = status_text(redis_url, cluster_name)
-        assert f"cannot spill: {NO_SPACE}" in shown and "results held in memory" in shown
+        assert f"cannot spill: {error}" in shown and "results held in memory" in shown
         print(f"the client saw: {warnings[0]}")
         print(f"all results {moved:.1f} s after the full worker paused ({started:.1f} s: another")
         print("worker started)")
@@ -172,3 +193,19 @@ def test_under_a_nanny_the_death_names_the_full_disk_and_the_next_worker_starts_
         assert fresh_dir != spill_dir
         assert client.submit(inc, 1).result(timeout=30) == 2
         assert cluster.worker_processes[0].poll() is None
+
+
+def test_the_death_and_the_event_of_a_worker_that_cannot_spill_say_so() -> None:
+    exit = WorkerExit(-9, "memory", 190 * MB, 200 * MB, terminate=0.95, spill_error=NO_SPACE)
+    kind, reason = classify(exit)
+    assert kind == "memory" and reason.endswith(f"terminate mark; could not spill: {NO_SPACE}")
+    assert classify(WorkerExit(-11, spill_error=NO_SPACE))[1].count("spill") == 0  # a crash
+    event = {"kind": "spill-failed", "worker": "tcp://h:1", "name": "w1", "error": NO_SPACE,
+             "directory": "/d/worker-x", "managed": 150 * MB, "spilled": 0, "rss": 190 * MB,
+             "memory_limit": 200 * MB, "paused": True}  # fmt: skip
+    assert describe(event) == (
+        "worker w1 (tcp://h:1) cannot spill to /d/worker-x: No space left on device; 143.05 "
+        "MiB of results held in memory, process 181.20 MiB of its 190.73 MiB limit (paused: "
+        "it runs nothing, and what it claimed went back to the others); free disk space "
+        "there or give the worker another --local-directory"
+    )
