@@ -123,7 +123,7 @@ def spill_failed(event: dict[str, Any]) -> str:
     if _number(rss) and _number(limit):
         memory += f", process {format_bytes(int(rss))} of its {format_bytes(int(limit))} limit"
     paused = (
-        " (paused: it runs nothing, and what it claimed went back to the others)"
+        " (paused: it starts nothing, and what it claimed went back to the queue)"
         if event.get("paused")
         else ""
     )

@@ -154,8 +154,8 @@ def test_a_worker_that_cannot_spill_says_so_and_its_claimed_tasks_run_elsewhere(
         shown = status_text(redis_url, cluster_name)
         assert f"cannot spill: {error}" in shown and "results held in memory" in shown
         print(f"the client saw: {warnings[0]}")
-        print(f"all results {moved:.1f} s after the full worker paused ({started:.1f} s: another")
-        print("worker started)")
+        print(f"all results {moved:.1f} s after the pause, {moved - started:.1f} s after the")
+        print(f"second worker registered ({started:.1f} s after the pause)")
         close_at = time.monotonic()
     print(f"closed in {time.monotonic() - close_at:.1f} s")
 
@@ -206,6 +206,6 @@ def test_the_death_and_the_event_of_a_worker_that_cannot_spill_say_so() -> None:
     assert describe(event) == (
         "worker w1 (tcp://h:1) cannot spill to /d/worker-x: No space left on device; 143.05 "
         "MiB of results held in memory, process 181.20 MiB of its 190.73 MiB limit (paused: "
-        "it runs nothing, and what it claimed went back to the others); free disk space "
+        "it starts nothing, and what it claimed went back to the queue); free disk space "
         "there or give the worker another --local-directory"
     )
