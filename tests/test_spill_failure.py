@@ -188,8 +188,9 @@ def test_under_a_nanny_the_death_names_the_full_disk_and_the_next_worker_starts_
         assert shutil.disk_usage(small_disk).free < 8 * MB  # full of what it spilled
         del futures  # (released: nothing to compute again on the next worker)
         start.touch()  # the leak drives the worker past the nanny's 95% mark
-        with pytest.raises(KilledWorker, match=f"could not spill: {NO_SPACE}"):
+        with pytest.raises(KilledWorker, match=f"could not spill: {NO_SPACE}") as info:
             leak.result(timeout=60)
+        print(f"KilledWorker: {info.value}")
         poll(lambda: set(heartbeats(redis_url, cluster_name)) - {first}, timeout=30)
         assert shutil.disk_usage(small_disk).used < 2 * MB  # (the nanny's log is there)
         [fresh_dir] = spill_directories(space)
