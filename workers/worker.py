@@ -803,7 +803,11 @@ class Worker:
                     maxlen=self.story_maxlen,
                     approximate=False,
                 )
-            await pipe.execute()
+            try:
+                await pipe.execute()
+            except BaseException:
+                self._events[:0] = events  # not written: the next heartbeat tries again
+                raise
             await self._report_holding()
             await asyncio.sleep(self.heartbeat_interval)  # a heartbeat is a timer by nature
 
