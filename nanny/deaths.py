@@ -41,6 +41,7 @@ class WorkerExit:
     # did not: whatever its exit code, it died)
     oom_kills_before: int | None = None
     oom_kills_after: int | None = None
+    spill_error: str | None = None  # why its spills failed, from its last heartbeat
 
 
 def signal_name(number: int) -> str:
@@ -70,7 +71,15 @@ def traceback_of(log_tail: list[str]) -> str | None:
 
 
 def classify(ex: WorkerExit) -> tuple[str, str]:
-    """``(kind, reason)``: see the module docstring."""
+    """``(kind, reason)``: see the module docstring.  A worker that died of memory while
+    its spills failed says so: the full disk is the cause to fix, not the task."""
+    kind, reason = _classify(ex)
+    if kind == "memory" and ex.spill_error:
+        reason += f"; could not spill: {ex.spill_error}"
+    return kind, reason
+
+
+def _classify(ex: WorkerExit) -> tuple[str, str]:
     if ex.killed_for == "memory":
         share = f"{100 * (ex.terminate or 0):.0f}%"
         return "memory", f"killed by its nanny: {_memory(ex)}, past the {share} terminate mark"

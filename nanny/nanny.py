@@ -56,7 +56,7 @@ from redisdask.connection import connect_async, redact
 from redisdask.events import death_fields
 from redisdask.memory import format_bytes, oom_kills
 from redisdask.nanny import deaths
-from redisdask.nanny_contract import GRACEFUL_TIMEOUT, worker_environment
+from redisdask.nanny_contract import GRACEFUL_TIMEOUT, spill_directory_file, worker_environment
 from redisdask.protocol import RemoveWorker
 from redisdask.schema import Keys
 
@@ -257,6 +257,7 @@ class Nanny:
             pump.cancel()
         exit_reason = _read(self.exit_reason_path)
         watch.address = watch.address or _read(self.address_path)
+        self._remove_spill_directory()
         watch.exit = deaths.WorkerExit(
             returncode=returncode,
             killed_for=watch.killed_for,
@@ -268,9 +269,39 @@ class Nanny:
             exit_reason=exit_reason,
             oom_kills_before=watch.oom_kills_before,
             oom_kills_after=oom_kills(),
+            spill_error=await self._spill_error(watch.address),
         )
         watch.pid = process.pid
         return watch
+
+    def _remove_spill_directory(self) -> None:
+        """Remove the spill directory of the worker that just ended (one that closed
+        itself removed it already), so that the next one does not start on a disk this
+        one filled: only the ``worker-*`` directory it named, right in the worker space."""
+        note = spill_directory_file(self.address_path)
+        named = _read(note)
+        note.unlink(missing_ok=True)
+        if named is None:
+            return
+        directory = Path(named)
+        space = self.local_directory.resolve()
+        if directory.resolve().parent != space or not directory.name.startswith("worker-"):
+            logger.warning("not removing %s: not a spill directory in %s", directory, space)
+            return
+        if directory.exists():
+            logger.info("removing the spill directory %s of worker %s", directory, self.label)
+            shutil.rmtree(directory, ignore_errors=True)
+
+    async def _spill_error(self, address: str | None) -> str | None:
+        """Why the worker could not spill, from its last heartbeat, if it could not."""
+        if address is None:
+            return None
+        try:
+            raw = await self.redis.hget(self.keys.heartbeats, address)
+        except redis.RedisError:
+            return None  # (its death is still recorded, without this detail)
+        error = schema.unpack_or(raw, {}, dict).get("spill_error")
+        return str(error) if error else None
 
     async def _pump_log(self, process: asyncio.subprocess.Process) -> None:
         """Lines of the worker's output to our stderr, the log file and the tail (read in

@@ -55,6 +55,7 @@ from redisdask.errors import (
     RedisDaskError,
     TaskInterrupted,
 )
+from redisdask.events import WARN_CLIENTS, describe
 from redisdask.futures import _FutureState
 from redisdask.loop import running_loop, wake
 from redisdask.memory import format_bytes
@@ -120,6 +121,7 @@ class SchedulerChannel:
     _read_before: set[bytes]  # ... and between the trim before it and that one
     _trimmed_at: bytes | str  # the last trim's id
     _trimmed_below: bytes | str  # the trim's before it: news below was read
+    _cluster_news_id: bytes | None = None  # the cluster event last read (None: not yet)
 
     # ------------------------------------------------------------------ sending
 
@@ -530,13 +532,32 @@ class SchedulerChannel:
             ),
         )
         pipe.get(self.keys.client_written(self.id))
-        _, _, held, *_ = await self._alook_for_cluster(pipe)
+        if self._cluster_news_id is None:  # the first look: where the news starts
+            pipe.xrevrange(self.keys.events, count=1)
+        else:
+            pipe.xread({self.keys.events: self._cluster_news_id}, count=1000)
+        _, _, held, news, *_ = await self._alook_for_cluster(pipe)
+        self._warn_of_cluster_news(news)
         # (Redis never holds fewer than ``_written`` unless it lost some: it counts up
         # as the writes land, ``_written`` once their replies are read)
         if int((held or b"0").split()[0]) < self._written or self._replay:
             self._lost_seen = True
             self._outbox_ready.set()
         return await self._anew_server()
+
+    def _warn_of_cluster_news(self, reply: Any) -> None:
+        """Log as warnings the cluster events written since this client's first
+        heartbeat that may explain why its futures wait (``events.WARN_CLIENTS``: a worker
+        that cannot spill)."""
+        if self._cluster_news_id is None:
+            self._cluster_news_id = reply[0][0] if reply else b"0-0"
+            return
+        for _stream, items in reply or []:
+            for entry_id, fields in items:
+                self._cluster_news_id = entry_id
+                event = schema.unpack_or(fields.get(b"m"), {}, dict)
+                if event.get("kind") in WARN_CLIENTS:
+                    logger.warning("%s", describe(event))
 
     async def _alook_for_cluster(self, pipe: Any) -> list[Any]:
         """Run ``pipe`` with a look at the lease and the workers; note what is missing.

@@ -20,7 +20,15 @@ lost-claim           key, worker (processing there, but the worker does not     
 rebalance            client, request, moves, bytes, senders, recipients          scheduler
                      (``Client.rebalance``'s plan; missing: keys not in memory)
 rebalanced           request, moved, failed (its moves are over)                 scheduler
+spill-failed         worker, name, error (``No space left on device``),          worker
+                     directory, managed, spilled, rss, memory_limit, paused
+                     (when its spills start failing, when it pauses while they
+                     do, every 30 s while it stays paused); clients log it as a
+                     warning
 ==================== =========================================================== ===========
+
+``WARN_CLIENTS`` are the kinds a client logs as warnings when they happen while it runs
+(``client_channel``): news that explains why its futures may wait.
 
 The stream is trimmed to ``retention.events`` entries on every append.  Readers must
 accept kinds and fields they do not know: the log is for people, and a newer process may
@@ -33,6 +41,8 @@ from typing import Any
 
 from redisdask import schema
 from redisdask.memory import format_bytes
+
+WARN_CLIENTS = frozenset({"spill-failed"})
 
 
 def event_command(stream: str, maxlen: int, kind: str, now: float, **fields: Any) -> list[Any]:
@@ -69,6 +79,8 @@ def describe(event: dict[str, Any]) -> str:
         return f"worker {who} died ({event.get('cause') or event.get('how')}){memory}: " + str(
             event.get("reason", "")
         )
+    if kind == "spill-failed":
+        return spill_failed(event)
     if kind == "killed-worker":
         workers = event.get("workers") or []
         return f"KilledWorker: {event.get('key')} was running on {len(workers)} workers that died"
@@ -96,6 +108,29 @@ def describe(event: dict[str, Any]) -> str:
         return f"{event.get('process')} reconnected to Redis{after}"
     rest = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("kind", "time"))
     return f"{kind}: {rest}"
+
+
+def spill_failed(event: dict[str, Any]) -> str:
+    """``worker w1 cannot spill to /x: No space left on device; 150 MiB in memory, ...``
+    (an event, or a worker's heartbeat figures in the same fields)."""
+    who = event.get("name") or event.get("worker") or "?"
+    if event.get("worker") and event["worker"] != who:
+        who = f"{who} ({event['worker']})"
+    where = f" to {event['directory']}" if event.get("directory") else ""
+    held = event.get("managed")
+    memory = f"; {format_bytes(int(held))} of results held in memory" if _number(held) else ""
+    rss, limit = event.get("rss"), event.get("memory_limit")
+    if _number(rss) and _number(limit):
+        memory += f", process {format_bytes(int(rss))} of its {format_bytes(int(limit))} limit"
+    paused = (
+        " (paused: it starts nothing, and what it claimed went back to the queue)"
+        if event.get("paused")
+        else ""
+    )
+    return (
+        f"worker {who} cannot spill{where}: {event.get('error')}{memory}{paused}; free disk "
+        "space there or give the worker another --local-directory"
+    )
 
 
 def _number(value: Any) -> bool:

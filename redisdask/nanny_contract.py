@@ -47,6 +47,13 @@ def worker_environment(
     }
 
 
+def spill_directory_file(address_file: str | Path) -> Path:
+    """Where the worker writes the path of its spill directory, next to its address file:
+    its nanny removes that directory when the process dies (a worker that closes itself
+    removes it on its own), so the next worker does not start on a disk it filled."""
+    return Path(address_file).with_name("spill-directory")
+
+
 def take_from_environment(environ: MutableMapping[str, str] | None = None) -> NannyLink:
     """Remove the nanny's variables from ``environ`` (``os.environ``) and return them."""
     env = os.environ if environ is None else environ

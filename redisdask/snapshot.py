@@ -44,6 +44,7 @@ class WorkerView:
     heartbeat_age: float | None = None  # seconds since its last heartbeat
     restarts: int = 0
     nanny: bool = False
+    spill_error: str = ""  # why its spills fail (a full disk), while they do
 
 
 @dataclass(slots=True)
@@ -184,6 +185,7 @@ def _parse_worker(
         heartbeat_age=now - float(beat["time"]) if beat.get("time") else None,
         restarts=int(info.get("restarts") or 0),
         nanny=bool(info.get("nanny")),
+        spill_error=str(beat.get("spill_error") or ""),
     )
 
 

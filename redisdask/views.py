@@ -16,7 +16,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from redisdask.events import describe
+from redisdask.events import describe, spill_failed
 from redisdask.memory import format_bytes
 from redisdask.snapshot import PrefixView, Snapshot, WorkerView
 
@@ -31,6 +31,7 @@ EVENT_STYLES = {
     "worker-left": "yellow",
     "scheduler-start": "cyan",
     "redis-reconnected": "magenta",
+    "spill-failed": "bold red",
 }
 
 
@@ -103,7 +104,24 @@ def header(snap: Snapshot, url: str) -> Text:
         text.append(f"\n{waiting['count']} no-worker", style="yellow")
         text.append(f" (e.g. {waiting['key']}): ", style="dim")
         text.append(waiting["reason"])
+    for w in snap.workers:  # a worker that cannot spill may wait for good: say why
+        if w.spill_error:
+            text.append("\n")
+            text.append(spill_failed(_spill_figures(w)), style="bold red")
     return text
+
+
+def _spill_figures(w: WorkerView) -> dict[str, Any]:
+    """A worker's heartbeat figures in the fields of a ``spill-failed`` event."""
+    return {
+        "name": w.name,
+        "worker": w.address,
+        "error": w.spill_error,
+        "managed": w.managed,
+        "rss": w.rss,
+        "memory_limit": w.memory_limit,
+        "paused": w.status == "paused",
+    }
 
 
 def state_counts(states: dict[str, int]) -> Text:
@@ -327,6 +345,7 @@ def dashboard(snap: Snapshot, url: str, width: int = 120, height: int = 40) -> G
     workers first; prefixes, then events, get what is left."""
     # the header (and its no-worker lines); throughput and footer
     spare = height - (4 if width >= NARROW else 6) - len(snap.no_worker) - 2
+    spare -= sum(1 for w in snap.workers if w.spill_error)
     legend = height >= 30
     worker_rows = min(max(1, len(snap.workers)), max(1, spare - 5 - 6 - legend))
     spare -= worker_rows + 5 + legend

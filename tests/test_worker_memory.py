@@ -25,6 +25,7 @@ class _Calls:
         self.paused: list[str] = []
         self.unpaused: list[str] = []
         self.notes: list[tuple[str, str]] = []
+        self.spill_failed: list[dict[str, Any]] = []
 
 
 def _manager(
@@ -40,6 +41,7 @@ def _manager(
         on_unpause=calls.unpaused.append,
         note=lambda kind, detail: calls.notes.append((kind, detail)),
         in_memory_bytes=lambda: 1234,
+        on_spill_failed=calls.spill_failed.append,
         **options,
     )
 
@@ -84,6 +86,40 @@ def test_spills_pauses_and_unpauses_through_callbacks(tmp_path: Path) -> None:
     directory = memory.spill_directory
     memory.close()
     assert not directory.exists()
+
+
+def test_a_failing_spill_is_told_once_then_again_when_paused_and_until_it_works(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _Calls()
+    memory = _manager(tmp_path, calls, memory_limit=_rss() // 4, pause=False)
+    directory = memory.spill_directory
+    assert directory is not None
+    directory.rmdir()
+    directory.write_bytes(b"")  # a file where the directory was: every write fails
+    for i in range(3):
+        memory.data[f"x-{i}"] = b"x" * 1000
+    asyncio.run(memory.check())
+    assert memory.metrics()["spill_error"] == "Not a directory"
+    [news] = calls.spill_failed
+    assert news["error"] == "Not a directory" and news["directory"] == str(directory)
+    assert news["managed"] == 3000 and news["paused"] is False
+    asyncio.run(memory.check())  # still failing, not paused: nothing new to tell
+    memory.pause = 0.8  # now it pauses: told again, and again after SPILL_FAILED_REPEAT
+    asyncio.run(memory.check())
+    assert [n["paused"] for n in calls.spill_failed] == [False, True]
+    asyncio.run(memory.check())
+    assert len(calls.spill_failed) == 2
+    monkeypatch.setattr(memory_module, "SPILL_FAILED_REPEAT", 0.0)
+    asyncio.run(memory.check())
+    assert len(calls.spill_failed) == 3
+    assert list(memory.data) == ["x-0", "x-1", "x-2"]  # nothing lost
+    directory.unlink()
+    directory.mkdir()  # room again: the next spill works, the failure is over
+    asyncio.run(memory.check())
+    assert memory.metrics()["spill_error"] is None and memory.metrics()["spilled"] == 3000
+    assert ("spill", "spilling works again") in calls.notes
+    memory.close()
 
 
 def test_pause_false_never_pauses(tmp_path: Path) -> None:

@@ -412,17 +412,24 @@ def test_a_restart_drops_copies_not_recorded_yet() -> None:
     assert ws.handle_stimulus(KeysRecordedEvent(["p"], "late")) == []  # nothing to record
 
 
-def test_pause_stops_execute_but_not_gather() -> None:
-    ws = make()
-    assert ws.handle_stimulus(PauseEvent("pause")) == []
+def test_pause_hands_back_what_has_not_started_and_starts_nothing() -> None:
+    ws = make(nthreads=1)
+    ws.handle_stimulus(compute("running"), compute("queued"), compute("z", {"a": ([A], 1)}))
+    out = ws.handle_stimulus(PauseEvent("pause"))
+    # (a worker that cannot spill may stay paused for good: others run what it claimed)
+    assert of(out, ReleasedKeys) == [
+        ReleasedKeys(SELF, ["queued", "z"], [0.0, 0.0], stimulus_id="pause")
+    ]
     assert ws.claim_budget() == 0
-    assert ws.handle_stimulus(compute("x")) == []
-    out = ws.handle_stimulus(compute("z", {"a": ([A], 1)}))
-    assert of(out, GatherDep)
-    assert ws.handle_stimulus(GatherDepSuccessEvent(A, {"a": 1}, {}, "g")) == []
-    assert ws.tasks["z"].state == "ready"
-    out = ws.handle_stimulus(UnpauseEvent("unpause"))
-    assert out == [Execute("x", "unpause")]
+    assert ws.handle_stimulus(compute("late")) == [  # a claim that crossed the pause
+        ReleasedKeys(SELF, ["late"], [0.0], stimulus_id="compute-late")
+    ]
+    assert ws.handle_stimulus(success("running")) == [finished("running")]  # no Execute
+    out = ws.handle_stimulus(AcquireReplicasEvent({"c": [B]}, "acq"))  # transfers go on
+    assert [g.keys for g in of(out, GatherDep)] == [{"c"}]
+    assert ws.handle_stimulus(UnpauseEvent("unpause")) == []
+    assert ws.claim_budget() > 0
+    assert ws.handle_stimulus(compute("x")) == [Execute("x", "compute-x")]
 
 
 def test_retire_hands_back_what_has_not_started_and_keeps_the_rest() -> None:

@@ -4,8 +4,16 @@ It owns what the worker does about its own memory: the data store (a ``dict``, o
 memory limit a ``SpillBuffer`` spilling past ``target`` into a directory of its own), the
 monitor loop (spill past ``spill`` of the process memory, pause the thread pool past
 ``pause``), and the memory figures a heartbeat carries.  It talks back to the worker
-through callbacks only (``on_pause``, ``on_unpause``, ``note``, ``in_memory_bytes``), so it
-never imports the worker driver and can be read and tested on its own.
+through callbacks only (``on_pause``, ``on_unpause``, ``on_spill_failed``, ``note``,
+``in_memory_bytes``), so it never imports the worker driver and can be read and tested on
+its own.
+
+A worker whose spills fail (a full disk) can neither free memory nor, once paused, do any
+work: left alone it would wait forever, and so would its clients.  So the manager says so
+(``on_spill_failed``, which the worker turns into a ``spill-failed`` cluster event that
+clients log as a warning): when the failures start, when the worker pauses while they last,
+and every ``SPILL_FAILED_REPEAT`` seconds while it stays paused; the heartbeat carries the
+error (``spill_error``) for ``redisdask status`` and for the nanny's death record.
 
 Not to be confused with ``redisdask.memory``, which parses sizes and limits (``"4GB"``,
 ``auto``) and reads the cgroup's OOM kill count: that module knows nothing of workers.
@@ -34,14 +42,18 @@ logger = logging.getLogger("redisdask.worker")
 
 Fraction = float | Literal[False]
 
+SPILL_FAILED_REPEAT = 30.0  # seconds between the reminders of a paused worker that cannot spill
+
 
 class WorkerMemoryManager:
     """Memory limits of one worker: its data store, spilling, pausing and metrics.
 
     ``on_pause(detail)`` / ``on_unpause(detail)`` are called when process memory crosses
-    ``pause`` x limit (the worker stops or resumes starting tasks); ``note(kind, detail)``
-    adds a line to the worker's story (``spill``); ``in_memory_bytes()`` is the managed
-    size when the store is a plain dict (no limit: the worker's own ``nbytes`` count).
+    ``pause`` x limit (the worker stops or resumes starting tasks); ``on_spill_failed(news)``
+    when the cluster should hear that spills fail (``news``: error, directory, managed,
+    spilled, rss, memory_limit, paused); ``note(kind, detail)`` adds a line to the worker's
+    story (``spill``); ``in_memory_bytes()`` is the managed size when the store is a plain
+    dict (no limit: the worker's own ``nbytes`` count).
     """
 
     def __init__(
@@ -58,6 +70,7 @@ class WorkerMemoryManager:
         on_unpause: Callable[[str], None],
         note: Callable[[str, str], None],
         in_memory_bytes: Callable[[], int],
+        on_spill_failed: Callable[[dict[str, Any]], None] = lambda news: None,
     ) -> None:
         self.memory_limit = memory_limit
         self.target, self.spill, self.pause = target, spill, pause
@@ -65,7 +78,10 @@ class WorkerMemoryManager:
         self.label = label  # the worker's address, for log lines
         self.on_pause, self.on_unpause, self.note = on_pause, on_unpause, note
         self.in_memory_bytes = in_memory_bytes
+        self.on_spill_failed = on_spill_failed
         self.paused = False
+        # (paused, monotonic time) when the cluster was last told that spills fail
+        self._told: tuple[bool, float] | None = None
         self.spill_directory: Path | None = None
         self.data = self._data_store(local_directory)
         self._process = psutil.Process()
@@ -109,7 +125,13 @@ class WorkerMemoryManager:
             "rss": rss,
             "unmanaged": max(0, rss - managed),
             "memory_limit": self.memory_limit,
+            "spill_error": self.spill_failure,
         }
+
+    @property
+    def spill_failure(self) -> str | None:
+        """Why spilling fails (``No space left on device``), until a spill succeeds."""
+        return self.data.failure if isinstance(self.data, SpillBuffer) else None
 
     # ------------------------------------------------------------------ monitor
 
@@ -135,18 +157,51 @@ class WorkerMemoryManager:
                 comm.BUFFER_CACHE.clear()
             rss = self._process.memory_info().rss
         paused = bool(self.pause) and rss > self.pause * limit
+        failure = self.spill_failure
         if paused != self.paused:
             self.paused = paused
             logger.warning(
-                "Worker %s is at %s of its %s memory limit (%.0f%%): %s",
+                "Worker %s is at %s of its %s memory limit (%.0f%%): %s%s",
                 self.label,
                 format_bytes(rss),
                 format_bytes(limit),
                 100 * rss / limit,
                 "pausing its thread pool" if paused else "resuming",
+                f"; it cannot spill: {failure}" if paused and failure else "",
             )
             detail = f"process memory {format_bytes(rss)} of {format_bytes(limit)}"
             (self.on_pause if paused else self.on_unpause)(detail)
+        self._tell_spill_failure(failure, rss)
+
+    def _tell_spill_failure(self, failure: str | None, rss: int) -> None:
+        """Call ``on_spill_failed`` when spills start failing, when the worker pauses while
+        they do, and every ``SPILL_FAILED_REPEAT`` s while it stays paused."""
+        now = time.monotonic()
+        told = self._told
+        if failure is None:
+            if told is not None:
+                logger.warning("Worker %s can spill to disk again", self.label)
+                self.note("spill", "spilling works again")
+            self._told = None
+            return
+        if told is not None and (
+            not self.paused or (told[0] and now - told[1] < SPILL_FAILED_REPEAT)
+        ):
+            return
+        self._told = (self.paused, now)
+        metrics = self.metrics()
+        self.note("spill-failed", f"{failure}; {format_bytes(metrics['managed'])} in memory")
+        self.on_spill_failed(
+            {
+                "error": failure,
+                "directory": str(self.spill_directory),
+                "managed": metrics["managed"],
+                "spilled": metrics["spilled"],
+                "rss": rss,
+                "memory_limit": self.memory_limit,
+                "paused": self.paused,
+            }
+        )
 
     async def _spill_until_below_target(self, rss: int) -> None:
         if not isinstance(self.data, SpillBuffer):

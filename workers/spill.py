@@ -8,20 +8,24 @@ value read back is loaded transparently (and becomes the most recently used).  T
 worker's memory monitor also spills on its own (``evict``) when the process's memory,
 whatever ``sizeof`` says, passes ``worker.memory.spill``.
 
-A value that cannot be written (disk full, a file system error) stays in memory and the
-error is logged once: losing data to a failed spill would be worse than using memory.
+A value that cannot be written (disk full, a file system error) stays in memory, and what
+the write left on disk is removed: losing data to a failed spill would be worse than
+using memory.  ``failure`` says why until a spill succeeds again; the error is logged once
+per such episode, and the memory manager tells the cluster (``workers/memory.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import pickle
 import struct
 import time
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import zict
 
@@ -67,9 +71,23 @@ class _SizedDisk(zict.Func[str, Any, Any]):
         self.total = 0
 
     def __setitem__(self, key: str, value: Any) -> None:
-        super().__setitem__(key, value)
+        try:
+            super().__setitem__(key, value)
+        except OSError:
+            self._remove_partial(key)  # a full disk gets back what the write took
+            raise
         self.total += _weight(key, value) - self.sizes.get(key, 0)
         self.sizes[key] = _weight(key, value)
+
+    def _remove_partial(self, key: str) -> None:
+        """Remove the file a failed write of ``key`` left (``zict.File`` names a key's
+        files ``<quoted key>#<n>`` and records one only once it is written)."""
+        files: zict.File = self.d  # type: ignore[assignment]
+        prefix = quote(key, safe="") + "#"
+        with contextlib.suppress(OSError), os.scandir(files.directory) as entries:
+            for entry in entries:
+                if entry.name.startswith(prefix) and entry.name not in files.filenames.values():
+                    os.remove(entry.path)
 
     def __delitem__(self, key: str) -> None:
         super().__delitem__(key)
@@ -87,7 +105,7 @@ class SpillBuffer(zict.Buffer[str, Any]):
         self.spill_seconds = 0.0
         self.unspill_count = 0
         self.unspill_seconds = 0.0
-        self._failure_logged = False
+        self.failure: str | None = None  # why the last spill failed, until one succeeds
 
     @property
     def managed_in_memory(self) -> int:
@@ -103,7 +121,7 @@ class SpillBuffer(zict.Buffer[str, Any]):
         try:
             super().fast_to_slow(key, value)
         except Exception as exc:
-            if not self._failure_logged:
+            if self.failure is None:
                 logger.error(
                     "could not spill %r to %s (%s); keeping it in memory. Free disk space "
                     "or give the worker another --local-directory",
@@ -111,8 +129,9 @@ class SpillBuffer(zict.Buffer[str, Any]):
                     self.directory,
                     exc,
                 )
-                self._failure_logged = True
+            self.failure = _reason(exc)
             raise _SpillFailed(str(exc)) from exc
+        self.failure = None
         self.spill_seconds += time.perf_counter() - start
         self.spill_count += 1
 
@@ -137,6 +156,13 @@ class SpillBuffer(zict.Buffer[str, Any]):
         except (KeyError, _SpillFailed):
             return 0
         return int(weight)
+
+
+def _reason(exc: Exception) -> str:
+    """``No space left on device`` (an OS error's own words), or the exception."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _weight(key: Hashable, value: Any) -> int:

@@ -290,6 +290,9 @@ class AcquireReplicasEvent(StateMachineEvent):
 
 @dataclass(slots=True)
 class PauseEvent(StateMachineEvent):
+    """Memory is past ``pause``: start no task, and hand back the claimed tasks that have
+    not started (as a retiring worker does), so that other workers run them."""
+
     stimulus_id: str
 
 
@@ -553,11 +556,13 @@ class WorkerState:
             if known.state == "memory" and not known.dependents:
                 self._transition(known, "released", stimulus_id=sid)  # computed anew
             known = self.tasks.get(ev.key)
-        retiring = self.retiring and (known is None or known.state in ("fetch", "missing"))
-        if retiring or not self._may_hold(known, ev.resources):
-            # a claim that crossed the retirement, or one whose transfer here failed, or
-            # (never: claims count what is free) one that does not fit what is free: hand
-            # it back (what runs, is fetched or is held here already is answered as usual)
+        leaving = (self.retiring or self.paused) and (
+            known is None or known.state in ("fetch", "missing")
+        )
+        if leaving or not self._may_hold(known, ev.resources):
+            # a claim that crossed the retirement or a pause, or one whose transfer here
+            # failed, or (never: claims count what is free) one that does not fit what is
+            # free: hand it back (what runs, is fetched or is held here is answered as usual)
             score = [float(ev.priority[0])] if ev.priority else []
             self._emit(ReleasedKeys(self.address, [ev.key], score, stimulus_id=sid))
             if known is not None:
@@ -776,15 +781,20 @@ class WorkerState:
 
     def _handle_retire(self, ev: RetireEvent) -> None:
         self.retiring = True
+        self._hand_back_unstarted(ev.stimulus_id)
+
+    def _hand_back_unstarted(self, stimulus_id: str) -> None:
+        """Give the scheduler back the tasks claimed here that have not started, so that
+        other workers run them (queued again, without suspicion)."""
         handed_back, scores = [], []
         for ts in sorted(self.tasks.values(), key=lambda t: t.key):
             if ts.wanted and ts.state in ("waiting", "ready"):
                 ts.wanted = False
                 handed_back.append(ts.key)
                 scores.append(_run_score(ts))
-                self._release_if_unneeded(ts, ev.stimulus_id)
+                self._release_if_unneeded(ts, stimulus_id)
         if handed_back:
-            self._emit(ReleasedKeys(self.address, handed_back, scores, stimulus_id=ev.stimulus_id))
+            self._emit(ReleasedKeys(self.address, handed_back, scores, stimulus_id=stimulus_id))
 
     def _handle_secede(self, ev: SecedeEvent) -> None:
         ts = self.tasks.get(ev.key)
@@ -807,7 +817,10 @@ class WorkerState:
             self._emit(Rejoin(ev.key, ev.stimulus_id))
 
     def _handle_pause(self, ev: PauseEvent) -> None:
+        """Start nothing more; what was claimed and not started runs elsewhere (a worker
+        that cannot spill may stay paused for good)."""
         self.paused = True
+        self._hand_back_unstarted(ev.stimulus_id)
 
     def _handle_unpause(self, ev: UnpauseEvent) -> None:
         self.paused = False

@@ -49,6 +49,7 @@ from redisdask import comm, logs, nanny_contract, pickling, schema, task_context
 from redisdask.backoff import redis_away
 from redisdask.connection import connect, connect_async
 from redisdask.errors import ProtocolError, TaskInterrupted
+from redisdask.events import event_command
 from redisdask.heap import Heap
 from redisdask.nanny_contract import GRACEFUL_TIMEOUT
 from redisdask.placement import format_resources, parse_resources, split_resources
@@ -126,6 +127,7 @@ class Worker:
         memory_terminate: float | Literal[False] = 0.95,
         lifetime: float | None = None,
         story_maxlen: int = 500,
+        events_maxlen: int = 10_000,
         validate: bool = False,
         preload: str | Sequence[str] | None = None,
         resources: dict[str, float] | str | None = None,
@@ -161,6 +163,8 @@ class Worker:
         self.memory_terminate = memory_terminate
         self.lifetime = lifetime
         self.story_maxlen = story_maxlen
+        self.events_maxlen = events_maxlen
+        self._events: list[list[Any]] = []  # cluster events for the next heartbeat to write
         self._story_sent = 0  # state.story_total when the story was last shipped to Redis
         self._notes: list[list[Any]] = []  # the driver's own story lines: pauses, spills
         self.address = ""
@@ -234,8 +238,16 @@ class Worker:
             on_unpause=self._on_unpause,
             note=self._note,
             in_memory_bytes=self._bytes_in_memory,
+            on_spill_failed=self._on_spill_failed,
         )
         self.data = self.memory.data
+        if self._address_file and self.memory.spill_directory is not None:
+            # for its nanny, which removes it if this process dies
+            where = nanny_contract.spill_directory_file(self._address_file)
+            try:
+                where.write_text(str(self.memory.spill_directory))
+            except OSError as exc:
+                logger.warning("could not tell the nanny where this worker spills: %s", exc)
         self.state = ws.WorkerState(
             address=self.address,
             nthreads=self.nthreads,
@@ -799,6 +811,9 @@ class Worker:
             # which kept a free-keys of 10,000 keys in Redis until the next message)
             ms, seq = _parse_id(self._inbox_id)
             pipe.xtrim(self.keys.worker_inbox(self.address), minid=f"{ms}-{seq + 1}")
+            events, self._events = self._events, []
+            for event in events:
+                pipe.execute_command(*event)
             for chunk in self._new_story():
                 pipe.xadd(
                     self.keys.worker_story(self.address),
@@ -806,7 +821,11 @@ class Worker:
                     maxlen=self.story_maxlen,
                     approximate=False,
                 )
-            await pipe.execute()
+            try:
+                await pipe.execute()
+            except BaseException:
+                self._events[:0] = events  # not written: the next heartbeat tries again
+                raise
             await self._report_holding()
             await asyncio.sleep(self.heartbeat_interval)  # a heartbeat is a timer by nature
 
@@ -860,6 +879,15 @@ class Worker:
     def _on_unpause(self, detail: str) -> None:
         self._note("unpause", detail)
         self.handle(ws.UnpauseEvent(f"unpause-{time.time()}"))
+
+    def _on_spill_failed(self, news: dict[str, Any]) -> None:
+        """Spills fail: the next heartbeat writes a ``spill-failed`` cluster event, which
+        clients log as a warning (``redisdask.events``)."""
+        fields = {"worker": self.address, "name": self.name, **news}
+        event = event_command(
+            self.keys.events, self.events_maxlen, "spill-failed", time.time(), **fields
+        )
+        self._events.append(event)
 
     def _bytes_in_memory(self) -> int:
         """The managed size without a spill buffer: the sizeof of every result held."""
@@ -1036,6 +1064,7 @@ def options_from_config(config: Any) -> dict[str, Any]:
     return {
         "heartbeat_interval": config.worker.heartbeat_interval,
         "story_maxlen": config.retention.worker_story,
+        "events_maxlen": config.retention.events,
         "worker_ttl": config.scheduler.worker_ttl,
         "claim_horizon": config.worker.claim_horizon,
         "connection_limit": config.worker.connection_limit,
