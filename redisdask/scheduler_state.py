@@ -113,6 +113,7 @@ from redisdask.scheduler_tasks import (
     TaskState,
     WorkerInfo,
     priority_score,
+    worker_stream_position,
 )
 from redisdask.state_machine import InvalidTransition
 
@@ -126,6 +127,15 @@ def _stale(score: float, ts: TaskState) -> bool:
     """A report for another run of the key than the current one (scores are unique per
     submission: the run's position in submission order)."""
     return score == score and score != ts.score  # NaN (no score given) is never stale
+
+
+def _before_claim(ts: TaskState, stimulus_id: str) -> bool:
+    """A worker's word (a holding report, a resync) written on the workers stream before
+    the entry of the claim of ``ts``: it cannot know of the claim, so it is no evidence
+    that the claim was lost.  Read in stream order this never happens; it does behind a
+    reload, whose state has the claims made while no scheduler read the stream."""
+    written = worker_stream_position(stimulus_id)
+    return written is not None and ts.claimed_at is not None and written < ts.claimed_at
 
 
 def _pack_deaths(ts: TaskState) -> bytes:
@@ -635,8 +645,8 @@ class SchedulerState(DataMoves):
             if ts.key in held:  # it finished; the report was lost
                 ts.nbytes = held[ts.key]
                 self._transition(ts, "memory", worker=ws, stimulus_id=stimulus_id)
-            elif ts.key not in running:  # it does not know the task: queue it again
-                self._queue_again(ws, ts, stimulus_id=stimulus_id)
+            elif ts.key not in running and not _before_claim(ts, stimulus_id):
+                self._queue_again(ws, ts, stimulus_id=stimulus_id)  # it does not know it
         stray = []
         for key in held:
             ts = self.tasks.get(key)
@@ -664,6 +674,8 @@ class SchedulerState(DataMoves):
         for ts in ws.processing:
             if ts.key in listed:
                 ts.unlisted = 0
+            elif _before_claim(ts, ev.stimulus_id):
+                continue  # read behind a reload that has the claim: it cannot list it
             elif ts.claimed_before < read_before:  # claimed before the worker's previous
                 ts.unlisted += 1  # report, so this one would list it if it had it
                 if ts.unlisted >= 2:
@@ -1137,6 +1149,7 @@ class SchedulerState(DataMoves):
         self._set_state(ts, "processing", stimulus_id=stimulus_id)
         ts.queued_on = ()  # the claim took it out of every ready set
         ts.claimed_before, ts.unlisted = worker.holding_reports, 0
+        ts.claimed_at = worker_stream_position(stimulus_id)
         ts.processing_on = worker.address
         worker.processing.add(ts)  # the claim script wrote it, unless written over since
         self._emit(ClaimAccepted(stimulus_id, ts.key, worker.address, rewrite=ts.dequeued))
