@@ -491,9 +491,10 @@ return token
 # ``placement.format_resources``).  The claim is recorded in Redis (task state,
 # processing set, and ``claim``: the id of the entry that announces it) and announced to
 # the scheduler in the same atomic step, so a claimed task is never invisible, and a
-# scheduler that reloads before reading that entry knows which reports came before it.  A task with resources is taken only if what it needs
-# (its hash's ``resources``) fits in what is still free, which the claim then counts
-# down: a worker never claims more than it can run.  One that does not fit stays in the
+# scheduler that reloads before reading that entry knows which reports came before it.
+# A task with resources is taken only if what it needs (its hash's ``resources``) fits
+# in what is still free, which the claim then counts down: a worker never claims more
+# than it can run.  One that does not fit stays in the
 # set; after 64 of them the scan stops (bounded work), and ``blocked`` says the
 # worker should claim again once resources are freed.  Otherwise fewer than n claimed
 # means the sets are empty.  A task queued on several workers is taken out of the other
