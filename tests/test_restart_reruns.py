@@ -45,7 +45,7 @@ def test_a_scheduler_killed_twice_redoes_no_finished_task(redis_url: str, cluste
         ) as cluster,
         Client(cluster) as client,
     ):
-        n = 3_000
+        n = 2_000
         futures = client.map(record, range(n), url=redis_url, runs=runs)
         for ran in (n // 4, n // 2):
             poll(lambda k=ran: r.llen(runs) >= k, timeout=60)
