@@ -53,7 +53,7 @@ from redisdask.scheduler_instructions import (
 )
 from redisdask.scheduler_moves import RebalanceConfig, RebalanceRecord
 from redisdask.scheduler_state import HOLDS_DEPENDENCIES, SchedulerState
-from redisdask.scheduler_tasks import RejectedGraph, TaskState
+from redisdask.scheduler_tasks import RejectedGraph, TaskState, stream_position
 from redisdask.schema import Keys
 from redisdask.task_record import TaskRecord, evidence
 
@@ -230,7 +230,9 @@ class Translator:
 
     def _claim_accepted(self, ins: ClaimAccepted, b: _Batch) -> None:
         if ins.rewrite:  # written over since the claim script wrote it (see ClaimAccepted)
-            b.fields(ins.key).update(state="processing", worker=ins.worker)
+            # (and ``claim``: the entry of this claim, which a later one may have written over)
+            entry = ins.stimulus_id.partition(":")[2].partition("/")[0]
+            b.fields(ins.key).update(state="processing", worker=ins.worker, claim=entry)
 
     def _client_msg(self, ins: ClientMsg, b: _Batch) -> None:
         if not schema.is_holder(ins.client):  # a holder is no process: nobody would read it
@@ -720,4 +722,5 @@ def _task_state(key: str, rec: TaskRecord, state: SchedulerState) -> TaskState:
     ts.exception_text, ts.traceback_text = rec.exception_text, rec.traceback_text
     if ts.state == "processing":
         ts.processing_on = rec.worker
+        ts.claimed_at = stream_position(rec.claim)  # (None: a record older than the field)
     return ts

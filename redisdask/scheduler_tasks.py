@@ -16,6 +16,27 @@ from redisdask.protocol import Event
 
 PRIORITY_SCALE = 2**40  # submission sequence numbers stay below this
 
+StreamPosition = tuple[int, int]  # a workers stream entry id, ``<ms>-<seq>``, as numbers
+
+
+def stream_position(entry_id: str) -> StreamPosition | None:
+    """The entry id ``"1700000000000-3"`` as ``(1700000000000, 3)``, to be compared with
+    another of the same stream; None for anything else."""
+    ms, sep, seq = entry_id.partition("-")
+    if not (sep and ms.isdigit() and seq.isdigit()):
+        return None
+    return int(ms), int(seq)
+
+
+def worker_stream_position(stimulus_id: str) -> StreamPosition | None:
+    """Where on the workers stream the message a stimulus id names was written
+    (``workers:<entry id>/<i>``, see ``scheduler_redis.decode_entry``); None for a
+    stimulus of any other origin (the clients stream, a load, the driver's own)."""
+    stream, sep, rest = stimulus_id.partition(":")
+    if stream != "workers" or not sep:
+        return None
+    return stream_position(rest.partition("/")[0])
+
 
 _HEX8 = re.compile(r"^[0-9a-f]{8}$")
 
@@ -93,6 +114,9 @@ class TaskState:
     inline: bool = False  # memory: the result is in its record too (outlives every worker)
     processing_on: str | None = None
     claimed_before: int = 0  # processing: its worker's holding reports read before the claim
+    # processing: where its claim's entry is on the workers stream (the record's ``claim``):
+    # a worker's word written before it cannot know of the claim
+    claimed_at: StreamPosition | None = None
     unlisted: int = 0  # processing: holding reports in a row since then that lacked it
     nbytes: int = 0
     type: str = ""

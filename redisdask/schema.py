@@ -489,10 +489,12 @@ return token
 # ARGV: worker address, n, task key prefix, cluster key prefix, the last inbox id the
 # worker read, the resources the worker has free ("GPU=1 MEM=5e9"; the stored form of
 # ``placement.format_resources``).  The claim is recorded in Redis (task state,
-# processing set) and announced to the scheduler in the same atomic step, so a claimed
-# task is never invisible.  A task with resources is taken only if what it needs
-# (its hash's ``resources``) fits in what is still free, which the claim then counts
-# down: a worker never claims more than it can run.  One that does not fit stays in the
+# processing set, and ``claim``: the id of the entry that announces it) and announced to
+# the scheduler in the same atomic step, so a claimed task is never invisible, and a
+# scheduler that reloads before reading that entry knows which reports came before it.
+# A task with resources is taken only if what it needs (its hash's ``resources``) fits
+# in what is still free, which the claim then counts down: a worker never claims more
+# than it can run.  One that does not fit stays in the
 # set; after 64 of them the scan stops (bounded work), and ``blocked`` says the
 # worker should claim again once resources are freed.  Otherwise fewer than n claimed
 # means the sets are empty.  A task queued on several workers is taken out of the other
@@ -604,8 +606,9 @@ claim_from(KEYS[6])
 claim_constrained(KEYS[8])
 claim_from(KEYS[1])
 if #claimed > 0 then
-  redis.call('XADD', KEYS[4], '*', 'm',
+  local id = redis.call('XADD', KEYS[4], '*', 'm',
     cmsgpack.pack({{op = 'claimed', worker = ARGV[1], keys = claimed, scores = scores}}))
+  for _, key in ipairs(claimed) do redis.call('HSET', ARGV[3] .. key, 'claim', id) end
 end
 return {out, last_id, redis.call('XRANGE', KEYS[7], '(' .. ARGV[5], '+'), blocked}
 """

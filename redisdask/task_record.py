@@ -123,6 +123,7 @@ _ENCODERS: dict[str, Callable[[Any], Any]] = {
     "deps": _packed,
     "score": _same,
     "worker": _same,
+    "claim": _same,
     "who_has": join_words,
     "nbytes": _same,
     "type": _same,
@@ -158,6 +159,7 @@ class TaskRecord:
     deps: list[str] = field(default_factory=list)
     score: float = 0.0
     worker: str = ""  # the worker holding the current claim (processing only)
+    claim: str = ""  # the workers stream entry id that announced that claim (CLAIM writes it)
     who_has: list[str] = field(default_factory=list)
     nbytes: int = 0
     type: str = ""
@@ -291,6 +293,7 @@ _DECODERS: dict[bytes, tuple[str, Callable[[bytes], Any]]] = {
         "deps": _strs,
         "score": _float,
         "worker": _text,
+        "claim": _text,
         "who_has": split_words,
         "nbytes": _int,
         "type": _text,

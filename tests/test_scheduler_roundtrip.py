@@ -98,6 +98,7 @@ def carried(state: SchedulerState) -> dict[str, Any]:
             "who_wants": sorted(ts.who_wants),
             "who_has": sorted(ts.who_has),
             "processing_on": ts.processing_on if ts.state == "processing" else None,
+            "claimed_at": ts.claimed_at if ts.state == "processing" else None,
             "nbytes": ts.nbytes,
             "type": ts.type,
             "retries": ts.retries,

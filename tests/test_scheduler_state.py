@@ -686,6 +686,46 @@ def test_holding_reports_count_from_the_load_for_tasks_loaded_as_processing():
     assert s.tasks["y"].state == "processing"
 
 
+def reloaded_with_x_claimed_at(entry: str) -> SchedulerState:
+    """A scheduler that reloaded with ``x`` processing on W1, claimed by the entry
+    ``entry`` of the workers stream (which it has not read yet)."""
+    s = make(W1, W2)
+    submit(s, "c", [task("x")], ["x"])
+    s.handle_stimulus(TaskClaimed(worker=W1, keys=["x"], stimulus_id=f"workers:{entry}/0"))
+    s.tasks["x"].claimed_before = 0  # as load_state leaves them
+    s.workers[W1].holding_reports = 0
+    return s
+
+
+def test_holding_reports_written_before_a_reloaded_claim_do_not_count_against_it():
+    """Issue 22: the reloaded state is ahead of the backlog by the claims made while no
+    scheduler ran.  The worker's reports written before such a claim's entry cannot list
+    it; read from the backlog, three of them queued it again, and it ran twice."""
+    s = reloaded_with_x_claimed_at("1000-0")
+    for entry in ("990-0", "995-0", "998-0"):  # the backlog: reports, then the claim
+        out = s.handle_stimulus(Holding(worker=W1, keys=[], stimulus_id=f"workers:{entry}/0"))
+        assert not of(out, Enqueue) and not of(out, LogEvent)
+    assert s.tasks["x"].state == "processing"
+    s.handle_stimulus(TaskClaimed(worker=W1, keys=["x"], stimulus_id="workers:1000-0/0"))
+    for entry in ("1001-0", "1002-0"):  # listed: the worker has it
+        s.handle_stimulus(Holding(worker=W1, keys=["x"], stimulus_id=f"workers:{entry}/0"))
+    assert s.tasks["x"].state == "processing"
+    for entry in ("1003-0", "1004-0"):  # a claim it never got is still found
+        out = s.handle_stimulus(Holding(worker=W1, keys=[], stimulus_id=f"workers:{entry}/0"))
+    assert s.tasks["x"].state == "queued" and [e.key for e in of(out, Enqueue)] == ["x"]
+
+
+def test_a_resync_written_before_a_reloaded_claim_does_not_take_it_back():
+    """A worker's resync (written when it re-registered) cannot list what it claimed
+    after; read behind a reload that has the claim, it must not queue the task again."""
+    s = reloaded_with_x_claimed_at("1000-0")
+    report = {"keys": {}, "processing": []}
+    out = s.handle_stimulus(AddWorker(worker=W1, resync=report, stimulus_id="workers:999-0/0"))
+    assert s.tasks["x"].state == "processing" and not of(out, Enqueue)
+    out = s.handle_stimulus(AddWorker(worker=W1, resync=report, stimulus_id="workers:1001-0/0"))
+    assert s.tasks["x"].state == "queued"  # a later one that lacks it: taken back
+
+
 def test_a_resync_after_redis_lost_writes_trusts_the_worker_about_itself():
     """A worker back after Redis restarted reports what it holds and runs; where Redis
     (and so the reloaded scheduler) says otherwise, the worker's word wins."""

@@ -330,18 +330,22 @@ class Worker:
         pipe.set(self.keys.worker_alive(self.address), 1, px=int(self.worker_ttl * 1000))
         pipe.hset(self.keys.heartbeats, self.address, schema.pack(self._metrics()))
         message = AddWorker(self.address, info=info)
-        if resync:  # what Redis may have forgotten: the scheduler reconciles with it
-            tasks = self.state.tasks.values()
-            message.resync = {
-                "keys": {ts.key: ts.nbytes or 0 for ts in tasks if ts.state == "memory"},
-                "processing": [
-                    ts.key
-                    for ts in tasks
-                    if ts.wanted and ts.state not in ("memory", "released", "error")
-                ],
-            }
-        pipe.xadd(self.keys.worker_stream, schema.entry([message.to_dict()]))
-        await pipe.execute()
+        # made and landed under the claim lock, like a holding report: a claim lands
+        # either before the message and is in its resync, or after it (a claim that the
+        # claim loop ran meanwhile was missing from it, and the scheduler took it back)
+        async with self._claim_lock:
+            if resync:  # what Redis may have forgotten: the scheduler reconciles with it
+                tasks = self.state.tasks.values()
+                message.resync = {
+                    "keys": {ts.key: ts.nbytes or 0 for ts in tasks if ts.state == "memory"},
+                    "processing": [
+                        ts.key
+                        for ts in tasks
+                        if ts.wanted and ts.state not in ("memory", "released", "error")
+                    ],
+                }
+            pipe.xadd(self.keys.worker_stream, schema.entry([message.to_dict()]))
+            await pipe.execute()
 
     async def _keep_running(self, loop: Any) -> None:
         """Run one of the worker's loops; when Redis goes away, wait for it to come back
