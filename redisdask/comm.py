@@ -375,8 +375,12 @@ class BufferCache:
 
     def allocate(self, size: int) -> memoryview:
         capacity = self.size_class(size)
-        area = self._take(capacity) or mmap.mmap(-1, capacity)
-        exporter = (ctypes.c_char * capacity).from_buffer(area)
+        return self.export(self._take(capacity) or mmap.mmap(-1, capacity), size)
+
+    def export(self, area: mmap.mmap, size: int) -> memoryview:
+        """The first ``size`` bytes of ``area`` (its length a size class), which returns
+        to the cache once nothing refers to them."""
+        exporter = (ctypes.c_char * len(area)).from_buffer(area)
         weakref.finalize(exporter, self._release, area)
         return memoryview(exporter).cast("B")[:size]
 
@@ -412,6 +416,42 @@ def _allocate(size: int) -> memoryview:
     return memoryview(bytearray(size))
 
 
+# a frame is given at most this much memory before its bytes arrive (then twice what
+# has arrived): a header announcing 10 GB that sends nothing costs no 10 GB
+FRAME_RESERVE = 64 << 20
+
+
+class _GrowingFrame:
+    """The buffer of a frame bigger than ``FRAME_RESERVE``: ``FRAME_RESERVE`` at first,
+    doubled each time it fills (``mremap``: the pages move, no byte is copied), up to
+    the frame's size class.  An idle cached buffer of the full size is used at once."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.capacity = BufferCache.size_class(size)
+        self.area = BUFFER_CACHE._take(self.capacity) or mmap.mmap(-1, FRAME_RESERVE)
+
+    def view(self) -> memoryview:
+        return memoryview(self.area)[: min(len(self.area), self.size)]
+
+    def grow(self, view: memoryview) -> memoryview:
+        """``view`` is full: a view of the grown buffer (its start holds the same bytes)."""
+        length = len(self.area)
+        new = self.capacity if 2 * length >= self.size else 2 * length
+        view.release()
+        try:
+            self.area.resize(new)
+        except BufferError:  # a slice of it is still alive somewhere: copy instead
+            bigger = mmap.mmap(-1, new)
+            bigger[:length] = self.area
+            self.area = bigger
+        return self.view()
+
+    def finish(self, view: memoryview) -> memoryview:
+        view.release()
+        return BUFFER_CACHE.export(self.area, self.size)
+
+
 _PREFIX, _LENGTHS, _FRAME = "prefix", "lengths", "frame"
 
 
@@ -436,6 +476,7 @@ class MessageReader:
         self._pos = 0
         self._lengths: list[int] = []
         self._frames: list[memoryview] = []
+        self._growing: _GrowingFrame | None = None
 
     @property
     def in_message(self) -> bool:
@@ -473,7 +514,11 @@ class MessageReader:
     def _advance(self, n: int) -> None:
         self._pos += n
         while self._pos == self._target.nbytes:
-            self._complete_stage()
+            growing = self._growing
+            if growing is not None and self._pos < growing.size:
+                self._target = growing.grow(self._target)
+            else:
+                self._complete_stage()
 
     def _complete_stage(self) -> None:
         if self._stage == _PREFIX:
@@ -487,6 +532,8 @@ class MessageReader:
             self._stage = _FRAME
             self._begin_frame()
         else:
+            if self._growing is not None:
+                self._target, self._growing = self._growing.finish(self._target), None
             self._frames.append(self._target)
             if len(self._frames) == len(self._lengths):
                 header = decode_header(self._frames[0])
@@ -502,7 +549,12 @@ class MessageReader:
             raise ProtocolError(f"message of {sum(lengths)} bytes exceeds the limit")
 
     def _begin_frame(self) -> None:
-        self._target, self._pos = _allocate(self._lengths[len(self._frames)]), 0
+        size, self._pos = self._lengths[len(self._frames)], 0
+        if size <= FRAME_RESERVE:
+            self._target = _allocate(size)
+        else:
+            self._growing = _GrowingFrame(size)
+            self._target = self._growing.view()
 
 
 # ------------------------------------------------------------------------ handshake
