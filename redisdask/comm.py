@@ -421,6 +421,12 @@ def _allocate(size: int) -> memoryview:
 FRAME_RESERVE = 64 << 20
 
 
+def _growable(size: int) -> mmap.mmap:
+    # private: a shared anonymous mapping is a shmem file of fixed size, and the pages
+    # that mremap adds beyond it raise SIGBUS when touched
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+
+
 class _GrowingFrame:
     """The buffer of a frame bigger than ``FRAME_RESERVE``: ``FRAME_RESERVE`` at first,
     doubled each time it fills (``mremap``: the pages move, no byte is copied), up to
@@ -429,7 +435,7 @@ class _GrowingFrame:
     def __init__(self, size: int) -> None:
         self.size = size
         self.capacity = BufferCache.size_class(size)
-        self.area = BUFFER_CACHE._take(self.capacity) or mmap.mmap(-1, FRAME_RESERVE)
+        self.area = BUFFER_CACHE._take(self.capacity) or _growable(FRAME_RESERVE)
 
     def view(self) -> memoryview:
         return memoryview(self.area)[: min(len(self.area), self.size)]
@@ -442,7 +448,7 @@ class _GrowingFrame:
         try:
             self.area.resize(new)
         except BufferError:  # a slice of it is still alive somewhere: copy instead
-            bigger = mmap.mmap(-1, new)
+            bigger = _growable(new)
             bigger[:length] = self.area
             self.area = bigger
         return self.view()
@@ -793,6 +799,12 @@ class _Watchdog:
     def progress(self) -> None:
         self.last = self._loop.time()
 
+    def shorten(self, timeout: float) -> None:
+        """From now on allow ``timeout`` (less than before) after the last progress."""
+        self.timeout = timeout
+        self._handle.cancel()
+        self._handle = self._loop.call_at(self.last + timeout, self._check)
+
     def _check(self) -> None:
         due = self.last + self.timeout
         if self._loop.time() < due:
@@ -885,7 +897,8 @@ class AsyncConnection:
                 reader.received(n)
                 if watch is not None:
                     watch.progress()
-                    watch.timeout = self.dead_after or watch.timeout
+                    if self.dead_after is not None and watch.timeout > self.dead_after:
+                        watch.shorten(self.dead_after)  # a message began: the peer is busy
         except asyncio.CancelledError:
             self._timed_out(watch, "receiving" if reader.in_message else "waiting for")
             raise
