@@ -13,6 +13,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -247,9 +248,12 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-def holder_of(client: Client, key: str) -> tuple[str, int]:
+def holder_of(client: Client, key: str) -> tuple[str, int, str]:
+    """The address and pid of the one worker holding ``key``, and the other worker."""
     [address] = client.who_has()[key]
-    return address, client.scheduler_info()["workers"][address]["pid"]
+    workers = client.scheduler_info()["workers"]
+    [other] = [w for w in workers if w != address]
+    return address, workers[address]["pid"], other
 
 
 @pytest.fixture
@@ -265,30 +269,41 @@ def test_a_dependent_of_a_stopped_holder_finishes_through_a_recompute(
     cluster_name: str,
     monkeypatch: pytest.MonkeyPatch,
     stopped_holder_env: None,
-    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
 ) -> None:
     # the holder keeps its registration (as when only the link between two workers is
     # cut): nothing but the peer deadline can free the dependent
     monkeypatch.setenv("REDISDASK__SCHEDULER__WORKER_TTL", "120")
     with (
         LocalCluster(
-            nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name
+            nanny=False,
+            n_workers=2,
+            redis_url=redis_url,
+            cluster_name=cluster_name,
+            log_directory=tmp_path,
         ) as cluster,
         Client(cluster) as client,
     ):
         x = client.submit(inc, 41)
         assert x.result(timeout=20) == 42
-        holder, pid = holder_of(client, x.key)
+        holder, pid, other = holder_of(client, x.key)
+        # the other worker fetches from the holder once: a pooled connection, on which the
+        # next request waits (a new one would time out in its handshake, comm's 5 s)
+        w = client.submit(inc, 1, workers=[holder])
+        assert client.submit(add, w, 0, workers=[other]).result(timeout=20) == 2
         os.kill(pid, signal.SIGSTOP)
         try:
             start = time.monotonic()
             y = client.submit(add, x, 1)
             assert y.result(timeout=60) == 43
             took = time.monotonic() - start
-            assert client.who_has()[y.key] != [holder]
+            assert client.who_has()[y.key] == [other]
             assert took < DEAD_AFTER + 15, took
         finally:
             os.kill(pid, signal.SIGCONT)
+    logs = "".join(p.read_text() for p in tmp_path.glob("*.log"))
+    assert f"could not fetch 1 keys ['{x.key}'] from {holder}" in logs
+    assert "moved no byte for 1 s" in logs
 
 
 @pytest.mark.timeout(90)
@@ -303,7 +318,9 @@ def test_the_client_does_not_wait_for_ever_on_a_stopped_holder(
     ):
         x = client.submit(inc, 41)
         wait([x], timeout=20)  # (not result(): that would fetch and keep the value)
-        _holder, pid = holder_of(client, x.key)
+        holder, pid, _other = holder_of(client, x.key)
+        # a first fetch from the holder leaves the client a pooled connection to it
+        assert client.submit(inc, 1, workers=[holder]).result(timeout=20) == 2
         os.kill(pid, signal.SIGSTOP)
         try:
             # the stopped worker's heartbeat lapses: the scheduler recomputes x elsewhere,
