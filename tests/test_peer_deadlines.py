@@ -120,6 +120,31 @@ def test_a_request_to_a_silent_peer_fails_after_the_deadline(server: Server) -> 
     asyncio.run(main())
 
 
+def dead_after_of(sock: socket.socket) -> tuple[int, int]:
+    """(SO_KEEPALIVE, TCP_USER_TIMEOUT in ms) of a socket."""
+    keepalive = sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+    return keepalive, sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="Linux only")
+def test_every_peer_socket_has_keepalive_and_a_user_timeout(server: Server) -> None:
+    async def main() -> None:
+        pool = ConnectionPool(SECRET, dead_after=12)
+        await pool.rpc(server.address, {"op": "echo"})
+        [conn] = pool._idle[server.address]
+        assert dead_after_of(conn._sock.sock) == (1, 12_000)
+        poll(lambda: len(server.srv._waiting) == 1)  # (the server's side, in its thread)
+        [served] = server.srv._waiting.values()
+        assert dead_after_of(served._sock.sock) == (1, int(DEAD_AFTER * 1000))
+        await pool.close()
+
+    asyncio.run(main())
+    blocking = BlockingConnection(server.address, SECRET)
+    assert dead_after_of(blocking._sock) == (1, int(comm.DEFAULT_DEAD_AFTER * 1000))
+    blocking.close()
+
+
 @pytest.mark.timeout(60)
 def test_a_slow_steady_transfer_is_not_cut_but_a_stall_mid_message_is(
     server: Server, caplog: pytest.LogCaptureFixture
