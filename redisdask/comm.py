@@ -29,6 +29,12 @@ The server verifies with :func:`hmac.compare_digest` and closes the connection o
 mismatch, malformed bytes or timeout (logged at WARNING with the peer address; never
 the secret).  Only fixed-size raw byte strings are read before authentication: nothing
 unauthenticated is ever msgpack-decoded, let alone unpickled.
+
+Deadlines (``comm.timeouts.*``): a peer that moves no byte for ``dead_after`` seconds
+while a reply is awaited, or mid-message either way, is dead (:class:`PeerTimeoutError`);
+every peer socket has TCP keepalive and ``TCP_USER_TIMEOUT`` of that length.  A
+:class:`DataServer` closes connections idle for ``idle_timeout`` and holds at most
+``max_connections``.  A frame bigger than ``FRAME_RESERVE`` is reserved as it arrives.
 """
 
 from __future__ import annotations
