@@ -268,7 +268,10 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         for what in self._missing_since:
             logger.warning("%s", self._missing_text(what, waited=None))
         self._peers = comm.ConnectionPool(
-            self.secret, timeout=self.timeout, tls=self.security.client_context()
+            self.secret,
+            timeout=self.timeout,
+            tls=self.security.client_context(),
+            dead_after=self.config.comm.timeouts.tcp,
         )
         self._outbox_ready = asyncio.Event()
         self._tasks = [

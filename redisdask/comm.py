@@ -29,6 +29,12 @@ The server verifies with :func:`hmac.compare_digest` and closes the connection o
 mismatch, malformed bytes or timeout (logged at WARNING with the peer address; never
 the secret).  Only fixed-size raw byte strings are read before authentication: nothing
 unauthenticated is ever msgpack-decoded, let alone unpickled.
+
+Deadlines (``comm.timeouts.*``): a peer that moves no byte for ``dead_after`` seconds
+while a reply is awaited, or mid-message either way, is dead (:class:`PeerTimeoutError`);
+every peer socket has TCP keepalive and ``TCP_USER_TIMEOUT`` of that length.  A
+:class:`DataServer` closes connections idle for ``idle_timeout`` and holds at most
+``max_connections``.  A frame bigger than ``FRAME_RESERVE`` is reserved as it arrives.
 """
 
 from __future__ import annotations
@@ -72,6 +78,10 @@ SERVER_HELLO_SIZE = len(MAGIC) + NONCE_SIZE
 CLIENT_ANSWER_SIZE = len(MAGIC) + NONCE_SIZE + MAC_SIZE
 SERVER_PROOF_SIZE = MAC_SIZE
 DEFAULT_TIMEOUT = 5.0
+# a peer that moves no byte for this long while we wait on it is dead (comm.timeouts.tcp)
+DEFAULT_DEAD_AFTER = 30.0
+DEFAULT_IDLE_TIMEOUT = 300.0  # a data server closes connections idle this long
+DEFAULT_MAX_CONNECTIONS = 1000  # authenticated connections one data server holds open
 
 COALESCE_LIMIT = 64 * 1024  # smaller buffers are joined into one send
 DIRECT_READ_THRESHOLD = 64 * 1024  # larger frame remainders are recv'd in place
@@ -371,8 +381,12 @@ class BufferCache:
 
     def allocate(self, size: int) -> memoryview:
         capacity = self.size_class(size)
-        area = self._take(capacity) or mmap.mmap(-1, capacity)
-        exporter = (ctypes.c_char * capacity).from_buffer(area)
+        return self.export(self._take(capacity) or mmap.mmap(-1, capacity), size)
+
+    def export(self, area: mmap.mmap, size: int) -> memoryview:
+        """The first ``size`` bytes of ``area`` (its length a size class), which returns
+        to the cache once nothing refers to them."""
+        exporter = (ctypes.c_char * len(area)).from_buffer(area)
         weakref.finalize(exporter, self._release, area)
         return memoryview(exporter).cast("B")[:size]
 
@@ -408,6 +422,48 @@ def _allocate(size: int) -> memoryview:
     return memoryview(bytearray(size))
 
 
+# a frame is given at most this much memory before its bytes arrive (then twice what
+# has arrived): a header announcing 10 GB that sends nothing costs no 10 GB
+FRAME_RESERVE = 64 << 20
+
+
+def _growable(size: int) -> mmap.mmap:
+    # private: a shared anonymous mapping is a shmem file of fixed size, and the pages
+    # that mremap adds beyond it raise SIGBUS when touched
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+
+
+class _GrowingFrame:
+    """The buffer of a frame bigger than ``FRAME_RESERVE``: ``FRAME_RESERVE`` at first,
+    doubled each time it fills (``mremap``: the pages move, no byte is copied), up to
+    the frame's size class.  An idle cached buffer of the full size is used at once."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.capacity = BufferCache.size_class(size)
+        self.area = BUFFER_CACHE._take(self.capacity) or _growable(FRAME_RESERVE)
+
+    def view(self) -> memoryview:
+        return memoryview(self.area)[: min(len(self.area), self.size)]
+
+    def grow(self, view: memoryview) -> memoryview:
+        """``view`` is full: a view of the grown buffer (its start holds the same bytes)."""
+        length = len(self.area)
+        new = self.capacity if 2 * length >= self.size else 2 * length
+        view.release()
+        try:
+            self.area.resize(new)
+        except BufferError:  # a slice of it is still alive somewhere: copy instead
+            bigger = _growable(new)
+            bigger[:length] = self.area
+            self.area = bigger
+        return self.view()
+
+    def finish(self, view: memoryview) -> memoryview:
+        view.release()
+        return BUFFER_CACHE.export(self.area, self.size)
+
+
 _PREFIX, _LENGTHS, _FRAME = "prefix", "lengths", "frame"
 
 
@@ -432,6 +488,7 @@ class MessageReader:
         self._pos = 0
         self._lengths: list[int] = []
         self._frames: list[memoryview] = []
+        self._growing: _GrowingFrame | None = None
 
     @property
     def in_message(self) -> bool:
@@ -469,7 +526,11 @@ class MessageReader:
     def _advance(self, n: int) -> None:
         self._pos += n
         while self._pos == self._target.nbytes:
-            self._complete_stage()
+            growing = self._growing
+            if growing is not None and self._pos < growing.size:
+                self._target = growing.grow(self._target)
+            else:
+                self._complete_stage()
 
     def _complete_stage(self) -> None:
         if self._stage == _PREFIX:
@@ -483,6 +544,8 @@ class MessageReader:
             self._stage = _FRAME
             self._begin_frame()
         else:
+            if self._growing is not None:
+                self._target, self._growing = self._growing.finish(self._target), None
             self._frames.append(self._target)
             if len(self._frames) == len(self._lengths):
                 header = decode_header(self._frames[0])
@@ -498,7 +561,12 @@ class MessageReader:
             raise ProtocolError(f"message of {sum(lengths)} bytes exceeds the limit")
 
     def _begin_frame(self) -> None:
-        self._target, self._pos = _allocate(self._lengths[len(self._frames)]), 0
+        size, self._pos = self._lengths[len(self._frames)], 0
+        if size <= FRAME_RESERVE:
+            self._target = _allocate(size)
+        else:
+            self._growing = _GrowingFrame(size)
+            self._target = self._growing.view()
 
 
 # ------------------------------------------------------------------------ handshake
@@ -549,9 +617,26 @@ def check_server_proof(
 # --------------------------------------------------------------------- asyncio I/O
 
 
-def _tune(sock: socket.socket) -> None:
+KEEPALIVE_PROBES = 10
+
+
+def _tune(sock: socket.socket, dead_after: float | None = DEFAULT_DEAD_AFTER) -> None:
+    """No Nagle delay; and with ``dead_after`` (seconds, ``comm.timeouts.tcp``) the kernel
+    gives up on a peer that stops acknowledging: keepalive probes on an idle connection
+    and ``TCP_USER_TIMEOUT`` on unacknowledged data (Linux), as distributed does."""
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if dead_after is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        seconds = max(int(dead_after), KEEPALIVE_PROBES + 1)
+        interval = max(1, seconds // (2 * KEEPALIVE_PROBES))
+        idle = max(1, seconds - interval * KEEPALIVE_PROBES)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(dead_after * 1000))
 
 
 class _PlainSocket:
@@ -689,32 +774,159 @@ async def _recv_exactly(sock: PeerSocket, n: int) -> bytes:
     return bytes(buf)
 
 
-class AsyncConnection:
-    """An authenticated connection (plain TCP or TLS) speaking the message protocol."""
+class PeerTimeoutError(CommClosedError):
+    """The peer moved no byte for longer than allowed (``comm.timeouts.tcp``): stopped,
+    hung, or cut off; ``idle`` when no message had begun.  The connection is closed (a
+    message may be half sent)."""
 
-    def __init__(self, sock: PeerSocket, peer: str, limits: Limits = DEFAULT_LIMITS):
+    def __init__(self, message: str, idle: bool = False) -> None:
+        super().__init__(message)
+        self.idle = idle
+
+
+SEND_CHUNK = 4 << 20  # a big buffer is sent this much at a time: progress between chunks
+
+
+class _Watchdog:
+    """Cancels the task awaiting a peer once no byte has moved for ``timeout`` seconds.
+
+    A deadline on progress, not on the whole exchange: a transfer of gigabytes that keeps
+    moving is never cut.  One timer per ``timeout`` (rescheduled lazily from the time of
+    the last progress), not one per ``recv``: the hot loop only stores a float."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self.last = self._loop.time()
+        self.fired = False
+        self._handle = self._loop.call_at(self.last + timeout, self._check)
+
+    def progress(self) -> None:
+        self.last = self._loop.time()
+
+    def shorten(self, timeout: float) -> None:
+        """From now on allow ``timeout`` (less than before) after the last progress."""
+        self.timeout = timeout
+        self._handle.cancel()
+        self._handle = self._loop.call_at(self.last + timeout, self._check)
+
+    def _check(self) -> None:
+        due = self.last + self.timeout
+        if self._loop.time() < due:
+            self._handle = self._loop.call_at(due, self._check)
+        elif self._task is not None:
+            self.fired = True
+            self._task.cancel()
+
+    def stop(self) -> bool:
+        """Stop watching; True when it fired and the task's cancellation was only ours
+        (taken back now; the caller raises instead).  Idempotent."""
+        self._handle.cancel()
+        task, self._task = self._task, None
+        return self.fired and task is not None and task.uncancel() == 0
+
+
+class AsyncConnection:
+    """An authenticated connection (plain TCP or TLS) speaking the message protocol.
+
+    With ``dead_after`` (seconds), ``send`` and ``recv`` raise :class:`PeerTimeoutError`
+    and close the connection when the peer moves no byte for that long."""
+
+    def __init__(
+        self,
+        sock: PeerSocket,
+        peer: str,
+        limits: Limits = DEFAULT_LIMITS,
+        *,
+        dead_after: float | None = None,
+    ) -> None:
         self.peer = peer
         self._sock = sock
         self._reader = MessageReader(limits)
         self._limits = limits
+        self.dead_after = dead_after
 
     @property
     def closed(self) -> bool:
         return self._sock.closed
 
-    async def send(self, header: Header, frames: Sequence[Buffer] = ()) -> None:
-        for buf in encode_message(header, frames, self._limits):
-            await self._sock.sendall(buf)
+    @property
+    def in_message(self) -> bool:
+        """Part of a message has been received."""
+        return self._reader.in_message
 
-    async def recv(self) -> Message:
+    @property
+    def stale(self) -> bool:
+        """Between requests a peer sends nothing: a readable socket means it closed
+        (e.g. its idle timeout), sent garbage, or we are closed.  (Peeks the raw
+        socket, under TLS too: nothing is consumed.)"""
+        if self.closed or self._reader.in_message:
+            return True
+        try:
+            socket.socket.recv(self._sock.sock, 1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        return True
+
+    async def send(self, header: Header, frames: Sequence[Buffer] = ()) -> None:
+        buffers = encode_message(header, frames, self._limits)
+        watch = self._watch(self.dead_after)
+        try:
+            for buf in buffers:
+                view = _byte_view(buf)
+                for start in range(0, view.nbytes, SEND_CHUNK):
+                    await self._sock.sendall(view[start : start + SEND_CHUNK])
+                    if watch is not None:
+                        watch.progress()
+        except asyncio.CancelledError:
+            self._timed_out(watch, "sending")
+            raise
+        finally:
+            if watch is not None:
+                watch.stop()
+
+    async def recv(self, idle: float | None = None) -> Message:
+        """The next message.  ``idle``: how long to wait for its first byte (default
+        ``dead_after``); a server waiting for a request gives its idle timeout."""
         reader = self._reader
-        while (message := reader.next_message()) is None:
-            n = await self._sock.recv_into(reader.next_buffer())
-            if n == 0:
-                where = " mid-message" if reader.in_message else ""
-                raise CommClosedError(f"connection to {self.peer} closed{where}")
-            reader.received(n)
+        waiting = self.dead_after if idle is None or reader.in_message else idle
+        watch = self._watch(waiting)
+        try:
+            while (message := reader.next_message()) is None:
+                n = await self._sock.recv_into(reader.next_buffer())
+                if n == 0:
+                    where = " mid-message" if reader.in_message else ""
+                    raise CommClosedError(f"connection to {self.peer} closed{where}")
+                reader.received(n)
+                if watch is not None:
+                    watch.progress()
+                    if self.dead_after is not None and watch.timeout > self.dead_after:
+                        watch.shorten(self.dead_after)  # a message began: the peer is busy
+        except asyncio.CancelledError:
+            self._timed_out(watch, "receiving" if reader.in_message else "waiting for")
+            raise
+        finally:
+            if watch is not None:
+                watch.stop()
         return message
+
+    @staticmethod
+    def _watch(timeout: float | None) -> _Watchdog | None:
+        return None if timeout is None else _Watchdog(timeout)
+
+    def _timed_out(self, watch: _Watchdog | None, doing: str) -> None:
+        """After a cancellation: raise PeerTimeoutError if our watchdog caused it."""
+        if watch is None or not watch.stop():
+            return
+        self.close()
+        what = "a message" if doing != "sending" else "a message (it stopped reading)"
+        raise PeerTimeoutError(
+            f"{self.peer} moved no byte for {watch.timeout:g} s while {doing} {what}",
+            idle=doing == "waiting for",
+        ) from None
 
     def close(self) -> None:
         self._sock.close()
@@ -730,9 +942,11 @@ async def open_connection(
     timeout: float = DEFAULT_TIMEOUT,
     limits: Limits = DEFAULT_LIMITS,
     tls: ssl.SSLContext | None = None,
+    dead_after: float | None = DEFAULT_DEAD_AFTER,
 ) -> PeerConnection:
     """Connect to ``address`` and run the client side of the handshake (inside TLS with
-    ``tls``, which a ``tls://`` address needs and a ``tcp://`` one refuses)."""
+    ``tls``, which a ``tls://`` address needs and a ``tcp://`` one refuses).  The
+    connection gives up on a peer silent for ``dead_after`` seconds (``AsyncConnection``)."""
     host, port = parse_address(address)
     check_scheme(address, tls)
     loop = asyncio.get_running_loop()
@@ -746,7 +960,7 @@ async def open_connection(
             try:
                 raw.setblocking(False)
                 await loop.sock_connect(raw, addr)
-                _tune(raw)
+                _tune(raw, dead_after)
                 if tls is not None:
                     sock = await _TLSSocket.connect(raw, tls, server=False)
                 else:
@@ -770,7 +984,7 @@ async def open_connection(
         raise CommClosedError(f"could not connect to {address}: {exc}") from exc
     except OSError as exc:
         raise CommClosedError(f"could not connect to {address}: {exc}") from exc
-    return AsyncConnection(sock, address, limits)
+    return AsyncConnection(sock, address, limits, dead_after=dead_after)
 
 
 class DataServer:
@@ -778,7 +992,12 @@ class DataServer:
 
     With ``tls`` (a server context that requires the client's certificate) every
     connection is TLS first, then the HMAC handshake inside it; its address is
-    ``tls://``.  A peer that fails either is dropped and logged; the server goes on."""
+    ``tls://``.  A peer that fails either is dropped and logged; the server goes on.
+
+    A connection that sends no request for ``idle_timeout`` seconds is closed, and so is
+    one whose peer stops moving bytes mid-message for ``dead_after``.  At most
+    ``max_connections`` are open: beyond, the oldest idle one is closed to make room, or
+    (none idle) the new one is refused, logged once per episode."""
 
     def __init__(
         self,
@@ -788,15 +1007,24 @@ class DataServer:
         handshake_timeout: float = DEFAULT_TIMEOUT,
         limits: Limits = DEFAULT_LIMITS,
         tls: ssl.SSLContext | None = None,
+        dead_after: float | None = DEFAULT_DEAD_AFTER,
+        idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         self._secret = _check_secret(secret)
         self._tls = tls
         self._handler = handler
         self._handshake_timeout = handshake_timeout
         self._limits = limits
+        self._dead_after = dead_after
+        self._idle_timeout = idle_timeout
+        self.max_connections = max_connections
+        self._full_logged = False
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        # connections waiting for a request, oldest first: the ones to close when full
+        self._waiting: dict[asyncio.Task[Any], AsyncConnection] = {}
         self.address: str | None = None
         self.n_connections = 0  # currently open authenticated connections
         self.n_accepted = 0  # authenticated connections ever
@@ -830,9 +1058,36 @@ class DataServer:
                 logger.warning("accept failed on %s: %s", self.address, exc)
                 await asyncio.sleep(0.1)
                 continue
-            task = asyncio.create_task(self._serve(sock, format_address(*addr[:2])))
+            peer = format_address(*addr[:2])
+            if not self._make_room(peer):
+                sock.close()
+                continue
+            task = asyncio.create_task(self._serve(sock, peer))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def _make_room(self, peer: str) -> bool:
+        """Below ``max_connections`` after closing the oldest idle connection if need be;
+        False (logged once until there is room again) when every one is busy."""
+        if len(self._tasks) < self.max_connections:
+            self._full_logged = False
+            return True
+        for task, conn in self._waiting.items():
+            if not conn.in_message:
+                del self._waiting[task]
+                task.cancel()  # (its _serve closes the socket)
+                self._tasks.discard(task)
+                return True
+        if not self._full_logged:
+            self._full_logged = True
+            logger.warning(
+                "%s holds %d connections, all busy (comm.max-connections): refusing %s "
+                "and any more until one closes",
+                self.address,
+                len(self._tasks),
+                peer,
+            )
+        return False
 
     async def _authenticate(self, raw: socket.socket, peer: str) -> PeerSocket | None:
         """TLS (with ``tls``), then the server side of the HMAC handshake; ``None`` (the
@@ -866,40 +1121,59 @@ class DataServer:
 
     async def _serve(self, raw: socket.socket, peer: str) -> None:
         raw.setblocking(False)
-        _tune(raw)
+        _tune(raw, self._dead_after)
         sock = await self._authenticate(raw, peer)
         if sock is None:
             return
         self.n_connections += 1
         self.n_accepted += 1
+        conn = AsyncConnection(sock, peer, self._limits, dead_after=self._dead_after)
         try:
-            await self._request_loop(AsyncConnection(sock, peer, self._limits))
+            await self._request_loop(conn)
         finally:
             self.n_connections -= 1
             sock.close()
 
     async def _request_loop(self, conn: PeerConnection) -> None:
-        while await self._serve_one(conn):
-            pass
+        task = asyncio.current_task()
+        assert task is not None
+        try:
+            while True:
+                self._waiting[task] = conn
+                more = await self._serve_one(conn)
+                if not more:
+                    return
+        finally:
+            self._waiting.pop(task, None)
 
     async def _serve_one(self, conn: PeerConnection) -> bool:
         """One request and its reply; False when the connection ended.  (Its own frame,
         so that neither the request's nor the reply's data outlive it while the
         connection waits for the next request.)"""
         try:
-            header, frames = await conn.recv()
+            header, frames = await conn.recv(idle=self._idle_timeout)
         except ProtocolError as exc:
             logger.warning("protocol error from %s: %s; dropping it", conn.peer, exc)
+            return False
+        except PeerTimeoutError as exc:
+            if exc.idle:  # no request for the idle timeout: tidying, not a fault
+                logger.debug("closing the idle connection from %s: %s", conn.peer, exc)
+            else:
+                logger.warning("%s; dropping it", exc)
             return False
         except OSError as exc:
             logger.debug("connection from %s ended: %s", conn.peer, exc)
             return False
+        self._waiting.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
         reply, reply_frames = await self._dispatch(header, frames)
         del frames
         try:
             await conn.send(reply, reply_frames)
-        except CommError as exc:  # unencodable reply: tell the client instead
+        except (SerializationError, ProtocolError) as exc:  # unencodable: say so instead
             await conn.send({"status": "error", "message": f"bad reply: {exc}"})
+        except PeerTimeoutError as exc:
+            logger.warning("%s; dropping it", exc)
+            return False
         except OSError as exc:
             logger.debug("connection from %s ended: %s", conn.peer, exc)
             return False
@@ -926,6 +1200,7 @@ class ConnectionPool:
         timeout: float = DEFAULT_TIMEOUT,
         limits: Limits = DEFAULT_LIMITS,
         tls: ssl.SSLContext | None = None,
+        dead_after: float | None = DEFAULT_DEAD_AFTER,
     ) -> None:
         if limit < 1:
             raise ValueError("limit must be >= 1")
@@ -933,6 +1208,7 @@ class ConnectionPool:
         self._tls = tls
         self.limit = limit
         self.timeout = timeout
+        self.dead_after = dead_after  # a peer silent this long mid-request is dead
         self._limits = limits
         self._idle: dict[str, list[PeerConnection]] = {}
         self._waiters: list[asyncio.Future[None]] = []
@@ -940,7 +1216,8 @@ class ConnectionPool:
         self._closed = False
 
     async def rpc(self, address: str, header: Header, frames: Sequence[Buffer] = ()) -> Message:
-        """Send one request to ``address`` and return its ``(header, frames)`` reply."""
+        """Send one request to ``address`` and return its ``(header, frames)`` reply;
+        :class:`PeerTimeoutError` once the peer moves no byte for ``dead_after``."""
         conn = await self._acquire(address)
         ok = False
         try:
@@ -961,7 +1238,12 @@ class ConnectionPool:
                 raise CommClosedError("connection pool is closed")
             idle = self._idle.get(address)
             if idle:
-                return idle.pop()
+                conn = idle.pop()
+                if not conn.stale:
+                    return conn
+                conn.close()
+                self.n_open -= 1
+                continue
             if self.n_open >= self.limit and not self._evict_idle():
                 waiter = asyncio.get_running_loop().create_future()
                 self._waiters.append(waiter)
@@ -974,7 +1256,12 @@ class ConnectionPool:
             self.n_open += 1
             try:
                 return await open_connection(
-                    address, self._secret, timeout=self.timeout, limits=self._limits, tls=self._tls
+                    address,
+                    self._secret,
+                    timeout=self.timeout,
+                    limits=self._limits,
+                    tls=self._tls,
+                    dead_after=self.dead_after,
                 )
             except BaseException:
                 self.n_open -= 1

@@ -215,8 +215,24 @@ class TLSConfig(Section):
     key: str | None = None
 
 
+class CommTimeoutsConfig(Section):
+    """distributed's ``comm.timeouts``.  ``tcp``: a peer that moves no byte for this
+    long while a request waits on it (or mid-message) is taken for dead: the fetch fails
+    over to another holder, then to the scheduler (``missing-data``); also the TCP
+    keepalive and ``TCP_USER_TIMEOUT`` of every peer socket.  A deadline on progress:
+    a big transfer that keeps moving is never cut.  ``idle``: a data server closes a
+    connection that sent no request for this long."""
+
+    tcp: Seconds = 30.0
+    idle: Seconds = 300.0
+
+
 class CommConfig(Section):
     tls: TLSConfig = Field(default_factory=TLSConfig)
+    timeouts: CommTimeoutsConfig = Field(default_factory=CommTimeoutsConfig)
+    # connections one worker's data server holds open: beyond, the oldest idle one is
+    # closed, or (none idle) the new one refused
+    max_connections: Annotated[int, Field(gt=0)] = 1000
 
 
 class LocksConfig(Section):

@@ -115,6 +115,9 @@ class Worker:
         worker_ttl: float = 3.0,
         claim_horizon: float = 0.02,
         connection_limit: int = 50,
+        peer_timeout: float = comm.DEFAULT_DEAD_AFTER,
+        idle_timeout: float = comm.DEFAULT_IDLE_TIMEOUT,
+        max_connections: int = comm.DEFAULT_MAX_CONNECTIONS,
         security: Security | None = None,
         transfer_batch_bytes: int = 200_000_000,
         inline_result_bytes: int = 65_536,
@@ -150,6 +153,9 @@ class Worker:
         # small results of dependencies that came with a claim, for its GatherDeps
         self._claimed_values: dict[str, bytes] = {}
         self.connect_timeout = connect_timeout
+        # comm.timeouts.tcp, comm.timeouts.idle, comm.max-connections
+        self.peer_timeout, self.idle_timeout = peer_timeout, idle_timeout
+        self.max_connections = max_connections
         self.validate = validate
         self.local_directory = Path(local_directory or tempfile.gettempdir()) / (
             "redisdask-worker-space"
@@ -215,7 +221,14 @@ class Worker:
         self._loop = asyncio.get_running_loop()
         task_context.bind_thread(self)  # a future unpickled here binds to task_client
         secret = await asyncio.to_thread(self._ensure_cluster)
-        self.server = comm.DataServer(secret, self._handle_rpc, tls=self.security.server_context())
+        self.server = comm.DataServer(
+            secret,
+            self._handle_rpc,
+            tls=self.security.server_context(),
+            dead_after=self.peer_timeout,
+            idle_timeout=self.idle_timeout,
+            max_connections=self.max_connections,
+        )
         self.address = await self.server.start(self.host, self.port)
         self.name = self.name or self.address
         # every connection carries the worker's address in its name: the scheduler sees in
@@ -224,7 +237,10 @@ class Worker:
         self.redis = connect_async(self.redis_url, timeout=self.connect_timeout, name=name)
         self.blocking_redis = connect_async(self.redis_url, timeout=self.connect_timeout, name=name)
         self.pool = comm.ConnectionPool(
-            secret, limit=self.connection_limit, tls=self.security.client_context()
+            secret,
+            limit=self.connection_limit,
+            tls=self.security.client_context(),
+            dead_after=self.peer_timeout,
         )
         self.memory = WorkerMemoryManager(
             memory_limit=self.memory_limit,
@@ -940,7 +956,14 @@ class Worker:
                 raise comm.CommError(f"peer {worker} answered {header.get('message')!r}")
             data, errors = comm.deserialize_dict(header, frames)
         except (TimeoutError, OSError, comm.CommError) as exc:
-            logger.warning("could not fetch %d keys from %s: %s", len(keys), worker, exc)
+            logger.warning(
+                "could not fetch %d keys %s from %s: %s; trying other holders, else the "
+                "scheduler (missing-data)",
+                len(keys),
+                keys[:5],
+                worker,
+                exc,
+            )
             # tell the scheduler at once; the state machine tries other holders meanwhile
             self._report(MissingData(self.address, keys, errant_worker=worker))
             self.handle(
@@ -1072,6 +1095,9 @@ def options_from_config(config: Any) -> dict[str, Any]:
         "worker_ttl": config.scheduler.worker_ttl,
         "claim_horizon": config.worker.claim_horizon,
         "connection_limit": config.worker.connection_limit,
+        "peer_timeout": config.comm.timeouts.tcp,
+        "idle_timeout": config.comm.timeouts.idle,
+        "max_connections": config.comm.max_connections,
         "transfer_batch_bytes": config.worker.transfer_batch_bytes,
         "inline_result_bytes": config.worker.inline_result_bytes,
         "connect_timeout": config.redis.connect_timeout,

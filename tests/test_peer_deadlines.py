@@ -1,0 +1,355 @@
+"""Peers that stop answering: deadlines on progress, idle and capped connections, and
+frame headers that lie about their size.  Real sockets; real worker processes that are
+really SIGSTOPped (alive, their sockets open, silent: what a network cut looks like)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+from polling import poll
+
+from redisdask import Client, LocalCluster, comm, wait
+from redisdask.comm import (
+    BlockingConnection,
+    Buffer,
+    ConnectionPool,
+    DataServer,
+    PeerTimeoutError,
+    deserialize,
+    encode_header,
+    encode_message,
+    serialize,
+)
+
+SECRET = b"test-cluster-secret"
+DEAD_AFTER = 1.0  # comm.timeouts.tcp in these tests
+
+
+class Server:
+    """A DataServer in its own thread and event loop; ``gate`` requests wait until
+    ``open_gate()``."""
+
+    def __init__(self, **options: Any) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.gate = asyncio.Event()
+        self.srv = DataServer(SECRET, self._handle, handshake_timeout=5.0, **options)
+        started = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self.srv.start("127.0.0.1"))
+            started.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert started.wait(10)
+        assert self.srv.address is not None
+        self.address: str = self.srv.address
+
+    async def _handle(
+        self, header: dict[str, Any], frames: list[memoryview]
+    ) -> tuple[dict[str, Any], Sequence[Buffer]]:
+        if header.get("op") == "gate":
+            await self.gate.wait()
+        return {"status": "ok", "nbytes": sum(f.nbytes for f in frames)}, frames
+
+    def open_gate(self) -> None:
+        self.loop.call_soon_threadsafe(self.gate.set)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.srv.close(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture
+def server_options() -> dict[str, Any]:
+    return {"dead_after": DEAD_AFTER}
+
+
+@pytest.fixture
+def server(server_options: dict[str, Any]) -> Iterator[Server]:
+    srv = Server(**server_options)
+    yield srv
+    srv.open_gate()
+    srv.close()
+
+
+def dropped(sock: socket.socket) -> bool:
+    """The server closed ``sock`` (EOF or reset); False while it is open."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(1 << 16) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+# ------------------------------------------------------------------ the deadline
+
+
+@pytest.mark.timeout(30)
+def test_a_request_to_a_silent_peer_fails_after_the_deadline(server: Server) -> None:
+    async def main() -> None:
+        pool = ConnectionPool(SECRET, dead_after=DEAD_AFTER)
+        start = time.monotonic()
+        with pytest.raises(PeerTimeoutError, match="moved no byte for 1 s"):
+            await pool.rpc(server.address, {"op": "gate"})
+        assert DEAD_AFTER <= time.monotonic() - start < DEAD_AFTER + 5
+        assert pool.n_open == 0  # the connection is closed, not pooled
+        reply, _ = await pool.rpc(server.address, {"op": "echo"})  # a fresh one works
+        assert reply["status"] == "ok"
+        await pool.close()
+
+    asyncio.run(main())
+
+
+def dead_after_of(sock: socket.socket) -> tuple[int, int]:
+    """(SO_KEEPALIVE, TCP_USER_TIMEOUT in ms) of a socket."""
+    keepalive = sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+    return keepalive, sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="Linux only")
+def test_every_peer_socket_has_keepalive_and_a_user_timeout(server: Server) -> None:
+    async def main() -> None:
+        pool = ConnectionPool(SECRET, dead_after=12)
+        await pool.rpc(server.address, {"op": "echo"})
+        [conn] = pool._idle[server.address]
+        assert dead_after_of(conn._sock.sock) == (1, 12_000)
+        poll(lambda: len(server.srv._waiting) == 1)  # (the server's side, in its thread)
+        [served] = server.srv._waiting.values()
+        assert dead_after_of(served._sock.sock) == (1, int(DEAD_AFTER * 1000))
+        await pool.close()
+
+    asyncio.run(main())
+    blocking = BlockingConnection(server.address, SECRET)
+    assert dead_after_of(blocking._sock) == (1, int(comm.DEFAULT_DEAD_AFTER * 1000))
+    blocking.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_steady_transfer_is_not_cut_but_a_stall_mid_message_is(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The deadline is on progress: a message that takes several deadlines to arrive,
+    a little at a time, goes through; one that stops half-way is dropped and logged."""
+    payload = np.arange(1 << 20, dtype=np.uint8)  # 1 MiB, sent over ~3 deadlines
+    wire = b"".join(bytes(b) for b in encode_message({"op": "echo"}, serialize(payload)))
+    conn = BlockingConnection(server.address, SECRET, timeout=20)
+    step = len(wire) // 30
+    for start in range(0, len(wire), step):
+        conn._sock.sendall(wire[start : start + step])
+        time.sleep(DEAD_AFTER / 10)  # the pace of a slow link, not a synchronisation
+    reply, frames = conn._recv()
+    assert reply["status"] == "ok"
+    np.testing.assert_array_equal(deserialize(frames), payload)
+
+    with caplog.at_level(logging.WARNING, logger="redisdask.comm"):
+        conn._sock.sendall(wire[: len(wire) // 2])  # ... and then nothing
+        poll(lambda: dropped(conn._sock), timeout=DEAD_AFTER + 10)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("moved no byte for 1 s while receiving" in m for m in messages), messages
+    conn.close()
+
+
+# ------------------------------------------------------- idle and capped connections
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("server_options", [{"idle_timeout": 0.5}])
+def test_idle_connections_are_closed_and_the_pool_reconnects(server: Server) -> None:
+    async def main() -> None:
+        pool = ConnectionPool(SECRET)
+        assert (await pool.rpc(server.address, {"op": "echo"}))[0]["status"] == "ok"
+        assert server.srv.n_connections == 1
+        while server.srv.n_connections:  # closed by the server after 0.5 s idle
+            await asyncio.sleep(0.01)
+        # the pool notices its idle connection was closed and opens another
+        assert (await pool.rpc(server.address, {"op": "echo"}))[0]["status"] == "ok"
+        assert server.srv.n_accepted == 2
+        await pool.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("server_options", [{"max_connections": 3}])
+def test_connections_beyond_the_cap_close_idle_ones_or_are_refused(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    idle = [BlockingConnection(server.address, SECRET, timeout=20) for _ in range(3)]
+    for conn in idle:
+        conn.rpc({"op": "echo"})
+    fourth = BlockingConnection(
+        server.address, SECRET, timeout=20
+    )  # room made: the oldest idle closed
+    assert fourth.rpc({"op": "echo"})[0]["status"] == "ok"
+    poll(lambda: dropped(idle[0]._sock))
+    assert server.srv.n_connections == 3
+
+    busy = [fourth, *idle[1:]]
+    threads = [threading.Thread(target=c.rpc, args=({"op": "gate"},)) for c in busy]
+    for t in threads:
+        t.start()
+    poll(lambda: len(server.srv._waiting) == 0)  # each of the three waits on the gate
+    with caplog.at_level(logging.WARNING, logger="redisdask.comm"):
+        for _ in range(3):
+            with pytest.raises(comm.CommClosedError):
+                BlockingConnection(server.address, SECRET)
+    refusals = [r.getMessage() for r in caplog.records if "comm.max-connections" in r.getMessage()]
+    assert len(refusals) == 1, refusals  # logged once per episode
+    server.open_gate()
+    for t in threads:
+        t.join(10)
+    for conn in busy:
+        conn.close()
+    idle[0].close()
+
+
+# ------------------------------------------------------------------- lying headers
+
+
+@pytest.mark.timeout(60)
+def test_a_header_announcing_ten_gigabytes_reserves_no_gigabytes(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    me = psutil.Process()
+    before = me.memory_info()
+    conn = BlockingConnection(server.address, SECRET)
+    head = encode_header({"op": "echo"})
+    conn._sock.sendall(struct.pack("<IQQ", 2, len(head), 10 << 30) + head + b"x" * 1000)
+    growth = 0
+    with caplog.at_level(logging.WARNING, logger="redisdask.comm"):
+        deadline = time.monotonic() + DEAD_AFTER + 10
+        while not dropped(conn._sock):
+            now = me.memory_info()
+            growth = max(growth, now.vms - before.vms, now.rss - before.rss)
+            assert time.monotonic() < deadline, "the stalled connection was not dropped"
+            time.sleep(0.01)
+    assert growth < 1 << 30, f"the server reserved {growth / 2**30:.1f} GiB"
+    assert any("moved no byte" in r.getMessage() for r in caplog.records)
+    conn.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_truthful_frame_bigger_than_the_reservation_arrives_whole(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(comm, "FRAME_RESERVE", 1 << 20)  # grow from 1 MiB (cheap test)
+    payload = np.random.default_rng(0).integers(0, 255, 20_000_003, dtype=np.uint8)
+    conn = BlockingConnection(server.address, SECRET, timeout=20)
+    for _ in range(2):  # the second reuses the grown buffer from the cache
+        _reply, frames = conn.rpc({"op": "echo"}, serialize(payload))
+        np.testing.assert_array_equal(deserialize(frames), payload)
+    conn.close()
+
+
+# --------------------------------------------------------------- a stopped holder
+
+
+def inc(x: int) -> int:
+    return x + 1
+
+
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+def holder_of(client: Client, key: str) -> tuple[str, int, str]:
+    """The address and pid of the one worker holding ``key``, and the other worker."""
+    [address] = client.who_has()[key]
+    workers = client.scheduler_info()["workers"]
+    [other] = [w for w in workers if w != address]
+    return address, workers[address]["pid"], other
+
+
+@pytest.fixture
+def stopped_holder_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short peer deadline; values only on their workers (not in Redis)."""
+    monkeypatch.setenv("REDISDASK__COMM__TIMEOUTS__TCP", str(DEAD_AFTER))
+    monkeypatch.setenv("REDISDASK__WORKER__INLINE_RESULT_BYTES", "0")
+
+
+@pytest.mark.timeout(90)
+def test_a_dependent_of_a_stopped_holder_finishes_through_a_recompute(
+    redis_url: str,
+    cluster_name: str,
+    monkeypatch: pytest.MonkeyPatch,
+    stopped_holder_env: None,
+    tmp_path: Path,
+) -> None:
+    # the holder keeps its registration (as when only the link between two workers is
+    # cut): nothing but the peer deadline can free the dependent
+    monkeypatch.setenv("REDISDASK__SCHEDULER__WORKER_TTL", "120")
+    with (
+        LocalCluster(
+            nanny=False,
+            n_workers=2,
+            redis_url=redis_url,
+            cluster_name=cluster_name,
+            log_directory=tmp_path,
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        x = client.submit(inc, 41)
+        assert x.result(timeout=20) == 42
+        holder, pid, other = holder_of(client, x.key)
+        # the other worker fetches from the holder once: a pooled connection, on which the
+        # next request waits (a new one would time out in its handshake, comm's 5 s)
+        w = client.submit(inc, 1, workers=[holder])
+        assert client.submit(add, w, 0, workers=[other]).result(timeout=20) == 2
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            y = client.submit(add, x, 1)
+            assert y.result(timeout=60) == 43
+            took = time.monotonic() - start
+            assert client.who_has()[y.key] == [other]
+            assert took < DEAD_AFTER + 15, took
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    logs = "".join(p.read_text() for p in tmp_path.glob("*.log"))
+    assert f"could not fetch 1 keys ['{x.key}'] from {holder}" in logs
+    assert "moved no byte for 1 s" in logs
+
+
+@pytest.mark.timeout(90)
+def test_the_client_does_not_wait_for_ever_on_a_stopped_holder(
+    redis_url: str, cluster_name: str, stopped_holder_env: None
+) -> None:
+    with (
+        LocalCluster(
+            nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        x = client.submit(inc, 41)
+        wait([x], timeout=20)  # (not result(): that would fetch and keep the value)
+        holder, pid, _other = holder_of(client, x.key)
+        # a first fetch from the holder leaves the client a pooled connection to it
+        assert client.submit(inc, 1, workers=[holder]).result(timeout=20) == 2
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            # the stopped worker's heartbeat lapses: the scheduler recomputes x elsewhere,
+            # and the client, its fetch from the stopped holder given up, reads it there
+            assert x.result(timeout=60) == 42
+        finally:
+            os.kill(pid, signal.SIGCONT)
