@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import sys
@@ -389,3 +390,31 @@ def test_a_worker_that_said_goodbye_as_its_heartbeat_went_is_not_recorded_dead(
     kinds = [unpack(f[b"m"])["kind"] for _, f in r.xrange(keys.events)]
     assert "worker-left" in kinds and "worker-died" not in kinds
     assert r.xpending(keys.worker_stream, SCHEDULER_GROUP)["pending"] == 0
+
+
+def test_a_client_that_said_goodbye_is_logged_as_closed_not_as_silent(
+    redis_url: str, cluster_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A closing client writes its goodbye and deletes its ``alive`` key in one write.  A
+    look for the dead between that write and the scheduler's next read applies the
+    goodbye, and says the client closed: it did not stop heartbeating."""
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ensure_cluster(r, keys)
+    scheduler = Scheduler(redis_url, cluster_name, validate=True)
+    scheduler.acquire_lease()
+    client = Client(redis_url, cluster_name=cluster_name, set_as_default=False)
+    client.submit(inc, 1, key="wanted")
+    poll(lambda: r.xlen(keys.client_stream) > 0)
+    reply = r.xreadgroup(SCHEDULER_GROUP, "scheduler", {keys.client_stream: ">"})
+    scheduler.process(decode_reply(reply))
+    assert client.id in scheduler.state.clients
+    scheduler.trust_clients_at = 0.0  # (a scheduler that has run a while)
+
+    client.close()
+    with caplog.at_level(logging.INFO, "redisdask.scheduler"):
+        scheduler.look_for_the_dead()
+
+    assert client.id not in scheduler.state.clients and "wanted" not in scheduler.state.tasks
+    assert "stopped heartbeating" not in caplog.text
+    assert f"client {client.id} closed: it said goodbye" in caplog.text
