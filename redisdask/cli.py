@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import yaml
 
 from redisdask import __version__, logs, memory
-from redisdask.acl import PASSWORD_PLACEHOLDER, ROLES, setuser
+from redisdask.acl import PASSWORD_PLACEHOLDER, ROLES, parse_version, setuser
 from redisdask.config import Config, ConfigError, load_config, parse_duration
 from redisdask.errors import RedisDaskError
 from redisdask.placement import format_resources
@@ -79,6 +79,14 @@ def _cluster_name(text: str) -> str:
 
     try:
         return validate_cluster_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _redis_version(text: str) -> tuple[int, ...]:
+    """An argparse type: a Redis version such as ``7.0`` or ``6.2``."""
+    try:
+        return parse_version(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -310,6 +318,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--user", help="the user's name (default: rd-<cluster>-<role>)")
     p.add_argument(
+        "--redis-version",
+        type=_redis_version,
+        default="7.0",
+        help="the version of the Redis server (default: 7.0); 6.2 has no read-only key "
+        "patterns, so its client role may write keys it only reads (docs/security.md)",
+    )
+    p.add_argument(
         "--password-env",
         metavar="VAR",
         help="the environment variable holding the password (default: a <password> "
@@ -332,7 +347,10 @@ def _acl(args: argparse.Namespace) -> int:
     if args.user and len(roles) > 1:
         raise ConfigError("--user names one user: give one role, not all")
     try:
-        lines = [setuser(r, args.cluster, user=args.user, password=password) for r in roles]
+        lines = [
+            setuser(r, args.cluster, user=args.user, password=password, version=args.redis_version)
+            for r in roles
+        ]
     except ValueError as exc:  # a cluster name that cannot be a hash tag
         raise ConfigError(str(exc)) from None
     print("\n".join(lines))
