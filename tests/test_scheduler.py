@@ -6,6 +6,7 @@ import logging
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import redis
@@ -418,3 +419,28 @@ def test_a_client_that_said_goodbye_is_logged_as_closed_not_as_silent(
     assert client.id not in scheduler.state.clients and "wanted" not in scheduler.state.tasks
     assert "stopped heartbeating" not in caplog.text
     assert f"client {client.id} closed: it said goodbye" in caplog.text
+
+
+def test_a_script_that_ends_without_close_says_goodbye(
+    redis_url: str, cluster_name: str, tmp_path: Path
+) -> None:
+    """As distributed closes its client at exit: a script that never calls ``close()``
+    says goodbye as it ends, so its keys are released at once (not after the 30 s client
+    TTL) and the scheduler does not log it as a client that stopped heartbeating."""
+    with LocalCluster(
+        nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name,
+        log_directory=tmp_path,
+    ):  # fmt: skip
+        code = (
+            "from redisdask import Client\n"
+            f"c = Client({redis_url!r}, {cluster_name!r})\n"
+            "print(c.id, c.submit(sum, [1, 2]).result(timeout=30))\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+        )
+        client_id, result = done.stdout.split()
+        assert result == "3", done.stderr
+        r = redis.Redis.from_url(redis_url)
+        poll(lambda: not r.hexists(Keys(cluster_name).clients, client_id), timeout=10)
+    assert "stopped heartbeating" not in (tmp_path / "scheduler.log").read_text()
