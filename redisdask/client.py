@@ -16,6 +16,7 @@ garbage-collected.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import functools
@@ -26,6 +27,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from collections import defaultdict, deque
 from collections.abc import (
     Awaitable,
@@ -232,6 +234,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         except BaseException:
             self._loop_thread.stop()
             raise
+        _open_clients.add(self)
 
     async def _astart(self) -> None:
         """Connect (a new ``LocalCluster`` first, for ``Client()``), find the cluster,
@@ -1372,6 +1375,27 @@ def _pack_like(template: Any, leaf: Callable[[Any], Any]) -> Any:
 
 
 _default_client: list[Client | None] = [None]
+_open_clients: weakref.WeakSet[Client] = weakref.WeakSet()  # the blocking ones, for atexit
+EXIT_CLOSE_TIMEOUT = 5.0  # seconds a process's exit waits for its clients' goodbyes
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """A script that ends without ``close()`` says goodbye all the same, as distributed
+    closes its global client at exit: the scheduler releases its keys at once and logs a
+    close, not a client that "stopped heartbeating" (after ``scheduler.client-ttl``).
+    Not a client that started its own cluster: closing that at exit hangs (a gap).  At
+    most ``EXIT_CLOSE_TIMEOUT`` in all (a Redis that is away is not waited for)."""
+    closers = [
+        threading.Thread(target=client.close, daemon=True, name=f"{client.id}-exit")
+        for client in list(_open_clients)
+        if client.cluster is None
+    ]
+    deadline = time.monotonic() + EXIT_CLOSE_TIMEOUT
+    for closer in closers:
+        closer.start()
+    for closer in closers:
+        closer.join(max(0.0, deadline - time.monotonic()))
 
 
 def _set_default(client: Client) -> None:

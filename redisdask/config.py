@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -41,6 +42,7 @@ from pydantic import (
 from redisdask import memory
 from redisdask.errors import ConfigError  # defined there, in the tree; importable here too
 from redisdask.placement import parse_resources
+from redisdask.schema import validate_cluster_name
 
 __all__ = ["Config", "ConfigError", "config_path", "load_config"]
 
@@ -202,7 +204,7 @@ class RedisConfig(Section):
 
 
 class ClusterConfig(Section):
-    name: Annotated[str, Field(min_length=1)] = "default"
+    name: Annotated[str, AfterValidator(validate_cluster_name)] = "default"
 
 
 class TLSConfig(Section):
@@ -245,7 +247,8 @@ class LocksConfig(Section):
 class SchedulerConfig(Section):
     allowed_failures: Annotated[int, Field(ge=0)] = 3
     worker_ttl: Seconds = 3.0
-    lease_ttl: Seconds = 5.0
+    # renewed every third of it: a lease shorter than a few renewals' time lapses between them
+    lease_ttl: Annotated[float, Field(ge=0.1), BeforeValidator(_duration)] = 5.0
     # max stream entries per read (of each input stream): a client's entry carries up to
     # client.submit-batch tasks, and 1,000 of them (175 MB) took longer to read than the
     # lease on a loaded machine

@@ -14,7 +14,10 @@ was found, what to do) and notes it here; the driver then writes, in one fenced 
   raise ``SchedulerRejectedError`` naming the record, instead of waiting for ever), a
   workers entry is replaced by an empty map (the worker stays registered and watched,
   so what it runs is recovered if it is dead), a rebalance's record is marked done with
-  the error as what failed (its client raises ``KeyError`` naming it, instead of waiting).
+  the error as what failed (its client raises ``KeyError`` naming it, instead of waiting),
+  a client's ``wants`` set of the wrong type is written again as a set of what the client
+  is given instead (``_load_wants``: every task nobody else wants, so that none of its
+  futures waits for news that would never come; they are released when it closes).
 
 After the write the record is gone, so it is logged once, not at every reload.
 """
@@ -22,8 +25,10 @@ After the write the record is gone, so it is logged once, not at every reload.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import redis
 
 from redisdask import schema
 from redisdask.errors import RecordError
@@ -53,11 +58,19 @@ def dead_letter_command(
     ]  # fmt: skip
 
 
+def record_copy(r: redis.Redis, key: str | bytes) -> dict[bytes, bytes]:
+    """What a record of the wrong type holds, for its dead-letter copy: its type and its
+    ``DUMP`` (which ``RESTORE`` takes back)."""
+    kind = r.type(key)
+    return {b"type": kind if isinstance(kind, bytes) else str(kind).encode(),
+            b"dump": r.dump(key) or b""}  # fmt: skip
+
+
 @dataclass(slots=True)
 class Quarantined:
     """One malformed record ``load_state`` skipped."""
 
-    kind: str  # "task", "worker" or "rebalance"
+    kind: str  # "task", "worker", "rebalance" or "wants"
     key: str | bytes  # the record's Redis key (for a workers entry, the workers hash)
     member: bytes  # its name: the task key, the worker's address, the rebalance request
     error: RecordError
@@ -65,6 +78,7 @@ class Quarantined:
     # the member as text (the task a placeholder stands for in the loaded state, the
     # worker loaded without its info); None when it is no UTF-8: nobody's name
     name: str | None = None
+    wanted: list[str] = field(default_factory=list)  # "wants": what its client is given
 
     @property
     def source(self) -> str:
@@ -78,6 +92,8 @@ class Quarantined:
             "task": "its task errs with SchedulerRejectedError; submit it again",
             "worker": "the worker stays registered without its info; restart it",
             "rebalance": "that rebalance ends, failed; ask for it again",
+            "wants": f"its client is given the {len(self.wanted)} tasks nobody else wants, "
+            "until it releases them or closes",
         }[self.kind]
         logger.warning(
             "skipped a malformed %s record: %s. It is copied to the dead-letter stream and "
@@ -96,6 +112,11 @@ class Quarantined:
                 out.append(["HDEL", keys.workers, self.member])
             else:
                 out.append(["HSET", keys.workers, self.member, schema.pack({})])
+        elif self.kind == "wants":
+            out.append(["DEL", self.key])
+            step = 2000  # (arguments per command in a fenced write: Lua's unpack limit)
+            out += [["SADD", self.key, *self.wanted[i : i + step]]
+                    for i in range(0, len(self.wanted), step)]  # fmt: skip
         else:  # done, with the error as what failed: its client raises instead of waiting
             failed = schema.pack([f"the rebalance's record was malformed: {self.error}"])
             out += [

@@ -288,7 +288,7 @@ class Scheduler:
                     break
                 for batch in _batches(decode_reply(reply)):
                     self.process(batch)
-            self.process([], dead)
+            self.process([], self._still_gone(dead))
 
     def _blind_spell(self) -> None:
         """A heartbeat that lapsed while this scheduler could not look says nothing: what
@@ -316,13 +316,24 @@ class Scheduler:
         for client in clients:
             pipe.exists(self.keys.client_alive(client))
         gone = [c for c, alive in zip(clients, pipe.execute(), strict=True) if not alive]
-        for client in gone:
-            logger.warning(
-                "client %s stopped heartbeating for %g s: releasing its keys",
-                client,
-                self.client_ttl,
-            )
         return [CloseClient(client=client, stimulus_id=f"client-ttl-{client}") for client in gone]
+
+    def _still_gone(self, dead: list[Event]) -> list[Event]:
+        """The deaths still to record once the waiting entries are applied: a client whose
+        ``alive`` key went with its goodbye (one write) closed, it did not stop
+        heartbeating; its goodbye has released its keys already."""
+        out: list[Event] = []
+        for event in dead:
+            if isinstance(event, CloseClient):
+                if event.client not in self.state.clients:
+                    logger.info("client %s closed: it said goodbye", event.client)
+                    continue
+                logger.warning(
+                    "client %s stopped heartbeating for %g s: releasing its keys",
+                    event.client, self.client_ttl,
+                )  # fmt: skip
+            out.append(event)
+        return out
 
     def _load(self) -> SchedulerState:
         quarantined: list[Quarantined] = []

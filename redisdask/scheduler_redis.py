@@ -31,7 +31,7 @@ from redisdask.errors import ProtocolError, RecordError
 from redisdask.events import death_fields, event_command
 from redisdask.heap import no_collections
 from redisdask.protocol import SCHEDULER_EVENTS, AddWorker, Event, FreeKeys, parse
-from redisdask.quarantine import REBALANCE_RECORD_TTL_MS, Quarantined
+from redisdask.quarantine import REBALANCE_RECORD_TTL_MS, Quarantined, record_copy
 from redisdask.scheduler_instructions import (
     ClaimAccepted,
     ClientMsg,
@@ -60,6 +60,9 @@ from redisdask.task_record import TaskRecord, evidence
 logger = logging.getLogger("redisdask.scheduler")
 
 MAX_ARGS = 2000  # Lua's unpack() limit is ~8000 arguments per command
+# the states of a task whose news a client may wait for (given to a client whose wants
+# set was malformed, when nobody else wants them)
+WAITED_ON = frozenset({"waiting", "queued", "processing", "no-worker", "memory", "erred"})
 LOAD_PAGE = 2000  # task records per LOAD_TASKS call (a few milliseconds of Redis's time)
 SUMMARY_INTERVAL = 0.5  # seconds between writes of the summary hash while tasks change
 SUMMARY_SHARE = 0.05  # the most of the scheduler's time the summary's passes may take
@@ -566,10 +569,16 @@ def load_state(
             state.handle_stimulus(AddWorker(worker=address, info=info, stimulus_id="load"))
     with no_collections():  # every object made here is kept: nothing to collect
         _load_tasks(r, keys, state, bad)
-        _load_wants(r, keys, state)
+        _load_wants(r, keys, state, bad)
     for member in sorted(r.smembers(keys.rebalances)):
         name = keys.rebalance(member.decode(errors="replace"))
-        raw = r.hgetall(name)
+        try:
+            raw = r.hgetall(name)
+        except redis.ResponseError:  # (WRONGTYPE: no hash)
+            raw = record_copy(r, name)
+            error = RecordError(name, "type", evidence(raw[b"type"]), "is no hash")
+            bad.append(Quarantined("rebalance", name, member, error, raw))
+            continue
         try:
             request = member.decode()
             record = RebalanceRecord.from_hash(raw)
@@ -611,19 +620,45 @@ def _worker_entry(
         return address, {}
 
 
-def _load_wants(r: redis.Redis, keys: Keys, state: SchedulerState) -> None:
-    """Who wants what: each client's and each holder's wants set."""
+def _load_wants(r: redis.Redis, keys: Keys, state: SchedulerState, bad: list[Quarantined]) -> None:
+    """Who wants what: each client's and each holder's wants set (one pipeline).  A set
+    of the wrong type is quarantined, and its client is given every task nobody else
+    wants: which of them it waits for is unknown, and a future nobody is told about waits
+    for ever (at worst they stay until it releases them or closes)."""
     holders = [h.decode() for h in r.smembers(keys.holders)]
-    for cid in [c.decode() for c in r.hkeys(keys.clients)] + holders:
+    ids = [c.decode() for c in r.hkeys(keys.clients)] + holders
+    pipe = r.pipeline(transaction=False)
+    for cid in ids:
+        pipe.smembers(keys.client_wants(cid))
+    tasks = state.tasks
+    malformed: list[tuple[str, Quarantined]] = []  # (the client, its record)
+    for cid, members in zip(ids, pipe.execute(raise_on_error=False), strict=True):
         wanted = state.clients.setdefault(cid, set())
-        tasks = state.tasks
-        for key in r.smembers(keys.client_wants(cid)):
+        if isinstance(members, redis.ResponseError):  # (WRONGTYPE: not a set)
+            malformed.append((cid, _bad_wants(r, keys, cid)))
+            continue
+        for key in members:
             ts = tasks.get(key.decode())
             if ts is not None:
                 ts.who_wants.add(cid)
                 wanted.add(ts)
-        if not wanted and schema.is_holder(cid):
+    orphans = [ts for ts in tasks.values() if not ts.who_wants and ts.state in WAITED_ON]
+    for cid, one in malformed:
+        for ts in orphans:
+            ts.who_wants.add(cid)
+        state.clients[cid].update(orphans)
+        one.wanted = [ts.key for ts in orphans]
+        bad.append(one)
+    for cid in holders:
+        if not state.clients[cid]:
             del state.clients[cid]  # (a holder exists only while it wants something)
+
+
+def _bad_wants(r: redis.Redis, keys: Keys, cid: str) -> Quarantined:
+    name = keys.client_wants(cid)
+    fields = record_copy(r, name)
+    error = RecordError(name, "type", evidence(fields[b"type"]), "is no set")
+    return Quarantined("wants", name, cid.encode(), error, fields, cid)
 
 
 def _pages(r: redis.Redis, keys: Keys) -> Iterator[list[list[bytes]]]:
@@ -653,6 +688,8 @@ def _load_tasks(r: redis.Redis, keys: Keys, state: SchedulerState, bad: list[Qua
             fields = iter(row[1:])
             try:
                 key = row[0].decode()
+                if len(row) == 2:  # (a key of another type than hash: its type)
+                    raise RecordError(prefix + key, "type", evidence(row[1]), "is no hash")
                 record = TaskRecord.checked(prefix + key, zip(fields, fields, strict=False))
             except (RecordError, UnicodeDecodeError) as exc:
                 placeholders += _bad_task(r, keys, row, exc, bad)
@@ -687,7 +724,10 @@ def _bad_task(
     member = row[0]
     name = member.decode(errors="replace")
     hash_key = keys.task_prefix.encode() + member
-    fields = r.hgetall(hash_key)
+    try:
+        fields = r.hgetall(hash_key)
+    except redis.ResponseError:  # (WRONGTYPE: no hash)
+        fields = record_copy(r, hash_key)
     if isinstance(exc, RecordError):
         bad.append(Quarantined("task", hash_key, member, exc, fields, name))
         return [name]

@@ -624,8 +624,12 @@ LOAD_TASKS = """
 local page = redis.call('SSCAN', KEYS[1], ARGV[1], 'COUNT', tonumber(ARGV[2]))
 local out = {}
 for _, key in ipairs(page[2]) do
-  local fields = redis.call('HGETALL', ARGV[3] .. key)
+  local fields = redis.pcall('HGETALL', ARGV[3] .. key)
   local row = {key}
+  if fields.err then  -- a key of another type: {key, its type}, for the loader to quarantine
+    row[2] = redis.call('TYPE', ARGV[3] .. key).ok
+    fields = {}
+  end
   for i = 1, #fields, 2 do
     local name = fields[i]
     if name == 'spec' then

@@ -21,7 +21,17 @@ import redis
 from polling import poll
 
 from redisdask import Client, Event, LocalCluster, Lock, Queue, Variable, comm, get_client, secede
-from redisdask.acl import FAMILIES, ROLES, allows_key, default_user, setuser, setuser_args
+from redisdask.acl import (
+    FAMILIES,
+    READ_ONLY_SINCE,
+    ROLES,
+    allows_key,
+    allows_write,
+    default_user,
+    parse_version,
+    setuser,
+    setuser_args,
+)
 from redisdask.scheduler import Scheduler
 from redisdask.schema import Keys, Scripts
 
@@ -93,8 +103,11 @@ class Users:
         self.url, self.cluster = url, cluster
         self.passwords = {role: uuid.uuid4().hex for role in ROLES}
         admin = redis.Redis.from_url(url)
+        self.version = parse_version(admin.info("server")["redis_version"])
         for role in ROLES:
-            admin.execute_command(*setuser_args(role, cluster, password=self.passwords[role]))
+            admin.execute_command(
+                *setuser_args(role, cluster, password=self.passwords[role], version=self.version)
+            )
         admin.close()
 
     def name(self, role: str) -> str:
@@ -283,6 +296,53 @@ def test_each_role_is_refused_what_it_must_not_do(acl_cluster: Users) -> None:
     assert scheduler.execute_command("WAIT", 0, 0) == 0  # redis.wait-replicas
     for r in (monitor, client, worker, scheduler):
         r.close()
+
+
+def test_a_client_user_cannot_write_what_it_only_reads(users: Users) -> None:
+    """Another worker's inbox, ``ready`` zset and ``alive`` key, a task record, another
+    client's events stream (whose ``task-erred`` entries that client unpickles): a client
+    user reads them and writes none.  Its own ``alive`` and ``written`` keys it writes."""
+    if users.version < READ_ONLY_SINCE:
+        pytest.skip("Redis 6.2 has no read-only key patterns (%R~): docs/security.md says "
+                    "what its client role may write")  # fmt: skip
+    keys, worker = Keys(users.cluster), "tcp://127.0.0.1:9"
+    admin = redis.Redis.from_url(users.url)
+    admin.xadd(keys.worker_inbox(worker), {"m": b"x"})
+    admin.zadd(keys.worker_ready(worker), {"k": 1})
+    admin.set(keys.worker_alive(worker), 1)
+    admin.xadd(keys.client_events("another"), {"m": b"x"})
+    admin.hset(keys.task("k"), "state", "memory")
+    client = users.redis("client")
+    assert client.xlen(keys.worker_inbox(worker)) == 1 and client.get(keys.worker_alive(worker))
+    assert client.zcard(keys.worker_ready(worker)) == 1
+    assert client.xrange(keys.client_events("another"))  # (its own, by the same pattern)
+    assert client.hget(keys.task("k"), "state") == b"memory"
+    for write in (
+        lambda: client.xadd(keys.worker_inbox(worker), {"m": b"x"}),
+        lambda: client.delete(keys.worker_inbox(worker)),
+        lambda: client.zadd(keys.worker_ready(worker), {"k": 2}),
+        lambda: client.set(keys.worker_alive(worker), 1, px=60_000),
+        lambda: client.xadd(keys.client_events("another"), {"m": pickle.dumps(ValueError())}),
+        lambda: client.hset(keys.task("k"), "state", "erred"),
+        lambda: client.delete(keys.client_wants("another")),
+    ):
+        assert refused(write)
+    assert client.set(keys.client_alive("mine"), 1, px=1000)
+    assert client.delete(keys.client_alive("mine"), keys.client_written("mine")) >= 0
+    for name in (keys.worker_inbox(worker), keys.client_events("another"), keys.task("k")):
+        assert not allows_write("client", users.cluster, name, users.version)
+    assert allows_write("client", users.cluster, keys.client_stream, users.version)
+    client.close()
+    admin.close()
+
+
+def test_on_redis_6_2_the_client_role_may_write_what_it_reads() -> None:
+    """What docs/security.md says remains possible on 6.2: one pattern reads and writes."""
+    keys = Keys("c")
+    for name in (keys.worker_inbox("w"), keys.client_events("another"), keys.task("k")):
+        assert allows_write("client", "c", name, (6, 2))
+        assert not allows_write("client", "c", name, (7, 0))
+    assert "%R~" not in setuser("client", "c", version=(6, 2))
 
 
 # ---------------------------------------------------------------- the attack

@@ -91,6 +91,13 @@ def test_unreachable_redis_exits_1_with_a_clear_message(command: list[str]) -> N
         (["inspect", "events", "-n", "-5"], "--count"),
         (["monitor", "--interval", "inf"], "--interval"),
         (["demo", "--workers", "0"], "--workers"),
+        (["scheduler", "--lease-ttl", "0.0001"], "scheduler.lease-ttl"),
+        (["scheduler", "--cluster", "a b{x}"], "--cluster"),
+        (["worker", "--cluster", "a" * 200], "--cluster"),
+        (["status", "--cluster", "{x}"], "--cluster"),
+        (["worker", "--host", "999.1.1.1"], "--host"),
+        (["worker", "--no-nanny", "--host", "8.8.8.8"], "--host"),  # (not this machine's)
+        (["exporter", "--host", "8.8.8.8"], "--host"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag_without_a_traceback(args: list[str], named: str) -> None:
@@ -100,6 +107,7 @@ def test_bad_flags_exit_2_naming_the_flag_without_a_traceback(args: list[str], n
     assert result.returncode == 2, result.stderr
     assert named in result.stderr
     assert "Traceback" not in result.stderr
+    assert named in result.stderr.strip().splitlines()[-1]  # one line says it (after usage)
     if "." in named and not named.startswith("-"):
         assert "command-line flag --" in result.stderr
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from mixed_state import build
+from mixed_state import CLIENT, build
 from polling import poll
 from tasklib import wait_for_file
 
@@ -217,3 +217,83 @@ def test_a_restarted_scheduler_skips_malformed_records_and_the_good_work_finishe
 
         keys_json = run_cli("inspect", "keys", redis_url, "--cluster", cluster_name, "--json")
         assert keys_json.returncode == 0 and json.loads(keys_json.stdout)
+
+
+def test_load_state_quarantines_records_of_the_wrong_type(
+    redis_url: str, cluster_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client's ``wants`` set, a task hash and a rebalance record that are strings (each
+    read raised WRONGTYPE, and every scheduler start exited 1): skipped, dead-lettered,
+    repaired.  The client whose set was lost is given what nobody else wants, so that no
+    future of it waits for news nobody sends."""
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ours = build(r, keys, 200)
+    wants = keys.client_wants(CLIENT)
+    r.delete(wants)
+    r.set(wants, "not a set")
+    victim = sorted(k for k, ts in ours.tasks.items() if ts.state == "queued")[0]
+    r.delete(keys.task(victim))
+    r.set(keys.task(victim), "not a hash")
+    r.sadd(keys.rebalances, "rb-2")
+    r.set(keys.rebalance("rb-2"), "not a hash")
+
+    found: list[Quarantined] = []
+    with caplog.at_level(logging.WARNING, "redisdask.scheduler"):
+        state = load_state(r, keys, validate=True, quarantined=found)
+    by_kind = {q.kind: q for q in found}
+    assert sorted(by_kind) == ["rebalance", "task", "wants"] and len(found) == 3
+    assert by_kind["wants"].error.field == "type" and "string" in by_kind["wants"].error.evidence
+    assert by_kind["task"].name == victim and by_kind["task"].error.field == "type"
+    # every task the client wanted is its own again (and what nobody else wanted)
+    wanted = {k for k, ts in ours.tasks.items() if CLIENT in ts.who_wants} - {victim}
+    assert wanted <= {ts.key for ts in state.clients[CLIENT]}
+    assert all(CLIENT in state.tasks[k].who_wants for k in wanted)
+    assert wants in caplog.text and "not a set" not in caplog.text  # (its copy is dead-lettered)
+
+    pipe = r.pipeline(transaction=True)
+    for one in found:
+        for command in one.commands(keys):
+            pipe.execute_command(*command)
+    pipe.execute()
+    dead = {f[b"stream"].decode(): f for _, f in r.xrange(keys.dead_letter)}
+    assert {wants, keys.task(victim), keys.rebalance("rb-2")} <= set(dead)
+    assert unpack(dead[wants][b"sample"])[b"type"] == b"string"
+    assert r.type(wants) == b"set" and {m.decode() for m in r.smembers(wants)} >= wanted
+    again: list[Quarantined] = []
+    reloaded = load_state(r, keys, validate=True, quarantined=again)
+    assert again == []
+    assert wanted <= {ts.key for ts in reloaded.clients[CLIENT]}
+
+
+def test_a_scheduler_starts_over_a_wants_set_of_the_wrong_type_and_the_client_gets_its_result(
+    redis_url: str, cluster_name: str, tmp_path: Path
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    gate = tmp_path / "gate"
+    with (
+        LocalCluster(
+            nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name,
+            log_directory=tmp_path / "logs",
+        ) as cluster,
+        Client(cluster) as client,
+    ):  # fmt: skip
+        blocked = client.submit(wait_for_file, str(gate), key="blocked")
+        after = client.submit(first_char, blocked, key="after")
+        poll(lambda: r.hget(keys.task("blocked"), "state") == b"processing")
+        cluster.scheduler_process.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
+        cluster.scheduler_process.wait(10)  # type: ignore[union-attr]
+        r.delete(keys.client_wants(client.id))
+        r.set(keys.client_wants(client.id), "garbage")
+
+        old_token = r.get(keys.lease)
+        cluster.start_scheduler()
+        poll(lambda: r.get(keys.lease) not in (None, old_token), timeout=30)
+        gate.write_text("go")
+        assert after.result(timeout=30) == str(gate)[0]
+        assert blocked.result(timeout=30) == str(gate)
+        assert client.submit(inc, 1).result(timeout=30) == 2
+        assert cluster.scheduler_process.poll() is None  # type: ignore[union-attr]
+        log = (tmp_path / "logs" / "scheduler.log").read_text()
+        assert log.count("skipped a malformed wants record") == 1 and "Traceback" not in log

@@ -100,6 +100,8 @@ def test_a_mistyped_cluster_name_creates_no_keys_and_names_the_clusters_there(
     )
     assert f"no cluster named {typo!r}" in status.stdout, status.stdout + status.stderr
     assert cluster_name in status.stdout
+    assert status.returncode == 1  # and the line that says why, not a success
+    assert f"no cluster named {typo!r}" in status.stderr and cluster_name in status.stderr
     assert _keys_of(redis_url, typo) == []
 
 

@@ -120,9 +120,11 @@ def test_status_json_and_waiting_for_a_scheduler(read_only_url: str, cluster_nam
          "--json"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1  # no such cluster (yet): said, and not a success
+    assert f"no cluster named {cluster_name!r}" in result.stderr
     data = json.loads(result.stdout)
     assert data["cluster"] == cluster_name and data["has_scheduler"] is False
+    assert data["exists"] is False
     assert data["workers"] == [] and len(data["finished"]) == 60
 
 

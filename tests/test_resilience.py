@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -143,6 +144,42 @@ def test_a_hung_worker_is_removed_when_its_heartbeat_expires(
         finally:
             hung.send_signal(signal.SIGCONT)
         assert hung.wait(timeout=20) == 1  # it wakes up unknown to the cluster and leaves
+
+
+def test_a_worker_removed_while_stopped_leaves_when_it_wakes_and_does_not_come_back(
+    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """distributed's worker closes when the scheduler removed it (its nanny starts a fresh
+    one).  Ours came back instead: stopped past its Redis reads' timeout (5 s), it woke
+    on SIGCONT to a timed-out read, reconnected, and registered again with its stale
+    state; stopped less long and idle, it lingered unknown until work was queued."""
+    monkeypatch.setenv("REDISDASK__SCHEDULER__WORKER_TTL", "1")
+    with (
+        LocalCluster(
+            nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name,
+            log_directory=tmp_path,
+        ) as cluster,
+        Client(cluster) as client,
+    ):  # fmt: skip
+        r = redis.Redis.from_url(redis_url)
+        keys = Keys(cluster_name)
+        stopped = cluster.worker_processes[0]
+        address = next(
+            a for a, w in client.scheduler_info()["workers"].items() if w["pid"] == stopped.pid
+        )
+        x = client.submit(inc, 1, workers=[address])
+        assert x.result(timeout=20) == 2
+        stopped.send_signal(signal.SIGSTOP)
+        try:
+            poll(lambda: not r.hexists(keys.workers, address), timeout=20)
+            time.sleep(6)  # (the fault: stopped past its reads' timeout)
+        finally:
+            stopped.send_signal(signal.SIGCONT)
+        assert stopped.wait(timeout=20) == 1  # idle, nothing queued: it leaves all the same
+        assert not r.hexists(keys.workers, address)
+        assert "removed from the cluster" in (tmp_path / "worker-0.log").read_text()
+        assert x.result(timeout=20) == 2 and client.submit(inc, 2).result(timeout=20) == 3
+        assert len(client.scheduler_info()["workers"]) == 1
 
 
 def test_a_result_lost_with_its_worker_is_recomputed(

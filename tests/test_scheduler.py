@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import redis
@@ -389,3 +391,56 @@ def test_a_worker_that_said_goodbye_as_its_heartbeat_went_is_not_recorded_dead(
     kinds = [unpack(f[b"m"])["kind"] for _, f in r.xrange(keys.events)]
     assert "worker-left" in kinds and "worker-died" not in kinds
     assert r.xpending(keys.worker_stream, SCHEDULER_GROUP)["pending"] == 0
+
+
+def test_a_client_that_said_goodbye_is_logged_as_closed_not_as_silent(
+    redis_url: str, cluster_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A closing client writes its goodbye and deletes its ``alive`` key in one write.  A
+    look for the dead between that write and the scheduler's next read applies the
+    goodbye, and says the client closed: it did not stop heartbeating."""
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ensure_cluster(r, keys)
+    scheduler = Scheduler(redis_url, cluster_name, validate=True)
+    scheduler.acquire_lease()
+    client = Client(redis_url, cluster_name=cluster_name, set_as_default=False)
+    client.submit(inc, 1, key="wanted")
+    poll(lambda: r.xlen(keys.client_stream) > 0)
+    reply = r.xreadgroup(SCHEDULER_GROUP, "scheduler", {keys.client_stream: ">"})
+    scheduler.process(decode_reply(reply))
+    assert client.id in scheduler.state.clients
+    scheduler.trust_clients_at = 0.0  # (a scheduler that has run a while)
+
+    client.close()
+    with caplog.at_level(logging.INFO, "redisdask.scheduler"):
+        scheduler.look_for_the_dead()
+
+    assert client.id not in scheduler.state.clients and "wanted" not in scheduler.state.tasks
+    assert "stopped heartbeating" not in caplog.text
+    assert f"client {client.id} closed: it said goodbye" in caplog.text
+
+
+def test_a_script_that_ends_without_close_says_goodbye(
+    redis_url: str, cluster_name: str, tmp_path: Path
+) -> None:
+    """As distributed closes its client at exit: a script that never calls ``close()``
+    says goodbye as it ends, so its keys are released at once (not after the 30 s client
+    TTL) and the scheduler does not log it as a client that stopped heartbeating."""
+    with LocalCluster(
+        nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name,
+        log_directory=tmp_path,
+    ):  # fmt: skip
+        code = (
+            "from redisdask import Client\n"
+            f"c = Client({redis_url!r}, {cluster_name!r})\n"
+            "print(c.id, c.submit(sum, [1, 2]).result(timeout=30))\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+        )
+        client_id, result = done.stdout.split()
+        assert result == "3", done.stderr
+        r = redis.Redis.from_url(redis_url)
+        poll(lambda: not r.hexists(Keys(cluster_name).clients, client_id), timeout=10)
+    assert "stopped heartbeating" not in (tmp_path / "scheduler.log").read_text()

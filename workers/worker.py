@@ -208,6 +208,7 @@ class Worker:
         self._process = psutil.Process()
         self._closing: asyncio.Future[None] | None = None
         self._reconnecting: asyncio.Future[None] | None = None
+        self._run_id: str | None = None  # the Redis server's it registered with
         self._exit_reason: str | None = None  # what the nanny is told, if not close()'s
         self._retire_force = False
         # taken out of the environment: processes that tasks start have no nanny
@@ -275,6 +276,7 @@ class Worker:
         self.scripts = schema.Scripts(self.redis, self.keys)  # type: ignore[arg-type]
         await self.plugin_host.start(self)  # preloads, uploads, plugins: before any claim
         await self._register()
+        self._run_id = (await self.redis.info("server")).get("run_id")  # see _removed
         await self.plugin_host.sync(self)  # those registered while this one registered
         if self._address_file:
             Path(self._address_file).write_text(self.address)  # for its nanny: which worker
@@ -382,6 +384,9 @@ class Worker:
         while self.status == "running":
             await asyncio.sleep(backoff.next())  # backoff while Redis is away
             try:
+                if await self._removed():  # (stopped or cut off while it was removed)
+                    self._leave_removed(None)
+                    return
                 await self._register(resync=True)
             except (redis.ConnectionError, redis.TimeoutError):
                 continue
@@ -652,13 +657,7 @@ class Worker:
                     except redis.ResponseError as exc:
                         if "UNKNOWN_WORKER" not in str(exc):
                             raise
-                        # declared dead (say, a heartbeat missed while this process was
-                        # stopped): its work went to others; a fresh start is the safe way
-                        logger.error("this worker was removed from the cluster; leaving")
-                        self.failure = exc
-                        self._closing = asyncio.ensure_future(
-                            self.close("removed by the scheduler")
-                        )
+                        self._leave_removed(exc)
                         return
                     self._empty_at = _parse_id(last_id) if len(claimed) < budget else None
                     self._blocked_at = self.state.resources_freed if blocked else None
@@ -824,6 +823,7 @@ class Worker:
                 self._closing = asyncio.ensure_future(self.close("its nanny died"))
                 return
             pipe = self.redis.pipeline(transaction=False)
+            pipe.hexists(self.keys.workers, self.address)
             pipe.set(self.keys.worker_alive(self.address), 1, px=ttl)
             pipe.hset(self.keys.heartbeats, self.address, schema.pack(self._metrics()))
             # what the inbox listener read is trimmed here, off the task path: everything
@@ -842,12 +842,38 @@ class Worker:
                     approximate=False,
                 )
             try:
-                await pipe.execute()
+                registered, *_ = await pipe.execute()
             except BaseException:
                 self._events[:0] = events  # not written: the next heartbeat tries again
                 raise
+            if not registered and await self._removed():
+                self._leave_removed(None)
+                return
             await self._report_holding()
             await asyncio.sleep(self.heartbeat_interval)  # a heartbeat is a timer by nature
+
+    async def _removed(self) -> bool:
+        """Whether the scheduler removed this worker: its entry is gone from the Redis
+        server it registered with (a new server, restarted or failed over, may have lost
+        it: the worker registers again there, with what it holds)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hexists(self.keys.workers, self.address)
+        pipe.info("server")
+        registered, info = await pipe.execute()
+        run_id, self._run_id = self._run_id, info.get("run_id")
+        return not registered and run_id == self._run_id
+
+    def _leave_removed(self, exc: BaseException | None) -> None:
+        """Close, as distributed's worker does when the scheduler removed it (declared
+        dead: say, stopped or cut off longer than the TTL): its tasks and its data went
+        to others, so it does not come back with them; the process exits 1, and a nanny
+        starts a fresh one."""
+        logger.error(
+            "this worker was removed from the cluster (no heartbeat for scheduler.worker-ttl:"
+            " stopped or cut off?); leaving"
+        )
+        self.failure = exc or RuntimeError(f"worker {self.address} was removed by the scheduler")
+        self._closing = asyncio.ensure_future(self.close("removed by the scheduler"))
 
     def _note(self, kind: str, detail: str) -> None:
         """A line of this worker's story that no task transition tells (pause, spill)."""
