@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 import cloudpickle
 import redis
 
-from redisdask import comm, logs, schema, task_context
+from redisdask import comm, logs, redis_memory, schema, task_context
 from redisdask import spec as specs
 from redisdask.backoff import Backoff
 from redisdask.client_channel import SchedulerChannel, _Outgoing
@@ -204,6 +204,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         self._retire_refused: dict[str, str] = {}  # worker -> why the scheduler refused
         self._versions = versions()
         self._down_since: float | None = None  # when Redis was found unreachable
+        self._refused_since: float | None = None  # when Redis began refusing a send
         # since when (monotonic) each heartbeat found no leading scheduler / no worker
         self._missing_since: dict[str, float] = {}
         self._written = 0  # entries written to the clients stream that Redis holds
@@ -250,6 +251,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         self._aredis = connect_async(self.redis_url, timeout=self.timeout, name=name,
                                      cluster_errors=True, config=login)  # fmt: skip
         self._write_entries = self._aredis.register_script(schema.WRITE_ENTRIES)
+        self._through = schema.Scripts(self._aredis, self.keys).through  # type: ignore[arg-type]
         self.redis = connect(self.redis_url, timeout=self.timeout, name=name,
                              cluster_errors=True, check=False, config=login)  # fmt: skip
         self._events_redis = connect_async(
@@ -257,6 +259,8 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         )
         try:
             await check_async(self._aredis, self.redis_url, self.timeout)
+            memory = await redis_memory.aread(self._aredis)
+            redis_memory.check_policy(memory, f"client {self.id}")
             self.secret = await self._afind_cluster()
             await self._aheartbeat()
         except BaseException:
