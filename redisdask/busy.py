@@ -56,12 +56,14 @@ logger = logging.getLogger("redisdask.redis")
 
 WARN_EVERY = 30.0  # seconds between the log lines of one long wait
 # what Redis says, first in a command's error, after "caused error: " (or "caused
-# error: ('") in a pipeline's, after "discarded because of: " in a transaction's, after
-# "-" in a script's on Redis 6.2; BUSY: Valkey names itself
+# error: ('") in a pipeline's, after "discarded because of: " in a transaction's, inside a
+# script's; BUSY: Valkey names itself.  redis-py takes "OOM " and "READONLY " off the
+# errors it raises as OutOfMemoryError and ReadOnlyError: their texts are matched without
 _REFUSED = re.compile(
-    r"(?:^|[\s('\"-])(?:(BUSY) \w+ is busy|(OOM) command not allowed|(MISCONF) |"
-    r"(READONLY) You can't write)"
+    r"(?:^|[\s('\"-])(?:(BUSY) \w+ is busy|(?:OOM )?(command not allowed when used memory)|"
+    r"(MISCONF) |(?:READONLY )?(You can't write against a read only))"
 )
+_KINDS = ("BUSY", "OOM", "MISCONF", "READONLY")  # of the groups of _REFUSED, in order
 # what each refusal means, and what makes it end
 WHY = {
     "BUSY": "is busy running a script (SCRIPT KILL stops a script that never ends)",
@@ -83,7 +85,9 @@ def refusal(exc: object) -> str | None:
     if not isinstance(exc, redis.ResponseError):
         return None
     found = _REFUSED.search(str(exc.args[0]) if exc.args else "")
-    return next(filter(None, found.groups())) if found else None
+    if found is None:
+        return None
+    return next(kind for kind, text in zip(_KINDS, found.groups(), strict=True) if text)
 
 
 def is_busy(exc: object) -> bool:
@@ -125,7 +129,7 @@ class _Wait:
                 "Redis at %s:%s %s; it said: %s; waiting to send %s again (for %.1f s now)",
                 *episode[:2],
                 WHY[self.kind],
-                str(exc).rpartition(f"{self.kind} ")[2][:80] or str(exc)[:80],
+                str(exc)[:120],
                 self.what,
                 now - began,
             )

@@ -1196,11 +1196,17 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         with contextlib.suppress(Exception):
             await asyncio.wait_for(flushed, self.timeout)  # type: ignore[arg-type]
         try:
-            pipe = self._aredis.pipeline(transaction=True)
-            # (the scheduler deletes our events stream when it handles close-client)
-            pipe.xadd(self.keys.client_stream, schema.entry([CloseClient(self.id).to_dict()]))
-            pipe.delete(self.keys.client_alive(self.id), self.keys.client_written(self.id))
-            await pipe.execute()
+            # (the scheduler deletes our events stream when it handles close-client);
+            # through a full Redis: the scheduler then frees this client's keys
+            alive, goodbye = self.keys.client_alive(self.id), CloseClient(self.id).to_dict()
+            await self._through(
+                key=alive,
+                ttl_ms=int(self.config.scheduler.client_ttl * 1000),
+                commands=[
+                    ["XADD", self.keys.client_stream, "*", "m", schema.pack([goodbye])],
+                    ["DEL", alive, self.keys.client_written(self.id)],
+                ],
+            )
         except (redis.RedisError, ClusterConnectionError) as exc:
             logger.warning("client %s could not say goodbye to Redis: %s", self.id, exc)
         # the reader ends when its blocking read fails: cut its connection

@@ -234,6 +234,8 @@ class SchedulerChannel:
         later one.  What is written is kept a while (``_kept``), for a Redis that
         loses it."""
         with self._send_lock:
+            for item in items:  # (a send of nothing carries releases alone, if any)
+                item.frees = item.frees or not item.batches
             batches, owners, released = self._with_releases(items)
             alone = _Outgoing((), (), concurrent.futures.Future(), False, frees=True)
             written = [
