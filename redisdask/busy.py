@@ -61,9 +61,12 @@ WARN_EVERY = 30.0  # seconds between the log lines of one long wait
 # errors it raises as OutOfMemoryError and ReadOnlyError: their texts are matched without
 _REFUSED = re.compile(
     r"(?:^|[\s('\"-])(?:(BUSY) \w+ is busy|(?:OOM )?(command not allowed when used memory)|"
-    r"(MISCONF) |(?:READONLY )?(You can't write against a read only))"
+    r"(MISCONF) |(?:READONLY )?(You can't write against a read only)|"
+    r"(UNBLOCKED) force unblock from blocking operation, instance state changed)"
 )
-_KINDS = ("BUSY", "OOM", "MISCONF", "READONLY")  # of the groups of _REFUSED, in order
+# of the groups of _REFUSED, in order; UNBLOCKED: a blocking read that the server's
+# demotion to a replica ended (it returned nothing: reading again is safe)
+_KINDS = ("BUSY", "OOM", "MISCONF", "READONLY", "READONLY")
 # what each refusal means, and what makes it end
 WHY = {
     "BUSY": "is busy running a script (SCRIPT KILL stops a script that never ends)",

@@ -135,8 +135,7 @@ def test_the_inline_budget_keeps_results_out_of_a_filling_redis(
             nanny=False,
             n_workers=1,
             redis_url=own_redis.url,
-            cluster_name="c",
-            worker_options={"inline_results_redis_fraction": 0.5},
+            cluster_name="c",  # worker.inline-results-redis-fraction: 0.5
         ) as cluster,
         Client(cluster) as client,
     ):
