@@ -18,8 +18,8 @@ from polling import poll
 from redisdask import Client, LocalCluster
 from redisdask.embedded import EmbeddedRedis
 from redisdask.errors import EvictingRedisError, RedisRefusedError
-from redisdask.scheduler import Scheduler
-from redisdask.schema import Keys, unpack
+from redisdask.scheduler import MAX_SCRIPT_COMMANDS, Scheduler
+from redisdask.schema import Keys, ensure_cluster, unpack
 from redisdask.workers.worker import Worker
 
 
@@ -152,3 +152,22 @@ def _not_inlined(client: Client, r: redis.Redis, keys: Keys) -> bool:
     f = client.submit(inc, 7, pure=False)
     assert f.result(timeout=20) == 8
     return not r.hget(keys.task(f.key), "value")
+
+
+def test_a_write_of_several_parts_lands_whole_through_a_full_redis(
+    own_redis: EmbeddedRedis,
+) -> None:
+    """A full Redis refuses every command queued in a MULTI: the scheduler's write of
+    several parts goes again as one script, which opens the way, and lands whole."""
+    scheduler = Scheduler(own_redis.url, "c")
+    ensure_cluster(scheduler.redis, scheduler.keys)
+    scheduler.acquire_lease(standby=False)
+    r = own_redis.client()
+    r.config_set("maxmemory", 1)
+    probe, n = scheduler.keys.prefix + "probe", 2 * MAX_SCRIPT_COMMANDS + 1
+    scheduler.apply([["HSET", probe, f"f{i}", i] for i in range(n)])
+    assert r.hlen(probe) == n
+    assert not r.exists(scheduler.keys.applying)  # no part marker left behind
+    assert r.get(scheduler.keys.lease).decode() == scheduler.token
+    r.config_set("maxmemory", 0)
+    scheduler.release_lease()
