@@ -260,7 +260,8 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         try:
             await check_async(self._aredis, self.redis_url, self.timeout)
             memory = await redis_memory.aread(self._aredis)
-            redis_memory.check_policy(memory, f"client {self.id}")
+            if memory is not None:  # (INFO refused: the heartbeat warns, once)
+                redis_memory.check_policy(memory, f"client {self.id}")
             self.secret = await self._afind_cluster()
             await self._aheartbeat()
         except BaseException:
