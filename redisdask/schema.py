@@ -649,10 +649,15 @@ return {page[1], out}
 # admitted work forward (the scheduler's batches and lease, heartbeats, a worker's
 # reports, a client's releases) opens with one that Redis allows when full: a PEXPIRE of
 # the caller's own key that holds that TTL anyway (its ``alive`` key, the lease).  Then
-# ARGV[2], a msgpack list of commands, runs.  KEYS[1]: that key; ARGV[1]: its TTL in ms.
+# ARGV[2], a msgpack list of commands, runs.  KEYS[1]: that key; ARGV[1]: its TTL in ms,
+# or '' for a key without a TTL (a stream), which is PERSISTed instead (a no-op).
 # A MULTI/EXEC cannot do this: a full Redis refuses every command queued in one.
 THROUGH = """
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
+if ARGV[1] == '' then
+  redis.call('PERSIST', KEYS[1])
+else
+  redis.call('PEXPIRE', KEYS[1], ARGV[1])
+end
 local commands = cmsgpack.unpack(ARGV[2])
 for i = 1, #commands do redis.call(unpack(commands[i])) end
 return #commands
@@ -721,12 +726,13 @@ class Scripts:
         return self._apply_fenced(keys=keys, args=args, client=client)
 
     def through(
-        self, *, key: str, ttl_ms: int, commands: list[list[Any]], client: Any = None
+        self, *, key: str, ttl_ms: int | None, commands: list[list[Any]], client: Any = None
     ) -> Any:
         """Run ``commands`` in one script that gets through a full Redis (``THROUGH``),
         opened by renewing ``key`` (the caller's own, which holds that TTL anyway) for
-        ``ttl_ms``.  ``client``: a pipeline to queue it on."""
-        args = [ttl_ms, pack_for_lua(commands)]
+        ``ttl_ms``, or (None) by a PERSIST of a key without a TTL.  ``client``: a
+        pipeline to queue it on."""
+        args = ["" if ttl_ms is None else ttl_ms, pack_for_lua(commands)]
         return self._through(keys=[key], args=args, client=client)
 
     def acquire_lease(

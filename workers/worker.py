@@ -827,7 +827,9 @@ class Worker:
             pipe = self.redis.pipeline(transaction=False)
             await self.scripts.through(key=alive, ttl_ms=ttl, commands=commands, client=pipe)
             pipe.info("memory")
-            _, memory = await pipe.execute(raise_on_error=False)
+            beat, memory = await pipe.execute(raise_on_error=False)
+            if isinstance(beat, Exception):  # (INFO may be refused: an ACL)
+                raise beat
             self._inline_allowed = self._inline_budget(memory)
             await self._report_holding()
             await asyncio.sleep(self.heartbeat_interval)  # a heartbeat is a timer by nature
