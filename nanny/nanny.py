@@ -451,7 +451,12 @@ class Nanny:
         evidence.update(pid=watch.pid, host=socket.gethostname(), name=self.name or self.label)
         if kind != "graceful" and watch.address is not None:
             message = RemoveWorker(watch.address, reason=reason, how="nanny", evidence=evidence)
-            await self.redis.xadd(self.keys.worker_stream, schema.entry([message.to_dict()]))
+            stream = self.keys.worker_stream  # through a full Redis: it frees the dead's work
+            packed = schema.pack([message.to_dict()])
+            scripts = schema.Scripts(self.redis, self.keys)  # type: ignore[arg-type]
+            await scripts.through(
+                key=stream, ttl_ms=None, commands=[["XADD", stream, "*", "m", packed]]
+            )
             return
         # nothing for the scheduler to do: a goodbye was said, or it never registered
         record = {

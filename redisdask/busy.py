@@ -1,11 +1,24 @@
-"""Redis busy running a script: wait it out, never fail on it.
+"""Redis refusing commands for a while: wait it out, never fail on it.
 
-While a Lua script (or a function, or a module's command) runs past Redis's
-``busy-reply-threshold`` (``lua-time-limit``; 5 s by default), Redis answers every other
-command with ``BUSY Redis is busy running a script...`` until it ends.  A refused command
-was **not executed**, so sending it again later is always safe; every redisdask process
-(scheduler, workers, nannies, clients) does, with backoff, however long the script runs
-(``SCRIPT KILL`` ends a runaway one), logging what it waits for.
+Redis refuses a command it will take again later, without executing it:
+
+* ``BUSY``: a Lua script (or a function, or a module's command) runs past Redis's
+  ``busy-reply-threshold`` (``lua-time-limit``; 5 s by default); every other command is
+  refused until it ends (``SCRIPT KILL`` ends a runaway one).
+* ``OOM``: used memory is above ``maxmemory`` under ``noeviction``; commands that may add
+  memory (``denyoom``: SET, XADD, HSET...) are refused, those that free it (DEL, XACK,
+  PEXPIRE...) are not.  The writes that must get through a full Redis, so that it can
+  ever empty again, open their script with a write that is not ``denyoom`` (see
+  docs/design.md, "A full Redis").
+* ``MISCONF``: a failed RDB save with ``stop-writes-on-bgsave-error yes``: every write.
+* ``READONLY``: the server is a replica (a demoted primary): every write.
+
+A refused command was **not executed**, so sending it again later is always safe; every
+redisdask process (scheduler, workers, nannies, clients) does, with backoff, however long
+it lasts, logging what Redis said and the fix once per episode (and again every
+``WARN_EVERY``), and when it ends.  Code that must not wait (a client's send, with its
+``redis.down-deadline``; the scheduler's MULTI of a big write, which a full Redis refuses
+whole) asks for the refusal instead: ``with raised(): ...``.
 
 * A single command (and a script call) is sent again as it was.
 * A transaction (MULTI/EXEC) with a refused command is discarded whole by Redis
@@ -24,9 +37,12 @@ was **not executed**, so sending it again later is always safe; every redisdask 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import re
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import redis
@@ -38,55 +54,118 @@ from redisdask.backoff import Backoff
 
 logger = logging.getLogger("redisdask.redis")
 
-WARN_EVERY = 10.0  # seconds between the log lines of one long wait
-# "BUSY Redis is busy running a script..." (Valkey names itself), first in a command's
-# error, after "caused error: " (or "caused error: ('") in a pipeline's, after
-# "discarded because of: " in a transaction's
-_BUSY = re.compile(r"(?:^|[\s('\"])BUSY \w+ is busy")
+WARN_EVERY = 30.0  # seconds between the log lines of one long wait
+# what Redis says, first in a command's error, after "caused error: " (or "caused
+# error: ('") in a pipeline's, after "discarded because of: " in a transaction's, inside a
+# script's; BUSY: Valkey names itself.  redis-py takes "OOM " and "READONLY " off the
+# errors it raises as OutOfMemoryError and ReadOnlyError: their texts are matched without
+_REFUSED = re.compile(
+    r"(?:^|[\s('\"-])(?:(BUSY) \w+ is busy|(?:OOM )?(command not allowed when used memory)|"
+    r"(MISCONF) |(?:READONLY )?(You can't write against a read only)|"
+    r"(UNBLOCKED) force unblock from blocking operation, instance state changed)"
+)
+# of the groups of _REFUSED, in order; UNBLOCKED: a blocking read that the server's
+# demotion to a replica ended (it returned nothing: reading again is safe)
+_KINDS = ("BUSY", "OOM", "MISCONF", "READONLY", "READONLY")
+# what each refusal means, and what makes it end
+WHY = {
+    "BUSY": "is busy running a script (SCRIPT KILL stops a script that never ends)",
+    "OOM": "is full: used memory is above maxmemory under noeviction (release results: "
+    "del futures, client.cancel; or raise maxmemory: CONFIG SET maxmemory)",
+    "MISCONF": "refuses writes because it cannot persist: its last RDB save failed (see "
+    "its log: a full or unwritable disk under its dir; or CONFIG SET "
+    "stop-writes-on-bgsave-error no)",
+    "READONLY": "is a read-only replica (a demoted primary): point redis.url at the "
+    "primary, or use a redis+sentinel:// URL",
+}
+_WAITED = contextvars.ContextVar("refusals_waited", default=frozenset(WHY))
+_episodes: dict[tuple[Any, Any, str], float] = {}  # (host, port, kind) -> when it began
+
+
+def refusal(exc: object) -> str | None:
+    """Which refusal ``exc`` (an exception or a pipeline's reply) is: ``"BUSY"``,
+    ``"OOM"``, ``"MISCONF"``, ``"READONLY"``, or None for any other error."""
+    if not isinstance(exc, redis.ResponseError):
+        return None
+    found = _REFUSED.search(str(exc.args[0]) if exc.args else "")
+    if found is None:
+        return None
+    return next(kind for kind, text in zip(_KINDS, found.groups(), strict=True) if text)
 
 
 def is_busy(exc: object) -> bool:
-    """Whether ``exc`` (an exception or a pipeline's reply) is Redis's BUSY refusal, as a
-    command's error, a pipeline's annotated one or a discarded transaction's."""
-    if not isinstance(exc, redis.ResponseError):
-        return False
-    return _BUSY.search(str(exc.args[0]) if exc.args else "") is not None
+    """Whether ``exc`` is a refusal this context waits out (see ``raised``)."""
+    kind = refusal(exc)
+    return kind is not None and kind in _WAITED.get()
+
+
+@contextlib.contextmanager
+def raised(*kinds: str) -> Iterator[None]:
+    """Within the block (this thread, or this asyncio task), the refusals ``kinds`` (all
+    but BUSY if none are named) raise ``ResponseError`` instead of being waited out."""
+    token = _WAITED.set(_WAITED.get() - set(kinds or ("OOM", "MISCONF", "READONLY")))
+    try:
+        yield
+    finally:
+        _WAITED.reset(token)
 
 
 class _Wait:
-    """The backoff and the log lines of one wait for a busy Redis."""
+    """The backoff and the log lines of one wait for a refusing Redis."""
 
     def __init__(self, client: Any, what: Any) -> None:
         self.client, self.what = client, what
         self.backoff = Backoff(base=0.02, cap=0.5)
         self.started = time.monotonic()
         self.warned_at = 0.0
+        self.kind = ""
 
     def next(self, exc: BaseException) -> float:
         now = time.monotonic()
-        if now - self.warned_at >= WARN_EVERY:
+        kwargs = self.client.connection_pool.connection_kwargs
+        self.kind = refusal(exc) or "BUSY"
+        episode = (kwargs.get("host", "?"), kwargs.get("port", "?"), self.kind)
+        began = _episodes.setdefault(episode, now)
+        if (began == now and not self.warned_at) or now - self.warned_at >= WARN_EVERY:
             self.warned_at = now
-            kwargs = self.client.connection_pool.connection_kwargs
             logger.warning(
-                "Redis at %s:%s is busy running a script (%s); waiting to send %s again "
-                "(for %.1f s now; SCRIPT KILL stops a script that never ends)",
-                kwargs.get("host", "?"),
-                kwargs.get("port", "?"),
-                str(exc).rpartition("BUSY ")[2][:80],
+                "Redis at %s:%s %s; it said: %s; waiting to send %s again (for %.1f s now)",
+                *episode[:2],
+                WHY[self.kind],
+                str(exc)[:120],
                 self.what,
-                now - self.started,
+                now - began,
             )
         return self.backoff.next()
 
+    def done(self) -> None:
+        """The command went through: the episode (if this wait saw one) ended."""
+        kwargs = self.client.connection_pool.connection_kwargs
+        began = _episodes.pop((kwargs.get("host", "?"), kwargs.get("port", "?"), self.kind), None)
+        if began is not None:
+            logger.warning(
+                "Redis at %s:%s takes %s again after %.1f s",
+                kwargs.get("host", "?"),
+                kwargs.get("port", "?"),
+                self.what,
+                time.monotonic() - began,
+            )
+
+
+def _done(wait: _Wait | None, value: Any) -> Any:
+    if wait is not None:
+        wait.done()
+    return value
+
 
 class Redis(redis.Redis):
-    """A redis-py client that waits out BUSY (see the module's docstring)."""
+    """A redis-py client that waits out refusals (see the module's docstring)."""
 
     def execute_command(self, *args: Any, **options: Any) -> Any:
         wait: _Wait | None = None
         while True:
             try:
-                return super().execute_command(*args, **options)
+                return _done(wait, super().execute_command(*args, **options))
             except redis.ResponseError as exc:
                 if not is_busy(exc):
                     raise
@@ -102,7 +181,7 @@ class Pipeline(redis.client.Pipeline):
         wait: _Wait | None = None
         while True:
             try:
-                return super().immediate_execute_command(*args, **options)
+                return _done(wait, super().immediate_execute_command(*args, **options))
             except redis.ResponseError as exc:
                 if not is_busy(exc):
                     raise
@@ -116,7 +195,7 @@ class Pipeline(redis.client.Pipeline):
         wait: _Wait | None = None
         while transaction:
             try:
-                return super().execute(raise_on_error)
+                return _done(wait, super().execute(raise_on_error))
             except redis.ResponseError as exc:
                 if not is_busy(exc):
                     raise
@@ -133,6 +212,7 @@ class Pipeline(redis.client.Pipeline):
             again = self._send([stack[i] for i in refused], scripts)
             for i, reply in zip(refused, again, strict=True):
                 replies[i] = reply
+        _done(wait, None)
         if raise_on_error:
             self.raise_first_error(stack, replies)
         return replies
@@ -145,7 +225,7 @@ class Pipeline(redis.client.Pipeline):
         while True:
             self.command_stack, self.scripts = list(stack), set(scripts)
             try:
-                return super().execute(raise_on_error=False)
+                return _done(wait, super().execute(raise_on_error=False))
             except redis.ResponseError as exc:
                 if not is_busy(exc):
                     raise
@@ -160,7 +240,7 @@ class AsyncRedis(redis.asyncio.Redis):
         wait: _Wait | None = None
         while True:
             try:
-                return await super().execute_command(*args, **options)
+                return _done(wait, await super().execute_command(*args, **options))
             except redis.ResponseError as exc:
                 if not is_busy(exc):
                     raise
@@ -176,7 +256,7 @@ class AsyncPipeline(redis.asyncio.client.Pipeline):
         wait: _Wait | None = None
         while True:
             try:
-                return await super().immediate_execute_command(*args, **options)
+                return _done(wait, await super().immediate_execute_command(*args, **options))
             except redis.ResponseError as exc:
                 if not is_busy(exc):
                     raise
@@ -190,7 +270,7 @@ class AsyncPipeline(redis.asyncio.client.Pipeline):
         wait: _Wait | None = None
         while transaction:
             try:
-                return await super().execute(raise_on_error)
+                return _done(wait, await super().execute(raise_on_error))
             except redis.ResponseError as exc:
                 if not is_busy(exc):
                     raise
@@ -207,6 +287,7 @@ class AsyncPipeline(redis.asyncio.client.Pipeline):
             again = await self._send([stack[i] for i in refused], scripts)
             for i, reply in zip(refused, again, strict=True):
                 replies[i] = reply
+        _done(wait, None)
         if raise_on_error:
             self.raise_first_error(stack, replies)
         return replies
@@ -217,7 +298,7 @@ class AsyncPipeline(redis.asyncio.client.Pipeline):
         while True:
             self.command_stack, self.scripts = list(stack), set(scripts)
             try:
-                return await super().execute(raise_on_error=False)
+                return _done(wait, await super().execute(raise_on_error=False))
             except redis.ResponseError as exc:
                 if not is_busy(exc):
                     raise

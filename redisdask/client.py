@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 import cloudpickle
 import redis
 
-from redisdask import comm, logs, schema, task_context
+from redisdask import comm, logs, redis_memory, schema, task_context
 from redisdask import spec as specs
 from redisdask.backoff import Backoff
 from redisdask.client_channel import SchedulerChannel, _Outgoing
@@ -206,6 +206,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         self._retire_refused: dict[str, str] = {}  # worker -> why the scheduler refused
         self._versions = versions()
         self._down_since: float | None = None  # when Redis was found unreachable
+        self._refused_since: float | None = None  # when Redis began refusing a send
         # since when (monotonic) each heartbeat found no leading scheduler / no worker
         self._missing_since: dict[str, float] = {}
         self._written = 0  # entries written to the clients stream that Redis holds
@@ -253,6 +254,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         self._aredis = connect_async(self.redis_url, timeout=self.timeout, name=name,
                                      cluster_errors=True, config=login)  # fmt: skip
         self._write_entries = self._aredis.register_script(schema.WRITE_ENTRIES)
+        self._through = schema.Scripts(self._aredis, self.keys).through  # type: ignore[arg-type]
         self.redis = connect(self.redis_url, timeout=self.timeout, name=name,
                              cluster_errors=True, check=False, config=login)  # fmt: skip
         self._events_redis = connect_async(
@@ -260,6 +262,9 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         )
         try:
             await check_async(self._aredis, self.redis_url, self.timeout)
+            memory = await redis_memory.aread(self._aredis)
+            if memory is not None:  # (INFO refused: the heartbeat warns, once)
+                redis_memory.check_policy(memory, f"client {self.id}")
             self.secret = await self._afind_cluster()
             await self._aheartbeat()
         except BaseException:
@@ -1198,11 +1203,17 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         with contextlib.suppress(Exception):
             await asyncio.wait_for(flushed, self.timeout)  # type: ignore[arg-type]
         try:
-            pipe = self._aredis.pipeline(transaction=True)
-            # (the scheduler deletes our events stream when it handles close-client)
-            pipe.xadd(self.keys.client_stream, schema.entry([CloseClient(self.id).to_dict()]))
-            pipe.delete(self.keys.client_alive(self.id), self.keys.client_written(self.id))
-            await pipe.execute()
+            # (the scheduler deletes our events stream when it handles close-client);
+            # through a full Redis: the scheduler then frees this client's keys
+            alive, goodbye = self.keys.client_alive(self.id), CloseClient(self.id).to_dict()
+            await self._through(
+                key=alive,
+                ttl_ms=int(self.config.scheduler.client_ttl * 1000),
+                commands=[
+                    ["XADD", self.keys.client_stream, "*", "m", schema.pack([goodbye])],
+                    ["DEL", alive, self.keys.client_written(self.id)],
+                ],
+            )
         except (redis.RedisError, ClusterConnectionError) as exc:
             logger.warning("client %s could not say goodbye to Redis: %s", self.id, exc)
         # the reader ends when its blocking read fails: cut its connection

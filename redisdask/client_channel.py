@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 import redis
 
-from redisdask import schema
+from redisdask import busy, redis_memory, schema
 from redisdask.backoff import Backoff
 from redisdask.connection import redact
 from redisdask.errors import (
@@ -53,6 +53,7 @@ from redisdask.errors import (
     KilledWorker,
     ProtocolError,
     RedisDaskError,
+    RedisRefusedError,
     TaskInterrupted,
 )
 from redisdask.events import WARN_CLIENTS, describe
@@ -110,9 +111,11 @@ class SchedulerChannel:
     _retire_refused: dict[str, str]
     _versions: dict[str, Any]
     _down_since: float | None
+    _refused_since: float | None
     _missing_since: dict[str, float]
     _written: int
     _write_entries: Any
+    _through: Any
     _kept: deque[_Outgoing]
     _lost_seen: bool
     _replay: deque[tuple[dict[str, bytes], _Outgoing]]
@@ -233,8 +236,10 @@ class SchedulerChannel:
         later one.  What is written is kept a while (``_kept``), for a Redis that
         loses it."""
         with self._send_lock:
+            for item in items:  # (a send of nothing carries releases alone, if any)
+                item.frees = item.frees or not item.batches
             batches, owners, released = self._with_releases(items)
-            alone = _Outgoing((), (), concurrent.futures.Future(), False)  # lone releases
+            alone = _Outgoing((), (), concurrent.futures.Future(), False, frees=True)
             written = [
                 (schema.entry(dicts(batch)), owner or alone)
                 for batch, owner in zip(batches, owners, strict=True)
@@ -281,19 +286,27 @@ class SchedulerChannel:
                     replayed = len(chunk)
             expected = self._written
             token = token or secrets.token_hex(8)
+            keys = [self.keys.client_stream, self.keys.client_written(self.id)]
+            if all(owner.frees for _, owner in chunk):  # through a full Redis
+                keys.append(self.keys.client_stream)
             try:
-                held, wrote = map(
-                    int,
-                    await self._write_entries(
-                        keys=[self.keys.client_stream, self.keys.client_written(self.id)],
-                        args=[expected, token, *(entry["m"] for entry, _ in chunk)],
-                    ),
-                )
+                with busy.raised():  # (waited out here, up to redis.down-deadline)
+                    held, wrote = map(
+                        int,
+                        await self._write_entries(
+                            keys=keys, args=[expected, token, *(e["m"] for e, _ in chunk)]
+                        ),
+                    )
                 refused = 0
                 self._redis_back()
+                self._refused_since = None
             except BaseException as exc:
                 self._replay.extendleft(reversed(chunk[:replayed]))  # (never dropped)
                 own.extendleft(reversed(chunk[replayed:]))
+                if busy.refusal(exc):
+                    await self._arefused(exc, size)
+                    await asyncio.sleep(backoff.next())  # backoff while Redis refuses
+                    continue
                 if isinstance(exc, redis.ResponseError):
                     why = str(exc).rpartition("caused error: ")[2]  # (not the command's bytes)
                     raise RedisDaskError(
@@ -366,6 +379,30 @@ class SchedulerChannel:
             )  # fmt: skip
         lost.sort(key=lambda t: t[0])
         return [(entry, item) for _, entry, item in lost]
+
+    async def _arefused(self, exc: Exception, size: int) -> None:
+        """Redis refused a write (full, cannot persist, a replica): logged once, waited
+        out, and raised as ``RedisRefusedError`` saying why once it has lasted longer
+        than ``redis.down-deadline``."""
+        now, deadline = time.monotonic(), self.config.redis.down_deadline
+        kind = busy.refusal(exc) or ""
+        if kind == "OOM":
+            why = redis_memory.full_text(await redis_memory.aread(self._aredis))
+        else:
+            why = f"Redis {busy.WHY.get(kind, 'refuses writes')}"
+        if self._refused_since is None:
+            self._refused_since = now
+            logger.warning(
+                "client %s: %s; Redis at %s refused a write of %s to the clients stream "
+                "(%s); trying again for up to %g s (redis.down-deadline)",
+                self.id, why, redact(self.redis_url), format_bytes(size), exc, deadline,
+            )  # fmt: skip
+        elif now - self._refused_since > deadline:
+            raise RedisRefusedError(
+                f"{why}: Redis at {redact(self.redis_url)} refused this client's write of "
+                f"{format_bytes(size)} to the clients stream for more than {deadline:g} s "
+                f"(redis.down-deadline); it said: {exc}"
+            ) from exc
 
     async def _redis_answers(self) -> bool:
         try:
@@ -517,26 +554,26 @@ class SchedulerChannel:
         client's writes (fewer than it wrote: the sender writes them again), and return
         whether Redis is a new server since the previous heartbeat (``_anew_server``)."""
         ttl_ms = int(self.config.scheduler.client_ttl * 1000)
+        alive = self.keys.client_alive(self.id)
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "last_seen": time.time(),
+              "versions": self._versions}  # fmt: skip
         pipe = self._aredis.pipeline(transaction=False)
-        pipe.set(self.keys.client_alive(self.id), 1, px=ttl_ms)
-        pipe.hset(
-            self.keys.clients,
-            self.id,
-            schema.pack(
-                {
-                    "host": socket.gethostname(),
-                    "pid": os.getpid(),
-                    "last_seen": time.time(),
-                    "versions": self._versions,
-                }
-            ),
+        # through a full Redis: a client that stopped heartbeating would lose its keys
+        await self._through(
+            key=alive,
+            ttl_ms=ttl_ms,
+            commands=[
+                ["SET", alive, 1, "PX", ttl_ms],
+                ["HSET", self.keys.clients, self.id, schema.pack(me)],
+            ],
+            client=pipe,
         )
         pipe.get(self.keys.client_written(self.id))
         if self._cluster_news_id is None:  # the first look: where the news starts
             pipe.xrevrange(self.keys.events, count=1)
         else:
             pipe.xread({self.keys.events: self._cluster_news_id}, count=1000)
-        _, _, held, news, *_ = await self._alook_for_cluster(pipe)
+        _, held, news, *_ = await self._alook_for_cluster(pipe)
         self._warn_of_cluster_news(news)
         # (Redis never holds fewer than ``_written`` unless it lost some: it counts up
         # as the writes land, ``_written`` once their replies are read)
@@ -723,6 +760,7 @@ class _Outgoing:
     numbers: list[int] = field(default_factory=list)  # theirs among the client's entries
     written_at: float = 0.0  # when its last entry was written (monotonic)
     settled: int = 0  # how many of its first keys are known settled (``_prune_kept``)
+    frees: bool = False  # releases alone: written through a full Redis (WRITE_ENTRIES)
 
     @property
     def size(self) -> int:

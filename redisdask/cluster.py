@@ -12,7 +12,7 @@ from typing import Any
 
 import psutil
 
-from redisdask import schema, spawn
+from redisdask import busy, schema, spawn
 from redisdask.config import load_config
 from redisdask.connection import connect, redact
 from redisdask.embedded import EmbeddedRedis
@@ -223,7 +223,8 @@ class LocalCluster:
             message = schema.entry([CloseWorker("the cluster is closing").to_dict()])
             for address in addresses:
                 pipe.xadd(self.keys.worker_inbox(address.decode()), message)
-            pipe.execute()
+            with busy.raised():  # (a full Redis: the signals below do it)
+                pipe.execute()
         except Exception as exc:  # Redis gone: the signals below still stop them
             logger.warning("could not tell the workers to close through Redis: %s", exc)
 

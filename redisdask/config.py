@@ -306,6 +306,11 @@ class WorkerConfig(Section):
     # a result at most this big (pickled) travels with its report into its task's record
     # in Redis: no fetch from the worker, and it survives the worker's death; 0: never
     inline_result_bytes: Annotated[int, Field(ge=0)] = 65_536
+    # ... but not once Redis's used_memory passes this share of its maxmemory, or this
+    # many bytes (None: no cap), as the workers' heartbeats read it: Redis keeps room for
+    # the cluster's records, and a big map's results stay on the workers
+    inline_results_redis_fraction: Annotated[float, Field(gt=0, le=1)] = 0.5
+    inline_results_redis_bytes: Annotated[int, Field(ge=0)] | None = None
     claim_horizon: NonNegSeconds = 0.02  # seconds of estimated run time to claim ahead
     hang_timeout: Seconds = 10.0  # silent and idle this long: the nanny restarts it
     # abstract amounts tasks may ask for (submit(..., resources={"GPU": 1})), as in Dask

@@ -4,6 +4,9 @@
     ├── ClusterConnectionError (also ConnectionError)  Redis cannot be reached; the
     │                                                  client raises it for every lost
     │                                                  connection or timeout (connection)
+    │   └── RedisRefusedError                          Redis refused the client's writes
+    │                                                  (full: OOM; MISCONF; READONLY) for
+    │                                                  longer than redis.down-deadline
     ├── ClusterNotRunningError (also TimeoutError)     no scheduler leads the cluster, or
     │                                                  no worker is registered, for longer
     │                                                  than client.no-scheduler-timeout
@@ -13,6 +16,8 @@
     ├── RedisServerNotFound (also FileNotFoundError)   no redis-server binary to embed
     ├── EmbeddedRedisError (also RuntimeError)         the embedded redis-server failed
     ├── SchemaError                                    the cluster in Redis is incompatible
+    ├── EvictingRedisError                             Redis may evict the cluster's keys
+    │                                                  (maxmemory-policy: redis_memory)
     ├── FencedError                                    a scheduler lost its lease
     ├── ProtocolError                                  a malformed stream entry or frame
     │   └── RecordError                                a malformed record in Redis (a task
@@ -73,6 +78,12 @@ class ClusterConnectionError(RedisDaskError, ConnectionError):
     """Redis could not be reached within the configured timeout."""
 
 
+class RedisRefusedError(ClusterConnectionError):
+    """Redis answers but refused a client's write for longer than ``redis.down-deadline``:
+    it is full (``OOM``: used memory above ``maxmemory``), cannot persist (``MISCONF``),
+    or is a replica (``READONLY``).  The message says which, and the fix."""
+
+
 class ClusterNotRunningError(RedisDaskError, TimeoutError):
     """A client waited on a cluster that has had no leading scheduler, or no registered
     worker, for longer than ``client.no-scheduler-timeout``; its futures are kept."""
@@ -96,6 +107,11 @@ class EmbeddedRedisError(RedisDaskError, RuntimeError):
 
 class SchemaError(RedisDaskError):
     """The cluster's keys in Redis were written by an incompatible redisdask."""
+
+
+class EvictingRedisError(RedisDaskError):
+    """Redis runs with a ``maxmemory-policy`` that may evict the cluster's keys (the
+    lease, the workers' records, task records): no process works with it."""
 
 
 class FencedError(RedisDaskError):

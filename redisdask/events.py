@@ -9,6 +9,10 @@ kind                 fields                                                     
 ==================== =========================================================== ===========
 scheduler-start      scheduler, token, previous (the holder it took over from)   scheduler
 redis-reconnected    process, away (seconds Redis was unreachable)               scheduler
+redis-evicting       policy, message (maxmemory-policy changed at run time to one  scheduler
+                     that evicts: the cluster's state may vanish)
+redis-full           used_memory, maxmemory (Redis refuses new work and data)     scheduler
+redis-has-room       used_memory, maxmemory (it takes them again)                 scheduler
 worker-joined        worker, name, host, nthreads, memory_limit, restarts        scheduler
 worker-left          worker, name, reason (it closed or retired on its own)      scheduler
 worker-died          worker, name, how, cause (the death's kind: memory, signal,  scheduler,
@@ -102,6 +106,16 @@ def describe(event: dict[str, Any]) -> str:
         previous = event.get("previous")
         took = f", taking over from {previous}" if previous else ""
         return f"scheduler {event.get('scheduler')} leads (token {event.get('token')}){took}"
+    if kind == "redis-evicting":
+        return f"REDIS EVICTS: {event.get('message')}"
+    if kind in ("redis-full", "redis-has-room"):
+        used, limit = event.get("used_memory"), event.get("maxmemory")
+        figures = (
+            f": used_memory {format_bytes(used)} of maxmemory {format_bytes(limit)}"
+            if _number(used) and _number(limit)
+            else ""
+        )
+        return ("Redis is full" if kind == "redis-full" else "Redis has room again") + figures
     if kind == "redis-reconnected":
         away = event.get("away")
         after = f" after {away:.1f} s" if _number(away) else ""

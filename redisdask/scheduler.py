@@ -36,11 +36,11 @@ from typing import Any
 
 import redis
 
-from redisdask import schema
+from redisdask import busy, redis_memory, schema
 from redisdask.backoff import redis_away
 from redisdask.config import RebalanceConfig, RetentionConfig
 from redisdask.connection import connect, redact
-from redisdask.errors import FencedError, ProtocolError
+from redisdask.errors import EvictingRedisError, FencedError, ProtocolError
 from redisdask.heap import Heap
 from redisdask.lease import LOOK_INTERVAL, HolderWatch, Lease
 from redisdask.quarantine import Quarantined, dead_letter_command
@@ -112,6 +112,8 @@ class Scheduler:
         self._quarantining = False  # writing the repair of malformed records
         self.previous: str | None = None  # the lease holder before us
         self.redis_away: float | None = None  # seconds Redis was away before this lead
+        self.redis_problem: str | None = None  # an evicting policy seen (look_at_redis_memory)
+        self.redis_full = False
         self.summary = Summary()
         self.translator = Translator(self.keys, self.retention)
         self.heap = Heap()  # keeps full collections off the tasks (see redisdask/heap.py)
@@ -190,6 +192,7 @@ class Scheduler:
     def run(self, standby: bool = False) -> None:
         """Lead the cluster until stopped.  A lost Redis is waited for (with backoff) and
         then the lease, the state and the pending entries are taken up again."""
+        redis_memory.check_policy(redis_memory.read(self.redis), f"scheduler {self.id}")
         while not self._stopping:
             try:
                 # again after Redis was away: one that came back empty needs it all anew
@@ -236,6 +239,7 @@ class Scheduler:
         while not self._stopping:
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + CHECK_INTERVAL
+                self.look_at_redis_memory()
                 self.look_for_the_dead()
                 # every entry is acknowledged by the write that applies it, so anything
                 # pending now was read by a stale scheduler before it found itself fenced
@@ -289,6 +293,29 @@ class Scheduler:
                 for batch in _batches(decode_reply(reply)):
                     self.process(batch)
             self.process([], self._still_gone(dead))
+
+    def look_at_redis_memory(self) -> None:
+        """Report, once per change, a ``maxmemory-policy`` changed at run time to one that
+        evicts (an ERROR, and a ``redis-evicting`` event that ``status`` shows), and a
+        Redis that became full (``redis-full``) or has room again."""
+        memory = redis_memory.read(self.redis)
+        if memory is None:
+            return
+        problem = memory.policy_problem()
+        if problem != self.redis_problem:
+            self.redis_problem = problem
+            if problem:
+                logger.error("%s", problem)
+                self._event("redis-evicting", policy=memory.policy, message=problem)
+        if memory.full != self.redis_full:
+            self.redis_full = memory.full
+            if memory.full:
+                logger.warning("%s", redis_memory.full_text(memory))
+            self._event(
+                "redis-full" if memory.full else "redis-has-room",
+                used_memory=memory.used,
+                maxmemory=memory.maxmemory,
+            )
 
     def _blind_spell(self) -> None:
         """A heartbeat that lapsed while this scheduler could not look says nothing: what
@@ -466,7 +493,9 @@ class Scheduler:
         """Write ``commands`` atomically, fenced by our token.  A big write goes as
         several scripts of at most ``MAX_SCRIPT_COMMANDS`` commands in one MULTI/EXEC
         (see ``schema.APPLY_FENCED``): no script runs long enough for Redis to answer
-        the other processes BUSY, and the write stays all-or-nothing for them."""
+        the other processes BUSY, and the write stays all-or-nothing for them.  Every
+        part opens with a write that a full Redis allows, so batches get through one
+        (see ``_refused``); other refusals are waited out by the connection."""
         started = time.monotonic()
         parts = [commands[i : i + MAX_SCRIPT_COMMANDS]
                  for i in range(0, len(commands), MAX_SCRIPT_COMMANDS)] or [[]]  # fmt: skip
@@ -480,10 +509,17 @@ class Scheduler:
                 pipe = self.redis.pipeline(transaction=True)
                 for i, part in enumerate(parts, 1):
                     fenced(commands=part, part=(i, len(parts)), client=pipe)
+                try:
+                    with busy.raised():
+                        replies = pipe.execute(raise_on_error=False)
+                except redis.ResponseError as exc:  # EXECABORT: nothing was applied
+                    if not busy.refusal(exc):
+                        raise
+                    replies = [exc] * len(parts)
                 # the first part's error says why; the later parts only that they followed
-                errors = [r for r in pipe.execute(raise_on_error=False) if isinstance(r, Exception)]
+                errors = [(i, r) for i, r in enumerate(replies) if isinstance(r, Exception)]
                 if errors:
-                    raise errors[0]
+                    self._refused(parts, *errors[0])
         except redis.ResponseError as exc:
             if str(exc).startswith("FENCED"):
                 raise FencedError(f"scheduler {self.id}: {exc}") from exc
@@ -493,6 +529,25 @@ class Scheduler:
         self.lease.wrote(started)
         if self.wait_replicas:
             self.wait_for_replicas()
+
+    def _refused(self, parts: list[list[list[Any]]], first: int, exc: Exception) -> None:
+        """Part ``first`` (from 0) of a write cut in ``parts`` failed with ``exc`` in its
+        MULTI/EXEC; the parts before it were applied (``applying`` holds their count).
+        A refusal (a full Redis refuses every command queued in a MULTI; MISCONF,
+        READONLY) wrote nothing of that part: the rest of the write goes again as one
+        script, which opens the way through a full Redis and which the connection sends
+        again until Redis takes it.  It is longer than a part, for once, rather than never
+        applied.  Any other error is raised."""
+        if not busy.refusal(exc):
+            raise exc
+        logger.warning(
+            "Redis refused parts %d..%d of a write in %d parts (%s); writing them again "
+            "as one script", first + 1, len(parts), len(parts), exc,
+        )  # fmt: skip
+        rest = [command for part in parts[first:] for command in part]
+        self.scripts.apply_fenced(
+            token=self.token, ttl_ms=self.lease.ttl_ms, commands=rest, part=(first + 1,) * 2
+        )
 
     def wait_for_replicas(self) -> None:
         """``WAIT redis.wait-replicas redis.wait-timeout`` after a write: a write that
@@ -523,7 +578,8 @@ class Scheduler:
             self.unreplicated, self.unreplicated_warned_at = 0, now
 
     def _event(self, kind: str, **fields: Any) -> None:
-        self.redis.execute_command(*self.translator.event_command(kind, time.time(), **fields))
+        # fenced, through a full Redis (an XADD alone would wait for room)
+        self.apply([self.translator.event_command(kind, time.time(), **fields)])
 
 
 class WorkerWatch:
@@ -700,6 +756,9 @@ def main(redis_url: str, cluster: str, *, standby: bool = False, **options: Any)
         signal.signal(sig, lambda *_: scheduler.stop())
     try:
         scheduler.run(standby=standby)
+    except EvictingRedisError as exc:
+        logger.error("%s", exc)
+        raise SystemExit(1) from exc
     except FencedError as exc:
         if scheduler._stopping:  # a standby asked to stop before it ever led
             return

@@ -436,6 +436,7 @@ local part, parts = tonumber(ARGV[4]), tonumber(ARGV[5])
 if part > 1 and redis.call('GET', KEYS[3]) ~= tostring(part - 1) then
   return redis.error_reply('ABORTED part ' .. part .. ' of ' .. parts .. ': an earlier part failed')
 end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])  -- first: through a full Redis (see THROUGH)
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
 redis.call('SET', KEYS[4], '1', 'PX', ARGV[3])
 local commands = cmsgpack.unpack(ARGV[2])
@@ -465,12 +466,14 @@ ACQUIRE_LEASE = (
     _FENCE
     + """
 if ours(ARGV[1]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])  -- first: through a full Redis (see THROUGH)
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
   redis.call('SET', KEYS[4], '1', 'PX', ARGV[2])
   return ARGV[1]
 end
 local current = redis.call('GET', KEYS[1])
 if current and current ~= ARGV[4] then return false end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])  -- (absent, or the gone holder's: taken below)
 local last = redis.call('GET', KEYS[2])
 local n = tonumber(last and string.match(last, '^%d+') or 0) or 0
 local token = tostring(n + 1) .. '.' .. ARGV[5]
@@ -646,6 +649,28 @@ return {page[1], out}
 """
 
 
+# Writes that must get through a full Redis (docs/design.md, "A full Redis"): under
+# ``noeviction`` Redis refuses a script's first write of a command that may add memory
+# (``denyoom``: SET, XADD, HSET) and lets every later one through, since it cannot stop a
+# script half-way (Redis 6.2 and 7.x alike).  So a write that frees memory or moves
+# admitted work forward (the scheduler's batches and lease, heartbeats, a worker's
+# reports, a client's releases) opens with one that Redis allows when full: a PEXPIRE of
+# the caller's own key that holds that TTL anyway (its ``alive`` key, the lease).  Then
+# ARGV[2], a msgpack list of commands, runs.  KEYS[1]: that key; ARGV[1]: its TTL in ms,
+# or '' for a key without a TTL (a stream), which is PERSISTed instead (a no-op).
+# A MULTI/EXEC cannot do this: a full Redis refuses every command queued in one.
+THROUGH = """
+if ARGV[1] == '' then
+  redis.call('PERSIST', KEYS[1])
+else
+  redis.call('PEXPIRE', KEYS[1], ARGV[1])
+end
+local commands = cmsgpack.unpack(ARGV[2])
+for i = 1, #commands do redis.call(unpack(commands[i])) end
+return #commands
+"""
+
+
 # A client's writes to the clients stream, numbered.  KEYS: the clients stream, the
 # client's count of entries written (``Keys.client_written``: "<count> <token>").  ARGV:
 # the count the client believes Redis holds, the call's token, then each entry's ``m``
@@ -654,8 +679,11 @@ return {page[1], out}
 # which the client writes again first; a larger one: a write the client gave up on had
 # landed.  A call made again after its reply was lost (same token) is not written twice.
 # Returns {the count after the call, 1 if this call's entries are written} (a call
-# without entries only reads).
+# without entries only reads).  A KEYS[3] (the clients stream again) marks a write of
+# releases only, which frees memory: it opens with a PERSIST of that stream (no TTL; a
+# write a full Redis allows), so that it gets through a full Redis (see THROUGH).
 WRITE_ENTRIES = """
+if KEYS[3] then redis.call('PERSIST', KEYS[3]) end
 local held, last = 0, ''
 local stored = redis.call('GET', KEYS[2])
 if stored then
@@ -685,6 +713,7 @@ class Scripts:
         self._acquire_lease: Script = client.register_script(ACQUIRE_LEASE)
         self._claim: Script = client.register_script(CLAIM)
         self._load_tasks: Script = client.register_script(LOAD_TASKS)
+        self._through: Script = client.register_script(THROUGH)
 
     def apply_fenced(
         self,
@@ -702,6 +731,16 @@ class Scripts:
         keys = [self.keys.lease, self.keys.lease_token, self.keys.applying, self.keys.leader]
         args = [token or "", pack_for_lua(commands), ttl_ms, *part]
         return self._apply_fenced(keys=keys, args=args, client=client)
+
+    def through(
+        self, *, key: str, ttl_ms: int | None, commands: list[list[Any]], client: Any = None
+    ) -> Any:
+        """Run ``commands`` in one script that gets through a full Redis (``THROUGH``),
+        opened by renewing ``key`` (the caller's own, which holds that TTL anyway) for
+        ``ttl_ms``, or (None) by a PERSIST of a key without a TTL.  ``client``: a
+        pipeline to queue it on."""
+        args = ["" if ttl_ms is None else ttl_ms, pack_for_lua(commands)]
+        return self._through(keys=[key], args=args, client=client)
 
     def acquire_lease(
         self, *, token: str | None, ttl_ms: int, connection: str = "", gone: str = ""

@@ -137,6 +137,7 @@ def read_snapshot(
             "used_memory",
             "used_memory_peak",
             "maxmemory",
+            "maxmemory_policy",
             "instantaneous_ops_per_sec",
             "connected_clients",
             "uptime_in_seconds",

@@ -16,6 +16,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from redisdask import redis_memory
 from redisdask.events import describe, spill_failed
 from redisdask.memory import format_bytes
 from redisdask.snapshot import PrefixView, Snapshot, WorkerView
@@ -92,6 +93,10 @@ def header(snap: Snapshot, url: str) -> Text:
             f"used  {int(info.get('instantaneous_ops_per_sec') or 0):,} ops/s  "
             f"{info.get('connected_clients', '?')} connections\n"
         )
+        memory = redis_memory.from_info(info)
+        for problem in (memory.policy_problem(), memory.full and redis_memory.full_text(memory)):
+            if problem:
+                text.append(f"{problem}\n", style="bold red")
     text.append("tasks ", style="bold")
     text.append_text(state_counts(snap.states))
     rate = snap.finished[-5:]

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from redisdask.events import describe
 from redisdask.snapshot import PrefixView, Snapshot, WorkerView
-from redisdask.views import dashboard, memory_bar, progress_bar, sparkline, status_view
+from redisdask.views import dashboard, header, memory_bar, progress_bar, sparkline, status_view
 
 pytestmark = pytest.mark.timeout(10)
 GiB = 2**30
@@ -95,3 +95,17 @@ def test_events_are_described_for_people():
         {"kind": "scheduler-start", "scheduler": "s1", "token": "2", "previous": "s0"}
     )
     assert describe({"kind": "something-new", "x": 1}) == "something-new: x=1"
+
+
+def test_the_header_says_why_redis_is_stuck():
+    """A full Redis and an evicting policy are named, with the fix, in status's header."""
+    snap = Snapshot(cluster="c", time=0.0)
+    snap.redis = {"used_memory": 50_440_000, "maxmemory": 50_331_648,
+                  "maxmemory_policy": "allkeys-lru"}  # fmt: skip
+    text = header(snap, "redis://h:6379/0").plain
+    assert "Redis is full: used_memory 48.10 MiB of maxmemory 48.00 MiB" in text
+    assert "raise maxmemory" in text
+    assert "maxmemory-policy allkeys-lru" in text and "CONFIG SET maxmemory-policy" in text
+    snap.redis = {"used_memory": 1_000, "maxmemory": 0, "maxmemory_policy": "noeviction"}
+    text = header(snap, "redis://h:6379/0").plain
+    assert "full" not in text and "policy" not in text

@@ -45,12 +45,13 @@ from typing import Any, Literal
 import psutil
 import redis
 
-from redisdask import comm, logs, nanny_contract, pickling, schema, task_context
+from redisdask import comm, logs, nanny_contract, pickling, redis_memory, schema, task_context
 from redisdask.backoff import redis_away
 from redisdask.connection import connect, connect_async
 from redisdask.errors import ProtocolError, TaskInterrupted
 from redisdask.events import event_command
 from redisdask.heap import Heap
+from redisdask.memory import format_bytes
 from redisdask.nanny_contract import GRACEFUL_TIMEOUT
 from redisdask.placement import format_resources, parse_resources, split_resources
 from redisdask.protocol import (
@@ -121,6 +122,8 @@ class Worker:
         security: Security | None = None,
         transfer_batch_bytes: int = 200_000_000,
         inline_result_bytes: int = 65_536,
+        inline_results_redis_fraction: float = 0.5,
+        inline_results_redis_bytes: int | None = None,
         connect_timeout: float = 5.0,
         local_directory: str | None = None,
         memory_target: float | Literal[False] = 0.60,
@@ -150,6 +153,9 @@ class Worker:
         self.security = security or Security()  # TLS between peers (redisdask/security.py)
         self.transfer_batch_bytes = transfer_batch_bytes
         self.inline_result_bytes = inline_result_bytes
+        self.inline_results_redis_fraction = inline_results_redis_fraction
+        self.inline_results_redis_bytes = inline_results_redis_bytes
+        self._inline_allowed = True  # Redis within the budget (_inline_budget)
         # small results of dependencies that came with a claim, for its GatherDeps
         self._claimed_values: dict[str, bytes] = {}
         self.connect_timeout = connect_timeout
@@ -301,6 +307,7 @@ class Worker:
         """Create or join the cluster; refuse to join one whose pickles we cannot read."""
         client = connect(self.redis_url, timeout=self.connect_timeout)
         try:
+            redis_memory.check_policy(redis_memory.read(client), "this worker")
             ours = versions()
             client.hsetnx(self.keys.meta, "versions", schema.pack(ours))
             theirs = schema.unpack(client.hget(self.keys.meta, "versions"))
@@ -633,12 +640,38 @@ class Worker:
 
     def _inline(self, value: object, frames: list[Any]) -> bytes | None:
         """``value`` pickled in one piece if it is at most ``inline_result_bytes``: it
-        then travels with its report into the task's record (``schema.REDIS_COPY``)."""
+        then travels with its report into the task's record (``schema.REDIS_COPY``);
+        not while Redis is past its budget (``_inline_budget``)."""
+        if not self._inline_allowed:
+            return None
         if sum(memoryview(f).nbytes for f in frames) > self.inline_result_bytes:
             return None
         if len(frames) == 1:
             return bytes(frames[0])
         return pickling.dumps(value)  # out-of-band buffers, small: in band instead
+
+    def _inline_budget(self, info: Any) -> bool:
+        """Whether results may be inlined, from the heartbeat's ``INFO memory``: not
+        once Redis's ``used_memory`` passes ``inline_results_redis_fraction`` of its
+        ``maxmemory`` or ``inline_results_redis_bytes`` (results then stay on the
+        workers, peer-to-peer, and Redis keeps room for the cluster's own records).
+        Where INFO is refused, as before: inlined."""
+        if not isinstance(info, dict):
+            return True
+        memory = redis_memory.from_info(info)
+        over = (memory.maxmemory > 0 and memory.fraction > self.inline_results_redis_fraction) or (
+            self.inline_results_redis_bytes is not None
+            and memory.used > self.inline_results_redis_bytes
+        )
+        if over == self._inline_allowed:  # it changed: say so, once
+            logger.warning(
+                "Redis uses %s (maxmemory %s): results are %s inlined into Redis "
+                "(worker.inline-results-redis-fraction %g, worker.inline-results-redis-bytes %s)",
+                format_bytes(memory.used), format_bytes(memory.maxmemory),
+                "no longer" if over else "again", self.inline_results_redis_fraction,
+                self.inline_results_redis_bytes,
+            )  # fmt: skip
+        return not over
 
     # ------------------------------------------------------------------ claiming work
 
@@ -786,8 +819,12 @@ class Worker:
             if not self._outbox:
                 return
             batch, self._outbox = self._outbox, []
-            try:
-                await self.redis.xadd(self.keys.worker_stream, schema.entry(batch))
+            try:  # through a full Redis: reports move admitted work forward
+                await self.scripts.through(
+                    key=self.keys.worker_alive(self.address),
+                    ttl_ms=int(self.worker_ttl * 1000),
+                    commands=[["XADD", self.keys.worker_stream, "*", "m", schema.pack(batch)]],
+                )
             except BaseException:
                 self._outbox[:0] = batch  # not sent: keep the reports for the next attempt
                 raise
@@ -822,30 +859,34 @@ class Worker:
                 logger.error("the nanny of worker %s died; closing", self.address)
                 self._closing = asyncio.ensure_future(self.close("its nanny died"))
                 return
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hexists(self.keys.workers, self.address)
-            pipe.set(self.keys.worker_alive(self.address), 1, px=ttl)
-            pipe.hset(self.keys.heartbeats, self.address, schema.pack(self._metrics()))
+            alive = self.keys.worker_alive(self.address)
             # what the inbox listener read is trimmed here, off the task path: everything
             # up to and including the last entry read (MINID keeps the entry it names,
             # which kept a free-keys of 10,000 keys in Redis until the next message)
             ms, seq = _parse_id(self._inbox_id)
-            pipe.xtrim(self.keys.worker_inbox(self.address), minid=f"{ms}-{seq + 1}")
             events, self._events = self._events, []
-            for event in events:
-                pipe.execute_command(*event)
-            for chunk in self._new_story():
-                pipe.xadd(
-                    self.keys.worker_story(self.address),
-                    {"m": schema.pack(chunk)},
-                    maxlen=self.story_maxlen,
-                    approximate=False,
-                )
+            commands: list[list[Any]] = [
+                ["SET", alive, 1, "PX", ttl],
+                ["HSET", self.keys.heartbeats, self.address, schema.pack(self._metrics())],
+                ["XTRIM", self.keys.worker_inbox(self.address), "MINID", f"{ms}-{seq + 1}"],
+                *events,
+            ]
+            for chunk in self._new_story():  # (bounded: story_maxlen)
+                commands.append(["XADD", self.keys.worker_story(self.address), "MAXLEN",
+                                 self.story_maxlen, "*", "m", schema.pack(chunk)])  # fmt: skip
+            # through a full Redis: a heartbeat that lapsed would have the worker dead
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hexists(self.keys.workers, self.address)
+            await self.scripts.through(key=alive, ttl_ms=ttl, commands=commands, client=pipe)
+            pipe.info("memory")
             try:
-                registered, *_ = await pipe.execute()
+                registered, beat, memory = await pipe.execute(raise_on_error=False)
+                if isinstance(beat, Exception):  # (INFO may be refused: an ACL)
+                    raise beat
             except BaseException:
                 self._events[:0] = events  # not written: the next heartbeat tries again
                 raise
+            self._inline_allowed = self._inline_budget(memory)
             if not registered and await self._removed():
                 self._leave_removed(None)
                 return
@@ -1126,6 +1167,8 @@ def options_from_config(config: Any) -> dict[str, Any]:
         "max_connections": config.comm.max_connections,
         "transfer_batch_bytes": config.worker.transfer_batch_bytes,
         "inline_result_bytes": config.worker.inline_result_bytes,
+        "inline_results_redis_fraction": config.worker.inline_results_redis_fraction,
+        "inline_results_redis_bytes": config.worker.inline_results_redis_bytes,
         "connect_timeout": config.redis.connect_timeout,
         "local_directory": config.worker.local_directory,
         "memory_target": config.worker.memory.target,
