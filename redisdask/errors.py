@@ -27,7 +27,9 @@
     │   ├── ProtocolError (also the one above)         a malformed frame from a peer
     │   ├── AuthenticationError                        the HMAC handshake failed
     │   ├── CommClosedError (also ConnectionError)     a peer cannot be reached
-    │   │   └── SecurityMismatchError                  one side wants TLS, the other not
+    │   │   ├── SecurityMismatchError                  one side wants TLS, the other not
+    │   │   └── PeerTimeoutError                       a peer moved no byte for too long
+    │   │                                              (comm.timeouts.tcp)
     │   └── SerializationError                         a value could not be (un)pickled
     ├── FutureCancelledError (also CancelledError)     the future's key was cancelled
     ├── ClientClosedError (also RuntimeError)          a Lock, Queue, Variable, ... used

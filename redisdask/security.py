@@ -1,7 +1,7 @@
 """TLS between peers: the ``Security`` object, as distributed's, and its SSL contexts.
 
-Why: the HMAC handshake of ``redisdask/comm.py`` proves that a peer knows the cluster's
-secret, but results then cross the network in the clear.  With TLS every worker<->worker
+Why: the HMAC handshake of ``redisdask/comm/handshake.py`` proves that a peer knows the
+cluster's secret, but results then cross the network in the clear.  With TLS every worker<->worker
 and client<->worker connection is encrypted and *mutually* authenticated by certificates
 signed by the cluster's CA; the HMAC handshake still runs inside the TLS channel (a stolen
 certificate alone does not let anyone in, nor does the secret alone).

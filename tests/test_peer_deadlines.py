@@ -28,6 +28,7 @@ from redisdask.comm import (
     ConnectionPool,
     DataServer,
     PeerTimeoutError,
+    buffers,
     deserialize,
     encode_header,
     encode_message,
@@ -253,7 +254,7 @@ def test_a_header_announcing_ten_gigabytes_reserves_no_gigabytes(
 def test_a_truthful_frame_bigger_than_the_reservation_arrives_whole(
     server: Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(comm, "FRAME_RESERVE", 1 << 20)  # grow from 1 MiB (cheap test)
+    monkeypatch.setattr(buffers, "FRAME_RESERVE", 1 << 20)  # grow from 1 MiB (cheap test)
     payload = np.random.default_rng(0).integers(0, 255, 20_000_003, dtype=np.uint8)
     conn = BlockingConnection(server.address, SECRET, timeout=20)
     for _ in range(2):  # the second reuses the grown buffer from the cache

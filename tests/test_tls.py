@@ -1,4 +1,4 @@
-"""TLS between peers (redisdask/security.py, the tls:// side of redisdask/comm.py): real
+"""TLS between peers (redisdask/security.py, the tls:// side of redisdask/comm/): real
 sockets and real worker processes, certificates from a throwaway CA made by trustme."""
 
 from __future__ import annotations
