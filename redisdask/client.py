@@ -83,6 +83,7 @@ from redisdask.placement import task_options as _options
 from redisdask.protocol import (
     CancelKeys,
     ClientDesiresKeys,
+    ClientMissingData,
     ClientReleasesKeys,
     CloseClient,
     Event,
@@ -857,11 +858,17 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
     async def _agather_keys(self, keys: list[str]) -> tuple[dict[str, Any], set[str]]:
         """Fetch values from the workers holding them, one request per worker (all at
         once).  Returns the values and the keys whose task the scheduler no longer has
-        in memory."""
+        in memory (or that finished again meanwhile: the caller waits for their news).
+
+        A key whose every recorded holder failed to answer (a peer deadline, a refused
+        or broken connection) is reported to the scheduler (``client-missing-data``),
+        which stops counting those holders and recomputes the key if no copy is left:
+        the key's record then leaves ``memory`` and its future waits again, as
+        distributed's client does when its gather fails."""
         remaining = set(keys)
         stale: set[str] = set()
         values: dict[str, Any] = {}
-        tried: dict[str, set[str]] = defaultdict(set)
+        tries = _Tries({key: self._state_for(key).finishes for key in keys})
         # a holder that just died is still named by the scheduler until it notices (well
         # under a second; scheduler.worker-ttl at worst): wait that long, then give up
         patience = time.monotonic() + self.config.scheduler.worker_ttl + 2.0
@@ -875,7 +882,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
             by_worker: dict[str, list[str]] = defaultdict(list)
             unknown = []
             for key in remaining:
-                holders = [w for w in self._state_for(key).who_has if w not in tried[key]]
+                holders = [w for w in self._state_for(key).who_has if w not in tries.tried[key]]
                 if REDIS_COPY in holders:  # a small result, in the task's record
                     by_worker[REDIS_COPY].append(key)
                 elif holders:
@@ -884,24 +891,15 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
                     unknown.append(key)
             if unknown:
                 if time.monotonic() > patience:
-                    raise DataUnavailableError(
-                        f"could not fetch {sorted(unknown)[:5]} from any worker holding them "
-                        f"(tried {dict(tried)}); the workers may have died — resubmit the work"
-                    )
-                same_holders = False
-                for key, state in (await self._arefresh_who_has(unknown)).items():
-                    if state is not None and state != "memory":
-                        stale.add(key)
-                        remaining.discard(key)
-                    elif set(self._state_for(key).who_has) <= tried[key]:
-                        same_holders = True
-                    tried[key].clear()
-                if same_holders:  # the same dead holders: let the scheduler notice
+                    raise tries.unavailable(unknown)
+                same_holders = await self._anew_holders(unknown, tries, stale)
+                remaining -= stale
+                if same_holders:  # let the scheduler notice, or act on our report
                     await asyncio.sleep(backoff.next())
                 continue
             requests = list(_batches(by_worker, comm.MAX_KEYS_PER_MESSAGE))
             answers = await asyncio.gather(*(self._fetch(a, k) for a, k in requests))
-            for (address, wkeys), (got, errs) in zip(requests, answers, strict=True):
+            for (address, wkeys), (got, errs, cause) in zip(requests, answers, strict=True):
                 if errs:
                     raise next(iter(errs.values()))
                 values.update(got)
@@ -909,28 +907,48 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
                     if key in got:
                         remaining.discard(key)
                     else:
-                        tried[key].add(address)
+                        tries.missed(key, address, cause)
         return values, stale
+
+    async def _anew_holders(self, keys: list[str], tries: _Tries, stale: set[str]) -> bool:
+        """Report the holders of ``keys`` that failed (once each), then read the
+        scheduler's records again: a key no longer in memory, or finished again, goes
+        to ``stale``.  Holders that failed are not asked again (the report drops them);
+        those that answered without the key are.  Whether some key still names only
+        holders tried already."""
+        report = tries.to_report(keys)
+        if report:
+            await self._asend([ClientMissingData(self.id, report)])
+        same_holders = False
+        for key, state in (await self._arefresh_who_has(keys)).items():
+            news = self._state_for(key)
+            if (state is not None and state != "memory") or news.finishes != tries.finishes[key]:
+                stale.add(key)
+            elif set(news.who_has) <= tries.tried[key]:
+                same_holders = True
+            tries.tried[key] = set(tries.failed[key])
+        return same_holders
 
     async def _fetch(
         self, address: str, keys: list[str]
-    ) -> tuple[dict[Hashable, Any], dict[Hashable, BaseException]]:
+    ) -> tuple[dict[Hashable, Any], dict[Hashable, BaseException], str | None]:
         """Values (and errors unpickling them) of ``keys`` from one worker (or, from
-        ``REDIS_COPY``, their records); none if it cannot be reached."""
+        ``REDIS_COPY``, their records); none if it cannot be reached, and then why."""
         if address == REDIS_COPY:
             pipe = self._aredis.pipeline(transaction=False)
             for key in keys:
                 pipe.hget(self.keys.task(key), "value")
             raws = await pipe.execute()
-            return {k: inline_value(k, raw) for k, raw in zip(keys, raws, strict=True) if raw}, {}
+            got = {k: inline_value(k, raw) for k, raw in zip(keys, raws, strict=True) if raw}
+            return got, {}, None
         try:
             header, frames = await self._peers.rpc(address, {"op": "get-data", "keys": keys})
-            return comm.deserialize_dict(header, frames)
+            return (*comm.deserialize_dict(header, frames), None)
         except comm.SecurityMismatchError:
             raise  # TLS here and not there (or the reverse): no retry mends it
         except (OSError, comm.CommError) as exc:
             logger.warning("could not fetch %d keys from %s: %s", len(keys), address, exc)
-            return {}, {}
+            return {}, {}, f"{type(exc).__name__}: {exc}"
 
     async def _arefresh_who_has(self, keys: list[str]) -> dict[str, str | None]:
         """Read holders from the scheduler's records; returns each key's recorded state."""
@@ -1267,6 +1285,47 @@ def _logged(callback: Callable[[], Any]) -> Callable[[], None]:
             logger.exception("a future's done callback raised")
 
     return run
+
+
+class _Tries:
+    """What one gather tried: per key, the holders asked in vain (``tried``), those whose
+    request failed with the cause (``failed``), and those reported to the scheduler."""
+
+    def __init__(self, finishes: dict[str, int]) -> None:
+        self.finishes = finishes  # each key's news count when the gather began
+        self.tried: dict[str, set[str]] = defaultdict(set)
+        self.failed: dict[str, dict[str, str]] = defaultdict(dict)
+        self._reported: set[tuple[str, str]] = set()
+
+    def missed(self, key: str, address: str, cause: str | None) -> None:
+        self.tried[key].add(address)
+        if cause is not None:
+            self.failed[key][address] = cause
+
+    def to_report(self, keys: list[str]) -> dict[str, list[str]]:
+        """``{key: [holders]}`` that failed and were not reported yet."""
+        report = {}
+        for key in keys:
+            new = sorted(a for a in self.failed[key] if (key, a) not in self._reported)
+            if new:
+                report[key] = new
+                self._reported.update((key, a) for a in new)
+        return report
+
+    def unavailable(self, keys: list[str]) -> DataUnavailableError:
+        failures = {a: c for k in keys for a, c in self.failed[k].items()}
+        if not failures:
+            return DataUnavailableError(
+                f"could not fetch {sorted(keys)[:5]} from any worker holding them (tried "
+                f"{dict(self.tried)}); the workers may have died — resubmit the work"
+            )
+        causes = "; ".join(f"{a}: {c}" for a, c in sorted(failures.items())[:5])
+        return DataUnavailableError(
+            f"could not fetch {sorted(keys)[:5]} from the workers holding them ({causes}); "
+            "the scheduler, told so, still counts them as holders (a retiring worker, or "
+            "a scheduler that is away?) — check the network between this client and those "
+            "workers (comm.timeouts.tcp bounds each request), or resubmit the work"
+        )
 
 
 def _batches(by_worker: Mapping[str, Iterable[str]], size: int) -> Iterator[tuple[str, list[str]]]:

@@ -308,6 +308,17 @@ class UpdateData(Event):
 
 
 @dataclass(slots=True)
+class ClientMissingData(Event):
+    """A client could fetch none of ``keys`` from the holders the scheduler named: for
+    each key, the holders whose request failed (a peer deadline or a connection error).
+    The scheduler drops those it still counts, as for a worker's ``missing-data``."""
+
+    op: ClassVar[str] = "client-missing-data"
+    client: str
+    who_failed: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class Restart(Event):
     """A client restarts the cluster: every task is forgotten, every future cancelled,
     every worker drops what it holds."""
@@ -646,7 +657,7 @@ class RetireRefused(ClientEvent):
 
 CLIENT_TO_SCHEDULER: dict[str, type[Event]] = registry(
     UpdateGraph, ClientDesiresKeys, ClientReleasesKeys, CancelKeys, RetryKeys, Replicate,
-    Rebalance, Restart, RetireWorkers, UpdateData, CloseClient,
+    Rebalance, Restart, RetireWorkers, UpdateData, CloseClient, ClientMissingData,
 )  # fmt: skip
 WORKER_TO_SCHEDULER: dict[str, type[Event]] = registry(
     AddWorker, TaskClaimed, TaskFinished, TaskErred, MissingData, AddKeys, ReleasedKeys,

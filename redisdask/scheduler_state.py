@@ -58,6 +58,7 @@ from redisdask.protocol import (
     CancelKeys,
     CancelledKeys,
     ClientDesiresKeys,
+    ClientMissingData,
     ClientReleasesKeys,
     CloseClient,
     CloseWorker,
@@ -384,9 +385,10 @@ class SchedulerState(DataMoves):
         if ts.lost_on:
             ts.exception_text = (
                 f"DataUnavailableError: {ts.key!r} was scattered data whose only copy was on "
-                f"{ts.lost_on}, which died; scattered data has no task to recompute it. Keep "
-                "copies on several workers with client.replicate(futures, n=2), or compute "
-                "the data in a task instead of scattering it"
+                f"{ts.lost_on}, which died or could not be reached; scattered data has no "
+                "task to recompute it. Keep copies on several workers with "
+                "client.replicate(futures, n=2), or compute the data in a task instead of "
+                "scattering it"
             )
         else:
             ts.exception_text = (
@@ -885,13 +887,8 @@ class SchedulerState(DataMoves):
             trusted |= self._move_failed(
                 ts, ev.worker, ev.errant_worker, stimulus_id=ev.stimulus_id
             )
-            if ev.errant_worker in ts.who_has and not trusted:
-                ts.who_has.discard(ev.errant_worker)
-                ws = self.workers.get(ev.errant_worker)
-                if ws is not None:
-                    # no longer counted as a holder: it must not keep an orphan copy
-                    ws.has_what.discard(ts)
-                    self._free(ws.address, key, stimulus_id=ev.stimulus_id)
+            if not trusted:
+                self._drop_holder(ts, ev.errant_worker, stimulus_id=ev.stimulus_id)
             if ev.worker in ts.who_has:
                 # it misses a key counted as held by itself: its copy is gone (answering
                 # with its own address would leave its dependents waiting for ever)
@@ -904,6 +901,41 @@ class SchedulerState(DataMoves):
                 who_has = {key: ts.holders()}
                 self._emit(WorkerMsg(ev.stimulus_id, ev.worker, WhoHas(who_has)))
             elif ts.state == "memory":
+                self._lost_data(ts, stimulus_id=ev.stimulus_id)
+
+    def _drop_holder(self, ts: TaskState, address: str, *, stimulus_id: str) -> bool:
+        """No longer count ``address`` (a recorded holder, or nothing is done) as holding
+        ``ts``; it is told to drop its copy, which must not stay an orphan."""
+        if address not in ts.who_has:
+            return False
+        ts.who_has.discard(address)
+        ws = self.workers.get(address)
+        if ws is not None:
+            ws.has_what.discard(ts)
+            self._free(ws.address, ts.key, stimulus_id=stimulus_id)
+        return True
+
+    def _handle_client_missing_data(self, ev: ClientMissingData) -> None:
+        """A client could not fetch keys from the holders it names (a peer deadline or a
+        connection error), though their heartbeats may go on (only a link is cut).  Only
+        holders still recorded are dropped, so a late or repeated report of a copy already
+        replaced costs nothing; a retiring holder keeps its copy until it hands it on."""
+        for key, failed in ev.who_failed.items():
+            ts = self.tasks.get(key)
+            if ts is None or ts.state != "memory":
+                continue
+            dropped = [
+                address
+                for address in failed
+                if not (address in self.workers and self.workers[address].retiring)
+                and self._drop_holder(ts, address, stimulus_id=ev.stimulus_id)
+            ]
+            if not dropped:
+                continue
+            if ts.who_has or ts.inline:
+                self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
+            else:
+                ts.lost_on = ", ".join(dropped)
                 self._lost_data(ts, stimulus_id=ev.stimulus_id)
 
     def _handle_add_keys(self, ev: AddKeys) -> None:
@@ -1022,6 +1054,7 @@ class SchedulerState(DataMoves):
         TaskFinished: _handle_task_finished,
         TaskErred: _handle_task_erred,
         MissingData: _handle_missing_data,
+        ClientMissingData: _handle_client_missing_data,
         AddKeys: _handle_add_keys,
         ReleasedKeys: _handle_released_keys,
         Replicate: DataMoves._handle_replicate,

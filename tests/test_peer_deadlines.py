@@ -354,3 +354,36 @@ def test_the_client_does_not_wait_for_ever_on_a_stopped_holder(
             assert x.result(timeout=60) == 42
         finally:
             os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.timeout(90)
+def test_a_client_that_cannot_reach_the_only_holder_has_the_key_recomputed(
+    redis_url: str,
+    cluster_name: str,
+    monkeypatch: pytest.MonkeyPatch,
+    stopped_holder_env: None,
+) -> None:
+    """The holder stays registered (only the link is cut): the client's word, not a
+    heartbeat's lapse, makes the scheduler drop it and compute the key again."""
+    monkeypatch.setenv("REDISDASK__SCHEDULER__WORKER_TTL", "120")
+    with (
+        LocalCluster(
+            nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        x = client.submit(inc, 41)
+        wait([x], timeout=20)  # (not result(): that would fetch and keep the value)
+        holder, pid, other = holder_of(client, x.key)
+        # a pooled connection to the holder, on which the next request waits (a new one
+        # would time out in its handshake, comm's 5 s)
+        assert client.submit(inc, 1, workers=[holder]).result(timeout=20) == 2
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            assert x.result(timeout=60) == 42
+            took = time.monotonic() - start
+            assert client.who_has()[x.key] == [other]
+            assert took < DEAD_AFTER + 10, took
+        finally:
+            os.kill(pid, signal.SIGCONT)

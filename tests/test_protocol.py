@@ -55,6 +55,7 @@ def samples() -> list[wire.Message]:
             traceback_text="T", score=7.0, stimulus_id="s",
         ),
         wire.MissingData(worker=W1, keys=["x"], errant_worker=W2, stimulus_id="s"),
+        wire.ClientMissingData(client="c", who_failed={"x": [W1, W2]}, stimulus_id="s"),
         wire.AddKeys(worker=W1, keys=["x"], nbytes={"x": 1}, stimulus_id="s"),
         wire.ReleasedKeys(worker=W1, keys=["x"], stimulus_id="s"),
         wire.FreeKeys(["x"]),

@@ -38,6 +38,7 @@ from redisdask.scheduler_state import (
     AddWorker,
     CancelKeys,
     ClientDesiresKeys,
+    ClientMissingData,
     ClientReleasesKeys,
     CloseClient,
     Event,
@@ -1281,6 +1282,49 @@ def test_missing_data_for_unknown_key_or_non_holder_is_harmless():
     )
     assert s.tasks["a"].who_has == {W1}
     assert all(i.msg.op == "who-has" for i in of(out, WorkerMsg))
+
+
+def test_a_client_that_reached_no_holder_has_the_key_recomputed():
+    """A client's fetch from every holder failed (a cut link: the holders' heartbeats go
+    on).  Only the holders it names, and only while recorded, are dropped."""
+    s = make(W1, W2, W3)
+    submit(s, "c", [task("a")], ["a"])
+    run(s, "a", W1)
+    s.handle_stimulus(AddKeys(worker=W2, keys=["a"], stimulus_id="ak"))
+    out = s.handle_stimulus(ClientMissingData(client="c", who_failed={"a": [W1]}, stimulus_id="m"))
+    assert s.tasks["a"].state == "memory" and s.tasks["a"].who_has == {W2}
+    assert freed(out, W1) == {"a"} and s.tasks["a"] not in s.workers[W1].has_what
+    assert [i.fields["who_has"] for i in of(out, SetState)] == [[W2]]
+    # a late or repeated word about a holder no longer recorded changes nothing
+    assert not s.handle_stimulus(
+        ClientMissingData(client="c", who_failed={"a": [W1, W3], "nope": [W2]}, stimulus_id="m2")
+    )
+    assert s.tasks["a"].who_has == {W2}
+    # no holder left: computed again, and the client hears of it when it is in memory
+    out = s.handle_stimulus(ClientMissingData(client="c", who_failed={"a": [W2]}, stimulus_id="m3"))
+    assert s.tasks["a"].state == "queued" and [e.key for e in of(out, Enqueue)] == ["a"]
+    out = run(s, "a", W3)
+    assert s.tasks["a"].who_has == {W3} and client_msgs(out, "key-in-memory", "c")
+
+
+def test_a_client_that_reached_no_holder_of_scattered_data_gets_a_clear_error():
+    s = make(W1)
+    s.handle_stimulus(UpdateData(client="c", who_has={"d": [W1]}, stimulus_id="sc"))
+    out = s.handle_stimulus(ClientMissingData(client="c", who_failed={"d": [W1]}, stimulus_id="m"))
+    assert states(s) == {"d": "erred"}
+    (msg,) = client_msgs(out, "task-erred", "c")
+    assert "scattered data whose only copy was on" in msg["exception_text"]
+    assert W1 in msg["exception_text"] and "could not be reached" in msg["exception_text"]
+
+
+def test_a_client_cannot_drop_the_copy_of_a_retiring_holder():
+    """A retiring worker keeps its data until it has handed it on (as for missing-data)."""
+    s = make(W1, W2)
+    submit(s, "c", [task("a")], ["a"])
+    run(s, "a", W1)
+    s.handle_stimulus(RetireWorkers(client="c", workers=[W1], stimulus_id="rw"))
+    out = s.handle_stimulus(ClientMissingData(client="c", who_failed={"a": [W1]}, stimulus_id="m"))
+    assert s.tasks["a"].who_has == {W1} and not freed(out, W1)
 
 
 def test_released_keys_from_a_worker():
