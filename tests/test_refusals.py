@@ -7,8 +7,11 @@ server-wide), with real scheduler and worker processes.
 
 from __future__ import annotations
 
+import os
 import socket
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
@@ -16,7 +19,7 @@ import redis
 from polling import poll
 
 from redisdask import Client, LocalCluster
-from redisdask.embedded import EmbeddedRedis
+from redisdask.embedded import EmbeddedRedis, find_redis_server, version
 from redisdask.errors import EvictingRedisError, RedisRefusedError
 from redisdask.scheduler import MAX_SCRIPT_COMMANDS, Scheduler
 from redisdask.schema import Keys, ensure_cluster, unpack
@@ -35,6 +38,14 @@ def inc(x: int) -> int:
 
 def blob(i: int) -> bytes:
     return bytes([i % 256]) * 20_000
+
+
+def wait_for(started: str, flag: str) -> int:
+    """A task that says it started, and runs until the test creates ``flag``."""
+    Path(started).touch()
+    while not os.path.exists(flag):
+        time.sleep(0.01)
+    return 1
 
 
 def _alive(cluster: LocalCluster) -> bool:
@@ -123,6 +134,55 @@ def test_a_read_only_redis_is_waited_out(own_redis: EmbeddedRedis) -> None:
         r.execute_command("REPLICAOF", "NO", "ONE")
         assert pending.result(timeout=30) == 11
         assert _alive(cluster)
+
+
+def _logged(logs: Path, *texts: str) -> bool:
+    """Whether the scheduler's and the worker's logs each hold every one of ``texts``."""
+    found = [p.read_text() for p in logs.glob("*.log")]
+    return len(found) >= 2 and all(all(t in log for t in texts) for log in found)
+
+
+def test_a_redis_that_cannot_persist_is_waited_out(tmp_path: Path) -> None:
+    """An RDB save that fails (its dir removed under it: root cannot write there either)
+    with ``stop-writes-on-bgsave-error yes``: Redis refuses every write with MISCONF.  A
+    task finishing meanwhile waits to report, nothing moves, no process exits, the logs
+    name MISCONF and the fix; a save that succeeds ends it, and the work goes on."""
+    unlock = ["--enable-protected-configs", "yes"]  # CONFIG SET dir: a protected config
+    args = unlock if int(version(find_redis_server()).split(".")[0]) >= 7 else []
+    started, flag = tmp_path / "started", tmp_path / "flag"
+    gone, logs = tmp_path / "gone", tmp_path / "logs"
+    with (
+        EmbeddedRedis(args=args) as server,
+        LocalCluster(
+            nanny=False,
+            n_workers=1,
+            redis_url=server.url,
+            cluster_name="c",
+            log_directory=logs,
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        r = server.client()
+        after = client.submit(inc, client.submit(wait_for, str(started), str(flag)))
+        poll(started.exists, timeout=20)
+        gone.mkdir()
+        r.config_set("save", "3600 1")  # what MISCONF needs: RDB snapshots configured
+        r.config_set("dir", str(gone))
+        gone.rmdir()
+        r.bgsave()
+        poll(lambda: r.info("persistence")["rdb_last_bgsave_status"] == "err", timeout=10)
+        with pytest.raises(redis.ResponseError, match=r"^MISCONF"):
+            r.set("probe", 1)
+        flag.touch()  # the task ends: its report is refused
+        poll(lambda: _logged(logs, "MISCONF", "CONFIG SET stop-writes-on-bgsave-error no"))
+        with pytest.raises(TimeoutError):  # refused meanwhile: nothing moves
+            after.result(timeout=1)
+        assert _alive(cluster)
+        r.config_set("dir", str(server.data_dir))
+        r.bgsave()  # it succeeds: Redis takes writes again
+        assert after.result(timeout=30) == 2
+        assert _alive(cluster)
+        poll(lambda: _logged(logs, "takes"))
 
 
 def test_the_inline_budget_keeps_results_out_of_a_filling_redis(
