@@ -10,7 +10,9 @@ Redis refuses a command it will take again later, without executing it:
   PEXPIRE...) are not.  The writes that must get through a full Redis, so that it can
   ever empty again, open their script with a write that is not ``denyoom`` (see
   docs/design.md, "A full Redis").
-* ``MISCONF``: a failed RDB save with ``stop-writes-on-bgsave-error yes``: every write.
+* ``MISCONF``: Redis cannot persist: a failed RDB save (with
+  ``stop-writes-on-bgsave-error yes``, until a save succeeds) or a failed AOF write or
+  fsync (until one succeeds: Redis tries again every second): every write.
 * ``READONLY``: the server is a replica (a demoted primary): every write.
 
 A refused command was **not executed**, so sending it again later is always safe; every
@@ -40,7 +42,9 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import math
 import re
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -72,14 +76,18 @@ WHY = {
     "BUSY": "is busy running a script (SCRIPT KILL stops a script that never ends)",
     "OOM": "is full: used memory is above maxmemory under noeviction (release results: "
     "del futures, client.cancel; or raise maxmemory: CONFIG SET maxmemory)",
-    "MISCONF": "refuses writes because it cannot persist: its last RDB save failed (see "
-    "its log: a full or unwritable disk under its dir; or CONFIG SET "
-    "stop-writes-on-bgsave-error no)",
+    "MISCONF": "refuses writes because it cannot persist: an RDB save or an AOF write "
+    "failed (its log says which and why: often a full or unwritable disk under its dir); "
+    "once the disk is fixed, a failed AOF write ends by itself, a failed save with the "
+    "next save that succeeds (BGSAVE; or CONFIG SET stop-writes-on-bgsave-error no)",
     "READONLY": "is a read-only replica (a demoted primary): point redis.url at the "
     "primary, or use a redis+sentinel:// URL",
 }
 _WAITED = contextvars.ContextVar("refusals_waited", default=frozenset(WHY))
-_episodes: dict[tuple[Any, Any, str], float] = {}  # (host, port, kind) -> when it began
+# (host, port, kind) -> [when it began, when it was last logged]: one line per episode
+# (and every WARN_EVERY) for all the waits of a process, whatever thread they run in
+_episodes: dict[tuple[Any, Any, str], list[float]] = {}
+_episodes_lock = threading.Lock()
 
 
 def refusal(exc: object) -> str | None:
@@ -117,7 +125,6 @@ class _Wait:
         self.client, self.what = client, what
         self.backoff = Backoff(base=0.02, cap=0.5)
         self.started = time.monotonic()
-        self.warned_at = 0.0
         self.kind = ""
 
     def next(self, exc: BaseException) -> float:
@@ -125,9 +132,12 @@ class _Wait:
         kwargs = self.client.connection_pool.connection_kwargs
         self.kind = refusal(exc) or "BUSY"
         episode = (kwargs.get("host", "?"), kwargs.get("port", "?"), self.kind)
-        began = _episodes.setdefault(episode, now)
-        if (began == now and not self.warned_at) or now - self.warned_at >= WARN_EVERY:
-            self.warned_at = now
+        with _episodes_lock:
+            times = _episodes.setdefault(episode, [now, -math.inf])
+            began, due = times[0], now - times[1] >= WARN_EVERY
+            if due:
+                times[1] = now
+        if due:
             logger.warning(
                 "Redis at %s:%s %s; it said: %s; waiting to send %s again (for %.1f s now)",
                 *episode[:2],
@@ -141,14 +151,15 @@ class _Wait:
     def done(self) -> None:
         """The command went through: the episode (if this wait saw one) ended."""
         kwargs = self.client.connection_pool.connection_kwargs
-        began = _episodes.pop((kwargs.get("host", "?"), kwargs.get("port", "?"), self.kind), None)
-        if began is not None:
+        episode = (kwargs.get("host", "?"), kwargs.get("port", "?"), self.kind)
+        with _episodes_lock:
+            times = _episodes.pop(episode, None)
+        if times is not None:
             logger.warning(
                 "Redis at %s:%s takes %s again after %.1f s",
-                kwargs.get("host", "?"),
-                kwargs.get("port", "?"),
+                *episode[:2],
                 self.what,
-                time.monotonic() - began,
+                time.monotonic() - times[0],
             )
 
 

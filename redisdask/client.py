@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 import cloudpickle
 import redis
 
-from redisdask import comm, logs, redis_memory, schema, task_context
+from redisdask import busy, comm, logs, redis_memory, schema, task_context
 from redisdask import spec as specs
 from redisdask.backoff import Backoff
 from redisdask.client_channel import SchedulerChannel, _Outgoing
@@ -1223,15 +1223,18 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         try:
             # (the scheduler deletes our events stream when it handles close-client);
             # through a full Redis: the scheduler then frees this client's keys
+            # a Redis refusing writes (MISCONF, READONLY) is not waited for: the
+            # scheduler notices this client gone when its alive key expires
             alive, goodbye = self.keys.client_alive(self.id), CloseClient(self.id).to_dict()
-            await self._through(
-                key=alive,
-                ttl_ms=int(self.config.scheduler.client_ttl * 1000),
-                commands=[
-                    ["XADD", self.keys.client_stream, "*", "m", schema.pack([goodbye])],
-                    ["DEL", alive, self.keys.client_written(self.id)],
-                ],
-            )
+            with busy.raised():
+                await self._through(
+                    key=alive,
+                    ttl_ms=int(self.config.scheduler.client_ttl * 1000),
+                    commands=[
+                        ["XADD", self.keys.client_stream, "*", "m", schema.pack([goodbye])],
+                        ["DEL", alive, self.keys.client_written(self.id)],
+                    ],
+                )
         except (redis.RedisError, ClusterConnectionError) as exc:
             logger.warning("client %s could not say goodbye to Redis: %s", self.id, exc)
         # the reader ends when its blocking read fails: cut its connection

@@ -7,8 +7,13 @@ server-wide), with real scheduler and worker processes.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
+import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
@@ -16,7 +21,7 @@ import redis
 from polling import poll
 
 from redisdask import Client, LocalCluster
-from redisdask.embedded import EmbeddedRedis
+from redisdask.embedded import EmbeddedRedis, find_redis_server, version
 from redisdask.errors import EvictingRedisError, RedisRefusedError
 from redisdask.scheduler import MAX_SCRIPT_COMMANDS, Scheduler
 from redisdask.schema import Keys, ensure_cluster, unpack
@@ -35,6 +40,14 @@ def inc(x: int) -> int:
 
 def blob(i: int) -> bytes:
     return bytes([i % 256]) * 20_000
+
+
+def wait_for(started: str, flag: str) -> int:
+    """A task that says it started, and runs until the test creates ``flag``."""
+    Path(started).touch()
+    while not os.path.exists(flag):
+        time.sleep(0.01)
+    return 1
 
 
 def _alive(cluster: LocalCluster) -> bool:
@@ -123,6 +136,68 @@ def test_a_read_only_redis_is_waited_out(own_redis: EmbeddedRedis) -> None:
         r.execute_command("REPLICAOF", "NO", "ONE")
         assert pending.result(timeout=30) == 11
         assert _alive(cluster)
+
+
+def _logged(logs: Path, *texts: str) -> bool:
+    """Whether the scheduler's and the worker's logs each hold every one of ``texts``."""
+    found = [p.read_text() for p in logs.glob("*.log")]
+    return len(found) >= 2 and all(all(t in log for t in texts) for log in found)
+
+
+@contextlib.contextmanager
+def _cannot_persist(server: EmbeddedRedis, gone: Path) -> Iterator[redis.Redis]:
+    """MISCONF for real: an RDB save that fails (its dir removed under it: root cannot
+    write there either) with ``stop-writes-on-bgsave-error yes``; on leaving, the dir is
+    back and a BGSAVE succeeds, which ends it (a failing test too)."""
+    r = server.client()
+    gone.mkdir()
+    r.config_set("save", "3600 1")  # what MISCONF needs: RDB snapshots configured
+    r.config_set("dir", str(gone))
+    gone.rmdir()
+    r.bgsave()
+    poll(lambda: r.info("persistence")["rdb_last_bgsave_status"] == "err", timeout=10)
+    with pytest.raises(redis.ResponseError, match=r"^MISCONF"):
+        r.set("probe", 1)
+    try:
+        yield r
+    finally:
+        r.config_set("dir", str(server.data_dir))
+        r.bgsave()
+        poll(lambda: r.info("persistence")["rdb_last_bgsave_status"] == "ok", timeout=10)
+
+
+def test_a_redis_that_cannot_persist_is_waited_out(tmp_path: Path) -> None:
+    """Redis refuses every write (MISCONF): a task finishing meanwhile waits to report,
+    nothing moves, no process exits, the logs name MISCONF and the fix, a client closes
+    all the same; a save that succeeds ends it, and the work goes on."""
+    unlock = ["--enable-protected-configs", "yes"]  # CONFIG SET dir: a protected config
+    args = unlock if int(version(find_redis_server()).split(".")[0]) >= 7 else []
+    started, flag, logs = tmp_path / "started", tmp_path / "flag", tmp_path / "logs"
+    with (
+        EmbeddedRedis(args=args) as server,
+        LocalCluster(
+            nanny=False, n_workers=1, redis_url=server.url, cluster_name="c", log_directory=logs
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        other = Client(server.url, cluster_name="c")
+        after = client.submit(inc, client.submit(wait_for, str(started), str(flag)))
+        poll(started.exists, timeout=20)
+        with _cannot_persist(server, tmp_path / "gone"):
+            flag.touch()  # the task ends: its report is refused
+            poll(lambda: _logged(logs, "cannot persist", "MISCONF", "BGSAVE; or CONFIG SET stop-"))
+            with pytest.raises(TimeoutError):  # refused meanwhile: nothing moves
+                after.result(timeout=1)
+            closing = threading.Thread(target=other.close, daemon=True)
+            closing.start()  # its goodbye is refused: it closes without
+            closing.join(timeout=15)
+            assert not closing.is_alive(), "a client's close waits for a refusing Redis"
+            assert _alive(cluster)
+        assert after.result(timeout=30) == 2
+        assert _alive(cluster)
+        poll(lambda: _logged(logs, "takes"))
+        for log in logs.glob("*.log"):  # once per episode, however many threads waited
+            assert log.read_text().count("cannot persist") == 1, log.read_text()
 
 
 def test_the_inline_budget_keeps_results_out_of_a_filling_redis(
