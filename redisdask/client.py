@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import (
     Awaitable,
     Callable,
@@ -113,6 +113,10 @@ SUBMIT_BATCH_BYTES = 16 << 20  # specs per stream entry, so the scheduler's writ
 # whose bulk strings stop at 512 MB, once from the client and again in the scheduler's
 # fenced write
 MAX_SPEC_BYTES = 256 << 20
+# how many times one client reports a key's holders as unreachable (each report may have
+# the key computed again) before it gives up: a client that reaches no worker at all (a
+# firewall, a container network) would otherwise have the key recomputed for ever
+MAX_MISSING_REPORTS = 3
 # keywords of Client() with no address that go to the LocalCluster it starts
 _LOCAL_CLUSTER_ARGS = frozenset(inspect.signature(LocalCluster).parameters) - {"cluster_name"}
 T = TypeVar("T")
@@ -282,6 +286,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
             tls=self.security.client_context(),
             dead_after=self.config.comm.timeouts.tcp,
         )
+        self._missing_reports: Counter[str] = Counter()  # key -> client-missing-data sent
         self._outbox_ready = asyncio.Event()
         self._tasks = [
             asyncio.ensure_future(self._aevent_loop()),
@@ -917,7 +922,11 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         those that answered without the key are.  Whether some key still names only
         holders tried already."""
         report = tries.to_report(keys)
+        given_up = [k for k in report if self._missing_reports[k] >= MAX_MISSING_REPORTS]
+        if given_up:
+            raise tries.unreachable(given_up, MAX_MISSING_REPORTS)
         if report:
+            self._missing_reports.update(report.keys())
             await self._asend([ClientMissingData(self.id, report)])
         same_holders = False
         for key, state in (await self._arefresh_who_has(keys)).items():
@@ -1314,6 +1323,15 @@ class _Tries:
                 report[key] = new
                 self._reported.update((key, a) for a in new)
         return report
+
+    def unreachable(self, keys: list[str], reports: int) -> DataUnavailableError:
+        causes = "; ".join(f"{a}: {c}" for k in keys for a, c in sorted(self.failed[k].items()))
+        return DataUnavailableError(
+            f"could not fetch {sorted(keys)[:5]} from the workers holding them, {reports} "
+            f"times over, each time computed again ({causes[:500]}); this client cannot "
+            "reach those workers: check the network between them (their addresses, a "
+            "firewall, a container network; the workers' --host)"
+        )
 
     def unavailable(self, keys: list[str]) -> DataUnavailableError:
         failures = {a: c for k in keys for a, c in self.failed[k].items()}

@@ -387,3 +387,31 @@ def test_a_client_that_cannot_reach_the_only_holder_has_the_key_recomputed(
             assert took < DEAD_AFTER + 10, took
         finally:
             os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.timeout(90)
+def test_a_client_that_reaches_no_worker_gives_up_after_a_few_recomputes(
+    redis_url: str, cluster_name: str, stopped_holder_env: None
+) -> None:
+    """Every worker refuses this client's connections (its pool carries a wrong secret:
+    the workers are there, the client cannot get to them, as behind a firewall). Each
+    report has the key computed again, so the client stops after MAX_MISSING_REPORTS
+    with an error naming the network, instead of having it computed for ever."""
+    from redisdask.client import MAX_MISSING_REPORTS
+    from redisdask.errors import DataUnavailableError
+
+    with (
+        LocalCluster(
+            nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        x = client.submit(inc, 41)
+        wait([x], timeout=20)
+        client._peers = ConnectionPool(b"not this cluster's secret", timeout=2.0)
+        with pytest.raises(DataUnavailableError, match="check the network") as info:
+            x.result(timeout=60)
+        assert f"{MAX_MISSING_REPORTS} times over" in str(info.value)
+        # the cluster goes on: the key is in memory again, on a worker the client missed
+        assert x.status == "finished"
+        assert client.who_has()[x.key]
