@@ -76,10 +76,13 @@ def read_only_url(redis_server: EmbeddedRedis, cluster_name: str) -> str:
     would fail the test (Redis refuses it)."""
     import redis
 
-    from redisdask.acl import setuser_args
+    from redisdask.acl import parse_version, setuser_args
 
     password = uuid.uuid4().hex
     r = redis.Redis.from_url(redis_server.url)
-    r.execute_command(*setuser_args("monitor", cluster_name, user="observer", password=password))
+    version = parse_version(r.info("server")["redis_version"])  # (6.2: no %R~)
+    r.execute_command(
+        *setuser_args("monitor", cluster_name, user="observer", password=password, version=version)
+    )
     r.close()
     return redis_server.url.replace("redis://", f"redis://observer:{password}@", 1)

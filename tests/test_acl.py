@@ -438,7 +438,10 @@ def test_a_refused_wait_counts_as_unreplicated_and_the_scheduler_goes_on(
     exit after its first write, and again after every restart."""
     keys, user, password = Keys(cluster_name), f"nowait-{cluster_name}", uuid.uuid4().hex
     admin = redis.Redis.from_url(redis_url)
-    admin.execute_command(*setuser_args("scheduler", cluster_name, user=user, password=password))
+    version = parse_version(admin.info("server")["redis_version"])  # (6.2: no %R~)
+    admin.execute_command(
+        *setuser_args("scheduler", cluster_name, user=user, password=password, version=version)
+    )
     admin.execute_command("ACL", "SETUSER", user, "-wait")
     url = redis_url.replace("redis://", f"redis://{user}:{password}@", 1)
     scheduler = Scheduler(url, cluster_name, wait_replicas=1, wait_timeout=0.05)
@@ -456,7 +459,10 @@ def test_a_client_user_without_info_is_warned_once_and_works(
     of a failed-over Redis): one warning naming the fix, and the work goes on."""
     user, password = f"noinfo-{cluster_name}", uuid.uuid4().hex
     admin = redis.Redis.from_url(redis_url)
-    admin.execute_command(*setuser_args("client", cluster_name, user=user, password=password))
+    version = parse_version(admin.info("server")["redis_version"])  # (6.2: no %R~)
+    admin.execute_command(
+        *setuser_args("client", cluster_name, user=user, password=password, version=version)
+    )
     admin.execute_command("ACL", "SETUSER", user, "-info")
     try:
         with (
