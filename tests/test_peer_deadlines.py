@@ -5,6 +5,7 @@ really SIGSTOPped (alive, their sockets open, silent: what a network cut looks l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -184,8 +185,8 @@ def test_idle_connections_are_closed_and_the_pool_reconnects(server: Server) -> 
         pool = ConnectionPool(SECRET)
         assert (await pool.rpc(server.address, {"op": "echo"}))[0]["status"] == "ok"
         assert server.srv.n_connections == 1
-        while server.srv.n_connections:  # closed by the server after 0.5 s idle
-            await asyncio.sleep(0.01)
+        # closed by the server after 0.5 s idle (it runs in its own thread)
+        poll(lambda: server.srv.n_connections == 0, timeout=10)
         # the pool notices its idle connection was closed and opens another
         assert (await pool.rpc(server.address, {"op": "echo"}))[0]["status"] == "ok"
         assert server.srv.n_accepted == 2
@@ -286,6 +287,22 @@ def holder_of(client: Client, key: str) -> tuple[str, int, str]:
     return address, workers[address]["pid"], other
 
 
+@contextlib.contextmanager
+def a_stopped_holder(client: Client) -> Iterator[tuple[Any, str]]:
+    """``inc(41)`` held by one worker, to which the client has a pooled connection (on
+    which the next request waits: a new one would time out in its handshake, comm's 5 s),
+    then SIGSTOPped (SIGCONT on the way out); yields the future and the other worker."""
+    x = client.submit(inc, 41)
+    wait([x], timeout=20)  # (not result(): that would fetch and keep the value)
+    holder, pid, other = holder_of(client, x.key)
+    assert client.submit(inc, 1, workers=[holder]).result(timeout=20) == 2
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield x, other
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 @pytest.fixture
 def stopped_holder_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """A short peer deadline; values only on their workers (not in Redis)."""
@@ -345,19 +362,11 @@ def test_the_client_does_not_wait_for_ever_on_a_stopped_holder(
             nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name
         ) as cluster,
         Client(cluster) as client,
+        a_stopped_holder(client) as (x, _other),
     ):
-        x = client.submit(inc, 41)
-        wait([x], timeout=20)  # (not result(): that would fetch and keep the value)
-        holder, pid, _other = holder_of(client, x.key)
-        # a first fetch from the holder leaves the client a pooled connection to it
-        assert client.submit(inc, 1, workers=[holder]).result(timeout=20) == 2
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            # the stopped worker's heartbeat lapses: the scheduler recomputes x elsewhere,
-            # and the client, its fetch from the stopped holder given up, reads it there
-            assert x.result(timeout=60) == 42
-        finally:
-            os.kill(pid, signal.SIGCONT)
+        # the stopped worker's heartbeat lapses: the scheduler recomputes x elsewhere,
+        # and the client, its fetch from the stopped holder given up, reads it there
+        assert x.result(timeout=60) == 42
 
 
 @pytest.mark.timeout(90)
@@ -375,22 +384,13 @@ def test_a_client_that_cannot_reach_the_only_holder_has_the_key_recomputed(
             nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name
         ) as cluster,
         Client(cluster) as client,
+        a_stopped_holder(client) as (x, other),
     ):
-        x = client.submit(inc, 41)
-        wait([x], timeout=20)  # (not result(): that would fetch and keep the value)
-        holder, pid, other = holder_of(client, x.key)
-        # a pooled connection to the holder, on which the next request waits (a new one
-        # would time out in its handshake, comm's 5 s)
-        assert client.submit(inc, 1, workers=[holder]).result(timeout=20) == 2
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            start = time.monotonic()
-            assert x.result(timeout=60) == 42
-            took = time.monotonic() - start
-            assert client.who_has()[x.key] == [other]
-            assert took < DEAD_AFTER + 10, took
-        finally:
-            os.kill(pid, signal.SIGCONT)
+        start = time.monotonic()
+        assert x.result(timeout=60) == 42
+        took = time.monotonic() - start
+        assert client.who_has()[x.key] == [other]
+        assert took < DEAD_AFTER + 10, took
 
 
 @pytest.mark.timeout(90)
