@@ -868,8 +868,9 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         A key whose every recorded holder failed to answer (a peer deadline, a refused
         or broken connection) is reported to the scheduler (``client-missing-data``),
         which stops counting those holders and recomputes the key if no copy is left:
-        the key's record then leaves ``memory`` and its future waits again, as
-        distributed's client does when its gather fails."""
+        the key's record then leaves ``memory`` and its future waits again (distributed's
+        client resets its future too, but its scheduler recomputes nothing: see
+        docs/design.md, "The life of a task", step 9)."""
         remaining = set(keys)
         stale: set[str] = set()
         values: dict[str, Any] = {}
