@@ -132,7 +132,9 @@ class HoldsAFuture:
 
     def __call__(self) -> tuple[int, int]:
         first = self.future.result(timeout=30)
-        (self.d / "first").write_text(get_client().id)
+        # written whole, then renamed: the test polls for the name and reads it at once
+        (self.d / "first.part").write_text(get_client().id)
+        (self.d / "first.part").rename(self.d / "first")
         wait_for(self.d / "go")
         return first, self.future.result(timeout=30)  # fetched again: still there
 
