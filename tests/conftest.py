@@ -86,3 +86,25 @@ def read_only_url(redis_server: EmbeddedRedis, cluster_name: str) -> str:
     )
     r.close()
     return redis_server.url.replace("redis://", f"redis://observer:{password}@", 1)
+
+
+@pytest.fixture(scope="module")
+def module_cluster(redis_url: str, request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+    """One cluster (two one-thread workers) for every test of a module: for ports of Dask's
+    tests that only submit and read, so they cost a test, not a cluster start."""
+    slug = re.sub(r"[^A-Za-z0-9_-]+", "-", request.module.__name__).strip("-")[:40]
+    with LocalCluster(
+        nanny=False,
+        n_workers=2,
+        threads_per_worker=1,
+        redis_url=redis_url,
+        cluster_name=f"m-{slug}-{uuid.uuid4().hex[:8]}",
+    ) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def module_client(module_cluster: LocalCluster) -> Iterator[Client]:
+    """A fresh client of the module's shared cluster; what a test leaves is released with it."""
+    with Client(module_cluster) as client:
+        yield client
