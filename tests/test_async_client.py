@@ -126,7 +126,7 @@ def test_cluster_wide_calls_are_awaitable(cluster: LocalCluster) -> None:
             assert set(pids) == set(info["workers"])
             x = client.submit(inc, 1)
             await client.publish_dataset(x=x)
-            assert await client.list_datasets() == ["x"]
+            assert await client.list_datasets() == ("x",)
             assert await (await client.get_dataset("x")) == 2
             await client.unpublish_dataset("x")
             assert await client.compute(_delayed_sum()) == 6

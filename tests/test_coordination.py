@@ -311,12 +311,12 @@ def test_semaphore_leases_and_their_misuse(c: Client, leaves_nothing: None) -> N
     with pytest.raises(ValueError, match="other max_leases"):
         Semaphore(3, name).acquire(timeout=0)
     assert sem.release() and sem.release()
-    with pytest.raises(LeaseNotHeldError):
+    with pytest.raises(LeaseNotHeldError, match="Released too often"):
         sem.release()
     with pytest.raises(ValueError, match="max_leases must be an int"):
         Semaphore(max_leases=0)
-    with pytest.raises(TypeError, match="non-empty str"):
-        Semaphore(name=42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="a str, bytes, int, float or a tuple"):
+        Semaphore(name={"a": 1})  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- Event
@@ -487,8 +487,10 @@ def test_unpicklable_and_cancelled_values_are_refused_before_anything_is_written
         q.put(threading.Lock())
     future = c.submit(inc, 1000, pure=False)
     future.cancel()
-    with pytest.raises(ValueError, match="was cancelled"):
+    with pytest.raises(TimeoutError, match="unknown to scheduler"):
         var.set(future)
+    with pytest.raises(TimeoutError, match="unknown to scheduler"):
+        q.put(future)
     with pytest.raises(ValueError, match="was cancelled"):
         c.publish_dataset(future, name=unique("ds"))
     assert q.qsize() == 0

@@ -24,18 +24,27 @@
   its key, and those keys are held by the primitive's holder
   (``schema.holder(kind, name)``) while the value is stored.  A getter's want of them
   is sent by the same script that hands the value over (see ``schema.py``), so the
-  key is never unwanted in between.
+  key is never unwanted in between.  The futures handed over carry their dask keys
+  (``('x', 0)``, not its string form) and start with their task's state as its record
+  says (``learn_states``): finished or erred at once, as distributed's do.
+* Asynchronous use: on an asynchronous client's loop every method of a primitive
+  returns an awaitable (``Bound._call``, ``Bound._waiting``), as distributed's do: the
+  short Redis calls run in the loop's executor, and a wait blocks on the signal stream
+  through the client's asyncio connection (``await_until``), so waiters hold no thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
 import logging
+import pickle
+import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Hashable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +55,9 @@ from redisdask import schema, spec
 from redisdask.config import parse_duration
 from redisdask.errors import ClientClosedError, ClusterConnectionError
 from redisdask.futures import Future, _FutureState
+from redisdask.loop import running_loop
 from redisdask.schema import CoordinationScripts, Keys
+from redisdask.task_record import TaskRecord
 
 if TYPE_CHECKING:
     from redisdask.client import Client
@@ -125,12 +136,15 @@ def backend_of(client: Client | None, what: str) -> Backend:
 
 class Bound:
     """A primitive's binding to its backend, made at first use (distributed binds its
-    client late too, so a primitive unpickled in a task finds that task's cluster)."""
+    client late too, so a primitive unpickled in a task finds that task's cluster).
+
+    ``name`` is kept as given (distributed's primitives are named by any dask-key-like
+    value: ``Lock(1)``, ``Event(("a", 1))``); ``_name`` is its string form in Redis."""
 
     kind = ""
 
-    def __init__(self, name: str | None, client: Client | None) -> None:
-        self.name = check_name(name, self.kind)
+    def __init__(self, name: Any, client: Client | None) -> None:
+        self.name, self._name = check_name(name, self.kind)
         self._client = client
         self._backend: Backend | None = None
 
@@ -156,24 +170,85 @@ class Bound:
         except ValueError:
             return None
 
+    def _asynchronous(self, b: Backend) -> bool:
+        """Whether the caller is on its asynchronous client's loop (then methods return
+        awaitables, as distributed's ``client.sync`` makes them)."""
+        client = b.client
+        return bool(client.asynchronous) and running_loop() is client.loop
+
+    def _call(self, op: str, run: Callable[[Backend], Any]) -> Any:
+        """``run(backend)``: a short Redis call; an awaitable of it on an asynchronous
+        client's loop (run in the loop's executor: the call blocks on Redis)."""
+        b = self._bind(op)
+        if self._asynchronous(b):
+            return b.client.loop.run_in_executor(None, run, b)
+        return run(b)
+
+    def _waiting(
+        self,
+        op: str,
+        timeout: float | None,
+        attempt: Callable[[Backend], Attempt],
+        then: Callable[[bool, Any], Any],
+    ) -> Any:
+        """``then(*wait_until(...))`` for ``attempt`` made for the backend; on an
+        asynchronous client's loop, a coroutine of it waiting with ``await_until``."""
+        b = self._bind(op)
+        what = self._what(op)
+        if self._asynchronous(b):
+
+            async def waited() -> Any:
+                found = await await_until(b, self.kind, self._name, what, timeout, attempt(b))
+                return then(*found)
+
+            return waited()
+        return then(*wait_until(b, self.kind, self._name, what, timeout, attempt(b)))
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        """``await Lock("x")`` (distributed's async constructor): nothing to wait for."""
+
+        async def itself() -> Any:
+            return self
+
+        return itself().__await__()
+
     def _what(self, op: str) -> str:
         return f"{type(self).__name__}({self.name!r}).{op}"
 
     @property
     def _holder(self) -> str:
         """Who keeps the futures in its values alive: ``holder:<kind>:<name>``."""
-        return schema.holder(self.kind, self.name)
+        return schema.holder(self.kind, self._name)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__}: {self.name}>"
 
 
-def check_name(name: Any, kind: str) -> str:
-    if name is None:
-        return f"{kind}-{uuid.uuid4().hex}"
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"a {kind} is named by a non-empty str, got {name!r}")
-    return name
+def check_name(name: Any, kind: str) -> tuple[Any, str]:
+    """``(name as given, its string form in Redis)``.  As in distributed, a primitive is
+    named by a str, bytes, int, float or a tuple (or list: the same name) of those, and
+    no name (or an empty one) gives it a random name.  The string form is the cluster's
+    for dask keys (``spec.stringify``): ``("a", 1)`` is ``"('a', 1)"``."""
+    if not name:
+        name = f"{kind}-{uuid.uuid4().hex}"
+        return name, name
+    key = _as_key(name)
+    if key is None:
+        raise TypeError(
+            f"a {kind} is named by a str, bytes, int, float or a tuple of those (as a dask "
+            f"key), got {type(name).__name__} {name!r}"
+        )
+    return name, spec.stringify(key)
+
+
+def _as_key(name: Any) -> Hashable | None:
+    """``name`` as a dask key (lists become tuples), or None if it cannot be one."""
+    if isinstance(name, str | bytes | int | float):
+        return name
+    if isinstance(name, list | tuple):
+        parts = [_as_key(part) for part in name]
+        return None if any(p is None for p in parts) else tuple(parts)
+    return None
 
 
 def seconds(timeout: float | str | datetime.timedelta | None) -> float | None:
@@ -200,39 +275,91 @@ def seconds(timeout: float | str | datetime.timedelta | None) -> float | None:
 Attempt = Callable[[str, int], tuple[bool, Any, str, float | None]]
 
 
+class _Wait:
+    """One caller's wait on a primitive: its waiter id, deadline and signal stream."""
+
+    def __init__(
+        self, backend: Backend, kind: str, name: str, what: str, timeout: float | None
+    ) -> None:
+        self.backend, self.what = backend, what
+        self.waiter = uuid.uuid4().hex
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.signal = backend.keys.signal(kind, name)
+
+    def slice(self) -> tuple[float, int]:
+        """``(seconds the next block may last, ms the waiter's word lasts: 0 on the last
+        attempt)``; ``ClientClosedError`` once the client closed."""
+        self.backend.check(self.what)
+        left = None if self.deadline is None else self.deadline - time.monotonic()
+        block = WAIT_SLICE if left is None else min(WAIT_SLICE, max(left, 0.0))
+        return block, int((block + WORD_MARGIN) * 1000) if block > 0 else 0
+
+    @staticmethod
+    def block_ms(block: float, again: float | None) -> int:
+        if again is not None:
+            block = min(block, again + 0.001)
+        return max(1, int(block * 1000))
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        try:
+            yield
+        except ClusterConnectionError:
+            self.backend.check(self.what)  # closed meanwhile: say that, not "connection lost"
+            raise
+
+
 def wait_until(
     backend: Backend, kind: str, name: str, what: str, timeout: float | None, attempt: Attempt
 ) -> tuple[bool, Any]:
     """Run ``attempt`` until it succeeds: ``(True, value)``; or, after ``timeout``
     seconds (0: one try), ``(False, None)``.  Between attempts, block on the signal
     stream (see the module docstring)."""
-    waiter = uuid.uuid4().hex
-    deadline = None if timeout is None else time.monotonic() + timeout
-    signal = backend.keys.signal(kind, name)
+    w = _Wait(backend, kind, name, what, timeout)
     while True:
-        backend.check(what)
-        left = None if deadline is None else deadline - time.monotonic()
-        block = WAIT_SLICE if left is None else min(WAIT_SLICE, max(left, 0.0))
-        wait_ms = int((block + WORD_MARGIN) * 1000) if block > 0 else 0
-        done, value, from_id, again = attempt(waiter, wait_ms)
+        block, wait_ms = w.slice()
+        done, value, from_id, again = attempt(w.waiter, wait_ms)
         if done:
             return True, value
         if not wait_ms:
             return False, None
-        if again is not None:
-            block = min(block, again + 0.001)
-        try:
-            backend.redis.xread({signal: from_id}, block=max(1, int(block * 1000)))
-        except ClusterConnectionError:
-            backend.check(what)  # closed meanwhile: say that, not "connection lost"
-            raise
+        with w.reading():
+            backend.redis.xread({w.signal: from_id}, block=w.block_ms(block, again))
+
+
+async def await_until(
+    backend: Backend, kind: str, name: str, what: str, timeout: float | None, attempt: Attempt
+) -> tuple[bool, Any]:
+    """``wait_until`` on an asynchronous client's loop: each attempt (a script) runs in
+    the loop's executor, each block is an ``XREAD BLOCK`` on the client's asyncio
+    connection, so a waiter holds no thread while it waits."""
+    loop = asyncio.get_running_loop()
+    w = _Wait(backend, kind, name, what, timeout)
+    while True:
+        block, wait_ms = w.slice()
+        done, value, from_id, again = await loop.run_in_executor(None, attempt, w.waiter, wait_ms)
+        if done:
+            return True, value
+        if not wait_ms:
+            return False, None
+        with w.reading():
+            await backend.client._aredis.xread({w.signal: from_id}, block=w.block_ms(block, again))
 
 
 # --------------------------------------------------------------------------- values
 
 
-def encode(value: Any, what: str) -> tuple[bytes, list[str]]:
-    """The pickled value and the keys of the futures inside it."""
+_DASK_KEYS = b"RDK\x01"  # a value whose futures have dask keys other than their strings:
+_LENGTH = struct.Struct(">I")  # _DASK_KEYS, the length and pickle of {key: dask key}, value
+
+
+def encode(
+    value: Any, what: str, cancelled: type[Exception] = ValueError
+) -> tuple[bytes, list[str]]:
+    """The pickled value and the keys of the futures inside it.  The dask keys of those
+    futures (``('x', 0)``) travel before the value when they are no str, so the futures
+    a getter receives carry them.  A cancelled future inside raises ``cancelled``
+    (distributed: ``TimeoutError`` for a ``Variable`` or a ``Queue``)."""
     try:
         data, futures = spec.dumps_with_futures(value)
     except Exception as exc:
@@ -249,10 +376,14 @@ def encode(value: Any, what: str) -> tuple[bytes, list[str]]:
         )
     for future in futures:
         if future.cancelled():
-            raise ValueError(
-                f"{what}: future {future.key!r} was cancelled, so it has no value to share "
-                "(its task is gone from the cluster); submit it again first"
+            raise cancelled(
+                f"{what}: Task {future.key!r} unknown to scheduler: its future was "
+                "cancelled, so it has no value to share; submit it again first"
             )
+    dask_keys = {f._key: f.key for f in futures if f.key != f._key}
+    if dask_keys:
+        names = pickle.dumps(dask_keys, protocol=5)
+        data = b"".join((_DASK_KEYS, _LENGTH.pack(len(names)), names, data))
     return data, sorted({future._key for future in futures})
 
 
@@ -274,8 +405,55 @@ def hand_over(backend: Backend, keys: list[str], lost: bool) -> dict[str, Future
     return futures
 
 
+_RECORD_FIELDS = (
+    "state", "who_has", "type", "value", "exception", "traceback", "exception_text",
+    "traceback_text", "killed", "rejected",
+)  # fmt: skip
+
+
+def learn_states(backend: Backend, futures: list[Future]) -> None:
+    """Start futures handed over with their tasks' states as the records say: finished
+    (with its holders and a small result) or erred (with its exception) at once, as
+    distributed's primitives hand them over, instead of pending until the scheduler's
+    news arrives.  A state the client knows already (a live future of the key) stays."""
+    pending = [f for f in futures if f._state.status == "pending"]
+    if not pending:
+        return
+    from redisdask.client_channel import _load_error
+    from redisdask.protocol import KeyErred
+
+    pipe = backend.redis.pipeline(transaction=False)
+    for future in pending:
+        pipe.hmget(backend.keys.task(future._key), _RECORD_FIELDS)
+    raws = pipe.execute()
+    with backend.client._lock:  # as the client's reader applies news
+        for future, raw in zip(pending, raws, strict=True):
+            record, state = TaskRecord.from_hmget(_RECORD_FIELDS, raw), future._state
+            if state.status != "pending":
+                continue
+            if record.state == "memory":
+                state.finish(record.who_has, record.type, record.value)
+            elif record.state == "erred":
+                msg = KeyErred(
+                    future._key, exception=record.exception or b"",
+                    traceback=record.traceback or b"", exception_text=record.exception_text,
+                    traceback_text=record.traceback_text, killed=record.killed,
+                    rejected=record.rejected,
+                )  # fmt: skip
+                state.set_error(*_load_error(msg))
+
+
 def decode(data: bytes, futures: dict[str, Future]) -> Any:
-    return spec.loads_with_futures(data, futures)
+    """The value ``encode`` made, with ``futures`` (by key) in place of its futures,
+    which take their dask keys."""
+    if not data.startswith(_DASK_KEYS):
+        return spec.loads_with_futures(data, futures)
+    start = len(_DASK_KEYS) + _LENGTH.size
+    (length,) = _LENGTH.unpack_from(data, len(_DASK_KEYS))
+    dask_keys = pickle.loads(data[start : start + length])
+    for key, future in futures.items():
+        future.key = dask_keys.get(key, key)
+    return spec.loads_with_futures(memoryview(data)[start + length :], futures)
 
 
 def unpack_record(raw: bytes) -> list[Any]:

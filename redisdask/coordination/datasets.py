@@ -13,7 +13,7 @@ publish it: what is not computed is published as its graph."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Hashable, Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -25,6 +25,7 @@ from redisdask.coordination.backend import (
     decode,
     encode,
     hand_over,
+    learn_states,
     script_error,
     unpack_record,
 )
@@ -113,12 +114,13 @@ class DatasetMethods:
             b.scripts.unpublish(datasets=[(f, schema.holder("dataset", f)) for f in fields])
 
     @offloaded
-    def list_datasets(self, **kwargs: Any) -> list[Hashable]:
-        """The names of the published datasets (as published: str or dask keys)."""
+    def list_datasets(self, **kwargs: Any) -> tuple[Hashable, ...]:
+        """The names of the published datasets (as published: str or dask keys), a
+        tuple as distributed's, sorted by their string forms."""
         client: Client = self  # type: ignore[assignment]
         b = backend_of(client, "list_datasets()")
         records = b.redis.hvals(b.keys.datasets)
-        return sorted((pickling.loads(unpack_record(raw)[3]) for raw in records), key=str)
+        return tuple(sorted((pickling.loads(unpack_record(raw)[3]) for raw in records), key=str))
 
     @offloaded
     def get_dataset(
@@ -144,10 +146,11 @@ class DatasetMethods:
         for f, item in zip(fields, found, strict=True):
             if item is not None:
                 out.append(decode(*item))
+                learn_states(b, list(item[1].values()))
             elif default is _NO_DEFAULT:
                 raise KeyError(
                     f"Dataset '{f}' not found in cluster {b.keys.cluster!r} (its datasets: "
-                    f"{self.list_datasets()[:20]}); publish it with "
+                    f"{list(self.list_datasets())[:20]}); publish it with "
                     f"client.publish_dataset(value, name={f!r})"
                 )
             else:
@@ -162,27 +165,60 @@ class DatasetMethods:
 
 
 class Datasets(MutableMapping[Hashable, Any]):
-    """A dict-like view of a client's dataset methods (distributed's ``Datasets``)."""
+    """A dict-like view of a client's dataset methods (distributed's ``Datasets``).  On
+    an asynchronous client ``await client.datasets["ds"]`` and ``async for name in
+    client.datasets`` work; what Python cannot await (``=``, ``del``, ``len``, ``for``)
+    raises ``TypeError`` naming the awaitable call to use, as distributed's does."""
 
     __slots__ = ("_client",)
 
     def __init__(self, client: Client) -> None:
         self._client = client
 
+    def _refuse_if_async(self, use: str, instead: str) -> None:
+        if self._client.asynchronous:
+            raise TypeError(
+                f"Can't use {use} when client is asynchronous; please use {instead} instead"
+            )
+
     def __getitem__(self, key: Hashable) -> Any:
-        return self._client.get_dataset(key)
+        return self._client.get_dataset(key)  # (an awaitable on an asynchronous client)
 
     def __setitem__(self, key: Hashable, value: Any) -> None:
+        self._refuse_if_async(
+            "'client.datasets[name] = value'", "'client.publish_dataset(name=value)'"
+        )
         self._client.publish_dataset(value, name=key)
 
     def __delitem__(self, key: Hashable) -> None:
+        self._refuse_if_async("'del client.datasets[name]'", "'client.unpublish_dataset(name)'")
         self._client.unpublish_dataset(key)
 
     def __contains__(self, key: object) -> bool:
+        self._refuse_if_async("'name in client.datasets'", "'name in await client.list_datasets()'")
         return key in self._client.list_datasets()
 
     def __iter__(self) -> Iterator[Hashable]:
+        if self._client.asynchronous:
+            raise TypeError(
+                "Can't invoke iter() or 'for' on client.datasets when client is "
+                "asynchronous; use 'async for' instead"
+            )
         yield from self._client.list_datasets()
 
+    def __aiter__(self) -> AsyncIterator[Hashable]:
+        if not self._client.asynchronous:
+            raise TypeError(
+                "Can't invoke 'async for' on client.datasets when client is "
+                "synchronous; use iter() or 'for' instead"
+            )
+
+        async def names() -> AsyncIterator[Hashable]:
+            for name in await self._client.list_datasets():
+                yield name
+
+        return names()
+
     def __len__(self) -> int:
+        self._refuse_if_async("'len(client.datasets)'", "'len(await client.list_datasets())'")
         return len(self._client.list_datasets())

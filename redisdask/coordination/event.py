@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from redisdask.coordination.backend import Bound, seconds, wait_until
+from redisdask.coordination.backend import Attempt, Backend, Bound, seconds
 
 if TYPE_CHECKING:
     from redisdask.client import Client
@@ -19,40 +19,50 @@ if TYPE_CHECKING:
 class Event(Bound):
     """An event named ``name`` (a random name if None); every instance of that name in
     the cluster sees the same flag.  ``client``: the client to use (default: the default
-    client; inside a task, the worker's Redis)."""
+    client; inside a task, the worker's Redis).  On an asynchronous client every method
+    returns an awaitable (``await event.wait()``), and ``await Event(name)`` is the
+    event."""
 
     kind = "event"
 
-    def __init__(self, name: str | None = None, client: Client | None = None) -> None:
+    def __init__(self, name: Any = None, client: Client | None = None) -> None:
         super().__init__(name, client)
 
-    def set(self) -> None:
+    def set(self) -> Any:
         """Set the flag: every waiter returns True."""
-        b = self._bind("set()")
-        b.scripts.event_set(name=self.name)
 
-    def clear(self) -> None:
+        def run(b: Backend) -> None:
+            b.scripts.event_set(name=self._name)
+
+        return self._call("set()", run)
+
+    def clear(self) -> Any:
         """Clear the flag: waiters block until the next ``set``."""
-        b = self._bind("clear()")
-        b.redis.delete(b.keys.coordination(self.kind, self.name))
 
-    def is_set(self) -> bool:
-        b = self._bind("is_set()")
-        return bool(b.redis.exists(b.keys.coordination(self.kind, self.name)))
+        def run(b: Backend) -> None:
+            b.redis.delete(self._key(b))
 
-    def wait(self, timeout: float | str | None = None) -> bool:
+        return self._call("clear()", run)
+
+    def is_set(self) -> Any:
+        return self._call("is_set()", lambda b: bool(b.redis.exists(self._key(b))))
+
+    def wait(self, timeout: float | str | None = None) -> Any:
         """Block until the flag is set (True) or ``timeout`` seconds passed (False)."""
-        what = self._what("wait()")
-        b = self._bind("wait()")
 
-        def attempt(waiter: str, wait_ms: int) -> tuple[bool, Any, str, float | None]:
-            reply = b.scripts.event_wait(name=self.name, waiter=waiter, wait_ms=wait_ms)
-            if reply[0] == 1:
-                return True, None, "", None
-            return False, None, reply[1].decode(), None
+        def attempt(b: Backend) -> Attempt:
+            def once(waiter: str, wait_ms: int) -> tuple[bool, Any, str, float | None]:
+                reply = b.scripts.event_wait(name=self._name, waiter=waiter, wait_ms=wait_ms)
+                if reply[0] == 1:
+                    return True, None, "", None
+                return False, None, reply[1].decode(), None
 
-        is_set, _ = wait_until(b, self.kind, self.name, what, seconds(timeout), attempt)
-        return is_set
+            return once
+
+        return self._waiting("wait()", seconds(timeout), attempt, lambda is_set, _: is_set)
+
+    def _key(self, b: Backend) -> str:
+        return b.keys.coordination(self.kind, self._name)
 
     def __reduce__(self) -> Any:
         return Event, (self.name,)

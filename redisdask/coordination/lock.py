@@ -1,9 +1,11 @@
 """``Lock``: a ``Semaphore`` of one lease, as distributed's is, with its names:
-``acquire(blocking=True, timeout=None)``, ``release()``, ``locked()``, ``with lock:``.
+``acquire(blocking=True, timeout=None)``, ``release()``, ``locked()``, ``with lock:``
+(and, on an asynchronous client, ``await lock.acquire()`` and ``async with lock:``).
 Its state is ``rd:{c}:lock:<name>`` (a namespace of its own: ``Lock("x")`` and
 ``Semaphore(name="x")`` are two things).  A holder killed with -9 frees the lock when
 its lease lapses (``scheduler.locks.lease-timeout``); a ``release`` by an instance that
-does not hold it raises ``LeaseNotHeldError``."""
+does not hold it raises ``LeaseNotHeldError`` (``RuntimeError("Released too often")``
+in distributed)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ class Lock(Semaphore):
 
     def __init__(
         self,
-        name: str | None = None,
+        name: Any = None,
         client: Client | None = None,
         *,
         scheduler_rpc: Any = None,
@@ -32,18 +34,21 @@ class Lock(Semaphore):
     ) -> None:
         super().__init__(max_leases=1, name=name, client=client)
 
-    def acquire(self, blocking: bool = True, timeout: float | str | None = None) -> bool:
+    def acquire(self, blocking: bool = True, timeout: float | str | None = None) -> Any:
         """Take the lock; with ``blocking=False`` only if it is free now, else waiting
-        at most ``timeout`` seconds (None: as long as it takes).  True if taken."""
+        at most ``timeout`` seconds (None: as long as it takes).  True if taken
+        (awaitable on an asynchronous client, as every method here)."""
         if not blocking:
             if timeout is not None:
                 raise ValueError("can't specify a timeout for a non-blocking call")
             return self._acquire(0.0, "acquire()")
         return self._acquire(seconds(timeout), "acquire()")
 
-    def locked(self) -> bool:
+    def locked(self) -> Any:
         """Whether anyone holds the lock now."""
-        return self.get_value() >= 1
+        return self._call(
+            "locked()", lambda b: b.scripts.count_leases(kind=self.kind, name=self._name) >= 1
+        )
 
     def __reduce__(self) -> Any:
         return type(self), (self.name,)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from redisdask.coordination.backend import Bound, script_error, seconds, wait_until
+from redisdask.coordination.backend import Attempt, Backend, Bound, script_error, seconds
 from redisdask.errors import LeaseNotHeldError, RedisDaskError
 
 if TYPE_CHECKING:
@@ -42,14 +42,15 @@ class Semaphore(Bound):
     and ``loop`` are distributed's and have no use here.
 
     ``acquire(timeout=None) -> bool``, ``release() -> bool``, ``get_value()`` (the leases
-    held now), ``close()``, and ``with sem: ...``."""
+    held now), ``close()``, and ``with sem: ...``; on an asynchronous client each returns
+    an awaitable, and ``async with sem: ...`` (as distributed's)."""
 
     kind = "semaphore"
 
     def __init__(
         self,
         max_leases: int = 1,
-        name: str | None = None,
+        name: Any = None,
         client: Client | None = None,
         *,
         register: bool = True,
@@ -64,84 +65,98 @@ class Semaphore(Bound):
         self._leases: deque[str] = deque()  # held by this instance, oldest first
         self._lock = threading.Lock()
 
-    def acquire(self, timeout: float | str | None = None) -> bool:
+    def acquire(self, timeout: float | str | None = None) -> Any:
         """Take a lease, waiting for one at most ``timeout`` seconds (None: as long as
-        it takes); True if taken."""
+        it takes); True if taken (awaitable on an asynchronous client)."""
         return self._acquire(seconds(timeout), "acquire()")
 
-    def _acquire(self, timeout: float | None, op: str) -> bool:
+    def _acquire(self, timeout: float | None, op: str) -> Any:
         what = self._what(op)
-        b = self._bind(op)
         lease = uuid.uuid4().hex
-        lease_ms = int(b.lease_timeout * 1000)
 
-        def attempt(waiter: str, wait_ms: int) -> tuple[bool, Any, str, float | None]:
-            try:
-                reply = b.scripts.acquire(
-                    kind=self.kind, name=self.name, waiter=waiter, wait_ms=wait_ms,
-                    lease=lease, max_leases=self.max_leases, lease_ms=lease_ms,
-                )  # fmt: skip
-            except redis.ResponseError as exc:
-                if script_error(exc, "INCONSISTENT"):
-                    raise ValueError(
-                        f"{what}: {type(self).__name__} {self.name!r} is in use with other "
-                        f"max_leases ({str(exc).rsplit(' ', 1)[-1]}; this one has "
-                        f"{self.max_leases}): give every instance of one name the same "
-                        "max_leases, or use another name"
-                    ) from None
-                raise
-            if reply[0] == 1:
-                return True, None, "", None
-            return False, None, reply[1].decode(), int(reply[2]) / 1000
+        def attempt(b: Backend) -> Attempt:
+            lease_ms = int(b.lease_timeout * 1000)
 
-        acquired, _ = wait_until(b, self.kind, self.name, what, timeout, attempt)
-        if acquired:
-            with self._lock:
-                self._leases.append(lease)
-            _renewer.add(self)
-        return acquired
+            def once(waiter: str, wait_ms: int) -> tuple[bool, Any, str, float | None]:
+                try:
+                    reply = b.scripts.acquire(
+                        kind=self.kind, name=self._name, waiter=waiter, wait_ms=wait_ms,
+                        lease=lease, max_leases=self.max_leases, lease_ms=lease_ms,
+                    )  # fmt: skip
+                except redis.ResponseError as exc:
+                    if script_error(exc, "INCONSISTENT"):
+                        raise ValueError(
+                            f"{what}: {type(self).__name__} {self.name!r} is in use with "
+                            f"other max_leases ({str(exc).rsplit(' ', 1)[-1]}; this one has "
+                            f"{self.max_leases}): give every instance of one name the same "
+                            "max_leases, or use another name"
+                        ) from None
+                    raise
+                if reply[0] == 1:
+                    return True, None, "", None
+                return False, None, reply[1].decode(), int(reply[2]) / 1000
 
-    def release(self) -> bool:
-        """Give back this instance's oldest lease; ``LeaseNotHeldError`` (a
-        ``RuntimeError``, as distributed raises) if it holds none."""
+            return once
+
+        def then(acquired: bool, _: Any) -> bool:
+            if acquired:
+                with self._lock:
+                    self._leases.append(lease)
+                _renewer.add(self)
+            return acquired
+
+        return self._waiting(op, timeout, attempt, then)
+
+    def release(self) -> Any:
+        """Give back this instance's oldest lease (awaitable on an asynchronous client).
+        ``RuntimeError("Released too often")``, as distributed raises, if it holds none
+        (a ``LeaseNotHeldError``)."""
         what = self._what("release()")
-        b = self._bind("release()")
         with self._lock:
             if not self._leases:
                 raise LeaseNotHeldError(
-                    f"{what}: this instance holds no lease of {self.name!r} (released more "
-                    "often than acquired, or never acquired here: a "
-                    f"{type(self).__name__} pickled into a task is a new instance, so "
-                    "acquire and release it in the same process)"
+                    f"Released too often: {what}: this instance holds no lease of "
+                    f"{self.name!r} (released more often than acquired, or never acquired "
+                    f"here: a {type(self).__name__} pickled into a task is a new instance, "
+                    "so acquire and release it in the same process)"
                 )
             lease = self._leases.popleft()
-        if not b.scripts.release(kind=self.kind, name=self.name, lease=lease):
-            raise LeaseNotHeldError(
-                f"{what}: its lease of {self.name!r} had lapsed: nothing renewed it for "
-                f"scheduler.locks.lease-timeout ({b.lease_timeout:g} s; was this process "
-                "paused, or cut off from Redis?), so another holder may have had it "
-                "meanwhile"
-            )
-        return True
 
-    def get_value(self) -> int:
+        def run(b: Backend) -> bool:
+            if not b.scripts.release(kind=self.kind, name=self._name, lease=lease):
+                raise LeaseNotHeldError(
+                    f"{what}: its lease of {self.name!r} had lapsed: nothing renewed it for "
+                    f"scheduler.locks.lease-timeout ({b.lease_timeout:g} s; was this process "
+                    "paused, or cut off from Redis?), so another holder may have had it "
+                    "meanwhile"
+                )
+            return True
+
+        return self._call("release()", run)
+
+    def get_value(self) -> Any:
         """How many leases are held now, by anyone."""
-        b = self._bind("get_value()")
-        return int(b.scripts.count_leases(kind=self.kind, name=self.name))
+        return self._call(
+            "get_value()", lambda b: int(b.scripts.count_leases(kind=self.kind, name=self._name))
+        )
 
-    def register(self, **kwargs: Any) -> None:
+    def register(self, **kwargs: Any) -> Any:
         """distributed's; a semaphore here needs no registering."""
+        return self._call("register()", lambda b: None)
 
-    def close(self) -> None:
+    def close(self) -> Any:
         """Delete the semaphore, with any lease still held (as distributed's ``close``,
         which warns about those); waiters start afresh."""
-        b = self._bind("close()")
         with self._lock:
             held = list(self._leases)
             self._leases.clear()
-        if b.scripts.count_leases(kind=self.kind, name=self.name) > len(held):
-            logger.warning("closing %s while other instances hold leases of it", self)
-        b.scripts.close(kind=self.kind, name=self.name)
+
+        def run(b: Backend) -> None:
+            if b.scripts.count_leases(kind=self.kind, name=self._name) > len(held):
+                logger.warning("closing %s while other instances hold leases of it", self)
+            b.scripts.close(kind=self.kind, name=self._name)
+
+        return self._call("close()", run)
 
     def _renew(self) -> bool:
         """Renew this instance's leases; False once it holds none (or cannot)."""
@@ -151,7 +166,7 @@ class Semaphore(Bound):
         if not leases or b is None or (b.client is not None and b.client.status != "running"):
             return False
         lease_ms = int(b.lease_timeout * 1000)
-        lost = b.scripts.renew(kind=self.kind, name=self.name, leases=leases, lease_ms=lease_ms)
+        lost = b.scripts.renew(kind=self.kind, name=self._name, leases=leases, lease_ms=lease_ms)
         if lost:
             logger.warning(
                 "%s: %d lease(s) of this instance lapsed before they were renewed "
@@ -163,11 +178,22 @@ class Semaphore(Bound):
         return True
 
     def __enter__(self) -> Semaphore:
+        if self._asynchronous(self._bind("__enter__()")):
+            raise TypeError(
+                f"{self._what('__enter__()')}: on an asynchronous client use 'async with'"
+            )
         self._acquire(None, "__enter__()")
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+    async def __aenter__(self) -> Semaphore:
+        await self._acquire(None, "__aenter__()")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()
 
     def __reduce__(self) -> Any:
         return type(self), (self.max_leases, self.name)
