@@ -115,8 +115,10 @@ def backend_of(client: Client | None, what: str) -> Backend:
         try:
             client = default_client()
         except ValueError:
-            raise ValueError(
-                f"{what}: no Client is running here: create one with Client(...), or pass client="
+            raise RuntimeError(  # (distributed's error: "... not properly initialized")
+                f"{what}: no Client is running here, so the object is not properly "
+                "initialized (as one unpickled outside a Client or a worker's task): create "
+                "a Client(...) first, or pass client="
             ) from None
     backend: Backend | None = client._coordination  # (kept on the client: see DatasetMethods)
     if backend is None:
