@@ -772,7 +772,8 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
 
     async def _agather(self, futures: Any, errors: str) -> Any:
         flat = [f for f in _flatten(futures) if isinstance(f, Future)]
-        values = await self._aresults(flat, None, skip_errors=errors == "skip")
+        with shorten_traceback():  # (awaited on an asynchronous client)
+            values = await self._aresults(flat, None, skip_errors=errors == "skip")
         packed = _pack_like(
             futures,
             lambda f: values.get(f._key, _SKIPPED) if isinstance(f, Future) else f,

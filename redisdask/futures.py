@@ -206,7 +206,8 @@ class Future:
         return self.client._sync(self._aresult, seconds)
 
     async def _aresult(self, timeout: float | None = None) -> Any:
-        return (await self.client._aresults([self], timeout))[self._key]
+        with shorten_traceback():  # (awaited on an asynchronous client)
+            return (await self.client._aresults([self], timeout))[self._key]
 
     def __await__(self) -> Generator[Any, None, Any]:
         return awaitable_on(self.client.loop, self._aresult).__await__()

@@ -35,6 +35,11 @@ async def _guarded(key: str, coro: Coroutine[Any, Any, Any]) -> Any:
         return await task_context.run_as_task(key, coro)
     except (KeyboardInterrupt, SystemExit) as exc:  # asyncio would re-raise these
         raise _Interrupted(exc) from None
+    except asyncio.CancelledError as exc:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():  # the worker closes: it cancelled
+            raise
+        raise _Interrupted(exc) from None  # the task's own: its error, as distributed's
 
 
 def run_coroutine(
