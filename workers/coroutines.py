@@ -63,4 +63,4 @@ def run_coroutine(
     try:
         return future.result()
     except _Interrupted as exc:
-        raise exc.error.with_traceback(exc.__traceback__) from None
+        raise exc.error from None  # (with its own traceback: the coroutine's frames)
