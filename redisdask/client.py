@@ -94,6 +94,7 @@ from redisdask.protocol import (
 from redisdask.schema import REDIS_COPY, Keys
 from redisdask.security import Security
 from redisdask.task_record import TaskRecord
+from redisdask.tracebacks import shorten_traceback
 from redisdask.versions import versions
 from redisdask.worker_calls import WorkerCalls
 
@@ -575,7 +576,8 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         packed = _pack_lists(keys, lambda k: futures[k])
         if not sync:
             return packed
-        return self._sync(self._aget, packed, list(futures.values()))
+        with shorten_traceback():  # as gather's
+            return self._sync(self._aget, packed, list(futures.values()))
 
     async def _aget(self, packed: Any, futures: list[Future]) -> Any:
         try:
@@ -765,11 +767,13 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         Awaitable on an asynchronous client."""
         if errors not in ("raise", "skip"):
             raise ValueError(f"errors= is 'raise' or 'skip', got {errors!r}")
-        return self._sync(self._agather, futures, errors)
+        with shorten_traceback():  # a task's error: its frames, not the client's
+            return self._sync(self._agather, futures, errors)
 
     async def _agather(self, futures: Any, errors: str) -> Any:
         flat = [f for f in _flatten(futures) if isinstance(f, Future)]
-        values = await self._aresults(flat, None, skip_errors=errors == "skip")
+        with shorten_traceback():  # (awaited on an asynchronous client)
+            values = await self._aresults(flat, None, skip_errors=errors == "skip")
         packed = _pack_like(
             futures,
             lambda f: values.get(f._key, _SKIPPED) if isinstance(f, Future) else f,

@@ -347,6 +347,14 @@ class ClientConfig(Section):
     run_timeout: Seconds = 60.0
 
 
+class AdminConfig(Section):
+    """Dask's ``distributed.admin``."""
+
+    # a task's error message longer than this (characters) is cut to it, and a pickled
+    # traceback longer than this (bytes) is not sent (distributed's default)
+    max_error_length: Annotated[int, Field(ge=0)] = 10_000
+
+
 class LoggingConfig(Section):
     level: LogLevel = "INFO"
     # text: one readable line per record; json: one JSON object per line (redisdask/logs.py),
@@ -376,6 +384,7 @@ class Config(Section):
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     client: ClientConfig = Field(default_factory=ClientConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    admin: AdminConfig = Field(default_factory=AdminConfig)
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
 
     @model_validator(mode="after")

@@ -27,6 +27,7 @@ from redisdask import spec as specs
 from redisdask.config import parse_duration
 from redisdask.errors import FutureCancelledError
 from redisdask.loop import awaitable_on, running_loop, wake
+from redisdask.tracebacks import shorten_traceback
 
 if TYPE_CHECKING:
     from redisdask.client import Client
@@ -186,8 +187,12 @@ class Future:
 
     def result(self, timeout: float | str | None = None) -> Any:
         """The value, fetched from a worker holding it; the task's error if it erred.
-        Awaitable on an asynchronous client (and ``await future`` anywhere)."""
-        seconds = _seconds(timeout)
+        Awaitable on an asynchronous client (and ``await future`` anywhere).  The
+        traceback of a task's error holds the task's frames, not the client's."""
+        with shorten_traceback():
+            return self._result_in(_seconds(timeout))
+
+    def _result_in(self, seconds: float | None) -> Any:
         if not self.client.asynchronous and running_loop() is not self.client.loop:
             # a small result comes with its news: take it here, without a trip through
             # the client's loop thread (the full path below waits with its checks)
@@ -201,7 +206,8 @@ class Future:
         return self.client._sync(self._aresult, seconds)
 
     async def _aresult(self, timeout: float | None = None) -> Any:
-        return (await self.client._aresults([self], timeout))[self._key]
+        with shorten_traceback():  # (awaited on an asynchronous client)
+            return (await self.client._aresults([self], timeout))[self._key]
 
     def __await__(self) -> Generator[Any, None, Any]:
         return awaitable_on(self.client.loop, self._aresult).__await__()

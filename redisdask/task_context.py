@@ -20,9 +20,11 @@ threads see none.  The worker is a ``TaskHost`` here: ``redisdask`` does not imp
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import contextvars
 import threading
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Coroutine, Hashable, Iterator, MutableMapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from redisdask.config import parse_duration
@@ -39,6 +41,10 @@ class TaskHost(Protocol):
     nthreads: int
     data: MutableMapping[str, Any]
     redis_url: str
+
+    def get_current_task(self) -> Hashable:
+        """The key of the task calling this (``current_task``)."""
+        ...
 
     def task_client(self, timeout: float | None = None) -> Client:
         """The worker's client (made on first use)."""
@@ -60,6 +66,11 @@ class _ThreadState(threading.local):
 
 
 _thread = _ThreadState()
+# the task an ``async def`` task's asyncio task runs (on the worker's event loop, where
+# many may run at once: per asyncio task, not per thread)
+_async_key: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "redisdask_async_task", default=None
+)
 
 
 def bind_thread(host: TaskHost) -> None:
@@ -76,8 +87,31 @@ def end_task() -> None:
 
 
 def current_key() -> str | None:
-    """The key of the task the calling thread runs, if it runs one."""
-    return _thread.key
+    """The key of the task the calling thread (or ``async def`` task) runs, if any."""
+    return _thread.key if _thread.key is not None else _async_key.get()
+
+
+def current_task() -> Hashable:
+    """The key of the running task as the client named it (``('x', 0)``, a tuple, for
+    a dask collection's; Redis holds it as its ``repr``): ``Worker.get_current_task``."""
+    key = current_key()
+    if key is None:
+        raise ValueError(
+            "get_current_task() was called outside of a task running on a redisdask worker"
+        )
+    if key.startswith("("):
+        with contextlib.suppress(ValueError, SyntaxError, TypeError, MemoryError):
+            parsed = ast.literal_eval(key)
+            if isinstance(parsed, tuple):
+                return parsed
+    return key
+
+
+async def run_as_task(key: str, coro: Coroutine[Any, Any, Any]) -> Any:
+    """Await an ``async def`` task's coroutine as task ``key`` (``current_key`` answers
+    it inside), in the asyncio task this runs in."""
+    _async_key.set(key)  # (this asyncio task's own context: no reset needed)
+    return await coro
 
 
 def task_client() -> Client | None:

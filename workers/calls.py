@@ -27,11 +27,10 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import cloudpickle
-
 from redisdask import comm
 from redisdask.errors import TaskInterrupted
 from redisdask.worker_calls import funcname
+from redisdask.workers.failures import exception_blobs
 
 if TYPE_CHECKING:
     from redisdask.workers.worker import Worker
@@ -41,26 +40,6 @@ logger = logging.getLogger("redisdask.worker")
 OPS = ("run", "sync-plugins")
 _ASYNCIO = os.path.dirname(asyncio.__file__)
 Reply = tuple[dict[str, Any], list[Any]]
-
-
-def exception_blobs(exc: BaseException, text: str) -> tuple[bytes, bytes | None]:
-    """The cloudpickled exception (a ``RuntimeError`` carrying ``text`` when it does not
-    pickle, or does not unpickle) and its cloudpickled tblib traceback (None when that
-    does not pickle)."""
-    from tblib import Traceback
-
-    try:
-        exc_blob = cloudpickle.dumps(exc)
-        cloudpickle.loads(exc_blob)
-    except Exception:
-        exc_blob = cloudpickle.dumps(
-            RuntimeError(f"{text} (the original exception could not be pickled)")
-        )
-    try:
-        tb_blob: bytes | None = cloudpickle.dumps(Traceback(exc.__traceback__).as_dict())
-    except Exception:
-        tb_blob = None
-    return exc_blob, tb_blob
 
 
 def _user_frames(tb: TracebackType | None) -> TracebackType | None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import inspect
 import itertools
 import logging
 import os
@@ -35,8 +36,7 @@ import socket
 import tempfile
 import threading
 import time
-import traceback as tb_module
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +48,7 @@ import redis
 from redisdask import comm, logs, nanny_contract, pickling, redis_memory, schema, task_context
 from redisdask.backoff import redis_away
 from redisdask.connection import connect, connect_async
-from redisdask.errors import ProtocolError, TaskInterrupted
+from redisdask.errors import ProtocolError
 from redisdask.events import event_command
 from redisdask.heap import Heap
 from redisdask.memory import format_bytes
@@ -76,6 +76,8 @@ from redisdask.task_record import split_words
 from redisdask.versions import VersionMismatchError, pickle_breaking, versions
 from redisdask.workers import calls
 from redisdask.workers import state as ws
+from redisdask.workers.coroutines import run_coroutine
+from redisdask.workers.failures import MAX_ERROR_LENGTH, failure_event
 from redisdask.workers.memory import WorkerMemoryManager
 from redisdask.workers.plugins import PluginHost
 from redisdask.workers.sizeof import sizeof
@@ -137,8 +139,10 @@ class Worker:
         validate: bool = False,
         preload: str | Sequence[str] | None = None,
         resources: dict[str, float] | str | None = None,
+        max_error_length: int = MAX_ERROR_LENGTH,  # admin.max-error-length
     ) -> None:
         self.redis_url = redis_url
+        self.max_error_length = max_error_length
         # Dask's worker resources ("GPU=2,MEM=10e9" or a dict); a mistake fails here
         self.resources = parse_resources(resources, "worker resources")
         self.keys = Keys(cluster)
@@ -558,6 +562,10 @@ class Worker:
         for waiter in list(self._rejoin_waiters.values()):
             waiter.set()
 
+    def get_current_task(self) -> Hashable:
+        """The key of the task calling this (distributed's ``Worker.get_current_task``)."""
+        return task_context.current_task()
+
     def secede_task(self, key: str) -> None:
         """Called in ``key``'s thread by ``secede()``: it no longer counts (returns at
         once; the event reaches the state machine before the task's result can)."""
@@ -616,6 +624,8 @@ class Worker:
         task_context.start_task(key)
         try:
             value = run_spec(spec, deps, self.functions)
+            if inspect.iscoroutine(value):  # an async def task: on the event loop
+                value = run_coroutine(value, key, self._loop, lambda: self.status == "running")
             try:
                 frames = comm.serialize(value)
             except comm.SerializationError as exc:
@@ -624,7 +634,7 @@ class Worker:
                     f"so it could never leave this worker ({exc}); return picklable data"
                 ) from None
         except BaseException as exc:
-            return _failure_event(key, exc, start, time.time(), sid)
+            return failure_event(key, exc, start, time.time(), sid, self.max_error_length)
         finally:
             task_context.end_task()
         return ws.ExecuteSuccessEvent(
@@ -1133,23 +1143,6 @@ def _inbox_events(
     return events
 
 
-def _failure_event(
-    key: str, exc: BaseException, start: float, stop: float, sid: str
-) -> ws.ExecuteFailureEvent:
-    """Pickle an exception and its traceback (tblib) so the client can re-raise both."""
-    text = "".join(tb_module.format_exception_only(type(exc), exc)).strip()
-    tb_text = "".join(tb_module.format_exception(type(exc), exc, exc.__traceback__))
-    if not isinstance(exc, Exception):  # SystemExit & co must not end the client's program
-        exc = TaskInterrupted(
-            f"task {key!r} raised {text or type(exc).__name__}, which is no Exception: it "
-            "was caught on the worker and the task failed (sys.exit() or an interrupt in "
-            "task code); raise an Exception to fail a task"
-        ).with_traceback(exc.__traceback__)
-        text = f"TaskInterrupted: {exc}"
-    exc_blob, tb_blob = calls.exception_blobs(exc, text)
-    return ws.ExecuteFailureEvent(key, exc_blob, tb_blob, text, tb_text, start, stop, sid)
-
-
 # --------------------------------------------------------------------------- process
 
 
@@ -1177,6 +1170,7 @@ def options_from_config(config: Any) -> dict[str, Any]:
         "memory_monitor_interval": config.worker.memory.monitor_interval,
         "memory_terminate": config.worker.memory.terminate,
         "resources": config.worker.resources,
+        "max_error_length": config.admin.max_error_length,
         "security": Security.from_config(config),
     }
 
