@@ -153,8 +153,7 @@ def test_explicit_options_win_over_annotations_unless_falsy(
 
 def test_annotations_compute_time(module_client: Client, module_cluster: LocalCluster) -> None:
     """Port of distributed/tests/test_client.py::test_annotations_compute_time, with
-    ``priority`` (an option redisdask reads) for ``foo``: compute-time ``priority=0``
-    (the default) no longer hides the annotation."""
+    ``priority`` (an option redisdask reads) for ``foo``, read from the task's record."""
     x = db.from_sequence(range(4), npartitions=2).map(inc)
     with dask.annotate(priority=5):
         fut = module_client.compute(x, optimize_graph=False)
