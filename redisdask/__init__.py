@@ -7,13 +7,14 @@ import importlib.metadata
 # one source: pyproject.toml's [project] version, as installed
 __version__ = importlib.metadata.version("redisdask")
 
-from redisdask.client import Client, Future, as_completed, default_client, wait
+from redisdask.client import Client, Future, as_completed, default_client, futures_of, wait
 from redisdask.cluster import LocalCluster
 from redisdask.coordination import Event, Lock, Queue, Semaphore, Variable, fire_and_forget
 from redisdask.diagnostics import progress
 from redisdask.errors import (
     ClusterConnectionError,
     FutureCancelledError,
+    FuturesCancelledError,
     KilledWorker,
     RedisDaskError,
     SchedulerRejectedError,
@@ -33,6 +34,7 @@ __all__ = [
     "Event",
     "Future",
     "FutureCancelledError",
+    "FuturesCancelledError",
     "KilledWorker",
     "LocalCluster",
     "Lock",
@@ -50,6 +52,7 @@ __all__ = [
     "as_completed",
     "default_client",
     "fire_and_forget",
+    "futures_of",
     "get_client",
     "get_task_stream",
     "get_worker",

@@ -47,10 +47,12 @@ import redis
 
 from redisdask import busy, comm, logs, redis_memory, schema, task_context
 from redisdask import spec as specs
+from redisdask.annotations import call_options
 from redisdask.backoff import Backoff
 from redisdask.client_channel import SchedulerChannel, _Outgoing
 from redisdask.cluster import LocalCluster
 from redisdask.cluster_admin import ClusterAdmin
+from redisdask.completed import as_completed
 from redisdask.config import load_config
 from redisdask.connection import check_async, connect, connect_async, redact
 from redisdask.coordination.datasets import DatasetMethods
@@ -66,7 +68,7 @@ from redisdask.futures import (
     _flatten,
     _FutureState,
     _seconds,
-    as_completed,
+    futures_of,
     inline_value,
     wait,
 )
@@ -95,6 +97,7 @@ from redisdask.schema import REDIS_COPY, Keys
 from redisdask.security import Security
 from redisdask.task_record import TaskRecord
 from redisdask.tracebacks import shorten_traceback
+from redisdask.typenames import type_name
 from redisdask.versions import versions
 from redisdask.worker_calls import WorkerCalls
 
@@ -104,6 +107,7 @@ __all__ = [
     "Future",
     "as_completed",
     "default_client",
+    "futures_of",
     "wait",
 ]
 
@@ -382,9 +386,10 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         if allow_other_workers and workers is None:  # (as distributed's submit says)
             raise ValueError("Only use allow_other_workers= if using workers=")
         function_bytes = specs.dumps_function(func)
-        options = _options(retries, priority, workers, allow_other_workers, resources)
+        options = call_options(retries, priority, workers, allow_other_workers, resources)
         task_key = None if key is None else _check_key(key)
-        task = self._make_task(func, function_bytes, args, kwargs, task_key, pure, options)
+        task = self._make_task(func, function_bytes, args, kwargs, task_key, pure)
+        task.update(options(task["key"] if key is None else key))
         future = Future(task["key"], self, dask_key=key, _state=self._state_for(task["key"], True))
         cancelled = self._cancelled_dependency(task)
         if cancelled is not None:
@@ -419,6 +424,8 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         if not callable(func):
             raise TypeError(f"map() needs a callable as its first argument, got {func!r}")
         _refuse_unsupported(actor or actors)
+        if allow_other_workers and workers is None:  # (as distributed's map says)
+            raise ValueError("Only use allow_other_workers= if using workers=")
         function_bytes = specs.dumps_function(func)
         items = list(zip(*iterables, strict=False))
         if isinstance(key, list):
@@ -430,13 +437,13 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         else:
             raise TypeError(f"map(key=) takes a prefix (str) or a list of keys, got {key!r}")
         prefix = key if isinstance(key, str) else None
-        options = _options(retries, priority, workers, allow_other_workers, resources)
+        options = call_options(retries, priority, workers, allow_other_workers, resources)
         tasks = []
         for args, task_key in zip(items, keys, strict=True):
             name = None if task_key is None else _check_key(task_key)
-            tasks.append(
-                self._make_task(func, function_bytes, args, kwargs, name, pure, options, prefix)
-            )
+            task = self._make_task(func, function_bytes, args, kwargs, name, pure, prefix)
+            task.update(options(task["key"] if task_key is None else task_key))
+            tasks.append(task)
         futures = [
             Future(t["key"], self, dask_key=k, _state=self._state_for(t["key"], True))
             for t, k in zip(tasks, keys, strict=True)
@@ -460,7 +467,6 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         kwargs: dict[str, Any],
         key: str | None,
         pure: bool,
-        options: dict[str, Any],
         prefix: str | None = None,
     ) -> dict[str, Any]:
         deps: set[str] = set()
@@ -479,7 +485,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         if key is None:
             tok = specs.token(spec) if pure else uuid.uuid4().hex
             key = f"{prefix or specs.funcname(func)}-{tok}"
-        return {"key": key, "spec": spec, "deps": sorted(deps), **options}
+        return {"key": key, "spec": spec, "deps": sorted(deps)}
 
     def _cancelled_dependency(self, task: dict[str, Any]) -> str | None:
         """The first dependency of ``task`` whose future was cancelled, if any: its task is
@@ -695,16 +701,6 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
 
             graph = dask_graph.to_graph(dsk, call, self._future_key, self._has_live_future)
             tasks = graph.tasks
-            for task in tasks:
-                task.update(
-                    _options(
-                        task.pop("retries", None),
-                        task.pop("priority", None),
-                        task.pop("workers", None),
-                        task.pop("allow_other_workers", None),
-                        task.pop("resources", None),
-                    )
-                )
             known = set(graph.dask_keys) | graph.external
         else:
             if not isinstance(dsk, Mapping):
@@ -984,7 +980,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         """``{key: [addresses of the workers holding its value]}`` (awaitable on an
         asynchronous client).  A small result is in Redis too (``worker.inline-result-
         bytes``): it is not lost when this list becomes empty."""
-        keys = [f._key for f in _flatten(futures)] if futures is not None else list(self._states)
+        keys = [f._key for f in futures_of(futures)] if futures is not None else list(self._states)
         return self._sync(self._awho_has, keys)
 
     async def _awho_has(self, keys: list[str]) -> dict[str, list[str]]:
@@ -1097,7 +1093,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
             if reply.get("status") != "OK":
                 raise RedisDaskError(f"worker {address} refused scattered data: {reply}")
         nbytes = {k: _sizeof(v) for k, v in keyed.items()}
-        types = {k: type(v).__name__ for k, v in keyed.items()}
+        types = {k: type_name(type(v)) for k, v in keyed.items()}
         with self._lock:
             for key in keyed:
                 self._state_for(key).finish(who_has[key], types[key])
@@ -1120,12 +1116,13 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
         reason: str | None = None,
         msg: str | None = None,
     ) -> Awaitable[None] | None:
-        """Cancel futures (and this client's dependents of them): ``result()`` then raises
+        """Cancel futures (a future, collections of them, or dask collections: see
+        ``futures_of``) and this client's dependents of them: ``result()`` then raises
         ``FutureCancelledError``, with ``reason`` (or ``msg``) in its message.  The
         tasks stop unless another client wants them (``force`` is accepted for
         distributed's sake: another client's wants are its own here).  On an
         asynchronous client it returns an awaitable (the cancellation is sent anyway)."""
-        keys = [f._key for f in _flatten(futures) if isinstance(f, Future)]
+        keys = list(dict.fromkeys(f._key for f in futures_of(futures)))
         why = reason or msg or "it was cancelled"
         with self._lock:
             for key in keys:
@@ -1138,7 +1135,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
     def retry(self, futures: Any, asynchronous: bool | None = None) -> Awaitable[None] | None:
         """Run erred futures' tasks again (with the erred tasks they depend on), as
         distributed does; the futures are pending until they finish or err anew."""
-        keys = [f._key for f in _flatten(futures) if isinstance(f, Future) and f.status == "error"]
+        keys = [f._key for f in futures_of(futures) if f.status == "error"]
         with self._lock:
             for key in keys:
                 self._state_for(key).reset()

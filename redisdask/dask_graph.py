@@ -31,9 +31,9 @@ from dask._task_spec import DataNode, GraphNode, convert_legacy_graph
 from dask.order import order
 
 from redisdask import spec as specs
+from redisdask.annotations import ANNOTATIONS, as_task_options, merged, resolved
 
 Key = Hashable  # a dask key: str, or a tuple like ("x-1a2b", 0, 1)
-ANNOTATIONS = ("priority", "retries", "workers", "allow_other_workers", "resources")  # per task
 
 
 def run_node(node: GraphNode, values: dict[Key, Any]) -> Any:
@@ -87,15 +87,15 @@ def to_graph(
 ) -> Graph:
     """Translate ``dsk`` into redisdask tasks.
 
-    ``options`` are the call's own (``priority``, ``retries``, ``workers``), which the
-    annotations of single keys override, as in distributed; ``dask.annotate`` blocks
-    active now count as call options.  ``future_key(obj)`` is the key of a future of
-    this client (``None`` for anything else); ``known(key)`` says whether a key outside
-    the graph is one that this client holds a live future of."""
+    ``options`` are the call's own (``priority``, ``retries``, ``workers``, ...), merged
+    over the ``dask.annotate`` blocks active now and overridden by the annotations of
+    single keys, as in distributed (see ``redisdask.annotations``).  ``future_key(obj)``
+    is the key of a future of this client (``None`` for anything else); ``known(key)``
+    says whether a key outside the graph is one that this client holds a live future
+    of."""
     graph, annotations = graph_of(dsk)
     nodes: dict[Key, GraphNode] = convert_legacy_graph(graph)
-    defaults = {k: v for k, v in dask.get_annotations().items() if k in ANNOTATIONS}
-    defaults.update({k: v for k, v in options.items() if v is not None})
+    defaults = merged(options)
     strings = {key: specs.stringify(key) for key in nodes}
     external: set[str] = set()
 
@@ -130,11 +130,16 @@ def to_graph(
                 raise TypeError(f"{future!r} is not a future of this client")
             outside(name, key)
             names.add(name)
-        task_options = dict(defaults)
+        task_options = resolved(defaults, key)
         for name, per_key in annotations.items():
-            if name in ANNOTATIONS and key in per_key:
+            if name in ANNOTATIONS and per_key.get(key) is not None:
                 task_options[name] = per_key[key]
-        tasks[key] = {"key": strings[key], "deps": sorted(names), "spec": spec, **task_options}
+        tasks[key] = {
+            "key": strings[key],
+            "deps": sorted(names),
+            "spec": spec,
+            **as_task_options(task_options),
+        }
     try:
         ranks = order(nodes) if len(nodes) > 1 else dict.fromkeys(nodes, 0)
     except RuntimeError as exc:  # dask.order names the keys on a cycle

@@ -30,9 +30,9 @@ def progress(
 
     Raises ``TimeoutError`` when ``timeout`` seconds pass first; errors are counted, not
     raised: call ``future.result()`` to get one."""
-    from redisdask.futures import Future, _flatten
+    from redisdask.futures import futures_of
 
-    fs = [f for f in _flatten(futures) if isinstance(f, Future)]
+    fs = futures_of(futures)
     console = console or Console(file=sys.stderr)
     finished: list[Any] = []
     changed = threading.Condition()

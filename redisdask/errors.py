@@ -141,6 +141,25 @@ class FutureCancelledError(RedisDaskError, CancelledError):
     def __init__(self, key: str, reason: str = "it was cancelled") -> None:
         super().__init__(f"task {key!r} has no result because {reason}")
         self.key = key
+        self.reason = reason
+
+
+class FuturesCancelledError(RedisDaskError, CancelledError):
+    """``wait`` found cancelled futures among those it waited for (as distributed's
+    ``wait`` raises); ``errors`` holds a ``FutureCancelledError`` for each."""
+
+    def __init__(self, errors: list[FutureCancelledError]) -> None:
+        by_reason: dict[str, list[str]] = {}
+        for error in errors:
+            by_reason.setdefault(error.reason, []).append(error.key)
+        lines = [f"{len(errors)} Future{'s' if len(errors) > 1 else ''} cancelled:", "Reasons:"]
+        for reason, keys in sorted(by_reason.items(), key=lambda item: -len(item[1])):
+            lines.append(f"{len(keys)} cancelled because {reason}: {keys[:10]}")
+        super().__init__("\n".join(lines))
+        self.errors = errors
+
+    def __reduce__(self) -> tuple[type, tuple[list[FutureCancelledError]]]:
+        return type(self), (self.errors,)
 
 
 class ClientClosedError(RedisDaskError, RuntimeError):

@@ -1,4 +1,4 @@
-"""Futures: ``Future``, the state futures of one key share, ``wait`` and ``as_completed``.
+"""Futures: ``Future``, the state futures of one key share, ``futures_of`` and ``wait``.
 
 A ``Future`` is the client's handle on one task of the cluster; futures of one key share a
 ``_FutureState`` (status, exception, holders, done callbacks), which the client's
@@ -17,17 +17,17 @@ import contextlib
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Generator, Hashable, Iterable, Iterator
+from collections.abc import Callable, Generator, Hashable, Iterable, Iterator, Mapping
 from concurrent.futures import TimeoutError as FuturesTimeoutError
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from redisdask import comm
 from redisdask import spec as specs
 from redisdask.config import parse_duration
-from redisdask.errors import FutureCancelledError
+from redisdask.errors import FutureCancelledError, FuturesCancelledError
 from redisdask.loop import awaitable_on, running_loop, wake
 from redisdask.tracebacks import shorten_traceback
+from redisdask.typenames import resolve_type
 
 if TYPE_CHECKING:
     from redisdask.client import Client
@@ -171,10 +171,10 @@ class Future:
         return self._state.status == "cancelled"
 
     @property
-    def type(self) -> str:
-        """The type name of the result once finished (``"int"``), else ``""``
-        (distributed gives the type itself; only its name reaches the client here)."""
-        return self._state.type
+    def type(self) -> type | str | None:
+        """The type of the result once finished (``int``), else None, as in distributed;
+        its name where the type cannot be found here (see ``redisdask.typenames``)."""
+        return resolve_type(self._state.type) if self._state.type else None
 
     def _wait(self, timeout: float | str | None) -> None:
         """Wait until done, from another thread than the client's loop."""
@@ -269,8 +269,8 @@ class Future:
         return ("redisdask.Future", self._key)
 
     def __repr__(self) -> str:
-        if self.status == "finished" and self.type:
-            return f"<Future: finished, type: {self.type}, key: {self.key}>"
+        if self.status == "finished" and self._state.type:
+            return f"<Future: finished, type: {self._state.type}, key: {self.key}>"
         return f"<Future: {self.status}, key: {self.key}>"
 
 
@@ -299,13 +299,36 @@ class DoneAndNotDoneFutures(NamedTuple):
     not_done: set[Future]
 
 
+def futures_of(obj: Any) -> list[Future]:
+    """The futures in ``obj``, in order, each once: a future, lists, tuples, sets,
+    iterators and dict values of them, nested, or a dask collection (a persisted one's
+    graph holds its futures), as distributed's ``futures_of``."""
+    out: dict[int, Future] = {}
+    todo = [obj]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, Future):
+            out.setdefault(id(x), x)
+        elif isinstance(x, list | tuple | set | frozenset | Iterator):
+            todo.extend(reversed(list(x)))
+        elif isinstance(x, Mapping):
+            todo.extend(reversed(list(x.values())))
+        elif callable(getattr(x, "__dask_graph__", None)) and not isinstance(x, type):
+            graph = x.__dask_graph__()
+            if isinstance(graph, Mapping):
+                todo.extend(reversed([getattr(v, "value", v) for v in graph.values()]))
+    return list(out.values())
+
+
 def wait(fs: Any, timeout: float | str | None = None, return_when: str = "ALL_COMPLETED") -> Any:
     """Wait until all (or the first, ``return_when="FIRST_COMPLETED"``) futures finish.
+    ``fs``: a future, a collection of them, or dask collections (``futures_of``).
     ``timeout``: seconds, or a string such as ``"1s"`` or ``"500ms"``.  Returns
-    ``(done, not_done)``; awaitable when the futures' client is asynchronous."""
+    ``(done, not_done)``, or raises ``FuturesCancelledError`` if one of the done futures
+    was cancelled (as distributed); awaitable when the futures' client is asynchronous."""
     if return_when not in ("ALL_COMPLETED", "FIRST_COMPLETED"):
         raise ValueError(f"return_when is ALL_COMPLETED or FIRST_COMPLETED, got {return_when!r}")
-    futures = [f for f in _flatten(fs) if isinstance(f, Future)]
+    futures = futures_of(fs)
     if not futures:
         return DoneAndNotDoneFutures(set(), set())
     return futures[0].client._sync(_await_wait, futures, _seconds(timeout), return_when)
@@ -327,158 +350,12 @@ async def _await_wait(
             mine = [f for f in futures if f.client is client]
             await awaitable_on(client.loop, client._await_for, mine, deadline, False)
     done = {f for f in futures if f.done()}
+    cancelled = [f for f in done if f.cancelled()]
+    if cancelled:  # as distributed's wait
+        raise FuturesCancelledError(
+            [FutureCancelledError(f._key, f._state.cancel_reason) for f in cancelled]
+        )
     return DoneAndNotDoneFutures(done, set(futures) - done)
-
-
-class as_completed:
-    """Iterate over futures in the order they finish.  ``with_results=True`` yields
-    ``(future, result)`` pairs (a failed future raises there, or, with
-    ``raise_errors=False``, yields its exception); ``add``/``update`` add more while
-    iterating; ``batches()`` yields lists of every future finished since the last one."""
-
-    def __init__(
-        self,
-        futures: Iterable[Future] = (),
-        loop: Any = None,
-        with_results: bool = False,
-        raise_errors: bool = True,
-        *,
-        timeout: float | str | None = None,
-    ) -> None:
-        self._queue: deque[Future] = deque()
-        self._lock = threading.Lock()
-        # the loop and event of each wait for the next one (``_atake``)
-        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
-        self._pending = 0  # added and not yet handed out
-        self._added: dict[int, int] = {}  # id(future) -> times added and not yet done
-        self._clients: dict[Client, None] = {}  # whose waits' checks apply
-        self.with_results = with_results
-        self.raise_errors = raise_errors
-        self.timeout = _seconds(timeout)
-        self.update(futures)
-
-    def add(self, future: Future) -> None:
-        with self._lock:
-            self._pending += 1
-            self._added[id(future)] = self._added.get(id(future), 0) + 1
-            self._clients[future.client] = None
-        future.add_done_callback(self._on_done)
-
-    def update(self, futures: Iterable[Future]) -> None:
-        for future in futures:
-            self.add(future)
-
-    def _on_done(self, future: Future) -> None:
-        with self._lock:
-            left = self._added.pop(id(future), 0)  # 0: cleared meanwhile
-            if left == 0:
-                return
-            if left > 1:
-                self._added[id(future)] = left - 1
-            self._queue.append(future)
-            waiters = list(self._waiters)
-        for waiter in waiters:
-            wake(*waiter)
-
-    def count(self) -> int:
-        """How many futures are still to come out (finished or not)."""
-        with self._lock:
-            return self._pending
-
-    def is_empty(self) -> bool:
-        return self.count() == 0
-
-    def has_ready(self) -> bool:
-        with self._lock:
-            return bool(self._queue)
-
-    def clear(self) -> None:
-        """Forget every future not handed out yet."""
-        with self._lock:
-            self._queue.clear()
-            self._added.clear()
-            self._pending = 0
-
-    def __iter__(self) -> as_completed:
-        return self
-
-    def __next__(self) -> Any:
-        batch = self._take(1)
-        if not batch:
-            raise StopIteration
-        return self._output(batch[0])
-
-    def next_batch(self, block: bool = True) -> list[Any]:
-        """Every future finished so far (waiting for one with ``block``), as a list."""
-        if not block:
-            with self._lock:
-                ready = list(self._queue)
-                self._queue.clear()
-                self._pending -= len(ready)
-            return [self._output(f) for f in ready]
-        return [self._output(f) for f in self._take(None)]
-
-    def batches(self) -> Iterator[list[Any]]:
-        """Yield lists of the futures finished since the last list, until none is left."""
-        while batch := self.next_batch(block=True):
-            yield batch
-
-    def _take(self, most: int | None) -> list[Future]:
-        """``_atake`` from a thread: at once when some are ready, else on a client's loop."""
-        with self._lock:
-            if self._pending == 0 or self._queue:
-                return self._pop(most)
-            client = next(iter(self._clients))
-        return client._block(self._atake, most)
-
-    async def _atake(self, most: int | None) -> list[Future]:
-        """Wait for at least one finished future and take up to ``most`` (all: None);
-        ``[]`` when none is left to come.  Waits run the clients' checks (Redis away or
-        the cluster not running too long raises), as every wait on futures does."""
-        loop = asyncio.get_running_loop()
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        waiter = (loop, asyncio.Event())
-        try:
-            while True:
-                with self._lock:
-                    if self._pending == 0 or self._queue:
-                        return self._pop(most)
-                    waiter[1].clear()
-                    self._waiters.add(waiter)
-                if not await _await_checking(waiter[1], self._clients, deadline):
-                    raise FuturesTimeoutError(f"no future finished within {self.timeout} s")
-        finally:
-            with self._lock:
-                self._waiters.discard(waiter)
-
-    def _pop(self, most: int | None) -> list[Future]:
-        n = len(self._queue) if most is None else min(most, len(self._queue))
-        taken = [self._queue.popleft() for _ in range(n)]
-        self._pending -= n
-        return taken
-
-    def _output(self, future: Future) -> Any:
-        if not self.with_results:
-            return future
-        return future.client._block(self._aoutput, future)
-
-    async def _aoutput(self, future: Future) -> Any:
-        if not self.with_results:
-            return future
-        if not self.raise_errors and future.status == "error":
-            return future, future._state.exception
-        return future, await awaitable_on(future.client.loop, future._aresult)
-
-    # asynchronous iteration: ``async for future in as_completed(futures)``
-
-    def __aiter__(self) -> as_completed:
-        return self
-
-    async def __anext__(self) -> Any:
-        batch = await self._atake(1)
-        if not batch:
-            raise StopAsyncIteration
-        return await self._aoutput(batch[0])
 
 
 # --------------------------------------------------------------------------- helpers

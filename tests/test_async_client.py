@@ -91,7 +91,7 @@ def test_errors_come_back_with_their_traceback_and_await_raises(cluster: LocalCl
             assert await client.gather([ok, bad], errors="skip") == [2]
             results = [pair async for pair in as_completed([bad], with_results=True,
                                                            raise_errors=False)]  # fmt: skip
-            assert isinstance(results[0][1], ZeroDivisionError)
+            assert isinstance(results[0][1][1], ZeroDivisionError)  # (type, exc, traceback)
 
     run(main)
 

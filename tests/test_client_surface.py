@@ -68,7 +68,7 @@ def test_futures_and_refcount_follow_the_futures_held(client: Client) -> None:
 def test_future_type_and_repr_say_what_it_holds(client: Client, tmp_path: Path) -> None:
     future = client.submit(inc, 1)
     assert future.result(timeout=30) == 2
-    assert future.type == "int"
+    assert future.type is int
     assert repr(future) == f"<Future: finished, type: int, key: {future.key}>"
     pending = client.submit(until_touched, tmp_path / "done")
     assert repr(pending) == f"<Future: pending, key: {pending.key}>"
@@ -116,8 +116,8 @@ def test_as_completed_batches_and_its_helpers(client: Client, tmp_path: Path) ->
 
     erred = client.submit(boom)
     ac = as_completed([erred], with_results=True, raise_errors=False)
-    ((future, exc),) = list(ac)
-    assert future is erred and isinstance(exc, ValueError)
+    ((future, (typ, exc, _tb)),) = list(ac)  # as distributed: (type, exception, traceback)
+    assert future is erred and typ is ValueError and isinstance(exc, ValueError)
 
     ac = as_completed([client.submit(until_touched, tmp_path / "done")])
     ac.clear()

@@ -103,6 +103,7 @@ from redisdask.placement import EPSILON, fits
 from redisdask.protocol import NO_SCORE, AddKeys, MissingData, ReleasedKeys, TaskErred, TaskFinished
 from redisdask.schema import REDIS_COPY
 from redisdask.state_machine import InvalidTransition
+from redisdask.typenames import type_name
 
 STATES: frozenset[str] = frozenset(
     {
@@ -1299,7 +1300,7 @@ class WorkerState:
         self.data[ts.key] = value
         ts.nbytes = nbytes
         if ts.type is None:
-            ts.type = type(value).__name__
+            ts.type = type_name(type(value))
         self._set_state(ts, "memory", sid)
         for dependent in ts.dependents:
             dependent.waiting_for_data.discard(ts)

@@ -73,6 +73,7 @@ from redisdask.schema import Keys
 from redisdask.security import Security
 from redisdask.spec import FunctionCache, run_spec
 from redisdask.task_record import split_words
+from redisdask.typenames import type_name
 from redisdask.versions import VersionMismatchError, pickle_breaking, versions
 from redisdask.workers import calls
 from redisdask.workers import state as ws
@@ -641,7 +642,7 @@ class Worker:
             key,
             value,
             sizeof(value),
-            type(value).__qualname__,
+            type_name(type(value)),
             start,
             time.time(),
             sid,

@@ -9,36 +9,15 @@ other messages: a ``close()`` or a release right after it lands after it."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from redisdask import schema
 from redisdask.errors import ClientClosedError
-from redisdask.futures import Future
+from redisdask.futures import futures_of
 from redisdask.protocol import ClientDesiresKeys
 
 if TYPE_CHECKING:
     from redisdask.client import Client
-
-
-def futures_of(obj: Any) -> list[Future]:
-    """The futures in ``obj``: a future, nested lists, tuples, sets and dict values, or
-    a dask collection (a persisted one's graph holds its futures), as distributed's."""
-    out: dict[int, Future] = {}
-    todo = [obj]
-    while todo:
-        x = todo.pop()
-        if isinstance(x, Future):
-            out.setdefault(id(x), x)
-        elif isinstance(x, list | tuple | set | frozenset):
-            todo.extend(x)
-        elif isinstance(x, Mapping):
-            todo.extend(x.values())
-        elif callable(getattr(x, "__dask_graph__", None)):
-            graph = x.__dask_graph__()
-            if isinstance(graph, Mapping):
-                todo.extend(getattr(v, "value", v) for v in graph.values())
-    return list(reversed(out.values()))
 
 
 def fire_and_forget(obj: Any) -> None:
