@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from redisdask import holdings, schema
 from redisdask.connection import redact
-from redisdask.futures import Future, _flatten, _FutureState, _seconds
+from redisdask.coordination.holders import futures_of
+from redisdask.futures import _FutureState, _seconds
 from redisdask.loop import offloaded
 from redisdask.protocol import Rebalance, Replicate, Restart, RetireWorkers
 from redisdask.scheduler_moves import RebalanceRecord
@@ -104,7 +105,7 @@ class ClusterAdmin:
         and ``branching_factor`` are accepted for distributed's sake: the scheduler
         picks the workers here (see docs/dask-differences.md)."""
         timeout = _seconds(timeout)
-        flat = [f for f in _flatten(futures) if isinstance(f, Future)]
+        flat = futures_of(futures)
         n_workers = len(self._cluster_info()["workers"])
         want = n_workers if n is None else min(int(n), n_workers)
         if want <= 0:
@@ -148,7 +149,7 @@ class ClusterAdmin:
         deadline = None if timeout is None else time.monotonic() + timeout
         keys = None
         if futures is not None:
-            flat = [f for f in _flatten(futures) if isinstance(f, Future)]
+            flat = futures_of(futures)
             if not flat:
                 return  # (as distributed: no keys, nothing to move)
             self._wait_for(flat, deadline, stop_on_error=False)  # finished; not fetched
@@ -366,7 +367,7 @@ class ClusterAdmin:
         lives).  Awaitable on an asynchronous client."""
         if futures is None:
             return self._sync(self._awho_has_all)
-        keys = list(dict.fromkeys(f._key for f in _flatten(futures) if isinstance(f, Future)))
+        keys = list(dict.fromkeys(f._key for f in futures_of(futures)))
         return self._sync(self._awho_has, keys)
 
     async def _awho_has(self, keys: list[str]) -> dict[str, list[str]]:
