@@ -145,9 +145,10 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
     Sending to the scheduler and reading its messages come from ``SchedulerChannel``
     (``client_channel.py``); the cluster-wide operations (``restart``,
     ``retire_workers``, ``scheduler_info``…) from ``ClusterAdmin`` (``cluster_admin.py``);
-    ``run``, ``upload_file`` and plugins from ``WorkerCalls`` (``worker_calls.py``).
-    ``publish_dataset``, ``get_dataset``, ``list_datasets``, ``unpublish_dataset`` and
-    ``datasets`` come from ``DatasetMethods`` (``redisdask.coordination.datasets``).
+    ``run``, ``upload_file`` and plugins from ``WorkerCalls`` (``worker_calls.py``);
+    ``scatter`` from ``ScatterMethods`` (``scatter.py``).  ``publish_dataset``,
+    ``get_dataset``, ``list_datasets``, ``unpublish_dataset`` and ``datasets`` come from
+    ``DatasetMethods`` (``redisdask.coordination.datasets``).
     """
 
     def __init__(

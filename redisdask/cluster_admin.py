@@ -1,7 +1,8 @@
 """The client's operations on the cluster as a whole, as distributed names them:
 ``restart``, ``replicate``, ``rebalance``, ``retire_workers``, ``scheduler_info``,
-``get_versions``, ``nthreads``.  ``Client`` inherits them; they read Redis and send the
-scheduler messages through the client's own machinery (``_send``, ``_results``)."""
+``get_versions``, ``nthreads``, ``who_has``, ``has_what``.  ``Client`` inherits them;
+they read Redis and send the scheduler messages through the client's own machinery
+(``_send``, ``_results``)."""
 
 from __future__ import annotations
 
