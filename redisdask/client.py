@@ -42,7 +42,6 @@ from collections.abc import (
 from concurrent.futures import TimeoutError as FuturesTimeoutError
 from typing import Any, TypeVar
 
-import cloudpickle
 import redis
 
 from redisdask import busy, comm, logs, redis_memory, schema, task_context
@@ -90,14 +89,13 @@ from redisdask.protocol import (
     CloseClient,
     Event,
     RetryKeys,
-    UpdateData,
     UpdateGraph,
 )
+from redisdask.scatter import ScatterMethods
 from redisdask.schema import REDIS_COPY, Keys
 from redisdask.security import Security
 from redisdask.task_record import TaskRecord
 from redisdask.tracebacks import shorten_traceback
-from redisdask.typenames import type_name
 from redisdask.versions import versions
 from redisdask.worker_calls import WorkerCalls
 
@@ -130,7 +128,7 @@ T = TypeVar("T")
 # --------------------------------------------------------------------------- client
 
 
-class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
+class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods):
     """Connects to a cluster through Redis.
 
     ``address`` is a ``LocalCluster``, a Redis URL (``redis://``, ``redis+sentinel://``),
@@ -151,9 +149,10 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
     Sending to the scheduler and reading its messages come from ``SchedulerChannel``
     (``client_channel.py``); the cluster-wide operations (``restart``,
     ``retire_workers``, ``scheduler_info``…) from ``ClusterAdmin`` (``cluster_admin.py``);
-    ``run``, ``upload_file`` and plugins from ``WorkerCalls`` (``worker_calls.py``).
-    ``publish_dataset``, ``get_dataset``, ``list_datasets``, ``unpublish_dataset`` and
-    ``datasets`` come from ``DatasetMethods`` (``redisdask.coordination.datasets``).
+    ``run``, ``upload_file`` and plugins from ``WorkerCalls`` (``worker_calls.py``);
+    ``scatter`` from ``ScatterMethods`` (``scatter.py``).  ``publish_dataset``,
+    ``get_dataset``, ``list_datasets``, ``unpublish_dataset`` and ``datasets`` come from
+    ``DatasetMethods`` (``redisdask.coordination.datasets``).
     """
 
     def __init__(
@@ -976,17 +975,6 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
                 self._state_for(key).who_has = record.who_has
         return states
 
-    def who_has(self, futures: Any = None) -> dict[str, list[str]]:
-        """``{key: [addresses of the workers holding its value]}`` (awaitable on an
-        asynchronous client).  A small result is in Redis too (``worker.inline-result-
-        bytes``): it is not lost when this list becomes empty."""
-        keys = [f._key for f in futures_of(futures)] if futures is not None else list(self._states)
-        return self._sync(self._awho_has, keys)
-
-    async def _awho_has(self, keys: list[str]) -> dict[str, list[str]]:
-        await self._arefresh_who_has(keys)
-        return {k: [w for w in self._state_for(k).who_has if w != REDIS_COPY] for k in keys}
-
     @offloaded
     def recreate_error_locally(self, future: Future) -> None:
         """Run the task that made ``future`` err here, in this process, with the same
@@ -1022,89 +1010,6 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, DatasetMethods):
             self._send([ClientDesiresKeys(self.id, dep_keys)])
         values = self._results(dep_futures, None)
         specs.run_spec(record.spec, values, specs.FunctionCache())
-
-    # ------------------------------------------------------------------ scatter
-
-    def scatter(
-        self,
-        data: Any,
-        workers: str | Iterable[str] | None = None,
-        broadcast: bool = False,
-        direct: bool | None = None,
-        hash: bool = True,
-        timeout: float | str | None = None,
-        asynchronous: bool | None = None,
-    ) -> Any:
-        """Send data straight to workers; returns futures in the shape of ``data`` (a
-        list, tuple, set or dict of them, or one).  Keys name the data by a token of the
-        whole value (``dask.tokenize`` with dask installed, else a hash of every pickled
-        frame), so equal data gets one key and different data never shares one.
-        ``workers``: addresses (or one).  ``direct`` and ``timeout`` are accepted for
-        distributed's sake: data always goes straight to the workers here, and each
-        worker's answer is bounded by the client's connection timeout.  Awaitable on an
-        asynchronous client."""
-        self._check_running()
-        return self._sync(self._ascatter, data, workers, broadcast, hash)
-
-    async def _ascatter(
-        self, data: Any, workers: str | Iterable[str] | None, broadcast: bool, hash: bool
-    ) -> Any:
-        if isinstance(data, dict):
-            items = list(data.items())
-        elif isinstance(data, list | tuple | set | frozenset):
-            items = [(None, v) for v in data]
-        else:
-            items = [(None, data)]
-        live = sorted(a.decode() for a in await self._aredis.hkeys(self.keys.workers))
-        if isinstance(workers, str):
-            workers = [workers]
-        targets = list(workers) if workers else live
-        unknown = [w for w in targets if w not in live]
-        if unknown:
-            raise ValueError(
-                f"cannot scatter to {unknown}: no such worker in cluster "
-                f"{self.keys.cluster!r}; its workers are {live}"
-            )
-        if not targets:
-            raise RedisDaskError("no workers to scatter to: start workers (or wait for them) first")
-        keyed: dict[str, Any] = {}
-        item_keys: list[str] = []  # one per item (equal items share a key and a future)
-        for name, value in items:
-            if name is not None:
-                key = _check_key(name)
-            else:
-                tok = _value_token(value) if hash else uuid.uuid4().hex
-                key = f"{type(value).__name__}-{tok}"
-            keyed[key] = value
-            item_keys.append(key)
-        who_has: dict[str, list[str]] = defaultdict(list)
-        by_worker: dict[str, dict[str, Any]] = defaultdict(dict)
-        for i, (key, value) in enumerate(keyed.items()):
-            chosen = targets if broadcast else [targets[i % len(targets)]]
-            for address in chosen:
-                by_worker[address][key] = value
-                who_has[key].append(address)
-        for address, chunk in _batches(by_worker, comm.MAX_KEYS_PER_MESSAGE):
-            values = {key: by_worker[address][key] for key in chunk}
-            header, frames, errors = comm.serialize_dict(values)
-            if errors:
-                raise TypeError(next(iter(errors.values())))
-            reply, _ = await self._peers.rpc(address, {"op": "put-data", **header}, frames)
-            if reply.get("status") != "OK":
-                raise RedisDaskError(f"worker {address} refused scattered data: {reply}")
-        nbytes = {k: _sizeof(v) for k, v in keyed.items()}
-        types = {k: type_name(type(v)) for k, v in keyed.items()}
-        with self._lock:
-            for key in keyed:
-                self._state_for(key).finish(who_has[key], types[key])
-        msg = UpdateData(self.id, dict(who_has), nbytes, types)
-        futures = {k: Future(k, self) for k in keyed}
-        await self._asend([msg])
-        if isinstance(data, dict):
-            return dict(zip(data, (futures[key] for key in item_keys), strict=True))
-        if isinstance(data, list | tuple | set | frozenset):
-            return type(data)(futures[key] for key in item_keys)
-        return next(iter(futures.values()))
 
     # ------------------------------------------------------------------ cancel
 
@@ -1403,17 +1308,6 @@ _FAILED = ("error", "cancelled")
 _SKIPPED = object()  # gather(errors="skip"): the place of a failed future, dropped
 
 
-def _value_token(value: Any) -> str:
-    """A token of the whole value: ``dask.tokenize`` (deterministic for numpy, pandas and
-    friends) with dask installed, else a hash over every pickled frame, out-of-band
-    buffers included."""
-    if _dask_installed():
-        from dask.base import tokenize
-
-        return tokenize(value, ensure_deterministic=False)
-    return specs.token(*(bytes(frame) for frame in comm.serialize(value)))
-
-
 _DASK_MISSING = "{what} needs dask, which is not installed here: pip install 'redisdask[dask]'"
 
 
@@ -1429,16 +1323,6 @@ def _import_dask(what: str) -> Any:
     except ImportError as exc:
         raise ImportError(_DASK_MISSING.format(what=what)) from exc
     return dask
-
-
-def _sizeof(value: Any) -> int:
-    nbytes = getattr(value, "nbytes", None)
-    if isinstance(nbytes, int):
-        return nbytes
-    try:
-        return len(cloudpickle.dumps(value, protocol=5))
-    except Exception:
-        return 0
 
 
 def _flatten_lists(obj: Any) -> Iterator[Any]:

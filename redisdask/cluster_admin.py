@@ -1,7 +1,8 @@
 """The client's operations on the cluster as a whole, as distributed names them:
 ``restart``, ``replicate``, ``rebalance``, ``retire_workers``, ``scheduler_info``,
-``get_versions``, ``nthreads``.  ``Client`` inherits them; they read Redis and send the
-scheduler messages through the client's own machinery (``_send``, ``_results``)."""
+``get_versions``, ``nthreads``, ``who_has``, ``has_what``.  ``Client`` inherits them;
+they read Redis and send the scheduler messages through the client's own machinery
+(``_send``, ``_results``)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,17 @@ import time
 import uuid
 from collections.abc import Iterable
 from concurrent.futures import TimeoutError as FuturesTimeoutError
+from numbers import Number
 from typing import TYPE_CHECKING, Any
 
-from redisdask import schema
+from redisdask import holdings, schema
 from redisdask.connection import redact
-from redisdask.futures import Future, _flatten, _FutureState, _seconds
+from redisdask.futures import _FutureState, _seconds, futures_of
 from redisdask.loop import offloaded
 from redisdask.protocol import Rebalance, Replicate, Restart, RetireWorkers
 from redisdask.scheduler_moves import RebalanceRecord
 from redisdask.task_stream import read_task_stream, when
-from redisdask.versions import VersionMismatchError, mismatches, table, versions
+from redisdask.versions import VersionMismatchError, mismatches, process_versions, table
 
 if TYPE_CHECKING:
     import redis
@@ -91,23 +93,31 @@ class ClusterAdmin:
     def replicate(
         self,
         futures: Any,
-        n: int = 2,
+        n: int | None = None,
         workers: Any = None,
         branching_factor: int = 2,
         timeout: float | str | None = 30.0,
     ) -> None:
-        """Keep ``n`` copies of each future's data on distinct workers (fewer if there are
-        fewer workers); the scheduler makes up for a lost copy while one survives.
-        Returns when the copies are there.  ``workers`` and ``branching_factor`` are
-        accepted for distributed's sake: the scheduler picks the workers here."""
+        """Keep ``n`` copies of each future's data on distinct workers (None: one on
+        every worker; fewer if there are fewer workers): missing copies are made and,
+        as in distributed, surplus ones dropped.  The scheduler makes up for a lost copy
+        while one survives.  Returns when each key has its ``n`` copies.  ``workers``
+        and ``branching_factor`` are accepted for distributed's sake: the scheduler
+        picks the workers here (see docs/dask-differences.md)."""
         timeout = _seconds(timeout)
-        flat = [f for f in _flatten(futures) if isinstance(f, Future)]
+        flat = futures_of(futures)
+        n_workers = len(self._cluster_info()["workers"])
+        want = n_workers if n is None else min(int(n), n_workers)
+        if want <= 0:
+            raise ValueError(
+                f"replicate(n={n}) with {n_workers} workers: replicate cannot delete data "
+                "(n must be at least 1; release the futures to drop the data)"
+            )
         self._results(flat, timeout)  # in memory first
         keys = [f._key for f in flat]
-        self._send([Replicate(self.id, keys, int(n))])
-        want = min(n, len(self._cluster_info()["workers"]))
+        self._send([Replicate(self.id, keys, want)])
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not all(len(h) >= want for h in self._block(self._awho_has, keys).values()):
+        while not all(len(h) == want for h in self._block(self._awho_has, keys).values()):
             if deadline is not None and time.monotonic() > deadline:
                 raise FuturesTimeoutError(
                     f"{want} copies of {len(keys)} keys not made within {timeout} s"
@@ -139,7 +149,7 @@ class ClusterAdmin:
         deadline = None if timeout is None else time.monotonic() + timeout
         keys = None
         if futures is not None:
-            flat = [f for f in _flatten(futures) if isinstance(f, Future)]
+            flat = futures_of(futures)
             if not flat:
                 return  # (as distributed: no keys, nothing to move)
             self._wait_for(flat, deadline, stop_on_error=False)  # finished; not fetched
@@ -285,31 +295,34 @@ class ClusterAdmin:
         }
 
     @offloaded
-    def get_versions(self, check: bool = False, packages: Iterable[str] = ()) -> dict[str, Any]:
-        """Versions of this client, the scheduler and every worker (as in Dask).
-        ``packages``: more package names, read in the client and each worker (with
-        ``run``; the scheduler runs no user code, so it is not asked).  ``check=True``
-        raises ``VersionMismatchError`` with a table of what differs."""
-        packages = list(packages)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hget(self.keys.scheduler, "versions")
-        pipe.hgetall(self.keys.workers)
-        sched, workers = pipe.execute()
+    def get_versions(
+        self, check: bool = False, packages: Iterable[str] | None = None
+    ) -> dict[str, Any]:
+        """Versions of this client, the scheduler and every worker, in distributed's
+        shape: ``{"client": {"host": {...}, "packages": {...}}, "scheduler": {...},
+        "workers": {address: {...}}}``.  ``packages``: more package names, read in the
+        client and each worker (the scheduler runs no user code: it reports what it
+        recorded when it took the lease).  A worker that does not answer is left out,
+        as in distributed.  ``check=True`` raises ``VersionMismatchError`` (a
+        ``ValueError``) with a table of the packages whose versions differ."""
+        packages = list(packages or ())
+        raw = self.redis.hmget(self.keys.scheduler, ["versions", "host_info"])
+        scheduler = None
+        if raw[0] is not None:
+            scheduler = {
+                "host": schema.unpack_or(raw[1], {}, dict),
+                "packages": schema.unpack_or(raw[0], {}, dict),
+            }
         result = {
-            "client": versions(packages),
-            "scheduler": schema.unpack_or(sched, None, dict),
-            "workers": {
-                a.decode(errors="replace"): schema.worker_info_or_empty(i).get("versions", {})
-                for a, i in workers.items()
-            },
+            "scheduler": scheduler,
+            "workers": self.run(process_versions, packages, on_error="ignore"),
+            "client": process_versions(packages),
         }
-        if packages:
-            for address, found in self.run(versions, packages, on_error="ignore").items():
-                result["workers"].setdefault(address, {}).update(found)
         if check:
-            by_process = {"client": result["client"], **result["workers"]}
-            if result["scheduler"]:
-                by_process["scheduler"] = result["scheduler"]
+            by_process = {"client": result["client"]["packages"]}
+            by_process.update({a: w["packages"] for a, w in result["workers"].items()})
+            if scheduler:
+                by_process["scheduler"] = scheduler["packages"]
             rows = mismatches(by_process)
             if rows:
                 raise VersionMismatchError(
@@ -337,8 +350,60 @@ class ClusterAdmin:
         return read_task_stream(self.redis, self.keys, when(start), when(stop), count)
 
     @offloaded
-    def nthreads(self) -> dict[str, int]:
-        return {a: w.get("nthreads", 0) for a, w in self._cluster_info()["workers"].items()}
+    def nthreads(self, workers: Any = None, **kwargs: Any) -> dict[str, int]:
+        """``{worker address: threads}`` of every worker, or of ``workers`` (addresses or
+        names, one or several; those not registered are left out, as in distributed)."""
+        info = self._cluster_info()["workers"]
+        addresses = _named(info, workers)
+        return {a: info[a].get("nthreads", 0) for a in addresses if a in info}
+
+    ncores = nthreads
+
+    def who_has(self, futures: Any = None, **kwargs: Any) -> Any:
+        """``{key: [addresses of the workers holding its value]}`` of ``futures``, or of
+        every task of the cluster (None, as in distributed).  Only workers are named: a
+        small result lives in Redis too (``worker.inline-result-bytes``), so it is not
+        lost when its list becomes empty (``redisdask inspect task`` says where it
+        lives).  Awaitable on an asynchronous client."""
+        if futures is None:
+            return self._sync(self._awho_has_all)
+        keys = list(dict.fromkeys(f._key for f in futures_of(futures)))
+        return self._sync(self._awho_has, keys)
+
+    async def _awho_has(self, keys: list[str]) -> dict[str, list[str]]:
+        await self._arefresh_who_has(keys)
+        return {k: holdings.workers_only(self._state_for(k).who_has) for k in keys}
+
+    async def _awho_has_all(self) -> dict[str, list[str]]:
+        """Every task's holders, as recorded; data this client scattered a moment ago,
+        which the scheduler has not recorded yet, as this client knows it."""
+        found = await holdings.who_has_all(self._aredis, self.keys)
+        with self._lock:
+            for key, state in self._states.items():
+                if key not in found and state.status == "finished":
+                    found[key] = holdings.workers_only(state.who_has)
+        return found
+
+    def has_what(self, workers: Any = None, **kwargs: Any) -> Any:
+        """``{worker address: [keys of the results it holds]}`` of every worker, or of
+        ``workers`` (addresses or names, one or several; one that is not registered
+        holds nothing), as distributed's.  Awaitable on an asynchronous client."""
+        return self._sync(self._ahas_what, workers)
+
+    async def _ahas_what(self, workers: Any) -> dict[str, list[str]]:
+        info = {a.decode(errors="replace"): schema.worker_info_or_empty(v)
+                for a, v in (await self._aredis.hgetall(self.keys.workers)).items()}  # fmt: skip
+        return holdings.has_what(await self._awho_has_all(), _named(info, workers))
+
+
+def _named(info: dict[str, dict[str, Any]], workers: Any) -> list[str]:
+    """The addresses ``workers`` names (addresses or names, one or several; all: None)
+    among the registered ``info``; one named by neither stays as given."""
+    if workers is None:
+        return sorted(info)
+    wanted = [workers] if isinstance(workers, str | Number) else list(workers)
+    by_name = {str(w.get("name")): a for a, w in info.items() if w.get("name") is not None}
+    return list(dict.fromkeys(w if w in info else by_name.get(str(w), str(w)) for w in wanted))
 
 
 def _since(raw: bytes | None) -> float | None:

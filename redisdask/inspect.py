@@ -32,9 +32,10 @@ from rich.text import Text
 
 from redisdask import schema
 from redisdask.events import describe
+from redisdask.holdings import workers_only
 from redisdask.memory import format_bytes
 from redisdask.placement import Placement, format_resources, worker_resources
-from redisdask.schema import Keys
+from redisdask.schema import REDIS_COPY, Keys
 from redisdask.task_record import TaskRecord
 from redisdask.views import clock
 
@@ -244,7 +245,9 @@ def read_task(r: redis.Redis, keys: Keys, key: str) -> dict[str, Any]:
     for name in NUMBER_FIELDS:
         if raw.get(name.encode()) not in (None, b""):
             task[name] = getattr(record, name)
-    task["who_has"] = record.who_has
+    # where the result lives: the workers holding it, and (a small result) its record
+    task["who_has"] = workers_only(record.who_has)
+    task["in_redis"] = REDIS_COPY in record.who_has
     task["restricted_to"] = record.workers
     task["allow_other_workers"] = record.loose
     task["resources"] = record.resources
@@ -285,6 +288,7 @@ def render_task(task: dict[str, Any], console: Console) -> None:
         ("state", task["state"]),
         ("running on", task.get("worker") or "-"),
         ("held by", ", ".join(task["who_has"]) or "-"),
+        ("in Redis", _in_redis(task)),
         ("size", format_bytes(task["nbytes"]) if task.get("nbytes") else "-"),
         ("type", task.get("type") or "-"),
         ("restricted to", _restriction(task)),
@@ -315,6 +319,13 @@ def render_task(task: dict[str, Any], console: Console) -> None:
     console.print(story)
     if task["worker_story"]:
         console.print(_worker_story_table(task["worker_story"], "story (workers)"))
+
+
+def _in_redis(task: dict[str, Any]) -> str:
+    """Whether the result lives in Redis too (no worker is needed to read it)."""
+    if task.get("in_redis"):
+        return "yes: a small result, kept in the task's record (outlives its workers)"
+    return "no" if task["state"] == "memory" else "-"
 
 
 def _restriction(task: dict[str, Any]) -> str:

@@ -321,10 +321,13 @@ class ClientMissingData(Event):
 @dataclass(slots=True)
 class Restart(Event):
     """A client restarts the cluster: every task is forgotten, every future cancelled,
-    every worker drops what it holds."""
+    every worker drops what it holds.  ``connected``: the clients connected when the
+    scheduler took it up (``rd:{c}:clients``), filled in by the scheduler: each hears of
+    the restart, whether it submitted anything or not (as distributed tells every client)."""
 
     op: ClassVar[str] = "restart"
     client: str
+    connected: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)

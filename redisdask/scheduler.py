@@ -45,9 +45,9 @@ from redisdask.heap import Heap
 from redisdask.lease import LOOK_INTERVAL, HolderWatch, Lease
 from redisdask.quarantine import Quarantined, dead_letter_command
 from redisdask.scheduler_redis import Summary, Translator, decode_entry, load_state, rejected_graphs
-from redisdask.scheduler_state import CloseClient, Event, RemoveWorker, SchedulerState
+from redisdask.scheduler_state import CloseClient, Event, RemoveWorker, Restart, SchedulerState
 from redisdask.schema import Keys
-from redisdask.versions import versions
+from redisdask.versions import host_info, versions
 
 logger = logging.getLogger("redisdask.scheduler")
 
@@ -153,6 +153,7 @@ class Scheduler:
                         "since": time.time(),
                         "token": self.token,
                         "versions": schema.pack(versions()),
+                        "host_info": schema.pack(host_info()),
                     },
                 )
                 logger.info("scheduler %s holds the lease (token %s)", self.id, self.token)
@@ -458,6 +459,7 @@ class Scheduler:
             if e.stream == self.keys.client_stream:  # its client must not wait forever
                 received.extend(rejected_graphs(e.id, e.fields, e.error, "clients"))
         events = received + events  # what the processes said, then the scheduler's verdicts
+        self._tell_restart_to_all(events)
         times = [time.monotonic()]
         instructions = self.state.handle_stimulus(*events)
         times.append(time.monotonic())
@@ -482,6 +484,16 @@ class Scheduler:
                 times[-1] - times[0], times[1] - times[0], times[2] - times[1],
                 times[3] - times[2], self.lease.ttl_ms / 1000,
             )  # fmt: skip
+
+    def _tell_restart_to_all(self, events: list[Event]) -> None:
+        """Give each ``Restart`` the clients connected now: the state knows a client
+        from its first graph, but every connected client hears of a restart (as in
+        distributed), the one that asked among them."""
+        restarts = [e for e in events if isinstance(e, Restart)]
+        if restarts:
+            connected = [c.decode(errors="replace") for c in self.redis.hkeys(self.keys.clients)]
+            for event in restarts:
+                event.connected = connected
 
     def _dead_letter(
         self, stream: str, entry_id: bytes, fields: dict[bytes, bytes], error: str

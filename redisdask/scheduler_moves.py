@@ -227,7 +227,19 @@ class DataMoves:
                 continue
             ts.replicas = max(1, int(ev.n))
             self._emit(SetState(ev.stimulus_id, key, "memory", {"replicas": ts.replicas}))
+            self._drop_surplus(ts, stimulus_id=ev.stimulus_id)
             self._ensure_replicas(ts, stimulus_id=ev.stimulus_id)
+
+    def _drop_surplus(self, ts: TaskState, *, stimulus_id: str) -> None:
+        """Fewer copies asked for than there are: the most loaded holders drop theirs (as
+        distributed's ``replicate`` deletes the extra ones).  A key being moved keeps its
+        copies until the move ends (the move drops the sender's)."""
+        surplus = len(ts.who_has) - ts.replicas
+        if surplus <= 0 or ts.key in self.moving:
+            return
+        load = {a: len(ws.has_what) for a, ws in self.workers.items()}
+        for address in sorted(ts.who_has, key=lambda a: (-load.get(a, 0), a))[:surplus]:
+            self._drop_copy(ts, address, stimulus_id=stimulus_id)
 
     def _ensure_replicas(self, ts: TaskState, *, stimulus_id: str) -> None:
         """Ask workers without a copy to fetch one, until ``ts.replicas`` are (or will be)

@@ -509,7 +509,8 @@ class SchedulerState(DataMoves):
 
     def _handle_restart(self, ev: Restart) -> None:
         keys = list(self.tasks)
-        clients = list(self.clients)
+        # (a client that submitted nothing is known only from its heartbeat: it hears too)
+        clients = list(dict.fromkeys([*self.clients, ev.client, *ev.connected]))
         self._emit(ResetCluster(ev.stimulus_id, keys, list(self.workers), clients))
         for ws in self.workers.values():
             ws.processing.clear()

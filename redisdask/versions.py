@@ -10,7 +10,10 @@ and a worker whose Python or cloudpickle breaks with it refuses to join.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
+import struct
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,8 +23,9 @@ import msgpack
 from redisdask.errors import RedisDaskError
 
 
-class VersionMismatchError(RedisDaskError):
-    """Processes of one cluster run versions that cannot exchange pickles safely."""
+class VersionMismatchError(RedisDaskError, ValueError):
+    """Processes of one cluster run versions that cannot exchange pickles safely (a
+    ``ValueError``, as distributed's ``get_versions(check=True)`` raises)."""
 
 
 def versions(packages: Iterable[str] = ()) -> dict[str, str | None]:
@@ -39,6 +43,28 @@ def versions(packages: Iterable[str] = ()) -> dict[str, str | None]:
         except importlib.metadata.PackageNotFoundError:
             out[name] = None
     return out
+
+
+def host_info() -> dict[str, Any]:
+    """This machine and interpreter, as distributed's ``get_versions()["host"]``."""
+    uname = platform.uname()
+    return {
+        "python": "%d.%d.%d.%s.%s" % sys.version_info,  # noqa: UP031 (distributed's form)
+        "python-bits": struct.calcsize("P") * 8,
+        "OS": uname.system,
+        "OS-release": uname.release,
+        "machine": uname.machine,
+        "processor": uname.processor,
+        "byteorder": sys.byteorder,
+        "LC_ALL": os.environ.get("LC_ALL", "None"),
+        "LANG": os.environ.get("LANG", "None"),
+    }
+
+
+def process_versions(packages: Iterable[str] = ()) -> dict[str, Any]:
+    """One process's entry of ``Client.get_versions()``, in distributed's shape:
+    ``{"host": host_info(), "packages": versions(packages)}``."""
+    return {"host": host_info(), "packages": versions(packages)}
 
 
 def _series(version: str | None, parts: int) -> str | None:
@@ -59,11 +85,12 @@ def pickle_breaking(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
 
 
 def mismatches(by_process: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
-    """Packages whose version is not the same in every process: (package, {process: v})."""
+    """Packages whose version is not the same in every process that reports it (None:
+    not installed there): (package, {process: v}).  The scheduler reports only its own."""
     packages = sorted({p for v in by_process.values() for p in v})
     out = []
     for package in packages:
-        seen = {proc: v.get(package) for proc, v in by_process.items()}
+        seen = {proc: v[package] for proc, v in by_process.items() if package in v}
         if len(set(seen.values())) > 1:
             out.append((package, seen))
     return out

@@ -163,7 +163,7 @@ def test_scatter_shapes_and_targets(client: Client) -> None:
     assert isinstance(scattered, set)  # was a list
     assert sorted(client.gather(list(scattered))) == [1, 2, 3]
     assert client.gather(client.scatter(frozenset({7}))) == frozenset({7})
-    with pytest.raises(ValueError, match="no such worker"):
+    with pytest.raises(ValueError, match="no worker with address or name"):
         client.scatter(1, workers="tcp://127.0.0.1:1")
 
 

@@ -189,8 +189,8 @@ def test_get_task_stream_reads_when_and_where_tasks_ran(client: Client) -> None:
 def test_get_versions_reads_more_packages_in_the_client_and_every_worker(client: Client) -> None:
     found = client.get_versions(packages=["pytest", "no-such-package-xyz"])
     for process in [found["client"], *found["workers"].values()]:
-        assert process["pytest"] == pytest.__version__
-        assert process["no-such-package-xyz"] is None
+        assert process["packages"]["pytest"] == pytest.__version__
+        assert process["packages"]["no-such-package-xyz"] is None
     assert len(found["workers"]) == 2
 
 

@@ -270,15 +270,14 @@ def test_versions_are_recorded_and_checked(client: Client, cluster) -> None:  # 
     from redisdask.versions import VersionMismatchError
 
     found = client.get_versions(check=True)  # one machine, one venv: all agree
-    assert found["client"]["python"] == found["scheduler"]["python"]
+    assert found["client"]["packages"]["python"] == found["scheduler"]["packages"]["python"]
     assert len(found["workers"]) == 2
     r = redis.Redis.from_url(cluster.redis_url)
     keys = Keys(cluster.cluster_name)
-    address, raw = next(iter(r.hgetall(keys.workers).items()))
-    info = unpack(raw)
-    info["versions"]["numpy"] = "0.0.1"
-    r.hset(keys.workers, address, pack(info))
-    with pytest.raises(VersionMismatchError, match="numpy"):
+    # (the workers are asked, as in distributed; the scheduler's versions are its record)
+    recorded = unpack(r.hget(keys.scheduler, "versions"))
+    r.hset(keys.scheduler, "versions", pack({**recorded, "cloudpickle": "0.0.1"}))
+    with pytest.raises(VersionMismatchError, match="cloudpickle"):
         client.get_versions(check=True)
 
 
