@@ -243,6 +243,38 @@ def test_multilock_sync_misuse_and_pickling(module_client: Client) -> None:
     assert module_client.submit(_hold_and_tell, ml2).result() == ["a", "b"]
 
 
+def test_overlapping_multilocks_exclude_each_other_without_deadlock(
+    module_client: Client,
+) -> None:
+    """Threads taking overlapping pairs of three locks, in opposite orders (the case
+    that deadlocks with locks taken one by one): each lock has one holder at a time,
+    and every thread gets through."""
+    pairs = [["a", "b"], ["b", "c"], ["c", "a"], ["b", "a"]]
+    inside = {"a": 0, "b": 0, "c": 0}
+    seen: list[int] = []
+    guard = threading.Lock()
+
+    def work(names: list[str]) -> None:
+        for _ in range(8):
+            with MultiLock(names):
+                with guard:
+                    for n in names:
+                        inside[n] += 1
+                    seen.append(max(inside.values()))
+                threading.Event().wait(0.002)
+                with guard:
+                    for n in names:
+                        inside[n] -= 1
+
+    threads = [threading.Thread(target=work, args=(p,)) for p in pairs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    assert len(seen) == 32 and max(seen) == 1
+
+
 def _hold_and_tell(ml: MultiLock) -> list[str]:
     with ml:
         return list(ml.names)

@@ -124,15 +124,16 @@ class MultiLock(Bound):
         return num_locks
 
     def _guarded(self, result: Any) -> Any:
-        """``result``; an interrupted asynchronous wait (a cancelled task) leaves the
-        queues at once instead of holding its place until its word lapses."""
+        """``result``; an interrupted asynchronous wait (a cancelled task, a closed
+        client) leaves the queues at once instead of holding its place until its word
+        lapses."""
         if not asyncio.iscoroutine(result):
             return result
 
         async def waited() -> Any:
             try:
                 return await result
-            except asyncio.CancelledError:
+            except BaseException:
                 self._leave()
                 raise
 
