@@ -9,7 +9,15 @@ __version__ = importlib.metadata.version("redisdask")
 
 from redisdask.client import Client, Future, as_completed, default_client, futures_of, wait
 from redisdask.cluster import LocalCluster
-from redisdask.coordination import Event, Lock, Queue, Semaphore, Variable, fire_and_forget
+from redisdask.coordination import (
+    Event,
+    Lock,
+    MultiLock,
+    Queue,
+    Semaphore,
+    Variable,
+    fire_and_forget,
+)
 from redisdask.diagnostics import progress
 from redisdask.errors import (
     ClusterConnectionError,
@@ -38,6 +46,7 @@ __all__ = [
     "KilledWorker",
     "LocalCluster",
     "Lock",
+    "MultiLock",
     "Queue",
     "RedisDaskError",
     "SchedulerRejectedError",

@@ -75,7 +75,7 @@ SCHEDULER_CONSUMER = "scheduler"  # one consumer: only the lease holder ever rea
 READY_SIGNAL_MAXLEN = 1000
 STORY_CHUNK = 100  # transitions per entry of a story stream
 
-COORDINATION_KINDS = ("lock", "semaphore", "event", "variable", "queue")
+COORDINATION_KINDS = ("lock", "semaphore", "event", "variable", "queue", "multilock")
 # in a who_has list: the task's record holds the result itself (field ``value``), a
 # result small enough to travel with its report (``worker.inline-result-bytes``); worker
 # addresses have a scheme (tcp://...), so no worker is called this
@@ -290,6 +290,16 @@ class Keys:
 
     def queue_refs(self, name: str) -> str:
         return f"{self.prefix}queue-refs:{name}"
+
+    @property
+    def multilock_requests(self) -> str:
+        """``MultiLock`` requests (waiting or holding): id -> msgpack [locks left, names]."""
+        return self.prefix + "multilock-requests"
+
+    @property
+    def multilock_leases(self) -> str:
+        """When each ``MultiLock`` request lapses (its lease, or a waiter's word), ms."""
+        return self.prefix + "multilock-leases"
 
     @property
     def datasets(self) -> str:
@@ -784,10 +794,18 @@ class Scripts:
 #     rd:{c}:queue:<name>           list    items: msgpack [epoch, keys, data]
 #     rd:{c}:queue-refs:<name>      hash    "<epoch>:<key>" -> items holding that future
 #     rd:{c}:datasets               hash    name -> msgpack [epoch, keys, data, name pickle]
+#     rd:{c}:multilock:<name>       list    MultiLock requests (ids) for that lock, in
+#                                           arrival order: the first holds it
+#     rd:{c}:multilock-requests     hash    request id -> msgpack [locks still needed, names
+#                                           of the queues it is in]
+#     rd:{c}:multilock-leases       zset    request id -> when it lapses (ms): its lease once
+#                                           it holds, its word while it waits
 #     rd:{c}:waiters:<kind>:<name>  zset    who blocks on a primitive, scored by when
 #                                           their word lapses (ms)
 #     rd:{c}:signal:<kind>:<name>   stream  one entry, added at each change while anyone
-#                                           waits: waiters XREAD BLOCK on it
+#                                           waits: waiters XREAD BLOCK on it (a
+#                                           MultiLock's: signal:multilock:<request id>,
+#                                           when that request holds all it needs)
 #
 # Each key is deleted as soon as it means nothing (no lease, event clear, queue empty,
 # nobody waiting); a lease, a waiter's word and the keys kept for it also lapse on
@@ -919,6 +937,145 @@ return l.count
 COORDINATION_CLOSE = """
 redis.call('DEL', KEYS[1])
 wake(KEYS[2], KEYS[3])
+return 1
+"""
+
+# MultiLock (distributed's queues, in Redis): a request joins the queue of each of its
+# names, the shortest first, until it heads ``num_locks`` of them; heading a queue is
+# holding that lock, so a waiter holds what it heads while it waits for the rest (as
+# distributed's, whose fairness this is: nobody overtakes an earlier request).  Leaving
+# (release, giving up, lapsing) hands each lock it headed to the next in that queue;
+# a request that needs no more is told on its own signal stream.  Every script first
+# takes out the requests that lapsed (a holder or waiter that died).
+# KEYS: requests, leases.  ARGV[1], ARGV[2]: the prefixes of the queues and signals.
+_MULTILOCK_PRELUDE = """
+local REQ, LEASES, QUEUE, SIGNAL = KEYS[1], KEYS[2], ARGV[1], ARGV[2]
+local function record(id)  -- {locks still needed, names...}, or nil
+  local raw = redis.call('HGET', REQ, id)
+  if raw then return cmsgpack.unpack(raw) end
+end
+local function promote(q, ready)  -- the head of queue q holds that lock now
+  while true do
+    local head = redis.call('LINDEX', q, 0)
+    if not head then return end
+    local r = record(head)
+    if r then
+      if r[1] > 0 then
+        r[1] = r[1] - 1
+        redis.call('HSET', REQ, head, cmsgpack.pack(r))
+        if r[1] == 0 then ready[#ready + 1] = head end
+      end
+      return
+    end
+    redis.call('LPOP', q)  -- gone with its record: skip it
+  end
+end
+local function retain(id, ready)  -- take the request out of every queue it is in
+  local rec = record(id)
+  redis.call('HDEL', REQ, id)
+  redis.call('ZREM', LEASES, id)
+  redis.call('DEL', SIGNAL .. id)
+  if not rec then return end
+  for i = 2, #rec do
+    local q = QUEUE .. rec[i]
+    if redis.call('LINDEX', q, 0) == id then
+      redis.call('LPOP', q)
+      promote(q, ready)
+    else
+      redis.call('LREM', q, 0, id)
+    end
+  end
+end
+local function purge(ready)  -- requests whose holder or waiter died
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', LEASES, '-inf', NOW)) do retain(id, ready) end
+end
+local function tell_ready(ready, except)  -- wake the requests that hold all they need
+  for _, id in ipairs(ready) do
+    local until_ = redis.call('ZSCORE', LEASES, id)
+    if until_ and id ~= except then
+      redis.call('XADD', SIGNAL .. id, 'MAXLEN', 1, '*', 'n', 1)
+      redis.call('PEXPIREAT', SIGNAL .. id, until_)
+    end
+  end
+end
+local function touch(names)  -- the keys live as long as the last lease or word
+  local last = redis.call('ZRANGE', LEASES, -1, -1, 'WITHSCORES')
+  if #last == 0 then return end
+  redis.call('PEXPIREAT', REQ, last[2])
+  redis.call('PEXPIREAT', LEASES, last[2])
+  for _, n in ipairs(names) do redis.call('PEXPIREAT', QUEUE .. n, last[2]) end
+end
+local function request(id, need, names)  -- join the queues, shortest first, until need held
+  local order = {}
+  for i, n in ipairs(names) do order[i] = {redis.call('LLEN', QUEUE .. n), i, n} end
+  table.sort(order, function(a, b) return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2]) end)
+  local rec = {need}
+  for _, o in ipairs(order) do
+    redis.call('RPUSH', QUEUE .. o[3], id)
+    rec[#rec + 1] = o[3]
+    if o[1] == 0 then
+      rec[1] = rec[1] - 1
+      if rec[1] == 0 then break end
+    end
+  end
+  redis.call('HSET', REQ, id, cmsgpack.pack(rec))
+  return rec
+end
+"""
+
+# ARGV: prefixes, id, fresh ('1': a new acquire: a request of this id left by an
+# interrupted one starts afresh), wait ms, lease ms, num_locks, names.  Returns {1}
+# (holding num_locks of them), {0, ''} (gave up) or {0, signal id to block from, ms until
+# another request lapses}.
+MULTILOCK_ACQUIRE = """
+local id, wait, ready = ARGV[3], tonumber(ARGV[5]), {}
+purge(ready)
+local rec = record(id)
+if rec and ARGV[4] == '1' then retain(id, ready); rec = nil end
+if not rec then rec = request(id, tonumber(ARGV[7]), {unpack(ARGV, 8)}) end
+local names = {unpack(rec, 2)}
+if rec[1] == 0 then
+  redis.call('ZADD', LEASES, ms(NOW + tonumber(ARGV[6])), id)
+  redis.call('DEL', SIGNAL .. id)
+  tell_ready(ready, id)
+  touch(names)
+  return {1}
+end
+if wait <= 0 then
+  retain(id, ready)
+  tell_ready(ready, id)
+  return {0, ''}
+end
+redis.call('ZADD', LEASES, ms(NOW + wait), id)
+tell_ready(ready, id)
+touch(names)
+local top = redis.call('XREVRANGE', SIGNAL .. id, '+', '-', 'COUNT', 1)
+local first = redis.call('ZRANGE', LEASES, 0, 1, 'WITHSCORES')
+for i = 1, #first, 2 do
+  if first[i] ~= id then return {0, top[1] and top[1][1] or '0-0', ms(first[i + 1] - NOW)} end
+end
+return {0, top[1] and top[1][1] or '0-0'}
+"""
+
+# ARGV: prefixes, id.  Returns 1, or 0 if it held nothing (its lease had lapsed).
+MULTILOCK_RELEASE = """
+local ready = {}
+purge(ready)
+local rec = record(ARGV[3])
+if rec then retain(ARGV[3], ready) end
+tell_ready(ready)
+return (rec and rec[1] == 0) and 1 or 0
+"""
+
+# ARGV: prefixes, id, lease ms.  Returns 1, or 0 if it holds nothing (its lease lapsed).
+MULTILOCK_RENEW = """
+local ready = {}
+purge(ready)
+tell_ready(ready)
+local rec = record(ARGV[3])
+if not rec or rec[1] ~= 0 then return 0 end
+redis.call('ZADD', LEASES, ms(NOW + tonumber(ARGV[4])), ARGV[3])
+touch({unpack(rec, 2)})
 return 1
 """
 
@@ -1141,6 +1298,9 @@ class CoordinationScripts:
         self._publish = register(DATASETS_PUBLISH)
         self._get_datasets = register(DATASETS_GET)
         self._unpublish = register(DATASETS_UNPUBLISH)
+        self._multilock_acquire = register(_MULTILOCK_PRELUDE + MULTILOCK_ACQUIRE)
+        self._multilock_release = register(_MULTILOCK_PRELUDE + MULTILOCK_RELEASE)
+        self._multilock_renew = register(_MULTILOCK_PRELUDE + MULTILOCK_RENEW)
 
     def _waitable(self, kind: str, name: str) -> list[str]:
         k = self.keys
@@ -1205,6 +1365,25 @@ class CoordinationScripts:
         """``count`` items, waiting for the first; 0: every item there, maybe none."""
         args = [waiter, wait_ms, client, holder, count]
         return self._queue_get(keys=self._queue_keys(name), args=args)
+
+    def _multilock(self, id: str, *args: Any) -> dict[str, list[Any]]:
+        k = self.keys
+        prefixes = [k.coordination("multilock", ""), k.signal("multilock", "")]
+        return {"keys": [k.multilock_requests, k.multilock_leases], "args": [*prefixes, id, *args]}
+
+    def multilock_acquire(
+        self, *, id: str, fresh: bool, wait_ms: int, lease_ms: int, num_locks: int,
+        names: Sequence[str],
+    ) -> Any:  # fmt: skip
+        """``id`` is the ``MultiLock``'s (one request at a time), its own signal's name."""
+        args = ["1" if fresh else "0", wait_ms, lease_ms, num_locks, *names]
+        return self._multilock_acquire(**self._multilock(id, *args))
+
+    def multilock_release(self, *, id: str) -> Any:
+        return self._multilock_release(**self._multilock(id))
+
+    def multilock_renew(self, *, id: str, lease_ms: int) -> Any:
+        return self._multilock_renew(**self._multilock(id, lease_ms))
 
     def _dataset_keys(self) -> list[str]:
         return [self.keys.datasets, self.keys.client_stream, self.keys.meta]

@@ -1,5 +1,5 @@
 """Coordination primitives on Redis, with distributed's names and semantics: ``Lock``,
-``Semaphore``, ``Event``, ``Variable``, ``Queue``, published datasets and
+``MultiLock``, ``Semaphore``, ``Event``, ``Variable``, ``Queue``, published datasets and
 ``fire_and_forget``.
 
 Their state lives in Redis (``schema.py`` lists the keys; ``docs/redis-schema.md``
@@ -14,6 +14,7 @@ from redisdask.coordination.datasets import DatasetMethods, Datasets
 from redisdask.coordination.event import Event
 from redisdask.coordination.holders import fire_and_forget, futures_of
 from redisdask.coordination.lock import Lock
+from redisdask.coordination.multi_lock import MultiLock
 from redisdask.coordination.queues import Queue
 from redisdask.coordination.semaphore import Semaphore
 from redisdask.coordination.variable import Variable
@@ -23,6 +24,7 @@ __all__ = [
     "Datasets",
     "Event",
     "Lock",
+    "MultiLock",
     "Queue",
     "Semaphore",
     "Variable",

@@ -234,7 +234,7 @@ def check_name(name: Any, kind: str) -> tuple[Any, str]:
     if not name:
         name = f"{kind}-{uuid.uuid4().hex}"
         return name, name
-    key = _as_key(name)
+    key = as_key(name)
     if key is None:
         raise TypeError(
             f"a {kind} is named by a str, bytes, int, float or a tuple of those (as a dask "
@@ -243,12 +243,12 @@ def check_name(name: Any, kind: str) -> tuple[Any, str]:
     return name, spec.stringify(key)
 
 
-def _as_key(name: Any) -> Hashable | None:
+def as_key(name: Any) -> Hashable | None:
     """``name`` as a dask key (lists become tuples), or None if it cannot be one."""
     if isinstance(name, str | bytes | int | float):
         return name
     if isinstance(name, list | tuple):
-        parts = [_as_key(part) for part in name]
+        parts = [as_key(part) for part in name]
         return None if any(p is None for p in parts) else tuple(parts)
     return None
 

@@ -22,7 +22,7 @@ import threading
 import uuid
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import redis
 
@@ -102,7 +102,7 @@ class Semaphore(Bound):
             if acquired:
                 with self._lock:
                     self._leases.append(lease)
-                _renewer.add(self)
+                renewer.add(self)
             return acquired
 
         return self._waiting(op, timeout, attempt, then)
@@ -158,6 +158,10 @@ class Semaphore(Bound):
 
         return self._call("close()", run)
 
+    def _holds(self) -> bool:
+        """Whether this instance holds a lease (to renew)."""
+        return bool(self._leases)
+
     def _renew(self) -> bool:
         """Renew this instance's leases; False once it holds none (or cannot)."""
         with self._lock:
@@ -199,19 +203,29 @@ class Semaphore(Bound):
         return type(self), (self.max_leases, self.name)
 
 
+class Renewable(Protocol):
+    """What holds leases to renew: a ``Semaphore`` (a ``Lock``), a ``MultiLock``."""
+
+    _backend: Backend | None
+
+    def _holds(self) -> bool: ...
+
+    def _renew(self) -> bool: ...
+
+
 class _Renewer:
     """One daemon thread per process renewing every held lease, every fifth of its
-    timeout.  It keeps its semaphores weakly: one garbage-collected while holding a
+    timeout.  It keeps its holders weakly: one garbage-collected while holding a
     lease stops being renewed, and its lease lapses (as in distributed)."""
 
     def __init__(self) -> None:
-        self._held: weakref.WeakSet[Semaphore] = weakref.WeakSet()
+        self._held: weakref.WeakSet[Renewable] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._interval = 0.0  # of the current sleep (0: not sleeping)
         self._thread: threading.Thread | None = None
 
-    def add(self, sem: Semaphore) -> None:
+    def add(self, sem: Renewable) -> None:
         interval = sem._backend.lease_timeout / 5 if sem._backend else 1.0
         with self._lock:
             self._held.add(sem)
@@ -243,8 +257,8 @@ class _Renewer:
                     keep = True  # try again next time: Redis may be back
                 if not keep:
                     with self._lock:
-                        if not sem._leases:
+                        if not sem._holds():
                             self._held.discard(sem)
 
 
-_renewer = _Renewer()
+renewer = _Renewer()
