@@ -54,7 +54,8 @@ FAMILIES = {
     "rebalances": "rebalances", "rebalance": "rebalance:*", "lock": "lock:*",
     "semaphore": "semaphore:*", "event": "event:*", "variable": "variable:*",
     "queue": "queue:*", "queue-refs": "queue-refs:*", "datasets": "datasets",
-    "waiters": "waiters:*", "signal": "signal:*",
+    "waiters": "waiters:*", "signal": "signal:*", "multilock": "multilock:*",
+    "multilock-requests": "multilock-requests", "multilock-leases": "multilock-leases",
 }  # fmt: skip
 
 _SCHEDULER_ONLY = {"lease", "lease-token", "applying"}

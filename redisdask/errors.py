@@ -32,6 +32,7 @@
     │   │                                              (comm.timeouts.tcp)
     │   └── SerializationError                         a value could not be (un)pickled
     ├── FutureCancelledError (also CancelledError)     the future's key was cancelled
+    ├── FuturesCancelledError (also CancelledError)    wait() found cancelled futures
     ├── ClientClosedError (also RuntimeError)          a Lock, Queue, Variable, ... used
     │                                                  through a client that is closed
     ├── LeaseNotHeldError (also RuntimeError)          a Lock or Semaphore released by an

@@ -522,8 +522,9 @@ class SchedulerState(DataMoves):
         self.unrunnable.clear()
         self._candidates.clear()
         self._forget_moves(stimulus_id=ev.stimulus_id)
-        # (the holders wanted only tasks: they go with them)
-        self.clients = {client: set() for client in clients if not schema.is_holder(client)}
+        # (the holders wanted only tasks: they go with them; a client that only heard
+        # of the restart stays unknown until its first graph, as before it)
+        self.clients = {c: set() for c in self.clients if not schema.is_holder(c)}
 
     def _handle_retry_keys(self, ev: RetryKeys) -> None:
         """Run erred tasks again, as distributed's ``stimulus_retry``: each erred key the
