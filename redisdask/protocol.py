@@ -445,7 +445,7 @@ class TaskFinished(Event):
     it).  ``score``: the run it answers (a task's score is new at each submission)."""
 
     op: ClassVar[str] = "task-finished"
-    optional: ClassVar[frozenset[str]] = frozenset({"score", "value"})
+    optional: ClassVar[frozenset[str]] = frozenset({"score", "value", "seceded"})
     worker: str
     key: str
     nbytes: int = 0
@@ -453,6 +453,7 @@ class TaskFinished(Event):
     start: float = 0.0
     stop: float = 0.0
     score: float = NO_SCORE
+    seceded: bool = False  # the run left the pool: start-stop is no measure of its cost
     # the result pickled, when it is at most ``worker.inline-result-bytes``: the scheduler
     # keeps it in the task's record, so it outlives the worker and needs no fetch
     value: bytes | None = None

@@ -138,6 +138,14 @@ class ClaimAccepted(Instruction):
 
 
 @dataclass(slots=True)
+class SetDurations(Instruction):
+    """Write the duration averages of these task prefixes (``redisdask/durations.py``),
+    which the CLAIM script reads to size claims."""
+
+    averages: dict[str, float]
+
+
+@dataclass(slots=True)
 class LogEvent(Instruction):
     """Append to the cluster's event log (what ``redisdask monitor`` and ``inspect events``
     show): ``worker-joined``, ``worker-left``, ``killed-worker``, ..."""

@@ -16,6 +16,7 @@ talks to Redis except the two readers (``load_state``, ``Summary.resumed``); the
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
@@ -27,6 +28,7 @@ import redis
 
 from redisdask import schema
 from redisdask.config import RetentionConfig
+from redisdask.durations import Durations
 from redisdask.errors import ProtocolError, RecordError
 from redisdask.events import death_fields, event_command
 from redisdask.heap import no_collections
@@ -45,6 +47,7 @@ from redisdask.scheduler_instructions import (
     RecordDeath,
     RecordRebalance,
     ResetCluster,
+    SetDurations,
     SetState,
     SetWants,
     StoreTask,
@@ -315,6 +318,10 @@ class Translator:
         b.cmds.append(["XADD", self.keys.deaths, "MAXLEN", self.retention.deaths, "*", "m", record])
         b.cmds.append(self.event_command("worker-died", now, **death_fields(ins.record)))
 
+    def _set_durations(self, ins: SetDurations, b: _Batch) -> None:
+        pairs = [x for prefix, average in ins.averages.items() for x in (prefix, repr(average))]
+        b.cmds.extend(_chunked(["HSET", self.keys.durations], pairs, step=2))
+
     def _log_event(self, ins: LogEvent, b: _Batch) -> None:
         b.cmds.append(self.event_command(ins.kind, time.time(), **ins.fields))
 
@@ -363,6 +370,7 @@ _TRANSLATIONS: dict[type[Instruction], Callable[[Translator, Any, _Batch], None]
     RecordDeath: Translator._record_death,
     RecordRebalance: Translator._record_rebalance,
     LogEvent: Translator._log_event,
+    SetDurations: Translator._set_durations,
 }
 
 
@@ -570,6 +578,7 @@ def load_state(
     with no_collections():  # every object made here is kept: nothing to collect
         _load_tasks(r, keys, state, bad)
         _load_wants(r, keys, state, bad)
+    state.durations = _load_durations(r, keys)
     for member in sorted(r.smembers(keys.rebalances)):
         name = keys.rebalance(member.decode(errors="replace"))
         try:
@@ -597,6 +606,24 @@ def load_state(
         f" ({len(bad)} malformed records skipped)" if bad else "",
     )
     return state
+
+
+def _load_durations(r: redis.Redis, keys: Keys) -> Durations:
+    """The duration averages the scheduler wrote; an entry that is no finite number of
+    seconds is left out (logged): its prefix has no estimate until its next result."""
+    averages = {}
+    for raw_prefix, raw in r.hgetall(keys.durations).items():
+        prefix = raw_prefix.decode(errors="replace")
+        try:
+            average = float(raw)
+        except ValueError:
+            average = math.nan
+        if math.isfinite(average) and average >= 0:
+            averages[prefix] = average
+        else:
+            logger.warning("%s: %s holds %s, no duration: ignored until its next result",
+                           keys.durations, prefix, evidence(raw))  # fmt: skip
+    return Durations(averages)
 
 
 def _worker_entry(

@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 from redisdask import schema
+from redisdask.durations import Durations
 from redisdask.graph_cycles import cycle_text, find_cycles
 from redisdask.placement import Placement
 from redisdask.protocol import (
@@ -100,6 +101,7 @@ from redisdask.scheduler_instructions import (
     LogEvent,
     RecordDeath,
     ResetCluster,
+    SetDurations,
     SetState,
     SetWants,
     StoreTask,
@@ -114,6 +116,7 @@ from redisdask.scheduler_tasks import (
     StreamPosition,
     TaskState,
     WorkerInfo,
+    key_prefix,
     priority_score,
     worker_stream_position,
 )
@@ -169,6 +172,7 @@ class SchedulerState(DataMoves):
         self._holders_changed = False  # something a retirement or a rebalance waits for
         self._init_moves(rebalance)
         self.placement = Placement(lambda: {a: ws.info for a, ws in self.workers.items()})
+        self.durations = Durations()  # per task prefix, from the results accepted
         # results that came in and tasks that erred, since this state was built (metrics
         # for the summary the monitor shows)
         self.n_finished = 0
@@ -190,6 +194,8 @@ class SchedulerState(DataMoves):
             self._holders_changed = False
             self._move_retiring_data(stimulus_id=stimulus_id)
             self._settle_moves(stimulus_id=stimulus_id)
+        if changed := self.durations.take_changed():
+            self._emit(SetDurations(stimulus_id, changed))
         instructions, self._instructions = self._instructions, []
         if self.validate:
             self.validate_state()
@@ -851,6 +857,8 @@ class SchedulerState(DataMoves):
                 self._free(ev.worker, ev.key, stimulus_id=ev.stimulus_id)
             return
         ts.nbytes, ts.type = int(ev.nbytes), ev.type
+        if not ev.seceded:  # a seceded run mostly waited: its time is not its cost
+            self.durations.add(key_prefix(ts.key), ev.start, ev.stop)
         self._transition(ts, "memory", worker=ws, value=ev.value, stimulus_id=ev.stimulus_id)
 
     def _handle_task_erred(self, ev: TaskErred) -> None:

@@ -69,6 +69,8 @@ import redis
 import redis.asyncio
 from redis.commands.core import Script
 
+from redisdask.durations import KEY_PREFIX_LUA
+
 SCHEMA_VERSION = 1
 SCHEDULER_GROUP = "scheduler"
 SCHEDULER_CONSUMER = "scheduler"  # one consumer: only the lease holder ever reads
@@ -184,6 +186,11 @@ class Keys:
     @property
     def ready(self) -> str:
         return self.prefix + "ready"
+
+    @property
+    def durations(self) -> str:
+        """Task prefix -> its duration average in seconds (``redisdask/durations.py``)."""
+        return self.prefix + "durations"
 
     @property
     def ready_signal(self) -> str:
@@ -498,10 +505,15 @@ return token
 # A worker claims up to ARGV[2] queued tasks, from its own ready set first (tasks
 # restricted to it), then its constrained set (tasks with resources it could run), then
 # the cluster's.  KEYS: ready, workers, the worker's processing set, worker stream,
-# ready-signal, the worker's ready set, the worker's inbox, the worker's constrained set.
-# ARGV: worker address, n, task key prefix, cluster key prefix, the last inbox id the
-# worker read, the resources the worker has free ("GPU=1 MEM=5e9"; the stored form of
-# ``placement.format_resources``).  The claim is recorded in Redis (task state,
+# ready-signal, the worker's ready set, the worker's inbox, the worker's constrained set,
+# the durations hash.  ARGV: worker address, n, task key prefix, cluster key prefix, the
+# last inbox id the worker read, the resources the worker has free ("GPU=1 MEM=5e9"; the
+# stored form of ``placement.format_resources``), the claim horizon in seconds and the
+# start times of the worker's threads ("0 0.004": ``durations.start_times``), both ''
+# for a claim bounded by n alone.  With a horizon, a task is taken only if it starts
+# within it on the thread free first, which is then busy for the task's estimate longer
+# (the durations hash's entry for its prefix; none: busy for good); the first task that
+# does not fit stays queued, in its place, and ends the claim (``full``).  The claim is recorded in Redis (task state,
 # processing set, and ``claim``: the id of the entry that announces it) and announced to
 # the scheduler in the same atomic step, so a claimed task is never invisible, and a
 # scheduler that reloads before reading that entry knows which reports came before it.
@@ -510,17 +522,18 @@ return token
 # than it can run.  One that does not fit stays in the
 # set; after 64 of them the scan stops (bounded work), and ``blocked`` says the
 # worker should claim again once resources are freed.  Otherwise fewer than n claimed
-# means the sets are empty.  A task queued on several workers is taken out of the other
+# means the sets are empty, unless the claim was ``full``.  A task queued on several workers is taken out of the other
 # workers' sets that hold it: the addresses in its hash's ``queued_on`` field (the
 # scheduler writes it as it queues the task; ``workers`` holds the restriction as given,
 # which may name hosts or names).  Returns {tasks, last ready-signal id, inbox entries
-# after ARGV[5], blocked (0 or 1)}; each task is {key, spec, score,
-# {{dep, who_has, nbytes[, value]}...}, resources}: ``value``, a dependency's result kept in
+# after ARGV[5], flags (1: blocked for resources, 2: full)}; each task is {key, spec,
+# score, {{dep, who_has, nbytes[, value]}...}, resources, estimate ('' if none)}: ``value``, a dependency's result kept in
 # its record, for up to 4 MiB of them per claim (the rest is read when fetched).  The inbox
 # entries were written before anything claimed here was queued (e.g. free-keys of an
 # earlier run of a key that is queued again); the worker applies them first, so the inbox
 # and the ready sets cannot overtake each other.
-CLAIM = """
+CLAIM_BLOCKED, CLAIM_FULL = 1, 2  # the flags a claim returns
+CLAIM = KEY_PREFIX_LUA + """
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then
   return redis.error_reply('UNKNOWN_WORKER ' .. ARGV[1] .. ' is not registered')
 end
@@ -538,10 +551,37 @@ local free = {}
 for name, amount in string.gmatch(ARGV[6] or '', '([^%s=]+)=(%S+)') do
   free[name] = tonumber(amount)
 end
+local horizon = tonumber(ARGV[7] or '')  -- nil: no time budget, n alone bounds the claim
+local starts = {}
+for t in string.gmatch(ARGV[8] or '', '%S+') do starts[#starts + 1] = tonumber(t) end
+local full = false  -- a task was left for want of a thread that starts it soon
+local known = {}
+local function estimate(key)  -- its prefix's duration average, or false: none yet
+  local prefix = key_prefix(key)
+  local e = known[prefix]
+  if e == nil then
+    e = tonumber(redis.call('HGET', KEYS[9], prefix)) or false
+    known[prefix] = e
+  end
+  return e
+end
+local function admit(e)  -- whether a task of estimate e starts within the horizon
+  if not horizon then return true end
+  local first = nil
+  for i = 1, #starts do
+    if first == nil or starts[i] < starts[first] then first = i end
+  end
+  if first == nil or starts[first] >= horizon then
+    full = true
+    return false
+  end
+  if e then starts[first] = starts[first] + e else starts[first] = math.huge end
+  return true
+end
 local function fetch(key)
   return redis.call('HMGET', ARGV[3] .. key, 'spec', 'deps', 'state', 'queued_on', 'resources')
 end
-local function take(key, score, f)
+local function take(key, score, f, e)
   local tkey = ARGV[3] .. key
   redis.call('HSET', tkey, 'state', 'processing', 'worker', ARGV[1])
   redis.call('SADD', KEYS[3], key)
@@ -566,19 +606,31 @@ local function take(key, score, f)
       end
     end
   end
-  out[#out + 1] = {key, f[1], score, deps, f[5] or ''}
+  out[#out + 1] = {key, f[1], score, deps, f[5] or '', e and tostring(e) or ''}
   claimed[#claimed + 1] = key
   scores[#scores + 1] = score
 end
 -- a key no longer queued (claimed through another worker's set, released, forgotten)
--- is a stale entry: dropped
+-- is a stale entry: dropped.  With a horizon the pops grow from one per thread, and what
+-- a full claim popped goes back with its score.
 local function claim_from(zset)
-  while #claimed < want do
-    local popped = redis.call('ZPOPMIN', zset, want - #claimed)
+  local batch = want
+  if horizon then batch = math.max(#starts, 1) end
+  while #claimed < want and not full do
+    local popped = redis.call('ZPOPMIN', zset, math.min(want - #claimed, batch))
     if #popped == 0 then return end
+    batch = batch * 2
     for i = 1, #popped, 2 do
-      local f = fetch(popped[i])
-      if f[1] and f[3] == 'queued' then take(popped[i], popped[i + 1], f) end
+      local key, score = popped[i], popped[i + 1]
+      if full then
+        redis.call('ZADD', zset, score, key)  -- popped after the claim was full: back
+      else
+        local f = fetch(key)
+        if f[1] and f[3] == 'queued' then
+          local e = estimate(key)
+          if admit(e) then take(key, score, f, e) else redis.call('ZADD', zset, score, key) end
+        end
+      end
     end
   end
 end
@@ -592,7 +644,7 @@ local function fits(text)
 end
 local function claim_constrained(zset)
   local skipped = 0  -- the entries left in place sit first: the next read starts after them
-  while #claimed < want do
+  while #claimed < want and not full do
     if skipped >= SKIP then blocked = 1; return end
     local batch = redis.call('ZRANGE', zset, skipped, skipped + 63, 'WITHSCORES')
     if #batch == 0 then return end
@@ -601,10 +653,12 @@ local function claim_constrained(zset)
       local f = fetch(batch[i])
       if f[1] and f[3] == 'queued' then
         local need = fits(f[5])
+        local e = need and estimate(batch[i])
+        if need and not admit(e) then return end  -- full: it stays in its place
         if need then
           redis.call('ZREM', zset, batch[i])
           for name, n in pairs(need) do free[name] = (free[name] or 0) - n end
-          take(batch[i], batch[i + 1], f)
+          take(batch[i], batch[i + 1], f, e)
         else
           skipped = skipped + 1
           blocked = 1
@@ -623,6 +677,7 @@ if #claimed > 0 then
     cmsgpack.pack({{op = 'claimed', worker = ARGV[1], keys = claimed, scores = scores}}))
   for _, key in ipairs(claimed) do redis.call('HSET', ARGV[3] .. key, 'claim', id) end
 end
+if full then blocked = blocked + 2 end
 return {out, last_id, redis.call('XRANGE', KEYS[7], '(' .. ARGV[5], '+'), blocked}
 """
 
@@ -768,17 +823,28 @@ class Scripts:
         ``LOAD_TASKS``)."""
         return self._load_tasks(keys=[self.keys.tasks], args=[cursor, count, self.keys.task_prefix])
 
-    def claim(self, *, worker: str, count: int, last_inbox_id: str, free: str = "") -> Any:
+    def claim(
+        self,
+        *,
+        worker: str,
+        count: int,
+        last_inbox_id: str,
+        free: str = "",
+        horizon: float | None = None,
+        starts: Sequence[float] = (),
+    ) -> Any:
         """Claim up to ``count`` queued tasks for ``worker``, those with resources only
-        within ``free`` (``placement.format_resources`` of what the worker has free);
-        returns ``[tasks, last ready-signal id, the inbox entries after last_inbox_id,
-        blocked]`` (see ``CLAIM``)."""
+        within ``free`` (``placement.format_resources`` of what the worker has free), and
+        with a ``horizon``, only those that start within it on the threads free at
+        ``starts`` (``durations.start_times``); returns ``[tasks, last ready-signal id,
+        the inbox entries after last_inbox_id, flags]`` (see ``CLAIM``)."""
         k = self.keys
+        budget = ["", ""] if horizon is None else [repr(horizon), " ".join(map(repr, starts))]
         return self._claim(
             keys=[k.ready, k.workers, k.worker_processing(worker), k.worker_stream,
                   k.ready_signal, k.worker_ready(worker), k.worker_inbox(worker),
-                  k.worker_constrained(worker)],
-            args=[worker, count, k.task_prefix, k.prefix, last_inbox_id, free],
+                  k.worker_constrained(worker), k.durations],
+            args=[worker, count, k.task_prefix, k.prefix, last_inbox_id, free, *budget],
         )  # fmt: skip
 
 

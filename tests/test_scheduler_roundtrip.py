@@ -17,12 +17,14 @@ state machine's own, in everything the records carry:
   ``suspicious``, ``killed``, replicas, the error (exception, traceback, their texts,
   where and whose) and ``rejected``;
 * the ``no-worker`` set, the sequence counter, workers (info, processing, held keys),
-  clients and what each wants, the rebalances under way and their moves in flight;
+  clients and what each wants, the rebalances under way and their moves in flight, the
+  duration average of each task prefix;
 * and in Redis itself: each queued task sits in the ready set(s) it is queued on with
   its score (the workers' constrained sets for a task with resources), and each
   worker's processing set is what the state machine has on it.  Workers have GPUs or
   not, and claim with what they have free, so the ``CLAIM`` script's resource check
-  runs too.
+  runs too, and half the claims with a time budget (threads that start a task now,
+  soon or not soon), so its budget check and what a full claim puts back run too.
 
 Not compared, because no record carries them (a reloaded scheduler starts them afresh,
 by design): a task's ``queued_on`` once it left ``queued`` (stale, documented), its
@@ -134,11 +136,12 @@ def carried(state: SchedulerState) -> dict[str, Any]:
             name: (r.client, r.planned, r.moved, r.failed, sorted(r.pending))
             for name, r in state.rebalances.items()
         },
+        "durations": {"averages": state.durations.averages},
     }
 
 
 def differences(ours: dict[str, Any], loaded: dict[str, Any]) -> Iterator[str]:
-    for section in ("unrunnable", "seq", "clients", "moving", "rebalances"):
+    for section in ("unrunnable", "seq", "clients", "moving", "rebalances", "durations"):
         if ours[section] != loaded[section]:
             yield f"{section}: {ours[section]!r} != loaded {loaded[section]!r}"
     for section in ("tasks", "workers"):
@@ -293,8 +296,14 @@ class Run:
         # what the worker has free of its GPUs: all, some, or none
         gpus = self.state.workers[worker].info.get("resources", {}).get("GPU", 0)
         free = format_resources({"GPU": self.rng.choice([0, 1, gpus])} if gpus else {})
+        # with a time budget (half the time): threads free now, soon, or not soon; a claim
+        # that fills it leaves the rest queued in place (what ``redis_sets`` checks)
+        budget: dict[str, Any] = {}
+        if self.rng.random() < 0.5:
+            starts = [self.rng.choice([0.0, 0.01, 0.05]) for _ in range(self.rng.randint(1, 2))]
+            budget = {"horizon": 0.02, "starts": starts}
         self.scripts.claim(
-            worker=worker, count=self.rng.randint(1, 3), last_inbox_id="0-0", free=free
+            worker=worker, count=self.rng.randint(1, 3), last_inbox_id="0-0", free=free, **budget
         )
         self.claim_read()
 
@@ -329,8 +338,9 @@ class Run:
                 nbytes=nbytes,
                 type=kind,
                 start=1.0,
-                stop=2.0,
+                stop=1.0 + self.rng.choice([0.0, 0.001, 0.02, 2.0]),
                 score=score,
+                seceded=self.rng.random() < 0.1,
             )
         )
 

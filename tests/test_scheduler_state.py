@@ -27,6 +27,7 @@ from redisdask.scheduler_instructions import (
     Instruction,
     LogEvent,
     RecordDeath,
+    SetDurations,
     SetState,
     SetWants,
     StoreTask,
@@ -2007,6 +2008,45 @@ def test_a_worker_loaded_from_redis_is_announced_when_its_own_message_arrives():
 )
 def test_key_prefix_groups_keys_like_dask(key: str, prefix: str):
     assert key_prefix(key) == prefix
+
+
+def finish_timed(s: SchedulerState, key: str, start: float, stop: float, **kw: Any):
+    s.handle_stimulus(TaskClaimed(worker=W1, keys=[key], stimulus_id="claim"))
+    ev = TaskFinished(worker=W1, key=key, start=start, stop=stop, stimulus_id=f"fin-{key}", **kw)
+    return s.handle_stimulus(ev)
+
+
+def test_durations_are_averaged_per_prefix_like_dask_and_written_per_batch():
+    """distributed's ``TaskPrefix.add_duration``: the first run sets the average, each
+    later one moves it half-way; one SetDurations per batch, of the prefixes it changed."""
+    s = make(W1)
+    keys = ["inc-aaaa1111", "inc-bbbb2222", "inc-cccc3333", "slow-dddd4444"]
+    submit(s, "c", [task(k) for k in keys], keys)
+    out = finish_timed(s, "inc-aaaa1111", 10.0, 10.004)
+    assert of(out, SetDurations) == [SetDurations("fin-inc-aaaa1111", {"inc": 0.004})]
+    s.handle_stimulus(TaskClaimed(worker=W1, keys=["inc-bbbb2222", "slow-dddd4444"], stimulus_id="c"))
+    out = s.handle_stimulus(
+        TaskFinished(worker=W1, key="inc-bbbb2222", start=1.0, stop=1.002, stimulus_id="f1"),
+        TaskFinished(worker=W1, key="slow-dddd4444", start=1.0, stop=3.0, stimulus_id="f2"),
+    )
+    [written] = of(out, SetDurations)
+    assert written.averages == pytest.approx({"inc": 0.003, "slow": 2.0})
+    assert s.durations.averages == written.averages
+
+
+def test_durations_leave_out_seceded_stale_and_untimed_results():
+    s = make(W1)
+    keys = ["a-aaaa1111", "b-bbbb2222", "c-cccc3333"]
+    submit(s, "c", [task(k) for k in keys], keys)
+    out = finish_timed(s, "a-aaaa1111", 1.0, 61.0, seceded=True)  # it waited on others
+    assert s.tasks["a-aaaa1111"].state == "memory" and not of(out, SetDurations)
+    out = finish_timed(s, "b-bbbb2222", 0.0, 0.0)  # no timing
+    assert s.tasks["b-bbbb2222"].state == "memory" and not of(out, SetDurations)
+    # a result nobody asked this worker for (not the claim holder's) says nothing either
+    out = s.handle_stimulus(
+        TaskFinished(worker=W2, key="c-cccc3333", start=1.0, stop=2.0, stimulus_id="late")
+    )
+    assert not of(out, SetDurations) and s.durations.averages == {}
 
 
 def test_claims_that_stand_are_told_and_only_real_results_and_errors_are_counted():

@@ -98,6 +98,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from redisdask.comm import MAX_KEYS_PER_MESSAGE
+from redisdask.durations import remaining, start_times
 from redisdask.errors import RedisDaskError
 from redisdask.placement import EPSILON, fits
 from redisdask.protocol import NO_SCORE, AddKeys, MissingData, ReleasedKeys, TaskErred, TaskFinished
@@ -116,8 +117,6 @@ DEFAULT_TRANSFER_BATCH_BYTES = 200_000_000
 DEFAULT_TRANSFER_CONCURRENCY = 4
 MAX_CLAIM = 1000
 _RUNNING = ("executing", "long-running")  # a thread computes the task
-PREFETCH_BELOW = 0.1  # seconds: tasks shorter on average are claimed ahead of a free thread
-EWMA_ALPHA = 0.2
 
 
 class InvalidTaskState(RedisDaskError, AssertionError):
@@ -192,6 +191,7 @@ class ComputeTaskEvent(StateMachineEvent):
     dependencies: dict[str, tuple[list[str], int]]
     stimulus_id: str
     resources: dict[str, float] = field(default_factory=dict)  # what a run holds here
+    estimate: float | None = None  # its prefix's duration average (None: none yet)
 
     @classmethod
     def _coerce(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -394,6 +394,8 @@ class TaskState:
     replica: bool = False  # fetched to be kept as a copy, reported with AddKeys
     unrecorded: int = 0  # copies put here (scatter) that the scheduler has not recorded yet
     seceded: bool = False  # this run left the pool: its duration is no compute time
+    estimate: float | None = None  # expected run time, from its claim (None: unknown)
+    began: float | None = None  # when its run took a thread (the driver's clock)
     resources: dict[str, float] | None = None  # what a run needs (from its claim)
     held: dict[str, float] | None = None  # what it holds of this worker's resources now
 
@@ -405,6 +407,11 @@ def _run_score(ts: TaskState) -> float:
     """Which run of its key a report answers: the score of the claim that ran (the first
     item of the priority the claim gave), for the scheduler to tell a late result."""
     return float(ts.priority[0]) if ts.priority else NO_SCORE
+
+
+def _elapsed(ts: TaskState, now: float | None) -> float:
+    """How long ``ts`` has run, by the driver's clock (0 when either time is unknown)."""
+    return 0.0 if now is None or ts.began is None else max(now - ts.began, 0.0)
 
 
 def _host(address: str) -> str:
@@ -458,7 +465,6 @@ class WorkerState:
         self.rejoining: deque[TaskState] = deque()  # seceded, waiting for a slot to rejoin
         self.in_flight_workers: dict[str, set[str]] = {}  # peer -> keys requested
         self.has_what: defaultdict[str, set[str]] = defaultdict(set)  # peer -> keys
-        self.avg_task_duration: float | None = None  # EWMA of stop - start
         self.story: deque[StoryEntry] = deque(maxlen=story_limit)
         self.story_total = 0  # entries ever appended (the driver ships the new ones)
         # the events themselves, for replay (opt-in: they hold task results alive)
@@ -504,26 +510,26 @@ class WorkerState:
                 self.validate_state()
         return out
 
-    def claim_budget(self, horizon: float = 0.02) -> int:
-        """How many more tasks the driver should claim now.
+    def claim_budget(self, horizon: float = 0.02, now: float | None = None) -> list[float]:
+        """When each thread may start a task claimed now, in seconds from ``now`` (the
+        driver's clock), for the threads that start one within ``horizon``; empty: claim
+        nothing (paused, retiring, or every thread busy for longer).
 
-        One task per thread, no more, unless tasks are known to be short: a task claimed
-        ahead waits behind whatever the threads run, however long that takes, while
-        another worker may sit idle (there is no work stealing).  Tasks that average under
-        ``PREFETCH_BELOW`` seconds keep one more queued per thread, which hides the claim
-        round trip; tasks much shorter than ``horizon`` are claimed in batches that keep
-        every thread busy for ``horizon`` (capped at 1000).
+        The CLAIM script takes a task only for one of these threads, busy then for the
+        task's estimate longer (``redisdask/durations.py``): what runs here counts for its
+        expected remaining time (unknown, or twice overdue: for good), and what is held
+        claimed and not started for its estimate, queued on the thread free first.  So
+        tasks of unknown cost are claimed one per free thread, tiny ones in batches that
+        keep the threads busy for ``horizon``, and nothing waits here behind a long run.
         """
         if self.paused or self.retiring:
-            return 0
-        target = self.nthreads
-        avg = self.avg_task_duration
-        if avg is not None and avg < PREFETCH_BELOW:
-            tiny = MAX_CLAIM if avg <= 0 else min(MAX_CLAIM, int(self.nthreads * horizon / avg))
-            target = max(2 * self.nthreads, tiny)
-        by_state = self.by_state
-        active = len(by_state["waiting"]) + len(by_state["ready"]) + len(self.executing)
-        return max(0, target - active - len(self.rejoining))
+            return []
+        running = [
+            remaining(ts.estimate, _elapsed(ts, now), horizon) for ts in self.executing
+        ]
+        held = [ts.estimate for ts in itertools.chain(self.by_state["waiting"], self.by_state["ready"])]
+        held += [None] * len(self.rejoining)  # seceded runs that take a slot back: no end
+        return start_times(self.nthreads, running, held, horizon)
 
     def _tell(self, entry: StoryEntry) -> None:
         self.story.append(entry)
@@ -572,7 +578,7 @@ class WorkerState:
             return
         ts = self._ensure_task(ev.key)
         ts.wanted = True
-        ts.run_spec, ts.priority = ev.run_spec, ev.priority
+        ts.run_spec, ts.priority, ts.estimate = ev.run_spec, ev.priority, ev.estimate
         if ts.state == "memory":  # claimed again: repeat the answer
             self._emit_finished(ts, sid)
             return
@@ -664,12 +670,6 @@ class WorkerState:
         self, key: str, start: float, stop: float, finish: str, sid: str
     ) -> TaskState | None:
         ts = self.tasks.get(key)
-        if ts is None or not ts.seceded:  # a seceded run's time is mostly waiting
-            duration = max(0.0, stop - start)
-            avg = self.avg_task_duration
-            self.avg_task_duration = (
-                duration if avg is None else avg + EWMA_ALPHA * (duration - avg)
-            )
         if ts is None:  # unknown key: a stale message, nothing to do
             self._tell((key, "forgotten", finish, sid, self._event_time))
             return None
@@ -977,6 +977,7 @@ class WorkerState:
         self._set_state(ts, "executing", stimulus_id)
         self.executing.add(ts)
         ts.seceded = False  # a new run
+        ts.began = self._event_time
         self._emit(Execute(ts.key, stimulus_id))
 
     def _transition_executing_long_running(self, ts: TaskState, *, stimulus_id: str) -> None:
@@ -1265,6 +1266,7 @@ class WorkerState:
                 stop=ts.stop or 0.0,
                 score=_run_score(ts),
                 value=inline,
+                seceded=ts.seceded,
                 stimulus_id=sid,
             )
         )

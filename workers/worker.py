@@ -69,7 +69,7 @@ from redisdask.protocol import (
     WhoHas,
     parse,
 )
-from redisdask.schema import Keys
+from redisdask.schema import CLAIM_BLOCKED, CLAIM_FULL, Keys
 from redisdask.security import Security
 from redisdask.spec import FunctionCache, run_spec
 from redisdask.task_record import split_words
@@ -693,17 +693,19 @@ class Worker:
 
     async def _claim_loop(self) -> None:
         while self.status == "running":
-            budget = self.state.claim_budget(self.claim_horizon)
-            if budget > 0 and self._may_have_work():
+            starts = self.state.claim_budget(self.claim_horizon, time.time())
+            if starts and self._may_have_work():
                 async with self._claim_lock:
                     try:
-                        claimed, last_id, inbox, blocked = await self._claim(budget)
+                        claimed, last_id, inbox, flags = await self._claim(starts)
                     except redis.ResponseError as exc:
                         if "UNKNOWN_WORKER" not in str(exc):
                             raise
                         self._leave_removed(exc)
                         return
-                    self._empty_at = _parse_id(last_id) if len(claimed) < budget else None
+                    dry = len(claimed) < ws.MAX_CLAIM and not flags & CLAIM_FULL
+                    self._empty_at = _parse_id(last_id) if dry else None
+                    blocked = flags & CLAIM_BLOCKED
                     self._blocked_at = self.state.resources_freed if blocked else None
                     self._handle_inbox(script_entries(inbox))
                     if claimed:
@@ -716,26 +718,36 @@ class Worker:
             self._wake.clear()
             await self._wake.wait()
 
-    async def _claim(self, budget: int) -> Any:
+    async def _claim(self, starts: list[float]) -> Any:
         free = format_resources(self.state.free_resources()) if self.resources else ""
         return await self.scripts.claim(
-            worker=self.address, count=budget, last_inbox_id=self._inbox_id, free=free
+            worker=self.address,
+            count=ws.MAX_CLAIM,
+            last_inbox_id=self._inbox_id,
+            free=free,
+            horizon=self.claim_horizon,
+            starts=starts,
         )
 
     @staticmethod
     def _compute_event(claimed: list[Any], values: dict[str, bytes]) -> ws.ComputeTaskEvent:
         """A claimed task; the small results of its dependencies that came with it go
         into ``values``."""
-        key, spec, score, deps, *needs = claimed
+        key, spec, score, deps, needs, estimate = claimed
         key = key.decode()
         dependencies = {}
         for dep, who, nb, *value in deps:
             dependencies[dep.decode()] = (split_words(who), int(nb or 0))
             if value:
                 values[dep.decode()] = value[0]
-        resources = split_resources(needs[0]) if needs else {}
         return ws.ComputeTaskEvent(
-            key, spec, (float(score),), dependencies, f"claim-{key}", resources
+            key,
+            spec,
+            (float(score),),
+            dependencies,
+            f"claim-{key}",
+            split_resources(needs),
+            float(estimate) if estimate else None,
         )
 
     async def _listen_loop(self) -> None:

@@ -1,0 +1,121 @@
+"""What tasks are expected to cost: a duration estimate per task prefix, as Dask's
+``TaskPrefix.duration_average``, and how a worker sizes its claims from them.
+
+The scheduler folds the run time of every accepted result into its prefix's average
+(``Durations.add``: the first run sets it, each later one moves it half-way, as in
+distributed) and writes the averages that changed in the batch that accepts the results,
+to the ``durations`` hash (``schema.Keys.durations``).  A restarted scheduler reloads
+them from there.  Workers never read the hash themselves: the ``CLAIM`` script reads the
+estimate of each task it considers (``KEY_PREFIX_LUA`` finds its prefix, as
+``scheduler_tasks.key_prefix`` does) and returns it with the task, so knowing what a task
+costs takes no round trip of its own.
+
+The worker sizes a claim with ``start_times``: when each of its threads will be free to
+start another task, given what it runs and what it holds claimed but not started.  The
+script takes a task only if it would start within ``worker.claim-horizon`` on the thread
+free first, which then is busy for the task's estimate longer; a task without an estimate
+(a prefix never seen, or a run past twice its estimate) keeps its thread busy for an
+unknown time, so it is claimed only for a thread free now, and nothing is claimed behind
+it.  A worker whose one thread runs a 2 s task claims no 20 ms tasks ahead, and another
+worker takes them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable, Mapping
+
+MAX_PREFIXES = 10_000  # prefixes with an estimate at most (a new one beyond: unknown)
+OVERDUE = 2.0  # a run this many times its estimate has none any more (as distributed's
+# ``TaskPrefix.add_exec_time``, which forgets the average then)
+
+
+class Durations:
+    """The scheduler's per-prefix duration averages, and those changed since the last
+    ``take_changed`` (to be written to Redis with the batch that changed them)."""
+
+    __slots__ = ("averages", "_changed")
+
+    def __init__(self, averages: Mapping[str, float] | None = None) -> None:
+        self.averages: dict[str, float] = dict(averages or {})
+        self._changed: set[str] = set()
+
+    def add(self, prefix: str, start: float, stop: float) -> None:
+        """One run of ``prefix`` took ``stop - start`` seconds (distributed's
+        ``TaskPrefix.add_duration``: microseconds, never negative)."""
+        if not (start > 0 and stop > 0 and math.isfinite(stop - start)):
+            return  # no timing (a result put, not computed), or a broken one
+        duration = max(round((stop - start) * 1e6), 0) / 1e6
+        old = self.averages.get(prefix)
+        if old is None:
+            if len(self.averages) >= MAX_PREFIXES:
+                return
+            self.averages[prefix] = duration
+        else:
+            self.averages[prefix] = 0.5 * duration + 0.5 * old
+        self._changed.add(prefix)
+
+    def take_changed(self) -> dict[str, float]:
+        """The averages changed since the last call."""
+        changed = {p: self.averages[p] for p in self._changed}
+        self._changed.clear()
+        return changed
+
+
+def remaining(estimate: float | None, elapsed: float, slack: float = 0.0) -> float:
+    """How long a run that started ``elapsed`` seconds ago is expected to go on:
+    ``inf`` without an estimate, or once it ran ``slack`` past ``OVERDUE`` times it (the
+    slack, the claim horizon, keeps the timing noise of tiny tasks from counting)."""
+    if estimate is None or elapsed > OVERDUE * estimate + slack:
+        return math.inf
+    return max(estimate - elapsed, 0.0)
+
+
+def start_times(
+    nthreads: int, running: Iterable[float], held: Iterable[float | None], horizon: float
+) -> list[float]:
+    """When each thread may start a task claimed now, in seconds from now, for those
+    under ``horizon`` (the others take no claim), smallest first.
+
+    ``running``: the expected remaining time of each run that holds a thread;
+    ``held``: the estimate of each task claimed and not started (None: unknown), queued on
+    the thread free first, as the claim script queues what it takes.
+    """
+    free = sorted(running)[:nthreads]
+    free += [0.0] * (nthreads - len(free))
+    heapq.heapify(free)
+    for estimate in held:
+        first = heapq.heappop(free)
+        heapq.heappush(free, math.inf if estimate is None else first + max(estimate, 0.0))
+    return sorted(t for t in free if t < horizon)
+
+
+# The Lua twin of ``scheduler_tasks.key_prefix`` (Dask's ``key_split``), for the CLAIM
+# script: the same prefix for every ASCII key (tests/test_durations.py compares them); a
+# key whose first word starts with a non-ASCII letter may get another, whose estimate it
+# then lacks (claimed one per free thread, which is safe).
+KEY_PREFIX_LUA = r"""
+local function key_prefix(key)
+  local words = {}
+  for w in string.gmatch(key .. '-', '([^-]*)-') do words[#words + 1] = w end
+  local head = words[1]
+  if string.sub(head, 1, 1) == '<' then
+    head = string.match(head, '^[<>]*(.-)[<>]*$')
+    head = string.match(string.match(head, '%S+') or '', '([^.]*)$')
+  elseif head ~= '' and not string.match(string.sub(head, 1, 1), '%a') then
+    head = string.match(string.match(head, '^[^,]*'), "^[_'()\" ]*(.-)[_'()\" ]*$")
+  end
+  local parts = {head}
+  for i = 2, #words do
+    local w = words[i]
+    if not string.match(w, '^%a+$') or (#w == 8 and string.match(w, '^[0-9a-f]+$')) then
+      break
+    end
+    parts[#parts + 1] = w
+  end
+  local prefix = table.concat(parts, '-')
+  if prefix == '' then return 'other' end
+  return prefix
+end
+"""
