@@ -35,7 +35,7 @@ class Durations:
     """The scheduler's per-prefix duration averages, and those changed since the last
     ``take_changed`` (to be written to Redis with the batch that changed them)."""
 
-    __slots__ = ("averages", "_changed")
+    __slots__ = ("_changed", "averages")
 
     def __init__(self, averages: Mapping[str, float] | None = None) -> None:
         self.averages: dict[str, float] = dict(averages or {})

@@ -509,31 +509,33 @@ return token
 # the durations hash.  ARGV: worker address, n, task key prefix, cluster key prefix, the
 # last inbox id the worker read, the resources the worker has free ("GPU=1 MEM=5e9"; the
 # stored form of ``placement.format_resources``), the claim horizon in seconds and the
-# start times of the worker's threads ("0 0.004": ``durations.start_times``), both ''
-# for a claim bounded by n alone.  With a horizon, a task is taken only if it starts
-# within it on the thread free first, which is then busy for the task's estimate longer
-# (the durations hash's entry for its prefix; none: busy for good); the first task that
-# does not fit stays queued, in its place, and ends the claim (``full``).  The claim is recorded in Redis (task state,
-# processing set, and ``claim``: the id of the entry that announces it) and announced to
-# the scheduler in the same atomic step, so a claimed task is never invisible, and a
-# scheduler that reloads before reading that entry knows which reports came before it.
-# A task with resources is taken only if what it needs (its hash's ``resources``) fits
-# in what is still free, which the claim then counts down: a worker never claims more
-# than it can run.  One that does not fit stays in the
-# set; after 64 of them the scan stops (bounded work), and ``blocked`` says the
-# worker should claim again once resources are freed.  Otherwise fewer than n claimed
-# means the sets are empty, unless the claim was ``full``.  A task queued on several workers is taken out of the other
-# workers' sets that hold it: the addresses in its hash's ``queued_on`` field (the
-# scheduler writes it as it queues the task; ``workers`` holds the restriction as given,
-# which may name hosts or names).  Returns {tasks, last ready-signal id, inbox entries
-# after ARGV[5], flags (1: blocked for resources, 2: full)}; each task is {key, spec,
-# score, {{dep, who_has, nbytes[, value]}...}, resources, estimate ('' if none)}: ``value``, a dependency's result kept in
-# its record, for up to 4 MiB of them per claim (the rest is read when fetched).  The inbox
-# entries were written before anything claimed here was queued (e.g. free-keys of an
-# earlier run of a key that is queued again); the worker applies them first, so the inbox
-# and the ready sets cannot overtake each other.
+# start times of the worker's threads ("0 0.004": ``durations.start_times``), both '' for
+# a claim bounded by n alone.  With a horizon, a task is taken only if it starts within it
+# on the thread free first, which is then busy for the task's estimate longer (the
+# durations hash's entry for its prefix; none: busy for good); the first task that does
+# not fit stays queued, in its place, and ends the claim (``full``).  The claim is
+# recorded in Redis (task state, processing set, and ``claim``: the id of the entry that
+# announces it) and announced to the scheduler in the same atomic step, so a claimed task
+# is never invisible, and a scheduler that reloads before reading that entry knows which
+# reports came before it.  A task with resources is taken only if what it needs (its
+# hash's ``resources``) fits in what is still free, which the claim then counts down: a
+# worker never claims more than it can run.  One that does not fit stays in the set; after
+# 64 of them the scan stops (bounded work), and ``blocked`` says the worker should claim
+# again once resources are freed.  Otherwise fewer than n claimed means the sets are
+# empty, unless the claim was ``full``.  A task queued on several workers is taken out of
+# the other workers' sets that hold it: the addresses in its hash's ``queued_on`` field
+# (the scheduler writes it as it queues the task; ``workers`` holds the restriction as
+# given, which may name hosts or names).  Returns {tasks, last ready-signal id, inbox
+# entries after ARGV[5], flags (1: blocked for resources, 2: full)}; each task is {key,
+# spec, score, {{dep, who_has, nbytes[, value]}...}, resources, estimate ('' if none)}:
+# ``value``, a dependency's result kept in its record, for up to 4 MiB of them per claim
+# (the rest is read when fetched).  The inbox entries were written before anything claimed
+# here was queued (e.g. free-keys of an earlier run of a key that is queued again); the
+# worker applies them first, so the inbox and the ready sets cannot overtake each other.
 CLAIM_BLOCKED, CLAIM_FULL = 1, 2  # the flags a claim returns
-CLAIM = KEY_PREFIX_LUA + """
+CLAIM = (
+    KEY_PREFIX_LUA
+    + """
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then
   return redis.error_reply('UNKNOWN_WORKER ' .. ARGV[1] .. ' is not registered')
 end
@@ -680,6 +682,7 @@ end
 if full then blocked = blocked + 2 end
 return {out, last_id, redis.call('XRANGE', KEYS[7], '(' .. ARGV[5], '+'), blocked}
 """
+)
 
 
 # One page of the task records, for ``load_state``: SSCAN of the tasks set from cursor

@@ -5,7 +5,9 @@ reloaded by a restarted scheduler, and the straggler case on a real cluster."""
 from __future__ import annotations
 
 import math
+import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +21,6 @@ from redisdask.scheduler_redis import Translator, load_state
 from redisdask.scheduler_state import SchedulerState
 from redisdask.scheduler_tasks import key_prefix
 from redisdask.schema import CLAIM_FULL, Keys, Scripts, ensure_cluster, pack
-from tasklib import wait_for_file
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,11 +48,14 @@ KEYS = [
 
 def test_the_lua_key_prefix_agrees_with_key_prefix(r: tuple[redis.Redis, Keys]) -> None:
     conn, _ = r
-    script = KEY_PREFIX_LUA + """
+    script = (
+        KEY_PREFIX_LUA
+        + """
 local out = {}
 for i, key in ipairs(ARGV) do out[i] = key_prefix(key) end
 return out
 """
+    )
     got = [p.decode() for p in conn.eval(script, 0, *KEYS)]
     assert got == [key_prefix(k) for k in KEYS]
 
@@ -108,7 +112,9 @@ def test_durations_reload_after_a_scheduler_restart(r: tuple[redis.Redis, Keys])
              for k in ("inc-aaaa1111", "inc-bbbb2222")]  # fmt: skip
     events = [
         AddWorker(worker=W, stimulus_id="a"),
-        UpdateGraph(client="c", tasks=tasks, wanted=["inc-aaaa1111", "inc-bbbb2222"], stimulus_id="u"),
+        UpdateGraph(
+            client="c", tasks=tasks, wanted=["inc-aaaa1111", "inc-bbbb2222"], stimulus_id="u"
+        ),
         TaskClaimed(worker=W, keys=["inc-aaaa1111", "inc-bbbb2222"], stimulus_id="c"),
         TaskFinished(worker=W, key="inc-aaaa1111", start=1.0, stop=1.004, stimulus_id="f1"),
         TaskFinished(worker=W, key="inc-bbbb2222", start=1.0, stop=1.002, stimulus_id="f2"),
@@ -138,6 +144,14 @@ def noop(i: int) -> int:
     return i
 
 
+def slow_task(path: str) -> None:
+    """Runs until the test creates ``path``, or for 30 s: then the short tasks a worker
+    took behind it (the old claims) run after it, and the test fails instead of hanging."""
+    deadline = time.monotonic() + 30
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        threading.Event().wait(0.02)
+
+
 def short_task(i: int) -> str:
     threading.Event().wait(0.02)  # the task's cost, not a synchronisation
     return get_worker().address
@@ -155,7 +169,7 @@ def test_a_long_task_does_not_hold_short_ones_behind_it(client: Client, tmp_path
     for w in workers:  # warm both up with tiny tasks
         client.gather(client.map(noop, range(30), workers=[w], pure=False))
     release = tmp_path / "release"
-    slow = client.submit(wait_for_file, str(release), pure=False)
+    slow = client.submit(slow_task, str(release), pure=False)
     shorts = client.map(short_task, range(100), pure=False)
     ran_on = client.gather(shorts)
     release.touch()

@@ -2024,7 +2024,9 @@ def test_durations_are_averaged_per_prefix_like_dask_and_written_per_batch():
     submit(s, "c", [task(k) for k in keys], keys)
     out = finish_timed(s, "inc-aaaa1111", 10.0, 10.004)
     assert of(out, SetDurations) == [SetDurations("fin-inc-aaaa1111", {"inc": 0.004})]
-    s.handle_stimulus(TaskClaimed(worker=W1, keys=["inc-bbbb2222", "slow-dddd4444"], stimulus_id="c"))
+    s.handle_stimulus(
+        TaskClaimed(worker=W1, keys=["inc-bbbb2222", "slow-dddd4444"], stimulus_id="c")
+    )
     out = s.handle_stimulus(
         TaskFinished(worker=W1, key="inc-bbbb2222", start=1.0, stop=1.002, stimulus_id="f1"),
         TaskFinished(worker=W1, key="slow-dddd4444", start=1.0, stop=3.0, stimulus_id="f2"),

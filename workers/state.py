@@ -524,10 +524,9 @@ class WorkerState:
         """
         if self.paused or self.retiring:
             return []
-        running = [
-            remaining(ts.estimate, _elapsed(ts, now), horizon) for ts in self.executing
-        ]
-        held = [ts.estimate for ts in itertools.chain(self.by_state["waiting"], self.by_state["ready"])]
+        running = [remaining(ts.estimate, _elapsed(ts, now), horizon) for ts in self.executing]
+        waiting, ready = self.by_state["waiting"], self.by_state["ready"]
+        held = [ts.estimate for ts in itertools.chain(waiting, ready)]
         held += [None] * len(self.rejoining)  # seceded runs that take a slot back: no end
         return start_times(self.nthreads, running, held, horizon)
 
