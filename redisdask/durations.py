@@ -11,7 +11,8 @@ estimate of each task it considers (``KEY_PREFIX_LUA`` finds its prefix, as
 costs takes no round trip of its own.
 
 The worker sizes a claim with ``start_times``: when each of its threads will be free to
-start another task, given what it runs and what it holds claimed but not started.  The
+start another task, given what it runs and what it holds claimed but not started (its
+estimates spread over the threads).  The
 script takes a task only if it would start within ``worker.claim-horizon`` on the thread
 free first, which then is busy for the task's estimate longer; a task without an estimate
 (a prefix never seen, or a run past twice its estimate) keeps its thread busy for an
@@ -22,7 +23,6 @@ worker takes them.
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Iterable, Mapping
 
@@ -73,22 +73,37 @@ def remaining(estimate: float | None, elapsed: float, slack: float = 0.0) -> flo
 
 
 def start_times(
-    nthreads: int, running: Iterable[float], held: Iterable[float | None], horizon: float
+    nthreads: int, running: Iterable[float], held: list[float | None], horizon: float
 ) -> list[float]:
     """When each thread may start a task claimed now, in seconds from now, for those
-    under ``horizon`` (the others take no claim), smallest first.
+    that start one within ``horizon`` (the others take no claim), smallest first; a
+    thread free now always counts, even with a horizon of 0.
 
     ``running``: the expected remaining time of each run that holds a thread;
-    ``held``: the estimate of each task claimed and not started (None: unknown), queued on
-    the thread free first, as the claim script queues what it takes.
+    ``held``: the estimate of each task claimed and not started (None: unknown).  Tasks
+    of unknown cost take the threads free first, for good; the others' estimates fill
+    the remaining threads up evenly, from the one free first (what queueing each on the
+    thread free first comes to for small tasks, in any order, in O(nthreads) after one
+    pass over ``held``: the worker asks before every claim, holding hundreds of tasks).
     """
-    free = sorted(running)[:nthreads]
-    free += [0.0] * (nthreads - len(free))
-    heapq.heapify(free)
-    for estimate in held:
-        first = heapq.heappop(free)
-        heapq.heappush(free, math.inf if estimate is None else first + max(estimate, 0.0))
-    return sorted(t for t in free if t < horizon)
+    unknown = held.count(None)
+    work = sum(filter(None, held))  # (estimates are averages of durations: never < 0)
+    loads = sorted(running)[:nthreads]
+    loads = sorted(loads + [0.0] * (nthreads - len(loads)))[unknown:]
+    loads = [t for t in loads if t != math.inf]
+    level = _level(loads, work)
+    return [max(t, level) for t in loads if max(t, level) <= horizon]
+
+
+def _level(loads: list[float], work: float) -> float:
+    """The level ``work`` seconds reach poured over threads busy for ``loads`` (sorted):
+    ``sum(max(0, level - t) for t in loads) == work``."""
+    total = 0.0
+    for k, t in enumerate(loads):
+        if k and (total + work) / k <= t:
+            return (total + work) / k
+        total += t
+    return (total + work) / len(loads) if loads else math.inf
 
 
 # The Lua twin of ``scheduler_tasks.key_prefix`` (Dask's ``key_split``), for the CLAIM

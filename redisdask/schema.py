@@ -573,7 +573,7 @@ local function admit(e)  -- whether a task of estimate e starts within the horiz
   for i = 1, #starts do
     if first == nil or starts[i] < starts[first] then first = i end
   end
-  if first == nil or starts[first] >= horizon then
+  if first == nil or starts[first] > horizon then
     full = true
     return false
   end
@@ -613,27 +613,38 @@ local function take(key, score, f, e)
   scores[#scores + 1] = score
 end
 -- a key no longer queued (claimed through another worker's set, released, forgotten)
--- is a stale entry: dropped.  With a horizon the pops grow from one per thread, and what
--- a full claim popped goes back with its score.
+-- is a stale entry: dropped.  With a horizon the claim reads (ZRANGE) one task per thread,
+-- then twice as many each time, and removes what it took or dropped (ZREM): what a full
+-- claim did not reach stays in its place.
 local function claim_from(zset)
   local batch = want
   if horizon then batch = math.max(#starts, 1) end
   while #claimed < want and not full do
-    local popped = redis.call('ZPOPMIN', zset, math.min(want - #claimed, batch))
+    local n = math.min(want - #claimed, batch)
+    local popped
+    if horizon then
+      popped = redis.call('ZRANGE', zset, 0, n - 1, 'WITHSCORES')
+    else
+      popped = redis.call('ZPOPMIN', zset, n)
+    end
     if #popped == 0 then return end
     batch = batch * 2
+    local gone = {}
     for i = 1, #popped, 2 do
+      if full then break end
       local key, score = popped[i], popped[i + 1]
-      if full then
-        redis.call('ZADD', zset, score, key)  -- popped after the claim was full: back
-      else
-        local f = fetch(key)
-        if f[1] and f[3] == 'queued' then
-          local e = estimate(key)
-          if admit(e) then take(key, score, f, e) else redis.call('ZADD', zset, score, key) end
+      local f = fetch(key)
+      if f[1] and f[3] == 'queued' then
+        local e = estimate(key)
+        if admit(e) then
+          take(key, score, f, e)
+          gone[#gone + 1] = key
         end
+      else
+        gone[#gone + 1] = key
       end
     end
+    if horizon and #gone > 0 then redis.call('ZREM', zset, unpack(gone)) end
   end
 end
 local function fits(text)

@@ -101,6 +101,7 @@ def test_start_times_queue_what_is_held_on_the_thread_free_first() -> None:
     assert start_times(2, [0.01, math.inf], [0.005, 0.001], 0.02) == [0.016]
     assert start_times(1, [0.001], [None], 0.02) == []  # held, unknown: busy for good
     assert start_times(3, [0.5], [], 0.02) == [0.0, 0.0]
+    assert start_times(2, [0.001], [], 0.0) == [0.0]  # a horizon of 0: free threads only
 
 
 def test_durations_reload_after_a_scheduler_restart(r: tuple[redis.Redis, Keys]) -> None:

@@ -555,12 +555,16 @@ def test_claim_budget_counts_what_runs_and_what_is_held() -> None:
     # both threads start a claimed task within 20 ms: after 10 and 4 ms
     assert ws.claim_budget(0.02, now=100.0) == pytest.approx([0.004, 0.010])
     assert ws.claim_budget(0.02, now=100.003) == pytest.approx([0.001, 0.007])  # elapsed
-    ws.handle_stimulus(compute("c", estimate=0.012))  # held: queued on b's thread
-    assert ws.claim_budget(0.02, now=100.0) == pytest.approx([0.010, 0.016])  # 4 + 12 ms
-    ws.handle_stimulus(compute("d", estimate=0.015))  # on a's thread: 25 ms
-    assert ws.claim_budget(0.02, now=100.0) == pytest.approx([0.016])
-    ws.handle_stimulus(compute("e"))  # no estimate: its thread is busy for good
+    ws.handle_stimulus(compute("c", estimate=0.012))  # held: fills b's thread, then both
+    assert ws.claim_budget(0.02, now=100.0) == pytest.approx([0.013, 0.013])  # (4+10+12)/2
+    ws.handle_stimulus(compute("d", estimate=0.005))
+    assert ws.claim_budget(0.02, now=100.0) == pytest.approx([0.0155, 0.0155])
+    ws.handle_stimulus(compute("e", estimate=0.010))  # 20.5 ms each: past the horizon
     assert ws.claim_budget(0.02, now=100.0) == []
+    two = make(nthreads=2)
+    two.handle_stimulus(compute("a", estimate=0.002), compute("b", estimate=0.002))
+    two.handle_stimulus(compute("c"))  # no estimate: takes a thread for good
+    assert two.claim_budget(0.02, now=None) == pytest.approx([0.002])
 
 
 def test_claim_budget_an_overdue_run_counts_as_unknown() -> None:

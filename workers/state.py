@@ -518,7 +518,7 @@ class WorkerState:
         The CLAIM script takes a task only for one of these threads, busy then for the
         task's estimate longer (``redisdask/durations.py``): what runs here counts for its
         expected remaining time (unknown, or twice overdue: for good), and what is held
-        claimed and not started for its estimate, queued on the thread free first.  So
+        claimed and not started for its estimate, spread over the threads.  So
         tasks of unknown cost are claimed one per free thread, tiny ones in batches that
         keep the threads busy for ``horizon``, and nothing waits here behind a long run.
         """
@@ -526,7 +526,7 @@ class WorkerState:
             return []
         running = [remaining(ts.estimate, _elapsed(ts, now), horizon) for ts in self.executing]
         waiting, ready = self.by_state["waiting"], self.by_state["ready"]
-        held = [ts.estimate for ts in itertools.chain(waiting, ready)]
+        held = [ts.estimate for ts in waiting] + [ts.estimate for ts in ready]
         held += [None] * len(self.rejoining)  # seceded runs that take a slot back: no end
         return start_times(self.nthreads, running, held, horizon)
 
