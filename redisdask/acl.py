@@ -47,8 +47,8 @@ FAMILIES = {
     "leader": "leader", "scheduler": "scheduler", "applying": "applying",
     "client-stream": "stream:clients", "worker-stream": "stream:workers",
     "dead-letter": "stream:dead-letter", "events": "events", "deaths": "deaths",
-    "story": "story", "summary": "summary", "ready": "ready", "ready-signal": "ready-signal",
-    "durations": "durations",
+    "story": "story", "summary": "summary", "ready": "ready", "placed": "placed",
+    "ready-signal": "ready-signal", "durations": "durations",
     "tasks": "tasks", "task": "task:*", "workers": "workers", "heartbeats": "heartbeats",
     "worker": "worker:*", "clients": "clients", "client": "client:*",
     "worker-plugins": "worker-plugins", "uploads": "uploads", "holders": "holders",
@@ -62,7 +62,8 @@ FAMILIES = {
 _SCHEDULER_ONLY = {"lease", "lease-token", "applying"}
 # what a client never touches: the scheduler's lease and logs, the workers' side
 _NOT_CLIENT = _SCHEDULER_ONLY | {
-    "worker-stream", "dead-letter", "story", "ready", "ready-signal", "durations", "tasks",
+    "worker-stream", "dead-letter", "story", "ready", "placed", "ready-signal",
+    "durations", "tasks",
     "rebalances", "rebalance", "holders",
 }  # fmt: skip
 

@@ -51,7 +51,10 @@ class Enqueue(Instruction):
     ``constrained`` sets for a task with resources).  ``queued_on``: every worker whose
     set holds it after this one (those listed and those it was in already), for the task
     hash, where the CLAIM script reads it; written when the task is ``placed`` (restricted
-    or resourced) even when empty (a preference nobody can honour: the shared set)."""
+    or resourced) even when empty (a preference nobody can honour: the shared set).
+    ``preferred``: placed by data (``redisdask.decide``) on the one worker listed, which
+    has the first refusal: the task goes into the cluster's ``placed`` set too, where
+    ``CLAIM`` lets another worker take it while that one is busy."""
 
     key: str
     score: float
@@ -59,6 +62,7 @@ class Enqueue(Instruction):
     queued_on: tuple[str, ...] = ()
     constrained: bool = False
     placed: bool = False
+    preferred: bool = False
 
 
 @dataclass(slots=True)

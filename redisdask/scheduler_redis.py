@@ -147,7 +147,7 @@ class _Batch:
             pairs = [x for key, score in self.enqueue.items() for x in (score, key)]
             cmds.extend(_chunked(["ZADD", k.ready], pairs, step=2))
         if self.enqueue or self.enqueue_on:
-            n = len(self.enqueue) + len(self.enqueue_on)
+            n = len(self.enqueue) + sum(zset != k.placed for zset, _ in self.enqueue_on)
             signal = ["XADD", k.ready_signal, "MAXLEN", "~", schema.READY_SIGNAL_MAXLEN, "*"]
             cmds.append([*signal, "n", n])
         for request, changes in self.rebalances.items():
@@ -216,6 +216,8 @@ class Translator:
         if ins.workers:
             for worker in ins.workers:
                 b.enqueue_on[self._worker_set(worker, ins.constrained), ins.key] = ins.score
+            if ins.preferred:  # where other workers find it (see CLAIM)
+                b.enqueue_on[self.keys.placed, ins.key] = ins.score
         else:
             b.enqueue[ins.key] = ins.score
 
@@ -224,6 +226,8 @@ class Translator:
         # this batch wins and an earlier one is cancelled here
         b.enqueue.pop(ins.key, None)
         b.dequeue.append(ins.key)
+        b.enqueue_on.pop((self.keys.placed, ins.key), None)  # (placed by data, or not)
+        b.dequeue_on[self.keys.placed].append(ins.key)
         if ins.queued_on is not None:  # (a new process at the address may not match)
             b.fields(ins.key).update(TaskRecord.encode({"queued_on": ins.queued_on}))
         for worker in ins.workers:
@@ -294,7 +298,7 @@ class Translator:
     def _reset_cluster(self, ins: ResetCluster, b: _Batch) -> None:
         k = self.keys
         b.reset_tasks()  # what this batch wrote so far was about tasks that are gone now
-        b.cmds.append(["DEL", k.ready, k.tasks])
+        b.cmds.append(["DEL", k.ready, k.placed, k.tasks])
         b.cmds.extend(["DEL", k.task(key)] for key in ins.task_keys)
         b.cmds.extend(
             ["DEL", k.worker_processing(w), k.worker_ready(w), k.worker_constrained(w)]
@@ -773,6 +777,8 @@ def _task_state(key: str, rec: TaskRecord, state: SchedulerState) -> TaskState:
         # (a record from before queued_on existed: its workers were addresses)
         queued_on = rec.workers if rec.queued_on is None else rec.queued_on
         ts.queued_on = tuple(w for w in queued_on if w in state.workers)
+    elif ts.state == "queued" and rec.queued_on:  # placed by data (``redisdask.decide``)
+        ts.queued_on = tuple(w for w in rec.queued_on[:1] if w in state.workers)
     # a claim made before this scheduler started may be on its way, over which the last
     # one may have written: the first accepted claim of a queued task is written again
     ts.dequeued = ts.state == "queued"

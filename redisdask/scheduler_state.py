@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 from redisdask import schema
+from redisdask.decide import decide_worker
 from redisdask.durations import Durations
 from redisdask.graph_cycles import cycle_text, find_cycles
 from redisdask.placement import Placement
@@ -1116,12 +1117,15 @@ class SchedulerState(DataMoves):
         self._enqueue(ts, stimulus_id=stimulus_id)
 
     def _enqueue(self, ts: TaskState, *, stimulus_id: str) -> None:
-        """Into the shared ready set, or the own ready (``constrained``, for a task with
-        resources) sets of the live workers it may run on."""
+        """Into the own ready (``constrained``, for a task with resources) sets of the live
+        workers it may run on, the one of the worker holding most of its data (a
+        ``preferred`` one, ``redisdask.decide``), or the shared ready set."""
         placed = bool(ts.restrict or ts.resources)
-        ts.queued_on = (self._targets(ts) or ()) if placed else ()
+        best = None if placed else decide_worker(ts, self.workers)
+        ts.queued_on = (self._targets(ts) or ()) if placed else (best,) if best else ()
         self._emit(Enqueue(stimulus_id, ts.key, ts.score, ts.queued_on, ts.queued_on,
-                           constrained=bool(ts.resources), placed=placed))  # fmt: skip
+                           constrained=bool(ts.resources), placed=placed or bool(best),
+                           preferred=bool(best)))  # fmt: skip
 
     def _dequeue(self, ts: TaskState, *, stimulus_id: str) -> None:
         self._emit(Dequeue(stimulus_id, ts.key, ts.queued_on, constrained=bool(ts.resources)))
@@ -1483,9 +1487,11 @@ class SchedulerState(DataMoves):
                 assert ts.waiting_on, ts
             if ts.state in ("queued", "no-worker"):
                 assert all(d.state == "memory" for d in ts.dependencies), ts
-            # a queued restricted or resourced task sits in the sets of live workers only
+            # a queued restricted or resourced task sits in the sets of live workers only,
+            # one placed by data in one worker's set (and the placed set)
             if ts.queued_on:
-                assert ts.state == "queued" and (ts.restrict or ts.resources), ts
+                assert ts.state == "queued" and (ts.restrict or ts.resources or
+                                                 len(ts.queued_on) == 1), ts  # fmt: skip
             elif ts.state == "queued":  # in the shared set: no resources, no strict restriction
                 assert not ts.resources and (ts.loose or not ts.restrict), ts
             assert all(w in self.workers for w in ts.queued_on), (ts, ts.queued_on)

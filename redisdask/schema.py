@@ -21,6 +21,7 @@ MULTI/EXEC stay valid on Redis Cluster, Valkey and managed Redis::
     rd:{c}:story                       stream  the scheduler's task transitions (capped)
     rd:{c}:summary                     hash    task counts per prefix and state, throughput
     rd:{c}:ready                       zset    queued task keys, score = priority
+    rd:{c}:placed                      zset    queued tasks placed by data on one worker
     rd:{c}:ready-signal                stream  one entry per batch that queued work (capped)
     rd:{c}:tasks                       set     every task key the scheduler knows
     rd:{c}:task:<key>                  hash    one task: state, spec, deps, who_has, ...
@@ -28,7 +29,7 @@ MULTI/EXEC stay valid on Redis Cluster, Valkey and managed Redis::
     rd:{c}:heartbeats                  hash    worker address -> msgpack metrics
     rd:{c}:worker:<addr>:alive         string  present while the worker heartbeats (PX ttl)
     rd:{c}:worker:<addr>:processing    set     tasks claimed by that worker
-    rd:{c}:worker:<addr>:ready         zset    queued tasks restricted to that worker
+    rd:{c}:worker:<addr>:ready         zset    queued tasks restricted (or placed) there
     rd:{c}:worker:<addr>:constrained   zset    queued tasks with resources it could run
     rd:{c}:worker:<addr>:inbox         stream  scheduler -> worker messages
     rd:{c}:worker:<addr>:story         stream  that worker's own story (capped; kept a
@@ -191,6 +192,10 @@ class Keys:
     def durations(self) -> str:
         """Task prefix -> its duration average in seconds (``redisdask/durations.py``)."""
         return self.prefix + "durations"
+
+    @property
+    def placed(self) -> str:
+        return self.prefix + "placed"
 
     @property
     def ready_signal(self) -> str:
@@ -532,6 +537,14 @@ return token
 # (the rest is read when fetched).  The inbox entries were written before anything claimed
 # here was queued (e.g. free-keys of an earlier run of a key that is queued again); the
 # worker applies them first, so the inbox and the ready sets cannot overtake each other.
+# KEYS[10], the ``placed`` set, holds the tasks placed by data (``redisdask.decide``) on
+# one worker (the first word of ``queued_on``), which is in that worker's ready set too.
+# A worker with room left after its own sets and the shared one takes from it the tasks
+# whose worker is busy (as many tasks in its processing set as it has threads), paused
+# or retiring (its heartbeat, KEYS[11], says so), or gone; it leaves those of a worker
+# with a free thread, which claims them itself.  A worker that fills its budget while
+# its ready set and the placed set still hold tasks XADDs a ready-signal (capped at
+# ARGV[9] entries), so that idle workers look again now that it is busy.
 CLAIM_BLOCKED, CLAIM_FULL = 1, 2  # the flags a claim returns
 CLAIM = (
     KEY_PREFIX_LUA
@@ -590,6 +603,7 @@ local function take(key, score, f, e)
   local set = ':ready'
   if f[5] and f[5] ~= '' then set = ':constrained' end
   if f[4] and f[4] ~= '' then
+    if set == ':ready' then redis.call('ZREM', KEYS[10], key) end
     for other in string.gmatch(f[4], '%S+') do
       if other ~= ARGV[1] then
         redis.call('ZREM', ARGV[4] .. 'worker:' .. other .. set, key)
@@ -682,9 +696,53 @@ local function claim_constrained(zset)
     end
   end
 end
+local busy = {}
+local function is_busy(worker)  -- not about to claim its placed tasks itself
+  if busy[worker] == nil then
+    local info = redis.call('HGET', KEYS[2], worker)
+    local beat = redis.call('HGET', KEYS[11], worker)
+    local ok, i = pcall(cmsgpack.unpack, info or '')
+    local okb, b = pcall(cmsgpack.unpack, beat or '')
+    local status = okb and type(b) == 'table' and b.status or 'running'
+    local n = ok and type(i) == 'table' and tonumber(i.nthreads) or 1
+    busy[worker] = not info or status ~= 'running'
+      or redis.call('SCARD', ARGV[4] .. 'worker:' .. worker .. ':processing') >= n
+  end
+  return busy[worker]
+end
+local function claim_placed()
+  local skipped = 0
+  while #claimed < want and skipped < SKIP and not full do
+    local batch = redis.call('ZRANGE', KEYS[10], skipped, skipped + 63, 'WITHSCORES')
+    if #batch == 0 then return end
+    for i = 1, #batch, 2 do
+      if #claimed >= want then return end
+      local key = batch[i]
+      local f = fetch(key)
+      local owner = string.match(f[4] or '', '%S+')
+      local anywhere = (f[5] or '') == ''
+        and (redis.call('HGET', ARGV[3] .. key, 'workers') or '') == ''
+      if not (f[1] and f[3] == 'queued' and owner and anywhere) then
+        redis.call('ZREM', KEYS[10], key)  -- stale
+      elseif owner == ARGV[1] or is_busy(owner) then
+        local e = estimate(key)
+        if not admit(e) then return end  -- full: it stays in its place
+        redis.call('ZREM', ARGV[4] .. 'worker:' .. owner .. ':ready', key)
+        take(key, batch[i + 1], f, e)
+      else
+        skipped = skipped + 1
+      end
+    end
+  end
+end
 claim_from(KEYS[6])
 claim_constrained(KEYS[8])
 claim_from(KEYS[1])
+claim_placed()
+if (full or #claimed >= want) and redis.call('EXISTS', KEYS[6]) == 1
+    and redis.call('EXISTS', KEYS[10]) == 1 then
+  last_id = redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[9], '*', 'n', 0)
+end
 if #claimed > 0 then
   local id = redis.call('XADD', KEYS[4], '*', 'm',
     cmsgpack.pack({{op = 'claimed', worker = ARGV[1], keys = claimed, scores = scores}}))
@@ -857,8 +915,9 @@ class Scripts:
         return self._claim(
             keys=[k.ready, k.workers, k.worker_processing(worker), k.worker_stream,
                   k.ready_signal, k.worker_ready(worker), k.worker_inbox(worker),
-                  k.worker_constrained(worker), k.durations],
-            args=[worker, count, k.task_prefix, k.prefix, last_inbox_id, free, *budget],
+                  k.worker_constrained(worker), k.durations, k.placed, k.heartbeats],
+            args=[worker, count, k.task_prefix, k.prefix, last_inbox_id, free, *budget,
+                  READY_SIGNAL_MAXLEN],
         )  # fmt: skip
 
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -444,3 +445,39 @@ def test_a_script_that_ends_without_close_says_goodbye(
         r = redis.Redis.from_url(redis_url)
         poll(lambda: not r.hexists(Keys(cluster_name).clients, client_id), timeout=10)
     assert "stopped heartbeating" not in (tmp_path / "scheduler.log").read_text()
+
+
+def _where(_data: Any, _i: int = 0) -> str:
+    from redisdask import get_worker
+
+    return str(get_worker().address)
+
+
+def _blocked(name: str) -> None:
+    from redisdask import Event
+
+    Event(name).wait(60)
+
+
+def test_a_dependent_runs_where_its_large_data_is_unless_that_worker_is_busy(
+    client: Client, redis_url: str, cluster_name: str
+) -> None:
+    """Placement by data (redisdask/decide.py) on real processes: a 20 MB array scattered
+    to A draws its dependents to A; while A's one thread is taken, idle B takes them."""
+    import numpy as np
+
+    from redisdask import Event
+
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    a, b = sorted(client.scheduler_info()["workers"])
+    [x] = client.scatter([np.ones(2_500_000)], workers=[a])
+    gate = Event(f"gate-{cluster_name}")
+    blocker = client.submit(_blocked, gate.name, workers=[a], pure=False)
+    poll(lambda: r.sismember(keys.worker_processing(a), blocker.key), timeout=10)
+    assert client.submit(_where, x, 0).result(timeout=20) == b  # A is busy: B takes it
+    gate.set()
+    blocker.result(timeout=20)
+    ran = [client.submit(_where, x, i).result(timeout=20) for i in range(1, 4)]
+    assert ran == [a, a, a]
+    assert r.zcard(keys.placed) == 0

@@ -107,9 +107,8 @@ def carried(state: SchedulerState) -> dict[str, Any]:
             "restrict": ts.restrict,
             "loose": ts.loose,
             "resources": ts.resources,
-            "queued_on": ts.queued_on
-            if ts.state == "queued" and (ts.restrict or ts.resources)
-            else None,
+            # (restricted, resourced, or placed by data on one worker: redisdask.decide)
+            "queued_on": ts.queued_on if ts.state == "queued" else None,
             "suspicious": ts.suspicious,
             "deaths": ts.deaths,
             "killed": ts.killed,
@@ -203,6 +202,8 @@ class Run:
                 continue
             own = k.worker_constrained if ts.resources else k.worker_ready
             sets = [own(w) for w in ts.queued_on] if ts.queued_on else [k.ready]
+            if ts.queued_on and not (ts.restrict or ts.resources):
+                sets.append(k.placed)  # placed by data: where other workers find it
             for name in sets:
                 if self.r.zscore(name, key) != ts.score:
                     yield f"queued {key!r} (score {ts.score}) not in {name}"
