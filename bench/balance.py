@@ -265,7 +265,11 @@ def run_redisdask(out: Results, n: int, run: int, args: argparse.Namespace) -> N
     with (
         _up(out, f"{n} workers, run {run}"),
         LocalCluster(
-            n_workers=n, threads_per_worker=1, nanny=False, log_directory=args.logdir
+            n_workers=n,
+            threads_per_worker=1,
+            nanny=False,
+            log_directory=args.logdir,
+            start_timeout=120,  # (8 workers starting on a loaded 2-core machine)
         ) as cluster,
         Client(cluster) as client,
     ):
