@@ -10,7 +10,9 @@ A scrape that cannot read Redis (down, refused, a wrong password) answers
 ``redisdask_up 0`` and nothing else, and logs why once per distinct cause; the exporter
 itself keeps serving.  Names follow distributed's Prometheus metrics where one exists
 (``dask_scheduler_tasks{state}`` is ``redisdask_scheduler_tasks{state}``,
-``dask_worker_memory_bytes{type}`` is ``redisdask_worker_memory_bytes{type}``); every
+``dask_worker_memory_bytes{type}`` is ``redisdask_worker_memory_bytes{type}``,
+``dask_worker_transfer_incoming_count_total`` is
+``redisdask_worker_transfer_incoming_count_total``); every
 metric carries the ``cluster`` label, since many clusters can share one Redis.
 """
 
@@ -46,6 +48,16 @@ DEATHS_PAGE = 1000  # entries of the deaths stream per XRANGE
 TASK_STATES = ("released", "waiting", "queued", "no-worker", "processing", "memory", "erred")
 # the worker task states distributed's dask_worker_tasks reports, from our heartbeats
 WORKER_TASK_STATES = {"executing": "executing", "ready": "ready", "stored": "in_memory"}
+# a worker's counters of the dependencies it fetched (workers/transfers.py); the first
+# is Dask's dask_worker_transfer_incoming_count_total, the others have no Dask equivalent
+TRANSFER_COUNTERS = {
+    "transfer_incoming_count_total": "Total number of data transfers from other workers "
+    "since the worker was started (failed ones included)",
+    "transfer_incoming_bytes_total": "Total size of the data received from other workers "
+    "since the worker was started",
+    "transfer_incoming_redis_bytes_total": "Total size of the small results of dependencies "
+    "read from their task records in Redis since the worker was started",
+}
 # the kinds of the deaths stream's records (docs/redis-schema.md), exported from 0 on so
 # that rate() and increase() see a cluster's first death of each
 DEATH_KINDS = (
@@ -237,8 +249,14 @@ class ClusterCollector:
             "Seconds since the worker's last heartbeat",
             labels,
         )
+        transfers = [
+            self._family(CounterMetricFamily, f"worker_{name}", text, labels)
+            for name, text in TRANSFER_COUNTERS.items()
+        ]
         for w in snap.workers:
             who = [self.keys.cluster, w.address, w.name]
+            for family, name in zip(transfers, TRANSFER_COUNTERS, strict=True):
+                family.add_metric(who, getattr(w, name))
             threads.add_metric(who, w.nthreads)
             for state, attribute in WORKER_TASK_STATES.items():
                 tasks.add_metric([*who, state], getattr(w, attribute))
@@ -248,7 +266,7 @@ class ClusterCollector:
             limit.add_metric(who, w.memory_limit)
             if w.heartbeat_age is not None:
                 age.add_metric(who, max(0.0, w.heartbeat_age))
-        yield from (threads, tasks, memory, limit, age)
+        yield from (threads, tasks, memory, limit, age, *transfers)
 
     def _redis(self, snap: Snapshot) -> Iterator[Metric]:
         for field, name, text in (

@@ -45,6 +45,11 @@ class WorkerView:
     restarts: int = 0
     nanny: bool = False
     spill_error: str = ""  # why its spills fail (a full disk), while they do
+    # dependencies fetched since it started (workers/transfers.py): transfers and bytes
+    # from peers, bytes of small results read from Redis
+    transfer_incoming_count_total: int = 0
+    transfer_incoming_bytes_total: int = 0
+    transfer_incoming_redis_bytes_total: int = 0
 
 
 @dataclass(slots=True)
@@ -187,6 +192,11 @@ def _parse_worker(
         restarts=int(info.get("restarts") or 0),
         nanny=bool(info.get("nanny")),
         spill_error=str(beat.get("spill_error") or ""),
+        transfer_incoming_count_total=int(beat.get("transfer_incoming_count_total") or 0),
+        transfer_incoming_bytes_total=int(beat.get("transfer_incoming_bytes_total") or 0),
+        transfer_incoming_redis_bytes_total=int(
+            beat.get("transfer_incoming_redis_bytes_total") or 0
+        ),
     )
 
 

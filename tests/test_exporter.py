@@ -150,6 +150,7 @@ def test_the_figures_follow_the_work_read_only(
         poll(lambda: metrics.value("redisdask_scheduler_tasks", state="memory") == 0, 30)
         assert metrics.value("redisdask_scheduler_tasks_completed_total") == 25
         assert metrics.value("redisdask_worker_deaths_total") == 0
+        _a_dependency_fetched_from_a_peer_is_counted(client, metrics)
 
         cluster.worker_processes[1].kill()  # kill -9: the scheduler records the death
         poll(lambda: metrics.value("redisdask_worker_deaths_total") == 1, timeout=30)
@@ -160,6 +161,39 @@ def test_the_figures_follow_the_work_read_only(
     assert {r["role"] for r in records} == {"exporter"}
     assert not [line for line in metrics.lines if password in line]
     assert "redis://observer:***@" in records[0]["message"]  # the URL is logged, redacted
+
+
+def make_bytes(n: int) -> bytes:
+    return b"x" * n
+
+
+def _a_dependency_fetched_from_a_peer_is_counted(client: Client, metrics: Exporter) -> None:
+    """A value above ``worker.inline-result-bytes`` made on one worker and needed on the
+    other: the fetching worker's transfer counters rise by one transfer and by the value's
+    size (``sizeof`` of bytes: their length), in ``scheduler_info()`` and in the exporter,
+    and the holder's stay as they were."""
+    holder, fetcher = sorted(client.scheduler_info()["workers"])
+
+    def counters(worker: str) -> tuple[int, int]:
+        m = client.scheduler_info()["workers"][worker]["metrics"]
+        return m["transfer_incoming_count_total"], m["transfer_incoming_bytes_total"]
+
+    before = {w: counters(w) for w in (holder, fetcher)}
+    nbytes = 300_000
+    value = client.submit(make_bytes, nbytes, workers=[holder])
+    assert client.submit(len, value, workers=[fetcher]).result(timeout=30) == nbytes
+    count, fetched = before[fetcher]
+    poll(lambda: counters(fetcher) == (count + 1, fetched + nbytes), timeout=30)
+    assert counters(holder) == before[holder]
+    poll(
+        lambda: (
+            metrics.value("redisdask_worker_transfer_incoming_bytes_total", worker=fetcher)
+            == fetched + nbytes
+            and metrics.value("redisdask_worker_transfer_incoming_count_total", worker=fetcher)
+            == count + 1
+        ),
+        timeout=30,
+    )
 
 
 def test_a_redis_that_goes_away_is_up_0_and_the_exporter_keeps_serving(

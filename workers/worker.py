@@ -82,6 +82,7 @@ from redisdask.workers.failures import MAX_ERROR_LENGTH, failure_event
 from redisdask.workers.memory import WorkerMemoryManager
 from redisdask.workers.plugins import PluginHost
 from redisdask.workers.sizeof import sizeof
+from redisdask.workers.transfers import TransferCounts
 
 logger = logging.getLogger("redisdask.worker")
 
@@ -163,6 +164,7 @@ class Worker:
         self._inline_allowed = True  # Redis within the budget (_inline_budget)
         # small results of dependencies that came with a claim, for its GatherDeps
         self._claimed_values: dict[str, bytes] = {}
+        self.transfers = TransferCounts()  # dependencies fetched, for the heartbeat
         self.connect_timeout = connect_timeout
         # comm.timeouts.tcp, comm.timeouts.idle, comm.max-connections
         self.peer_timeout, self.idle_timeout = peer_timeout, idle_timeout
@@ -970,6 +972,7 @@ class Worker:
             "in_memory": len(by_state.get("memory", ())),
             "cpu": self._process.cpu_percent(),  # since the previous heartbeat
             **self.memory.metrics(),
+            **self.transfers.metrics(),
             "status": (
                 "retiring"
                 if self.state.retiring
@@ -1036,10 +1039,12 @@ class Worker:
                 except Exception as exc:
                     logger.warning("the small result of %r in Redis cannot be read: %s", key, exc)
         nbytes = {k: sizeof(v) for k, v in data.items()}
+        self.transfers.received(sum(nbytes.values()), from_redis=True)
         sid = f"gather-redis-{time.time():.6f}-{next(_STIMULI)}"
         self.handle(ws.GatherDepSuccessEvent(schema.REDIS_COPY, data, nbytes, sid))
 
     async def _gather(self, worker: str, keys: list[str]) -> None:
+        self.transfers.peer_transfer()
         try:
             header, frames = await self.pool.rpc(worker, {"op": "get-data", "keys": keys})
             if header.get("status") != "OK":
@@ -1065,6 +1070,7 @@ class Worker:
         for key, err in errors.items():
             logger.warning("peer %s could not send %r: %s", worker, key, err)
         nbytes = {k: sizeof(v) for k, v in data.items()}
+        self.transfers.received(sum(nbytes.values()))
         self.handle(
             ws.GatherDepSuccessEvent(
                 worker, data, nbytes, f"gather-{time.time():.6f}-{next(_STIMULI)}"
