@@ -542,12 +542,20 @@ return token
 # A worker with room left after its own sets and the shared one takes from it the tasks
 # whose worker is busy (as many tasks in its processing set as it has threads), paused
 # or retiring (its heartbeat, KEYS[11], says so), or gone; it leaves those of a worker
-# with a free thread, which claims them itself.  A worker that fills its budget while
+# with a free thread, which claims them itself, but for ``PLACED_PATIENCE_MS`` at most:
+# the first worker to pass a task over writes Redis's time in its hash (``passed_over``),
+# and a worker that finds it passed over that long ago takes it (a registered worker
+# with a free thread that does not claim, stopped or cut off from Redis, holds nothing;
+# an idle worker's claim loop looks again within a second, its XREAD's BLOCK).
+# A worker that fills its budget while
 # its ready set and the placed set still hold tasks XADDs a ready-signal (capped at
 # ARGV[9] entries), so that idle workers look again now that it is busy.
-CLAIM_BLOCKED, CLAIM_FULL = 1, 2  # the flags a claim returns
+# the flags a claim returns (PASSED: it left placed tasks to their free worker, for now)
+CLAIM_BLOCKED, CLAIM_FULL, CLAIM_PASSED = 1, 2, 4
+PLACED_PATIENCE_MS = 500  # how long a placed task waits for its free preferred worker
 CLAIM = (
     KEY_PREFIX_LUA
+    + f"local PLACED_PATIENCE_MS = {PLACED_PATIENCE_MS}\n"
     + """
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then
   return redis.error_reply('UNKNOWN_WORKER ' .. ARGV[1] .. ' is not registered')
@@ -710,6 +718,24 @@ local function is_busy(worker)  -- not about to claim its placed tasks itself
   end
   return busy[worker]
 end
+local now_ms = nil
+local function clock()  -- Redis's own clock (ms): no two hosts' clocks compared
+  if not now_ms then
+    local t = redis.call('TIME')
+    now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return now_ms
+end
+local function overdue(key)  -- passed over for PLACED_PATIENCE_MS: its worker does not
+  local tkey = ARGV[3] .. key  -- claim it (stopped, cut off from Redis, stuck)
+  local since = tonumber(redis.call('HGET', tkey, 'passed_over') or '')
+  if not since then
+    redis.call('HSET', tkey, 'passed_over', clock())
+    return false
+  end
+  return clock() - since >= PLACED_PATIENCE_MS
+end
+local passed_over = false  -- placed tasks left for their free worker, for now
 local function claim_placed()
   local skipped = 0
   while #claimed < want and skipped < SKIP and not full do
@@ -724,13 +750,14 @@ local function claim_placed()
         and (redis.call('HGET', ARGV[3] .. key, 'workers') or '') == ''
       if not (f[1] and f[3] == 'queued' and owner and anywhere) then
         redis.call('ZREM', KEYS[10], key)  -- stale
-      elseif owner == ARGV[1] or is_busy(owner) then
+      elseif owner == ARGV[1] or is_busy(owner) or overdue(key) then
         local e = estimate(key)
         if not admit(e) then return end  -- full: it stays in its place
         redis.call('ZREM', ARGV[4] .. 'worker:' .. owner .. ':ready', key)
         take(key, batch[i + 1], f, e)
       else
         skipped = skipped + 1
+        passed_over = true
       end
     end
   end
@@ -749,6 +776,7 @@ if #claimed > 0 then
   for _, key in ipairs(claimed) do redis.call('HSET', ARGV[3] .. key, 'claim', id) end
 end
 if full then blocked = blocked + 2 end
+if passed_over then blocked = blocked + 4 end
 return {out, last_id, redis.call('XRANGE', KEYS[7], '(' .. ARGV[5], '+'), blocked}
 """
 )

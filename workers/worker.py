@@ -69,7 +69,7 @@ from redisdask.protocol import (
     WhoHas,
     parse,
 )
-from redisdask.schema import CLAIM_BLOCKED, CLAIM_FULL, Keys
+from redisdask.schema import CLAIM_BLOCKED, CLAIM_FULL, CLAIM_PASSED, PLACED_PATIENCE_MS, Keys
 from redisdask.security import Security
 from redisdask.spec import FunctionCache, run_spec
 from redisdask.task_record import split_words
@@ -709,6 +709,10 @@ class Worker:
                     self._empty_at = _parse_id(last_id) if dry else None
                     blocked = flags & CLAIM_BLOCKED
                     self._blocked_at = self.state.resources_freed if blocked else None
+                    if flags & CLAIM_PASSED:  # look again once their worker's turn is over
+                        asyncio.get_running_loop().call_later(
+                            PLACED_PATIENCE_MS / 1000, self._claim_again
+                        )
                     self._handle_inbox(script_entries(inbox))
                     if claimed:
                         events = [self._compute_event(c, self._claimed_values) for c in claimed]
@@ -719,6 +723,12 @@ class Worker:
                 continue
             self._wake.clear()
             await self._wake.wait()
+
+    def _claim_again(self) -> None:
+        """Claim again, though no ready-signal came: placed tasks this worker passed over
+        may be overdue for their own worker (``schema.CLAIM``)."""
+        self._empty_at = None
+        self._wake.set()
 
     async def _claim(self, starts: list[float]) -> Any:
         free = format_resources(self.state.free_resources()) if self.resources else ""
