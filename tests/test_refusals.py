@@ -8,10 +8,8 @@ server-wide), with real scheduler and worker processes.
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import psutil
 import pytest
 import redis
 from polling import poll
+from tasklib import wait_for_file
 
 from redisdask import Client, LocalCluster
 from redisdask.embedded import EmbeddedRedis, find_redis_server, version
@@ -45,8 +44,7 @@ def blob(i: int) -> bytes:
 def wait_for(started: str, flag: str) -> int:
     """A task that says it started, and runs until the test creates ``flag``."""
     Path(started).touch()
-    while not os.path.exists(flag):
-        time.sleep(0.01)
+    wait_for_file(flag)
     return 1
 
 
