@@ -223,8 +223,11 @@ class CommTimeoutsConfig(Section):
     over to another holder, then to the scheduler (``missing-data``); also the TCP
     keepalive and ``TCP_USER_TIMEOUT`` of every peer socket.  A deadline on progress:
     a big transfer that keeps moving is never cut.  ``idle``: a data server closes a
-    connection that sent no request for this long."""
+    connection that sent no request for this long.  ``connect``: a worker's new
+    connection to a peer (connect and handshake) fails over after this long, as a silent
+    pooled one does after ``tcp`` (a peer behind a network cut answers no SYN)."""
 
+    connect: Seconds = 5.0
     tcp: Seconds = 30.0
     idle: Seconds = 300.0
 

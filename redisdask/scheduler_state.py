@@ -912,6 +912,7 @@ class SchedulerState(DataMoves):
                 who_has = {key: ts.holders()}
                 self._emit(WorkerMsg(ev.stimulus_id, ev.worker, WhoHas(who_has)))
             elif ts.state == "memory":
+                ts.missed_by = ev.worker  # (decide_worker: the recompute goes there first)
                 self._lost_data(ts, stimulus_id=ev.stimulus_id)
 
     def _drop_holder(self, ts: TaskState, address: str, *, stimulus_id: str) -> bool:
@@ -1122,6 +1123,7 @@ class SchedulerState(DataMoves):
         ``preferred`` one, ``redisdask.decide``), or the shared ready set."""
         placed = bool(ts.restrict or ts.resources)
         best = None if placed else decide_worker(ts, self.workers)
+        ts.missed_by = None
         ts.queued_on = (self._targets(ts) or ()) if placed else (best,) if best else ()
         self._emit(Enqueue(stimulus_id, ts.key, ts.score, ts.queued_on, ts.queued_on,
                            constrained=bool(ts.resources), placed=placed or bool(best),

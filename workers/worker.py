@@ -121,6 +121,7 @@ class Worker:
         claim_horizon: float = 0.02,
         connection_limit: int = 50,
         peer_timeout: float = comm.DEFAULT_DEAD_AFTER,
+        peer_connect_timeout: float = comm.DEFAULT_TIMEOUT,
         idle_timeout: float = comm.DEFAULT_IDLE_TIMEOUT,
         max_connections: int = comm.DEFAULT_MAX_CONNECTIONS,
         security: Security | None = None,
@@ -166,8 +167,9 @@ class Worker:
         self._claimed_values: dict[str, bytes] = {}
         self.transfers = TransferCounts()  # dependencies fetched, for the heartbeat
         self.connect_timeout = connect_timeout
-        # comm.timeouts.tcp, comm.timeouts.idle, comm.max-connections
+        # comm.timeouts.tcp, .connect, .idle, comm.max-connections
         self.peer_timeout, self.idle_timeout = peer_timeout, idle_timeout
+        self.peer_connect_timeout = peer_connect_timeout
         self.max_connections = max_connections
         self.validate = validate
         self.local_directory = Path(local_directory or tempfile.gettempdir()) / (
@@ -253,6 +255,7 @@ class Worker:
         self.pool = comm.ConnectionPool(
             secret,
             limit=self.connection_limit,
+            timeout=self.peer_connect_timeout,
             tls=self.security.client_context(),
             dead_after=self.peer_timeout,
         )
@@ -1185,6 +1188,7 @@ def options_from_config(config: Any) -> dict[str, Any]:
         "claim_horizon": config.worker.claim_horizon,
         "connection_limit": config.worker.connection_limit,
         "peer_timeout": config.comm.timeouts.tcp,
+        "peer_connect_timeout": config.comm.timeouts.connect,
         "idle_timeout": config.comm.timeouts.idle,
         "max_connections": config.comm.max_connections,
         "transfer_batch_bytes": config.worker.transfer_batch_bytes,
