@@ -349,6 +349,23 @@ def test_free_keys_of_task_in_flight() -> None:
     assert ws.tasks == {} and ws.data == {}
 
 
+def test_a_key_freed_in_flight_then_claimed_is_computed_when_the_transfer_fails() -> None:
+    """Its holder stopped (SIGSTOP) and was declared dead: the scheduler took back the
+    dependent and asked this worker to compute the key, whose transfer from the stopped
+    holder was still waiting on the peer deadline.  The claim was lost when it failed: the
+    key stayed missing, its claim unanswered, the dependent waiting for ever."""
+    ws = make()
+    ws.handle_stimulus(compute("z", {"a": ([A], 1)}))
+    ws.handle_stimulus(FreeKeysEvent(["z"], "free"))
+    assert ws.tasks["a"].state == "cancelled"
+    out = ws.handle_stimulus(compute("a", priority=(1,)))
+    assert ws.tasks["a"].state == "flight" and out == []  # the transfer may still bring it
+    out = ws.handle_stimulus(GatherDepNetworkFailureEvent(A, ["a"], "moved no byte", "nf"))
+    assert of(out, Execute) == [Execute("a", "nf")] and ws.tasks["a"].state == "executing"
+    out = ws.handle_stimulus(success("a", 5))
+    assert [r.key for r in of(out, TaskFinished)] == ["a"]
+
+
 def test_execute_failure() -> None:
     ws = make()
     ws.handle_stimulus(compute("x"))

@@ -586,6 +586,12 @@ class WorkerState:
         # claim of a key in error is a new run, set up below like any claimed task
         if ts.state in ("waiting", "ready", "executing", "long-running"):
             return  # a duplicate claim
+        if ts.state == "cancelled" and ts.previous == "flight":
+            # freed in flight (its holder was declared dead: its dependent here was taken
+            # back), now claimed to compute here: resumed in flight, with the claim
+            # deferred as below.  Resumed without it, a failed transfer left the key
+            # missing and its claim unanswered for ever (a SIGSTOPped holder, issue 22)
+            self._transition(ts, "flight", stimulus_id=sid)
         if ts.state == "flight":
             ts.deferred = ev  # the transfer may still bring it; if it fails, compute it
             if ts.held is None:
