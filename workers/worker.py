@@ -210,6 +210,7 @@ class Worker:
         self._holding_reports = 0  # holding reports made so far
         self._claimed_before: dict[str, int] = {}  # claimed key -> holding reports before it
         self._wake = asyncio.Event()
+        self._beat = asyncio.Event()  # a heartbeat landed: a holding report is due
         self._stopped = asyncio.Event()
         self._flush_wanted = asyncio.Event()
         self._linger: asyncio.TimerHandle | None = None
@@ -298,6 +299,7 @@ class Worker:
             Path(self._address_file).write_text(self.address)  # for its nanny: which worker
         self.status = "running"
         loops = [self._claim_loop, self._listen_loop, self._heartbeat_loop, self._flush_loop]
+        loops.append(self._holding_loop)
         if self.memory.monitoring:
             loops.append(self.memory.monitor)
         if self.lifetime is not None:
@@ -890,6 +892,17 @@ class Worker:
             self._report(Holding(self.address, sorted(keys)))
             await self._flush()
 
+    async def _holding_loop(self) -> None:
+        """A holding report after each heartbeat, apart from the heartbeat loop: a report
+        waits for the claim lock, which a claim refused by a full Redis holds while it
+        waits the refusal out, and the heartbeats, which get through a full Redis, must
+        not wait with it (behind it, a refusal longer than ``scheduler.worker-ttl`` had
+        every worker declared dead: they left, and their tasks ran again)."""
+        while self.status == "running":
+            await self._beat.wait()
+            self._beat.clear()
+            await self._report_holding()
+
     async def _heartbeat_loop(self) -> None:
         ttl = int(self.worker_ttl * 1000)
         while self.status == "running":
@@ -928,7 +941,7 @@ class Worker:
             if not registered and await self._removed():
                 self._leave_removed(None)
                 return
-            await self._report_holding()
+            self._beat.set()  # (_holding_loop)
             await asyncio.sleep(self.heartbeat_interval)  # a heartbeat is a timer by nature
 
     async def _removed(self) -> bool:
