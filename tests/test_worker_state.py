@@ -726,6 +726,7 @@ def test_validate_state_catches_corruption() -> None:
         ws.validate_state()
 
 
+@pytest.mark.timeout(30)
 def test_speed_of_trivial_tasks() -> None:
     n = 10_000
     ws = WorkerState(address=SELF, nthreads=4)  # validate off: it is O(tasks) per event
@@ -738,7 +739,8 @@ def test_speed_of_trivial_tasks() -> None:
     print(f"{elapsed / n * 1e6:.1f} µs per task (compute + success)")
     assert len(ws.data) == n
     ws.validate_state()
-    assert elapsed < 2.0
+    # catches work growing with the square of the tasks, not a speed assertion (bench/)
+    assert elapsed < 15.0
 
 
 # --- randomized --------------------------------------------------------------------
