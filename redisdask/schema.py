@@ -897,6 +897,17 @@ class Scripts:
         args = [token or "", pack_for_lua(commands), ttl_ms, *part]
         return self._apply_fenced(keys=keys, args=args, client=client)
 
+    def apply_fenced_command(
+        self, *, token: str | None, commands: list[list[Any]], ttl_ms: int
+    ) -> list[Any]:
+        """The ``EVALSHA`` of ``apply_fenced`` (one part) as a command to send by hand, for
+        a write sent without waiting for its reply (``redisdask/scheduler_pipe.py``).  It
+        fails ``NOSCRIPT`` where Redis lost the script: the caller sends it again through
+        ``apply_fenced``, which loads it."""
+        keys = [self.keys.lease, self.keys.lease_token, self.keys.applying, self.keys.leader]
+        args = [token or "", pack_for_lua(commands), ttl_ms, 1, 1]
+        return ["EVALSHA", self._apply_fenced.sha, len(keys), *keys, *args]
+
     def through(
         self, *, key: str, ttl_ms: int | None, commands: list[list[Any]], client: Any = None
     ) -> Any:
