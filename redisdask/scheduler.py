@@ -312,6 +312,9 @@ class Scheduler:
             return
         write = None
         if commands is not None:
+            if not self.pipe.script_loaded:  # (a new connection: maybe a new server too)
+                self.scripts.load_apply_fenced()
+                self.pipe.script_loaded = True
             write = self.scripts.apply_fenced_command(
                 token=self.token, commands=commands, ttl_ms=self.lease.ttl_ms
             )

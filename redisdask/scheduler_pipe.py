@@ -45,6 +45,7 @@ class WritePipe:
         self.count = count  # entries per read ahead (the scheduler's batch size)
         self.connection: Any = None
         self.sent: list[str] = []  # the commands whose replies are awaited, in order
+        self.script_loaded = False  # APPLY_FENCED loaded since this connection was made
 
     @property
     def in_flight(self) -> bool:
@@ -103,6 +104,7 @@ class WritePipe:
     def _drop(self) -> None:
         """Forget the connection after an error: its replies are out of step."""
         self.sent = []
+        self.script_loaded = False
         if self.connection is not None:
             self.connection.disconnect()
             self.redis.connection_pool.release(self.connection)

@@ -908,6 +908,11 @@ class Scripts:
         args = [token or "", pack_for_lua(commands), ttl_ms, 1, 1]
         return ["EVALSHA", self._apply_fenced.sha, len(keys), *keys, *args]
 
+    def load_apply_fenced(self) -> None:
+        """``SCRIPT LOAD`` ``APPLY_FENCED``, for ``apply_fenced_command`` on a connection
+        to a server that may not hold it yet."""
+        self._apply_fenced.registered_client.script_load(APPLY_FENCED)
+
     def through(
         self, *, key: str, ttl_ms: int | None, commands: list[list[Any]], client: Any = None
     ) -> Any:
