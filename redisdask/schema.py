@@ -601,12 +601,14 @@ local function admit(e)  -- whether a task of estimate e starts within the horiz
   if e then starts[first] = starts[first] + e else starts[first] = math.huge end
   return true
 end
+local taken = {}  -- claimed here: written 'processing' with the claim's entry id at the end
 local function fetch(key)
-  return redis.call('HMGET', ARGV[3] .. key, 'spec', 'deps', 'state', 'queued_on', 'resources')
+  local f = redis.call('HMGET', ARGV[3] .. key, 'spec', 'deps', 'state', 'queued_on', 'resources')
+  if taken[key] then f[3] = 'processing' end
+  return f
 end
 local function take(key, score, f, e)
-  local tkey = ARGV[3] .. key
-  redis.call('HSET', tkey, 'state', 'processing', 'worker', ARGV[1])
+  taken[key] = true
   redis.call('SADD', KEYS[3], key)
   local set = ':ready'
   if f[5] and f[5] ~= '' then set = ':constrained' end
@@ -773,7 +775,9 @@ end
 if #claimed > 0 then
   local id = redis.call('XADD', KEYS[4], '*', 'm',
     cmsgpack.pack({{op = 'claimed', worker = ARGV[1], keys = claimed, scores = scores}}))
-  for _, key in ipairs(claimed) do redis.call('HSET', ARGV[3] .. key, 'claim', id) end
+  for _, key in ipairs(claimed) do
+    redis.call('HSET', ARGV[3] .. key, 'state', 'processing', 'worker', ARGV[1], 'claim', id)
+  end
 end
 if full then blocked = blocked + 2 end
 if passed_over then blocked = blocked + 4 end
