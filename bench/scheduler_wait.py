@@ -105,9 +105,11 @@ def _py_spy(pid: int, path: Path) -> Iterator[None]:
             _say("redisdask", f"py-spy failed: {err.decode(errors='replace')[-500:]}")
 
 
-def split_profile(path: Path) -> dict[str, float]:
-    """The main thread's samples in ``path`` (py-spy raw), as shares of ``PARTS``."""
+def split_profile(path: Path) -> tuple[dict[str, float], dict[str, float]]:
+    """The main thread's samples in ``path`` (py-spy raw), as shares of ``PARTS``, and
+    the functions of ours where they were (innermost frame under ``redisdask/``)."""
     counts: collections.Counter[str] = collections.Counter()
+    ours: collections.Counter[str] = collections.Counter()
     for line in path.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
         if not stack or "lease.py" in stack or "_keep" in stack:
@@ -126,8 +128,12 @@ def split_profile(path: Path) -> dict[str, float]:
         ):
             label = "reading the streams (XREADGROUP, blocked while idle)"
         counts[label] += int(n)
+        own = [f for f in frames if "redisdask/" in f or "workers/" in f]
+        if own and label not in ("reading the streams (XREADGROUP, blocked while idle)",):
+            ours[own[-1].split(" (")[0] + " " + own[-1].split("/")[-1].split(":")[0]] += int(n)
     total = sum(counts.values()) or 1
-    return {k: v / total for k, v in counts.most_common()}
+    shares = {k: v / total for k, v in counts.most_common()}
+    return shares, {k: v / total for k, v in ours.most_common(15)}
 
 
 def run_redisdask(out: Results, run: int, args: argparse.Namespace) -> None:
@@ -166,7 +172,9 @@ def run_redisdask(out: Results, run: int, args: argparse.Namespace) -> None:
         out.add("scheduler_cpu_us_per_task", scpu / n * 1e6)
         out.add("scheduler_cpu_share", scpu / dt)
         if spy and prof.exists():
-            out.extra["profile"] = split_profile(prof)
+            out.extra["profile"], out.extra["functions"] = split_profile(prof)
+            if args.keep_profile:
+                shutil.copy(prof, args.keep_profile)
         if run == 1:
             top = sorted(stats.items(), key=lambda kv: -kv[1])[:10]
             out.extra["top_calls_per_task"] = {k: v / n for k, v in top}
@@ -228,6 +236,8 @@ def report(results: dict[str, Results], args: argparse.Namespace) -> str:
     if rd is not None and "profile" in rd.extra:
         lines.append("the scheduler's main thread during the map (py-spy, share of samples):")
         lines += [f"  {share:6.1%}  {label}" for label, share in rd.extra["profile"].items()]
+        lines.append("  innermost function of ours, outside the reads (share of all samples):")
+        lines += [f"  {share:6.1%}  {name}" for name, share in rd.extra["functions"].items()]
     for res in results.values():
         lines += [f"{res.name} ERROR {k}: {v}" for k, v in res.errors.items()]
     return "\n".join(lines)
@@ -240,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", choices=SYSTEMS)
     parser.add_argument("--py-spy", action="store_true", help="profile the scheduler (run 1)")
+    parser.add_argument("--keep-profile", metavar="PATH", help="copy py-spy's raw file here")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)

@@ -64,6 +64,10 @@ MAX_BATCH_BYTES = 256 << 10
 SLOW_BATCH = 0.2  # a batch longer than this share of the lease is logged, with its parts
 MAX_BATCH_WEIGHT = 10_000  # tasks and keys named per batch (see _batches)
 MAX_SCRIPT_COMMANDS = 5_000  # commands per APPLY_FENCED script (see Scheduler.apply)
+# entries the last read returned, at least, for the scheduler to read ahead: one entry at a
+# time (a sequential submit().result(), a chain) has nothing to overlap with, and a read
+# ahead would only cost a command, and a wake-up of Redis, per batch
+READ_AHEAD_ENTRIES = 2
 UNREPLICATED_WARN_EVERY = 10.0  # seconds between warnings of writes no replica acknowledged
 
 
@@ -123,6 +127,7 @@ class Scheduler:
         self.pipe = WritePipe(self.redis, self.keys, batch_size)
         self.in_flight: tuple[list[list[Any]], float] | None = None  # (commands, sent at)
         self.ahead: deque[list[Entry]] = deque()  # batches read, not yet computed
+        self.last_read = 0  # entries the last read returned (see READ_AHEAD_ENTRIES)
 
     # ------------------------------------------------------------------ lease
 
@@ -257,16 +262,20 @@ class Scheduler:
                 # pending now was read by a stale scheduler before it found itself fenced
                 # (entries read ahead are computed first: none is held now)
                 pending = not self.ahead
-            if not self.ahead:
-                if not self._read(pending, block_ms):
-                    if pending:
-                        pending = False
-                    continue
-                if not pending and time.monotonic() < next_check:
-                    self._send(None, read=True)  # the next entries, while this batch runs
-            # a read of new entries behind this batch's write, unless a look is due (it
-            # re-reads the pending entries: none may be held then)
-            ahead = not pending and time.monotonic() < next_check and len(self.ahead) <= 1
+            if not self.ahead and not self._read(pending, block_ms):
+                pending = False  # (none pending left, or idle)
+                continue
+            # a read of new entries while this batch runs, or behind its write, while
+            # reads bring several entries, unless a look is due (it re-reads the pending
+            # entries: none may be held then)
+            ahead = (
+                not pending
+                and time.monotonic() < next_check
+                and self.last_read >= READ_AHEAD_ENTRIES
+            )
+            if ahead and not self.pipe.in_flight:
+                self._send(None, read=True)
+            ahead = ahead and len(self.ahead) <= 1
             with self.lease.kept():
                 self.process(self.ahead.popleft(), ahead=ahead)
         self._collect()  # (stopped: the last write lands before the lease is released)
@@ -285,7 +294,8 @@ class Scheduler:
             count=self.batch_size,
             block=None if pending else block_ms,
         )
-        if any(items for _, items in reply or []):
+        self.last_read = sum(len(items) for _, items in reply or [])
+        if self.last_read:
             self.ahead.extend(_batches(decode_reply(reply)))
             return True
         if pending:
@@ -336,8 +346,10 @@ class Scheduler:
             return
         sent, self.in_flight = self.in_flight, None
         error, reply = self.pipe.collect()
-        if any(items for _, items in reply or []):
-            self.ahead.extend(_batches(decode_reply(reply)))
+        if self.pipe.read_sent:
+            self.last_read = sum(len(items) for _, items in reply or [])
+            if self.last_read:
+                self.ahead.extend(_batches(decode_reply(reply)))
         if sent is None:
             return
         commands, started = sent

@@ -46,6 +46,7 @@ class WritePipe:
         self.connection: Any = None
         self.sent: list[str] = []  # the commands whose replies are awaited, in order
         self.script_loaded = False  # APPLY_FENCED loaded since this connection was made
+        self.read_sent = False  # whether the last send read too
 
     @property
     def in_flight(self) -> bool:
@@ -75,6 +76,7 @@ class WritePipe:
             self._drop()
             raise
         self.sent = [str(c[0]) for c in commands]
+        self.read_sent = read
 
     def collect(self) -> tuple[Exception | None, Any]:
         """Wait for the replies of what ``send`` sent: (the write's error or None, the
