@@ -5,7 +5,9 @@
     XREADGROUP (clients + workers streams, BLOCK)  ->  decode  ->  batches (bounded)
         ->  per batch: handle_stimulus  ->  instructions  ->  Redis commands + XACK/XDEL
         ->  one EVALSHA of APPLY_FENCED (checks our lease token, renews it; a big write
-            goes as several, in one MULTI/EXEC)
+            goes as several, in one MULTI/EXEC), sent without waiting for its reply, with
+            a non-blocking XREADGROUP behind it: the next batch is computed while Redis
+            writes this one (``scheduler_pipe.py``; docs/design.md, "Writes in flight")
 
 Delivery semantics: a batch's effects and its acknowledgement land in one atomic script,
 so a crash before the write leaves the batch pending for the next scheduler (it re-reads
