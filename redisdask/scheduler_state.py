@@ -117,7 +117,6 @@ from redisdask.scheduler_tasks import (
     StreamPosition,
     TaskState,
     WorkerInfo,
-    key_prefix,
     priority_score,
     worker_stream_position,
 )
@@ -859,7 +858,7 @@ class SchedulerState(DataMoves):
             return
         ts.nbytes, ts.type = int(ev.nbytes), ev.type
         if not ev.seceded:  # a seceded run mostly waited: its time is not its cost
-            self.durations.add(key_prefix(ts.key), ev.start, ev.stop)
+            self.durations.add(ts.prefix, ev.start, ev.stop)  # (its key_prefix, made once)
         self._transition(ts, "memory", worker=ws, value=ev.value, stimulus_id=ev.stimulus_id)
 
     def _handle_task_erred(self, ev: TaskErred) -> None:
