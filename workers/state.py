@@ -101,7 +101,15 @@ from redisdask.comm import MAX_KEYS_PER_MESSAGE
 from redisdask.durations import remaining, start_times
 from redisdask.errors import RedisDaskError
 from redisdask.placement import EPSILON, fits
-from redisdask.protocol import NO_SCORE, AddKeys, MissingData, ReleasedKeys, TaskErred, TaskFinished
+from redisdask.protocol import (
+    NO_SCORE,
+    AddKeys,
+    MissingData,
+    ReleasedKeys,
+    StolenKeys,
+    TaskErred,
+    TaskFinished,
+)
 from redisdask.schema import REDIS_COPY
 from redisdask.state_machine import InvalidTransition
 from redisdask.typenames import type_name
@@ -308,6 +316,17 @@ class RetireEvent(StateMachineEvent):
     tasks that have not started; the running ones finish and their results stay here
     until the scheduler has copied them elsewhere."""
 
+    stimulus_id: str
+
+
+@dataclass(slots=True)
+class StealRequestEvent(StateMachineEvent):
+    """The scheduler asks for ``keys`` back, for ``thief`` (work stealing,
+    ``redisdask.stealing``): the claims of them that have not started here are given
+    back (``StolenKeys``: they will not run here), the others refused."""
+
+    keys: list[str]
+    thief: str
     stimulus_id: str
 
 
@@ -796,6 +815,30 @@ class WorkerState:
         if handed_back:
             self._emit(ReleasedKeys(self.address, handed_back, scores, stimulus_id=stimulus_id))
 
+    def _handle_steal_request(self, ev: StealRequestEvent) -> None:
+        """Give back the asked-for claims that have not started, as ``_hand_back_unstarted``
+        does: only this worker knows whether a run started, so a task is never run both
+        here and by the thief.  Not one a claimed task here depends on, nor a claim
+        deferred behind a run or a transfer of its key."""
+        stolen, scores, refused = [], [], []
+        for key in ev.keys:
+            ts = self.tasks.get(key)
+            if (
+                ts is None
+                or not ts.wanted
+                or ts.state not in ("waiting", "ready")
+                or ts.dependents
+                or ts.deferred is not None
+            ):
+                refused.append(key)
+                continue
+            ts.wanted = False
+            stolen.append(key)
+            scores.append(_run_score(ts))
+            self._release_if_unneeded(ts, ev.stimulus_id)
+        sid = ev.stimulus_id
+        self._emit(StolenKeys(self.address, ev.thief, stolen, scores, refused, stimulus_id=sid))
+
     def _handle_secede(self, ev: SecedeEvent) -> None:
         ts = self.tasks.get(ev.key)
         if ts is None:  # a stale message (its run was dropped): nothing to do
@@ -842,6 +885,7 @@ class WorkerState:
         RetireEvent: _handle_retire,
         SecedeEvent: _handle_secede,
         RejoinEvent: _handle_rejoin,
+        StealRequestEvent: _handle_steal_request,
     }
 
     # -- scheduling policies ---------------------------------------------------------
