@@ -14,9 +14,9 @@ driver (a ``StealTick``, 200 ms; Dask's is 100 ms):
    threads (counting the steals already asked for them), not retiring, for which no
    queued task is waiting that they could claim themselves; and the **victims**: workers
    holding more claimed tasks than threads (the surplus: claimed, not started, as far as
-   the scheduler can tell).  Each thief asks the victim with the largest surplus for at
-   most half of it (rounded up) and at most its own free threads: the tasks the victim
-   would start last (the largest scores: lowest priority, submitted last), only those the
+   the scheduler can tell).  Each thief asks the victim with the largest surplus for its
+   share of it, so that both hold as many claims waiting per thread (half of it between
+   workers of as many threads; one at least): the tasks the victim would start last (the largest scores: lowest priority, submitted last), only those the
    thief may run (``workers=``, ``resources=``: ``Placement.targets``) and whose data is
    worth moving (its dependencies' bytes not on the thief, at ``BANDWIDTH``, take at
    most ``COST_RATIO`` times the task's duration estimate; ``UNKNOWN_DURATION`` without
@@ -117,23 +117,39 @@ def plan_steals(
     for thief in sorted(free, key=lambda a: (-free[a], a)):
         if has_queued_for(thief):
             continue
-        want = free[thief]
         for victim in sorted(surplus, key=lambda a: (-surplus[a], a)):
-            if want <= 0 or surplus[victim] <= 0:
+            if surplus[victim] <= 0:
                 break
-            n = min(want, (surplus[victim] + 1) // 2)
-            chosen: list[TaskState] = []
-            for ts in sorted(workers[victim].processing, key=lambda t: -t.score):
-                if len(chosen) >= n:
-                    break
-                if ts not in in_flight and ts not in taken and may_run(ts, thief):
-                    chosen.append(ts)
-                    taken.add(ts)
-            if chosen:
+            chosen = _choose(workers[victim], surplus[victim], workers[thief], in_flight,
+                             taken, may_run)  # fmt: skip
+            if chosen:  # (else the next victim: this one's surplus may not run there)
                 plans.append((victim, thief, chosen))
                 surplus[victim] -= len(chosen)
-                want -= len(chosen)
+                taken.update(chosen)
+                break
     return plans
+
+
+def _choose(
+    victim: WorkerInfo,
+    surplus: int,
+    thief: WorkerInfo,
+    in_flight: Mapping[TaskState, Asked],
+    taken: set[TaskState],
+    may_run: Callable[[TaskState, str], bool],
+) -> list[TaskState]:
+    """The thief's share of the victim's surplus (so that both have as many claims
+    waiting per thread: half of it between equals, one at least), of the tasks the
+    victim would start last that the thief may run and nobody asked for yet."""
+    vn, tn = nthreads(victim), nthreads(thief)
+    n = max(1, surplus * tn // (vn + tn))
+    chosen: list[TaskState] = []
+    for ts in sorted(victim.processing, key=lambda t: -t.score):
+        if len(chosen) >= n:
+            break
+        if ts not in in_flight and ts not in taken and may_run(ts, thief.address):
+            chosen.append(ts)
+    return chosen
 
 
 def transfer_seconds(ts: TaskState, thief: str) -> float:

@@ -66,8 +66,14 @@ def requests(out: list[Instruction]) -> list[tuple[str, str, list[str]]]:
 def test_an_idle_worker_asks_for_the_claims_the_busy_one_would_start_last():
     s = make(V, T)
     claimed_by_victim(s, [task(k) for k in "abcde"])  # 1 thread: 4 claimed ahead
-    # half the surplus (2), but no more than the thief's free threads (1): the last one
-    assert requests(tick(s)) == [(V, T, ["e"])]
+    # half the surplus (both then hold as many claims per thread), the last ones
+    assert requests(tick(s)) == [(V, T, ["e", "d"])]
+    # a thief with more threads takes a larger share
+    s2 = SchedulerState(validate=True)
+    for w, n in ((V, 1), (T, 3)):
+        s2.handle_stimulus(AddWorker(worker=w, info={"nthreads": n}, stimulus_id=f"add-{w}"))
+    claimed_by_victim(s2, [task(k) for k in "abcdefghi"])  # surplus 8: 6 for T
+    assert requests(tick(s2)) == [(V, T, list("ihgfed"))]
 
 
 def test_nothing_is_stolen_while_the_idle_worker_can_claim_queued_work():
@@ -196,8 +202,8 @@ def test_the_plan_spreads_a_surplus_over_several_thieves():
     claimed_by_victim(s, [task(k) for k in "abcdef"])  # surplus 5
     plans = plan_steals(s.workers, {}, lambda ts, thief: True, lambda thief: False)
     assert [(v, t, [ts.key for ts in tasks]) for v, t, tasks in plans] == [
-        (V, T, ["f"]),
-        (V, W3, ["e"]),
+        (V, T, ["f", "e"]),
+        (V, W3, ["d"]),
     ]
 
 

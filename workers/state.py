@@ -382,7 +382,7 @@ class Rejoin(Instruction):
 
 # What the machine tells the scheduler: the protocol's worker -> scheduler messages
 # themselves, which the driver sends as they are (one definition of each field).
-Report = TaskFinished | TaskErred | MissingData | AddKeys | ReleasedKeys
+Report = TaskFinished | TaskErred | MissingData | AddKeys | ReleasedKeys | StolenKeys
 
 
 # ---------------------------------------------------------------------------------------

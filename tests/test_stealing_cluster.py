@@ -1,0 +1,170 @@
+"""Work stealing for real (redisdask/stealing.py): worker processes, a scheduler process,
+Redis, kill -9.  One worker claims a whole batch (its prefix's estimate, learnt from a
+warm-up of no-ops, says the batch takes no time), then a second worker joins with
+nothing to claim: it must get its share, and no task may run twice or be lost, whoever
+is killed mid-steal.  Every run is counted: the task appends ``i|worker`` to a Redis list
+as it starts."""
+
+from __future__ import annotations
+
+import collections
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import redis
+from polling import poll
+
+from redisdask import Client, LocalCluster
+from redisdask.inspect import read_events, task_story
+from redisdask.schema import Keys
+
+pytestmark = pytest.mark.timeout(90)
+
+N = 30  # tasks in the batch the first worker claims
+DELAY = 0.1  # seconds each runs
+
+
+def work(i: int, delay: float = 0.0, url: str = "", runs: str = "") -> int:
+    """A task of prefix ``work``: records its run (when ``runs`` names a list), then
+    takes ``delay`` seconds (standing for real work)."""
+    if runs:
+        from redisdask.workers import get_worker
+
+        redis.Redis.from_url(url).rpush(runs, f"{i}|{get_worker().address}")
+    threading.Event().wait(delay)
+    return i * 10
+
+
+def runs_of(r: redis.Redis, runs: str) -> list[tuple[int, str]]:
+    return [(int(i), w) for i, _, w in (x.decode().partition("|") for x in r.lrange(runs, 0, -1))]
+
+
+@contextmanager
+def one_busy_worker(
+    redis_url: str, cluster_name: str, **submit: Any
+) -> Iterator[tuple[LocalCluster, Client, list[Any], str, str]]:
+    """A cluster whose only worker claimed the whole batch (``N`` tasks, ``submit``
+    passed to ``map``), and a second worker that joins after that; yields the cluster,
+    the client, the batch's futures, the first worker's address and the runs list."""
+    with (
+        LocalCluster(
+            nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        [first] = client.scheduler_info()["workers"]
+        # the estimate of ``work``: next to nothing, so the worker claims all of the batch
+        assert client.gather(client.map(work, range(-200, 0))) == list(range(-2000, 0, 10))
+        runs = f"{cluster_name}-runs"
+        futures = client.map(work, range(N), delay=DELAY, url=redis_url, runs=runs, **submit)
+        r = redis.Redis.from_url(redis_url)
+        processing = Keys(cluster_name).worker_processing(first)
+        poll(lambda: r.scard(processing) + r.llen(runs) >= N)  # all claimed by the first
+        cluster.start_worker(name="thief")
+        cluster.wait_for_workers(2)
+        yield cluster, client, futures, first, runs
+
+
+def thief_of(client: Client, first: str) -> str:
+    return next(a for a in client.scheduler_info()["workers"] if a != first)
+
+
+def test_an_idle_worker_takes_its_share_of_a_busy_workers_claims_and_none_runs_twice(
+    redis_url: str, cluster_name: str
+) -> None:
+    with one_busy_worker(redis_url, cluster_name) as (_cluster, client, futures, first, runs):
+        thief = thief_of(client, first)
+        assert client.gather(futures) == [i * 10 for i in range(N)]
+        r = redis.Redis.from_url(redis_url)
+        done = runs_of(r, runs)
+        assert sorted(i for i, _ in done) == list(range(N))  # each ran once: none lost
+        ran = collections.Counter(w for _, w in done)
+        # of the tasks that started once the thief was there, it ran a fair share
+        joined = next(n for n, (_, w) in enumerate(done) if w == thief)
+        assert ran[thief] >= 0.3 * (N - joined), (ran, joined)
+        keys = Keys(cluster_name)
+        stolen = [e for e in read_events(r, keys, count=1000) if e["kind"] == "stolen"]
+        assert stolen and {(e["victim"], e["thief"]) for e in stolen} == {(first, thief)}
+        # the story of a stolen task: queued by the victim's stolen-keys, claimed by the thief
+        key = stolen[0]["keys"][0]
+        story = [(s["state"], s["cause"], s["origin"]) for s in task_story(r, keys, key)]
+        assert ("queued", "stolen-keys", first) in story
+
+
+def test_restrictions_hold_while_stealing(redis_url: str, cluster_name: str) -> None:
+    with one_busy_worker(redis_url, cluster_name) as (_cluster, client, futures, first, runs):
+        # (the batch above is unrestricted: stealing is under way while these run)
+        pinned = client.map(work, range(100, 110), delay=DELAY, url=redis_url, runs=runs,
+                            workers=[first], pure=False)  # fmt: skip
+        assert client.gather(futures + pinned) == [i * 10 for i in (*range(N), *range(100, 110))]
+        done = runs_of(redis.Redis.from_url(redis_url), runs)
+        assert sorted(i for i, _ in done) == [*range(N), *range(100, 110)]
+        assert {w for i, w in done if i >= 100} == {first}
+        assert {w for i, w in done if i < N} == {first, thief_of(client, first)}
+
+
+def test_a_task_needing_resources_is_not_stolen_by_a_worker_without_them(
+    redis_url: str, cluster_name: str
+) -> None:
+    with (
+        LocalCluster(
+            nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name,
+            resources={"R": 100},
+        ) as cluster,
+        Client(cluster) as client,
+    ):  # fmt: skip
+        [first] = client.scheduler_info()["workers"]
+        client.gather(client.map(work, range(-200, 0), resources={"R": 1}))
+        runs = f"{cluster_name}-runs"
+        futures = client.map(work, range(N), delay=DELAY / 2, url=redis_url, runs=runs,
+                             resources={"R": 1})  # fmt: skip
+        cluster.start_worker(name="plain", resources={})
+        cluster.wait_for_workers(2)
+        assert client.gather(futures) == [i * 10 for i in range(N)]
+        done = runs_of(redis.Redis.from_url(redis_url), runs)
+        assert sorted(i for i, _ in done) == list(range(N)) and {w for _, w in done} == {first}
+
+
+@pytest.mark.parametrize("killed", ["victim", "thief"])
+def test_a_worker_killed_mid_steal_loses_no_task_and_none_runs_twice_elsewhere(
+    redis_url: str, cluster_name: str, killed: str
+) -> None:
+    with one_busy_worker(redis_url, cluster_name) as (cluster, client, futures, first, runs):
+        r = redis.Redis.from_url(redis_url)
+        thief = thief_of(client, first)
+        poll(lambda: any(w == thief for _, w in runs_of(r, runs)))  # stealing under way
+        address = first if killed == "victim" else thief
+        pid = client.scheduler_info()["workers"][address]["pid"]
+        [proc] = [p for p in cluster.worker_processes if p.pid == pid]
+        proc.send_signal(signal.SIGKILL)
+        if killed == "victim":  # somewhere to run what is left
+            cluster.start_worker(name="third")
+        assert client.gather(futures) == [i * 10 for i in range(N)]
+        done = runs_of(r, runs)
+        assert sorted({i for i, _ in done}) == list(range(N))
+        # a task may run again only because the killed worker ran it (or held its result):
+        # never twice elsewhere, never twice on the killed worker
+        for worker_runs in (
+            collections.Counter(i for i, w in done if w == address),
+            collections.Counter(i for i, w in done if w != address),
+        ):
+            assert max(worker_runs.values(), default=1) == 1, worker_runs
+
+
+def test_a_scheduler_killed_mid_steal_loses_no_task_and_none_runs_twice(
+    redis_url: str, cluster_name: str
+) -> None:
+    with one_busy_worker(redis_url, cluster_name) as (cluster, client, futures, first, runs):
+        r = redis.Redis.from_url(redis_url)
+        thief = thief_of(client, first)
+        poll(lambda: any(w == thief for _, w in runs_of(r, runs)))  # stealing under way
+        cluster.scheduler_process.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
+        cluster.scheduler_process.wait()  # type: ignore[union-attr]
+        cluster.start_scheduler()
+        assert client.gather(futures) == [i * 10 for i in range(N)]
+        done = runs_of(r, runs)
+        assert sorted(i for i, _ in done) == list(range(N))  # each ran exactly once
