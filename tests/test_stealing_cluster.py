@@ -8,8 +8,11 @@ as it starts."""
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -26,6 +29,13 @@ pytestmark = pytest.mark.timeout(90)
 
 N = 30  # tasks in the batch the first worker claims
 DELAY = 0.1  # seconds each runs
+
+
+@pytest.fixture(autouse=True)
+def _slow_heartbeat_deaths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker stopped for a while (SIGSTOP) is not declared dead by its heartbeat here
+    (a kill -9 is noticed at once all the same: its connections close)."""
+    monkeypatch.setenv("REDISDASK__SCHEDULER__WORKER_TTL", "20")
 
 
 def work(i: int, delay: float = 0.0, url: str = "", runs: str = "") -> int:
@@ -129,30 +139,75 @@ def test_a_task_needing_resources_is_not_stolen_by_a_worker_without_them(
         assert sorted(i for i, _ in done) == list(range(N)) and {w for _, w in done} == {first}
 
 
-@pytest.mark.parametrize("killed", ["victim", "thief"])
-def test_a_worker_killed_mid_steal_loses_no_task_and_none_runs_twice_elsewhere(
-    redis_url: str, cluster_name: str, killed: str
+def pid_of(client: Client, address: str) -> int:
+    return int(client.scheduler_info()["workers"][address]["pid"])
+
+
+def unanswered_steal_request(r: redis.Redis, inbox: str, after: bytes) -> bool:
+    """A steal-request written to ``inbox`` after the entry ``after``."""
+    return any(b"steal-request" in f[b"m"] for _, f in r.xrange(inbox, min=b"(" + after))
+
+
+@contextmanager
+def victim_stopped_with_a_request(
+    r: redis.Redis, cluster_name: str, client: Client, first: str
+) -> Iterator[int]:
+    """SIGSTOP the busy worker, and wait until a steal request it has not read is in its
+    inbox: the steal is in the middle (asked, not answered).  Yields its pid."""
+    pid = pid_of(client, first)
+    inbox = Keys(cluster_name).worker_inbox(first)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        last = r.xrevrange(inbox, count=1)
+        after = last[0][0] if last else b"0-0"
+        poll(lambda: unanswered_steal_request(r, inbox, after))
+        yield pid
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def ran_at_most_once_but_on(done: list[tuple[int, str]], killed: str) -> None:
+    """Every task ran, and none twice, but for a run again because ``killed`` died
+    running it or holding its result: never twice elsewhere, never twice there."""
+    assert sorted({i for i, _ in done}) == list(range(N))
+    for worker_runs in (
+        collections.Counter(i for i, w in done if w == killed),
+        collections.Counter(i for i, w in done if w != killed),
+    ):
+        assert max(worker_runs.values(), default=1) == 1, worker_runs
+
+
+def test_a_victim_killed_mid_steal_loses_no_task_and_none_runs_twice_elsewhere(
+    redis_url: str, cluster_name: str
 ) -> None:
     with one_busy_worker(redis_url, cluster_name) as (cluster, client, futures, first, runs):
         r = redis.Redis.from_url(redis_url)
-        thief = thief_of(client, first)
-        poll(lambda: any(w == thief for _, w in runs_of(r, runs)))  # stealing under way
-        address = first if killed == "victim" else thief
-        pid = client.scheduler_info()["workers"][address]["pid"]
-        [proc] = [p for p in cluster.worker_processes if p.pid == pid]
-        proc.send_signal(signal.SIGKILL)
-        if killed == "victim":  # somewhere to run what is left
-            cluster.start_worker(name="third")
+        with victim_stopped_with_a_request(r, cluster_name, client, first) as pid:
+            os.kill(pid, signal.SIGKILL)
+        cluster.start_worker(name="third")  # (so that two workers share what is left)
         assert client.gather(futures) == [i * 10 for i in range(N)]
-        done = runs_of(r, runs)
-        assert sorted({i for i, _ in done}) == list(range(N))
-        # a task may run again only because the killed worker ran it (or held its result):
-        # never twice elsewhere, never twice on the killed worker
-        for worker_runs in (
-            collections.Counter(i for i, w in done if w == address),
-            collections.Counter(i for i, w in done if w != address),
-        ):
-            assert max(worker_runs.values(), default=1) == 1, worker_runs
+        ran_at_most_once_but_on(runs_of(r, runs), first)
+
+
+def test_a_thief_killed_mid_steal_loses_no_task_and_none_runs_twice_elsewhere(
+    redis_url: str, cluster_name: str
+) -> None:
+    with one_busy_worker(redis_url, cluster_name) as (_cluster, client, futures, first, runs):
+        r = redis.Redis.from_url(redis_url)
+        keys = Keys(cluster_name)
+        thief = thief_of(client, first)
+        pid = pid_of(client, thief)
+        os.kill(pid, signal.SIGSTOP)  # it claims nothing more: what it is given waits
+        try:
+            poll(lambda: any(e["kind"] == "stolen" and e["thief"] == thief
+                             for e in read_events(r, keys, count=1000)))  # fmt: skip
+            os.kill(pid, signal.SIGKILL)  # with stolen tasks queued for it
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        assert client.gather(futures) == [i * 10 for i in range(N)]
+        ran_at_most_once_but_on(runs_of(r, runs), thief)
 
 
 def test_a_scheduler_killed_mid_steal_loses_no_task_and_none_runs_twice(
@@ -160,11 +215,15 @@ def test_a_scheduler_killed_mid_steal_loses_no_task_and_none_runs_twice(
 ) -> None:
     with one_busy_worker(redis_url, cluster_name) as (cluster, client, futures, first, runs):
         r = redis.Redis.from_url(redis_url)
-        thief = thief_of(client, first)
-        poll(lambda: any(w == thief for _, w in runs_of(r, runs)))  # stealing under way
-        cluster.scheduler_process.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
-        cluster.scheduler_process.wait()  # type: ignore[union-attr]
-        cluster.start_scheduler()
+        keys = Keys(cluster_name)
+        with victim_stopped_with_a_request(r, cluster_name, client, first):
+            cluster.scheduler_process.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
+            cluster.scheduler_process.wait()  # type: ignore[union-attr]
+            killed_at = time.time()
+            cluster.start_scheduler()
+        # the victim answers the dead scheduler's request; the new one applies the answer
         assert client.gather(futures) == [i * 10 for i in range(N)]
         done = runs_of(r, runs)
         assert sorted(i for i, _ in done) == list(range(N))  # each ran exactly once
+        events = read_events(r, keys, count=1000)
+        assert any(e["kind"] == "stolen" and e["time"] > killed_at for e in events)
