@@ -16,10 +16,11 @@ driver (a ``StealTick``, 200 ms; Dask's is 100 ms):
    holding more claimed tasks than threads (the surplus: claimed, not started, as far as
    the scheduler can tell).  Each thief asks the victim with the largest surplus for its
    share of it, so that both hold as many claims waiting per thread (half of it between
-   workers of as many threads; one at least): the tasks the victim would start last (the largest scores: lowest priority, submitted last), only those the
-   thief may run (``workers=``, ``resources=``: ``Placement.targets``) and whose data is
-   worth moving (its dependencies' bytes not on the thief, at ``BANDWIDTH``, take at
-   most ``COST_RATIO`` times the task's duration estimate; ``UNKNOWN_DURATION`` without
+   workers of as many threads; one at least): the tasks the victim would start last
+   (the largest scores: lowest priority, submitted last), only those the thief may run
+   (``workers=``, ``resources=``: ``Placement.targets``) and whose data is worth
+   moving (its dependencies' bytes not on the thief, at ``BANDWIDTH``, take at most
+   ``COST_RATIO`` times the task's duration estimate; ``UNKNOWN_DURATION`` without
    one, as Dask's ``unknown-task-duration``).
 2. The victim gets a ``steal-request`` (keys, thief) in its inbox.  Only the victim knows
    whether a run started, so only it decides: the claims not started (``waiting``,
