@@ -199,9 +199,17 @@ class WorkStealing:
         """Whether a queued task waits that a given worker may claim itself: any task
         that may run anywhere (the shared set, or placed by data: ``CLAIM`` lets others
         take it), or a restricted one queued for that worker.  One pass over the tasks,
-        only when some worker has surplus claims and another has a free thread."""
-        if not any(len(ws.processing) > nthreads(ws) for ws in self.workers.values()):
-            return lambda thief: True  # (no victim: the plan asks nothing anyway)
+        at the first question (a plan asks only when a thief and a victim exist)."""
+        known: list[Callable[[str], bool]] = []
+
+        def queued_for(thief: str) -> bool:
+            if not known:
+                known.append(self._scan_queued())
+            return known[0](thief)
+
+        return queued_for
+
+    def _scan_queued(self) -> Callable[[str], bool]:
         restricted: set[str] = set()
         for ts in self.tasks.values():
             if ts.state == "queued":
