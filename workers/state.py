@@ -43,6 +43,8 @@ Task states and the transitions implemented here::
     PutDataEvent: released | waiting | ready | fetch | flight | missing | error ──► memory
     FreeKeysEvent: any resting state ──► released (then forgotten); running ──► cancelled
                    (not a copy put here that the scheduler has not recorded yet, below)
+    StealRequestEvent: a claim not started, waiting | ready ──► released (given back for
+                   another worker, ``StolenKeys``); any other is refused, and runs here
 
 * ``released`` is transient: a task that is neither *wanted* (claimed by / pushed to this
   worker, so the scheduler expects it here) nor needed by a dependent is forgotten at
