@@ -29,6 +29,7 @@ pytestmark = pytest.mark.timeout(90)
 
 N = 30  # tasks in the batch the first worker claims
 DELAY = 0.1  # seconds each runs
+RESOURCES = {"R": 100}  # the first worker's, when the pinned tasks need R=1
 
 
 @pytest.fixture(autouse=True)
@@ -55,14 +56,20 @@ def runs_of(r: redis.Redis, runs: str) -> list[tuple[int, str]]:
 
 @contextmanager
 def one_busy_worker(
-    redis_url: str, cluster_name: str, **submit: Any
+    redis_url: str, cluster_name: str, pinned: int = 0, by: str = "workers"
 ) -> Iterator[tuple[LocalCluster, Client, list[Any], str, str]]:
-    """A cluster whose only worker claimed the whole batch (``N`` tasks, ``submit``
-    passed to ``map``), and a second worker that joins after that; yields the cluster,
-    the client, the batch's futures, the first worker's address and the runs list."""
+    """A cluster whose only worker claimed the whole batch (``N`` tasks, then ``pinned``
+    more, ``100, 101, ...``, restricted to it: those it would start last; ``by``
+    ``workers=`` or ``resources=``, which only it has), and a second worker that joins
+    after that; yields the cluster, the client, the batch's futures, the first worker's
+    address and the runs list."""
     with (
         LocalCluster(
-            nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name
+            nanny=False,
+            n_workers=1,
+            redis_url=redis_url,
+            cluster_name=cluster_name,
+            resources=RESOURCES if by == "resources" else None,
         ) as cluster,
         Client(cluster) as client,
     ):
@@ -70,11 +77,14 @@ def one_busy_worker(
         # the estimate of ``work``: next to nothing, so the worker claims all of the batch
         assert client.gather(client.map(work, range(-200, 0))) == list(range(-2000, 0, 10))
         runs = f"{cluster_name}-runs"
-        futures = client.map(work, range(N), delay=DELAY, url=redis_url, runs=runs, **submit)
+        futures = client.map(work, range(N), delay=DELAY, url=redis_url, runs=runs)
+        only = {"workers": [first]} if by == "workers" else {"resources": {"R": 1}}
+        futures += client.map(work, range(100, 100 + pinned), delay=DELAY, url=redis_url,
+                              runs=runs, **only)  # fmt: skip
         r = redis.Redis.from_url(redis_url)
         processing = Keys(cluster_name).worker_processing(first)
-        poll(lambda: r.scard(processing) + r.llen(runs) >= N)  # all claimed by the first
-        cluster.start_worker(name="thief")
+        poll(lambda: r.scard(processing) + r.llen(runs) >= len(futures))  # all claimed there
+        cluster.start_worker(name="thief", resources={})  # (none)
         cluster.wait_for_workers(2)
         yield cluster, client, futures, first, runs
 
@@ -83,19 +93,26 @@ def thief_of(client: Client, first: str) -> str:
     return next(a for a in client.scheduler_info()["workers"] if a != first)
 
 
+@pytest.mark.parametrize("by", ["workers", "resources"])
 def test_an_idle_worker_takes_its_share_of_a_busy_workers_claims_and_none_runs_twice(
-    redis_url: str, cluster_name: str
+    redis_url: str, cluster_name: str, by: str
 ) -> None:
-    with one_busy_worker(redis_url, cluster_name) as (_cluster, client, futures, first, runs):
+    """And never one restricted to the busy worker (``workers=``, or ``resources=`` only
+    it has), though those are the ones it would start last."""
+    pinned = range(100, 110)
+    with one_busy_worker(redis_url, cluster_name, len(pinned), by) as (
+        _cluster, client, futures, first, runs
+    ):  # fmt: skip
         thief = thief_of(client, first)
-        assert client.gather(futures) == [i * 10 for i in range(N)]
+        assert client.gather(futures) == [i * 10 for i in (*range(N), *pinned)]
         r = redis.Redis.from_url(redis_url)
         done = runs_of(r, runs)
-        assert sorted(i for i, _ in done) == list(range(N))  # each ran once: none lost
-        ran = collections.Counter(w for _, w in done)
-        # of the tasks that started once the thief was there, it ran a fair share
+        assert sorted(i for i, _ in done) == [*range(N), *pinned]  # each once: none lost
+        assert {w for i, w in done if i in pinned} == {first}
+        # of the tasks free to go that started once the thief was there, it ran a fair share
         joined = next(n for n, (_, w) in enumerate(done) if w == thief)
-        assert ran[thief] >= 0.3 * (N - joined), (ran, joined)
+        later = [w for i, w in done[joined:] if i not in pinned]
+        assert later.count(thief) >= 0.3 * len(later), (later, joined)
         keys = Keys(cluster_name)
         stolen = [e for e in read_events(r, keys, count=1000) if e["kind"] == "stolen"]
         assert stolen and {(e["victim"], e["thief"]) for e in stolen} == {(first, thief)}
@@ -103,40 +120,6 @@ def test_an_idle_worker_takes_its_share_of_a_busy_workers_claims_and_none_runs_t
         key = stolen[0]["keys"][0]
         story = [(s["state"], s["cause"], s["origin"]) for s in task_story(r, keys, key)]
         assert ("queued", "stolen-keys", first) in story
-
-
-def test_restrictions_hold_while_stealing(redis_url: str, cluster_name: str) -> None:
-    with one_busy_worker(redis_url, cluster_name) as (_cluster, client, futures, first, runs):
-        # (the batch above is unrestricted: stealing is under way while these run)
-        pinned = client.map(work, range(100, 110), delay=DELAY, url=redis_url, runs=runs,
-                            workers=[first], pure=False)  # fmt: skip
-        assert client.gather(futures + pinned) == [i * 10 for i in (*range(N), *range(100, 110))]
-        done = runs_of(redis.Redis.from_url(redis_url), runs)
-        assert sorted(i for i, _ in done) == [*range(N), *range(100, 110)]
-        assert {w for i, w in done if i >= 100} == {first}
-        assert {w for i, w in done if i < N} == {first, thief_of(client, first)}
-
-
-def test_a_task_needing_resources_is_not_stolen_by_a_worker_without_them(
-    redis_url: str, cluster_name: str
-) -> None:
-    with (
-        LocalCluster(
-            nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name,
-            resources={"R": 100},
-        ) as cluster,
-        Client(cluster) as client,
-    ):  # fmt: skip
-        [first] = client.scheduler_info()["workers"]
-        client.gather(client.map(work, range(-200, 0), resources={"R": 1}))
-        runs = f"{cluster_name}-runs"
-        futures = client.map(work, range(N), delay=DELAY / 2, url=redis_url, runs=runs,
-                             resources={"R": 1})  # fmt: skip
-        cluster.start_worker(name="plain", resources={})
-        cluster.wait_for_workers(2)
-        assert client.gather(futures) == [i * 10 for i in range(N)]
-        done = runs_of(redis.Redis.from_url(redis_url), runs)
-        assert sorted(i for i, _ in done) == list(range(N)) and {w for _, w in done} == {first}
 
 
 def pid_of(client: Client, address: str) -> int:
