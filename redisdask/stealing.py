@@ -15,13 +15,13 @@ driver (a ``StealTick``, 200 ms; Dask's is 100 ms):
    queued task is waiting that they could claim themselves; and the **victims**: workers
    holding more claimed tasks than threads (the surplus: claimed, not started, as far as
    the scheduler can tell).  Each thief asks the victim with the largest surplus for its
-   share of it, so that both hold as many claims waiting per thread (half of it between
-   workers of as many threads; one at least): the tasks the victim would start last
-   (the largest scores: lowest priority, submitted last), only those the thief may run
-   (``workers=``, ``resources=``: ``Placement.targets``) and whose data is worth
-   moving (its dependencies' bytes not on the thief, at ``BANDWIDTH``, take at most
-   ``COST_RATIO`` times the task's duration estimate; ``UNKNOWN_DURATION`` without
-   one, as Dask's ``unknown-task-duration``).
+   share of its claims, so that both then hold as many claims per thread (half of them
+   between workers of as many threads; one at least, never one it runs): the tasks the
+   victim would start last (the largest scores: lowest priority, submitted last), only
+   those the thief may run (``workers=``, ``resources=``: ``Placement.targets``) and
+   whose data is worth moving (its dependencies' bytes not on the thief, at
+   ``BANDWIDTH``, take at most ``COST_RATIO`` times the task's duration estimate;
+   ``UNKNOWN_DURATION`` without one, as Dask's ``unknown-task-duration``).
 2. The victim gets a ``steal-request`` (keys, thief) in its inbox.  Only the victim knows
    whether a run started, so only it decides: the claims not started (``waiting``,
    ``ready``) it gives up at once in its state machine (they will never run there) and
@@ -121,8 +121,8 @@ def plan_steals(
         for victim in sorted(surplus, key=lambda a: (-surplus[a], a)):
             if surplus[victim] <= 0:
                 break
-            chosen = _choose(workers[victim], surplus[victim], workers[thief], in_flight,
-                             taken, may_run)  # fmt: skip
+            share = _share(workers[victim], surplus[victim], workers[thief], free[thief])
+            chosen = _choose(workers[victim], share, thief, in_flight, taken, may_run)
             if chosen:  # (else the next victim: this one's surplus may not run there)
                 plans.append((victim, thief, chosen))
                 surplus[victim] -= len(chosen)
@@ -131,24 +131,30 @@ def plan_steals(
     return plans
 
 
+def _share(victim: WorkerInfo, surplus: int, thief: WorkerInfo, free: int) -> int:
+    """How many of the victim's surplus claims the thief takes: so that both then hold
+    as many claims per thread (half of them between one-thread workers), one at least;
+    ``surplus`` and ``free`` count the requests in flight already."""
+    vn, tn = nthreads(victim), nthreads(thief)
+    held_v, held_t = surplus + vn, tn - free
+    return min(surplus, max(1, (held_v + held_t) * tn // (vn + tn) - held_t))
+
+
 def _choose(
     victim: WorkerInfo,
-    surplus: int,
-    thief: WorkerInfo,
+    n: int,
+    thief: str,
     in_flight: Mapping[TaskState, Asked],
     taken: set[TaskState],
     may_run: Callable[[TaskState, str], bool],
 ) -> list[TaskState]:
-    """The thief's share of the victim's surplus (so that both have as many claims
-    waiting per thread: half of it between equals, one at least), of the tasks the
-    victim would start last that the thief may run and nobody asked for yet."""
-    vn, tn = nthreads(victim), nthreads(thief)
-    n = max(1, surplus * tn // (vn + tn))
+    """Up to ``n`` of the tasks the victim would start last that the thief may run and
+    nobody asked for yet."""
     chosen: list[TaskState] = []
     for ts in sorted(victim.processing, key=lambda t: -t.score):
         if len(chosen) >= n:
             break
-        if ts not in in_flight and ts not in taken and may_run(ts, thief.address):
+        if ts not in in_flight and ts not in taken and may_run(ts, thief):
             chosen.append(ts)
     return chosen
 

@@ -66,13 +66,13 @@ def requests(out: list[Instruction]) -> list[tuple[str, str, list[str]]]:
 def test_an_idle_worker_asks_for_the_claims_the_busy_one_would_start_last():
     s = make(V, T)
     claimed_by_victim(s, [task(k) for k in "abcde"])  # 1 thread: 4 claimed ahead
-    # half the surplus (both then hold as many claims per thread), the last ones
+    # half its claims, rounded down (2 of 5: 3 stay), the ones it would start last
     assert requests(tick(s)) == [(V, T, ["e", "d"])]
     # a thief with more threads takes a larger share
     s2 = SchedulerState(validate=True)
     for w, n in ((V, 1), (T, 3)):
         s2.handle_stimulus(AddWorker(worker=w, info={"nthreads": n}, stimulus_id=f"add-{w}"))
-    claimed_by_victim(s2, [task(k) for k in "abcdefghi"])  # surplus 8: 6 for T
+    claimed_by_victim(s2, [task(k) for k in "abcdefghi"])  # 9 claims: 6 for T
     assert requests(tick(s2)) == [(V, T, list("ihgfed"))]
 
 
@@ -199,11 +199,11 @@ def test_a_task_whose_data_costs_more_to_move_than_to_run_stays():
 
 def test_the_plan_spreads_a_surplus_over_several_thieves():
     s = make(V, T, W3)
-    claimed_by_victim(s, [task(k) for k in "abcdef"])  # surplus 5
+    claimed_by_victim(s, [task(k) for k in "abcdef"])  # 6 claims, 1 thread
     plans = plan_steals(s.workers, {}, lambda ts, thief: True, lambda thief: False)
     assert [(v, t, [ts.key for ts in tasks]) for v, t, tasks in plans] == [
-        (V, T, ["f", "e"]),
-        (V, W3, ["d"]),
+        (V, T, ["f", "e", "d"]),
+        (V, W3, ["c"]),
     ]
 
 

@@ -23,7 +23,8 @@ from polling import poll
 
 from redisdask import Client, LocalCluster
 from redisdask.inspect import read_events, task_story
-from redisdask.schema import Keys
+from redisdask.scheduler import Scheduler, decode_reply
+from redisdask.schema import SCHEDULER_GROUP, Keys, ensure_cluster, entry, pack, unpack
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -210,3 +211,43 @@ def test_a_scheduler_killed_mid_steal_loses_no_task_and_none_runs_twice(
         assert sorted(i for i, _ in done) == list(range(N))  # each ran exactly once
         events = read_events(r, keys, count=1000)
         assert any(e["kind"] == "stolen" and e["time"] > killed_at for e in events)
+
+
+def test_the_driver_writes_a_steal_request_and_nothing_when_nothing_moves(
+    redis_url: str, cluster_name: str
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ensure_cluster(r, keys)
+    victim, thief = "tcp://10.9.9.8:1", "tcp://10.9.9.8:2"
+    for address, name in ((victim, "v"), (thief, "t")):
+        r.hset(keys.workers, address, pack({"name": name, "nthreads": 1}))
+    applied: list[list[Any]] = []
+
+    class Watched(Scheduler):
+        def apply(self, commands: list[list[Any]]) -> None:
+            applied.append(commands)
+            super().apply(commands)
+
+    scheduler = Watched(redis_url, cluster_name, validate=True)
+    scheduler.acquire_lease()
+    scheduler.state = scheduler._load()
+    scheduler.balance()
+    assert applied == []  # two idle workers, nothing to move: no write at all
+    tasks = [{"key": f"x-{i}", "spec": b"s", "deps": []} for i in range(4)]
+    wanted = [t["key"] for t in tasks]
+    r.xadd(
+        keys.client_stream,
+        entry([{"op": "update-graph", "client": "c", "wanted": wanted, "tasks": tasks}]),
+    )
+    scheduler.process(decode_reply(r.xreadgroup(SCHEDULER_GROUP, "s", {keys.client_stream: ">"})))
+    claimed, *_ = scheduler.scripts.claim(worker=victim, count=10, last_inbox_id="0-0")
+    assert len(claimed) == 4
+    scheduler.process(decode_reply(r.xreadgroup(SCHEDULER_GROUP, "s", {keys.worker_stream: ">"})))
+    applied.clear()
+    scheduler.balance()
+    assert len(applied) == 1
+    [(_, fields)] = r.xrange(keys.worker_inbox(victim))
+    assert unpack(fields[b"m"]) == [{"op": "steal-request", "keys": ["x-3", "x-2"], "thief": thief}]
+    scheduler.balance()  # asked already: not again
+    assert len(applied) == 1
