@@ -36,7 +36,9 @@ driver (a ``StealTick``, 200 ms; Dask's is 100 ms):
    ``processing`` by the thief's claim; the event log gets a ``stolen`` event.
 
 A request not answered within ``STEAL_TIMEOUT`` (its victim died, or a scheduler that
-took over never knew of it) is forgotten, and the key may be asked for again.  Nothing in
+took over never knew of it) is forgotten, and the key may be asked for again; a refused
+one is kept while the task is processing on the victim (it started there: it is not
+asked for again, and counts as running, not as surplus).  Nothing in
 the plan is stored: a scheduler that takes over starts with none in flight and still
 applies every ``stolen-keys`` it reads (the handler needs no record of the request).
 """
@@ -74,11 +76,13 @@ class StealTick(Event):
 
 @dataclass(slots=True)
 class Asked:
-    """A steal request in flight for one task."""
+    """A steal request in flight for one task, or refused: the victim started it (it is
+    not asked for again while it is processing there, and counts as running)."""
 
     victim: str
     thief: str
     at: float  # the StealTick's ``now`` when it was asked
+    refused: bool = False
 
 
 def nthreads(ws: WorkerInfo) -> int:
@@ -100,7 +104,8 @@ def plan_steals(
     asked_for: dict[str, int] = {}
     for asked in in_flight.values():
         asked_from[asked.victim] = asked_from.get(asked.victim, 0) + 1
-        asked_for[asked.thief] = asked_for.get(asked.thief, 0) + 1
+        if not asked.refused:
+            asked_for[asked.thief] = asked_for.get(asked.thief, 0) + 1
     surplus: dict[str, int] = {}
     free: dict[str, int] = {}
     for address, ws in workers.items():
@@ -183,7 +188,8 @@ class WorkStealing:
 
     def _handle_steal_tick(self, ev: StealTick) -> None:
         for ts, asked in list(self.steals.items()):
-            if ev.now - asked.at > STEAL_TIMEOUT or ts.processing_on != asked.victim:
+            timed_out = not asked.refused and ev.now - asked.at > STEAL_TIMEOUT
+            if timed_out or ts.processing_on != asked.victim:
                 del self.steals[ts]
         plans = plan_steals(self.workers, self.steals, self._may_steal, self._queued_for())
         for victim, thief, tasks in plans:
@@ -229,10 +235,11 @@ class WorkStealing:
         thief.  A key no longer processing there (the victim died and its tasks were
         queued again, or another run of the key) is left as it is."""
         victim = self.workers.get(ev.worker)
-        for key in ev.refused:
+        for key in ev.refused:  # (started: not to be asked for again while it runs there)
             ts = self.tasks.get(key)
-            if ts is not None:
-                self.steals.pop(ts, None)
+            asked = self.steals.get(ts) if ts is not None else None
+            if asked is not None:
+                asked.refused = True
         scores = list(ev.scores) + [float("nan")] * (len(ev.keys) - len(ev.scores))
         moved = []
         for key, score in zip(ev.keys, scores, strict=False):

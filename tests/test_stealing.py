@@ -98,10 +98,14 @@ def test_a_key_is_asked_for_once_until_answered_or_timed_out():
     assert requests(tick(s, 100.0)) == [(V, T, ["b"])]
     assert requests(tick(s, 100.2)) == []  # in flight: not asked again
     assert requests(tick(s, 100.0 + STEAL_TIMEOUT + 0.1)) == [(V, T, ["b"])]
-    # refused (it started): asked again only at the next tick
+    # refused (it started there): never asked for again while it runs there
     s.handle_stimulus(StolenKeys(worker=V, thief=T, refused=["b"], stimulus_id="workers:2-0/0"))
-    assert not s.steals
     assert s.tasks["b"].processing_on == V
+    assert requests(tick(s, 200.0)) == []
+    s.handle_stimulus(TaskFinished(worker=V, key="a", nbytes=1, stimulus_id="w:3"))
+    s.handle_stimulus(TaskFinished(worker=V, key="b", nbytes=1, stimulus_id="w:4"))
+    tick(s, 201.0)
+    assert not s.steals  # (forgotten once it left the victim)
 
 
 def test_the_victims_answer_queues_the_task_for_the_thief_which_claims_it():
