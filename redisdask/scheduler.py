@@ -50,6 +50,7 @@ from redisdask.scheduler_pipe import WritePipe
 from redisdask.scheduler_redis import Summary, Translator, decode_entry, load_state, rejected_graphs
 from redisdask.scheduler_state import CloseClient, Event, RemoveWorker, Restart, SchedulerState
 from redisdask.schema import Keys
+from redisdask.stealing import StealTick
 from redisdask.versions import host_info, versions
 
 logger = logging.getLogger("redisdask.scheduler")
@@ -90,8 +91,10 @@ class Scheduler:
         rebalance: RebalanceConfig | None = None,
         wait_replicas: int = 0,
         wait_timeout: float = 1.0,
+        work_stealing: bool = True,
     ) -> None:
         self.keys = Keys(cluster)
+        self.work_stealing = work_stealing  # scheduler.work-stealing (redisdask/stealing.py)
         self.wait_replicas = wait_replicas  # redis.wait-replicas (see wait_for_replicas)
         self.wait_timeout_ms = max(1, int(wait_timeout * 1000))
         self.unreplicated = 0  # writes whose WAIT timed out since the last warning
@@ -260,6 +263,7 @@ class Scheduler:
                 self.look_at_redis_memory()
                 self.look_for_the_dead()
                 self._collect()
+                self.balance()
                 # every entry is acknowledged by the write that applies it, so anything
                 # pending now was read by a stale scheduler before it found itself fenced
                 # (entries read ahead are computed first: none is held now)
@@ -393,6 +397,13 @@ class Scheduler:
                 for batch in _batches(decode_reply(reply)):
                     self.process(batch)
             self.process([], self._still_gone(dead))
+
+    def balance(self) -> None:
+        """Ask busy workers to hand claims they have not started to idle ones
+        (``redisdask.stealing``); writes nothing when there is nothing to move."""
+        if self.work_stealing and self.state.workers:
+            now = time.monotonic()
+            self.process([], [StealTick(now=now, stimulus_id=f"steal-{time.time():.3f}")])
 
     def look_at_redis_memory(self) -> None:
         """Report, once per change, a ``maxmemory-policy`` changed at run time to one that
@@ -569,6 +580,8 @@ class Scheduler:
         self._tell_restart_to_all(events)
         times = [time.monotonic()]
         instructions = self.state.handle_stimulus(*events)
+        if not (entries or instructions):
+            return  # (the scheduler's own prompt that changed nothing: nothing to write)
         times.append(time.monotonic())
         commands = self.translator.to_commands(instructions) + commands
         commands += self.translator.story(events, instructions)

@@ -121,6 +121,7 @@ from redisdask.scheduler_tasks import (
     worker_stream_position,
 )
 from redisdask.state_machine import InvalidTransition
+from redisdask.stealing import WorkStealing
 
 logger = logging.getLogger(__name__)
 
@@ -147,9 +148,10 @@ def _pack_deaths(ts: TaskState) -> bytes:
     return schema.pack({"task": ts.key, "deaths": ts.deaths})
 
 
-class SchedulerState(DataMoves):
+class SchedulerState(DataMoves, WorkStealing):
     """Every task, worker and client the scheduler knows, and the rules between them
-    (``DataMoves``: the copies and moves clients ask for)."""
+    (``DataMoves``: the copies and moves clients ask for; ``WorkStealing``: claims moved
+    from busy workers to idle ones)."""
 
     def __init__(
         self,
@@ -171,6 +173,7 @@ class SchedulerState(DataMoves):
         self._candidates: deque[TaskState] = deque()
         self._holders_changed = False  # something a retirement or a rebalance waits for
         self._init_moves(rebalance)
+        self._init_stealing()
         self.placement = Placement(lambda: {a: ws.info for a, ws in self.workers.items()})
         self.durations = Durations()  # per task prefix, from the results accepted
         # results that came in and tasks that erred, since this state was built (metrics
@@ -1072,6 +1075,7 @@ class SchedulerState(DataMoves):
         Rebalance: DataMoves._handle_rebalance,
         RetryKeys: _handle_retry_keys,
         RetireWorkers: _handle_retire_workers,
+        **WorkStealing._STEAL_HANDLERS,
     }
 
     # ------------------------------------------------------------------ transitions

@@ -10,7 +10,15 @@ from typing import Any
 import msgpack
 import pytest
 
-from redisdask.protocol import AddKeys, Event, MissingData, ReleasedKeys, TaskErred, TaskFinished
+from redisdask.protocol import (
+    AddKeys,
+    Event,
+    MissingData,
+    ReleasedKeys,
+    StolenKeys,
+    TaskErred,
+    TaskFinished,
+)
 from redisdask.state_machine import InvalidTransition, table_problems
 from redisdask.workers.state import (
     AcquireReplicasEvent,
@@ -32,6 +40,7 @@ from redisdask.workers.state import (
     RetireEvent,
     SecedeEvent,
     StateMachineEvent,
+    StealRequestEvent,
     UnpauseEvent,
     UpdateWhoHasEvent,
     WorkerState,
@@ -469,6 +478,24 @@ def test_retire_hands_back_what_has_not_started_and_keeps_the_rest() -> None:
     ]
     assert ws.handle_stimulus(success("running")) == [finished("running")]
     assert set(ws.data) == {"running", "held"}
+
+
+def test_a_steal_request_gives_back_only_claims_that_have_not_started() -> None:
+    ws = make(nthreads=1)
+    ws.handle_stimulus(
+        compute("running"), compute("queued", priority=(2,)), compute("z", {"a": ([A], 1)})
+    )
+    assert ws.tasks["running"].state == "executing"
+    out = ws.handle_stimulus(StealRequestEvent(["running", "queued", "z", "gone"], B, "steal"))
+    assert of(out, StolenKeys) == [
+        StolenKeys(SELF, B, ["queued", "z"], [2.0, 0.0], ["running", "gone"], stimulus_id="steal")
+    ]
+    # they left this worker's state: they never run here (the thief runs them)
+    assert set(ws.tasks) == {"running", "a"} and ws.tasks["a"].state == "cancelled"
+    assert ws.handle_stimulus(success("running")) == [finished("running")]  # no Execute
+    assert ws.handle_stimulus(StealRequestEvent(["running"], B, "again")) == [
+        StolenKeys(SELF, B, [], [], ["running"], stimulus_id="again")
+    ]
 
 
 def test_acquire_replicas_of_a_key_that_erred_or_went_missing_here_fetches_it() -> None:

@@ -66,6 +66,7 @@ from redisdask.protocol import (
     MissingData,
     RemoveWorker,
     RetireWorkers,
+    StealRequest,
     WhoHas,
     parse,
 )
@@ -1182,6 +1183,8 @@ def _inbox_events(
             events.append(ws.UpdateWhoHasEvent(msg.who_has, sid))
         elif isinstance(msg, AcquireReplicas):
             events.append(ws.AcquireReplicasEvent(msg.who_has, sid))
+        elif isinstance(msg, StealRequest):
+            events.append(ws.StealRequestEvent(msg.keys, msg.thief, sid))
         else:  # restart, retire, close: for the driver
             reason = msg.reason if isinstance(msg, CloseWorker) else msg.op
             events.append(_Command(msg.op, sid, reason))
