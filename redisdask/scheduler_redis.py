@@ -211,8 +211,9 @@ class Translator:
         return k.worker_constrained(worker) if constrained else k.worker_ready(worker)
 
     def _enqueue(self, ins: Enqueue, b: _Batch) -> None:
-        if ins.queued_on or ins.placed:  # for CLAIM: the other ready sets to take it out of
-            b.fields(ins.key).update(TaskRecord.encode({"queued_on": ins.queued_on}))
+        # for CLAIM: the other ready sets to take it out of; written even when empty, since
+        # a task queued again may have been placed before (on the worker that missed it)
+        b.fields(ins.key).update(TaskRecord.encode({"queued_on": ins.queued_on}))
         if ins.workers:
             for worker in ins.workers:
                 b.enqueue_on[self._worker_set(worker, ins.constrained), ins.key] = ins.score
