@@ -44,6 +44,7 @@ from redisdask.scheduler_instructions import (
     ForgetWorker,
     Instruction,
     LogEvent,
+    MarkChain,
     RecordDeath,
     RecordRebalance,
     ResetCluster,
@@ -244,6 +245,9 @@ class Translator:
             entry = ins.stimulus_id.partition(":")[2].partition("/")[0]
             b.fields(ins.key).update(state="processing", worker=ins.worker, claim=entry)
 
+    def _mark_chain(self, ins: MarkChain, b: _Batch) -> None:
+        b.fields(ins.key).update(TaskRecord.encode({"chain": ins.chain}))
+
     def _client_msg(self, ins: ClientMsg, b: _Batch) -> None:
         if not schema.is_holder(ins.client):  # a holder is no process: nobody would read it
             b.client_msgs[ins.client].append(ins.msg.to_dict())
@@ -365,6 +369,7 @@ _TRANSLATIONS: dict[type[Instruction], Callable[[Translator, Any, _Batch], None]
     Dequeue: Translator._dequeue,
     Unclaim: Translator._unclaim,
     ClaimAccepted: Translator._claim_accepted,
+    MarkChain: Translator._mark_chain,
     ClientMsg: Translator._client_msg,
     WorkerMsg: Translator._worker_msg,
     SetWants: Translator._set_wants,

@@ -90,6 +90,7 @@ from redisdask.protocol import (
     UpdateGraph,
     WhoHas,
 )
+from redisdask.scheduler_chain import Chains
 from redisdask.scheduler_instructions import (
     ClaimAccepted,
     ClientMsg,
@@ -148,7 +149,7 @@ def _pack_deaths(ts: TaskState) -> bytes:
     return schema.pack({"task": ts.key, "deaths": ts.deaths})
 
 
-class SchedulerState(DataMoves):
+class SchedulerState(DataMoves, Chains):
     """Every task, worker and client the scheduler knows, and the rules between them
     (``DataMoves``: the copies and moves clients ask for)."""
 
@@ -816,6 +817,9 @@ class SchedulerState(DataMoves):
         ws = self.workers.get(ev.worker)
         scores = list(ev.scores) + [NO_SCORE] * (len(ev.keys) - len(ev.scores))
         for key, score in zip(ev.keys, scores, strict=False):
+            if ev.chained:  # claimed by FINISH while waiting (scheduler_chain.py)
+                self._chained_claim(key, score, ev.worker, stimulus_id=ev.stimulus_id)
+                continue
             ts = self.tasks.get(key)
             try:
                 stale = ts is not None and _stale(float(score), ts)
@@ -1105,6 +1109,7 @@ class SchedulerState(DataMoves):
             return
         if ts.waiting_on:
             self._emit(SetState(stimulus_id, ts.key, "waiting"))
+            self._mark_chain(ts, stimulus_id=stimulus_id)
         else:
             self._transition(ts, "queued", stimulus_id=stimulus_id)
 
@@ -1183,6 +1188,7 @@ class SchedulerState(DataMoves):
         self._set_state(ts, "waiting", stimulus_id=stimulus_id)
         ts.waiting_on = {d for d in ts.dependencies if d.state != "memory"}
         self._emit(SetState(stimulus_id, ts.key, "waiting"))
+        self._mark_chain(ts, stimulus_id=stimulus_id)
 
     def _transition_processing_queued(self, ts: TaskState, *, stimulus_id: str) -> None:
         if ts.processing_on is not None:
@@ -1241,6 +1247,8 @@ class SchedulerState(DataMoves):
             dependent.waiting_on.discard(ts)
             if dependent.state == "waiting" and not dependent.waiting_on:
                 self._transition(dependent, "queued", stimulus_id=stimulus_id)
+            elif dependent.state == "waiting":
+                self._mark_chain(dependent, stimulus_id=stimulus_id)
 
     def _add_replica(self, ts: TaskState, worker: str) -> None:
         ts.who_has.add(worker)
@@ -1379,6 +1387,7 @@ class SchedulerState(DataMoves):
         ("waiting", "no-worker"): _transition_waiting_no_worker,
         ("waiting", "erred"): _transition_waiting_erred,
         ("waiting", "released"): _transition_waiting_released,
+        ("waiting", "processing"): Chains._transition_waiting_processing,
         ("queued", "processing"): _transition_queued_processing,
         ("queued", "waiting"): _transition_queued_waiting,
         ("queued", "no-worker"): _transition_queued_no_worker,

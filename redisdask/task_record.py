@@ -132,6 +132,7 @@ _ENCODERS: dict[str, Callable[[Any], Any]] = {
     "loose": _flag,
     "resources": format_resources,
     "queued_on": join_words,
+    "chain": _packed,
     "exception": _bytes_or_empty,
     "traceback": _bytes_or_empty,
     "exception_text": _same,
@@ -168,6 +169,7 @@ class TaskRecord:
     loose: bool = False  # allow_other_workers: the restriction is a preference
     resources: dict[str, float] = field(default_factory=dict)  # what one run needs
     queued_on: list[str] | None = None  # None: absent (a record older than the field)
+    chain: list[str] = field(default_factory=list)  # dependents FINISH may claim with it
     exception: bytes | None = None
     traceback: bytes | None = None
     exception_text: str = ""
@@ -302,6 +304,7 @@ _DECODERS: dict[bytes, tuple[str, Callable[[bytes], Any]]] = {
         "loose": bool,
         "resources": split_resources,
         "queued_on": split_words,
+        "chain": _strs,
         "exception": _bytes_or_none,
         "traceback": _bytes_or_none,
         "exception_text": _text,

@@ -855,14 +855,42 @@ class Worker:
                 return
             batch, self._outbox = self._outbox, []
             try:  # through a full Redis: reports move admitted work forward
-                await self.scripts.through(
-                    key=self.keys.worker_alive(self.address),
-                    ttl_ms=int(self.worker_ttl * 1000),
-                    commands=[["XADD", self.keys.worker_stream, "*", "m", schema.pack(batch)]],
-                )
+                await self._send_reports(batch)
             except BaseException:
                 self._outbox[:0] = batch  # not sent: keep the reports for the next attempt
                 raise
+
+    async def _send_reports(self, batch: list[dict[str, Any]]) -> None:
+        """One entry of the workers stream (``FINISH``, which gets through a full Redis),
+        which also claims the dependents that the finished tasks free, when this worker
+        has room: each link of a chain then costs this one round trip, not the
+        scheduler's and a claim's (docs/design.md, "Chains").  Not with a holding report
+        (the claim would land in the middle of the exchange it closes)."""
+        finished = [m["key"] for m in batch if m.get("op") == "task-finished"]
+        room = 0
+        if (
+            finished
+            and self.status == "running"
+            and not any(m.get("op") == "holding" for m in batch)
+        ):
+            room = len(self.state.claim_budget(self.claim_horizon, time.time()))
+        holding_before, inbox_id = self._holding_reports, self._inbox_id
+        tasks, inbox = await self.scripts.finish(
+            worker=self.address,
+            ttl_ms=int(self.worker_ttl * 1000),
+            reports=[schema.pack(m) for m in batch],
+            finished=finished if room else (),
+            chain=room,
+            last_inbox_id=inbox_id,
+        )
+        if not tasks:
+            return
+        self._handle_inbox(script_entries(inbox))  # (older than the claim: first)
+        events = [self._compute_event(c, self._claimed_values) for c in tasks]
+        for ev in events:
+            self._claimed_before[ev.key] = holding_before
+        self.handle(*events)
+        self._claimed_values.clear()
 
     async def _report_holding(self) -> None:
         """Tell the scheduler which of its claims this worker still has (claimed, not
