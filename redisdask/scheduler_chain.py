@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from redisdask.scheduler_instructions import MarkChain, SetState, Unclaim
+from redisdask.scheduler_instructions import ClaimAccepted, MarkChain, SetState, Unclaim
 from redisdask.scheduler_tasks import TaskState, WorkerInfo, worker_stream_position
 
 # dependents named in one task's chain at most (a fan-out needs no more: the first ones
@@ -116,4 +116,5 @@ class Chains:
         ts.claimed_before, ts.unlisted = worker.holding_reports, 0
         ts.claimed_at = worker_stream_position(stimulus_id)
         ts.processing_on = worker.address
-        worker.processing.add(ts)
+        worker.processing.add(ts)  # (the FINISH script wrote it)
+        self._emit(ClaimAccepted(stimulus_id, ts.key, worker.address))  # type: ignore[attr-defined]
