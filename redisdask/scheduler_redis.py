@@ -787,6 +787,7 @@ def _task_state(key: str, rec: TaskRecord, state: SchedulerState) -> TaskState:
     # a claim made before this scheduler started may be on its way, over which the last
     # one may have written: the first accepted claim of a queued task is written again
     ts.dequeued = ts.state == "queued"
+    ts.chain = tuple(rec.chain)  # (a hint: FINISH and the scheduler check each use)
     ts.erred_on = rec.erred_on or None
     ts.suspicious, ts.replicas = rec.suspicious, rec.replicas
     ts.deaths, ts.killed = rec.deaths, rec.killed
