@@ -88,6 +88,7 @@ logger = logging.getLogger("redisdask.worker")
 
 REPORT_BATCH = 100  # reports per XADD at most while threads are busy
 REPORT_LINGER = 0.002  # seconds a report may wait for companions while threads are busy
+CHAIN_LOOKUPS = 8  # finished tasks per free thread whose chains a report looks up at most
 CLOSE_TIMEOUT = 2.0  # seconds background tasks get to stop when the worker closes
 HEARTBEAT_KEYS = 20  # executing task keys named in a heartbeat, at most
 RETIRE_REPEAT = 1.0  # seconds between a retiring worker's requests to be retired
@@ -865,7 +866,8 @@ class Worker:
         which also claims the dependents that the finished tasks free, when this worker
         has room: each link of a chain then costs this one round trip, not the
         scheduler's and a claim's (docs/design.md, "Chains").  Not with a holding report
-        (the claim would land in the middle of the exchange it closes)."""
+        (the claim would land in the middle of the exchange it closes).  Only the
+        last ``CHAIN_LOOKUPS`` finished tasks per free thread are looked at."""
         finished = [m["key"] for m in batch if m.get("op") == "task-finished"]
         room = 0
         if (
@@ -879,7 +881,8 @@ class Worker:
             worker=self.address,
             ttl_ms=int(self.worker_ttl * 1000),
             reports=[schema.pack(m) for m in batch],
-            finished=finished if room else (),
+            # (the latest few: a batch of many tiny results costs no lookup per task)
+            finished=finished[-CHAIN_LOOKUPS * room :] if room else (),
             chain=room,
             last_inbox_id=inbox_id,
         )
