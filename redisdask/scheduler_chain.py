@@ -107,6 +107,21 @@ class Chains:
         if ts.state == "queued":  # back into its ready sets (the claim took it out of none)
             self._enqueue(ts, stimulus_id=stimulus_id)  # type: ignore[attr-defined]
 
+    def _unchain(self, ts: TaskState, *, stimulus_id: str) -> None:
+        """``ts`` left ``processing`` for another state than ``memory``: its result will not
+        come from where it was claimed.  The dependents chained on it (claimed by
+        ``FINISH`` on its worker, waiting there for it) are taken back to ``waiting``, and
+        err with it if it erred; theirs follow them (this runs for each move)."""
+        for d in sorted(ts.dependents, key=lambda t: t.score):
+            if d.state != "processing" or ts not in d.waiting_on:
+                continue
+            if d.processing_on not in self.workers:  # removed: nobody to tell
+                d.processing_on = None
+            self._transition(d, "waiting", stimulus_id=stimulus_id)  # type: ignore[attr-defined]
+            if ts.state == "erred" and d.state == "waiting":
+                self._inherit_error(d, ts)  # type: ignore[attr-defined]
+                self._transition(d, "erred", stimulus_id=stimulus_id)  # type: ignore[attr-defined]
+
     def _transition_waiting_processing(
         self, ts: TaskState, worker: WorkerInfo, *, stimulus_id: str
     ) -> None:

@@ -730,6 +730,8 @@ class SchedulerState(DataMoves, Chains):
             fields = {"worker": ws.address, "name": ws.info.get("name"), "reason": ev.reason}
             self._emit(LogEvent(ev.stimulus_id, "worker-left", fields))
         for ts in processing:
+            if ts.state != "processing":
+                continue  # chained on one of them, and taken back with it (_unchain)
             ts.processing_on = None
             self._emit(Unclaim(ev.stimulus_id, ws.address, ts.key))
             if died:
@@ -1091,6 +1093,8 @@ class SchedulerState(DataMoves, Chains):
             story = self.stories(ts.key)
             raise InvalidTransition(ts.key, start, finish, stimulus_id, story)
         func(self, ts, stimulus_id=stimulus_id, **kwargs)
+        if finish not in ("processing", "memory") and ts.dependents:
+            self._unchain(ts, stimulus_id=stimulus_id)  # (scheduler_chain.py)
 
     def _set_state(self, ts: TaskState, finish: str, *, stimulus_id: str) -> None:
         """Every change of a task's state goes through here, which tells its story."""
@@ -1196,6 +1200,9 @@ class SchedulerState(DataMoves, Chains):
             if ws is not None:
                 ws.processing.discard(ts)
             ts.processing_on = None
+        if any(d.state != "memory" for d in ts.dependencies):  # chained on a task not done
+            self._wait_again(ts, stimulus_id=stimulus_id)
+            return
         self._transition_waiting_queued(ts, stimulus_id=stimulus_id)
 
     def _transition_queued_processing(

@@ -789,34 +789,38 @@ return {out, last_id, redis.call('XRANGE', KEYS[7], '(' .. ARGV[5], '+'), blocke
 # hash, the workers hash.  ARGV: the alive TTL (ms), the worker's address, the task key
 # prefix, the last inbox id the worker read, how many tasks it may claim (0: none), the
 # number of reports, the reports (each a msgpack map, concatenated: the body of a msgpack
-# array), then the keys of the tasks whose ``task-finished`` is among them.  A finished
+# array), how many links deeper it may claim (below), then the keys of the tasks whose
+# ``task-finished`` is among them.  A finished
 # task whose record says it is processing on this worker (the claim still holds) may
 # name in its ``chain`` field (msgpack list, written by the scheduler) the dependents
 # that wait on it alone; each one still ``waiting``, with no ``workers`` nor ``resources``,
 # whose other dependencies are in memory, inline (``value``) or held by this worker, is
 # claimed here as CLAIM claims: processing, in the processing set, ``claim`` naming the
-# entry.  The entry is one XADD whose ``m`` is [claimed (with ``chained``), reports...]:
-# the scheduler reads the claim and the results it follows in one batch, the claim
-# first (it accepts a chained claim only from the worker the unfinished dependencies
-# are processing on).  Returns {tasks (as CLAIM's), inbox entries after ARGV[4] (only
+# entry.  A task claimed here may bring one of its own chain along (its dependencies then
+# include it), and so on, ARGV[8] such links at most: a chain runs here link after link
+# with no round trip between them.  The entry is one XADD whose ``m`` is [claimed (with
+# ``chained``), reports...]: the scheduler reads the claim and the results it follows in
+# one batch, the claim first (it accepts a chained claim only from the worker the
+# unfinished dependencies are processing on, and takes back the links chained on a task
+# that does not finish there).  Returns {tasks (as CLAIM's), inbox entries after ARGV[4] (only
 # with a claim: the worker applies them first, as CLAIM's)}.
 FINISH = (
     KEY_PREFIX_LUA
     + """
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 local me, prefix = ARGV[2], ARGV[3]
-local want = tonumber(ARGV[5])
+local want, deep_left = tonumber(ARGV[5]), tonumber(ARGV[8])
 local out, claimed, scores = {}, {}, {}
 if want > 0 and redis.call('HEXISTS', KEYS[6], me) == 1 then
-  local done, chains = {}, {}
-  for i = 8, #ARGV do
+  local done, queue = {}, {}  -- queue: {chain, deep}: the chains to look at, in order
+  for i = 9, #ARGV do
     local f = redis.call('HMGET', prefix .. ARGV[i], 'state', 'worker', 'chain')
     if f[1] == 'processing' and f[2] == me then
       done[ARGV[i]] = true
-      if f[3] then chains[#chains + 1] = f[3] end
+      if f[3] then queue[#queue + 1] = {f[3], false} end
     end
   end
-  local seen = {}
+  local seen, first = {}, 0
   local function held(dep)  -- {dep, who_has, nbytes[, value]} if this worker can have it
     if done[dep] then return {dep, '', '0'} end
     local d = redis.call('HMGET', prefix .. dep, 'state', 'who_has', 'nbytes', 'value')
@@ -827,31 +831,43 @@ if want > 0 and redis.call('HEXISTS', KEYS[6], me) == 1 then
     end
     return nil
   end
-  for _, chain in ipairs(chains) do
+  local function take(key)  -- claims ``key`` if it may run here now: its record, or nil
+    local tkey = prefix .. key
+    local f = redis.call('HMGET', tkey, 'spec', 'deps', 'state', 'workers', 'resources',
+                         'score', 'chain')
+    if not (f[1] and f[3] == 'waiting' and (f[4] or '') == '' and (f[5] or '') == '') then
+      return nil
+    end
+    local deps = {}
+    for _, dep in ipairs(cmsgpack.unpack(f[2] or '\\144')) do
+      local d = held(dep)
+      if not d then return nil end
+      deps[#deps + 1] = d
+    end
+    redis.call('HSET', tkey, 'state', 'processing', 'worker', me)
+    redis.call('SADD', KEYS[3], key)
+    local e = tonumber(redis.call('HGET', KEYS[5], key_prefix(key)) or '')
+    out[#out + 1] = {key, f[1], f[6] or '0', deps, '', e and tostring(e) or ''}
+    claimed[#claimed + 1] = key
+    scores[#scores + 1] = f[6] or '0'
+    done[key] = true  -- (what waits on it alone may follow it here)
+    return f
+  end
+  local qi = 1
+  while qi <= #queue do
+    local chain, deep = queue[qi][1], queue[qi][2]
+    qi = qi + 1
     local ok_list, keys = pcall(cmsgpack.unpack, chain)
     if not ok_list or type(keys) ~= 'table' then keys = {} end
     for _, key in ipairs(keys) do
-      if #claimed >= want then break end
+      if (deep and deep_left <= 0) or (not deep and first >= want) then break end
       if type(key) == 'string' and not seen[key] then
         seen[key] = true
-        local tkey = prefix .. key
-        local f = redis.call('HMGET', tkey, 'spec', 'deps', 'state', 'workers', 'resources',
-                             'score')
-        if f[1] and f[3] == 'waiting' and (f[4] or '') == '' and (f[5] or '') == '' then
-          local deps = {}
-          for _, dep in ipairs(cmsgpack.unpack(f[2] or '\\144')) do
-            local d = held(dep)
-            if not d then deps = nil; break end
-            deps[#deps + 1] = d
-          end
-          if deps then
-            redis.call('HSET', tkey, 'state', 'processing', 'worker', me)
-            redis.call('SADD', KEYS[3], key)
-            local e = tonumber(redis.call('HGET', KEYS[5], key_prefix(key)) or '')
-            out[#out + 1] = {key, f[1], f[6] or '0', deps, '', e and tostring(e) or ''}
-            claimed[#claimed + 1] = key
-            scores[#scores + 1] = f[6] or '0'
-          end
+        local f = take(key)
+        if f then
+          if deep then deep_left = deep_left - 1 else first = first + 1 end
+          if f[7] then queue[#queue + 1] = {f[7], true} end
+          if deep then break end  -- one link further per link claimed here
         end
       end
     end
@@ -1057,16 +1073,18 @@ class Scripts:
         finished: Sequence[str],
         chain: int,
         last_inbox_id: str,
+        deeper: int = 0,
     ) -> Any:
         """XADD ``reports`` (each packed alone) as one entry of the workers stream, and
-        claim for ``worker`` up to ``chain`` dependents that the ``finished`` tasks free
-        (see ``FINISH``); returns ``[tasks, inbox entries]`` (as ``claim``'s)."""
+        claim for ``worker`` up to ``chain`` dependents that the ``finished`` tasks free,
+        and up to ``deeper`` links that wait on those alone (see ``FINISH``); returns
+        ``[tasks, inbox entries]`` (as ``claim``'s)."""
         k = self.keys
         return self._finish(
             keys=[k.worker_alive(worker), k.worker_stream, k.worker_processing(worker),
                   k.worker_inbox(worker), k.durations, k.workers],
             args=[ttl_ms, worker, k.task_prefix, last_inbox_id, chain, len(reports),
-                  b"".join(reports), *finished],
+                  b"".join(reports), deeper, *finished],
         )  # fmt: skip
 
 

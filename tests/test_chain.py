@@ -74,6 +74,25 @@ def test_a_chain_runs_each_link_once_on_chained_claims(
     assert len(chained) >= (LINKS - 1) * 3 // 4, len(chained)
 
 
+def fail_at(x: int, at: int) -> int:
+    if x == at:
+        raise ValueError(f"link {x} fails")
+    return x + 1
+
+
+def test_a_link_that_raises_mid_chain_errs_every_link_after_it(client: Client) -> None:
+    """Links claimed on links claimed in the same step (FINISH goes several deep): the one
+    that raises errs, and the links chained on it are taken back and err too."""
+    x = client.submit(fail_at, 0, 50)
+    futures = [x]
+    for _ in range(99):
+        futures.append(client.submit(fail_at, futures[-1], 50))
+    with pytest.raises(ValueError, match="link 50 fails"):
+        futures[-1].result(timeout=60)
+    assert client.gather(futures[:50]) == list(range(1, 51))
+    assert all(f.status == "error" for f in futures[50:])
+
+
 def test_a_chain_survives_a_scheduler_kill_and_runs_on_without_one(
     redis_url: str, cluster_name: str, tmp_path: Path
 ) -> None:

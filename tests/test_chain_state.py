@@ -137,3 +137,65 @@ def test_a_chained_claim_read_again_after_a_reload_is_known():
                     stimulus_id="workers:2-0/0")
     )  # fmt: skip
     assert s.tasks["y"].state == "processing" and not of(out, Unclaim)
+
+
+def deep_entry(s, worker: str, finished: str, *claimed: str) -> list:
+    """A FINISH entry that claimed ``claimed`` (each waiting on the one before it, the
+    first on ``finished``), then reports ``finished``."""
+    scores = [s.tasks[k].score for k in claimed]
+    return s.handle_stimulus(
+        TaskClaimed(worker=worker, keys=list(claimed), scores=scores, chained=True,
+                    stimulus_id="workers:2-0/0"),
+        TaskFinished(worker=worker, key=finished, nbytes=8, type="int",
+                     stimulus_id="workers:2-0/1"),
+    )  # fmt: skip
+
+
+def chain_of_three(s) -> None:
+    submit(s, "c", [task("x"), task("y", ["x"]), task("z", ["y"])], ["z"])
+    s.handle_stimulus(TaskClaimed(worker=W1, keys=["x"], stimulus_id="workers:1-0/0"))
+    deep_entry(s, W1, "x", "y", "z")
+
+
+def test_a_link_chained_on_a_link_claimed_in_the_same_step_stands():
+    s = make(W1, W2)
+    chain_of_three(s)
+    assert [s.tasks[k].state for k in "xyz"] == ["memory", "processing", "processing"]
+    assert s.tasks["z"].processing_on == W1 and s.tasks["z"].waiting_on == {s.tasks["y"]}
+    s.handle_stimulus(TaskFinished(worker=W1, key="y", nbytes=8, type="int", stimulus_id="f"))
+    s.handle_stimulus(TaskFinished(worker=W1, key="z", nbytes=8, type="int", stimulus_id="g"))
+    assert s.tasks["z"].state == "memory"
+
+
+def test_the_links_chained_on_a_task_that_errs_err_and_are_taken_back():
+    from redisdask.scheduler_state import TaskErred
+
+    s = make(W1, W2)
+    chain_of_three(s)
+    out = s.handle_stimulus(TaskErred(worker=W1, key="y", exception_text="boom", stimulus_id="e"))
+    assert s.tasks["z"].state == "erred"  # (and y, erred, released: z no longer needs it)
+    assert s.tasks["z"].exception_blame == "y"
+    assert ("z" in freed(out, W1)) and (W1, "z") in [(u.worker, u.key) for u in of(out, Unclaim)]
+    assert s.tasks["z"] not in s.workers[W1].processing
+
+
+def test_the_links_chained_on_a_task_queued_again_wait_again():
+    from redisdask.scheduler_state import TaskErred
+
+    s = make(W1, W2)
+    submit(s, "c", [task("x"), task("y", ["x"], retries=1), task("z", ["y"])], ["z"])
+    s.handle_stimulus(TaskClaimed(worker=W1, keys=["x"], stimulus_id="workers:1-0/0"))
+    deep_entry(s, W1, "x", "y", "z")
+    out = s.handle_stimulus(TaskErred(worker=W1, key="y", exception_text="once", stimulus_id="e"))
+    assert s.tasks["y"].state == "queued" and s.tasks["z"].state == "waiting"
+    assert "z" in freed(out, W1) and not [i for i in of(out, Enqueue) if i.key == "z"]
+
+
+def test_a_dead_worker_s_chained_links_wait_for_their_dependency_again():
+    s = make(W1, W2)
+    chain_of_three(s)
+    s.handle_stimulus(RemoveWorker(worker=W1, stimulus_id="gone"))
+    # x's only copy died: computed again; y and z wait for it (none queued without it)
+    assert s.tasks["x"].state in ("queued", "processing", "waiting")
+    assert s.tasks["y"].state == "waiting" and s.tasks["z"].state == "waiting"
+    assert s.tasks["z"].suspicious == 0

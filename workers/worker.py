@@ -89,6 +89,7 @@ logger = logging.getLogger("redisdask.worker")
 REPORT_BATCH = 100  # reports per XADD at most while threads are busy
 REPORT_LINGER = 0.002  # seconds a report may wait for companions while threads are busy
 CHAIN_LOOKUPS = 8  # finished tasks per free thread whose chains a report looks up at most
+CHAIN_DEPTH = 16  # links a report may claim beyond the dependents of its results
 CLOSE_TIMEOUT = 2.0  # seconds background tasks get to stop when the worker closes
 HEARTBEAT_KEYS = 20  # executing task keys named in a heartbeat, at most
 RETIRE_REPEAT = 1.0  # seconds between a retiring worker's requests to be retired
@@ -885,6 +886,7 @@ class Worker:
             finished=finished[-CHAIN_LOOKUPS * room :] if room else (),
             chain=room,
             last_inbox_id=inbox_id,
+            deeper=CHAIN_DEPTH if room else 0,
         )
         if not tasks:
             return
