@@ -797,8 +797,11 @@ return {out, last_id, redis.call('XRANGE', KEYS[7], '(' .. ARGV[5], '+'), blocke
 # whose other dependencies are in memory, inline (``value``) or held by this worker, is
 # claimed here as CLAIM claims: processing, in the processing set, ``claim`` naming the
 # entry.  A task claimed here may bring one of its own chain along (its dependencies then
-# include it), and so on, ARGV[8] such links at most: a chain runs here link after link
-# with no round trip between them.  The entry is one XADD whose ``m`` is [claimed (with
+# include it), and so on, ARGV[8] such links at most, while their estimates (durations)
+# add up to at most ARGV[9] seconds (the claim horizon) with everything claimed here
+# (none: no deeper link): a chain of small tasks runs here link after link with no
+# round trip between them, and the worker holds no more than its claim budget allows.
+# The entry is one XADD whose ``m`` is [claimed (with
 # ``chained``), reports...]: the scheduler reads the claim and the results it follows in
 # one batch, the claim first (it accepts a chained claim only from the worker the
 # unfinished dependencies are processing on, and takes back the links chained on a task
@@ -810,10 +813,12 @@ FINISH = (
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 local me, prefix = ARGV[2], ARGV[3]
 local want, deep_left = tonumber(ARGV[5]), tonumber(ARGV[8])
+local horizon = tonumber(ARGV[9]) or 0
+local spent = 0  -- the estimated run time of what this call claimed so far (seconds)
 local out, claimed, scores = {}, {}, {}
 if want > 0 and redis.call('HEXISTS', KEYS[6], me) == 1 then
   local done, queue = {}, {}  -- queue: {chain, deep}: the chains to look at, in order
-  for i = 9, #ARGV do
+  for i = 10, #ARGV do
     local f = redis.call('HMGET', prefix .. ARGV[i], 'state', 'worker', 'chain')
     if f[1] == 'processing' and f[2] == me then
       done[ARGV[i]] = true
@@ -831,8 +836,10 @@ if want > 0 and redis.call('HEXISTS', KEYS[6], me) == 1 then
     end
     return nil
   end
-  local function take(key)  -- claims ``key`` if it may run here now: its record, or nil
+  local function take(key, deep)  -- claims ``key`` if it may run here: its record, or nil
     local tkey = prefix .. key
+    local e = tonumber(redis.call('HGET', KEYS[5], key_prefix(key)) or '')
+    if deep and not (e and spent + e <= horizon) then return nil end  -- (the budget)
     local f = redis.call('HMGET', tkey, 'spec', 'deps', 'state', 'workers', 'resources',
                          'score', 'chain')
     if not (f[1] and f[3] == 'waiting' and (f[4] or '') == '' and (f[5] or '') == '') then
@@ -846,7 +853,7 @@ if want > 0 and redis.call('HEXISTS', KEYS[6], me) == 1 then
     end
     redis.call('HSET', tkey, 'state', 'processing', 'worker', me)
     redis.call('SADD', KEYS[3], key)
-    local e = tonumber(redis.call('HGET', KEYS[5], key_prefix(key)) or '')
+    spent = spent + (e or math.huge)
     out[#out + 1] = {key, f[1], f[6] or '0', deps, '', e and tostring(e) or ''}
     claimed[#claimed + 1] = key
     scores[#scores + 1] = f[6] or '0'
@@ -863,7 +870,7 @@ if want > 0 and redis.call('HEXISTS', KEYS[6], me) == 1 then
       if (deep and deep_left <= 0) or (not deep and first >= want) then break end
       if type(key) == 'string' and not seen[key] then
         seen[key] = true
-        local f = take(key)
+        local f = take(key, deep)
         if f then
           if deep then deep_left = deep_left - 1 else first = first + 1 end
           if f[7] then queue[#queue + 1] = {f[7], true} end
@@ -1074,17 +1081,19 @@ class Scripts:
         chain: int,
         last_inbox_id: str,
         deeper: int = 0,
+        horizon: float = 0.0,
     ) -> Any:
         """XADD ``reports`` (each packed alone) as one entry of the workers stream, and
         claim for ``worker`` up to ``chain`` dependents that the ``finished`` tasks free,
-        and up to ``deeper`` links that wait on those alone (see ``FINISH``); returns
+        and up to ``deeper`` links that wait on those alone, of known estimates that add
+        up to at most ``horizon`` seconds (see ``FINISH``); returns
         ``[tasks, inbox entries]`` (as ``claim``'s)."""
         k = self.keys
         return self._finish(
             keys=[k.worker_alive(worker), k.worker_stream, k.worker_processing(worker),
                   k.worker_inbox(worker), k.durations, k.workers],
             args=[ttl_ms, worker, k.task_prefix, last_inbox_id, chain, len(reports),
-                  b"".join(reports), deeper, *finished],
+                  b"".join(reports), deeper, horizon, *finished],
         )  # fmt: skip
 
 

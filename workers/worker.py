@@ -887,6 +887,7 @@ class Worker:
             chain=room,
             last_inbox_id=inbox_id,
             deeper=CHAIN_DEPTH if room else 0,
+            horizon=self.claim_horizon,
         )
         if not tasks:
             return
