@@ -124,3 +124,61 @@ def test_a_chain_survives_a_scheduler_kill_and_runs_on_without_one(
         assert futures[-1].result(timeout=60) == LINKS
         assert client.gather(futures[::20]) == list(range(1, LINKS + 1, 20))
         assert runs(log) == Counter(range(LINKS))
+
+
+def test_finish_claims_deeper_links_only_within_the_claim_horizon(
+    redis_url: str, cluster_name: str
+) -> None:
+    """The FINISH script alone, on planted records: x processing here names y in its
+    chain, y names z; y follows x, and z follows y only while their estimates fit the
+    horizon (and are known)."""
+    from redisdask.schema import Scripts, ensure_cluster, pack
+
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ensure_cluster(r, keys)
+    me = "tcp://10.9.9.9:1"
+    scripts = Scripts(r, keys)
+
+    def plant(estimate: float | None) -> None:
+        r.hset(keys.workers, me, pack({"nthreads": 1}))
+        r.hset(
+            keys.task("x-1"),
+            mapping={
+                "state": "processing",
+                "worker": me,
+                "spec": b"s",
+                "deps": pack([]),
+                "chain": pack(["y-1"]),
+            },
+        )
+        r.hset(
+            keys.task("y-1"),
+            mapping={
+                "state": "waiting",
+                "spec": b"s",
+                "score": 2,
+                "deps": pack(["x-1"]),
+                "chain": pack(["z-1"]),
+            },
+        )
+        r.hset(keys.task("z-1"), mapping={"state": "waiting", "spec": b"s", "score": 3,
+                                          "deps": pack(["y-1"])})  # fmt: skip
+        r.delete(keys.durations, keys.worker_processing(me))
+        if estimate is not None:
+            r.hset(keys.durations, mapping={"y": estimate, "z": estimate})
+
+    def claimed(horizon: float) -> list[str]:
+        tasks, _ = scripts.finish(worker=me, ttl_ms=3000, reports=[pack({"op": "x"})],
+                                  finished=["x-1"], chain=1, last_inbox_id="0-0",
+                                  deeper=16, horizon=horizon)  # fmt: skip
+        return [t[0].decode() for t in tasks]
+
+    plant(0.001)
+    assert claimed(0.02) == ["y-1", "z-1"]
+    assert r.hget(keys.task("z-1"), "state") == b"processing"
+    plant(0.015)
+    assert claimed(0.02) == ["y-1"]  # y's 15 ms and z's would pass the horizon
+    assert r.hget(keys.task("z-1"), "state") == b"waiting"
+    plant(None)
+    assert claimed(0.02) == ["y-1"]  # unknown cost: no deeper link
