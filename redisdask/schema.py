@@ -532,7 +532,8 @@ return token
 # (the scheduler writes it as it queues the task; ``workers`` holds the restriction as
 # given, which may name hosts or names).  Returns {tasks, last ready-signal id, inbox
 # entries after ARGV[5], flags (1: blocked for resources, 2: full)}; each task is {key,
-# spec, score, {{dep, who_has, nbytes[, value]}...}, resources, estimate ('' if none)}:
+# spec, score, {{dep, who_has, nbytes[, value]}...}, resources, estimate ('' if none),
+# '1' if its record has a ``chain`` (FINISH looks it up when the task finishes) else ''}:
 # ``value``, a dependency's result kept in its record, for up to 4 MiB of them per claim
 # (the rest is read when fetched).  The inbox entries were written before anything claimed
 # here was queued (e.g. free-keys of an earlier run of a key that is queued again); the
@@ -602,7 +603,8 @@ local function admit(e)  -- whether a task of estimate e starts within the horiz
   return true
 end
 local function fetch(key)
-  return redis.call('HMGET', ARGV[3] .. key, 'spec', 'deps', 'state', 'queued_on', 'resources')
+  return redis.call('HMGET', ARGV[3] .. key, 'spec', 'deps', 'state', 'queued_on', 'resources',
+                    'chain')
 end
 local function take(key, score, f, e)
   local tkey = ARGV[3] .. key
@@ -630,7 +632,8 @@ local function take(key, score, f, e)
       end
     end
   end
-  out[#out + 1] = {key, f[1], score, deps, f[5] or '', e and tostring(e) or ''}
+  local chained = (f[6] and f[6] ~= '') and '1' or ''  -- FINISH may look its chain up
+  out[#out + 1] = {key, f[1], score, deps, f[5] or '', e and tostring(e) or '', chained}
   claimed[#claimed + 1] = key
   scores[#scores + 1] = score
 end
@@ -854,7 +857,8 @@ if want > 0 and redis.call('HEXISTS', KEYS[6], me) == 1 then
     redis.call('HSET', tkey, 'state', 'processing', 'worker', me)
     redis.call('SADD', KEYS[3], key)
     spent = spent + (e or math.huge)
-    out[#out + 1] = {key, f[1], f[6] or '0', deps, '', e and tostring(e) or ''}
+    out[#out + 1] = {key, f[1], f[6] or '0', deps, '', e and tostring(e) or '',
+                     (f[7] and f[7] ~= '') and '1' or ''}
     claimed[#claimed + 1] = key
     scores[#scores + 1] = f[6] or '0'
     done[key] = true  -- (what waits on it alone may follow it here)

@@ -90,6 +90,7 @@ REPORT_BATCH = 100  # reports per XADD at most while threads are busy
 REPORT_LINGER = 0.002  # seconds a report may wait for companions while threads are busy
 CHAIN_LOOKUPS = 8  # finished tasks per free thread whose chains a report looks up at most
 CHAIN_DEPTH = 16  # links a report may claim beyond the dependents of its results
+CHAINED_KEPT = 100_000  # claimed keys with a chain remembered at most
 CLOSE_TIMEOUT = 2.0  # seconds background tasks get to stop when the worker closes
 HEARTBEAT_KEYS = 20  # executing task keys named in a heartbeat, at most
 RETIRE_REPEAT = 1.0  # seconds between a retiring worker's requests to be retired
@@ -208,6 +209,7 @@ class Worker:
         # holding report to its landing: so the workers stream orders them exactly
         self._claim_lock = asyncio.Lock()
         self._holding_reports = 0  # holding reports made so far
+        self._chained: set[str] = set()  # claimed tasks whose records name a chain
         self._claimed_before: dict[str, int] = {}  # claimed key -> holding reports before it
         self._wake = asyncio.Event()
         self._stopped = asyncio.Event()
@@ -717,6 +719,7 @@ class Worker:
                         )
                     self._handle_inbox(script_entries(inbox))
                     if claimed:
+                        self._note_chains(claimed)
                         events = [self._compute_event(c, self._claimed_values) for c in claimed]
                         for ev in events:
                             self._claimed_before[ev.key] = self._holding_reports
@@ -747,7 +750,7 @@ class Worker:
     def _compute_event(claimed: list[Any], values: dict[str, bytes]) -> ws.ComputeTaskEvent:
         """A claimed task; the small results of its dependencies that came with it go
         into ``values``."""
-        key, spec, score, deps, needs, estimate = claimed
+        key, spec, score, deps, needs, estimate, *_ = claimed
         key = key.decode()
         dependencies = {}
         for dep, who, nb, *value in deps:
@@ -868,8 +871,13 @@ class Worker:
         has room: each link of a chain then costs this one round trip, not the
         scheduler's and a claim's (docs/design.md, "Chains").  Not with a holding report
         (the claim would land in the middle of the exchange it closes).  Only the
-        last ``CHAIN_LOOKUPS`` finished tasks per free thread are looked at."""
-        finished = [m["key"] for m in batch if m.get("op") == "task-finished"]
+        finished tasks whose claims said they have a chain are looked up, the last
+        ``CHAIN_LOOKUPS`` per free thread (a map's reports look nothing up)."""
+        chained = self._chained
+        finished = [
+            m["key"] for m in batch if m.get("op") == "task-finished" and m["key"] in chained
+        ]
+        chained.difference_update(finished)
         room = 0
         if (
             finished
@@ -892,11 +900,19 @@ class Worker:
         if not tasks:
             return
         self._handle_inbox(script_entries(inbox))  # (older than the claim: first)
+        self._note_chains(tasks)
         events = [self._compute_event(c, self._claimed_values) for c in tasks]
         for ev in events:
             self._claimed_before[ev.key] = holding_before
         self.handle(*events)
         self._claimed_values.clear()
+
+    def _note_chains(self, claimed: list[Any]) -> None:
+        """Remember which claimed tasks have dependents chained on them (their records'
+        ``chain``, as the claim read it): only their reports look the chain up."""
+        if len(self._chained) > CHAINED_KEPT:  # (tasks claimed and never reported)
+            self._chained.clear()
+        self._chained.update(c[0].decode() for c in claimed if len(c) > 6 and c[6])
 
     async def _report_holding(self) -> None:
         """Tell the scheduler which of its claims this worker still has (claimed, not
