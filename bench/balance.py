@@ -12,9 +12,13 @@ fresh cluster of bare workers, that many processes x 1 thread, no nannies (redis
 2. ``10 ms``: N x 200 tasks of 10 ms (``time.sleep``); ideal: 2 s;
 3. ``straggler``: one 2 s task submitted first, then 100 tasks of 20 ms; ideal: 2 s (the
    short ones run on the other workers while the straggler runs);
-4. ``array``: dask.array ``(x + x.T).mean()``, x 6,000 x 6,000 random with 1,000 x 1,000
+4. ``mis-estimated``: 200 runs of the same function as no-ops (its prefix's estimate
+   then says next to nothing), then N x 50 of it taking 40 ms each; ideal: 2 s (a
+   worker claims a horizon's worth of what it believes instant, most of the batch:
+   only work stealing moves the claims back);
+5. ``array``: dask.array ``(x + x.T).mean()``, x 6,000 x 6,000 random with 1,000 x 1,000
    chunks of 8 MB, made on the workers;
-5. ``dataframe``: dask.dataframe groupby after a merge: two frames of 1,000,000 rows in
+6. ``dataframe``: dask.dataframe groupby after a merge: two frames of 1,000,000 rows in
    20 partitions, made on the workers, merged on ``id`` (a task-based shuffle, on both
    systems), then ``groupby("key").other.mean()``.
 
@@ -64,6 +68,7 @@ WORKERS = (2, 8)
 WARMUP = 2_000
 PER_WORKER, SHORT_S = 200, 0.01
 STRAGGLER_S, N_SHORT, SHORT2_S = 2.0, 100, 0.02
+MIS_WARM, MIS_PER_WORKER, MIS_S = 200, 50, 0.04
 ARRAY_SIDE, CHUNK = 6_000, 1_000  # 1,000 x 1,000 float64: 8 MB chunks
 ROWS, PARTITIONS = 1_000_000, 20
 DASK_LOG = 10_000_000  # distributed.admin.low-level-log-length: keep every transfer's entry
@@ -74,6 +79,8 @@ WORKLOADS: list[tuple[str, str, Callable[[int], float] | None]] = [
     ("10ms", "{tasks:,} x 10 ms after warm-up", lambda n: PER_WORKER * SHORT_S),
     ("straggler", "2 s straggler, then 100 x 20 ms",
      lambda n: max(STRAGGLER_S, (STRAGGLER_S + N_SHORT * SHORT2_S) / n)),
+    ("misestimated", "{mis:,} x 40 ms, estimate from no-ops",
+     lambda n: MIS_PER_WORKER * MIS_S),
     ("array", f"array (x + x.T).mean() {ARRAY_SIDE:,}^2/{CHUNK:,}", None),
     ("dataframe", f"dataframe merge+groupby {ROWS // 1_000_000}M rows x2/{PARTITIONS}", None),
 ]  # fmt: skip
@@ -186,6 +193,16 @@ class Balance:
         holder = sorted(self.client.who_has([long])[long.key])[0]
         self._add("straggler", "short_beside_straggler", self._ran("straggler", short, holder)[0])
 
+    def misestimated(self) -> None:
+        warm = self.client.map(_tasks.sleep_inc, range(-MIS_WARM, 0), delay=0.0, pure=False)
+        self.wait(warm, timeout=self.timeout)  # (untimed: what the estimate is learnt from)
+        t0 = time.perf_counter()
+        n_tasks = MIS_PER_WORKER * self.n
+        futures = self.client.map(_tasks.sleep_inc, range(n_tasks), delay=MIS_S, pure=False)
+        self._timed("misestimated", futures, t0)
+        ran = self._ran("misestimated", futures)
+        self._add("misestimated", "balance", ran[-1] / ran[0] if ran[0] else 0.0)
+
     def collection(self, name: str) -> None:
         with dask.config.set(SHUFFLE):
             collection = COLLECTIONS[name]()
@@ -210,6 +227,7 @@ class Balance:
             ("warm-up", self.warm_up),
             ("10 ms", self.ten_ms),
             ("straggler", self.straggler),
+            ("mis-estimated", self.misestimated),
             ("array", lambda: self.collection("array")),
             ("dataframe", lambda: self.collection("dataframe")),
         ]:
@@ -356,11 +374,11 @@ def report(results: dict[str, Results], sizes: list[int], repeats: int) -> str:
     rows: list[tuple[str, ...]] = [head]
     for n in sizes:
         for workload, label, ideal in WORKLOADS:
-            name = label.format(tasks=PER_WORKER * n)
+            name = label.format(tasks=PER_WORKER * n, mis=MIS_PER_WORKER * n)
             metrics = [("wall_s", "wall, s", "{:.2f}")]
             if ideal is not None:
                 metrics.append(("efficiency", f"efficiency (ideal {ideal(n):.1f} s)", "{:.0%}"))
-            if workload == "10ms":
+            if workload in ("10ms", "misestimated"):
                 metrics.append(("balance", "tasks/worker least/most", "{:.2f}"))
             if workload == "straggler":
                 metrics.append(("short_beside_straggler", "short tasks on its worker", "{:.0f}"))
@@ -383,7 +401,7 @@ def report(results: dict[str, Results], sizes: list[int], repeats: int) -> str:
         "ideal / wall; least/most = the fewest tasks a worker ran / the most (1: even)"
     )
     for n in sizes:
-        for workload in ("10ms", "straggler"):
+        for workload in ("10ms", "straggler", "misestimated"):
             parts = []
             for name in SYSTEMS:
                 ran = _median_run(results.get(name), n, workload)

@@ -572,6 +572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 allowed_failures=config.scheduler.allowed_failures,
                 worker_ttl=config.scheduler.worker_ttl,
                 client_ttl=config.scheduler.client_ttl,
+                work_stealing=config.scheduler.work_stealing,
                 connect_timeout=config.redis.connect_timeout,
                 retention=config.retention,
                 rebalance=config.worker.memory.rebalance,

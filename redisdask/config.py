@@ -223,8 +223,11 @@ class CommTimeoutsConfig(Section):
     over to another holder, then to the scheduler (``missing-data``); also the TCP
     keepalive and ``TCP_USER_TIMEOUT`` of every peer socket.  A deadline on progress:
     a big transfer that keeps moving is never cut.  ``idle``: a data server closes a
-    connection that sent no request for this long."""
+    connection that sent no request for this long.  ``connect``: a worker's new
+    connection to a peer (connect and handshake) fails over after this long, as a silent
+    pooled one does after ``tcp`` (a peer behind a network cut answers no SYN)."""
 
+    connect: Seconds = 5.0
     tcp: Seconds = 30.0
     idle: Seconds = 300.0
 
@@ -254,6 +257,9 @@ class SchedulerConfig(Section):
     # lease on a loaded machine
     batch_size: Annotated[int, Field(gt=0)] = 100
     client_ttl: Seconds = 30.0
+    # move claimed tasks not started from busy workers to idle ones (redisdask/stealing.py;
+    # Dask's distributed.scheduler.work-stealing)
+    work_stealing: bool = True
     locks: LocksConfig = Field(default_factory=LocksConfig)
 
 

@@ -10,7 +10,11 @@ live in Redis too (``TaskState.inline``, at most ``worker.inline-result-bytes``)
 nothing: every worker gets them in its claim's reply, from no peer.  A task with no such
 dependency (a root task, or one fed only small results) has no preferred worker: it goes
 to the shared ready set, where free threads pull it, which spreads root tasks over the
-workers as Dask's root-ish queueing does.
+workers as Dask's root-ish queueing does.  One exception: a task recomputed because a
+worker could not fetch its result (``missing-data``, ``TaskState.missed_by``) goes first
+to that worker, which needs it: else, with the holder alive behind a network cut, the
+holder may claim the recompute again and the fetch fail again, round after round (Dask
+places it by its dependencies alone).
 
 The preference is a first refusal, not a restriction: the task waits in the preferred
 worker's own ready set and in the cluster's ``placed`` set, and the ``CLAIM`` script lets
@@ -29,6 +33,9 @@ def decide_worker(ts: TaskState, workers: Mapping[str, WorkerInfo]) -> str | Non
     """The address of the worker ``ts`` is queued first for, or None (the shared set)."""
     if ts.restrict or ts.resources:
         return None  # ``Placement`` decides where those may run
+    missed = workers.get(ts.missed_by) if ts.missed_by is not None else None
+    if missed is not None and not (missed.retiring or missed.retire_heard):
+        return missed.address
     held: dict[str, int] = {}
     for dep in ts.dependencies:
         if dep.inline:

@@ -21,6 +21,8 @@ worker-died          worker, name, how, cause (the death's kind: memory, signal,
 killed-worker        key, workers (the task erred with KilledWorker)             scheduler
 lost-claim           key, worker (processing there, but the worker does not      scheduler
                      have it: its claim's reply was lost; queued again)
+stolen               victim, thief, n, keys (up to 20): claims the victim gave    scheduler
+                     up, queued for the thief (work stealing)
 rebalance            client, request, moves, bytes, senders, recipients          scheduler
                      (``Client.rebalance``'s plan; missing: keys not in memory)
 rebalanced           request, moved, failed (its moves are over)                 scheduler
@@ -92,6 +94,11 @@ def describe(event: dict[str, Any]) -> str:
         return (
             f"{event.get('key')} was processing on {who}, which never got it (the claim's "
             "reply was lost): queued again"
+        )
+    if kind == "stolen":
+        return (
+            f"{event.get('n')} tasks claimed by {event.get('victim')} not started: "
+            f"given to {event.get('thief')} (work stealing)"
         )
     if kind == "rebalance":
         size = event.get("bytes")

@@ -512,6 +512,22 @@ class ReleasedKeys(Event):
     scores: list[Any] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class StolenKeys(Event):
+    """The victim's answer to a ``steal-request``: it gave back its claims of ``keys``
+    (not started here: they will not run here), to be queued for ``thief``
+    (``redisdask.stealing``); ``scores`` say which run of each key; ``refused``: the keys
+    asked for that it keeps (started, or no longer here)."""
+
+    op: ClassVar[str] = "stolen-keys"
+    optional: ClassVar[frozenset[str]] = frozenset({"scores", "refused"})
+    worker: str
+    thief: str
+    keys: list[str] = field(default_factory=list)
+    scores: list[Any] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+
+
 # --------------------------------------------------------------------------- scheduler -> worker
 
 
@@ -572,6 +588,16 @@ class CloseWorker(InboxMessage):
 
     op: ClassVar[str] = "close"
     reason: str = "close"
+
+
+@dataclass(slots=True)
+class StealRequest(InboxMessage):
+    """Give back, for ``thief``, the claims of ``keys`` that have not started here
+    (answered with ``stolen-keys``; see ``redisdask.stealing``)."""
+
+    op: ClassVar[str] = "steal-request"
+    keys: list[str]
+    thief: str
 
 
 # --------------------------------------------------------------------------- scheduler -> client
@@ -670,13 +696,20 @@ CLIENT_TO_SCHEDULER: dict[str, type[Event]] = registry(
 )  # fmt: skip
 WORKER_TO_SCHEDULER: dict[str, type[Event]] = registry(
     AddWorker, TaskClaimed, TaskFinished, TaskErred, MissingData, AddKeys, ReleasedKeys,
-    Holding, RetireWorkers, RemoveWorker,
+    Holding, RetireWorkers, RemoveWorker, StolenKeys,
 )  # fmt: skip
 NANNY_TO_SCHEDULER: dict[str, type[Event]] = registry(RemoveWorker)
 # the scheduler accepts every one of its events on either input stream
 SCHEDULER_EVENTS: dict[str, type[Event]] = {**CLIENT_TO_SCHEDULER, **WORKER_TO_SCHEDULER}
 SCHEDULER_TO_WORKER: dict[str, type[InboxMessage]] = registry(
-    FreeKeys, KeysRecorded, WhoHas, AcquireReplicas, RestartWorker, RetireWorker, CloseWorker
+    FreeKeys,
+    KeysRecorded,
+    WhoHas,
+    AcquireReplicas,
+    RestartWorker,
+    RetireWorker,
+    CloseWorker,
+    StealRequest,
 )
 SCHEDULER_TO_CLIENT: dict[str, type[ClientEvent]] = registry(
     KeyInMemory, KeyErred, CancelledKeys, TaskRetried, Restarted, RetireRefused

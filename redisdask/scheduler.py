@@ -5,7 +5,9 @@
     XREADGROUP (clients + workers streams, BLOCK)  ->  decode  ->  batches (bounded)
         ->  per batch: handle_stimulus  ->  instructions  ->  Redis commands + XACK/XDEL
         ->  one EVALSHA of APPLY_FENCED (checks our lease token, renews it; a big write
-            goes as several, in one MULTI/EXEC)
+            goes as several, in one MULTI/EXEC), sent without waiting for its reply, with
+            a non-blocking XREADGROUP behind it: the next batch is computed while Redis
+            writes this one (``scheduler_pipe.py``; docs/design.md, "Writes in flight")
 
 Delivery semantics: a batch's effects and its acknowledgement land in one atomic script,
 so a crash before the write leaves the batch pending for the next scheduler (it re-reads
@@ -30,7 +32,7 @@ import signal
 import socket
 import time
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,9 +46,11 @@ from redisdask.errors import EvictingRedisError, FencedError, ProtocolError
 from redisdask.heap import Heap
 from redisdask.lease import LOOK_INTERVAL, HolderWatch, Lease
 from redisdask.quarantine import Quarantined, dead_letter_command
+from redisdask.scheduler_pipe import WritePipe
 from redisdask.scheduler_redis import Summary, Translator, decode_entry, load_state, rejected_graphs
 from redisdask.scheduler_state import CloseClient, Event, RemoveWorker, Restart, SchedulerState
 from redisdask.schema import Keys
+from redisdask.stealing import StealTick
 from redisdask.versions import host_info, versions
 
 logger = logging.getLogger("redisdask.scheduler")
@@ -63,6 +67,10 @@ MAX_BATCH_BYTES = 256 << 10
 SLOW_BATCH = 0.2  # a batch longer than this share of the lease is logged, with its parts
 MAX_BATCH_WEIGHT = 10_000  # tasks and keys named per batch (see _batches)
 MAX_SCRIPT_COMMANDS = 5_000  # commands per APPLY_FENCED script (see Scheduler.apply)
+# entries the last read returned, at least, for the scheduler to read ahead: one entry at a
+# time (a sequential submit().result(), a chain) has nothing to overlap with, and a read
+# ahead would only cost a command, and a wake-up of Redis, per batch
+READ_AHEAD_ENTRIES = 2
 UNREPLICATED_WARN_EVERY = 10.0  # seconds between warnings of writes no replica acknowledged
 
 
@@ -83,8 +91,10 @@ class Scheduler:
         rebalance: RebalanceConfig | None = None,
         wait_replicas: int = 0,
         wait_timeout: float = 1.0,
+        work_stealing: bool = True,
     ) -> None:
         self.keys = Keys(cluster)
+        self.work_stealing = work_stealing  # scheduler.work-stealing (redisdask/stealing.py)
         self.wait_replicas = wait_replicas  # redis.wait-replicas (see wait_for_replicas)
         self.wait_timeout_ms = max(1, int(wait_timeout * 1000))
         self.unreplicated = 0  # writes whose WAIT timed out since the last warning
@@ -117,6 +127,12 @@ class Scheduler:
         self.summary = Summary()
         self.translator = Translator(self.keys, self.retention)
         self.heap = Heap()  # keeps full collections off the tasks (see redisdask/heap.py)
+        # a batch's write goes without waiting for its reply, a read of the next entries
+        # behind it, while the batch read ahead is computed (redisdask/scheduler_pipe.py)
+        self.pipe = WritePipe(self.redis, self.keys, batch_size)
+        self.in_flight: tuple[list[list[Any]], float] | None = None  # (commands, sent at)
+        self.ahead: deque[list[Entry]] = deque()  # batches read, not yet computed
+        self.last_read = 0  # entries the last read returned (see READ_AHEAD_ENTRIES)
 
     # ------------------------------------------------------------------ lease
 
@@ -187,6 +203,7 @@ class Scheduler:
             logger.warning("could not release the lease: %s", exc)
         self.lease.token = None
         self.lease.close()
+        self.pipe.close()
 
     # ------------------------------------------------------------------ main loop
 
@@ -237,40 +254,125 @@ class Scheduler:
         # idle wake-ups renew the lease, look for dead workers and notice a stop request
         block_ms = max(1, min(self.lease.ttl_ms // 3, int(CHECK_INTERVAL * 1000)))
         next_check = 0.0
+        self.ahead.clear()  # (after Redis was away: those entries are pending, re-read)
         while not self._stopping:
-            if time.monotonic() >= next_check:
+            if not self.ahead:
+                self._collect()  # the write in flight, and the entries read behind it
+            if not self.ahead and time.monotonic() >= next_check:
                 next_check = time.monotonic() + CHECK_INTERVAL
                 self.look_at_redis_memory()
                 self.look_for_the_dead()
+                self._collect()
+                self.balance()
                 # every entry is acknowledged by the write that applies it, so anything
                 # pending now was read by a stale scheduler before it found itself fenced
-                pending = True
-            streams = {
-                self.keys.worker_stream: "0" if pending else ">",
-                self.keys.client_stream: "0" if pending else ">",
-            }
-            reply = self.redis.xreadgroup(
-                schema.SCHEDULER_GROUP,
-                schema.SCHEDULER_CONSUMER,
-                streams,
-                count=self.batch_size,
-                block=None if pending else block_ms,
+                # (entries read ahead are computed first: none is held now)
+                pending = not self.ahead
+            if not self.ahead and not self._read(pending, block_ms):
+                pending = False  # (none pending left, or idle)
+                continue
+            # a read of new entries while this batch runs, or behind its write, while
+            # reads bring several entries, unless a look is due (it re-reads the pending
+            # entries: none may be held then)
+            ahead = (
+                not pending
+                and time.monotonic() < next_check
+                and self.last_read >= READ_AHEAD_ENTRIES
             )
-            read = any(items for _, items in reply or [])
-            if pending and not read:
-                pending = False
-                continue
-            if not read:
-                if self.summary.due():
-                    self.apply([self.summary.command(self.keys, self.state, self.id)])
-                elif self.lease.due:
-                    self.lease.renew()
-                else:
-                    self.heap.settle()  # (a full collection now and then, when idle)
-                continue
+            if ahead and not self.pipe.in_flight:
+                self._send(None, read=True)
+            ahead = ahead and len(self.ahead) <= 1
             with self.lease.kept():
-                for batch in _batches(decode_reply(reply)):
-                    self.process(batch)
+                self.process(self.ahead.popleft(), ahead=ahead)
+        self._collect()  # (stopped: the last write lands before the lease is released)
+
+    def _read(self, pending: bool, block_ms: int) -> bool:
+        """Read entries (blocking up to ``block_ms`` unless ``pending``) into ``ahead``;
+        whether any came.  Idle, renew the lease or write the summary when due."""
+        streams = {
+            self.keys.worker_stream: "0" if pending else ">",
+            self.keys.client_stream: "0" if pending else ">",
+        }
+        reply = self.redis.xreadgroup(
+            schema.SCHEDULER_GROUP,
+            schema.SCHEDULER_CONSUMER,
+            streams,
+            count=self.batch_size,
+            block=None if pending else block_ms,
+        )
+        self.last_read = sum(len(items) for _, items in reply or [])
+        if self.last_read:
+            self.ahead.extend(_batches(decode_reply(reply)))
+            return True
+        if pending:
+            return False
+        if self.summary.due():
+            self.apply([self.summary.command(self.keys, self.state, self.id)])
+        elif self.lease.due:
+            self.lease.renew()
+        else:
+            self.heap.settle()  # (a full collection now and then, when idle)
+        return False
+
+    def _send(self, commands: list[list[Any]] | None, read: bool) -> None:
+        """Send a batch's write (``commands``, fenced) and/or a read of the next entries
+        without waiting (``WritePipe``), after collecting what was in flight.  A write
+        waited for by replicas, or cut in parts, goes synchronously (``apply``)."""
+        if commands is not None and (
+            self.wait_replicas or len(commands) > MAX_SCRIPT_COMMANDS or self.token is None
+        ):
+            self.apply(commands)
+            commands = None
+        self._collect()
+        if commands is None and not read:
+            return
+        write = None
+        if commands is not None:
+            if not self.pipe.script_loaded:  # (a new connection: maybe a new server too)
+                self.scripts.load_apply_fenced()
+                self.pipe.script_loaded = True
+            write = self.scripts.apply_fenced_command(
+                token=self.token, commands=commands, ttl_ms=self.lease.ttl_ms
+            )
+        try:
+            self.pipe.send(write, read)
+        except redis.ResponseError:  # a new connection's handshake refused: nothing sent
+            if commands is not None:
+                self.apply(commands)
+            return
+        self.in_flight = (commands, time.monotonic()) if commands is not None else None
+
+    def _collect(self) -> None:
+        """Wait for the write in flight (and the read behind it: its entries go to
+        ``ahead``).  A write fenced out stops this scheduler; one refused, or sent for a
+        script Redis lost, ran nothing: it goes again through ``apply`` (which waits a
+        refusal out), before any later write.  Any other failure reloads the state, which
+        was advanced by batches computed meanwhile, and is raised, as ``apply`` does."""
+        if not self.pipe.in_flight:
+            return
+        sent, self.in_flight = self.in_flight, None
+        error, reply = self.pipe.collect()
+        if self.pipe.read_sent:
+            self.last_read = sum(len(items) for _, items in reply or [])
+            if self.last_read:
+                self.ahead.extend(_batches(decode_reply(reply)))
+        if sent is None:
+            return
+        commands, started = sent
+        if error is None:
+            self.lease.wrote(started)
+            return
+        if str(error).startswith("FENCED"):
+            self.ahead.clear()
+            raise FencedError(f"scheduler {self.id}: {error}") from error
+        if busy.refusal(error) or isinstance(error, redis.exceptions.NoScriptError):
+            logger.info("a write in flight was not run (%s): writing it again", error)
+            self.apply(commands)
+            return
+        logger.error("applying a batch failed (%s); reloading state from Redis", error)
+        self.ahead.clear()
+        self.state = self._load()
+        raise error
 
     def look_for_the_dead(self) -> None:
         """Remove the workers and clients that are gone.  A process that leaves says
@@ -281,6 +383,7 @@ class Scheduler:
         dead = self.watch.check(self.redis, self.state.workers) + self._gone_clients()
         if not dead:
             return
+        self._collect()
         with self.lease.kept():
             for _ in range(DRAIN_READS):  # (bounded: writers may go on meanwhile)
                 reply = self.redis.xreadgroup(
@@ -294,6 +397,13 @@ class Scheduler:
                 for batch in _batches(decode_reply(reply)):
                     self.process(batch)
             self.process([], self._still_gone(dead))
+
+    def balance(self) -> None:
+        """Ask busy workers to hand claims they have not started to idle ones
+        (``redisdask.stealing``); writes nothing when there is nothing to move."""
+        if self.work_stealing and self.state.workers:
+            now = time.monotonic()
+            self.process([], [StealTick(now=now, stimulus_id=f"steal-{time.time():.3f}")])
 
     def look_at_redis_memory(self) -> None:
         """Report, once per change, a ``maxmemory-policy`` changed at run time to one that
@@ -364,6 +474,7 @@ class Scheduler:
         return out
 
     def _load(self) -> SchedulerState:
+        self._collect()  # (what was in flight landed, or failed: it is in Redis or not)
         quarantined: list[Quarantined] = []
         with self.lease.kept():
             state = load_state(
@@ -404,8 +515,13 @@ class Scheduler:
     def stop(self) -> None:
         self._stopping = True
 
-    def process(self, entries: list[Entry], events: list[Event] = ()) -> None:
-        """Apply one batch of decoded stream entries: transition, write atomically.
+    def process(
+        self, entries: list[Entry], events: list[Event] = (), *, ahead: bool | None = None
+    ) -> None:
+        """Apply one batch of decoded stream entries: transition, write atomically.  The
+        lead loop passes ``ahead``: the write is then left in flight, with a read of the
+        next entries behind it if ``ahead`` is true (see ``_send``); without it, the write
+        has landed when this returns.
 
         If the state machine raises on a batch (a bug, or a message that passed validation
         but makes no sense), the state is reloaded from Redis and the entries are retried
@@ -413,7 +529,9 @@ class Scheduler:
         never stop the cluster or crash every scheduler that reads it after a restart."""
         try:
             with self.lease.kept():
-                self._process(entries, list(events))
+                self._process(entries, list(events), bool(ahead))
+                if ahead is None:
+                    self._collect()
             self.heap.settle()
         except (FencedError, redis.RedisError):
             raise
@@ -446,7 +564,7 @@ class Scheduler:
                 ]
             )
 
-    def _process(self, entries: list[Entry], events: list[Event]) -> None:
+    def _process(self, entries: list[Entry], events: list[Event], ahead: bool = False) -> None:
         commands: list[list[Any]] = []
         acks: dict[str, list[bytes]] = defaultdict(list)
         received: list[Event] = []
@@ -462,6 +580,8 @@ class Scheduler:
         self._tell_restart_to_all(events)
         times = [time.monotonic()]
         instructions = self.state.handle_stimulus(*events)
+        if not (entries or instructions):
+            return  # (the scheduler's own prompt that changed nothing: nothing to write)
         times.append(time.monotonic())
         commands = self.translator.to_commands(instructions) + commands
         commands += self.translator.story(events, instructions)
@@ -473,12 +593,13 @@ class Scheduler:
             commands.append(["XDEL", stream, *ids])
         commands.append(["HSET", self.keys.meta, "seq", self.state.seq])
         times.append(time.monotonic())
-        self.apply(commands)
+        self._send(commands, read=ahead)
         times.append(time.monotonic())
         if times[-1] - times[0] > SLOW_BATCH * self.lease.ttl_ms / 1000:
             logger.warning(
                 "a batch of %d entries (%d events, %d instructions, %d commands) took "
-                "%.2f s: state machine %.2f s, translation %.2f s, write %.2f s; the lease "
+                "%.2f s: state machine %.2f s, translation %.2f s, the write before it and "
+                "sending its own %.2f s; the lease "
                 "is %.1f s",
                 len(entries), len(events), len(instructions), len(commands),
                 times[-1] - times[0], times[1] - times[0], times[2] - times[1],
@@ -491,6 +612,7 @@ class Scheduler:
         distributed), the one that asked among them."""
         restarts = [e for e in events if isinstance(e, Restart)]
         if restarts:
+            self._collect()  # (a client registered by the write in flight is connected)
             connected = [c.decode(errors="replace") for c in self.redis.hkeys(self.keys.clients)]
             for event in restarts:
                 event.connected = connected
@@ -507,7 +629,9 @@ class Scheduler:
         (see ``schema.APPLY_FENCED``): no script runs long enough for Redis to answer
         the other processes BUSY, and the write stays all-or-nothing for them.  Every
         part opens with a write that a full Redis allows, so batches get through one
-        (see ``_refused``); other refusals are waited out by the connection."""
+        (see ``_refused``); other refusals are waited out by the connection.  The write
+        in flight, if any, lands first."""
+        self._collect()
         started = time.monotonic()
         parts = [commands[i : i + MAX_SCRIPT_COMMANDS]
                  for i in range(0, len(commands), MAX_SCRIPT_COMMANDS)] or [[]]  # fmt: skip

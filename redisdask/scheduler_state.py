@@ -118,11 +118,11 @@ from redisdask.scheduler_tasks import (
     StreamPosition,
     TaskState,
     WorkerInfo,
-    key_prefix,
     priority_score,
     worker_stream_position,
 )
 from redisdask.state_machine import InvalidTransition
+from redisdask.stealing import WorkStealing
 
 logger = logging.getLogger(__name__)
 
@@ -149,9 +149,10 @@ def _pack_deaths(ts: TaskState) -> bytes:
     return schema.pack({"task": ts.key, "deaths": ts.deaths})
 
 
-class SchedulerState(DataMoves, Chains):
+class SchedulerState(DataMoves, WorkStealing, Chains):
     """Every task, worker and client the scheduler knows, and the rules between them
-    (``DataMoves``: the copies and moves clients ask for)."""
+    (``DataMoves``: the copies and moves clients ask for; ``WorkStealing``: claims moved
+    from busy workers to idle ones)."""
 
     def __init__(
         self,
@@ -173,6 +174,7 @@ class SchedulerState(DataMoves, Chains):
         self._candidates: deque[TaskState] = deque()
         self._holders_changed = False  # something a retirement or a rebalance waits for
         self._init_moves(rebalance)
+        self._init_stealing()
         self.placement = Placement(lambda: {a: ws.info for a, ws in self.workers.items()})
         self.durations = Durations()  # per task prefix, from the results accepted
         # results that came in and tasks that erred, since this state was built (metrics
@@ -865,7 +867,7 @@ class SchedulerState(DataMoves, Chains):
             return
         ts.nbytes, ts.type = int(ev.nbytes), ev.type
         if not ev.seceded:  # a seceded run mostly waited: its time is not its cost
-            self.durations.add(key_prefix(ts.key), ev.start, ev.stop)
+            self.durations.add(ts.prefix, ev.start, ev.stop)  # (its key_prefix, made once)
         self._transition(ts, "memory", worker=ws, value=ev.value, stimulus_id=ev.stimulus_id)
 
     def _handle_task_erred(self, ev: TaskErred) -> None:
@@ -918,6 +920,7 @@ class SchedulerState(DataMoves, Chains):
                 who_has = {key: ts.holders()}
                 self._emit(WorkerMsg(ev.stimulus_id, ev.worker, WhoHas(who_has)))
             elif ts.state == "memory":
+                ts.missed_by = ev.worker  # (decide_worker: the recompute goes there first)
                 self._lost_data(ts, stimulus_id=ev.stimulus_id)
 
     def _drop_holder(self, ts: TaskState, address: str, *, stimulus_id: str) -> bool:
@@ -1078,6 +1081,7 @@ class SchedulerState(DataMoves, Chains):
         Rebalance: DataMoves._handle_rebalance,
         RetryKeys: _handle_retry_keys,
         RetireWorkers: _handle_retire_workers,
+        **WorkStealing._STEAL_HANDLERS,
     }
 
     # ------------------------------------------------------------------ transitions
@@ -1131,6 +1135,7 @@ class SchedulerState(DataMoves, Chains):
         ``preferred`` one, ``redisdask.decide``), or the shared ready set."""
         placed = bool(ts.restrict or ts.resources)
         best = None if placed else decide_worker(ts, self.workers)
+        ts.missed_by = None
         ts.queued_on = (self._targets(ts) or ()) if placed else (best,) if best else ()
         self._emit(Enqueue(stimulus_id, ts.key, ts.score, ts.queued_on, ts.queued_on,
                            constrained=bool(ts.resources), placed=placed or bool(best),

@@ -132,6 +132,9 @@ class TaskState:
     suspicious: int = 0  # workers that died while it was processing there
     deaths: list[dict[str, Any]] = field(default_factory=list)  # their death records
     lost_on: str | None = None  # the worker whose death lost its only copy
+    # lost because this worker could not fetch it (``missing-data``: the holder may be
+    # alive behind a network cut): its recompute is offered there first (not persisted)
+    missed_by: str | None = None
     killed: bytes | None = None  # msgpack {task, deaths} when erred with KilledWorker
     replicas: int = 1  # copies wanted on distinct workers (client.replicate)
     replicating: set[str] = field(default_factory=set)  # workers asked for a copy

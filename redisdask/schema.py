@@ -602,13 +602,15 @@ local function admit(e)  -- whether a task of estimate e starts within the horiz
   if e then starts[first] = starts[first] + e else starts[first] = math.huge end
   return true
 end
+local taken = {}  -- claimed here: written 'processing' with the claim's entry id at the end
 local function fetch(key)
-  return redis.call('HMGET', ARGV[3] .. key, 'spec', 'deps', 'state', 'queued_on', 'resources',
-                    'chain')
+  local f = redis.call('HMGET', ARGV[3] .. key, 'spec', 'deps', 'state', 'queued_on', 'resources',
+                          'chain')
+  if taken[key] then f[3] = 'processing' end
+  return f
 end
 local function take(key, score, f, e)
-  local tkey = ARGV[3] .. key
-  redis.call('HSET', tkey, 'state', 'processing', 'worker', ARGV[1])
+  taken[key] = true
   redis.call('SADD', KEYS[3], key)
   local set = ':ready'
   if f[5] and f[5] ~= '' then set = ':constrained' end
@@ -776,7 +778,9 @@ end
 if #claimed > 0 then
   local id = redis.call('XADD', KEYS[4], '*', 'm',
     cmsgpack.pack({{op = 'claimed', worker = ARGV[1], keys = claimed, scores = scores}}))
-  for _, key in ipairs(claimed) do redis.call('HSET', ARGV[3] .. key, 'claim', id) end
+  for _, key in ipairs(claimed) do
+    redis.call('HSET', ARGV[3] .. key, 'state', 'processing', 'worker', ARGV[1], 'claim', id)
+  end
 end
 if full then blocked = blocked + 2 end
 if passed_over then blocked = blocked + 4 end
@@ -1023,6 +1027,22 @@ class Scripts:
         keys = [self.keys.lease, self.keys.lease_token, self.keys.applying, self.keys.leader]
         args = [token or "", pack_for_lua(commands), ttl_ms, *part]
         return self._apply_fenced(keys=keys, args=args, client=client)
+
+    def apply_fenced_command(
+        self, *, token: str | None, commands: list[list[Any]], ttl_ms: int
+    ) -> list[Any]:
+        """The ``EVALSHA`` of ``apply_fenced`` (one part) as a command to send by hand, for
+        a write sent without waiting for its reply (``redisdask/scheduler_pipe.py``).  It
+        fails ``NOSCRIPT`` where Redis lost the script: the caller sends it again through
+        ``apply_fenced``, which loads it."""
+        keys = [self.keys.lease, self.keys.lease_token, self.keys.applying, self.keys.leader]
+        args = [token or "", pack_for_lua(commands), ttl_ms, 1, 1]
+        return ["EVALSHA", self._apply_fenced.sha, len(keys), *keys, *args]
+
+    def load_apply_fenced(self) -> None:
+        """``SCRIPT LOAD`` ``APPLY_FENCED``, for ``apply_fenced_command`` on a connection
+        to a server that may not hold it yet."""
+        self._apply_fenced.registered_client.script_load(APPLY_FENCED)
 
     def through(
         self, *, key: str, ttl_ms: int | None, commands: list[list[Any]], client: Any = None

@@ -10,6 +10,7 @@ import pytest
 from redisdask.decide import decide_worker
 from redisdask.scheduler_instructions import Dequeue, Enqueue, Instruction
 from redisdask.scheduler_state import (
+    MissingData,
     RemoveWorker,
     RetireWorkers,
     TaskClaimed,
@@ -107,6 +108,23 @@ def test_another_worker_may_claim_a_task_placed_elsewhere():
     s.handle_stimulus(TaskClaimed(worker=W1, keys=["c"], stimulus_id="steal"))
     assert s.tasks["c"].state == "processing" and s.tasks["c"].processing_on == W1
     assert s.tasks["c"].queued_on == ()
+
+
+def test_a_recompute_after_a_failed_fetch_goes_first_to_the_worker_that_missed_it():
+    """W2 could not fetch ``x`` from W1 (a network cut: W1 is alive and keeps claiming).
+    The recompute of ``x``, a root task, went to the shared set, where W1 could take it
+    again and W2's fetch fail again, round after round (tests/test_network_cut.py)."""
+    s = make(W1, W2)
+    submit(s, "c1", [task("x"), task("y", ["x"])], ["y"])
+    finish(s, "x", W1, MB)
+    s.handle_stimulus(TaskClaimed(worker=W2, keys=["y"], stimulus_id="steal"))
+    out = s.handle_stimulus(MissingData(worker=W2, keys=["x"], errant_worker=W1, stimulus_id="m"))
+    ins = enqueued(out, "x")
+    assert (ins.workers, ins.preferred, s.tasks["x"].queued_on) == ((W2,), True, (W2,))
+    assert s.tasks["y"].state == "waiting"
+    finish(s, "x", W2, MB)  # ... and only that once: lost again, it goes anywhere
+    out = s.handle_stimulus(RemoveWorker(worker=W2, how="goodbye", stimulus_id="bye"))
+    assert enqueued(out, "x").workers == ()
 
 
 def test_when_the_preferred_worker_leaves_the_task_is_placed_again():

@@ -58,6 +58,9 @@ def samples() -> list[wire.Message]:
         wire.ClientMissingData(client="c", who_failed={"x": [W1, W2]}, stimulus_id="s"),
         wire.AddKeys(worker=W1, keys=["x"], nbytes={"x": 1}, stimulus_id="s"),
         wire.ReleasedKeys(worker=W1, keys=["x"], stimulus_id="s"),
+        wire.StolenKeys(
+            worker=W1, thief=W2, keys=["x"], scores=[3.0], refused=["y"], stimulus_id="s"
+        ),
         wire.FreeKeys(["x"]),
         wire.KeysRecorded(["x"]),
         wire.WhoHas({"x": [W1]}),
@@ -65,6 +68,7 @@ def samples() -> list[wire.Message]:
         wire.RestartWorker(),
         wire.RetireWorker(),
         wire.CloseWorker("the cluster is closing"),
+        wire.StealRequest(["x"], thief=W2),
         wire.KeyInMemory("x", [W1], nbytes=3, type="int"),
         wire.KeyErred(
             "x", exception=b"e", traceback=b"tb", exception_text="E", traceback_text="T",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import psutil
 import pytest
 import redis
 from polling import poll
-from tasklib import wait_for_file
+from tasklib import recorded, wait_for_file
 
 from redisdask import Client, LocalCluster
 from redisdask.embedded import EmbeddedRedis, find_redis_server, version
@@ -106,6 +107,34 @@ def test_a_full_redis_is_waited_out_and_named(
         r.config_set("maxmemory", 0)  # room again: work resumes by itself
         assert client.submit(inc, 2, pure=False).result(timeout=20) == 3
         assert _alive(cluster)
+
+
+def test_workers_outlive_a_full_redis_longer_than_their_ttl(
+    own_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Redis full for longer than ``scheduler.worker-ttl`` while work is queued: every
+    worker's heartbeat gets through, none is declared dead, none exits, no task runs
+    twice.  The claim loop waits out its refused claim holding the claim lock, and the
+    heartbeat loop waited behind it for that lock (its holding report): the heartbeats
+    stopped, the workers were declared dead and left, and their tasks ran again."""
+    monkeypatch.setenv("REDISDASK__SCHEDULER__WORKER_TTL", "1")
+    runs = tmp_path / "runs"
+    r = own_redis.client()
+    with (
+        LocalCluster(
+            nanny=False, n_workers=2, redis_url=own_redis.url, cluster_name="c"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        futures = client.map(recorded, range(100), runs=str(runs), delay=0.02, pure=False)
+        poll(lambda: runs.exists() and len(runs.read_text().split()) >= 20)
+        r.config_set("maxmemory", 1)
+        threading.Event().wait(3.0)  # the fault's length (3 TTLs), not a synchronisation
+        r.config_set("maxmemory", 0)
+        assert client.gather(futures) == list(range(100))
+        assert _alive(cluster) and len(client.scheduler_info()["workers"]) == 2
+    counts = Counter(runs.read_text().split())
+    assert not [k for k, n in counts.items() if n > 1], counts
 
 
 def _closed_port() -> int:

@@ -1387,7 +1387,9 @@ def test_throughput_map_10000():
     elapsed = time.perf_counter() - t0
     print(f"\nmap: {n} tasks, {elapsed * 1e6 / n:.1f} µs per task")
     assert done == n and s.tasks == {}
-    assert elapsed < 3.0
+    # a bound that catches work growing with the square of the tasks (minutes), not a
+    # speed assertion: a loaded 2-core machine is 5x slower (bench/ measures speed)
+    assert elapsed < 20.0
 
 
 @pytest.mark.timeout(30)
@@ -1412,7 +1414,9 @@ def test_throughput_tree_reduction_4096():
     assert done == len(tasks) == 2 * leaves - 1
     assert s.tasks[root].state == "memory"
     assert sum(ts.state == "memory" for ts in s.tasks.values()) == 1  # the rest released
-    assert elapsed < 3.0
+    # a bound that catches work growing with the square of the tasks (minutes), not a
+    # speed assertion: a loaded 2-core machine is 5x slower (bench/ measures speed)
+    assert elapsed < 20.0
     s.validate_state()
 
 

@@ -10,7 +10,15 @@ from typing import Any
 import msgpack
 import pytest
 
-from redisdask.protocol import AddKeys, Event, MissingData, ReleasedKeys, TaskErred, TaskFinished
+from redisdask.protocol import (
+    AddKeys,
+    Event,
+    MissingData,
+    ReleasedKeys,
+    StolenKeys,
+    TaskErred,
+    TaskFinished,
+)
 from redisdask.state_machine import InvalidTransition, table_problems
 from redisdask.workers.state import (
     AcquireReplicasEvent,
@@ -32,6 +40,7 @@ from redisdask.workers.state import (
     RetireEvent,
     SecedeEvent,
     StateMachineEvent,
+    StealRequestEvent,
     UnpauseEvent,
     UpdateWhoHasEvent,
     WorkerState,
@@ -349,6 +358,23 @@ def test_free_keys_of_task_in_flight() -> None:
     assert ws.tasks == {} and ws.data == {}
 
 
+def test_a_key_freed_in_flight_then_claimed_is_computed_when_the_transfer_fails() -> None:
+    """Its holder stopped (SIGSTOP) and was declared dead: the scheduler took back the
+    dependent and asked this worker to compute the key, whose transfer from the stopped
+    holder was still waiting on the peer deadline.  The claim was lost when it failed: the
+    key stayed missing, its claim unanswered, the dependent waiting for ever."""
+    ws = make()
+    ws.handle_stimulus(compute("z", {"a": ([A], 1)}))
+    ws.handle_stimulus(FreeKeysEvent(["z"], "free"))
+    assert ws.tasks["a"].state == "cancelled"
+    out = ws.handle_stimulus(compute("a", priority=(1,)))
+    assert ws.tasks["a"].state == "flight" and out == []  # the transfer may still bring it
+    out = ws.handle_stimulus(GatherDepNetworkFailureEvent(A, ["a"], "moved no byte", "nf"))
+    assert of(out, Execute) == [Execute("a", "nf")] and ws.tasks["a"].state == "executing"
+    out = ws.handle_stimulus(success("a", 5))
+    assert [r.key for r in of(out, TaskFinished)] == ["a"]
+
+
 def test_execute_failure() -> None:
     ws = make()
     ws.handle_stimulus(compute("x"))
@@ -452,6 +478,24 @@ def test_retire_hands_back_what_has_not_started_and_keeps_the_rest() -> None:
     ]
     assert ws.handle_stimulus(success("running")) == [finished("running")]
     assert set(ws.data) == {"running", "held"}
+
+
+def test_a_steal_request_gives_back_only_claims_that_have_not_started() -> None:
+    ws = make(nthreads=1)
+    ws.handle_stimulus(
+        compute("running"), compute("queued", priority=(2,)), compute("z", {"a": ([A], 1)})
+    )
+    assert ws.tasks["running"].state == "executing"
+    out = ws.handle_stimulus(StealRequestEvent(["running", "queued", "z", "gone"], B, "steal"))
+    assert of(out, StolenKeys) == [
+        StolenKeys(SELF, B, ["queued", "z"], [2.0, 0.0], ["running", "gone"], stimulus_id="steal")
+    ]
+    # they left this worker's state: they never run here (the thief runs them)
+    assert set(ws.tasks) == {"running", "a"} and ws.tasks["a"].state == "cancelled"
+    assert ws.handle_stimulus(success("running")) == [finished("running")]  # no Execute
+    assert ws.handle_stimulus(StealRequestEvent(["running"], B, "again")) == [
+        StolenKeys(SELF, B, [], [], ["running"], stimulus_id="again")
+    ]
 
 
 def test_acquire_replicas_of_a_key_that_erred_or_went_missing_here_fetches_it() -> None:
@@ -709,6 +753,7 @@ def test_validate_state_catches_corruption() -> None:
         ws.validate_state()
 
 
+@pytest.mark.timeout(30)
 def test_speed_of_trivial_tasks() -> None:
     n = 10_000
     ws = WorkerState(address=SELF, nthreads=4)  # validate off: it is O(tasks) per event
@@ -721,7 +766,8 @@ def test_speed_of_trivial_tasks() -> None:
     print(f"{elapsed / n * 1e6:.1f} µs per task (compute + success)")
     assert len(ws.data) == n
     ws.validate_state()
-    assert elapsed < 2.0
+    # catches work growing with the square of the tasks, not a speed assertion (bench/)
+    assert elapsed < 15.0
 
 
 # --- randomized --------------------------------------------------------------------

@@ -43,6 +43,8 @@ Task states and the transitions implemented here::
     PutDataEvent: released | waiting | ready | fetch | flight | missing | error ──► memory
     FreeKeysEvent: any resting state ──► released (then forgotten); running ──► cancelled
                    (not a copy put here that the scheduler has not recorded yet, below)
+    StealRequestEvent: a claim not started, waiting | ready ──► released (given back for
+                   another worker, ``StolenKeys``); any other is refused, and runs here
 
 * ``released`` is transient: a task that is neither *wanted* (claimed by / pushed to this
   worker, so the scheduler expects it here) nor needed by a dependent is forgotten at
@@ -101,7 +103,15 @@ from redisdask.comm import MAX_KEYS_PER_MESSAGE
 from redisdask.durations import remaining, start_times
 from redisdask.errors import RedisDaskError
 from redisdask.placement import EPSILON, fits
-from redisdask.protocol import NO_SCORE, AddKeys, MissingData, ReleasedKeys, TaskErred, TaskFinished
+from redisdask.protocol import (
+    NO_SCORE,
+    AddKeys,
+    MissingData,
+    ReleasedKeys,
+    StolenKeys,
+    TaskErred,
+    TaskFinished,
+)
 from redisdask.schema import REDIS_COPY
 from redisdask.state_machine import InvalidTransition
 from redisdask.typenames import type_name
@@ -312,6 +322,17 @@ class RetireEvent(StateMachineEvent):
 
 
 @dataclass(slots=True)
+class StealRequestEvent(StateMachineEvent):
+    """The scheduler asks for ``keys`` back, for ``thief`` (work stealing,
+    ``redisdask.stealing``): the claims of them that have not started here are given
+    back (``StolenKeys``: they will not run here), the others refused."""
+
+    keys: list[str]
+    thief: str
+    stimulus_id: str
+
+
+@dataclass(slots=True)
 class SecedeEvent(StateMachineEvent):
     """The thread running ``key`` left the pool (``secede()``, ``worker_client``): it
     waits on other tasks and no longer counts against ``nthreads``."""
@@ -363,7 +384,7 @@ class Rejoin(Instruction):
 
 # What the machine tells the scheduler: the protocol's worker -> scheduler messages
 # themselves, which the driver sends as they are (one definition of each field).
-Report = TaskFinished | TaskErred | MissingData | AddKeys | ReleasedKeys
+Report = TaskFinished | TaskErred | MissingData | AddKeys | ReleasedKeys | StolenKeys
 
 
 # ---------------------------------------------------------------------------------------
@@ -586,6 +607,12 @@ class WorkerState:
         # claim of a key in error is a new run, set up below like any claimed task
         if ts.state in ("waiting", "ready", "executing", "long-running"):
             return  # a duplicate claim
+        if ts.state == "cancelled" and ts.previous == "flight":
+            # freed in flight (its holder was declared dead: its dependent here was taken
+            # back), now claimed to compute here: resumed in flight, with the claim
+            # deferred as below.  Resumed without it, a failed transfer left the key
+            # missing and its claim unanswered for ever (a SIGSTOPped holder, issue 22)
+            self._transition(ts, "flight", stimulus_id=sid)
         if ts.state == "flight":
             ts.deferred = ev  # the transfer may still bring it; if it fails, compute it
             if ts.held is None:
@@ -796,6 +823,30 @@ class WorkerState:
         if handed_back:
             self._emit(ReleasedKeys(self.address, handed_back, scores, stimulus_id=stimulus_id))
 
+    def _handle_steal_request(self, ev: StealRequestEvent) -> None:
+        """Give back the asked-for claims that have not started, as ``_hand_back_unstarted``
+        does: only this worker knows whether a run started, so a task is never run both
+        here and by the thief.  Not one a claimed task here depends on, nor a claim
+        deferred behind a run or a transfer of its key."""
+        stolen, scores, refused = [], [], []
+        for key in ev.keys:
+            ts = self.tasks.get(key)
+            if (
+                ts is None
+                or not ts.wanted
+                or ts.state not in ("waiting", "ready")
+                or ts.dependents
+                or ts.deferred is not None
+            ):
+                refused.append(key)
+                continue
+            ts.wanted = False
+            stolen.append(key)
+            scores.append(_run_score(ts))
+            self._release_if_unneeded(ts, ev.stimulus_id)
+        sid = ev.stimulus_id
+        self._emit(StolenKeys(self.address, ev.thief, stolen, scores, refused, stimulus_id=sid))
+
     def _handle_secede(self, ev: SecedeEvent) -> None:
         ts = self.tasks.get(ev.key)
         if ts is None:  # a stale message (its run was dropped): nothing to do
@@ -842,6 +893,7 @@ class WorkerState:
         RetireEvent: _handle_retire,
         SecedeEvent: _handle_secede,
         RejoinEvent: _handle_rejoin,
+        StealRequestEvent: _handle_steal_request,
     }
 
     # -- scheduling policies ---------------------------------------------------------

@@ -66,6 +66,7 @@ from redisdask.protocol import (
     MissingData,
     RemoveWorker,
     RetireWorkers,
+    StealRequest,
     WhoHas,
     parse,
 )
@@ -124,6 +125,7 @@ class Worker:
         claim_horizon: float = 0.02,
         connection_limit: int = 50,
         peer_timeout: float = comm.DEFAULT_DEAD_AFTER,
+        peer_connect_timeout: float = comm.DEFAULT_TIMEOUT,
         idle_timeout: float = comm.DEFAULT_IDLE_TIMEOUT,
         max_connections: int = comm.DEFAULT_MAX_CONNECTIONS,
         security: Security | None = None,
@@ -169,8 +171,9 @@ class Worker:
         self._claimed_values: dict[str, bytes] = {}
         self.transfers = TransferCounts()  # dependencies fetched, for the heartbeat
         self.connect_timeout = connect_timeout
-        # comm.timeouts.tcp, comm.timeouts.idle, comm.max-connections
+        # comm.timeouts.tcp, .connect, .idle, comm.max-connections
         self.peer_timeout, self.idle_timeout = peer_timeout, idle_timeout
+        self.peer_connect_timeout = peer_connect_timeout
         self.max_connections = max_connections
         self.validate = validate
         self.local_directory = Path(local_directory or tempfile.gettempdir()) / (
@@ -212,6 +215,7 @@ class Worker:
         self._chained: set[str] = set()  # claimed tasks whose records name a chain
         self._claimed_before: dict[str, int] = {}  # claimed key -> holding reports before it
         self._wake = asyncio.Event()
+        self._beat = asyncio.Event()  # a heartbeat landed: a holding report is due
         self._stopped = asyncio.Event()
         self._flush_wanted = asyncio.Event()
         self._linger: asyncio.TimerHandle | None = None
@@ -257,6 +261,7 @@ class Worker:
         self.pool = comm.ConnectionPool(
             secret,
             limit=self.connection_limit,
+            timeout=self.peer_connect_timeout,
             tls=self.security.client_context(),
             dead_after=self.peer_timeout,
         )
@@ -299,6 +304,7 @@ class Worker:
             Path(self._address_file).write_text(self.address)  # for its nanny: which worker
         self.status = "running"
         loops = [self._claim_loop, self._listen_loop, self._heartbeat_loop, self._flush_loop]
+        loops.append(self._holding_loop)
         if self.memory.monitoring:
             loops.append(self.memory.monitor)
         if self.lifetime is not None:
@@ -937,6 +943,17 @@ class Worker:
             self._report(Holding(self.address, sorted(keys)))
             await self._flush()
 
+    async def _holding_loop(self) -> None:
+        """A holding report after each heartbeat, apart from the heartbeat loop: a report
+        waits for the claim lock, which a claim refused by a full Redis holds while it
+        waits the refusal out, and the heartbeats, which get through a full Redis, must
+        not wait with it (behind it, a refusal longer than ``scheduler.worker-ttl`` had
+        every worker declared dead: they left, and their tasks ran again)."""
+        while self.status == "running":
+            await self._beat.wait()
+            self._beat.clear()
+            await self._report_holding()
+
     async def _heartbeat_loop(self) -> None:
         ttl = int(self.worker_ttl * 1000)
         while self.status == "running":
@@ -975,7 +992,7 @@ class Worker:
             if not registered and await self._removed():
                 self._leave_removed(None)
                 return
-            await self._report_holding()
+            self._beat.set()  # (_holding_loop)
             await asyncio.sleep(self.heartbeat_interval)  # a heartbeat is a timer by nature
 
     async def _removed(self) -> bool:
@@ -1216,6 +1233,8 @@ def _inbox_events(
             events.append(ws.UpdateWhoHasEvent(msg.who_has, sid))
         elif isinstance(msg, AcquireReplicas):
             events.append(ws.AcquireReplicasEvent(msg.who_has, sid))
+        elif isinstance(msg, StealRequest):
+            events.append(ws.StealRequestEvent(msg.keys, msg.thief, sid))
         else:  # restart, retire, close: for the driver
             reason = msg.reason if isinstance(msg, CloseWorker) else msg.op
             events.append(_Command(msg.op, sid, reason))
@@ -1235,6 +1254,7 @@ def options_from_config(config: Any) -> dict[str, Any]:
         "claim_horizon": config.worker.claim_horizon,
         "connection_limit": config.worker.connection_limit,
         "peer_timeout": config.comm.timeouts.tcp,
+        "peer_connect_timeout": config.comm.timeouts.connect,
         "idle_timeout": config.comm.timeouts.idle,
         "max_connections": config.comm.max_connections,
         "transfer_batch_bytes": config.worker.transfer_batch_bytes,
