@@ -418,12 +418,17 @@ class RemoveWorker(Event):
 
 @dataclass(slots=True)
 class TaskClaimed(Event):
-    """Written by the CLAIM script; ``scores`` say which run of each key was popped."""
+    """Written by the CLAIM script; ``scores`` say which run of each key was popped.
+    ``chained``: written by the FINISH script, which claimed ``keys`` while they were
+    still waiting, on tasks processing on ``worker`` whose results the same entry
+    reports next (docs/design.md, "Chains")."""
 
     op: ClassVar[str] = "claimed"
+    optional: ClassVar[frozenset[str]] = frozenset({"chained"})
     worker: str
     keys: list[str] = field(default_factory=list)
     scores: list[Any] = field(default_factory=list)
+    chained: bool = False
 
 
 @dataclass(slots=True)

@@ -142,6 +142,15 @@ class ClaimAccepted(Instruction):
 
 
 @dataclass(slots=True)
+class MarkChain(Instruction):
+    """Write the ``chain`` of task ``key``: the dependents that wait on it alone, which
+    the worker that finishes it may claim in the same step (``redisdask/scheduler_chain.py``)."""
+
+    key: str
+    chain: list[str]
+
+
+@dataclass(slots=True)
 class SetDurations(Instruction):
     """Write the duration averages of these task prefixes (``redisdask/durations.py``),
     which the CLAIM script reads to size claims."""

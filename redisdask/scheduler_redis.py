@@ -44,6 +44,7 @@ from redisdask.scheduler_instructions import (
     ForgetWorker,
     Instruction,
     LogEvent,
+    MarkChain,
     RecordDeath,
     RecordRebalance,
     ResetCluster,
@@ -245,6 +246,9 @@ class Translator:
             entry = ins.stimulus_id.partition(":")[2].partition("/")[0]
             b.fields(ins.key).update(state="processing", worker=ins.worker, claim=entry)
 
+    def _mark_chain(self, ins: MarkChain, b: _Batch) -> None:
+        b.fields(ins.key).update(TaskRecord.encode({"chain": ins.chain}))
+
     def _client_msg(self, ins: ClientMsg, b: _Batch) -> None:
         if not schema.is_holder(ins.client):  # a holder is no process: nobody would read it
             b.client_msgs[ins.client].append(ins.msg.to_dict())
@@ -366,6 +370,7 @@ _TRANSLATIONS: dict[type[Instruction], Callable[[Translator, Any, _Batch], None]
     Dequeue: Translator._dequeue,
     Unclaim: Translator._unclaim,
     ClaimAccepted: Translator._claim_accepted,
+    MarkChain: Translator._mark_chain,
     ClientMsg: Translator._client_msg,
     WorkerMsg: Translator._worker_msg,
     SetWants: Translator._set_wants,
@@ -783,6 +788,7 @@ def _task_state(key: str, rec: TaskRecord, state: SchedulerState) -> TaskState:
     # a claim made before this scheduler started may be on its way, over which the last
     # one may have written: the first accepted claim of a queued task is written again
     ts.dequeued = ts.state == "queued"
+    ts.chain = tuple(rec.chain)  # (a hint: FINISH and the scheduler check each use)
     ts.erred_on = rec.erred_on or None
     ts.suspicious, ts.replicas = rec.suspicious, rec.replicas
     ts.deaths, ts.killed = rec.deaths, rec.killed

@@ -90,6 +90,7 @@ from redisdask.protocol import (
     UpdateGraph,
     WhoHas,
 )
+from redisdask.scheduler_chain import Chains
 from redisdask.scheduler_instructions import (
     ClaimAccepted,
     ClientMsg,
@@ -148,7 +149,7 @@ def _pack_deaths(ts: TaskState) -> bytes:
     return schema.pack({"task": ts.key, "deaths": ts.deaths})
 
 
-class SchedulerState(DataMoves, WorkStealing):
+class SchedulerState(DataMoves, WorkStealing, Chains):
     """Every task, worker and client the scheduler knows, and the rules between them
     (``DataMoves``: the copies and moves clients ask for; ``WorkStealing``: claims moved
     from busy workers to idle ones)."""
@@ -731,6 +732,8 @@ class SchedulerState(DataMoves, WorkStealing):
             fields = {"worker": ws.address, "name": ws.info.get("name"), "reason": ev.reason}
             self._emit(LogEvent(ev.stimulus_id, "worker-left", fields))
         for ts in processing:
+            if ts.state != "processing":
+                continue  # chained on one of them, and taken back with it (_unchain)
             ts.processing_on = None
             self._emit(Unclaim(ev.stimulus_id, ws.address, ts.key))
             if died:
@@ -818,6 +821,9 @@ class SchedulerState(DataMoves, WorkStealing):
         ws = self.workers.get(ev.worker)
         scores = list(ev.scores) + [NO_SCORE] * (len(ev.keys) - len(ev.scores))
         for key, score in zip(ev.keys, scores, strict=False):
+            if ev.chained:  # claimed by FINISH while waiting (scheduler_chain.py)
+                self._chained_claim(key, score, ev.worker, stimulus_id=ev.stimulus_id)
+                continue
             ts = self.tasks.get(key)
             try:
                 stale = ts is not None and _stale(float(score), ts)
@@ -1091,6 +1097,8 @@ class SchedulerState(DataMoves, WorkStealing):
             story = self.stories(ts.key)
             raise InvalidTransition(ts.key, start, finish, stimulus_id, story)
         func(self, ts, stimulus_id=stimulus_id, **kwargs)
+        if finish not in ("processing", "memory") and ts.dependents:
+            self._unchain(ts, stimulus_id=stimulus_id)  # (scheduler_chain.py)
 
     def _set_state(self, ts: TaskState, finish: str, *, stimulus_id: str) -> None:
         """Every change of a task's state goes through here, which tells its story."""
@@ -1109,6 +1117,7 @@ class SchedulerState(DataMoves, WorkStealing):
             return
         if ts.waiting_on:
             self._emit(SetState(stimulus_id, ts.key, "waiting"))
+            self._mark_chain(ts, stimulus_id=stimulus_id)
         else:
             self._transition(ts, "queued", stimulus_id=stimulus_id)
 
@@ -1188,6 +1197,7 @@ class SchedulerState(DataMoves, WorkStealing):
         self._set_state(ts, "waiting", stimulus_id=stimulus_id)
         ts.waiting_on = {d for d in ts.dependencies if d.state != "memory"}
         self._emit(SetState(stimulus_id, ts.key, "waiting"))
+        self._mark_chain(ts, stimulus_id=stimulus_id)
 
     def _transition_processing_queued(self, ts: TaskState, *, stimulus_id: str) -> None:
         if ts.processing_on is not None:
@@ -1195,6 +1205,9 @@ class SchedulerState(DataMoves, WorkStealing):
             if ws is not None:
                 ws.processing.discard(ts)
             ts.processing_on = None
+        if any(d.state != "memory" for d in ts.dependencies):  # chained on a task not done
+            self._wait_again(ts, stimulus_id=stimulus_id)
+            return
         self._transition_waiting_queued(ts, stimulus_id=stimulus_id)
 
     def _transition_queued_processing(
@@ -1246,6 +1259,8 @@ class SchedulerState(DataMoves, WorkStealing):
             dependent.waiting_on.discard(ts)
             if dependent.state == "waiting" and not dependent.waiting_on:
                 self._transition(dependent, "queued", stimulus_id=stimulus_id)
+            elif dependent.state == "waiting":
+                self._mark_chain(dependent, stimulus_id=stimulus_id)
 
     def _add_replica(self, ts: TaskState, worker: str) -> None:
         ts.who_has.add(worker)
@@ -1384,6 +1399,7 @@ class SchedulerState(DataMoves, WorkStealing):
         ("waiting", "no-worker"): _transition_waiting_no_worker,
         ("waiting", "erred"): _transition_waiting_erred,
         ("waiting", "released"): _transition_waiting_released,
+        ("waiting", "processing"): Chains._transition_waiting_processing,
         ("queued", "processing"): _transition_queued_processing,
         ("queued", "waiting"): _transition_queued_waiting,
         ("queued", "no-worker"): _transition_queued_no_worker,

@@ -532,7 +532,8 @@ return token
 # (the scheduler writes it as it queues the task; ``workers`` holds the restriction as
 # given, which may name hosts or names).  Returns {tasks, last ready-signal id, inbox
 # entries after ARGV[5], flags (1: blocked for resources, 2: full)}; each task is {key,
-# spec, score, {{dep, who_has, nbytes[, value]}...}, resources, estimate ('' if none)}:
+# spec, score, {{dep, who_has, nbytes[, value]}...}, resources, estimate ('' if none),
+# '1' if its record has a ``chain`` (FINISH looks it up when the task finishes) else ''}:
 # ``value``, a dependency's result kept in its record, for up to 4 MiB of them per claim
 # (the rest is read when fetched).  The inbox entries were written before anything claimed
 # here was queued (e.g. free-keys of an earlier run of a key that is queued again); the
@@ -603,7 +604,8 @@ local function admit(e)  -- whether a task of estimate e starts within the horiz
 end
 local taken = {}  -- claimed here: written 'processing' with the claim's entry id at the end
 local function fetch(key)
-  local f = redis.call('HMGET', ARGV[3] .. key, 'spec', 'deps', 'state', 'queued_on', 'resources')
+  local f = redis.call('HMGET', ARGV[3] .. key, 'spec', 'deps', 'state', 'queued_on', 'resources',
+                          'chain')
   if taken[key] then f[3] = 'processing' end
   return f
 end
@@ -632,7 +634,8 @@ local function take(key, score, f, e)
       end
     end
   end
-  out[#out + 1] = {key, f[1], score, deps, f[5] or '', e and tostring(e) or ''}
+  local chained = (f[6] and f[6] ~= '') and '1' or ''  -- FINISH may look its chain up
+  out[#out + 1] = {key, f[1], score, deps, f[5] or '', e and tostring(e) or '', chained}
   claimed[#claimed + 1] = key
   scores[#scores + 1] = score
 end
@@ -786,6 +789,129 @@ return {out, last_id, redis.call('XRANGE', KEYS[7], '(' .. ARGV[5], '+'), blocke
 )
 
 
+# A worker's reports (THROUGH's opening: KEYS[1], its ``alive`` key, renewed for ARGV[1]
+# ms, so they get through a full Redis), and the **chained claim** of the dependents its
+# finished tasks free (docs/design.md, "Chains"), in one atomic step.  KEYS: the worker's
+# alive key, the workers stream, the worker's processing set, its inbox, the durations
+# hash, the workers hash.  ARGV: the alive TTL (ms), the worker's address, the task key
+# prefix, the last inbox id the worker read, how many tasks it may claim (0: none), the
+# number of reports, the reports (each a msgpack map, concatenated: the body of a msgpack
+# array), how many links deeper it may claim (below), then the keys of the tasks whose
+# ``task-finished`` is among them.  A finished
+# task whose record says it is processing on this worker (the claim still holds) may
+# name in its ``chain`` field (msgpack list, written by the scheduler) the dependents
+# that wait on it alone; each one still ``waiting``, with no ``workers`` nor ``resources``,
+# whose other dependencies are in memory, inline (``value``) or held by this worker, is
+# claimed here as CLAIM claims: processing, in the processing set, ``claim`` naming the
+# entry.  A task claimed here may bring one of its own chain along (its dependencies then
+# include it), and so on, ARGV[8] such links at most, while their estimates (durations)
+# add up to at most ARGV[9] seconds (the claim horizon) with everything claimed here
+# (none: no deeper link): a chain of small tasks runs here link after link with no
+# round trip between them, and the worker holds no more than its claim budget allows.
+# The entry is one XADD whose ``m`` is [claimed (with
+# ``chained``), reports...]: the scheduler reads the claim and the results it follows in
+# one batch, the claim first (it accepts a chained claim only from the worker the
+# unfinished dependencies are processing on, and takes back the links chained on a task
+# that does not finish there).  Returns {tasks (as CLAIM's), inbox entries after ARGV[4] (only
+# with a claim: the worker applies them first, as CLAIM's)}.
+FINISH = (
+    KEY_PREFIX_LUA
+    + """
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+local me, prefix = ARGV[2], ARGV[3]
+local want, deep_left = tonumber(ARGV[5]), tonumber(ARGV[8])
+local horizon = tonumber(ARGV[9]) or 0
+local spent = 0  -- the estimated run time of what this call claimed so far (seconds)
+local out, claimed, scores = {}, {}, {}
+if want > 0 and redis.call('HEXISTS', KEYS[6], me) == 1 then
+  local done, queue = {}, {}  -- queue: {chain, deep}: the chains to look at, in order
+  for i = 10, #ARGV do
+    local f = redis.call('HMGET', prefix .. ARGV[i], 'state', 'worker', 'chain')
+    if f[1] == 'processing' and f[2] == me then
+      done[ARGV[i]] = true
+      if f[3] then queue[#queue + 1] = {f[3], false} end
+    end
+  end
+  local seen, first = {}, 0
+  local function held(dep)  -- {dep, who_has, nbytes[, value]} if this worker can have it
+    if done[dep] then return {dep, '', '0'} end
+    local d = redis.call('HMGET', prefix .. dep, 'state', 'who_has', 'nbytes', 'value')
+    if d[1] ~= 'memory' then return nil end
+    if d[4] and d[4] ~= '' then return {dep, d[2] or '', d[3] or '0', d[4]} end
+    if string.find(' ' .. (d[2] or '') .. ' ', ' ' .. me .. ' ', 1, true) then
+      return {dep, d[2], d[3] or '0'}
+    end
+    return nil
+  end
+  local function take(key, deep)  -- claims ``key`` if it may run here: its record, or nil
+    local tkey = prefix .. key
+    local e = tonumber(redis.call('HGET', KEYS[5], key_prefix(key)) or '')
+    if deep and not (e and spent + e <= horizon) then return nil end  -- (the budget)
+    local f = redis.call('HMGET', tkey, 'spec', 'deps', 'state', 'workers', 'resources',
+                         'score', 'chain')
+    if not (f[1] and f[3] == 'waiting' and (f[4] or '') == '' and (f[5] or '') == '') then
+      return nil
+    end
+    local deps = {}
+    for _, dep in ipairs(cmsgpack.unpack(f[2] or '\\144')) do
+      local d = held(dep)
+      if not d then return nil end
+      deps[#deps + 1] = d
+    end
+    redis.call('HSET', tkey, 'state', 'processing', 'worker', me)
+    redis.call('SADD', KEYS[3], key)
+    spent = spent + (e or math.huge)
+    out[#out + 1] = {key, f[1], f[6] or '0', deps, '', e and tostring(e) or '',
+                     (f[7] and f[7] ~= '') and '1' or ''}
+    claimed[#claimed + 1] = key
+    scores[#scores + 1] = f[6] or '0'
+    done[key] = true  -- (what waits on it alone may follow it here)
+    return f
+  end
+  local qi = 1
+  while qi <= #queue do
+    local chain, deep = queue[qi][1], queue[qi][2]
+    qi = qi + 1
+    local ok_list, keys = pcall(cmsgpack.unpack, chain)
+    if not ok_list or type(keys) ~= 'table' then keys = {} end
+    for _, key in ipairs(keys) do
+      if (deep and deep_left <= 0) or (not deep and first >= want) then break end
+      if type(key) == 'string' and not seen[key] then
+        seen[key] = true
+        local f = take(key, deep)
+        if f then
+          if deep then deep_left = deep_left - 1 else first = first + 1 end
+          if f[7] then queue[#queue + 1] = {f[7], true} end
+          if deep then break end  -- one link further per link claimed here
+        end
+      end
+    end
+  end
+end
+local n = tonumber(ARGV[6])
+local body = ARGV[7]
+if #claimed > 0 then
+  n = n + 1
+  body = cmsgpack.pack({op = 'claimed', worker = me, keys = claimed, scores = scores,
+                        chained = true}) .. body
+end
+local header
+if n < 16 then
+  header = string.char(144 + n)
+elseif n < 65536 then
+  header = string.char(220, math.floor(n / 256), n % 256)
+else
+  header = string.char(221, math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256,
+                       math.floor(n / 256) % 256, n % 256)
+end
+local id = redis.call('XADD', KEYS[2], '*', 'm', header .. body)
+if #claimed == 0 then return {out, {}} end
+for _, key in ipairs(claimed) do redis.call('HSET', prefix .. key, 'claim', id) end
+return {out, redis.call('XRANGE', KEYS[4], '(' .. ARGV[4], '+')}
+"""
+)
+
+
 # One page of the task records, for ``load_state``: SSCAN of the tasks set from cursor
 # ARGV[1] (COUNT ARGV[2]), and each member's hash (the task prefix ARGV[3] + the key)
 # without what a reloading scheduler never reads: ``spec`` becomes '' (present: the task
@@ -883,6 +1009,7 @@ class Scripts:
         self._claim: Script = client.register_script(CLAIM)
         self._load_tasks: Script = client.register_script(LOAD_TASKS)
         self._through: Script = client.register_script(THROUGH)
+        self._finish: Script = client.register_script(FINISH)
 
     def apply_fenced(
         self,
@@ -966,6 +1093,31 @@ class Scripts:
                   k.worker_constrained(worker), k.durations, k.placed, k.heartbeats],
             args=[worker, count, k.task_prefix, k.prefix, last_inbox_id, free, *budget,
                   READY_SIGNAL_MAXLEN],
+        )  # fmt: skip
+
+    def finish(
+        self,
+        *,
+        worker: str,
+        ttl_ms: int,
+        reports: Sequence[bytes],
+        finished: Sequence[str],
+        chain: int,
+        last_inbox_id: str,
+        deeper: int = 0,
+        horizon: float = 0.0,
+    ) -> Any:
+        """XADD ``reports`` (each packed alone) as one entry of the workers stream, and
+        claim for ``worker`` up to ``chain`` dependents that the ``finished`` tasks free,
+        and up to ``deeper`` links that wait on those alone, of known estimates that add
+        up to at most ``horizon`` seconds (see ``FINISH``); returns
+        ``[tasks, inbox entries]`` (as ``claim``'s)."""
+        k = self.keys
+        return self._finish(
+            keys=[k.worker_alive(worker), k.worker_stream, k.worker_processing(worker),
+                  k.worker_inbox(worker), k.durations, k.workers],
+            args=[ttl_ms, worker, k.task_prefix, last_inbox_id, chain, len(reports),
+                  b"".join(reports), deeper, horizon, *finished],
         )  # fmt: skip
 
 

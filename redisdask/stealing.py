@@ -204,6 +204,9 @@ class WorkStealing:
         targets = self._targets(ts)
         if targets is None or (targets and thief not in targets):
             return False
+        if ts.waiting_on or any(d.state == "processing" and ts in d.waiting_on
+                                for d in ts.dependents):  # fmt: skip
+            return False  # a chain claimed together runs together (scheduler_chain.py)
         estimate = self.durations.averages.get(ts.prefix, UNKNOWN_DURATION)
         return transfer_seconds(ts, thief) <= COST_RATIO * estimate
 

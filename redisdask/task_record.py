@@ -133,6 +133,7 @@ _ENCODERS: dict[str, Callable[[Any], Any]] = {
     "resources": format_resources,
     "queued_on": join_words,
     "passed_over": _same,
+    "chain": _packed,
     "exception": _bytes_or_empty,
     "traceback": _bytes_or_empty,
     "exception_text": _same,
@@ -170,6 +171,7 @@ class TaskRecord:
     resources: dict[str, float] = field(default_factory=dict)  # what one run needs
     queued_on: list[str] | None = None  # None: absent (a record older than the field)
     passed_over: str = ""  # Redis's time (ms) when a worker first left it placed (CLAIM)
+    chain: list[str] = field(default_factory=list)  # dependents FINISH may claim with it
     exception: bytes | None = None
     traceback: bytes | None = None
     exception_text: str = ""
@@ -305,6 +307,7 @@ _DECODERS: dict[bytes, tuple[str, Callable[[bytes], Any]]] = {
         "resources": split_resources,
         "queued_on": split_words,
         "passed_over": _text,
+        "chain": _strs,
         "exception": _bytes_or_none,
         "traceback": _bytes_or_none,
         "exception_text": _text,

@@ -13,7 +13,8 @@ state machine's own, in everything the records carry:
 * tasks: state, score, whether a spec is stored, dependencies and dependents, what they
   wait on and who waits on them, who wants them, who holds them, the worker of a
   processing task, size and type, retries, restriction (and whether it is a preference),
-  resources, the workers a queued restricted or resourced task is queued on, deaths,
+  resources, the workers a queued restricted or resourced task is queued on, its
+  ``chain``, deaths,
   ``suspicious``, ``killed``, replicas, the error (exception, traceback, their texts,
   where and whose) and ``rejected``;
 * the ``no-worker`` set, the sequence counter, workers (info, processing, held keys),
@@ -109,6 +110,7 @@ def carried(state: SchedulerState) -> dict[str, Any]:
             "resources": ts.resources,
             # (restricted, resourced, or placed by data on one worker: redisdask.decide)
             "queued_on": ts.queued_on if ts.state == "queued" else None,
+            "chain": ts.chain,  # (redisdask/scheduler_chain.py)
             "suspicious": ts.suspicious,
             "deaths": ts.deaths,
             "killed": ts.killed,

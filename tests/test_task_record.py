@@ -140,3 +140,13 @@ def test_releasing_an_erred_task_stores_an_empty_list_of_deaths() -> None:
     for name in ("deaths", "deps"):
         with pytest.raises(TypeError, match="stored form"):
             TaskRecord.encode({name: b""})
+
+
+def test_the_finish_script_reads_only_fields_of_the_record() -> None:
+    named = set(re.findall(r"'(\w+)'", " ".join(re.findall(r"HMGET', [^)]*", schema.FINISH))))
+    assert named and named <= set(FIELDS), named - set(FIELDS)
+    assert {"spec", "deps", "state", "chain", "who_has", "value", "score"} <= named
+    written = re.findall(r"HSET', (?:tkey|prefix \.\. key), (.*)\)", schema.FINISH)
+    assert written and set(re.findall(r"'(\w+)'", " ".join(written))) <= set(FIELDS) | {
+        "processing"
+    }

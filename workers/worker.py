@@ -89,6 +89,9 @@ logger = logging.getLogger("redisdask.worker")
 
 REPORT_BATCH = 100  # reports per XADD at most while threads are busy
 REPORT_LINGER = 0.002  # seconds a report may wait for companions while threads are busy
+CHAIN_LOOKUPS = 8  # finished tasks per free thread whose chains a report looks up at most
+CHAIN_DEPTH = 16  # links a report may claim beyond the dependents of its results
+CHAINED_KEPT = 100_000  # claimed keys with a chain remembered at most
 CLOSE_TIMEOUT = 2.0  # seconds background tasks get to stop when the worker closes
 HEARTBEAT_KEYS = 20  # executing task keys named in a heartbeat, at most
 RETIRE_REPEAT = 1.0  # seconds between a retiring worker's requests to be retired
@@ -209,6 +212,7 @@ class Worker:
         # holding report to its landing: so the workers stream orders them exactly
         self._claim_lock = asyncio.Lock()
         self._holding_reports = 0  # holding reports made so far
+        self._chained: set[str] = set()  # claimed tasks whose records name a chain
         self._claimed_before: dict[str, int] = {}  # claimed key -> holding reports before it
         self._wake = asyncio.Event()
         self._beat = asyncio.Event()  # a heartbeat landed: a holding report is due
@@ -721,6 +725,7 @@ class Worker:
                         )
                     self._handle_inbox(script_entries(inbox))
                     if claimed:
+                        self._note_chains(claimed)
                         events = [self._compute_event(c, self._claimed_values) for c in claimed]
                         for ev in events:
                             self._claimed_before[ev.key] = self._holding_reports
@@ -751,7 +756,7 @@ class Worker:
     def _compute_event(claimed: list[Any], values: dict[str, bytes]) -> ws.ComputeTaskEvent:
         """A claimed task; the small results of its dependencies that came with it go
         into ``values``."""
-        key, spec, score, deps, needs, estimate = claimed
+        key, spec, score, deps, needs, estimate, *_ = claimed
         key = key.decode()
         dependencies = {}
         for dep, who, nb, *value in deps:
@@ -861,14 +866,59 @@ class Worker:
                 return
             batch, self._outbox = self._outbox, []
             try:  # through a full Redis: reports move admitted work forward
-                await self.scripts.through(
-                    key=self.keys.worker_alive(self.address),
-                    ttl_ms=int(self.worker_ttl * 1000),
-                    commands=[["XADD", self.keys.worker_stream, "*", "m", schema.pack(batch)]],
-                )
+                await self._send_reports(batch)
             except BaseException:
                 self._outbox[:0] = batch  # not sent: keep the reports for the next attempt
                 raise
+
+    async def _send_reports(self, batch: list[dict[str, Any]]) -> None:
+        """One entry of the workers stream (``FINISH``, which gets through a full Redis),
+        which also claims the dependents that the finished tasks free, when this worker
+        has room: each link of a chain then costs this one round trip, not the
+        scheduler's and a claim's (docs/design.md, "Chains").  Not with a holding report
+        (the claim would land in the middle of the exchange it closes).  Only the
+        finished tasks whose claims said they have a chain are looked up, the last
+        ``CHAIN_LOOKUPS`` per free thread (a map's reports look nothing up)."""
+        chained = self._chained
+        finished = [
+            m["key"] for m in batch if m.get("op") == "task-finished" and m["key"] in chained
+        ]
+        chained.difference_update(finished)
+        room = 0
+        if (
+            finished
+            and self.status == "running"
+            and not any(m.get("op") == "holding" for m in batch)
+        ):
+            room = len(self.state.claim_budget(self.claim_horizon, time.time()))
+        holding_before, inbox_id = self._holding_reports, self._inbox_id
+        tasks, inbox = await self.scripts.finish(
+            worker=self.address,
+            ttl_ms=int(self.worker_ttl * 1000),
+            reports=[schema.pack(m) for m in batch],
+            # (the latest few: a batch of many tiny results costs no lookup per task)
+            finished=finished[-CHAIN_LOOKUPS * room :] if room else (),
+            chain=room,
+            last_inbox_id=inbox_id,
+            deeper=CHAIN_DEPTH if room else 0,
+            horizon=self.claim_horizon,
+        )
+        if not tasks:
+            return
+        self._handle_inbox(script_entries(inbox))  # (older than the claim: first)
+        self._note_chains(tasks)
+        events = [self._compute_event(c, self._claimed_values) for c in tasks]
+        for ev in events:
+            self._claimed_before[ev.key] = holding_before
+        self.handle(*events)
+        self._claimed_values.clear()
+
+    def _note_chains(self, claimed: list[Any]) -> None:
+        """Remember which claimed tasks have dependents chained on them (their records'
+        ``chain``, as the claim read it): only their reports look the chain up."""
+        if len(self._chained) > CHAINED_KEPT:  # (tasks claimed and never reported)
+            self._chained.clear()
+        self._chained.update(c[0].decode() for c in claimed if len(c) > 6 and c[6])
 
     async def _report_holding(self) -> None:
         """Tell the scheduler which of its claims this worker still has (claimed, not
