@@ -457,11 +457,17 @@ class Scheduler:
         return [CloseClient(client=client, stimulus_id=f"client-ttl-{client}") for client in gone]
 
     def _still_gone(self, dead: list[Event]) -> list[Event]:
-        """The deaths still to record once the waiting entries are applied: a client whose
-        ``alive`` key went with its goodbye (one write) closed, it did not stop
-        heartbeating; its goodbye has released its keys already."""
+        """The deaths still to record once the waiting entries are applied: a worker or a
+        client whose ``alive`` key went with its goodbye closed, it did not die (the
+        goodbye was waiting on its stream when the watch looked), and is not logged as
+        dead; the goodbye has done what the death would."""
         out: list[Event] = []
         for event in dead:
+            if isinstance(event, RemoveWorker):
+                if event.worker not in self.state.workers:  # its goodbye was waiting
+                    logger.info("worker %s left: it said goodbye", event.worker)
+                    continue
+                logger.warning("worker %s is dead (%s): %s", event.worker, event.how, event.reason)
             if isinstance(event, CloseClient):
                 if event.client not in self.state.clients:
                     logger.info("client %s closed: it said goodbye", event.client)
@@ -821,7 +827,6 @@ class WorkerWatch:
                     stimulus_id=f"watch-{how}-{time.time():.6f}",
                 )
             )
-            logger.warning("worker %s is dead (%s): %s%s", address, how, reason, age)
         return events
 
 

@@ -358,12 +358,13 @@ def test_a_stopped_scheduler_hands_the_lease_over_at_once(
 
 @pytest.mark.parametrize("behind", [0, 7])
 def test_a_worker_that_said_goodbye_as_its_heartbeat_went_is_not_recorded_dead(
-    redis_url: str, cluster_name: str, behind: int
+    redis_url: str, cluster_name: str, behind: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A closing worker writes its goodbye, then deletes its ``alive`` key.  A look for
     the dead that falls between the two writes and the scheduler's next read must apply
-    the goodbye first: the worker left, it did not die.  Also when the goodbye waits
-    behind more entries than one read takes (``behind``; it was recorded dead)."""
+    the goodbye first: the worker left, it did not die, and is not logged dead (it was,
+    at a LocalCluster's close).  Also when the goodbye waits behind more entries than one
+    read takes (``behind``; it was recorded dead)."""
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cluster_name)
     ensure_cluster(r, keys)
@@ -385,8 +386,11 @@ def test_a_worker_that_said_goodbye_as_its_heartbeat_went_is_not_recorded_dead(
     goodbye = {"op": "remove-worker", "worker": worker, "reason": "closed"}
     r.xadd(keys.worker_stream, entry([goodbye]))  # what Worker.close does, in its order
     r.delete(keys.worker_alive(worker))
-    scheduler.look_for_the_dead()
+    with caplog.at_level(logging.INFO, "redisdask.scheduler"):
+        scheduler.look_for_the_dead()
 
+    assert "is dead" not in caplog.text
+    assert f"worker {worker} left: it said goodbye" in caplog.text
     assert worker not in scheduler.state.workers and not r.hexists(keys.workers, worker)
     assert r.xlen(keys.deaths) == 0
     kinds = [unpack(f[b"m"])["kind"] for _, f in r.xrange(keys.events)]
