@@ -31,20 +31,11 @@ from __future__ import annotations
 from typing import Any
 
 from redisdask.scheduler_instructions import ClaimAccepted, MarkChain, SetState, Unclaim
-from redisdask.scheduler_tasks import TaskState, WorkerInfo, worker_stream_position
+from redisdask.scheduler_tasks import TaskState, WorkerInfo, other_run, worker_stream_position
 
 # dependents named in one task's chain at most (a fan-out needs no more: the first ones
 # follow on its worker, the others are queued as usual when the scheduler reads the result)
 CHAIN_MAX = 4
-
-
-def _stale(score: Any, ts: TaskState) -> bool:
-    """A claim of another run of the key than the scheduler's (see ``_stale`` there)."""
-    try:
-        value = float(score)
-    except (TypeError, ValueError):
-        return False
-    return value == value and value != ts.score
 
 
 class Chains:
@@ -87,7 +78,7 @@ class Chains:
         written over the script's ``processing``."""
         ts = self.tasks.get(key)
         ws = self.workers.get(worker)
-        if ts is not None and ws is not None and not _stale(score, ts):
+        if ts is not None and ws is not None and not other_run(score, ts):
             if ts.state == "processing" and ts.processing_on == worker:
                 ts.claimed_before = ws.holding_reports  # reloaded after the claim
                 return
@@ -97,7 +88,7 @@ class Chains:
         self._emit(Unclaim(stimulus_id, worker, key))  # type: ignore[attr-defined]
         if ts is None:
             return  # forgotten: the scheduler's DEL of its record wins
-        if not _stale(score, ts):
+        if not other_run(score, ts):
             self._free(worker, key, stimulus_id=stimulus_id)  # type: ignore[attr-defined]
         if ts.state == "processing":
             fields = {"worker": ts.processing_on or ""}

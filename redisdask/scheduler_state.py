@@ -118,6 +118,7 @@ from redisdask.scheduler_tasks import (
     StreamPosition,
     TaskState,
     WorkerInfo,
+    other_run,
     priority_score,
     worker_stream_position,
 )
@@ -128,12 +129,6 @@ logger = logging.getLogger(__name__)
 
 # states in which a task keeps its dependencies from being released
 HOLDS_DEPENDENCIES = ("waiting", "queued", "processing", "no-worker")
-
-
-def _stale(score: float, ts: TaskState) -> bool:
-    """A report for another run of the key than the current one (scores are unique per
-    submission: the run's position in submission order)."""
-    return score == score and score != ts.score  # NaN (no score given) is never stale
 
 
 def _before_claim(ts: TaskState, written: StreamPosition | None) -> bool:
@@ -826,7 +821,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 continue
             ts = self.tasks.get(key)
             try:
-                stale = ts is not None and _stale(float(score), ts)
+                stale = ts is not None and other_run(float(score), ts)
             except (TypeError, ValueError):
                 stale = False
             if stale:
@@ -856,7 +851,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
     def _handle_task_finished(self, ev: TaskFinished) -> None:
         ts = self.tasks.get(ev.key)
         ws = self.workers.get(ev.worker)
-        if ts is not None and _stale(ev.score, ts):
+        if ts is not None and other_run(ev.score, ts):
             return  # a result of an earlier run of this key, reported late: not this run's
         if ts is None or ws is None or ts.state != "processing" or ts.processing_on != ws.address:
             # a result nobody asked this worker for: a run of an earlier incarnation of the
@@ -874,7 +869,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         ts = self.tasks.get(ev.key)
         if ts is None or ts.state != "processing" or ts.processing_on != ev.worker:
             return
-        if _stale(ev.score, ts):
+        if other_run(ev.score, ts):
             return
         self._emit(Unclaim(ev.stimulus_id, ev.worker, ts.key))
         if ts.retries > 0:
@@ -1040,7 +1035,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         scores = list(ev.scores) + [NO_SCORE] * (len(ev.keys) - len(ev.scores))
         for key, score in zip(ev.keys, scores, strict=False):
             ts = self.tasks.get(key)
-            if ts is None or ws is None or _stale(float(score), ts):
+            if ts is None or ws is None or other_run(float(score), ts):
                 continue  # (stale: a run of the key before the current one)
             if ts in ws.processing:
                 ws.processing.discard(ts)

@@ -59,6 +59,17 @@ def key_prefix(key: str) -> str:
     return "-".join(parts) or "other"
 
 
+def other_run(score: Any, ts: TaskState) -> bool:
+    """A report or claim about another run of the key than the current one (scores are
+    unique per submission: the run's position in submission order).  No score given (NaN,
+    or none that reads as a number) is the current run."""
+    try:
+        value = float(score)
+    except (TypeError, ValueError):
+        return False
+    return value == value and value != ts.score
+
+
 def priority_score(user_priority: int, seq: int) -> float:
     """Ready-set score: smaller runs first; exact in a double for |priority| < 2**12."""
     return float(-user_priority * PRIORITY_SCALE + seq)

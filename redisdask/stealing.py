@@ -53,6 +53,7 @@ from redisdask.durations import Durations
 from redisdask.placement import Placement
 from redisdask.protocol import Event, StealRequest, StolenKeys
 from redisdask.scheduler_instructions import Enqueue, LogEvent, SetState, Unclaim, WorkerMsg
+from redisdask.scheduler_tasks import other_run
 
 if TYPE_CHECKING:
     from redisdask.scheduler_tasks import TaskState, WorkerInfo
@@ -250,7 +251,7 @@ class WorkStealing:
             if ts is None:
                 continue
             self.steals.pop(ts, None)
-            if victim is None or ts not in victim.processing or _other_run(score, ts):
+            if victim is None or ts not in victim.processing or other_run(score, ts):
                 continue
             victim.processing.discard(ts)
             self._emit(Unclaim(ev.stimulus_id, victim.address, key))
@@ -282,13 +283,3 @@ class WorkStealing:
         StealTick: _handle_steal_tick,
         StolenKeys: _handle_stolen_keys,
     }
-
-
-def _other_run(score: Any, ts: TaskState) -> bool:
-    """A report about another run of the key than the current one (as
-    ``scheduler_state._stale``; no score given: the current one)."""
-    try:
-        value = float(score)
-    except (TypeError, ValueError):
-        return False
-    return value == value and value != ts.score
