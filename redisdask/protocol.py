@@ -600,6 +600,26 @@ class StealRequest(InboxMessage):
     thief: str
 
 
+@dataclass(slots=True)
+class ComputeTask(InboxMessage):
+    """Run ``key``: the scheduler assigned it to this worker's free thread as it read the
+    task's submission (a root task: no dependencies, no restriction), instead of queueing
+    it for a claim (docs/design.md, "Push").  ``score``: its run, as a claim gives it;
+    ``started``: the worker process it is meant for (another process at the same address
+    ignores it: the scheduler gave the task to a worker that is gone); ``estimate``: its
+    prefix's duration average (negative: none yet); ``chain``: its record has a chain
+    (its report looks it up, as a claimed task's).  The spec comes beside the message in
+    the inbox entry (``schema.push_spec_field``), copied from the task's record there."""
+
+    op: ClassVar[str] = "compute-task"
+    optional: ClassVar[frozenset[str]] = frozenset({"estimate", "chain"})
+    key: str
+    score: float
+    started: float
+    estimate: float = -1.0
+    chain: bool = False
+
+
 # --------------------------------------------------------------------------- scheduler -> client
 
 
@@ -710,6 +730,7 @@ SCHEDULER_TO_WORKER: dict[str, type[InboxMessage]] = registry(
     RetireWorker,
     CloseWorker,
     StealRequest,
+    ComputeTask,
 )
 SCHEDULER_TO_CLIENT: dict[str, type[ClientEvent]] = registry(
     KeyInMemory, KeyErred, CancelledKeys, TaskRetried, Restarted, RetireRefused

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from redisdask.protocol import ClientEvent, InboxMessage
+from redisdask.protocol import ClientEvent, ComputeTask, InboxMessage
 
 
 @dataclass(slots=True)
@@ -107,6 +107,16 @@ class WorkerMsg(Instruction):
 
     worker: str
     msg: InboxMessage
+
+
+@dataclass(slots=True)
+class Push(Instruction):
+    """Give task ``msg.key`` to ``worker``'s free thread: ``processing`` there in its
+    record, into the worker's processing set, and its ``compute-task`` (with the spec,
+    copied from the task's record in the same script) into the worker's inbox."""
+
+    worker: str
+    msg: ComputeTask
 
 
 @dataclass(slots=True)

@@ -32,7 +32,7 @@ from redisdask.durations import Durations
 from redisdask.errors import ProtocolError, RecordError
 from redisdask.events import death_fields, event_command
 from redisdask.heap import no_collections
-from redisdask.protocol import SCHEDULER_EVENTS, AddWorker, Event, FreeKeys, parse
+from redisdask.protocol import SCHEDULER_EVENTS, AddWorker, ComputeTask, Event, FreeKeys, parse
 from redisdask.quarantine import REBALANCE_RECORD_TTL_MS, Quarantined, record_copy
 from redisdask.scheduler_instructions import (
     ClaimAccepted,
@@ -45,6 +45,7 @@ from redisdask.scheduler_instructions import (
     Instruction,
     LogEvent,
     MarkChain,
+    Push,
     RecordDeath,
     RecordRebalance,
     ResetCluster,
@@ -93,6 +94,7 @@ class _Batch:
     worker_msgs: defaultdict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
     free_keys: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     unclaims: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    pushes: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     exists: dict[str, bool] = field(default_factory=dict)  # stored (True) or forgotten, last wins
     forgotten: list[str] = field(default_factory=list)
     # per rebalance record: field -> value (None: deleted), last wins; and whether it is done
@@ -105,7 +107,7 @@ class _Batch:
     def reset_tasks(self) -> None:
         """Drop what the batch was to write about tasks: they are all gone now."""
         for pending in (self.task_fields, self.enqueue, self.enqueue_on, self.dequeue_on,
-                        self.exists, self.unclaims, self.free_keys):  # fmt: skip
+                        self.exists, self.unclaims, self.free_keys, self.pushes):  # fmt: skip
             pending.clear()
         self.dequeue.clear()
         self.forgotten.clear()
@@ -135,8 +137,16 @@ class _Batch:
             cmds.extend(_chunked(["SREM", k.worker_processing(worker)], keys))
         for worker, keys in self.free_keys.items():
             self.worker_msgs[worker].append(FreeKeys(keys).to_dict())
+        for worker, keys in self.pushes.items():
+            cmds.extend(_chunked(["SADD", k.worker_processing(worker)], keys))
         for worker, msgs in self.worker_msgs.items():
-            cmds.append(["XADD", k.worker_inbox(worker), "*", "m", schema.pack(msgs)])
+            entry = [k.worker_inbox(worker), "*", "m", schema.pack(msgs)]
+            pushed = {m["key"] for m in msgs if m["op"] == ComputeTask.op}
+            if pushed:  # each task's spec beside it, copied from its record (APPLY_FENCED)
+                specs = [x for key in pushed for x in (schema.push_spec_field(key), k.task(key))]
+                cmds.append([schema.XADD_WITH_SPECS, *entry, *specs])
+            else:
+                cmds.append(["XADD", *entry])
         for client, msgs in self.client_msgs.items():
             cmds.append(["XADD", k.client_events(client), "*", "m", schema.pack(msgs)])
         per_zset: dict[str, list[Any]] = defaultdict(list)
@@ -238,7 +248,11 @@ class Translator:
             b.dequeue_on[zset].append(ins.key)
 
     def _unclaim(self, ins: Unclaim, b: _Batch) -> None:
-        b.unclaims[ins.worker].append(ins.key)
+        pushed = b.pushes.get(ins.worker)
+        if pushed and ins.key in pushed:  # pushed in this batch: into the set no more
+            pushed.remove(ins.key)  # (the SADDs of pushes follow the SREMs)
+        else:
+            b.unclaims[ins.worker].append(ins.key)
 
     def _claim_accepted(self, ins: ClaimAccepted, b: _Batch) -> None:
         if ins.rewrite:  # written over since the claim script wrote it (see ClaimAccepted)
@@ -263,6 +277,11 @@ class Translator:
         if merged:
             b.worker_msgs[ins.worker].append(FreeKeys(merged).to_dict())
         b.worker_msgs[ins.worker].append(ins.msg.to_dict())
+
+    def _push(self, ins: Push, b: _Batch) -> None:
+        b.fields(ins.msg.key).update(state="processing", worker=ins.worker)
+        self._worker_msg(WorkerMsg(ins.stimulus_id, ins.worker, ins.msg), b)
+        b.pushes[ins.worker].append(ins.msg.key)
 
     def _set_wants(self, ins: SetWants, b: _Batch) -> None:
         wants = self.keys.client_wants(ins.client)
@@ -342,16 +361,21 @@ class Translator:
         each, with what caused each stimulus (``[op, origin]``), in entries of at most
         ``STORY_CHUNK`` transitions.  ``redisdask inspect task`` reads a task's story here."""
         transitions: list[list[str]] = []
+        causes: dict[str, list[str]] = {}
         for ins in instructions:
             if isinstance(ins, ClaimAccepted):
                 transitions.append([ins.key, "processing", ins.stimulus_id])
+            elif isinstance(ins, Push):  # its own cause: the worker it went to
+                pushed = f"{ins.stimulus_id}/push-{ins.worker}"
+                transitions.append([ins.msg.key, "processing", pushed])
+                causes[pushed] = ["pushed", ins.worker]
             elif isinstance(ins, SetState | StoreTask):
                 transitions.append([ins.key, ins.state, ins.stimulus_id])
             elif isinstance(ins, Forget):
                 transitions.append([ins.key, "forgotten", ins.stimulus_id])
         if not transitions:
             return []
-        causes = {ev.stimulus_id: [ev.op, _origin(ev)] for ev in events}
+        causes.update({ev.stimulus_id: [ev.op, _origin(ev)] for ev in events})
         now = time.time()
         cmds = []
         for i in range(0, len(transitions), schema.STORY_CHUNK):
@@ -370,6 +394,7 @@ _TRANSLATIONS: dict[type[Instruction], Callable[[Translator, Any, _Batch], None]
     Dequeue: Translator._dequeue,
     Unclaim: Translator._unclaim,
     ClaimAccepted: Translator._claim_accepted,
+    Push: Translator._push,
     MarkChain: Translator._mark_chain,
     ClientMsg: Translator._client_msg,
     WorkerMsg: Translator._worker_msg,

@@ -64,6 +64,7 @@ from redisdask.protocol import (
     ClientReleasesKeys,
     CloseClient,
     CloseWorker,
+    ComputeTask,
     Event,
     FreeKeys,
     Holding,
@@ -90,6 +91,7 @@ from redisdask.protocol import (
     UpdateGraph,
     WhoHas,
 )
+from redisdask.push import push_target, pushable
 from redisdask.scheduler_chain import Chains
 from redisdask.scheduler_instructions import (
     ClaimAccepted,
@@ -101,6 +103,7 @@ from redisdask.scheduler_instructions import (
     ForgetWorker,
     Instruction,
     LogEvent,
+    Push,
     RecordDeath,
     ResetCluster,
     SetDurations,
@@ -167,6 +170,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         self.validate = validate
         self._instructions: list[Instruction] = []
         self._candidates: deque[TaskState] = deque()
+        self._pushing = False  # root tasks queued now may go to a free thread (push.py)
         self._holders_changed = False  # something a retirement or a rebalance waits for
         self._init_moves(rebalance)
         self._init_stealing()
@@ -187,8 +191,10 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         stimulus_id = ""
         for event in events:
             stimulus_id = event.stimulus_id
+            self._pushing = type(event) is UpdateGraph  # (redisdask.push)
             self._HANDLERS[type(event)](self, event)
             self._drain(stimulus_id=stimulus_id)
+        self._pushing = False
         if self._holders_changed:
             self._holders_changed = False
             self._move_retiring_data(stimulus_id=stimulus_id)
@@ -814,6 +820,8 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
 
     def _handle_claimed(self, ev: TaskClaimed) -> None:
         ws = self.workers.get(ev.worker)
+        if ws is not None and not ev.chained:
+            ws.no_push = False  # it claims: it runs what it is given (redisdask.push)
         scores = list(ev.scores) + [NO_SCORE] * (len(ev.keys) - len(ev.scores))
         for key, score in zip(ev.keys, scores, strict=False):
             if ev.chained:  # claimed by FINISH while waiting (scheduler_chain.py)
@@ -1039,6 +1047,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 continue  # (stale: a run of the key before the current one)
             if ts in ws.processing:
                 ws.processing.discard(ts)
+                ws.no_push = True  # paused or retiring, perhaps: push it nothing more
                 self._emit(Unclaim(ev.stimulus_id, ws.address, key))
                 if ts.state == "processing":
                     ts.processing_on = None
@@ -1122,7 +1131,29 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             return
         self._set_state(ts, "queued", stimulus_id=stimulus_id)
         self._emit(SetState(stimulus_id, ts.key, "queued"))
+        if self._pushing and pushable(ts) and self._push(ts, stimulus_id=stimulus_id):
+            return
         self._enqueue(ts, stimulus_id=stimulus_id)
+
+    def _push(self, ts: TaskState, *, stimulus_id: str) -> bool:
+        """Give a root task of a submission to a worker with a free thread
+        (``redisdask.push``); False when none has one (nor will, in this batch)."""
+        ws = push_target(self.workers)
+        if ws is None:
+            self._pushing = False  # (the rest of the submission is queued: no scan each)
+            return False
+        self._set_state(ts, "processing", stimulus_id=stimulus_id)
+        ts.queued_on, ts.dequeued = (), False
+        # the worker reads the push after its next holding report, perhaps: not before
+        # the one after that may a report's silence about it count (``_handle_holding``)
+        ts.claimed_before, ts.unlisted, ts.claimed_at = ws.holding_reports + 1, 0, None
+        ts.processing_on = ws.address
+        ws.processing.add(ts)
+        estimate = self.durations.averages.get(ts.prefix, -1.0)
+        started = float(ws.info["started"])
+        msg = ComputeTask(ts.key, ts.score, started, estimate, bool(ts.chain))
+        self._emit(Push(stimulus_id, ws.address, msg))
+        return True
 
     def _enqueue(self, ts: TaskState, *, stimulus_id: str) -> None:
         """Into the own ready (``constrained``, for a task with resources) sets of the live

@@ -186,3 +186,4 @@ class WorkerInfo:
     told_to_close: bool = False  # retired: its data is safe elsewhere
     announced: bool = False  # its worker-joined event was logged
     holding_reports: int = 0  # its holding reports read (since this scheduler loaded)
+    no_push: bool = False  # gave a pushed task back since it last claimed (``redisdask.push``)

@@ -436,6 +436,17 @@ local function ours(token)
 end
 """
 
+# A pseudo-command of a scheduler batch: an XADD to a worker's inbox whose entry carries,
+# beside its messages, the spec of each task pushed to it (``protocol.ComputeTask``),
+# copied from the task's record inside the script (the scheduler keeps no specs).
+XADD_WITH_SPECS = "RD.XADD-WITH-SPECS"
+
+
+def push_spec_field(key: str) -> str:
+    """The field of a worker's inbox entry that holds the spec of pushed task ``key``."""
+    return "s:" + key
+
+
 # Applies a scheduler batch atomically, fenced by the lease token.  ARGV[2] is a msgpack
 # list of Redis commands (each a list of arguments) computed by the scheduler driver from
 # the state machine's instructions, including the XACK of the batch: effects and
@@ -449,6 +460,7 @@ end
 # acknowledgements included (they are in the last part): the batch stays pending.
 APPLY_FENCED = (
     _FENCE
+    + f"local XADD_WITH_SPECS = '{XADD_WITH_SPECS}'\n"
     + """
 local held, current = ours(ARGV[1])
 if not held then
@@ -463,7 +475,12 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
 redis.call('SET', KEYS[4], '1', 'PX', ARGV[3])
 local commands = cmsgpack.unpack(ARGV[2])
 for i = 1, #commands do
-  local reply = redis.pcall(unpack(commands[i]))
+  local command = commands[i]
+  if command[1] == XADD_WITH_SPECS then  -- {_, stream, id, field, value, then pairs of
+    command[1] = 'XADD'  -- (field, task record): the field gets the record's spec}
+    for j = 6, #command, 2 do command[j + 1] = redis.call('HGET', command[j + 1], 'spec') or '' end
+  end
+  local reply = redis.pcall(unpack(command))
   if type(reply) == 'table' and reply.err then
     redis.call('DEL', KEYS[3])
     return reply

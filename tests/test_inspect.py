@@ -119,7 +119,7 @@ def check_task(
     assert states[:2] == ["released", "queued"] and states[-1] == "erred"
     assert "processing" in states
     claim = next(row for row in task["story"] if row["state"] == "processing")
-    assert claim["cause"] == "claimed" and claim["origin"] == death["worker"]
+    assert claim["cause"] in ("claimed", "pushed") and claim["origin"] == death["worker"]
     died = task["story"][-1]
     assert died["cause"] == "remove-worker" and died["origin"] == death["worker"]
     assert [r["finish"] for r in task["worker_story"]][:2] == ["ready", "executing"]

@@ -69,6 +69,7 @@ def samples() -> list[wire.Message]:
         wire.RetireWorker(),
         wire.CloseWorker("the cluster is closing"),
         wire.StealRequest(["x"], thief=W2),
+        wire.ComputeTask("x", 1.5, 1700000000.25, estimate=0.01, chain=True),
         wire.KeyInMemory("x", [W1], nbytes=3, type="int"),
         wire.KeyErred(
             "x", exception=b"e", traceback=b"tb", exception_text="E", traceback_text="T",

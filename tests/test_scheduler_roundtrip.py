@@ -661,6 +661,8 @@ def test_a_claim_of_a_task_released_and_queued_again_meanwhile_is_recorded(run: 
     and asks for it again: queued again with the same score, written over the claim.
     (It stays known meanwhile because an erred dependent of it is still wanted.)"""
     a = "tcp://10.0.0.1:1"
+    for ws in run.state.workers.values():
+        ws.no_push = True  # queued for a claim, not pushed to a free thread (push.py)
     graph(run, {"key": "x"}, {"key": "y", "deps": ["x", "nobody-made-it"]}, wanted=["x", "y"])
     assert run.state.tasks["y"].state == "erred"
     run.scripts.claim(worker=a, count=1, last_inbox_id="0-0")

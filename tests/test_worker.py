@@ -30,5 +30,5 @@ def test_a_claim_returns_the_inbox_written_before_it_in_a_decodable_form(
     assert [c[0] for c in claimed] == [b"x"]
     [(entry_id, fields)] = script_entries(inbox)  # only what came after `first`
     assert entry_id == second
-    [event] = _inbox_events(entry_id.decode(), fields)
+    [event] = _inbox_events(entry_id.decode(), fields, 0.0)
     assert event.keys == ["x"]

@@ -59,6 +59,7 @@ from redisdask.protocol import (
     AcquireReplicas,
     AddWorker,
     CloseWorker,
+    ComputeTask,
     FreeKeys,
     Holding,
     KeysRecorded,
@@ -801,12 +802,19 @@ class Worker:
                 continue
             self._inbox_id = entry_id.decode()
             try:
-                items.extend(_inbox_events(entry_id.decode(), fields))
+                items.extend(_inbox_events(entry_id.decode(), fields, self.started))
             except (ProtocolError, KeyError, TypeError, ValueError) as exc:
                 logger.warning("ignoring malformed inbox entry %s: %s", entry_id.decode(), exc)
+        for item in items:  # pushed: claimed, as far as this worker's reports go
+            if isinstance(item, _Pushed):
+                self._claimed_before[item.event.key] = self._holding_reports
+                if item.chain:
+                    self._chained.add(item.event.key)
         batch: list[ws.StateMachineEvent] = []
         for item in items:
-            if isinstance(item, _Command):
+            if isinstance(item, _Pushed):
+                batch.append(item.event)
+            elif isinstance(item, _Command):
                 if batch:
                     self.handle(*batch)
                     batch = []
@@ -1213,19 +1221,45 @@ class _Command:
     reason: str = ""
 
 
+@dataclass(slots=True)
+class _Pushed:
+    """A task the scheduler gave this worker (``compute-task``, ``redisdask.push``)."""
+
+    event: ws.ComputeTaskEvent
+    chain: bool
+
+
+def _pushed(msg: ComputeTask, fields: dict[bytes, bytes], sid: str) -> _Pushed | None:
+    """None for a push without its spec (the task was forgotten in the batch that pushed
+    it: the message after it frees it; else the scheduler queues it again once the
+    worker's holding reports go without it)."""
+    spec = fields.get(schema.push_spec_field(msg.key).encode())
+    if not spec:
+        logger.warning("ignoring compute-task %r: its spec did not come with it", msg.key)
+        return None
+    estimate = msg.estimate if msg.estimate >= 0 else None
+    event = ws.ComputeTaskEvent(msg.key, spec, (msg.score,), {}, sid, {}, estimate)
+    return _Pushed(event, msg.chain)
+
+
 def _inbox_events(
-    entry_id: str, fields: dict[bytes, bytes]
-) -> list[ws.StateMachineEvent | _Command]:
-    """Events from one inbox entry (``protocol.SCHEDULER_TO_WORKER``); ProtocolError (or
-    KeyError, ValueError from a field that is not msgpack) when it is malformed."""
+    entry_id: str, fields: dict[bytes, bytes], started: float
+) -> list[ws.StateMachineEvent | _Command | _Pushed]:
+    """Events from one inbox entry (``protocol.SCHEDULER_TO_WORKER``) of the worker
+    process ``started`` then; ProtocolError (or KeyError, ValueError from a field that is
+    not msgpack) when it is malformed."""
     messages = schema.unpack(fields[b"m"])
     if not isinstance(messages, list):
         raise ProtocolError("field 'm' is not a list of messages")
-    events: list[ws.StateMachineEvent | _Command] = []
+    events: list[ws.StateMachineEvent | _Command | _Pushed] = []
     for i, raw in enumerate(messages):
         sid = f"{entry_id}/{i}"
         msg = parse(raw, SCHEDULER_TO_WORKER)
-        if isinstance(msg, FreeKeys):
+        if isinstance(msg, ComputeTask):
+            pushed = _pushed(msg, fields, sid) if msg.started == started else None
+            if pushed is not None:  # (not one for a process gone from this address)
+                events.append(pushed)
+        elif isinstance(msg, FreeKeys):
             events.append(ws.FreeKeysEvent(msg.keys, sid))
         elif isinstance(msg, KeysRecorded):
             events.append(ws.KeysRecordedEvent(msg.keys, sid))
