@@ -432,6 +432,18 @@ class TaskClaimed(Event):
 
 
 @dataclass(slots=True)
+class ClientsTold(Event):
+    """Written by the FINISH script: it sent the ``key-in-memory`` of these pushed tasks'
+    results (``scores``: which run) to the clients named in their records' ``notify``,
+    whose results the same entry reports next (docs/design.md, "Push")."""
+
+    op: ClassVar[str] = "told"
+    worker: str
+    keys: list[str] = field(default_factory=list)
+    scores: list[Any] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class Holding(Event):
     """A worker's periodic word on the claimed tasks it has not finished: ``keys``, of
     the tasks it claimed before its previous holding report (the workers stream orders
@@ -716,7 +728,7 @@ CLIENT_TO_SCHEDULER: dict[str, type[Event]] = registry(
 )  # fmt: skip
 WORKER_TO_SCHEDULER: dict[str, type[Event]] = registry(
     AddWorker, TaskClaimed, TaskFinished, TaskErred, MissingData, AddKeys, ReleasedKeys,
-    Holding, RetireWorkers, RemoveWorker, StolenKeys,
+    Holding, RetireWorkers, RemoveWorker, StolenKeys, ClientsTold,
 )  # fmt: skip
 NANNY_TO_SCHEDULER: dict[str, type[Event]] = registry(RemoveWorker)
 # the scheduler accepts every one of its events on either input stream

@@ -113,10 +113,12 @@ class WorkerMsg(Instruction):
 class Push(Instruction):
     """Give task ``msg.key`` to ``worker``'s free thread: ``processing`` there in its
     record, into the worker's processing set, and its ``compute-task`` (with the spec,
-    copied from the task's record in the same script) into the worker's inbox."""
+    copied from the task's record in the same script) into the worker's inbox; and
+    ``notify``, the clients its worker's report tells of a small result at once."""
 
     worker: str
     msg: ComputeTask
+    notify: dict[str, int] = field(default_factory=dict)  # the record's (client: seen)
 
 
 @dataclass(slots=True)

@@ -279,7 +279,8 @@ class Translator:
         b.worker_msgs[ins.worker].append(ins.msg.to_dict())
 
     def _push(self, ins: Push, b: _Batch) -> None:
-        b.fields(ins.msg.key).update(state="processing", worker=ins.worker)
+        fields = {"state": "processing", "worker": ins.worker, "notify": ins.notify}
+        b.fields(ins.msg.key).update(TaskRecord.encode(fields))
         self._worker_msg(WorkerMsg(ins.stimulus_id, ins.worker, ins.msg), b)
         b.pushes[ins.worker].append(ins.msg.key)
 

@@ -62,6 +62,7 @@ from redisdask.protocol import (
     ClientDesiresKeys,
     ClientMissingData,
     ClientReleasesKeys,
+    ClientsTold,
     CloseClient,
     CloseWorker,
     ComputeTask,
@@ -1038,6 +1039,17 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         ws.told_to_close = True
         self._emit(WorkerMsg("retire-" + stimulus_id, ws.address, CloseWorker(reason)))
 
+    def _handle_told(self, ev: ClientsTold) -> None:
+        """FINISH sent these pushed tasks' results to the clients in their ``notify``."""
+        for key, score in zip(ev.keys, ev.scores, strict=False):
+            ts = self.tasks.get(key)
+            try:
+                same_run = ts is not None and not other_run(float(score), ts)
+            except (TypeError, ValueError):
+                same_run = False
+            if same_run and ts.state == "processing" and ts.processing_on == ev.worker:
+                ts.told = True  # (what the report after it is accepted for, they have)
+
     def _handle_released_keys(self, ev: ReleasedKeys) -> None:
         ws = self.workers.get(ev.worker)
         scores = list(ev.scores) + [NO_SCORE] * (len(ev.keys) - len(ev.scores))
@@ -1075,6 +1087,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         RemoveWorker: _handle_remove_worker,
         TaskClaimed: _handle_claimed,
         Holding: _handle_holding,
+        ClientsTold: _handle_told,
         TaskFinished: _handle_task_finished,
         TaskErred: _handle_task_erred,
         MissingData: _handle_missing_data,
@@ -1152,7 +1165,9 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         estimate = self.durations.averages.get(ts.prefix, -1.0)
         started = float(ws.info["started"])
         msg = ComputeTask(ts.key, ts.score, started, estimate, bool(ts.chain))
-        self._emit(Push(stimulus_id, ws.address, msg))
+        notify = {c: self.generations.get(c, 0) for c in ts.who_wants if not schema.is_holder(c)}
+        ts.notified, ts.told = tuple(notify), False
+        self._emit(Push(stimulus_id, ws.address, msg, notify))
         return True
 
     def _enqueue(self, ts: TaskState, *, stimulus_id: str) -> None:
@@ -1267,8 +1282,11 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         if value is not None:
             fields["value"] = value
         self._emit(SetState(stimulus_id, ts.key, "memory", fields))
+        told = ts.notified if ts.told else ()
+        ts.told = False
         for client in ts.who_wants:
-            self._emit(ClientMsg(stimulus_id, client, self._memory_msg(ts, value)))
+            if client not in told:  # (FINISH told those already)
+                self._emit(ClientMsg(stimulus_id, client, self._memory_msg(ts, value)))
         self._fired_done(ts, stimulus_id=stimulus_id)
         self._wake_waiters(ts, stimulus_id=stimulus_id)
         for dep in ts.dependencies:

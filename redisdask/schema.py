@@ -813,8 +813,17 @@ return {out, last_id, redis.call('XRANGE', KEYS[7], '(' .. ARGV[5], '+'), blocke
 # hash, the workers hash.  ARGV: the alive TTL (ms), the worker's address, the task key
 # prefix, the last inbox id the worker read, how many tasks it may claim (0: none), the
 # number of reports, the reports (each a msgpack map, concatenated: the body of a msgpack
-# array), how many links deeper it may claim (below), then the keys of the tasks whose
-# ``task-finished`` is among them.  A finished
+# array), how many links deeper it may claim (below), the claim horizon, the prefix of
+# the clients' keys (``rd:{c}:client:``), the number E of early news, E triples (below),
+# then the keys of the tasks whose ``task-finished`` is among them.
+# **Early news** (docs/design.md, "Push"): each triple is a pushed task's key, the score
+# of its run and the worker's ``key-in-memory`` message for it (a small result: the
+# concatenated key/value pairs of the msgpack map, 6 of them).  If its record says the
+# task is still processing on this worker, for that run, and names in ``notify`` the
+# clients that wanted it when it was pushed (msgpack {client: generation}), each of
+# those clients gets the news at once (the 7th pair: ``seen``, that generation), and the
+# entry says so to the scheduler (a ``told`` message, after the claim), which then does
+# not send it again: the result reaches the client with no scheduler hop.  A finished
 # task whose record says it is processing on this worker (the claim still holds) may
 # name in its ``chain`` field (msgpack list, written by the scheduler) the dependents
 # that wait on it alone; each one still ``waiting``, with no ``workers`` nor ``resources``,
@@ -826,7 +835,7 @@ return {out, last_id, redis.call('XRANGE', KEYS[7], '(' .. ARGV[5], '+'), blocke
 # (none: no deeper link): a chain of small tasks runs here link after link with no
 # round trip between them, and the worker holds no more than its claim budget allows.
 # The entry is one XADD whose ``m`` is [claimed (with
-# ``chained``), reports...]: the scheduler reads the claim and the results it follows in
+# ``chained``), told, reports...]: the scheduler reads the claim and the results it follows in
 # one batch, the claim first (it accepts a chained claim only from the worker the
 # unfinished dependencies are processing on, and takes back the links chained on a task
 # that does not finish there).  Returns {tasks (as CLAIM's), inbox entries after ARGV[4] (only
@@ -840,9 +849,11 @@ local want, deep_left = tonumber(ARGV[5]), tonumber(ARGV[8])
 local horizon = tonumber(ARGV[9]) or 0
 local spent = 0  -- the estimated run time of what this call claimed so far (seconds)
 local out, claimed, scores = {}, {}, {}
+local early = tonumber(ARGV[11])
+local first_finished = 12 + 3 * early
 if want > 0 and redis.call('HEXISTS', KEYS[6], me) == 1 then
   local done, queue = {}, {}  -- queue: {chain, deep}: the chains to look at, in order
-  for i = 10, #ARGV do
+  for i = first_finished, #ARGV do
     local f = redis.call('HMGET', prefix .. ARGV[i], 'state', 'worker', 'chain')
     if f[1] == 'processing' and f[2] == me then
       done[ARGV[i]] = true
@@ -907,6 +918,27 @@ if want > 0 and redis.call('HEXISTS', KEYS[6], me) == 1 then
 end
 local n = tonumber(ARGV[6])
 local body = ARGV[7]
+local told, told_scores = {}, {}
+for j = 0, early - 1 do
+  local key, score, news = ARGV[12 + 3 * j], ARGV[13 + 3 * j], ARGV[14 + 3 * j]
+  local f = redis.call('HMGET', prefix .. key, 'state', 'worker', 'score', 'notify')
+  local ok, who = pcall(cmsgpack.unpack, f[4] or '')
+  local same_run = tonumber(f[3] or '') == tonumber(score)  -- (written as %.17g or repr)
+  if f[1] == 'processing' and f[2] == me and same_run and ok and type(who) == 'table' then
+    for client, seen in pairs(who) do  -- news: [{the worker's pairs..., seen = seen}]
+      if type(client) == 'string' and type(seen) == 'number' then
+        redis.call('XADD', ARGV[10] .. client .. ':events', '*', 'm',
+                   '\\145\\135' .. news .. cmsgpack.pack('seen') .. cmsgpack.pack(seen))
+      end
+    end
+    told[#told + 1] = key
+    told_scores[#told_scores + 1] = tonumber(score)
+  end
+end
+if #told > 0 then
+  n = n + 1
+  body = cmsgpack.pack({op = 'told', worker = me, keys = told, scores = told_scores}) .. body
+end
 if #claimed > 0 then
   n = n + 1
   body = cmsgpack.pack({op = 'claimed', worker = me, keys = claimed, scores = scores,
@@ -1123,8 +1155,11 @@ class Scripts:
         last_inbox_id: str,
         deeper: int = 0,
         horizon: float = 0.0,
+        early: Sequence[tuple[str, float, bytes]] = (),
     ) -> Any:
-        """XADD ``reports`` (each packed alone) as one entry of the workers stream, and
+        """XADD ``reports`` (each packed alone) as one entry of the workers stream, with
+        the ``early`` news of pushed tasks' results (key, score, news: see ``FINISH``),
+        and
         claim for ``worker`` up to ``chain`` dependents that the ``finished`` tasks free,
         and up to ``deeper`` links that wait on those alone, of known estimates that add
         up to at most ``horizon`` seconds (see ``FINISH``); returns
@@ -1134,7 +1169,8 @@ class Scripts:
             keys=[k.worker_alive(worker), k.worker_stream, k.worker_processing(worker),
                   k.worker_inbox(worker), k.durations, k.workers],
             args=[ttl_ms, worker, k.task_prefix, last_inbox_id, chain, len(reports),
-                  b"".join(reports), deeper, horizon, *finished],
+                  b"".join(reports), deeper, horizon, k.prefix + "client:", len(early),
+                  *(x for news in early for x in news), *finished],
         )  # fmt: skip
 
 

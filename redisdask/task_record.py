@@ -134,6 +134,7 @@ _ENCODERS: dict[str, Callable[[Any], Any]] = {
     "queued_on": join_words,
     "passed_over": _same,
     "chain": _packed,
+    "notify": _packed,
     "exception": _bytes_or_empty,
     "traceback": _bytes_or_empty,
     "exception_text": _same,
@@ -172,6 +173,8 @@ class TaskRecord:
     queued_on: list[str] | None = None  # None: absent (a record older than the field)
     passed_over: str = ""  # Redis's time (ms) when a worker first left it placed (CLAIM)
     chain: list[str] = field(default_factory=list)  # dependents FINISH may claim with it
+    # pushed: the clients that wanted it then -> their generation read (FINISH tells them)
+    notify: dict[str, int] = field(default_factory=dict)
     exception: bytes | None = None
     traceback: bytes | None = None
     exception_text: str = ""
@@ -308,6 +311,11 @@ _DECODERS: dict[bytes, tuple[str, Callable[[bytes], Any]]] = {
         "queued_on": split_words,
         "passed_over": _text,
         "chain": _strs,
+        "notify": lambda raw: {
+            k: v
+            for k, v in schema.unpack_or(raw, {}, dict).items()
+            if isinstance(k, str) and isinstance(v, int)
+        },
         "exception": _bytes_or_none,
         "traceback": _bytes_or_none,
         "exception_text": _text,

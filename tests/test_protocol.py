@@ -46,6 +46,7 @@ def samples() -> list[wire.Message]:
         ),
         wire.TaskClaimed(worker=W1, keys=["x"], scores=[1.0], stimulus_id="s"),
         wire.Holding(worker=W1, keys=["x"], stimulus_id="s"),
+        wire.ClientsTold(worker=W1, keys=["x"], scores=[1.5], stimulus_id="s"),
         wire.TaskFinished(
             worker=W1, key="x", nbytes=3, type="int", start=1.0, stop=2.5, score=7.0,
             stimulus_id="s",

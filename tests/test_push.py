@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from redisdask.protocol import ComputeTask, Holding
-from redisdask.scheduler_instructions import Enqueue, Instruction, Push
+from redisdask.protocol import ClientDesiresKeys, ClientsTold, ComputeTask, Holding
+from redisdask.scheduler_instructions import ClientMsg, Enqueue, Instruction, Push
 from redisdask.scheduler_state import (
     AddWorker,
     ReleasedKeys,
@@ -162,3 +162,33 @@ def test_a_pushed_task_is_not_taken_for_lost_by_the_report_written_before_it_was
     s.handle_stimulus(Holding(worker=A, keys=[], stimulus_id="workers:4-0/0"))
     assert s.tasks["x"].state in ("queued", "processing")  # queued again (then maybe pushed)
     assert s.tasks["x"].processing_on is None
+
+
+def client_news(out: list[Instruction]) -> list[tuple[str, str]]:
+    return [(i.client, i.msg.key) for i in out if isinstance(i, ClientMsg)]
+
+
+def test_the_push_names_the_clients_its_report_tells_and_the_scheduler_does_not_repeat_it():
+    s = make((A, 1))
+    out = submit(s, task("x"))
+    [push] = [i for i in out if isinstance(i, Push)]
+    assert push.notify == {"c": s.generations.get("c", 0)}  # written into the record
+    s.handle_stimulus(ClientDesiresKeys(client="late", keys=["x"], stimulus_id="cd"))
+    score = s.tasks["x"].score
+    finished = TaskFinished(worker=A, key="x", nbytes=8, type="int", score=score,
+                            stimulus_id="workers:1-0/1")  # fmt: skip
+    told = ClientsTold(worker=A, keys=["x"], scores=[score], stimulus_id="workers:1-0/0")
+    out = s.handle_stimulus(told, finished)
+    assert client_news(out) == [("late", "x")]  # "c" had it from the worker's report
+
+
+def test_a_told_of_another_run_or_worker_changes_nothing():
+    s = make((A, 1), (B, 1))
+    submit(s, task("x"))
+    score = s.tasks["x"].score
+    other_run = ClientsTold(worker=A, keys=["x"], scores=[score - 1], stimulus_id="t1")
+    other_worker = ClientsTold(worker=B, keys=["x"], scores=[score], stimulus_id="t2")
+    s.handle_stimulus(other_run, other_worker)
+    assert not s.tasks["x"].told
+    ev = TaskFinished(worker=A, key="x", nbytes=8, type="int", score=score, stimulus_id="w")
+    assert client_news(s.handle_stimulus(ev)) == [("c", "x")]  # nothing said it was told

@@ -88,3 +88,43 @@ def test_a_pushed_task_whose_worker_dies_before_reading_it_runs_elsewhere_once(
                     os.kill(pid, signal.SIGCONT)
         assert future.result(timeout=60) == 8
         assert [int(x) for x in r.lrange(runs, 0, -1)] == [7]  # once: not lost, not twice
+
+
+def gated(i: int, url: str, gate: str) -> int:
+    """Waits until ``gate`` (a Redis list) has an item: standing for work."""
+    redis.Redis.from_url(url).blpop([gate], timeout=60)
+    return i + 1
+
+
+def test_a_pushed_tasks_result_reaches_its_client_with_the_scheduler_stopped(
+    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's report sends a small result of a pushed task to the client that
+    wanted it (FINISH, the record's ``notify``): the client has it while the scheduler
+    is stopped (SIGSTOP), and hears of it once, not again from the scheduler.  (The
+    lease outlasts the test: no new scheduler takes over meanwhile.)"""
+    monkeypatch.setenv("REDISDASK__SCHEDULER__LEASE_TTL", "120")
+    keys = Keys(cluster_name)
+    r = redis.Redis.from_url(redis_url)
+    gate = f"{cluster_name}-gate"
+    with (
+        LocalCluster(
+            nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name
+        ) as cluster,
+        Client(redis_url=redis_url, cluster_name=cluster_name) as client,
+    ):
+        future = client.submit(gated, 1, redis_url, gate)
+        poll(lambda: TaskRecord.from_hash(r.hgetall(keys.task(future.key))).state == "processing")
+        scheduler = cluster.scheduler_process
+        assert scheduler is not None
+        scheduler.send_signal(signal.SIGSTOP)
+        try:
+            r.rpush(gate, 1)
+            assert future.result(timeout=20) == 2  # no scheduler ran meanwhile
+        finally:
+            scheduler.send_signal(signal.SIGCONT)
+        # the scheduler reads the report, records the result, and does not tell again
+        poll(lambda: TaskRecord.from_hash(r.hgetall(keys.task(future.key))).state == "memory")
+        r.rpush(gate, 1)  # a later result, heard after any news of the first
+        assert client.submit(gated, 2, redis_url, gate).result(timeout=30) == 3
+        assert client.futures[future.key].finishes == 1

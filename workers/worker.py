@@ -62,6 +62,7 @@ from redisdask.protocol import (
     ComputeTask,
     FreeKeys,
     Holding,
+    KeyInMemory,
     KeysRecorded,
     Message,
     MissingData,
@@ -214,6 +215,7 @@ class Worker:
         self._claim_lock = asyncio.Lock()
         self._holding_reports = 0  # holding reports made so far
         self._chained: set[str] = set()  # claimed tasks whose records name a chain
+        self._pushed: set[str] = set()  # pushed tasks not reported yet (early news)
         self._claimed_before: dict[str, int] = {}  # claimed key -> holding reports before it
         self._wake = asyncio.Event()
         self._beat = asyncio.Event()  # a heartbeat landed: a holding report is due
@@ -808,6 +810,9 @@ class Worker:
         for item in items:  # pushed: claimed, as far as this worker's reports go
             if isinstance(item, _Pushed):
                 self._claimed_before[item.event.key] = self._holding_reports
+                if len(self._pushed) > CHAINED_KEPT:  # (tasks pushed and never reported)
+                    self._pushed.clear()
+                self._pushed.add(item.event.key)
                 if item.chain:
                     self._chained.add(item.event.key)
         batch: list[ws.StateMachineEvent] = []
@@ -900,6 +905,7 @@ class Worker:
         ):
             room = len(self.state.claim_budget(self.claim_horizon, time.time()))
         holding_before, inbox_id = self._holding_reports, self._inbox_id
+        early = self._early_news(batch)
         tasks, inbox = await self.scripts.finish(
             worker=self.address,
             ttl_ms=int(self.worker_ttl * 1000),
@@ -910,6 +916,7 @@ class Worker:
             last_inbox_id=inbox_id,
             deeper=CHAIN_DEPTH if room else 0,
             horizon=self.claim_horizon,
+            early=early,
         )
         if not tasks:
             return
@@ -920,6 +927,29 @@ class Worker:
             self._claimed_before[ev.key] = holding_before
         self.handle(*events)
         self._claimed_values.clear()
+
+    def _early_news(self, batch: list[dict[str, Any]]) -> list[tuple[str, float, bytes]]:
+        """The ``key-in-memory`` news of the pushed tasks whose small results the batch
+        reports, for ``FINISH`` to send their clients at once (docs/design.md, "Push"):
+        (key, score, the message's key/value pairs packed, ``seen`` left to FINISH)."""
+        early = []
+        for m in batch:
+            if m.get("op") != "task-finished" or m["key"] not in self._pushed:
+                continue
+            self._pushed.discard(m["key"])
+            if m.get("value") is None:
+                continue  # (a result too big for Redis: the scheduler tells its clients)
+            news = {
+                "op": KeyInMemory.op,
+                "key": m["key"],
+                "who_has": [self.address, schema.REDIS_COPY],
+                "nbytes": m.get("nbytes", 0),
+                "type": m.get("type", ""),
+                "value": m["value"],
+            }
+            pairs = b"".join(schema.pack(k) + schema.pack(v) for k, v in news.items())
+            early.append((m["key"], m["score"], pairs))
+        return early
 
     def _note_chains(self, claimed: list[Any]) -> None:
         """Remember which claimed tasks have dependents chained on them (their records'
