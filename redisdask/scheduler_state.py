@@ -1166,7 +1166,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         started = float(ws.info["started"])
         msg = ComputeTask(ts.key, ts.score, started, estimate, bool(ts.chain))
         notify = {c: self.generations.get(c, 0) for c in ts.who_wants if not schema.is_holder(c)}
-        ts.notified, ts.told = tuple(notify), False
+        ts.notified, ts.told = notify, False
         self._emit(Push(stimulus_id, ws.address, msg, notify))
         return True
 
@@ -1282,10 +1282,12 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         if value is not None:
             fields["value"] = value
         self._emit(SetState(stimulus_id, ts.key, "memory", fields))
-        told = ts.notified if ts.told else ()
+        told = ts.notified if ts.told else {}
         ts.told = False
         for client in ts.who_wants:
-            if client not in told:  # (FINISH told those already)
+            # FINISH told those its push named, unless one of them sent a graph since
+            # (the key again, perhaps: its client then takes news only as new as that)
+            if told.get(client, -1) != self.generations.get(client, 0):
                 self._emit(ClientMsg(stimulus_id, client, self._memory_msg(ts, value)))
         self._fired_done(ts, stimulus_id=stimulus_id)
         self._wake_waiters(ts, stimulus_id=stimulus_id)

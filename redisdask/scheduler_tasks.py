@@ -137,7 +137,7 @@ class TaskState:
     resources: dict[str, float] | None = None  # what one run holds of a worker's resources
     queued_on: tuple[str, ...] = ()  # queued and placed: the workers whose sets hold it
     chain: tuple[str, ...] = ()  # dependents its worker may claim as it reports it (MarkChain)
-    notified: tuple[str, ...] = ()  # pushed: the clients its record's ``notify`` names
+    notified: dict[str, int] = field(default_factory=dict)  # pushed: its record's ``notify``
     told: bool = False  # processing: FINISH sent those clients its result (``ClientsTold``)
     # taken out of the ready sets since its last accepted claim: a claim made before that
     # may still be on its way, and what was written since has overwritten it in Redis

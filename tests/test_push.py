@@ -192,3 +192,24 @@ def test_a_told_of_another_run_or_worker_changes_nothing():
     assert not s.tasks["x"].told
     ev = TaskFinished(worker=A, key="x", nbytes=8, type="int", score=score, stimulus_id="w")
     assert client_news(s.handle_stimulus(ev)) == [("c", "x")]  # nothing said it was told
+
+
+def test_a_client_that_sent_a_graph_since_the_push_hears_from_the_scheduler_too():
+    """The same key submitted again (a newer graph) before the result: the client takes
+    only news as new as that graph, which FINISH's (of the push's generation) is not."""
+    s = make((A, 1))
+    first = UpdateGraph(client="c", tasks=[task("x")], wanted=["x"], generation=1,
+                        stimulus_id="ug1")  # fmt: skip
+    again = UpdateGraph(client="c", tasks=[task("x")], wanted=["x"], generation=2,
+                        stimulus_id="ug2")  # fmt: skip
+    [push] = [i for i in s.handle_stimulus(first) if isinstance(i, Push)]
+    assert push.notify == {"c": 1}
+    s.handle_stimulus(again)
+    score = s.tasks["x"].score
+    told = ClientsTold(worker=A, keys=["x"], scores=[score], stimulus_id="workers:1-0/0")
+    finished = TaskFinished(worker=A, key="x", nbytes=8, type="int", score=score,
+                            stimulus_id="workers:1-0/1")  # fmt: skip
+    out = s.handle_stimulus(told, finished)
+    assert client_news(out) == [("c", "x")]
+    [news] = [i.msg for i in out if isinstance(i, ClientMsg)]
+    assert news.seen == 2
