@@ -25,6 +25,7 @@ What it does, and the Redis or TCP call behind each:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import inspect
 import itertools
@@ -88,6 +89,7 @@ from redisdask.workers.transfers import TransferCounts
 logger = logging.getLogger("redisdask.worker")
 
 REPORT_BATCH = 100  # reports per XADD at most while threads are busy
+CLAIM_DELAY_SLACK = 0.001  # seconds added to a timed claim (a timer may fire a bit early)
 REPORT_LINGER = 0.002  # seconds a report may wait for companions while threads are busy
 CHAIN_LOOKUPS = 8  # finished tasks per free thread whose chains a report looks up at most
 CHAIN_DEPTH = 16  # links a report may claim beyond the dependents of its results
@@ -705,7 +707,10 @@ class Worker:
 
     async def _claim_loop(self) -> None:
         while self.status == "running":
-            starts = self.state.claim_budget(self.claim_horizon, time.time())
+            now = time.time()
+            if self.state.give_back_delay(self.claim_horizon, now) == 0:
+                self.handle(ws.RunsOverdueEvent(self.claim_horizon, now, f"overdue-{now:.3f}"))
+            starts = self.state.claim_budget(self.claim_horizon, now)
             if starts and self._may_have_work():
                 async with self._claim_lock:
                     try:
@@ -733,7 +738,18 @@ class Worker:
                         self._claimed_values.clear()  # (those not fetched were not needed)
                 continue
             self._wake.clear()
-            await self._wake.wait()
+            # look again when a thread comes within the horizon of its end (claim its next
+            # task then), or when every thread's run is past any expectation (hand back
+            # what waits behind them), whichever comes first, unless woken before
+            delays = [self.state.give_back_delay(self.claim_horizon, now)]
+            if not starts:
+                delays.append(self.state.claim_delay(self.claim_horizon, now))
+            timed = [d for d in delays if d is not None]
+            if not timed:
+                await self._wake.wait()
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), min(timed) + CLAIM_DELAY_SLACK)
 
     def _claim_again(self) -> None:
         """Claim again, though no ready-signal came: placed tasks this worker passed over
