@@ -681,14 +681,26 @@ def test_claims_stay_while_a_thread_may_run_them() -> None:
     one = make(nthreads=2)
     one.handle_stimulus(compute("slow", estimate=0.001))  # the other thread is free
     assert one.give_back_delay(0.02, now=1e9) is None
+    # links of a chain claimed behind the run stay: handed back, they would wait for a
+    # scheduler to queue them again (the chain goes on without one: tests/test_chain.py)
     chained = make(nthreads=1)
     chained.clock = 100.0
-    chained.handle_stimulus(compute("run", estimate=0.001), compute("dep", estimate=0.001))
+    chained.handle_stimulus(compute("run", estimate=0.001))
+    chained.handle_stimulus(compute("next", {"run": ([], 0)}, estimate=0.001))
+    chained.handle_stimulus(compute("dep", estimate=0.001), compute("free", estimate=0.001))
     chained.handle_stimulus(compute("use", {"dep": ([SELF], 1)}, estimate=0.001))
-    assert chained.tasks["use"].state == "waiting"  # on "dep", held here: "dep" stays
+    assert [chained.tasks[k].state for k in ("next", "dep", "use")] == [
+        "waiting",
+        "ready",
+        "waiting",
+    ]
     out = overdue(chained, 101.0)
-    assert [msg.keys for msg in of(out, ReleasedKeys)] == [["use"]]
-    assert chained.tasks["dep"].state == "ready"
+    assert [msg.keys for msg in of(out, ReleasedKeys)] == [["free"]]
+    assert [chained.tasks[k].state for k in ("next", "dep", "use")] == [
+        "waiting",
+        "ready",
+        "waiting",
+    ]
     unknown = make(nthreads=1)  # a run of no estimate: stuck once past the horizon
     unknown.clock = 100.0
     unknown.handle_stimulus(compute("u"), compute("h", estimate=0.001))

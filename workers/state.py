@@ -46,7 +46,7 @@ Task states and the transitions implemented here::
     StealRequestEvent: a claim not started, waiting | ready ──► released (given back for
                    another worker, ``StolenKeys``); any other is refused, and runs here
     RunsOverdueEvent: every thread runs a task past any expectation: the claims held
-                   behind them, waiting | ready ──► released (``ReleasedKeys``)
+                   ready behind them, ready ──► released (``ReleasedKeys``)
 
 * ``released`` is transient: a task that is neither *wanted* (claimed by / pushed to this
   worker, so the scheduler expects it here) nor needed by a dependent is forgotten at
@@ -339,7 +339,7 @@ class StealRequestEvent(StateMachineEvent):
 class RunsOverdueEvent(StateMachineEvent):
     """The driver's prompt once ``give_back_delay`` says so: every thread runs a task past
     any expectation (``durations.stuck_in``: a straggler, or a prefix whose estimate
-    said next to nothing), so the claims held here behind them would wait for an
+    said next to nothing), so the claims held ready here behind them would wait for an
     unknown time; they are handed back (``ReleasedKeys``) for other workers to run.
     ``now`` is the driver's clock, ``horizon`` its claim horizon."""
 
@@ -866,21 +866,22 @@ class WorkerState:
             self._emit(ReleasedKeys(self.address, handed_back, scores, overdue=overdue or {},
                                     stimulus_id=stimulus_id))  # fmt: skip
 
-    def _movable_claims(self) -> list[TaskState]:
-        """The claims held here that may run elsewhere instead (a steal request's): not
-        started, none that a claimed task here depends on, no claim deferred behind a
-        run or a transfer of its key."""
-        held = itertools.chain(self.by_state["waiting"], self.by_state["ready"])
-        return [ts for ts in held if _movable(ts)]
+    def _ready_claims(self) -> list[TaskState]:
+        """The claims that wait here for a thread alone (``ready``: their data is here)
+        and may run elsewhere instead (``_movable``).  Not the ``waiting`` ones: a link
+        of a chain claimed behind a run here waits for that run (handed back, it would
+        wait for a scheduler to queue it again), and a transfer is under way for the
+        others."""
+        return [ts for ts in self.by_state["ready"] if _movable(ts)]
 
     def give_back_delay(self, horizon: float = 0.02, now: float | None = None) -> float | None:
         """Seconds from ``now`` until every thread runs a task past any expectation
-        while claims that may go wait behind them (0: now; ``RunsOverdueEvent`` then
-        hands them back); None: not by time alone (a thread is free, nothing held may
-        go, or paused or retiring: those hand back everything anyway)."""
+        while claims wait ready behind them (0: now; ``RunsOverdueEvent`` then hands
+        them back); None: not by time alone (a thread is free, nothing held may go, or
+        paused or retiring: those hand back everything anyway)."""
         if self.paused or self.retiring or len(self.executing) < self.nthreads:
             return None
-        if not self._movable_claims():
+        if not self._ready_claims():
             return None
         return max(stuck_in(ts.estimate, _elapsed(ts, now), horizon) for ts in self.executing)
 
@@ -892,7 +893,7 @@ class WorkerState:
             if ts.estimate is not None:
                 prefix, elapsed = key_prefix(ts.key), round(_elapsed(ts, ev.now), 6)
                 overdue[prefix] = max(overdue.get(prefix, 0.0), elapsed)
-        self._give_back(self._movable_claims(), ev.stimulus_id, overdue)
+        self._give_back(self._ready_claims(), ev.stimulus_id, overdue)
 
     def _handle_steal_request(self, ev: StealRequestEvent) -> None:
         """Give back the asked-for claims that have not started, as ``_hand_back_unstarted``
