@@ -28,10 +28,11 @@ An estimate can be wrong: a prefix learnt from no-ops whose next runs take 40 ms
 straggler.  Then a worker may hold a horizon's worth of what it believed instant behind
 a run that goes on.  Once every thread of the worker runs a task past any expectation
 (``stuck_in``: the horizon past twice its estimate), it hands back the claims it holds
-that may run elsewhere (``workers/state.py``, ``RunsOverdueEvent``), naming the prefixes
-of those runs and how long they ran: the scheduler queues the tasks again and forgets
-those averages in the same batch, so that other workers claim them one per free thread,
-not a horizon's worth each.
+ready that may run elsewhere (``workers/state.py``, ``RunsOverdueEvent``), naming the
+prefixes of those runs whose estimate let claims take several per thread (``misleads``)
+and how long they ran: the scheduler queues the tasks again and forgets those averages
+in the same batch, so that other workers claim them one per free thread, not a
+horizon's worth each.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import math
 from collections.abc import Iterable, Mapping
 
 MAX_PREFIXES = 10_000  # prefixes with an estimate at most (a new one beyond: unknown)
+HOARD_RATIO = 4  # tasks per thread a claim takes of a prefix whose stuck runs are reported
 OVERDUE = 2.0  # a run this many times its estimate has none any more (as distributed's
 # ``TaskPrefix.add_exec_time``, which forgets the average then)
 
@@ -93,6 +95,16 @@ def remaining(estimate: float | None, elapsed: float, slack: float = 0.0) -> flo
     if estimate is None or elapsed > OVERDUE * estimate + slack:
         return math.inf
     return max(estimate - elapsed, 0.0)
+
+
+def misleads(estimate: float, horizon: float) -> bool:
+    """Whether a stuck run of this estimate says its prefix's average misleads claims:
+    it is so small that a claim takes ``HOARD_RATIO`` or more tasks of the prefix per
+    thread (a horizon's worth of what it says is near instant; the mis-estimated case),
+    so the worker reports it and the scheduler forgets it.  A larger one (a 10 ms task
+    that a loaded machine stalled past 40 ms, a straggler of a prefix of 10 ms runs)
+    lets a claim take a task or two ahead at most: it stands."""
+    return estimate * HOARD_RATIO < horizon
 
 
 def stuck_in(estimate: float | None, elapsed: float, slack: float) -> float:

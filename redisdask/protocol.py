@@ -509,7 +509,8 @@ class ReleasedKeys(Event):
     """A worker dropped ``keys`` (e.g. a cancelled task's late result), or handed back
     its claims of them; ``scores`` say which run of each key (none: unknown).
     ``overdue``: it handed them back because every thread runs a task past twice its
-    prefix's estimate; per prefix, how long such a run has gone on (seconds)."""
+    prefix's estimate; per prefix whose estimate misleads claims
+    (``durations.misleads``), how long such a run has gone on (seconds)."""
 
     op: ClassVar[str] = "released-keys"
     optional: ClassVar[frozenset[str]] = frozenset({"scores", "overdue"})

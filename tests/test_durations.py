@@ -16,7 +16,14 @@ import pytest
 import redis
 
 from redisdask import Client, get_worker
-from redisdask.durations import KEY_PREFIX_LUA, Durations, claim_delay, start_times, stuck_in
+from redisdask.durations import (
+    KEY_PREFIX_LUA,
+    Durations,
+    claim_delay,
+    misleads,
+    start_times,
+    stuck_in,
+)
 from redisdask.protocol import AddWorker, ReleasedKeys, TaskClaimed, TaskFinished, UpdateGraph
 from redisdask.scheduler_redis import Translator, load_state
 from redisdask.scheduler_state import SchedulerState
@@ -120,6 +127,11 @@ def test_stuck_in_is_when_a_run_is_past_any_expectation() -> None:
     assert stuck_in(0.01, 0.0, 0.02) == pytest.approx(0.04)  # twice the estimate + slack
     assert stuck_in(0.01, 0.05, 0.02) == 0.0
     assert stuck_in(None, 0.005, 0.02) == pytest.approx(0.015)  # no estimate: the slack
+
+
+def test_an_estimate_misleads_when_claims_take_several_per_thread() -> None:
+    assert misleads(0.0002, 0.02) and misleads(0.004, 0.02)
+    assert not misleads(0.005, 0.02) and not misleads(0.01, 0.02)
 
 
 def test_an_exec_time_past_twice_the_average_forgets_it() -> None:

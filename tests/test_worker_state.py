@@ -669,6 +669,18 @@ def test_claims_behind_runs_past_twice_their_estimate_are_handed_back() -> None:
     assert overdue(ws, 100.5) == []
 
 
+def test_a_stuck_run_of_a_prefix_claimed_a_task_or_two_ahead_is_not_reported() -> None:
+    """A 10 ms task stalled past 40 ms (a loaded machine, or a straggler of a prefix of
+    10 ms runs): what it holds goes back, but its prefix's average stands (claims of it
+    take a task or two ahead; forgotten, every worker would claim one per thread until
+    a result set it again, from that one run)."""
+    ws = make(nthreads=1)
+    ws.clock = 100.0
+    ws.handle_stimulus(compute("t-0", estimate=0.01), compute("t-1", estimate=0.01))
+    [msg] = of(overdue(ws, 100.05), ReleasedKeys)
+    assert msg.keys == ["t-1"] and msg.overdue == {}
+
+
 def test_claims_stay_while_a_thread_may_run_them() -> None:
     """Not while one thread is free or runs within its estimate; not a claim a held task
     depends on; not while paused (it handed everything back already)."""

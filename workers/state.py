@@ -102,7 +102,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from redisdask.comm import MAX_KEYS_PER_MESSAGE
-from redisdask.durations import claim_delay, remaining, start_times, stuck_in
+from redisdask.durations import claim_delay, misleads, remaining, start_times, stuck_in
 from redisdask.errors import RedisDaskError
 from redisdask.placement import EPSILON, fits
 from redisdask.protocol import (
@@ -888,9 +888,9 @@ class WorkerState:
     def _handle_runs_overdue(self, ev: RunsOverdueEvent) -> None:
         if self.give_back_delay(ev.horizon, ev.now) != 0:
             return
-        overdue: dict[str, float] = {}  # per prefix, the longest run past twice its estimate
+        overdue: dict[str, float] = {}  # per prefix, the longest run that belies its estimate
         for ts in self.executing:
-            if ts.estimate is not None:
+            if ts.estimate is not None and misleads(ts.estimate, ev.horizon):
                 prefix, elapsed = key_prefix(ts.key), round(_elapsed(ts, ev.now), 6)
                 overdue[prefix] = max(overdue.get(prefix, 0.0), elapsed)
         self._give_back(self._ready_claims(), ev.stimulus_id, overdue)
