@@ -633,8 +633,12 @@ def test_claim_delay_claims_the_next_task_before_the_thread_is_free() -> None:
     assert ws.claim_delay(0.02, now=100.0) == pytest.approx(0.02)
     assert ws.claim_delay(0.02, now=100.025) == 0.0
     assert ws.claim_budget(0.02, now=100.025) == pytest.approx([0.015])
-    ws.handle_stimulus(compute("b", estimate=0.040))  # held: the thread is busy 80 ms
-    assert ws.claim_delay(0.02, now=100.025) == pytest.approx(0.035)
+    ws.handle_stimulus(compute("b", estimate=0.040))  # held: it starts when "a" ends
+    assert ws.claim_delay(0.02, now=100.025) is None  # ("a"'s end wakes the claim loop)
+    two = make(nthreads=2)
+    two.clock = 100.0
+    two.handle_stimulus(*[compute(k, estimate=0.040) for k in "abc"])  # one held
+    assert two.claim_delay(0.02, now=100.0) == pytest.approx(0.04)  # (a, b, then c)
     unknown = make(nthreads=1)
     unknown.handle_stimulus(compute("u"))  # no estimate: no end in sight
     assert unknown.claim_delay() is None

@@ -572,10 +572,15 @@ class WorkerState:
     def claim_delay(self, horizon: float = 0.02, now: float | None = None) -> float | None:
         """Seconds from ``now`` until ``claim_budget`` gives a thread, by the estimates
         of what runs and is held here (``durations.claim_delay``); None: not by time
-        alone (paused, retiring, or every thread busy for an unknown time)."""
+        alone (paused, retiring, every thread busy for an unknown time), or no need: a
+        task is held for each thread already, so none goes idle when its run ends (the
+        end wakes the claim loop, which claims then)."""
         if self.paused or self.retiring:
             return None
-        return claim_delay(self.nthreads, *self._loads(horizon, now), horizon)
+        running, held = self._loads(horizon, now)
+        if len(held) >= self.nthreads:
+            return None
+        return claim_delay(self.nthreads, running, held, horizon)
 
     def _loads(self, horizon: float, now: float | None) -> tuple[list[float], list[float | None]]:
         """The expected remaining time of each run, and the estimate of each task held
