@@ -25,7 +25,6 @@ What it does, and the Redis or TCP call behind each:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import faulthandler
 import inspect
 import itertools
@@ -217,6 +216,7 @@ class Worker:
         self._chained: set[str] = set()  # claimed tasks whose records name a chain
         self._claimed_before: dict[str, int] = {}  # claimed key -> holding reports before it
         self._wake = asyncio.Event()
+        self._wake_timer: asyncio.TimerHandle | None = None  # (``_wake_in``)
         self._beat = asyncio.Event()  # a heartbeat landed: a holding report is due
         self._stopped = asyncio.Event()
         self._flush_wanted = asyncio.Event()
@@ -708,8 +708,10 @@ class Worker:
     async def _claim_loop(self) -> None:
         while self.status == "running":
             now = time.time()
-            if self.state.give_back_delay(self.claim_horizon, now) == 0:
+            give_back = self.state.give_back_delay(self.claim_horizon, now)
+            if give_back == 0:
                 self.handle(ws.RunsOverdueEvent(self.claim_horizon, now, f"overdue-{now:.3f}"))
+                give_back = self.state.give_back_delay(self.claim_horizon, now)
             starts = self.state.claim_budget(self.claim_horizon, now)
             if starts and self._may_have_work():
                 async with self._claim_lock:
@@ -741,15 +743,26 @@ class Worker:
             # look again when a thread comes within the horizon of its end (claim its next
             # task then), or when every thread's run is past any expectation (hand back
             # what waits behind them), whichever comes first, unless woken before
-            delays = [self.state.give_back_delay(self.claim_horizon, now)]
+            delays = [give_back]
             if not starts:
                 delays.append(self.state.claim_delay(self.claim_horizon, now))
             timed = [d for d in delays if d is not None]
-            if not timed:
-                await self._wake.wait()
-            else:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), min(timed) + CLAIM_DELAY_SLACK)
+            if timed:
+                self._wake_in(min(timed) + CLAIM_DELAY_SLACK)
+            await self._wake.wait()
+
+    def _wake_in(self, delay: float) -> None:
+        """Set ``_wake`` in ``delay`` seconds, unless a timer already does it sooner (one
+        timer at most: a later one is cancelled; a timer that fires early only makes
+        the claim loop look once more)."""
+        loop = asyncio.get_running_loop()
+        when = loop.time() + delay
+        timer = self._wake_timer
+        if timer is not None and loop.time() < timer.when() <= when + CLAIM_DELAY_SLACK:
+            return  # (within the slack: the same moment, by another clock reading)
+        if timer is not None:
+            timer.cancel()
+        self._wake_timer = loop.call_at(when, self._wake.set)
 
     def _claim_again(self) -> None:
         """Claim again, though no ready-signal came: placed tasks this worker passed over
