@@ -33,7 +33,9 @@ entry's ``total``: Dask counts no received bytes in a counter).  Both size value
 their own ``sizeof``.
 
     python bench/balance.py [--workers 2,8] [--repeats 3] [--only redisdask|dask]
-                            [--json out.json]
+                            [--workloads misestimated,10ms] [--json out.json]
+
+``--workloads`` runs only those (the warm-up always runs first).
 
 Numbers are noisy on a shared machine: compare ratios, rerun before trusting one.
 """
@@ -141,6 +143,7 @@ class Balance:
 
     def __init__(self, out: Results, client: Any, wait: Any, n: int, args: Any) -> None:
         self.out, self.client, self.wait, self.n = out, client, wait, n
+        self.workloads: list[str] = args.workloads
         self.timeout = args.timeout
         self.expected: dict[str, Any] = args.expected
         self.per_worker: dict[str, list[list[int]]] = out.extra.setdefault("per_worker", {})
@@ -223,14 +226,16 @@ class Balance:
         raise NotImplementedError
 
     def all(self, run: int) -> None:
-        for name, fn in [
-            ("warm-up", self.warm_up),
-            ("10 ms", self.ten_ms),
-            ("straggler", self.straggler),
-            ("mis-estimated", self.misestimated),
-            ("array", lambda: self.collection("array")),
-            ("dataframe", lambda: self.collection("dataframe")),
+        for workload, name, fn in [
+            ("warm-up", "warm-up", self.warm_up),
+            ("10ms", "10 ms", self.ten_ms),
+            ("straggler", "straggler", self.straggler),
+            ("misestimated", "mis-estimated", self.misestimated),
+            ("array", "array", lambda: self.collection("array")),
+            ("dataframe", "dataframe", lambda: self.collection("dataframe")),
         ]:
+            if workload != "warm-up" and workload not in self.workloads:
+                continue
             self.out.step(run, f"{self.n} workers: {name}", fn)
             gc.collect()
 
@@ -362,7 +367,9 @@ def _median_run(res: Results | None, n: int, workload: str) -> list[int] | None:
     return lists[order[(len(order) - 1) // 2]]
 
 
-def report(results: dict[str, Results], sizes: list[int], repeats: int) -> str:
+def report(
+    results: dict[str, Results], sizes: list[int], repeats: int, workloads: list[str]
+) -> str:
     def med(name: str, key: str) -> float | None:
         res = results.get(name)
         return res.median(key) if res else None
@@ -374,6 +381,8 @@ def report(results: dict[str, Results], sizes: list[int], repeats: int) -> str:
     rows: list[tuple[str, ...]] = [head]
     for n in sizes:
         for workload, label, ideal in WORKLOADS:
+            if workload not in workloads:
+                continue
             name = label.format(tasks=PER_WORKER * n, mis=MIS_PER_WORKER * n)
             metrics = [("wall_s", "wall, s", "{:.2f}")]
             if ideal is not None:
@@ -402,6 +411,8 @@ def report(results: dict[str, Results], sizes: list[int], repeats: int) -> str:
     )
     for n in sizes:
         for workload in ("10ms", "straggler", "misestimated"):
+            if workload not in workloads:
+                continue
             parts = []
             for name in SYSTEMS:
                 ran = _median_run(results.get(name), n, workload)
@@ -429,16 +440,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="cluster sizes, comma-separated (default 2,8)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs (median)")
     parser.add_argument("--only", choices=SYSTEMS, help="run one system")
+    parser.add_argument("--workloads", default=",".join(w for w, _, _ in WORKLOADS),
+                        help="workloads to run, comma-separated (default all: "
+                        + ",".join(w for w, _, _ in WORKLOADS) + ")")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=300.0, help="per workload, s")
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
     args = parser.parse_args(argv)
     _quiet_logs()
     sizes = [int(s) for s in args.workers.split(",") if s.strip()]
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if unknown := set(args.workloads) - {w for w, _, _ in WORKLOADS}:
+        parser.error(f"unknown workloads: {', '.join(sorted(unknown))}")
     names = [args.only] if args.only else list(SYSTEMS)
     results = {name: Results(name) for name in names}
     present = [name for name in names if not results[name].missing]
     args.logdir = Path(tempfile.mkdtemp(prefix="redisdask-bench-balance-"))
-    args.expected = expected_results()
+    args.expected = expected_results() if set(args.workloads) & set(COLLECTIONS) else {}
     loadavg_start = os.getloadavg()
     try:
         for n in sizes:
@@ -451,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         _stop_leftovers()
     print()
-    print(report(results, sizes, args.repeats))
+    print(report(results, sizes, args.repeats, args.workloads))
     print(
         f"load average {loadavg_start[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the "
         f"end ({os.cpu_count()} CPUs)"
@@ -463,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(args.logdir, ignore_errors=True)
     if args.json:
         out = {
-            "config": {"workers": sizes, "repeats": args.repeats, "timeout": args.timeout},
+            "config": {"workers": sizes, "repeats": args.repeats, "timeout": args.timeout,
+                       "workloads": args.workloads},
             "env": {**_versions(), "loadavg_start": loadavg_start},
             **{
                 name: {"medians": {m: res.median(m) for m in res.samples},

@@ -3,22 +3,36 @@
 
 The scheduler folds the run time of every accepted result into its prefix's average
 (``Durations.add``: the first run sets it, each later one moves it half-way, as in
-distributed) and writes the averages that changed in the batch that accepts the results,
-to the ``durations`` hash (``schema.Keys.durations``).  A restarted scheduler reloads
-them from there.  Workers never read the hash themselves: the ``CLAIM`` script reads the
-estimate of each task it considers (``KEY_PREFIX_LUA`` finds its prefix, as
+distributed), forgets it when a worker reports a run of it going on past twice the
+average (``Durations.add_exec_time``, distributed's ``TaskPrefix.add_exec_time``), and
+writes the averages that changed in the batch that accepts the results, to the
+``durations`` hash (``schema.Keys.durations``).  A restarted scheduler reloads them from
+there.  Workers never read the hash themselves: the ``CLAIM`` script reads the estimate
+of each task it considers (``KEY_PREFIX_LUA`` finds its prefix, as
 ``scheduler_tasks.key_prefix`` does) and returns it with the task, so knowing what a task
 costs takes no round trip of its own.
 
 The worker sizes a claim with ``start_times``: when each of its threads will be free to
 start another task, given what it runs and what it holds claimed but not started (its
-estimates spread over the threads).  The
-script takes a task only if it would start within ``worker.claim-horizon`` on the thread
-free first, which then is busy for the task's estimate longer; a task without an estimate
-(a prefix never seen, or a run past twice its estimate) keeps its thread busy for an
-unknown time, so it is claimed only for a thread free now, and nothing is claimed behind
-it.  A worker whose one thread runs a 2 s task claims no 20 ms tasks ahead, and another
-worker takes them.
+estimates spread over the threads).  The script takes a task only if it would start
+within ``worker.claim-horizon`` on the thread free first, which then is busy for the
+task's estimate longer; a task without an estimate (a prefix never seen, or a run past
+twice its estimate) keeps its thread busy for an unknown time, so it is claimed only for
+a thread free now, and nothing is claimed behind it.  A worker whose one thread runs a
+2 s task claims no 20 ms tasks ahead, and another worker takes them.  A worker whose
+threads all run tasks longer than the horizon claims its next task when the first of them
+comes within the horizon of its end (``claim_delay``), so that the next task waits for
+the thread rather than the thread for a claim.
+
+An estimate can be wrong: a prefix learnt from no-ops whose next runs take 40 ms, or a
+straggler.  Then a worker may hold a horizon's worth of what it believed instant behind
+a run that goes on.  Once every thread of the worker runs a task past any expectation
+(``stuck_in``: the horizon past twice its estimate), it hands back the claims it holds
+ready that may run elsewhere (``workers/state.py``, ``RunsOverdueEvent``), naming the
+prefixes of those runs whose estimate let claims take several per thread (``misleads``)
+and how long they ran: the scheduler queues the tasks again and forgets those averages
+in the same batch, so that other workers claim them one per free thread, not a
+horizon's worth each.
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ import math
 from collections.abc import Iterable, Mapping
 
 MAX_PREFIXES = 10_000  # prefixes with an estimate at most (a new one beyond: unknown)
+HOARD_RATIO = 4  # tasks per thread a claim takes of a prefix whose stuck runs are reported
 OVERDUE = 2.0  # a run this many times its estimate has none any more (as distributed's
 # ``TaskPrefix.add_exec_time``, which forgets the average then)
 
@@ -56,9 +71,19 @@ class Durations:
             self.averages[prefix] = 0.5 * duration + 0.5 * old
         self._changed.add(prefix)
 
-    def take_changed(self) -> dict[str, float]:
-        """The averages changed since the last call."""
-        changed = {p: self.averages[p] for p in self._changed}
+    def add_exec_time(self, prefix: str, elapsed: float) -> None:
+        """A run of ``prefix`` has gone on for ``elapsed`` seconds and is not done: past
+        ``OVERDUE`` times the average, the average says nothing of it and is forgotten
+        (distributed's ``TaskPrefix.add_exec_time``): claims then take one task of it
+        per free thread until a run of it finishes and sets the average anew."""
+        old = self.averages.get(prefix)
+        if old is not None and math.isfinite(elapsed) and elapsed > OVERDUE * old:
+            del self.averages[prefix]
+            self._changed.add(prefix)
+
+    def take_changed(self) -> dict[str, float | None]:
+        """The averages changed since the last call (None: forgotten)."""
+        changed = {p: self.averages.get(p) for p in self._changed}
         self._changed.clear()
         return changed
 
@@ -70,6 +95,25 @@ def remaining(estimate: float | None, elapsed: float, slack: float = 0.0) -> flo
     if estimate is None or elapsed > OVERDUE * estimate + slack:
         return math.inf
     return max(estimate - elapsed, 0.0)
+
+
+def misleads(estimate: float, horizon: float) -> bool:
+    """Whether a stuck run of this estimate says its prefix's average misleads claims:
+    it is so small that a claim takes ``HOARD_RATIO`` or more tasks of the prefix per
+    thread (a horizon's worth of what it says is near instant; the mis-estimated case),
+    so the worker reports it and the scheduler forgets it.  A larger one (a 10 ms task
+    that a loaded machine stalled past 40 ms, a straggler of a prefix of 10 ms runs)
+    lets a claim take a task or two ahead at most: it stands."""
+    return estimate * HOARD_RATIO < horizon
+
+
+def stuck_in(estimate: float | None, elapsed: float, slack: float) -> float:
+    """Seconds until a run that started ``elapsed`` seconds ago is past any expectation
+    (0: it is now): ``slack`` past ``OVERDUE`` times its estimate, or ``slack`` without
+    one.  A worker whose every thread is stuck so hands back the claims held behind them
+    (``workers/state.py``, ``RunsOverdueEvent``)."""
+    limit = slack if estimate is None else OVERDUE * estimate + slack
+    return max(limit - elapsed, 0.0)
 
 
 def start_times(
@@ -86,13 +130,34 @@ def start_times(
     thread free first comes to for small tasks, in any order, in O(nthreads) after one
     pass over ``held``: the worker asks before every claim, holding hundreds of tasks).
     """
+    return [t for t in _starts(nthreads, running, held) if t <= horizon]
+
+
+def claim_delay(
+    nthreads: int, running: Iterable[float], held: list[float | None], horizon: float
+) -> float | None:
+    """Seconds from now until ``start_times`` gives a thread (0: it does now); None if
+    none ever comes free by the estimates (every thread is busy for an unknown time).
+
+    A worker that claims nothing now because its threads run tasks longer than the
+    horizon claims its next task when the first of them comes within the horizon of its
+    end, not once it ended: the next task then waits on the worker for its thread, as
+    in distributed a worker holds one task more than it runs (``worker-saturation``),
+    instead of the thread waiting a claim's round trip after each run."""
+    starts = _starts(nthreads, running, held)
+    return max(starts[0] - horizon, 0.0) if starts else None
+
+
+def _starts(nthreads: int, running: Iterable[float], held: list[float | None]) -> list[float]:
+    """When each thread whose end is known may start a task claimed now, smallest first
+    (see ``start_times``)."""
     unknown = held.count(None)
     work = sum(filter(None, held))  # (estimates are averages of durations: never < 0)
     loads = sorted(running)[:nthreads]
     loads = sorted(loads + [0.0] * (nthreads - len(loads)))[unknown:]
     loads = [t for t in loads if t != math.inf]
     level = _level(loads, work)
-    return [max(t, level) for t in loads if max(t, level) <= horizon]
+    return [max(t, level) for t in loads]
 
 
 def _level(loads: list[float], work: float) -> float:

@@ -72,6 +72,10 @@ _CHECKS: dict[str, Callable[[Any], bool]] = {
     "dict[str, int]": lambda v: (
         isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, int) for k, x in v.items())
     ),
+    "dict[str, float]": lambda v: (
+        isinstance(v, dict)
+        and all(isinstance(k, str) and isinstance(x, int | float) for k, x in v.items())
+    ),
     "dict[str, list[str]]": lambda v: (
         isinstance(v, dict) and all(isinstance(k, str) and _is_strs(x) for k, x in v.items())
     ),
@@ -515,13 +519,17 @@ class AddKeys(Event):
 @dataclass(slots=True)
 class ReleasedKeys(Event):
     """A worker dropped ``keys`` (e.g. a cancelled task's late result), or handed back
-    its claims of them; ``scores`` say which run of each key (none: unknown)."""
+    its claims of them; ``scores`` say which run of each key (none: unknown).
+    ``overdue``: it handed them back because every thread runs a task past twice its
+    prefix's estimate; per prefix whose estimate misleads claims
+    (``durations.misleads``), how long such a run has gone on (seconds)."""
 
     op: ClassVar[str] = "released-keys"
-    optional: ClassVar[frozenset[str]] = frozenset({"scores"})
+    optional: ClassVar[frozenset[str]] = frozenset({"scores", "overdue"})
     worker: str
     keys: list[str] = field(default_factory=list)
     scores: list[Any] = field(default_factory=list)
+    overdue: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

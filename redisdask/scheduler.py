@@ -56,6 +56,7 @@ from redisdask.versions import host_info, versions
 logger = logging.getLogger("redisdask.scheduler")
 
 CHECK_INTERVAL = 0.2  # seconds between looks for dead workers (CLIENT LIST, heartbeats)
+STEAL_INTERVAL = 0.1  # seconds between balances (Dask's work-stealing-interval)
 NANNY_GRACE_LOOKS = 8  # looks without connections before a nanny's worker is dead (~1.5 s)
 DRAIN_READS = 100  # reads of waiting entries, at most, before deaths are applied
 # Entries of at most this much payload, naming at most so many tasks and keys, are applied
@@ -252,8 +253,9 @@ class Scheduler:
     def _lead(self) -> None:
         pending = True  # first re-read entries a dead predecessor read but never applied
         # idle wake-ups renew the lease, look for dead workers and notice a stop request
-        block_ms = max(1, min(self.lease.ttl_ms // 3, int(CHECK_INTERVAL * 1000)))
-        next_check = 0.0
+        interval = STEAL_INTERVAL if self.work_stealing else CHECK_INTERVAL
+        block_ms = max(1, min(self.lease.ttl_ms // 3, int(interval * 1000)))
+        next_check = next_balance = 0.0
         self.ahead.clear()  # (after Redis was away: those entries are pending, re-read)
         while not self._stopping:
             if not self.ahead:
@@ -263,11 +265,13 @@ class Scheduler:
                 self.look_at_redis_memory()
                 self.look_for_the_dead()
                 self._collect()
-                self.balance()
                 # every entry is acknowledged by the write that applies it, so anything
                 # pending now was read by a stale scheduler before it found itself fenced
                 # (entries read ahead are computed first: none is held now)
                 pending = not self.ahead
+            if not self.ahead and time.monotonic() >= next_balance:
+                next_balance = time.monotonic() + STEAL_INTERVAL
+                self.balance()
             if not self.ahead and not self._read(pending, block_ms):
                 pending = False  # (none pending left, or idle)
                 continue

@@ -165,9 +165,9 @@ class MarkChain(Instruction):
 @dataclass(slots=True)
 class SetDurations(Instruction):
     """Write the duration averages of these task prefixes (``redisdask/durations.py``),
-    which the CLAIM script reads to size claims."""
+    which the CLAIM script reads to size claims; None: the prefix's is forgotten."""
 
-    averages: dict[str, float]
+    averages: dict[str, float | None]
 
 
 @dataclass(slots=True)

@@ -348,8 +348,11 @@ class Translator:
         b.cmds.append(self.event_command("worker-died", now, **death_fields(ins.record)))
 
     def _set_durations(self, ins: SetDurations, b: _Batch) -> None:
-        pairs = [x for prefix, average in ins.averages.items() for x in (prefix, repr(average))]
+        items = ins.averages.items()
+        pairs = [x for prefix, avg in items if avg is not None for x in (prefix, repr(avg))]
         b.cmds.extend(_chunked(["HSET", self.keys.durations], pairs, step=2))
+        forgotten = [prefix for prefix, avg in items if avg is None]
+        b.cmds.extend(_chunked(["HDEL", self.keys.durations], forgotten))
 
     def _log_event(self, ins: LogEvent, b: _Batch) -> None:
         b.cmds.append(self.event_command(ins.kind, time.time(), **ins.fields))

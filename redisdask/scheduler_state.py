@@ -1052,6 +1052,8 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
 
     def _handle_released_keys(self, ev: ReleasedKeys) -> None:
         ws = self.workers.get(ev.worker)
+        for prefix, elapsed in ev.overdue.items():  # (claims handed back behind such runs)
+            self.durations.add_exec_time(prefix, float(elapsed))
         scores = list(ev.scores) + [NO_SCORE] * (len(ev.keys) - len(ev.scores))
         for key, score in zip(ev.keys, scores, strict=False):
             ts = self.tasks.get(key)

@@ -5,23 +5,29 @@ declares the attributes it uses and no stub of the machine's methods (``_emit``,
 ``_transition``, ``_set_state``, ``_targets``).
 
 Workers claim ahead only what they expect to start within the claim horizon
-(``redisdask.durations``), but estimates can be wrong (a straggler of a prefix whose
-runs are short, a prefix whose tasks vary): tasks then wait behind a long run on one
-worker while another has nothing to do.  The balance, every ``CHECK_INTERVAL`` of the
-driver (a ``StealTick``, 200 ms; Dask's is 100 ms):
+(``redisdask.durations``), and a worker whose every thread runs a task past any
+expectation hands back what it holds (``workers/state.py``, ``RunsOverdueEvent``); but
+estimates can be wrong in ways that leave claims waiting on one worker while another
+has nothing to do (a run not yet twice its estimate, a worker with a free thread among
+stuck ones, a long claim horizon, a worker that joins).  The balance, every
+``STEAL_INTERVAL`` of the driver (a ``StealTick``, 100 ms, as Dask's
+``work-stealing-interval``):
 
 1. ``plan_steals`` (pure) finds the **thieves**: workers with fewer claimed tasks than
-   threads (counting the steals already asked for them), not retiring, for which no
-   queued task is waiting that they could claim themselves; and the **victims**: workers
-   holding more claimed tasks than threads (the surplus: claimed, not started, as far as
-   the scheduler can tell).  Each thief asks the victim with the largest surplus for its
-   share of its claims, so that both then hold as many claims per thread (half of them
-   between workers of as many threads; one at least, never one it runs): the tasks the
-   victim would start last (the largest scores: lowest priority, submitted last), only
-   those the thief may run (``workers=``, ``resources=``: ``Placement.targets``) and
-   whose data is worth moving (its dependencies' bytes not on the thief, at
-   ``BANDWIDTH``, take at most ``COST_RATIO`` times the task's duration estimate;
-   ``UNKNOWN_DURATION`` without one, as Dask's ``unknown-task-duration``).
+   threads, not retiring, for which no queued task is waiting that they could claim
+   themselves; and the **victims**: workers holding more claimed tasks than threads
+   (the surplus: claimed, not started, as far as the scheduler can tell).  It levels
+   the expected work per thread (each claim counts for its prefix's duration estimate,
+   ``UNKNOWN_DURATION`` without one, as Dask's ``unknown-task-duration``, and at least
+   ``MIN_COST``), as distributed's ``balance`` does: from the most loaded victim first,
+   each of its claims that it would start last (the largest scores: lowest priority,
+   submitted last) goes to the least loaded thief while that leaves the thief less
+   loaded than the victim (``occ_thief + cost <= occ_victim - cost / 2``, per thread),
+   never more than the victim's surplus, never one it runs.  Requests in flight count
+   on their thief already.  Only tasks the thief may run (``workers=``, ``resources=``:
+   ``Placement.targets``) and whose data is worth moving (its dependencies' bytes not
+   on the thief, at ``BANDWIDTH``, take at most ``COST_RATIO`` times the task's
+   estimate) are asked for.
 2. The victim gets a ``steal-request`` (keys, thief) in its inbox.  Only the victim knows
    whether a run started, so only it decides: the claims not started (``waiting``,
    ``ready``) it gives up at once in its state machine (they will never run there) and
@@ -45,7 +51,7 @@ applies every ``stolen-keys`` it reads (the handler needs no record of the reque
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -63,6 +69,7 @@ BANDWIDTH = 100e6  # bytes/s assumed between workers (Dask's ``scheduler.bandwid
 UNKNOWN_DURATION = 0.5  # seconds, a task without an estimate (Dask's default)
 COST_RATIO = 1.0  # moving a task's data may take at most this times its run's estimate
 LOGGED_KEYS = 20  # keys named in one ``stolen`` event at most
+MIN_COST = 0.001  # seconds a task counts for in the balance, whatever its estimate
 
 
 @dataclass(slots=True)
@@ -96,73 +103,87 @@ def plan_steals(
     in_flight: Mapping[TaskState, Asked],
     may_run: Callable[[TaskState, str], bool],
     has_queued_for: Callable[[str], bool],
+    estimate: Callable[[TaskState], float] = lambda ts: UNKNOWN_DURATION,
 ) -> list[tuple[str, str, list[TaskState]]]:
     """The steal requests to make now: ``(victim, thief, tasks)`` each (see the module
     docstring).  ``may_run(ts, thief)``: the thief may run ``ts`` and its data is worth
     moving; ``has_queued_for(thief)``: a queued task waits that the thief may claim
-    itself (then it steals nothing)."""
+    itself (then it steals nothing); ``estimate(ts)``: the seconds ``ts`` is expected
+    to run (its prefix's average)."""
     asked_from: dict[str, int] = {}
-    asked_for: dict[str, int] = {}
-    for asked in in_flight.values():
+    load: dict[str, float] = {}  # expected seconds of claimed work per thread, as planned
+    for ts, asked in in_flight.items():
         asked_from[asked.victim] = asked_from.get(asked.victim, 0) + 1
-        if not asked.refused:
-            asked_for[asked.thief] = asked_for.get(asked.thief, 0) + 1
-    surplus: dict[str, int] = {}
-    free: dict[str, int] = {}
+        if not asked.refused:  # (on its way to the thief: counted there)
+            d = _cost(ts, estimate)
+            load[asked.victim] = load.get(asked.victim, 0.0) - d / _threads(workers, asked.victim)
+            load[asked.thief] = load.get(asked.thief, 0.0) + d / _threads(workers, asked.thief)
+    surplus: dict[str, int] = {}  # claims the victim holds beyond its threads, not asked
+    thieves: list[str] = []
     for address, ws in workers.items():
-        n, held = nthreads(ws), len(ws.processing)
-        extra = held - n - asked_from.get(address, 0)
-        room = n - held - asked_for.get(address, 0)
+        n = nthreads(ws)
+        load[address] = (
+            load.get(address, 0.0) + sum(_cost(ts, estimate) for ts in ws.processing) / n
+        )
+        extra = len(ws.processing) - n - asked_from.get(address, 0)
         if extra > 0:
             surplus[address] = extra
-        elif room > 0 and not (ws.retiring or ws.retire_heard or ws.told_to_close):
-            free[address] = room
-    if not surplus or not free:
+        elif len(ws.processing) < n and not (ws.retiring or ws.retire_heard or ws.told_to_close):
+            thieves.append(address)
+    if not surplus or not thieves:
         return []
-    plans: list[tuple[str, str, list[TaskState]]] = []
-    taken: set[TaskState] = set()  # asked for by this plan already
-    for thief in sorted(free, key=lambda a: (-free[a], a)):
-        if has_queued_for(thief):
-            continue
-        for victim in sorted(surplus, key=lambda a: (-surplus[a], a)):
-            if surplus[victim] <= 0:
-                break
-            share = _share(workers[victim], surplus[victim], workers[thief], free[thief])
-            chosen = _choose(workers[victim], share, thief, in_flight, taken, may_run)
-            if chosen:  # (else the next victim: this one's surplus may not run there)
-                plans.append((victim, thief, chosen))
-                surplus[victim] -= len(chosen)
-                taken.update(chosen)
-                break
-    return plans
+    thieves = [t for t in thieves if not has_queued_for(t)]
+    plans: dict[tuple[str, str], list[TaskState]] = {}
+    for victim in sorted(surplus, key=lambda a: (-load[a], a)):
+        for ts, thief in _moves(workers[victim], surplus[victim], thieves, load, in_flight,
+                                may_run, estimate, workers):  # fmt: skip
+            plans.setdefault((victim, thief), []).append(ts)
+    return [(victim, thief, tasks) for (victim, thief), tasks in plans.items()]
 
 
-def _share(victim: WorkerInfo, surplus: int, thief: WorkerInfo, free: int) -> int:
-    """How many of the victim's surplus claims the thief takes: so that both then hold
-    as many claims per thread (half of them between one-thread workers), one at least;
-    ``surplus`` and ``free`` count the requests in flight already."""
-    vn, tn = nthreads(victim), nthreads(thief)
-    held_v, held_t = surplus + vn, tn - free
-    return min(surplus, max(1, (held_v + held_t) * tn // (vn + tn) - held_t))
-
-
-def _choose(
+def _moves(
     victim: WorkerInfo,
-    n: int,
-    thief: str,
+    surplus: int,
+    thieves: list[str],
+    load: dict[str, float],
     in_flight: Mapping[TaskState, Asked],
-    taken: set[TaskState],
     may_run: Callable[[TaskState, str], bool],
-) -> list[TaskState]:
-    """Up to ``n`` of the tasks the victim would start last that the thief may run and
-    nobody asked for yet."""
-    chosen: list[TaskState] = []
-    for ts in sorted(victim.processing, key=lambda t: -t.score):
-        if len(chosen) >= n:
-            break
-        if ts not in in_flight and ts not in taken and may_run(ts, thief):
-            chosen.append(ts)
-    return chosen
+    estimate: Callable[[TaskState], float],
+    workers: Mapping[str, WorkerInfo],
+) -> Iterator[tuple[TaskState, str]]:
+    """Of the victim's claims, those it would start last first, each to the least
+    loaded thief that may run it, while that leaves the thief less loaded than the
+    victim (distributed's ``balance``: ``occ_thief + cost <= occ_victim - cost / 2``, per
+    thread); at most ``surplus`` of them.  Updates ``load`` as it goes."""
+    v, vn = victim.address, nthreads(victim)
+    last = sorted(victim.processing, key=lambda t: -t.score)[: len(victim.processing) - vn]
+    for ts in last:  # (the others it runs, or starts first, as far as we can tell)
+        if surplus <= 0:
+            return
+        if ts in in_flight:
+            continue
+        d = _cost(ts, estimate)
+        for thief in sorted(thieves, key=lambda a: (load[a], a)):
+            tn = _threads(workers, thief)
+            if load[thief] + d / tn > load[v] - d / (2 * vn):
+                break  # (the least loaded one first: no other takes it either)
+            if may_run(ts, thief):
+                load[thief] += d / tn
+                load[v] -= d / vn
+                surplus -= 1
+                yield ts, thief
+                break
+
+
+def _cost(ts: TaskState, estimate: Callable[[TaskState], float]) -> float:
+    """What moving ``ts`` moves: its estimate, at least ``MIN_COST`` (a task's claim and
+    report cost that much whatever it runs, and an estimate of 0 would move everything)."""
+    return max(estimate(ts), MIN_COST)
+
+
+def _threads(workers: Mapping[str, WorkerInfo], address: str) -> int:
+    ws = workers.get(address)
+    return nthreads(ws) if ws is not None else 1
 
 
 def transfer_seconds(ts: TaskState, thief: str) -> float:
@@ -192,12 +213,17 @@ class WorkStealing:
             timed_out = not asked.refused and ev.now - asked.at > STEAL_TIMEOUT
             if timed_out or ts.processing_on != asked.victim:
                 del self.steals[ts]
-        plans = plan_steals(self.workers, self.steals, self._may_steal, self._queued_for())
+        plans = plan_steals(
+            self.workers, self.steals, self._may_steal, self._queued_for(), self._estimate
+        )
         for victim, thief, tasks in plans:
             for ts in tasks:
                 self.steals[ts] = Asked(victim, thief, ev.now)
             request = StealRequest([ts.key for ts in tasks], thief)
             self._emit(WorkerMsg(ev.stimulus_id, victim, request))
+
+    def _estimate(self, ts: TaskState) -> float:
+        return self.durations.averages.get(ts.prefix, UNKNOWN_DURATION)
 
     def _may_steal(self, ts: TaskState, thief: str) -> bool:
         """The thief may run ``ts`` (its restriction, its resources) and moving its data
@@ -208,8 +234,7 @@ class WorkStealing:
         if ts.waiting_on or any(d.state == "processing" and ts in d.waiting_on
                                 for d in ts.dependents):  # fmt: skip
             return False  # a chain claimed together runs together (scheduler_chain.py)
-        estimate = self.durations.averages.get(ts.prefix, UNKNOWN_DURATION)
-        return transfer_seconds(ts, thief) <= COST_RATIO * estimate
+        return transfer_seconds(ts, thief) <= COST_RATIO * self._estimate(ts)
 
     def _queued_for(self) -> Callable[[str], bool]:
         """Whether a queued task waits that a given worker may claim itself: any task

@@ -10,13 +10,21 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 from redisdask import Client, get_worker
-from redisdask.durations import KEY_PREFIX_LUA, Durations, start_times
-from redisdask.protocol import AddWorker, TaskClaimed, TaskFinished, UpdateGraph
+from redisdask.durations import (
+    KEY_PREFIX_LUA,
+    Durations,
+    claim_delay,
+    misleads,
+    start_times,
+    stuck_in,
+)
+from redisdask.protocol import AddWorker, ReleasedKeys, TaskClaimed, TaskFinished, UpdateGraph
 from redisdask.scheduler_redis import Translator, load_state
 from redisdask.scheduler_state import SchedulerState
 from redisdask.scheduler_tasks import key_prefix
@@ -104,6 +112,41 @@ def test_start_times_queue_what_is_held_on_the_thread_free_first() -> None:
     assert start_times(2, [0.001], [], 0.0) == [0.0]  # a horizon of 0: free threads only
 
 
+def test_claim_delay_is_when_start_times_gives_a_thread() -> None:
+    """A worker whose thread runs a 40 ms task claims its next one 20 ms before the run
+    ends (the horizon), not once it ended: the task then waits for the thread."""
+    assert claim_delay(1, [0.04], [], 0.02) == pytest.approx(0.02)
+    assert start_times(1, [0.04 - 0.02], [], 0.02) == [pytest.approx(0.02)]  # then
+    assert claim_delay(1, [0.01], [], 0.02) == 0.0  # within the horizon now
+    assert claim_delay(2, [0.04, 0.1], [0.03], 0.02) == pytest.approx(0.05)  # held: after it
+    assert claim_delay(1, [math.inf], [], 0.02) is None  # busy for an unknown time
+    assert claim_delay(1, [0.01], [None], 0.02) is None  # held, unknown: busy for good
+
+
+def test_stuck_in_is_when_a_run_is_past_any_expectation() -> None:
+    assert stuck_in(0.01, 0.0, 0.02) == pytest.approx(0.04)  # twice the estimate + slack
+    assert stuck_in(0.01, 0.05, 0.02) == 0.0
+    assert stuck_in(None, 0.005, 0.02) == pytest.approx(0.015)  # no estimate: the slack
+
+
+def test_an_estimate_misleads_when_claims_take_several_per_thread() -> None:
+    assert misleads(0.0002, 0.02) and misleads(0.004, 0.02)
+    assert not misleads(0.005, 0.02) and not misleads(0.01, 0.02)
+
+
+def test_an_exec_time_past_twice_the_average_forgets_it() -> None:
+    """distributed's ``TaskPrefix.add_exec_time``: a run going on past twice the average
+    forgets it (written as None: deleted), and the next result sets it anew."""
+    d = Durations({"f": 0.0002, "g": 1.0})
+    d.add_exec_time("f", 0.0003)  # not twice: kept
+    d.add_exec_time("g", 5.0)
+    d.add_exec_time("h", 5.0)  # never seen: nothing to forget
+    d.add_exec_time("f", math.inf)  # (a broken report)
+    assert d.averages == {"f": 0.0002} and d.take_changed() == {"g": None}
+    d.add("g", 1.0, 1.04)
+    assert d.averages["g"] == pytest.approx(0.04) and d.take_changed() == {"g": 0.04}
+
+
 def test_durations_reload_after_a_scheduler_restart(r: tuple[redis.Redis, Keys]) -> None:
     """What a scheduler wrote of its averages, a new one reads back; an entry that is no
     number of seconds is left out (logged), the rest stand."""
@@ -130,6 +173,47 @@ def test_durations_reload_after_a_scheduler_restart(r: tuple[redis.Redis, Keys])
     conn.hset(keys.durations, mapping={"bad": "soon", "worse": "nan"})
     loaded = load_state(conn, keys, validate=True)
     assert loaded.durations.averages == state.durations.averages
+
+
+def test_a_forgotten_average_is_deleted_and_claims_take_one_per_thread(
+    r: tuple[redis.Redis, Keys],
+) -> None:
+    """A worker hands back the claims held behind a run far past its prefix's estimate:
+    the scheduler queues them again and deletes the average in the same write, so the
+    next claim takes one task per free thread, not a horizon's worth."""
+    conn, keys = r
+    state = SchedulerState(validate=True)
+    names = [f"inc-{i:08x}" for i in range(6)]
+    tasks = [{"key": k, "spec": b"s", "deps": [], "priority": 0, "retries": 0} for k in names]
+    scripts = Scripts(conn, keys)
+    token = scripts.acquire_lease(token=None, ttl_ms=60_000).decode()
+
+    def apply(*events: Any) -> None:
+        commands = Translator(keys).to_commands(state.handle_stimulus(*events))
+        scripts.apply_fenced(token=token, commands=commands, ttl_ms=60_000)
+
+    conn.hset(keys.workers, W, pack({"name": "w", "nthreads": 1}))
+    apply(AddWorker(worker=W, stimulus_id="a"))
+    apply(UpdateGraph(client="c", tasks=tasks, wanted=names, stimulus_id="u"))
+    apply(TaskClaimed(worker=W, keys=names[:1], stimulus_id="c"))
+    apply(TaskFinished(worker=W, key=names[0], start=1.0, stop=1.0002, stimulus_id="f"))
+    assert conn.hget(keys.durations, "inc") == b"0.0002"
+
+    def claim() -> list[str]:
+        tasks, *_ = scripts.claim(
+            worker=W, count=10, last_inbox_id="0-0", horizon=0.02, starts=[0.0]
+        )
+        return [t[0].decode() for t in tasks]
+
+    assert claim() == names[1:]  # a horizon's worth of what the average says is instant
+    apply(TaskClaimed(worker=W, keys=names[1:], stimulus_id="c2"))
+    held = names[2:]  # names[1] runs, 21 ms so far
+    scores = [state.tasks[k].score for k in held]
+    apply(ReleasedKeys(worker=W, keys=held, scores=scores, overdue={"inc": 0.021},
+                       stimulus_id="back"))  # fmt: skip
+    assert conn.hget(keys.durations, "inc") is None and "inc" not in state.durations.averages
+    assert all(state.tasks[k].state == "queued" for k in held)
+    assert claim() == [names[2]]  # of unknown cost now: one per free thread
 
 
 def test_durations_cap_the_prefixes_they_remember(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,9 +1,13 @@
 """Work stealing for real (redisdask/stealing.py): worker processes, a scheduler process,
 Redis, kill -9.  One worker claims a whole batch (its prefix's estimate, learnt from a
-warm-up of no-ops, says the batch takes no time), then a second worker joins with
-nothing to claim: it must get its share, and no task may run twice or be lost, whoever
-is killed mid-steal.  Every run is counted: the task appends ``i|worker`` to a Redis list
-as it starts."""
+warm-up of no-ops, says the batch takes no time, and its claim horizon is long), then a
+second worker joins with nothing to claim: it must get its share, and no task may run
+twice or be lost, whoever is killed mid-steal.  Every run is counted: the task appends
+``i|worker`` to a Redis list as it starts.
+
+With the default claim horizon the busy worker does not wait to be stolen from: once its
+run goes on past twice its estimate it hands back what it holds (``RunsOverdueEvent``,
+``workers/state.py``); the last tests here are about that."""
 
 from __future__ import annotations
 
@@ -36,8 +40,12 @@ RESOURCES = {"R": 100}  # the first worker's, when the pinned tasks need R=1
 @pytest.fixture(autouse=True)
 def _slow_heartbeat_deaths(monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker stopped for a while (SIGSTOP) is not declared dead by its heartbeat here
-    (a kill -9 is noticed at once all the same: its connections close)."""
+    (a kill -9 is noticed at once all the same: its connections close).  The workers
+    claim 30 s of estimated work ahead, so that the busy one holds its claims until
+    they are stolen: with the default 20 ms it would hand them back once its first run
+    went on past twice its estimate, before any thief joined."""
     monkeypatch.setenv("REDISDASK__SCHEDULER__WORKER_TTL", "20")
+    monkeypatch.setenv("REDISDASK__WORKER__CLAIM_HORIZON", "30")
 
 
 def work(i: int, delay: float = 0.0, url: str = "", runs: str = "") -> int:
@@ -248,3 +256,44 @@ def test_the_driver_writes_a_steal_request_and_nothing_when_nothing_moves(
     assert unpack(fields[b"m"]) == [{"op": "steal-request", "keys": ["x-3", "x-2"], "thief": thief}]
     assert not balance_writes()  # asked already: not again
     assert r.xlen(keys.worker_inbox(victim)) == 1
+
+
+def test_a_worker_hands_back_its_claims_once_its_run_goes_on_past_twice_its_estimate(
+    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mis-estimated case with the default claim horizon: the only worker claims the
+    whole batch (its prefix's estimate, from no-ops, says it takes no time); once its
+    first run is 20 ms past twice that estimate it hands the rest back (``released-keys``
+    naming the run's prefix, which the scheduler forgets), and a worker that joins
+    later gets its share from the queue, with no steal needed for those.  None runs
+    twice, none is lost.  (Before, the batch waited claimed on the first worker until a
+    steal moved some of it: the last task's story said ``stolen-keys``.)"""
+    monkeypatch.setenv("REDISDASK__WORKER__CLAIM_HORIZON", "0.02")
+    with (
+        LocalCluster(nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name)
+        as cluster,
+        Client(cluster) as client,
+    ):  # fmt: skip
+        [first] = client.scheduler_info()["workers"]
+        assert client.gather(client.map(work, range(-200, 0))) == list(range(-2000, 0, 10))
+        runs = f"{cluster_name}-runs"
+        futures = client.map(work, range(N), delay=DELAY, url=redis_url, runs=runs)
+        r = redis.Redis.from_url(redis_url)
+        keys = Keys(cluster_name)
+        last = futures[-1].key  # (the one the first worker would have started last)
+        poll(lambda: ("queued", "released-keys", first) in story_of(r, keys, last))
+        cluster.start_worker(name="second")
+        cluster.wait_for_workers(2)
+        second = thief_of(client, first)
+        assert client.gather(futures) == [i * 10 for i in range(N)]
+        done = runs_of(r, runs)
+        assert sorted(i for i, _ in done) == list(range(N))  # each once: none lost
+        joined = next(n for n, (_, w) in enumerate(done) if w == second)
+        later = [w for _, w in done[joined:]]
+        assert later.count(second) >= 0.3 * len(later), (later, joined)
+        assert ("processing", "claimed", first) in story_of(r, keys, last)  # (at first)
+        assert not any(s[1] == "stolen-keys" for s in story_of(r, keys, last))
+
+
+def story_of(r: redis.Redis, keys: Keys, key: str) -> list[tuple[str, str, str]]:
+    return [(s["state"], s["cause"], s["origin"]) for s in task_story(r, keys, key)]

@@ -38,6 +38,7 @@ from redisdask.workers.state import (
     RejoinEvent,
     Report,
     RetireEvent,
+    RunsOverdueEvent,
     SecedeEvent,
     StateMachineEvent,
     StealRequestEvent,
@@ -619,6 +620,109 @@ def test_claim_budget_an_overdue_run_counts_as_unknown() -> None:
     ws.handle_stimulus(compute("a", estimate=0.010))
     assert ws.claim_budget(0.02, now=100.029) == [0.0]  # late, within the slack
     assert ws.claim_budget(0.02, now=100.041) == []
+
+
+def test_claim_delay_claims_the_next_task_before_the_thread_is_free() -> None:
+    """Tasks longer than the horizon: the worker claims the next one as its thread comes
+    within the horizon of its end, so it waits for the thread rather than the thread
+    for a claim's round trip (distributed's worker holds one task more than it runs)."""
+    ws = make(nthreads=1)
+    ws.clock = 100.0
+    ws.handle_stimulus(compute("a", estimate=0.040))
+    assert ws.claim_budget(0.02, now=100.0) == []
+    assert ws.claim_delay(0.02, now=100.0) == pytest.approx(0.02)
+    assert ws.claim_delay(0.02, now=100.025) == 0.0
+    assert ws.claim_budget(0.02, now=100.025) == pytest.approx([0.015])
+    ws.handle_stimulus(compute("b", estimate=0.040))  # held: it starts when "a" ends
+    assert ws.claim_delay(0.02, now=100.025) is None  # ("a"'s end wakes the claim loop)
+    two = make(nthreads=2)
+    two.clock = 100.0
+    two.handle_stimulus(*[compute(k, estimate=0.040) for k in "abc"])  # one held
+    assert two.claim_delay(0.02, now=100.0) == pytest.approx(0.04)  # (a, b, then c)
+    unknown = make(nthreads=1)
+    unknown.handle_stimulus(compute("u"))  # no estimate: no end in sight
+    assert unknown.claim_delay() is None
+    paused = make(nthreads=1)
+    paused.handle_stimulus(compute("p", estimate=0.04), PauseEvent("pause"))
+    assert paused.claim_delay() is None
+
+
+def overdue(ws: WorkerState, now: float) -> list[Instruction]:
+    return ws.handle_stimulus(RunsOverdueEvent(0.02, now, f"overdue-{now}"))
+
+
+def test_claims_behind_runs_past_twice_their_estimate_are_handed_back() -> None:
+    """The mis-estimated case: the estimate (from no-ops) said 0.2 ms, so the worker
+    claimed a horizon's worth; 20 ms past twice that estimate its one thread is stuck,
+    and it hands back what it holds, naming the run's prefix and how long it ran (the
+    scheduler forgets that average)."""
+    ws = make(nthreads=1)
+    ws.clock = 100.0
+    ws.handle_stimulus(*[compute(f"f-{i}", estimate=0.0002) for i in range(5)])
+    assert [ts.key for ts in ws.executing] == ["f-0"]
+    assert ws.give_back_delay(0.02, now=100.0) == pytest.approx(0.0204)
+    assert overdue(ws, 100.01) == []  # not yet: nothing happens
+    assert ws.give_back_delay(0.02, now=100.021) == 0.0
+    out = overdue(ws, 100.021)
+    assert of(out, ReleasedKeys) == [
+        ReleasedKeys(SELF, [f"f-{i}" for i in range(1, 5)], [0.0] * 4,
+                     overdue={"f": pytest.approx(0.021)}, stimulus_id="overdue-100.021")
+    ]  # fmt: skip
+    assert set(ws.tasks) == {"f-0"} and ws.tasks["f-0"].state == "executing"
+    assert ws.give_back_delay(0.02, now=100.5) is None  # nothing held any more
+    assert overdue(ws, 100.5) == []
+
+
+def test_a_stuck_run_of_a_prefix_claimed_a_task_or_two_ahead_is_not_reported() -> None:
+    """A 10 ms task stalled past 40 ms (a loaded machine, or a straggler of a prefix of
+    10 ms runs): what it holds goes back, but its prefix's average stands (claims of it
+    take a task or two ahead; forgotten, every worker would claim one per thread until
+    a result set it again, from that one run)."""
+    ws = make(nthreads=1)
+    ws.clock = 100.0
+    ws.handle_stimulus(compute("t-0", estimate=0.01), compute("t-1", estimate=0.01))
+    [msg] = of(overdue(ws, 100.05), ReleasedKeys)
+    assert msg.keys == ["t-1"] and msg.overdue == {}
+
+
+def test_claims_stay_while_a_thread_may_run_them() -> None:
+    """Not while one thread is free or runs within its estimate; not a claim a held task
+    depends on; not while paused (it handed everything back already)."""
+    ws = make(nthreads=2)
+    ws.clock = 100.0
+    ws.handle_stimulus(compute("slow", estimate=0.001), compute("fine", estimate=10.0))
+    ws.handle_stimulus(compute("held", estimate=0.001))
+    assert ws.give_back_delay(0.02, now=101.0) == pytest.approx(19.02)  # "fine" runs on
+    assert overdue(ws, 101.0) == [] and ws.tasks["held"].state == "ready"
+    one = make(nthreads=2)
+    one.handle_stimulus(compute("slow", estimate=0.001))  # the other thread is free
+    assert one.give_back_delay(0.02, now=1e9) is None
+    # links of a chain claimed behind the run stay: handed back, they would wait for a
+    # scheduler to queue them again (the chain goes on without one: tests/test_chain.py)
+    chained = make(nthreads=1)
+    chained.clock = 100.0
+    chained.handle_stimulus(compute("run", estimate=0.001))
+    chained.handle_stimulus(compute("next", {"run": ([], 0)}, estimate=0.001))
+    chained.handle_stimulus(compute("dep", estimate=0.001), compute("free", estimate=0.001))
+    chained.handle_stimulus(compute("use", {"dep": ([SELF], 1)}, estimate=0.001))
+    assert [chained.tasks[k].state for k in ("next", "dep", "use")] == [
+        "waiting",
+        "ready",
+        "waiting",
+    ]
+    out = overdue(chained, 101.0)
+    assert [msg.keys for msg in of(out, ReleasedKeys)] == [["free"]]
+    assert [chained.tasks[k].state for k in ("next", "dep", "use")] == [
+        "waiting",
+        "ready",
+        "waiting",
+    ]
+    unknown = make(nthreads=1)  # a run of no estimate: stuck once past the horizon
+    unknown.clock = 100.0
+    unknown.handle_stimulus(compute("u"), compute("h", estimate=0.001))
+    assert unknown.give_back_delay(0.02, now=100.01) == pytest.approx(0.01)
+    [msg] = of(overdue(unknown, 100.03), ReleasedKeys)
+    assert msg.keys == ["h"] and msg.overdue == {}  # (no average to forget)
 
 
 def test_claim_budget_tiny_tasks_keep_threads_busy_for_the_horizon() -> None:

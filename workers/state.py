@@ -45,6 +45,8 @@ Task states and the transitions implemented here::
                    (not a copy put here that the scheduler has not recorded yet, below)
     StealRequestEvent: a claim not started, waiting | ready ──► released (given back for
                    another worker, ``StolenKeys``); any other is refused, and runs here
+    RunsOverdueEvent: every thread runs a task past any expectation: the claims held
+                   ready behind them, ready ──► released (``ReleasedKeys``)
 
 * ``released`` is transient: a task that is neither *wanted* (claimed by / pushed to this
   worker, so the scheduler expects it here) nor needed by a dependent is forgotten at
@@ -100,7 +102,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from redisdask.comm import MAX_KEYS_PER_MESSAGE
-from redisdask.durations import remaining, start_times
+from redisdask.durations import claim_delay, misleads, remaining, start_times, stuck_in
 from redisdask.errors import RedisDaskError
 from redisdask.placement import EPSILON, fits
 from redisdask.protocol import (
@@ -112,6 +114,7 @@ from redisdask.protocol import (
     TaskErred,
     TaskFinished,
 )
+from redisdask.scheduler_tasks import key_prefix
 from redisdask.schema import REDIS_COPY
 from redisdask.state_machine import InvalidTransition
 from redisdask.typenames import type_name
@@ -333,6 +336,19 @@ class StealRequestEvent(StateMachineEvent):
 
 
 @dataclass(slots=True)
+class RunsOverdueEvent(StateMachineEvent):
+    """The driver's prompt once ``give_back_delay`` says so: every thread runs a task past
+    any expectation (``durations.stuck_in``: a straggler, or a prefix whose estimate
+    said next to nothing), so the claims held ready here behind them would wait for an
+    unknown time; they are handed back (``ReleasedKeys``) for other workers to run.
+    ``now`` is the driver's clock, ``horizon`` its claim horizon."""
+
+    horizon: float
+    now: float
+    stimulus_id: str
+
+
+@dataclass(slots=True)
 class SecedeEvent(StateMachineEvent):
     """The thread running ``key`` left the pool (``secede()``, ``worker_client``): it
     waits on other tasks and no longer counts against ``nthreads``."""
@@ -428,6 +444,12 @@ def _run_score(ts: TaskState) -> float:
     """Which run of its key a report answers: the score of the claim that ran (the first
     item of the priority the claim gave), for the scheduler to tell a late result."""
     return float(ts.priority[0]) if ts.priority else NO_SCORE
+
+
+def _movable(ts: TaskState) -> bool:
+    """A claim held here (waiting or ready) that may run elsewhere instead: still
+    wanted, no claimed task here depends on it, no claim deferred behind it."""
+    return ts.wanted and not ts.dependents and ts.deferred is None
 
 
 def _elapsed(ts: TaskState, now: float | None) -> float:
@@ -545,11 +567,29 @@ class WorkerState:
         """
         if self.paused or self.retiring:
             return []
+        return start_times(self.nthreads, *self._loads(horizon, now), horizon)
+
+    def claim_delay(self, horizon: float = 0.02, now: float | None = None) -> float | None:
+        """Seconds from ``now`` until ``claim_budget`` gives a thread, by the estimates
+        of what runs and is held here (``durations.claim_delay``); None: not by time
+        alone (paused, retiring, every thread busy for an unknown time), or no need: a
+        task is held for each thread already, so none goes idle when its run ends (the
+        end wakes the claim loop, which claims then)."""
+        if self.paused or self.retiring:
+            return None
+        running, held = self._loads(horizon, now)
+        if len(held) >= self.nthreads:
+            return None
+        return claim_delay(self.nthreads, running, held, horizon)
+
+    def _loads(self, horizon: float, now: float | None) -> tuple[list[float], list[float | None]]:
+        """The expected remaining time of each run, and the estimate of each task held
+        claimed and not started (None: unknown)."""
         running = [remaining(ts.estimate, _elapsed(ts, now), horizon) for ts in self.executing]
         waiting, ready = self.by_state["waiting"], self.by_state["ready"]
         held = [ts.estimate for ts in waiting] + [ts.estimate for ts in ready]
         held += [None] * len(self.rejoining)  # seceded runs that take a slot back: no end
-        return start_times(self.nthreads, running, held, horizon)
+        return running, held
 
     def _tell(self, entry: StoryEntry) -> None:
         self.story.append(entry)
@@ -813,15 +853,52 @@ class WorkerState:
     def _hand_back_unstarted(self, stimulus_id: str) -> None:
         """Give the scheduler back the tasks claimed here that have not started, so that
         other workers run them (queued again, without suspicion)."""
+        unstarted = [
+            ts for ts in self.tasks.values() if ts.wanted and ts.state in ("waiting", "ready")
+        ]
+        self._give_back(unstarted, stimulus_id)
+
+    def _give_back(
+        self, tasks: Iterable[TaskState], stimulus_id: str, overdue: dict[str, float] | None = None
+    ) -> None:
         handed_back, scores = [], []
-        for ts in sorted(self.tasks.values(), key=lambda t: t.key):
-            if ts.wanted and ts.state in ("waiting", "ready"):
-                ts.wanted = False
-                handed_back.append(ts.key)
-                scores.append(_run_score(ts))
-                self._release_if_unneeded(ts, stimulus_id)
+        for ts in sorted(tasks, key=lambda t: t.key):
+            ts.wanted = False
+            handed_back.append(ts.key)
+            scores.append(_run_score(ts))
+            self._release_if_unneeded(ts, stimulus_id)
         if handed_back:
-            self._emit(ReleasedKeys(self.address, handed_back, scores, stimulus_id=stimulus_id))
+            self._emit(ReleasedKeys(self.address, handed_back, scores, overdue=overdue or {},
+                                    stimulus_id=stimulus_id))  # fmt: skip
+
+    def _ready_claims(self) -> list[TaskState]:
+        """The claims that wait here for a thread alone (``ready``: their data is here)
+        and may run elsewhere instead (``_movable``).  Not the ``waiting`` ones: a link
+        of a chain claimed behind a run here waits for that run (handed back, it would
+        wait for a scheduler to queue it again), and a transfer is under way for the
+        others."""
+        return [ts for ts in self.by_state["ready"] if _movable(ts)]
+
+    def give_back_delay(self, horizon: float = 0.02, now: float | None = None) -> float | None:
+        """Seconds from ``now`` until every thread runs a task past any expectation
+        while claims wait ready behind them (0: now; ``RunsOverdueEvent`` then hands
+        them back); None: not by time alone (a thread is free, nothing held may go, or
+        paused or retiring: those hand back everything anyway)."""
+        if self.paused or self.retiring or len(self.executing) < self.nthreads:
+            return None
+        if not self._ready_claims():
+            return None
+        return max(stuck_in(ts.estimate, _elapsed(ts, now), horizon) for ts in self.executing)
+
+    def _handle_runs_overdue(self, ev: RunsOverdueEvent) -> None:
+        if self.give_back_delay(ev.horizon, ev.now) != 0:
+            return
+        overdue: dict[str, float] = {}  # per prefix, the longest run that belies its estimate
+        for ts in self.executing:
+            if ts.estimate is not None and misleads(ts.estimate, ev.horizon):
+                prefix, elapsed = key_prefix(ts.key), round(_elapsed(ts, ev.now), 6)
+                overdue[prefix] = max(overdue.get(prefix, 0.0), elapsed)
+        self._give_back(self._ready_claims(), ev.stimulus_id, overdue)
 
     def _handle_steal_request(self, ev: StealRequestEvent) -> None:
         """Give back the asked-for claims that have not started, as ``_hand_back_unstarted``
@@ -831,13 +908,7 @@ class WorkerState:
         stolen, scores, refused = [], [], []
         for key in ev.keys:
             ts = self.tasks.get(key)
-            if (
-                ts is None
-                or not ts.wanted
-                or ts.state not in ("waiting", "ready")
-                or ts.dependents
-                or ts.deferred is not None
-            ):
+            if ts is None or ts.state not in ("waiting", "ready") or not _movable(ts):
                 refused.append(key)
                 continue
             ts.wanted = False
@@ -894,6 +965,7 @@ class WorkerState:
         SecedeEvent: _handle_secede,
         RejoinEvent: _handle_rejoin,
         StealRequestEvent: _handle_steal_request,
+        RunsOverdueEvent: _handle_runs_overdue,
     }
 
     # -- scheduling policies ---------------------------------------------------------

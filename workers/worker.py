@@ -90,6 +90,7 @@ from redisdask.workers.transfers import TransferCounts
 logger = logging.getLogger("redisdask.worker")
 
 REPORT_BATCH = 100  # reports per XADD at most while threads are busy
+CLAIM_DELAY_SLACK = 0.001  # seconds added to a timed claim (a timer may fire a bit early)
 REPORT_LINGER = 0.002  # seconds a report may wait for companions while threads are busy
 CHAIN_LOOKUPS = 8  # finished tasks per free thread whose chains a report looks up at most
 CHAIN_DEPTH = 16  # links a report may claim beyond the dependents of its results
@@ -218,6 +219,7 @@ class Worker:
         self._pushed: set[str] = set()  # pushed tasks not reported yet (early news)
         self._claimed_before: dict[str, int] = {}  # claimed key -> holding reports before it
         self._wake = asyncio.Event()
+        self._wake_timer: asyncio.TimerHandle | None = None  # (``_wake_in``)
         self._beat = asyncio.Event()  # a heartbeat landed: a holding report is due
         self._stopped = asyncio.Event()
         self._flush_wanted = asyncio.Event()
@@ -708,7 +710,12 @@ class Worker:
 
     async def _claim_loop(self) -> None:
         while self.status == "running":
-            starts = self.state.claim_budget(self.claim_horizon, time.time())
+            now = time.time()
+            give_back = self.state.give_back_delay(self.claim_horizon, now)
+            if give_back == 0:
+                self.handle(ws.RunsOverdueEvent(self.claim_horizon, now, f"overdue-{now:.3f}"))
+                give_back = self.state.give_back_delay(self.claim_horizon, now)
+            starts = self.state.claim_budget(self.claim_horizon, now)
             if starts and self._may_have_work():
                 async with self._claim_lock:
                     try:
@@ -736,7 +743,29 @@ class Worker:
                         self._claimed_values.clear()  # (those not fetched were not needed)
                 continue
             self._wake.clear()
+            # look again when a thread comes within the horizon of its end (claim its next
+            # task then), or when every thread's run is past any expectation (hand back
+            # what waits behind them), whichever comes first, unless woken before
+            delays = [give_back]
+            if not starts:
+                delays.append(self.state.claim_delay(self.claim_horizon, now))
+            timed = [d for d in delays if d is not None]
+            if timed:
+                self._wake_in(min(timed) + CLAIM_DELAY_SLACK)
             await self._wake.wait()
+
+    def _wake_in(self, delay: float) -> None:
+        """Set ``_wake`` in ``delay`` seconds, unless a timer already does it sooner (one
+        timer at most: a later one is cancelled; a timer that fires early only makes
+        the claim loop look once more)."""
+        loop = asyncio.get_running_loop()
+        when = loop.time() + delay
+        timer = self._wake_timer
+        if timer is not None and loop.time() < timer.when() <= when + CLAIM_DELAY_SLACK:
+            return  # (within the slack: the same moment, by another clock reading)
+        if timer is not None:
+            timer.cancel()
+        self._wake_timer = loop.call_at(when, self._wake.set)
 
     def _claim_again(self) -> None:
         """Claim again, though no ready-signal came: placed tasks this worker passed over
