@@ -33,7 +33,9 @@ entry's ``total``: Dask counts no received bytes in a counter).  Both size value
 their own ``sizeof``.
 
     python bench/balance.py [--workers 2,8] [--repeats 3] [--only redisdask|dask]
-                            [--json out.json]
+                            [--workloads dataframe,array] [--json out.json]
+
+``--workloads`` runs only those (the warm-up always runs first).
 
 Numbers are noisy on a shared machine: compare ratios, rerun before trusting one.
 """
@@ -120,10 +122,14 @@ COLLECTIONS = {"array": array_workload, "dataframe": dataframe_workload}
 SHUFFLE = {"dataframe.shuffle.method": "tasks"}
 
 
-def expected_results() -> dict[str, Any]:
+def expected_results(workloads: list[str]) -> dict[str, Any]:
     """What dask's synchronous scheduler computes, before any cluster exists."""
     with dask.config.set(SHUFFLE):
-        return {name: make().compute(scheduler="sync") for name, make in COLLECTIONS.items()}
+        return {
+            name: make().compute(scheduler="sync")
+            for name, make in COLLECTIONS.items()
+            if name in workloads
+        }
 
 
 def dask_received_bytes(dask_worker: Any) -> tuple[int, int]:
@@ -222,17 +228,18 @@ class Balance:
     def moved(self) -> dict[str, float]:
         raise NotImplementedError
 
-    def all(self, run: int) -> None:
-        for name, fn in [
-            ("warm-up", self.warm_up),
-            ("10 ms", self.ten_ms),
-            ("straggler", self.straggler),
-            ("mis-estimated", self.misestimated),
-            ("array", lambda: self.collection("array")),
-            ("dataframe", lambda: self.collection("dataframe")),
+    def all(self, run: int, workloads: list[str]) -> None:
+        for workload, name, fn in [
+            ("warm-up", "warm-up", self.warm_up),
+            ("10ms", "10 ms", self.ten_ms),
+            ("straggler", "straggler", self.straggler),
+            ("misestimated", "mis-estimated", self.misestimated),
+            ("array", "array", lambda: self.collection("array")),
+            ("dataframe", "dataframe", lambda: self.collection("dataframe")),
         ]:
-            self.out.step(run, f"{self.n} workers: {name}", fn)
-            gc.collect()
+            if workload == "warm-up" or workload in workloads:
+                self.out.step(run, f"{self.n} workers: {name}", fn)
+                gc.collect()
 
 
 class RedisdaskBalance(Balance):
@@ -291,7 +298,7 @@ def run_redisdask(out: Results, n: int, run: int, args: argparse.Namespace) -> N
         ) as cluster,
         Client(cluster) as client,
     ):
-        RedisdaskBalance(out, client, wait, n, args).all(run)
+        RedisdaskBalance(out, client, wait, n, args).all(run, args.workloads)
 
 
 @contextlib.contextmanager
@@ -341,7 +348,7 @@ def run_dask(out: Results, n: int, run: int, args: argparse.Namespace) -> None:
         distributed.Client(address, timeout=60) as client,
     ):
         client.wait_for_workers(n, timeout=120)
-        DaskBalance(out, client, distributed.wait, n, args).all(run)
+        DaskBalance(out, client, distributed.wait, n, args).all(run, args.workloads)
 
 
 RUNNERS = {"redisdask": run_redisdask, "dask": run_dask}
@@ -362,7 +369,9 @@ def _median_run(res: Results | None, n: int, workload: str) -> list[int] | None:
     return lists[order[(len(order) - 1) // 2]]
 
 
-def report(results: dict[str, Results], sizes: list[int], repeats: int) -> str:
+def report(
+    results: dict[str, Results], sizes: list[int], repeats: int, workloads: list[str]
+) -> str:
     def med(name: str, key: str) -> float | None:
         res = results.get(name)
         return res.median(key) if res else None
@@ -374,6 +383,8 @@ def report(results: dict[str, Results], sizes: list[int], repeats: int) -> str:
     rows: list[tuple[str, ...]] = [head]
     for n in sizes:
         for workload, label, ideal in WORKLOADS:
+            if workload not in workloads:
+                continue
             name = label.format(tasks=PER_WORKER * n, mis=MIS_PER_WORKER * n)
             metrics = [("wall_s", "wall, s", "{:.2f}")]
             if ideal is not None:
@@ -402,6 +413,8 @@ def report(results: dict[str, Results], sizes: list[int], repeats: int) -> str:
     )
     for n in sizes:
         for workload in ("10ms", "straggler", "misestimated"):
+            if workload not in workloads:
+                continue
             parts = []
             for name in SYSTEMS:
                 ran = _median_run(results.get(name), n, workload)
@@ -430,15 +443,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs (median)")
     parser.add_argument("--only", choices=SYSTEMS, help="run one system")
     parser.add_argument("--timeout", type=float, default=300.0, help="per workload, s")
+    parser.add_argument("--workloads", default=",".join(w for w, _, _ in WORKLOADS),
+                        help="which to run, comma-separated (default: all)")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
     args = parser.parse_args(argv)
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = set(args.workloads) - {w for w, _, _ in WORKLOADS}
+    if unknown:
+        parser.error(f"unknown workloads {sorted(unknown)}; known: {[w for w, _, _ in WORKLOADS]}")
     _quiet_logs()
     sizes = [int(s) for s in args.workers.split(",") if s.strip()]
     names = [args.only] if args.only else list(SYSTEMS)
     results = {name: Results(name) for name in names}
     present = [name for name in names if not results[name].missing]
     args.logdir = Path(tempfile.mkdtemp(prefix="redisdask-bench-balance-"))
-    args.expected = expected_results()
+    args.expected = expected_results(args.workloads)
     loadavg_start = os.getloadavg()
     try:
         for n in sizes:
@@ -451,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         _stop_leftovers()
     print()
-    print(report(results, sizes, args.repeats))
+    print(report(results, sizes, args.repeats, args.workloads))
     print(
         f"load average {loadavg_start[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the "
         f"end ({os.cpu_count()} CPUs)"
@@ -463,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(args.logdir, ignore_errors=True)
     if args.json:
         out = {
-            "config": {"workers": sizes, "repeats": args.repeats, "timeout": args.timeout},
+            "config": {"workers": sizes, "repeats": args.repeats, "timeout": args.timeout,
+                       "workloads": args.workloads},
             "env": {**_versions(), "loadavg_start": loadavg_start},
             **{
                 name: {"medians": {m: res.median(m) for m in res.samples},
