@@ -83,6 +83,7 @@ from redisdask.workers.failures import MAX_ERROR_LENGTH, failure_event
 from redisdask.workers.memory import WorkerMemoryManager
 from redisdask.workers.plugins import PluginHost
 from redisdask.workers.sizeof import sizeof
+from redisdask.workers.spill import SpillBuffer
 from redisdask.workers.transfers import TransferCounts
 
 logger = logging.getLogger("redisdask.worker")
@@ -295,6 +296,8 @@ class Worker:
             transfer_batch_bytes=self.transfer_batch_bytes,
             resources=self.resources,
         )
+        if isinstance(self.data, SpillBuffer):  # weigh what is stored by the size measured
+            self.data.known = self._known_nbytes
         self.scripts = schema.Scripts(self.redis, self.keys)  # type: ignore[arg-type]
         await self.plugin_host.start(self)  # preloads, uploads, plugins: before any claim
         await self._register()
@@ -1091,6 +1094,11 @@ class Worker:
         logger.info("Worker %s reached its lifetime: retiring", self.address)
         self._exit_reason = "lifetime"
         self.retire(force=True)
+
+    def _known_nbytes(self, key: str) -> int | None:
+        """The size this worker measured for the value it holds under ``key``."""
+        ts = self.state.tasks.get(key)
+        return ts.nbytes if ts is not None and ts.nbytes else None
 
     # ------------------------------------------------------------------ peer-to-peer
 
