@@ -642,8 +642,9 @@ class Worker:
             value = run_spec(spec, deps, self.functions)
             if inspect.iscoroutine(value):  # an async def task: on the event loop
                 value = run_coroutine(value, key, self._loop, lambda: self.status == "running")
+            nbytes = sizeof(value)
             try:
-                frames = comm.serialize(value)
+                inline = self._pickled(value, nbytes)
             except comm.SerializationError as exc:
                 raise TypeError(
                     f"the result of task {key!r} ({type(value).__qualname__}) cannot be pickled, "
@@ -654,27 +655,26 @@ class Worker:
         finally:
             task_context.end_task()
         return ws.ExecuteSuccessEvent(
-            key,
-            value,
-            sizeof(value),
-            type_name(type(value)),
-            start,
-            time.time(),
-            sid,
-            inline=self._inline(value, frames),
+            key, value, nbytes, type_name(type(value)), start, time.time(), sid, inline=inline
         )
 
-    def _inline(self, value: object, frames: list[Any]) -> bytes | None:
-        """``value`` pickled in one piece if it is at most ``inline_result_bytes``: it
-        then travels with its report into the task's record (``schema.REDIS_COPY``);
-        not while Redis is past its budget (``_inline_budget``)."""
-        if not self._inline_allowed:
-            return None
-        if sum(memoryview(f).nbytes for f in frames) > self.inline_result_bytes:
-            return None
-        if len(frames) == 1:
-            return bytes(frames[0])
-        return pickling.dumps(value)  # out-of-band buffers, small: in band instead
+    def _pickled(self, value: object, nbytes: int) -> bytes | None:
+        """Check that ``value`` pickles (``comm.SerializationError`` if not), pickling it
+        once: in one piece while it may fit ``inline_result_bytes`` (``nbytes``, its
+        sizeof, says whether it may), and then, if it fits, that pickle travels with its
+        report into the task's record (``schema.REDIS_COPY``); otherwise with its
+        buffers out of band, copying none.  Nothing is inlined while Redis is past its
+        budget (``_inline_budget``)."""
+        limit = self.inline_result_bytes
+        if self._inline_allowed and nbytes <= 2 * limit:
+            try:
+                blob = pickling.dumps_within(value, limit)
+            except Exception:
+                blob = None  # (comm.serialize says why, as for any result)
+            if blob is not None:
+                return blob if len(blob) <= limit else None
+        comm.serialize(value)
+        return None
 
     def _inline_budget(self, info: Any) -> bool:
         """Whether results may be inlined, from the heartbeat's ``INFO memory``: not
