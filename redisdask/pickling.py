@@ -38,6 +38,37 @@ def dumps(obj: Any, buffer_callback: Callable[[pickle.PickleBuffer], Any] | None
     return result
 
 
+class _TooBig(Exception):
+    pass
+
+
+def dumps_within(obj: Any, limit: int) -> bytes | None:
+    """``obj`` pickled in one piece (its buffers in band), or None as soon as its buffers
+    add up to more than ``limit`` bytes: a large array is never copied to find out."""
+    total = 0
+
+    def in_band(buffer: pickle.PickleBuffer) -> bool:
+        nonlocal total
+        total += buffer.raw().nbytes
+        if total > limit:
+            raise _TooBig
+        return True  # (serialized in band)
+
+    try:
+        try:
+            result = pickle.dumps(obj, protocol=PROTOCOL, buffer_callback=in_band)
+        except _TooBig:
+            raise
+        except Exception:
+            result = None
+        if result is None or _needs_cloudpickle(result):
+            total = 0
+            result = cloudpickle.dumps(obj, protocol=PROTOCOL, buffer_callback=in_band)
+    except _TooBig:
+        return None
+    return result
+
+
 def _needs_cloudpickle(data: bytes) -> bool:
     if b"__main__" in data:
         return True

@@ -54,7 +54,8 @@ class Enqueue(Instruction):
     or resourced) even when empty (a preference nobody can honour: the shared set).
     ``preferred``: placed by data (``redisdask.decide``) on the one worker listed, which
     has the first refusal: the task goes into the cluster's ``placed`` set too, where
-    ``CLAIM`` lets another worker take it while that one is busy."""
+    ``CLAIM`` lets another worker take it while that one is busy, unless it is
+    ``sticky`` (its data costs more to move than its run: ``decide.sticky``)."""
 
     key: str
     score: float
@@ -63,6 +64,7 @@ class Enqueue(Instruction):
     constrained: bool = False
     placed: bool = False
     preferred: bool = False
+    sticky: bool = False
 
 
 @dataclass(slots=True)

@@ -228,8 +228,9 @@ class Translator:
         if ins.workers:
             for worker in ins.workers:
                 b.enqueue_on[self._worker_set(worker, ins.constrained), ins.key] = ins.score
-            if ins.preferred:  # where other workers find it (see CLAIM)
+            if ins.preferred:  # where other workers find it (see CLAIM), unless sticky
                 b.enqueue_on[self.keys.placed, ins.key] = ins.score
+                b.fields(ins.key).update(TaskRecord.encode({"sticky": ins.sticky}))
         else:
             b.enqueue[ins.key] = ins.score
 
@@ -814,6 +815,7 @@ def _task_state(key: str, rec: TaskRecord, state: SchedulerState) -> TaskState:
         ts.queued_on = tuple(w for w in queued_on if w in state.workers)
     elif ts.state == "queued" and rec.queued_on:  # placed by data (``redisdask.decide``)
         ts.queued_on = tuple(w for w in rec.queued_on[:1] if w in state.workers)
+        ts.sticky = rec.sticky and bool(ts.queued_on)
     # a claim made before this scheduler started may be on its way, over which the last
     # one may have written: the first accepted claim of a queued task is written again
     ts.dequeued = ts.state == "queued"

@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 from redisdask import schema
-from redisdask.decide import decide_worker
+from redisdask.decide import decide_worker, sticky
 from redisdask.durations import Durations
 from redisdask.graph_cycles import cycle_text, find_cycles
 from redisdask.placement import Placement
@@ -1178,15 +1178,21 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         ``preferred`` one, ``redisdask.decide``), or the shared ready set."""
         placed = bool(ts.restrict or ts.resources)
         best = None if placed else decide_worker(ts, self.workers)
+        ts.sticky = (
+            best is not None
+            and best != ts.missed_by
+            and sticky(ts, self.durations.averages.get(ts.prefix))
+        )
         ts.missed_by = None
         ts.queued_on = (self._targets(ts) or ()) if placed else (best,) if best else ()
         self._emit(Enqueue(stimulus_id, ts.key, ts.score, ts.queued_on, ts.queued_on,
                            constrained=bool(ts.resources), placed=placed or bool(best),
-                           preferred=bool(best)))  # fmt: skip
+                           preferred=bool(best), sticky=ts.sticky))  # fmt: skip
 
     def _dequeue(self, ts: TaskState, *, stimulus_id: str) -> None:
         self._emit(Dequeue(stimulus_id, ts.key, ts.queued_on, constrained=bool(ts.resources)))
         ts.queued_on = ()
+        ts.sticky = False
         ts.dequeued = True
 
     def _targets(self, ts: TaskState) -> tuple[str, ...] | None:
@@ -1258,6 +1264,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
     ) -> None:
         self._set_state(ts, "processing", stimulus_id=stimulus_id)
         ts.queued_on = ()  # the claim took it out of every ready set
+        ts.sticky = False
         ts.claimed_before, ts.unlisted = worker.holding_reports, 0
         ts.claimed_at = worker_stream_position(stimulus_id)
         ts.processing_on = worker.address

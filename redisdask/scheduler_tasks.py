@@ -136,6 +136,7 @@ class TaskState:
     loose: bool = False  # allow_other_workers: the restriction is a preference
     resources: dict[str, float] | None = None  # what one run holds of a worker's resources
     queued_on: tuple[str, ...] = ()  # queued and placed: the workers whose sets hold it
+    sticky: bool = False  # queued, placed by data: waits while its worker is busy (decide)
     chain: tuple[str, ...] = ()  # dependents its worker may claim as it reports it (MarkChain)
     notified: dict[str, int] = field(default_factory=dict)  # pushed: its record's ``notify``
     told: bool = False  # processing: FINISH sent those clients its result (``ClientsTold``)

@@ -558,9 +558,11 @@ return token
 # KEYS[10], the ``placed`` set, holds the tasks placed by data (``redisdask.decide``) on
 # one worker (the first word of ``queued_on``), which is in that worker's ready set too.
 # A worker with room left after its own sets and the shared one takes from it the tasks
-# whose worker is busy (as many tasks in its processing set as it has threads), paused
-# or retiring (its heartbeat, KEYS[11], says so), or gone; it leaves those of a worker
-# with a free thread, which claims them itself, but for ``PLACED_PATIENCE_MS`` at most:
+# whose worker is busy (as many tasks in its processing set as it has threads) unless
+# the task is ``sticky`` (its data costs more to move than its run: ``decide.sticky``),
+# paused or retiring (its heartbeat, KEYS[11], says so), or gone; it leaves those of a
+# worker with a free thread, which claims them itself, and the sticky ones of a busy
+# worker, but for ``PLACED_PATIENCE_MS`` at most:
 # the first worker to pass a task over writes Redis's time in its hash (``passed_over``),
 # and a worker that finds it passed over that long ago takes it (a registered worker
 # with a free thread that does not claim, stopped or cut off from Redis, holds nothing;
@@ -622,7 +624,7 @@ end
 local taken = {}  -- claimed here: written 'processing' with the claim's entry id at the end
 local function fetch(key)
   local f = redis.call('HMGET', ARGV[3] .. key, 'spec', 'deps', 'state', 'queued_on', 'resources',
-                          'chain')
+                          'chain', 'sticky')
   if taken[key] then f[3] = 'processing' end
   return f
 end
@@ -726,19 +728,26 @@ local function claim_constrained(zset)
     end
   end
 end
-local busy = {}
-local function is_busy(worker)  -- not about to claim its placed tasks itself
-  if busy[worker] == nil then
+local owners = {}
+-- 'away' (gone, paused or retiring: it claims nothing now), 'busy' (as many claims as
+-- threads: not about to claim its placed tasks itself) or 'free'
+local function owner_state(worker)
+  if owners[worker] == nil then
     local info = redis.call('HGET', KEYS[2], worker)
     local beat = redis.call('HGET', KEYS[11], worker)
     local ok, i = pcall(cmsgpack.unpack, info or '')
     local okb, b = pcall(cmsgpack.unpack, beat or '')
     local status = okb and type(b) == 'table' and b.status or 'running'
     local n = ok and type(i) == 'table' and tonumber(i.nthreads) or 1
-    busy[worker] = not info or status ~= 'running'
-      or redis.call('SCARD', ARGV[4] .. 'worker:' .. worker .. ':processing') >= n
+    if not info or status ~= 'running' then
+      owners[worker] = 'away'
+    elseif redis.call('SCARD', ARGV[4] .. 'worker:' .. worker .. ':processing') >= n then
+      owners[worker] = 'busy'
+    else
+      owners[worker] = 'free'
+    end
   end
-  return busy[worker]
+  return owners[worker]
 end
 local now_ms = nil
 local function clock()  -- Redis's own clock (ms): no two hosts' clocks compared
@@ -772,7 +781,8 @@ local function claim_placed()
         and (redis.call('HGET', ARGV[3] .. key, 'workers') or '') == ''
       if not (f[1] and f[3] == 'queued' and owner and anywhere) then
         redis.call('ZREM', KEYS[10], key)  -- stale
-      elseif owner == ARGV[1] or is_busy(owner) or overdue(key) then
+      elseif owner == ARGV[1] or owner_state(owner) == 'away'
+          or (owner_state(owner) == 'busy' and f[7] ~= '1') or overdue(key) then
         local e = estimate(key)
         if not admit(e) then return end  -- full: it stays in its place
         redis.call('ZREM', ARGV[4] .. 'worker:' .. owner .. ':ready', key)

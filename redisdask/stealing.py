@@ -239,8 +239,9 @@ class WorkStealing:
     def _queued_for(self) -> Callable[[str], bool]:
         """Whether a queued task waits that a given worker may claim itself: any task
         that may run anywhere (the shared set, or placed by data: ``CLAIM`` lets others
-        take it), or a restricted one queued for that worker.  One pass over the tasks,
-        at the first question (a plan asks only when a thief and a victim exist)."""
+        take it), or a restricted or sticky one (``decide.sticky``: the others leave it
+        to its worker) queued for that worker.  One pass over the tasks, at the first
+        question (a plan asks only when a thief and a victim exist)."""
         known: list[Callable[[str], bool]] = []
 
         def queued_for(thief: str) -> bool:
@@ -254,7 +255,7 @@ class WorkStealing:
         restricted: set[str] = set()
         for ts in self.tasks.values():
             if ts.state == "queued":
-                if not (ts.restrict or ts.resources):
+                if not (ts.restrict or ts.resources or ts.sticky):
                     return lambda thief: True
                 restricted.update(ts.queued_on)
         return restricted.__contains__

@@ -13,10 +13,10 @@ Field formats: text as UTF-8; ints and floats as their text; ``deps`` and ``deat
 msgpack; ``who_has``, ``workers`` and ``queued_on`` as space-separated words (an address,
 worker name or host never contains a space); ``resources`` as ``NAME=AMOUNT`` words
 (``placement.format_resources``); ``spec``, ``exception``, ``traceback`` and ``killed``
-as opaque bytes; ``rejected`` and ``loose`` as ``1`` or empty.  The ``CLAIM`` script in
-``schema.py`` reads ``spec``, ``deps``, ``state``, ``queued_on``, ``resources``,
-``who_has`` and ``nbytes`` in the same formats (a test checks that it names only fields
-of this record).
+as opaque bytes; ``rejected``, ``loose`` and ``sticky`` as ``1`` or empty.  The ``CLAIM``
+script in ``schema.py`` reads ``spec``, ``deps``, ``state``, ``queued_on``, ``resources``,
+``sticky``, ``who_has`` and ``nbytes`` in the same formats (a test checks that it names
+only fields of this record).
 
 Reading is tolerant: a missing field takes its default (records written by older code
 lack ``queued_on``, for instance: ``None`` then says "absent", unlike an empty list),
@@ -132,6 +132,7 @@ _ENCODERS: dict[str, Callable[[Any], Any]] = {
     "loose": _flag,
     "resources": format_resources,
     "queued_on": join_words,
+    "sticky": _flag,
     "passed_over": _same,
     "chain": _packed,
     "notify": _packed,
@@ -171,6 +172,7 @@ class TaskRecord:
     loose: bool = False  # allow_other_workers: the restriction is a preference
     resources: dict[str, float] = field(default_factory=dict)  # what one run needs
     queued_on: list[str] | None = None  # None: absent (a record older than the field)
+    sticky: bool = False  # placed by data: waits while its worker is busy (decide.sticky)
     passed_over: str = ""  # Redis's time (ms) when a worker first left it placed (CLAIM)
     chain: list[str] = field(default_factory=list)  # dependents FINISH may claim with it
     # pushed: the clients that wanted it then -> their generation read (FINISH tells them)
@@ -309,6 +311,7 @@ _DECODERS: dict[bytes, tuple[str, Callable[[bytes], Any]]] = {
         "loose": bool,
         "resources": split_resources,
         "queued_on": split_words,
+        "sticky": bool,
         "passed_over": _text,
         "chain": _strs,
         "notify": lambda raw: {

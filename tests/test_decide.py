@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from redisdask.decide import decide_worker
+from redisdask.decide import decide_worker, sticky
 from redisdask.scheduler_instructions import Dequeue, Enqueue, Instruction
 from redisdask.scheduler_state import (
     MissingData,
@@ -141,6 +141,70 @@ def test_when_the_preferred_worker_leaves_the_task_is_placed_again():
     assert ins.workers == (W1,) and ins.preferred and s.tasks["c"].queued_on == (W1,)
 
 
+def learnt(s, prefix: str, seconds: float) -> None:
+    """A run of ``prefix`` took ``seconds``: its estimate (``Durations``) is that now."""
+    s.durations.add(prefix, 1000.0, 1000.0 + seconds)
+
+
+def test_a_task_whose_data_costs_more_to_move_than_to_run_waits_for_its_worker():
+    """A shuffle's split: a ``getitem`` of a millisecond on a group of megabytes.  It is
+    placed on the group's holder and marked sticky (CLAIM then leaves it to that worker
+    while it is busy); at 100 MB/s, 10 MB take 100 ms to move."""
+    s = make(W1, W2)
+    learnt(s, "split", 0.001)
+    submit(s, "c1", [task("group"), task("split-1", ["group"])], ["split-1"])
+    s.handle_stimulus(TaskClaimed(worker=W1, keys=["group"], stimulus_id="claim"))
+    out = s.handle_stimulus(TaskFinished(worker=W1, key="group", nbytes=10 * MB, stimulus_id="f"))
+    ins = enqueued(out, "split-1")
+    assert (ins.workers, ins.preferred, ins.sticky) == ((W1,), True, True)
+    assert s.tasks["split-1"].queued_on == (W1,) and s.tasks["split-1"].sticky
+
+
+def test_a_task_longer_than_its_data_takes_to_move_may_go_to_an_idle_worker():
+    s = make(W1, W2)
+    learnt(s, "merge", 1.0)  # 1 s of work on 10 MB (0.1 s to move): not sticky
+    submit(s, "c1", [task("part"), task("merge-1", ["part"])], ["merge-1"])
+    finish(s, "part", W1, 10 * MB)
+    assert s.tasks["merge-1"].queued_on == (W1,) and not s.tasks["merge-1"].sticky
+    learnt(s, "cheap", 0.001)  # the same at a millisecond, on 10 kB (0.1 ms): not sticky
+    submit(s, "c1", [task("small"), task("cheap-1", ["small"])], ["cheap-1"])
+    finish(s, "small", W2, 10_000)
+    assert s.tasks["cheap-1"].queued_on == (W2,) and not s.tasks["cheap-1"].sticky
+
+
+def test_a_task_of_unknown_duration_with_data_to_move_is_sticky():
+    """The first wave of a prefix is queued before any of its runs finished: no estimate,
+    and a busy holder is no reason to move its data."""
+    s = make(W1, W2)
+    submit(s, "c1", [task("load"), task("step-1", ["load"])], ["step-1"])
+    finish(s, "load", W1, 2 * MB)
+    assert s.tasks["step-1"].sticky
+    assert sticky(s.tasks["step-1"], 1.0) is False  # (2 MB move in 20 ms: 1 s of work)
+
+
+def test_sticky_is_written_with_the_placement_and_dropped_when_it_is_claimed():
+    s = make(W1, W2)
+    submit(s, "c1", [task("a"), task("b", ["a"])], ["b"])
+    s.handle_stimulus(TaskClaimed(worker=W1, keys=["a"], stimulus_id="claim"))
+    out = s.handle_stimulus(TaskFinished(worker=W1, key="a", nbytes=MB, stimulus_id="f"))
+    ins = enqueued(out, "b")
+    assert (ins.workers, ins.preferred, ins.sticky) == ((W1,), True, True)
+    s.handle_stimulus(TaskClaimed(worker=W1, keys=["b"], stimulus_id="claim-b"))
+    assert not s.tasks["b"].sticky and s.tasks["b"].state == "processing"
+
+
+def test_small_results_in_redis_make_nothing_sticky():
+    """A dependency kept in its record comes with every claim's reply: nothing to move,
+    no preference (the shared set), and so nothing sticky."""
+    s = make(W1, W2)
+    submit(s, "c1", [task("a"), task("c", ["a"])], ["c"])
+    s.handle_stimulus(TaskClaimed(worker=W1, keys=["a"], stimulus_id="claim"))
+    out = s.handle_stimulus(
+        TaskFinished(worker=W1, key="a", nbytes=28, type="int", value=b"v", stimulus_id="f")
+    )
+    assert not enqueued(out, "c").sticky and not s.tasks["c"].sticky
+
+
 def test_the_decision_takes_microseconds():
     s = make(W1, W2, W3)
     deps = [f"d{i}" for i in range(20)]
@@ -152,4 +216,5 @@ def test_the_decision_takes_microseconds():
     start = time.perf_counter()
     for _ in range(n):
         decide_worker(ts, s.workers)
+        sticky(ts, 0.01)
     assert (time.perf_counter() - start) / n < 200e-6

@@ -123,3 +123,44 @@ def test_many_small_results_are_gathered_without_a_fetch(client: Client) -> None
     futures = client.map(inc, range(3000))
     assert client.gather(futures) == list(range(1, 3001))
     assert all(f._state.value is not None for f in futures)  # came with the news
+
+
+def frame_of(n: int) -> object:
+    import pandas as pd
+
+    return pd.DataFrame({"a": range(n), "b": [0.5] * n})
+
+
+def test_a_small_result_with_buffers_is_pickled_in_one_piece_a_large_one_not_at_all() -> None:
+    """The worker pickles a result once: in band, the form kept in Redis, while its
+    buffers fit the bound; past it, ``dumps_within`` gives up at the first buffer that
+    does not fit instead of copying it."""
+    import pickle
+
+    import numpy as np
+
+    from redisdask.pickling import dumps_within
+
+    small = np.arange(100)
+    blob = dumps_within(small, 65_536)
+    assert blob is not None and (pickle.loads(blob) == small).all()
+    assert dumps_within(np.zeros(1_000_000), 65_536) is None
+    assert dumps_within(b"x" * 100_000, 65_536) is not None  # no buffer: pickled, then too big
+
+
+def test_small_arrays_and_frames_are_kept_in_redis_and_read_back(
+    client: Client, cluster: LocalCluster
+) -> None:
+    """Results pickled with out-of-band buffers (numpy, pandas) are inlined in one piece
+    when small, and come back equal; a large frame stays on its worker."""
+    import numpy as np
+
+    r = redis.Redis.from_url(cluster.redis_url)
+    keys = Keys(cluster.cluster_name)
+    small, large = client.submit(frame_of, 100), client.submit(frame_of, 100_000)
+    array = client.submit(np.arange, 1000)
+    wait([small, large, array], timeout=30)
+    assert r.hget(keys.task(small.key), "value") and r.hget(keys.task(array.key), "value")
+    assert not r.hget(keys.task(large.key), "value")
+    assert small.result().equals(frame_of(100)) and large.result().equals(frame_of(100_000))
+    assert (array.result() == np.arange(1000)).all()

@@ -20,7 +20,15 @@ from redisdask.protocol import FreeKeys, KeysRecorded
 from redisdask.scheduler import Scheduler, decode_reply
 from redisdask.scheduler_instructions import Forget, StoreTask, WorkerMsg
 from redisdask.scheduler_redis import Translator, load_state, rejected_graphs
-from redisdask.schema import SCHEDULER_GROUP, Keys, ensure_cluster, entry, pack, unpack
+from redisdask.schema import (
+    CLAIM_PASSED,
+    SCHEDULER_GROUP,
+    Keys,
+    ensure_cluster,
+    entry,
+    pack,
+    unpack,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -467,7 +475,8 @@ def test_a_dependent_runs_where_its_large_data_is_unless_that_worker_is_busy(
     client: Client, redis_url: str, cluster_name: str
 ) -> None:
     """Placement by data (redisdask/decide.py) on real processes: a 20 MB array scattered
-    to A draws its dependents to A; while A's one thread is taken, idle B takes them."""
+    to A draws its dependents to A; while A's one thread is taken, idle B takes them
+    (after ``PLACED_PATIENCE_MS``: the task is sticky, its cost unknown yet)."""
     import numpy as np
 
     from redisdask import Event
@@ -485,3 +494,91 @@ def test_a_dependent_runs_where_its_large_data_is_unless_that_worker_is_busy(
     ran = [client.submit(_where, x, i).result(timeout=20) for i in range(1, 4)]
     assert ran == [a, a, a]
     assert r.zcard(keys.placed) == 0
+
+
+def test_an_idle_worker_leaves_a_cheap_task_on_big_data_to_its_busy_holder(
+    client: Client, redis_url: str, cluster_name: str
+) -> None:
+    """A task of microseconds on 20 MB (0.2 s to move) is sticky (``decide.sticky``):
+    while its holder A runs something else, idle B passes it over (its record's
+    ``passed_over``) instead of fetching the 20 MB, and takes it only once A kept it
+    ``PLACED_PATIENCE_MS``.  Before, B took it at once (bench/balance.py's shuffle moved
+    whole groups for splits of a millisecond)."""
+    import numpy as np
+
+    from redisdask import Event
+
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    a, b = sorted(client.scheduler_info()["workers"])
+    [x] = client.scatter([np.ones(2_500_000)], workers=[a])
+    assert client.submit(_where, x, -1).result(timeout=20) == a  # (its cost: microseconds)
+    gate = Event(f"gate-{cluster_name}")
+    blocker = client.submit(_blocked, gate.name, workers=[a], pure=False)
+    poll(lambda: r.sismember(keys.worker_processing(a), blocker.key), timeout=10)
+    cheap = client.submit(_where, x, 1)
+    poll(lambda: r.hget(keys.task(cheap.key), "passed_over") is not None, timeout=10)
+    assert cheap.result(timeout=20) == b  # A never came back: B took it after the patience
+    gate.set()
+    blocker.result(timeout=20)
+
+
+def test_a_sticky_task_waits_for_its_busy_worker_a_plain_one_does_not(
+    redis_url: str, cluster_name: str
+) -> None:
+    """CLAIM's rule for tasks placed by data, on real Redis (docs/design.md, "Claim").
+    ``big`` (10 MB) is on A, whose one thread holds a claim: A is busy.  Idle B takes
+    ``merge`` (1 s of work: its data is worth moving) at once, but passes ``split`` over
+    (a millisecond of work on 10 MB: ``decide.sticky``), leaving it to A; B takes it once
+    it was passed over for ``PLACED_PATIENCE_MS`` (A stays busy), and takes another
+    sticky task at once, without passing it over, from a paused A."""
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ensure_cluster(r, keys)
+    a, b = "tcp://10.9.9.9:1", "tcp://10.9.9.9:2"
+    for address in (a, b):
+        r.hset(keys.workers, address, pack({"name": address, "nthreads": 1}))
+        r.hset(keys.heartbeats, address, pack({"status": "running"}))
+    r.hset(keys.durations, mapping={"split": "0.001", "merge": "1.0"})
+    scheduler = Scheduler(redis_url, cluster_name, validate=True)
+    scheduler.acquire_lease()
+    scheduler.state = scheduler._load()
+
+    def submit(tasks: dict[str, list[str]]) -> None:
+        graph = [{"key": k, "spec": b"s", "deps": deps} for k, deps in tasks.items()]
+        message = {"op": "update-graph", "client": "c", "wanted": list(tasks), "tasks": graph}
+        r.xadd(keys.client_stream, entry([message]))
+        step()
+
+    def step() -> None:
+        streams = {keys.client_stream: ">", keys.worker_stream: ">"}
+        scheduler.process(decode_reply(r.xreadgroup(SCHEDULER_GROUP, "scheduler", streams)))
+
+    def claim(worker: str, count: int = 5) -> tuple[list[bytes], int]:
+        claimed, _, _, flags = scheduler.scripts.claim(
+            worker=worker, count=count, last_inbox_id="0-0"
+        )
+        return [t[0] for t in claimed], flags
+
+    submit({"big": [], "blocker": []})
+    assert claim(a, 2)[0] == [b"big", b"blocker"]
+    finished = {"op": "task-finished", "worker": a, "key": "big", "nbytes": 10_000_000}
+    r.xadd(keys.worker_stream, entry([finished]))
+    step()
+    submit({"split-1": ["big"], "merge-1": ["big"]})
+    assert set(r.zrange(keys.worker_ready(a), 0, -1)) == {b"merge-1", b"split-1"}
+    assert r.hmget(keys.task("split-1"), "sticky", "queued_on") == [b"1", a.encode()]
+    assert r.hget(keys.task("merge-1"), "sticky") == b""
+
+    taken, flags = claim(b)
+    assert taken == [b"merge-1"]  # A is busy (blocker): B takes it
+    assert flags & CLAIM_PASSED and r.hget(keys.task("split-1"), "passed_over")
+    assert r.hget(keys.task("split-1"), "state") == b"queued"
+    # passed over for PLACED_PATIENCE_MS (A, busy, does not claim): B takes it
+    poll(lambda: claim(b, 1)[0] == [b"split-1"], timeout=10)
+
+    submit({"split-2": ["big"]})
+    assert r.hget(keys.task("split-2"), "sticky") == b"1"
+    r.hset(keys.heartbeats, a, pack({"status": "paused"}))
+    assert claim(b) == ([b"split-2"], 0)
+    assert r.hget(keys.task("split-2"), "passed_over") is None

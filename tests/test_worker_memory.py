@@ -157,3 +157,51 @@ def test_the_memory_manager_does_not_import_the_worker_driver() -> None:
         for alias in node.names
     }
     assert not {m for m in imported if m and m.startswith("redisdask.workers.worker")}
+
+
+class _Weighed:
+    """A value that counts how often it is sized (``sys.getsizeof`` calls this)."""
+
+    calls = 0
+
+    def __sizeof__(self) -> int:
+        _Weighed.calls += 1
+        return 100
+
+
+def test_a_value_the_worker_measured_is_not_weighed_again(tmp_path: Path) -> None:
+    """Sizing a DataFrame costs as much as a small task: the spill buffer weighs a value by
+    the size the worker measured when it made or received it (``known``), on the way in,
+    to disk and back, and sizes only what nobody measured."""
+    buffer = SpillBuffer(tmp_path, target=150)
+    buffer.known = {"a": 100, "b": 90}.get
+    _Weighed.calls = 0
+    buffer["a"] = _Weighed()
+    assert buffer.managed_in_memory == 100
+    buffer["b"] = _Weighed()  # 190 > 150: "a", the least recently used, goes to disk
+    assert buffer.managed_in_memory == 90 and buffer.spilled_bytes == 100
+    assert isinstance(buffer["a"], _Weighed)  # back: "b" goes to disk
+    assert buffer.managed_in_memory == 100 and buffer.spilled_bytes == 90
+    assert _Weighed.calls == 0
+    buffer["unmeasured"] = _Weighed()
+    assert _Weighed.calls >= 1
+
+
+def test_values_are_sized_as_dask_sizes_them_once_dask_is_loaded() -> None:
+    """A worker that runs dask graphs (dask is imported) sizes values with dask's own
+    rules, so the bytes it reports mean what Dask's mean; its fallback no longer counts a
+    dict subclass with its own ``__sizeof__`` twice (a shuffle's ``ShuffleGroupResult``)."""
+    import dask.sizeof
+    import pandas as pd
+
+    from redisdask.workers import sizeof as sizes
+
+    frame = pd.DataFrame({"a": range(1000), "b": [0.5] * 1000})
+    assert sizes.sizeof(frame) == dask.sizeof.sizeof(frame)
+
+    class Groups(dict):  # (a dict that sizes its values, as dask's does)
+        def __sizeof__(self) -> int:
+            return dict.__sizeof__(self) + sum(len(v) for v in self.values())
+
+    groups = Groups({0: b"x" * 100_000, 1: b"y" * 100_000})
+    assert 200_000 <= sizes._fallback(groups) < 210_000

@@ -22,7 +22,7 @@ import os
 import pickle
 import struct
 import time
-from collections.abc import Hashable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -65,8 +65,9 @@ class _SpillFailed(Exception):
 class _SizedDisk(zict.Func[str, Any, Any]):
     """The files, knowing the size of each value they hold (however zict deletes one)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, weight: Callable[[str, Any], int]) -> None:
         super().__init__(dump, load, zict.File(directory))
+        self.weight = weight
         self.sizes: dict[str, int] = {}
         self.total = 0
 
@@ -76,8 +77,9 @@ class _SizedDisk(zict.Func[str, Any, Any]):
         except OSError:
             self._remove_partial(key)  # a full disk gets back what the write took
             raise
-        self.total += _weight(key, value) - self.sizes.get(key, 0)
-        self.sizes[key] = _weight(key, value)
+        size = self.weight(key, value)
+        self.total += size - self.sizes.get(key, 0)
+        self.sizes[key] = size
 
     def _remove_partial(self, key: str) -> None:
         """Remove the file a failed write of ``key`` left (``zict.File`` names a key's
@@ -95,12 +97,17 @@ class _SizedDisk(zict.Func[str, Any, Any]):
 
 
 class SpillBuffer(zict.Buffer[str, Any]):
-    """Results in memory up to ``target`` bytes, the rest on disk in ``directory``."""
+    """Results in memory up to ``target`` bytes, the rest on disk in ``directory``.
+
+    ``known(key)`` is the size the worker already measured for the value it stores under
+    ``key`` (its state machine's ``nbytes``, or None): a value is weighed by ``sizeof``
+    only when nobody did, since sizing a DataFrame costs as much as a small task."""
 
     def __init__(self, directory: str | Path, target: float) -> None:
         self.directory = Path(directory)
-        self.disk = _SizedDisk(self.directory)
-        super().__init__(fast={}, slow=self.disk, n=target, weight=_weight)
+        self.known: Callable[[str], int | None] = lambda key: None
+        self.disk = _SizedDisk(self.directory, self._weight)
+        super().__init__(fast={}, slow=self.disk, n=target, weight=self._weight)
         self.spill_count = 0
         self.spill_seconds = 0.0
         self.unspill_count = 0
@@ -149,6 +156,10 @@ class SpillBuffer(zict.Buffer[str, Any]):
         with contextlib.suppress(_SpillFailed):  # what failed to spill stays in memory
             super().__setitem__(key, value)
 
+    def _weight(self, key: str, value: Any) -> int:
+        known = self.known(key)
+        return max(1, known if known is not None else sizeof(value))
+
     def evict(self) -> int:
         """Spill the least recently used value in memory; its size, or 0 if none could be."""
         try:
@@ -163,7 +174,3 @@ def _reason(exc: Exception) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
     return f"{type(exc).__name__}: {exc}"
-
-
-def _weight(key: Hashable, value: Any) -> int:
-    return max(1, sizeof(value))

@@ -806,8 +806,8 @@ class WorkerState:
                 continue  # the running computation will produce it
             nbytes = ev.nbytes.get(key, 0)
             if ts.state == "memory":
-                self.data[key] = value
                 ts.nbytes = nbytes
+                self.data[key] = value
             else:
                 ts.wanted = False  # no TaskFinished: AddKeys below says it all
                 self._transition(
@@ -1422,8 +1422,8 @@ class WorkerState:
 
     def _store(self, ts: TaskState, value: object, nbytes: int, sid: str) -> None:
         """Enter `memory`: keep the value and wake up the dependents waiting for it."""
+        ts.nbytes = nbytes  # (first: the spill buffer weighs the value by it)
         self.data[ts.key] = value
-        ts.nbytes = nbytes
         if ts.type is None:
             ts.type = type_name(type(value))
         self._set_state(ts, "memory", sid)

@@ -85,6 +85,7 @@ from redisdask.workers.failures import MAX_ERROR_LENGTH, failure_event
 from redisdask.workers.memory import WorkerMemoryManager
 from redisdask.workers.plugins import PluginHost
 from redisdask.workers.sizeof import sizeof
+from redisdask.workers.spill import SpillBuffer
 from redisdask.workers.transfers import TransferCounts
 
 logger = logging.getLogger("redisdask.worker")
@@ -300,6 +301,8 @@ class Worker:
             transfer_batch_bytes=self.transfer_batch_bytes,
             resources=self.resources,
         )
+        if isinstance(self.data, SpillBuffer):  # weigh what is stored by the size measured
+            self.data.known = self._known_nbytes
         self.scripts = schema.Scripts(self.redis, self.keys)  # type: ignore[arg-type]
         await self.plugin_host.start(self)  # preloads, uploads, plugins: before any claim
         await self._register()
@@ -644,8 +647,9 @@ class Worker:
             value = run_spec(spec, deps, self.functions)
             if inspect.iscoroutine(value):  # an async def task: on the event loop
                 value = run_coroutine(value, key, self._loop, lambda: self.status == "running")
+            nbytes = sizeof(value)
             try:
-                frames = comm.serialize(value)
+                inline = self._pickled(value, nbytes)
             except comm.SerializationError as exc:
                 raise TypeError(
                     f"the result of task {key!r} ({type(value).__qualname__}) cannot be pickled, "
@@ -656,27 +660,26 @@ class Worker:
         finally:
             task_context.end_task()
         return ws.ExecuteSuccessEvent(
-            key,
-            value,
-            sizeof(value),
-            type_name(type(value)),
-            start,
-            time.time(),
-            sid,
-            inline=self._inline(value, frames),
+            key, value, nbytes, type_name(type(value)), start, time.time(), sid, inline=inline
         )
 
-    def _inline(self, value: object, frames: list[Any]) -> bytes | None:
-        """``value`` pickled in one piece if it is at most ``inline_result_bytes``: it
-        then travels with its report into the task's record (``schema.REDIS_COPY``);
-        not while Redis is past its budget (``_inline_budget``)."""
-        if not self._inline_allowed:
-            return None
-        if sum(memoryview(f).nbytes for f in frames) > self.inline_result_bytes:
-            return None
-        if len(frames) == 1:
-            return bytes(frames[0])
-        return pickling.dumps(value)  # out-of-band buffers, small: in band instead
+    def _pickled(self, value: object, nbytes: int) -> bytes | None:
+        """Check that ``value`` pickles (``comm.SerializationError`` if not), pickling it
+        once: in one piece while it may fit ``inline_result_bytes`` (``nbytes``, its
+        sizeof, says whether it may), and then, if it fits, that pickle travels with its
+        report into the task's record (``schema.REDIS_COPY``); otherwise with its
+        buffers out of band, copying none.  Nothing is inlined while Redis is past its
+        budget (``_inline_budget``)."""
+        limit = self.inline_result_bytes
+        if self._inline_allowed and nbytes <= 2 * limit:
+            try:
+                blob = pickling.dumps_within(value, limit)
+            except Exception:
+                blob = None  # (comm.serialize says why, as for any result)
+            if blob is not None:
+                return blob if len(blob) <= limit else None
+        comm.serialize(value)
+        return None
 
     def _inline_budget(self, info: Any) -> bool:
         """Whether results may be inlined, from the heartbeat's ``INFO memory``: not
@@ -1158,6 +1161,11 @@ class Worker:
         logger.info("Worker %s reached its lifetime: retiring", self.address)
         self._exit_reason = "lifetime"
         self.retire(force=True)
+
+    def _known_nbytes(self, key: str) -> int | None:
+        """The size this worker measured for the value it holds under ``key``."""
+        ts = self.state.tasks.get(key)
+        return ts.nbytes if ts is not None and ts.nbytes else None
 
     # ------------------------------------------------------------------ peer-to-peer
 
