@@ -21,21 +21,23 @@ worker's own ready set and in the cluster's ``placed`` set, and the ``CLAIM`` sc
 any other worker with room take it when the preferred one is busy (as many claimed tasks
 as threads), paused or gone (docs/design.md, "Claim").  Retiring workers get nothing new.
 
-Busy is no reason to move a task whose data costs more to move than the task costs to
-run (``sticky``): a shuffle's split (a ``getitem`` of a millisecond on a group of
-megabytes), or a cheap step after a load.  Such a task waits for its preferred worker
-while that one is busy, as it does in Dask (``decide_worker`` places a task on a holder of
-its dependencies only, and stealing leaves a task whose transfer outweighs its run):
-a worker holding none of its data would fetch bytes that take longer, at
-``BANDWIDTH``, than ``COST_RATIO`` times the task's duration estimate (work stealing's
-rule, ``stealing.transfer_seconds``).  A task of unknown duration is sticky too: the first
-tasks of a prefix are queued before any of them finished (a wave of loads' dependents),
-and a busy holder is not the saturated one Dask's stealing moves work from.  A sticky
-task still waits ``PLACED_PATIENCE_MS`` at most once a worker passed it over, and goes at
-once where its worker is paused, retiring or gone.  Without this rule an idle one-thread
-worker took every such task from a holder running anything and fetched its whole
-dependency: ``bench/balance.py``'s dataframe at 8 workers moved 3.7 times the bytes Dask
-moves.
+Busy is no reason to move a task whose data costs more to move than waiting costs
+(``sticky``): a shuffle's split (a ``getitem`` of a millisecond on a group of
+megabytes), a merge of two partitions whose holder runs one task, a cheap step after a
+load.  Such a task waits for its preferred worker while that one is busy, as it does in
+Dask, whose ``decide_worker`` places a task on a holder of its dependencies only and
+whose work stealing moves it elsewhere only if, for an idle thief, ``thief's transfer +
+run <= holder's backlog - (holder's transfer + run) / 2`` (``stealing.py``'s
+``balance``): a task moves at once from a busy holder only where that holds.  Here the
+thief is any idle worker (most hold none of its data: it fetches every byte), the
+holder's backlog is the estimates of its claims per thread plus the task's own, and
+transfers go at ``BANDWIDTH``.  A task of unknown duration is sticky if it has data to
+move: the first tasks of a prefix are queued before any of them finished (a wave of
+loads' dependents).  A sticky task still waits ``PLACED_PATIENCE_MS`` at most once a
+worker passed it over, and goes at once where its worker is paused, retiring or gone.
+Without this rule an idle one-thread worker took every placed task from a holder
+running anything and fetched all its data: ``bench/balance.py``'s dataframe at 8
+workers moved 3.7 times the bytes Dask moves.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from redisdask.scheduler_tasks import TaskState, WorkerInfo
-from redisdask.stealing import BANDWIDTH, COST_RATIO
+from redisdask.stealing import BANDWIDTH, UNKNOWN_DURATION
 
 
 def decide_worker(ts: TaskState, workers: Mapping[str, WorkerInfo]) -> str | None:
@@ -70,13 +72,35 @@ def decide_worker(ts: TaskState, workers: Mapping[str, WorkerInfo]) -> str | Non
     return None if best is None else best[2]
 
 
-def sticky(ts: TaskState, estimate: float | None) -> bool:
-    """Whether ``ts``, placed by data, waits for its worker while that one is busy: a
-    worker holding none of its dependencies would take longer to fetch them than
-    ``COST_RATIO`` times its run (``estimate``, seconds; None, unknown: any bytes).  (Any
-    idle worker may claim it, and most hold none of it.)"""
-    missing = sum(max(dep.nbytes, 0) for dep in ts.dependencies if not dep.inline)
-    return missing / BANDWIDTH > COST_RATIO * (estimate or 0.0)
+def sticky(ts: TaskState, holder: WorkerInfo, estimates: Mapping[str, float]) -> bool:
+    """Whether ``ts``, placed on ``holder``, waits for it while it is busy (see the
+    module docstring): unless Dask's stealing would move it from ``holder`` to an idle
+    worker holding none of its data.  ``estimates``: duration averages per prefix."""
+    total = held = 0
+    for dep in ts.dependencies:
+        if not dep.inline:
+            total += max(dep.nbytes, 0)
+            held += max(dep.nbytes, 0) if holder.address in dep.who_has else 0
+    run = estimates.get(ts.prefix)
+    if run is None:
+        return total > 0
+    # thief's transfer + run <= backlog - (holder's transfer + run) / 2, backlog >= run
+    needed = total / BANDWIDTH + 1.5 * run + (total - held) / BANDWIDTH / 2 - run
+    return not _backlog_reaches(holder, estimates, needed)
+
+
+def _backlog_reaches(ws: WorkerInfo, estimates: Mapping[str, float], seconds: float) -> bool:
+    """Whether the estimates of ``ws``'s claims, per thread, add up to ``seconds`` (a
+    claim of unknown duration counts as ``UNKNOWN_DURATION``; the sum stops there)."""
+    if seconds <= 0:
+        return True
+    nthreads = ws.info.get("nthreads")
+    budget = seconds * (nthreads if isinstance(nthreads, int) and nthreads > 0 else 1)
+    for claimed in ws.processing:
+        budget -= estimates.get(claimed.prefix, UNKNOWN_DURATION)
+        if budget <= 0:
+            return True
+    return False
 
 
 def occupancy(ws: WorkerInfo) -> float:

@@ -149,7 +149,7 @@ def learnt(s, prefix: str, seconds: float) -> None:
 def test_a_task_whose_data_costs_more_to_move_than_to_run_waits_for_its_worker():
     """A shuffle's split: a ``getitem`` of a millisecond on a group of megabytes.  It is
     placed on the group's holder and marked sticky (CLAIM then leaves it to that worker
-    while it is busy); at 100 MB/s, 10 MB take 100 ms to move."""
+    while it is busy): at 100 MB/s, 10 MB take 100 ms to move."""
     s = make(W1, W2)
     learnt(s, "split", 0.001)
     submit(s, "c1", [task("group"), task("split-1", ["group"])], ["split-1"])
@@ -160,16 +160,23 @@ def test_a_task_whose_data_costs_more_to_move_than_to_run_waits_for_its_worker()
     assert s.tasks["split-1"].queued_on == (W1,) and s.tasks["split-1"].sticky
 
 
-def test_a_task_longer_than_its_data_takes_to_move_may_go_to_an_idle_worker():
+def test_a_task_moves_at_once_where_dask_would_steal_it_from_its_holder():
+    """Dask's stealing moves a task to an idle thief if ``transfer + run <= holder's
+    backlog - (holder's transfer + run) / 2``: a merge of 1 s on 10 MB (0.1 s to move)
+    stays with a holder that has nothing else to do, and goes to an idle worker at once
+    from a holder with 5 s of claims ahead of it."""
     s = make(W1, W2)
-    learnt(s, "merge", 1.0)  # 1 s of work on 10 MB (0.1 s to move): not sticky
-    submit(s, "c1", [task("part"), task("merge-1", ["part"])], ["merge-1"])
+    learnt(s, "merge", 1.0)
+    learnt(s, "long", 5.0)
+    graph = [task("part"), task("long-1"), task("merge-1", ["part"])]
+    submit(s, "c1", graph, ["merge-1", "long-1"])
     finish(s, "part", W1, 10 * MB)
-    assert s.tasks["merge-1"].queued_on == (W1,) and not s.tasks["merge-1"].sticky
-    learnt(s, "cheap", 0.001)  # the same at a millisecond, on 10 kB (0.1 ms): not sticky
-    submit(s, "c1", [task("small"), task("cheap-1", ["small"])], ["cheap-1"])
-    finish(s, "small", W2, 10_000)
-    assert s.tasks["cheap-1"].queued_on == (W2,) and not s.tasks["cheap-1"].sticky
+    assert s.tasks["merge-1"].queued_on == (W1,) and s.tasks["merge-1"].sticky
+    ts, holder = s.tasks["merge-1"], s.workers[W1]
+    s.handle_stimulus(TaskClaimed(worker=W1, keys=["long-1"], stimulus_id="claim-long"))
+    assert not sticky(ts, holder, s.durations.averages)  # 5 s >= 0.1 + 0.5 s
+    s.durations.averages["long"] = 0.3  # the holder frees before the move would pay
+    assert sticky(ts, holder, s.durations.averages)
 
 
 def test_a_task_of_unknown_duration_with_data_to_move_is_sticky():
@@ -179,7 +186,6 @@ def test_a_task_of_unknown_duration_with_data_to_move_is_sticky():
     submit(s, "c1", [task("load"), task("step-1", ["load"])], ["step-1"])
     finish(s, "load", W1, 2 * MB)
     assert s.tasks["step-1"].sticky
-    assert sticky(s.tasks["step-1"], 1.0) is False  # (2 MB move in 20 ms: 1 s of work)
 
 
 def test_sticky_is_written_with_the_placement_and_dropped_when_it_is_claimed():
@@ -215,6 +221,5 @@ def test_the_decision_takes_microseconds():
     n = 2000
     start = time.perf_counter()
     for _ in range(n):
-        decide_worker(ts, s.workers)
-        sticky(ts, 0.01)
+        sticky(ts, s.workers[decide_worker(ts, s.workers) or W1], s.durations.averages)
     assert (time.perf_counter() - start) / n < 200e-6
