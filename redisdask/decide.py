@@ -21,23 +21,26 @@ worker's own ready set and in the cluster's ``placed`` set, and the ``CLAIM`` sc
 any other worker with room take it when the preferred one is busy (as many claimed tasks
 as threads), paused or gone (docs/design.md, "Claim").  Retiring workers get nothing new.
 
-Busy is no reason to move a task whose data costs more to move than waiting costs
-(``sticky``): a shuffle's split (a ``getitem`` of a millisecond on a group of
-megabytes), a merge of two partitions whose holder runs one task, a cheap step after a
-load.  Such a task waits for its preferred worker while that one is busy, as it does in
-Dask, whose ``decide_worker`` places a task on a holder of its dependencies only and
-whose work stealing moves it elsewhere only if, for an idle thief, ``thief's transfer +
-run <= holder's backlog - (holder's transfer + run) / 2`` (``stealing.py``'s
-``balance``): a task moves at once from a busy holder only where that holds.  Here the
-thief is any idle worker (most hold none of its data: it fetches every byte), the
-holder's backlog is the estimates of its claims per thread plus the task's own, and
-transfers go at ``BANDWIDTH``.  A task of unknown duration is sticky if it has data to
-move: the first tasks of a prefix are queued before any of them finished (a wave of
-loads' dependents).  A sticky task still waits ``PLACED_PATIENCE_MS`` at most once a
-worker passed it over, and goes at once where its worker is paused, retiring or gone.
-Without this rule an idle one-thread worker took every placed task from a holder
-running anything and fetched all its data: ``bench/balance.py``'s dataframe at 8
-workers moved 3.7 times the bytes Dask moves.
+Busy is no reason to move a task whose data costs more to move than the task costs to
+run (``sticky``): a shuffle's split (a ``getitem`` of a millisecond on a group of
+megabytes), a merge of two partitions, a cheap step after a load.  Such a task waits
+for its preferred worker while that one is busy, as it does in Dask: its
+``decide_worker`` considers only the holders of a task's dependencies, and its work
+stealing counts a move as the bytes at ``BANDWIDTH`` plus ``LATENCY`` (100 ms,
+``distributed.stealing.LATENCY``), moving a task whose run is shorter than that only
+from a holder whose backlog is several times its cost.  Here a task is sticky when its
+run (the prefix's duration estimate) is shorter than its move to a worker holding none
+of its data (any idle worker may claim it, and most hold none); a task of unknown
+duration with data to move is sticky too (the first tasks of a prefix are queued before
+any of them finished).  A sticky task still waits ``PLACED_PATIENCE_MS`` at most once a
+worker passed it over, and goes at once where its worker is paused, retiring or gone;
+tasks that run longer than their move go at once to an idle worker.  Without this rule
+an idle one-thread worker took every placed task from a holder running anything and
+fetched all its data: ``bench/balance.py``'s dataframe at 8 workers moved 3.7 times the
+bytes Dask moves.  (Weighing the holder's backlog as Dask's stealing does, at the moment
+a task is queued, moved splits again: a backlog of tasks of unknown duration counts 0.5 s
+each, and a claim decides at once where Dask's stealing looks every 100 ms at tasks
+already assigned.)
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from redisdask.scheduler_tasks import TaskState, WorkerInfo
-from redisdask.stealing import BANDWIDTH, UNKNOWN_DURATION
+from redisdask.stealing import BANDWIDTH
+
+LATENCY = 0.1  # seconds a move costs besides its bytes (``distributed.stealing.LATENCY``)
 
 
 def decide_worker(ts: TaskState, workers: Mapping[str, WorkerInfo]) -> str | None:
@@ -72,35 +77,14 @@ def decide_worker(ts: TaskState, workers: Mapping[str, WorkerInfo]) -> str | Non
     return None if best is None else best[2]
 
 
-def sticky(ts: TaskState, holder: WorkerInfo, estimates: Mapping[str, float]) -> bool:
-    """Whether ``ts``, placed on ``holder``, waits for it while it is busy (see the
-    module docstring): unless Dask's stealing would move it from ``holder`` to an idle
-    worker holding none of its data.  ``estimates``: duration averages per prefix."""
-    total = held = 0
-    for dep in ts.dependencies:
-        if not dep.inline:
-            total += max(dep.nbytes, 0)
-            held += max(dep.nbytes, 0) if holder.address in dep.who_has else 0
-    run = estimates.get(ts.prefix)
-    if run is None:
-        return total > 0
-    # thief's transfer + run <= backlog - (holder's transfer + run) / 2, backlog >= run
-    needed = total / BANDWIDTH + 1.5 * run + (total - held) / BANDWIDTH / 2 - run
-    return not _backlog_reaches(holder, estimates, needed)
-
-
-def _backlog_reaches(ws: WorkerInfo, estimates: Mapping[str, float], seconds: float) -> bool:
-    """Whether the estimates of ``ws``'s claims, per thread, add up to ``seconds`` (a
-    claim of unknown duration counts as ``UNKNOWN_DURATION``; the sum stops there)."""
-    if seconds <= 0:
-        return True
-    nthreads = ws.info.get("nthreads")
-    budget = seconds * (nthreads if isinstance(nthreads, int) and nthreads > 0 else 1)
-    for claimed in ws.processing:
-        budget -= estimates.get(claimed.prefix, UNKNOWN_DURATION)
-        if budget <= 0:
-            return True
-    return False
+def sticky(ts: TaskState, estimate: float | None) -> bool:
+    """Whether ``ts``, placed by data, waits for its worker while that one is busy: its
+    run (``estimate``, seconds; None: unknown) is shorter than moving its data to a
+    worker holding none of it (see the module docstring)."""
+    total = sum(max(dep.nbytes, 0) for dep in ts.dependencies if not dep.inline)
+    if total == 0:
+        return False
+    return estimate is None or total / BANDWIDTH + LATENCY > estimate
 
 
 def occupancy(ws: WorkerInfo) -> float:

@@ -1133,7 +1133,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         ts.sticky = (
             best is not None
             and best != ts.missed_by
-            and sticky(ts, self.workers[best], self.durations.averages)
+            and sticky(ts, self.durations.averages.get(ts.prefix))
         )
         ts.missed_by = None
         ts.queued_on = (self._targets(ts) or ()) if placed else (best,) if best else ()

@@ -499,11 +499,11 @@ def test_a_dependent_runs_where_its_large_data_is_unless_that_worker_is_busy(
 def test_an_idle_worker_leaves_a_cheap_task_on_big_data_to_its_busy_holder(
     client: Client, redis_url: str, cluster_name: str
 ) -> None:
-    """A task of microseconds on 64 MB (0.64 s to move) is sticky (``decide.sticky``):
-    while its holder A runs a task of unknown cost (0.5 s for the scheduler, as in Dask),
-    idle B passes it over (its record's ``passed_over``) instead of fetching the 64 MB,
-    and takes it only once A kept it ``PLACED_PATIENCE_MS``.  Before, B took it at once
-    (bench/balance.py's shuffle moved whole groups for splits of a millisecond)."""
+    """A task of microseconds on 20 MB (0.3 s to move) is sticky (``decide.sticky``):
+    while its holder A runs something else, idle B passes it over (its record's
+    ``passed_over``) instead of fetching the 20 MB, and takes it only once A kept it
+    ``PLACED_PATIENCE_MS``.  Before, B took it at once (bench/balance.py's shuffle moved
+    whole groups for splits of a millisecond)."""
     import numpy as np
 
     from redisdask import Event
@@ -511,7 +511,7 @@ def test_an_idle_worker_leaves_a_cheap_task_on_big_data_to_its_busy_holder(
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cluster_name)
     a, b = sorted(client.scheduler_info()["workers"])
-    [x] = client.scatter([np.ones(8_000_000)], workers=[a])
+    [x] = client.scatter([np.ones(2_500_000)], workers=[a])
     assert client.submit(_where, x, -1).result(timeout=20) == a  # (its cost: microseconds)
     gate = Event(f"gate-{cluster_name}")
     blocker = client.submit(_blocked, gate.name, workers=[a], pure=False)
@@ -527,10 +527,10 @@ def test_a_sticky_task_waits_for_its_busy_worker_a_plain_one_does_not(
     redis_url: str, cluster_name: str
 ) -> None:
     """CLAIM's rule for tasks placed by data, on real Redis (docs/design.md, "Claim").
-    ``big`` (10 MB) and ``small`` (100 kB) are on A, whose one thread holds a claim of
-    80 ms: A is busy.  Idle B takes ``merge`` (100 ms of work on ``small``: Dask would
-    steal it) at once, but passes ``split`` over (a millisecond of work on ``big``, 100 ms
-    to move: ``decide.sticky``), leaving it to A; B takes it once it was passed over for
+    ``big`` (10 MB) and ``small`` (100 kB) are on A, whose one thread holds a claim: A
+    is busy.  Idle B takes ``merge`` (0.5 s of work on ``small``, 0.1 s to move) at once,
+    but passes ``split`` over (a millisecond of work on ``big``, 0.2 s to move:
+    ``decide.sticky``), leaving it to A; B takes it once it was passed over for
     ``PLACED_PATIENCE_MS`` (A stays busy), and takes another sticky task at once, without
     passing it over, from a paused A."""
     r = redis.Redis.from_url(redis_url)
@@ -540,7 +540,7 @@ def test_a_sticky_task_waits_for_its_busy_worker_a_plain_one_does_not(
     for address in (a, b):
         r.hset(keys.workers, address, pack({"name": address, "nthreads": 1}))
         r.hset(keys.heartbeats, address, pack({"status": "running"}))
-    r.hset(keys.durations, mapping={"split": "0.001", "merge": "0.1", "blocker": "0.08"})
+    r.hset(keys.durations, mapping={"split": "0.001", "merge": "0.5"})
     scheduler = Scheduler(redis_url, cluster_name, validate=True)
     scheduler.acquire_lease()
     scheduler.state = scheduler._load()
