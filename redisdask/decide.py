@@ -23,19 +23,24 @@ as threads), paused or gone (docs/design.md, "Claim").  Retiring workers get not
 
 Busy is no reason to move a task whose data costs more to move than the task costs to
 run (``sticky``): a shuffle's split (a ``getitem`` of a millisecond on a group of
-megabytes), or a cheap step after a load.  Such a task waits for its preferred worker
-while that one is busy, as it does in Dask (``decide_worker`` places a task on a holder of
-its dependencies only, and stealing leaves a task whose transfer outweighs its run):
-a worker holding none of its data would fetch bytes that take longer, at
-``BANDWIDTH``, than ``COST_RATIO`` times the task's duration estimate (work stealing's
-rule, ``stealing.transfer_seconds``).  A task of unknown duration is sticky too: the first
-tasks of a prefix are queued before any of them finished (a wave of loads' dependents),
-and a busy holder is not the saturated one Dask's stealing moves work from.  A sticky
-task still waits ``PLACED_PATIENCE_MS`` at most once a worker passed it over, and goes at
-once where its worker is paused, retiring or gone.  Without this rule an idle one-thread
-worker took every such task from a holder running anything and fetched its whole
-dependency: ``bench/balance.py``'s dataframe at 8 workers moved 3.7 times the bytes Dask
-moves.
+megabytes), a merge of two partitions, a cheap step after a load.  Such a task waits
+for its preferred worker while that one is busy, as it does in Dask: its
+``decide_worker`` considers only the holders of a task's dependencies, and its work
+stealing counts a move as the bytes at ``BANDWIDTH`` plus ``LATENCY`` (100 ms,
+``distributed.stealing.LATENCY``), moving a task whose run is shorter than that only
+from a holder whose backlog is several times its cost.  Here a task is sticky when its
+run (the prefix's duration estimate) is shorter than its move to a worker holding none
+of its data (any idle worker may claim it, and most hold none); a task of unknown
+duration with data to move is sticky too (the first tasks of a prefix are queued before
+any of them finished).  A sticky task still waits ``PLACED_PATIENCE_MS`` at most once a
+worker passed it over, and goes at once where its worker is paused, retiring or gone;
+tasks that run longer than their move go at once to an idle worker.  Without this rule
+an idle one-thread worker took every placed task from a holder running anything and
+fetched all its data: ``bench/balance.py``'s dataframe at 8 workers moved 3.7 times the
+bytes Dask moves.  (Weighing the holder's backlog as Dask's stealing does, at the moment
+a task is queued, moved splits again: a backlog of tasks of unknown duration counts 0.5 s
+each, and a claim decides at once where Dask's stealing looks every 100 ms at tasks
+already assigned.)
 """
 
 from __future__ import annotations
@@ -43,7 +48,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from redisdask.scheduler_tasks import TaskState, WorkerInfo
-from redisdask.stealing import BANDWIDTH, COST_RATIO
+from redisdask.stealing import BANDWIDTH
+
+LATENCY = 0.1  # seconds a move costs besides its bytes (``distributed.stealing.LATENCY``)
 
 
 def decide_worker(ts: TaskState, workers: Mapping[str, WorkerInfo]) -> str | None:
@@ -71,12 +78,13 @@ def decide_worker(ts: TaskState, workers: Mapping[str, WorkerInfo]) -> str | Non
 
 
 def sticky(ts: TaskState, estimate: float | None) -> bool:
-    """Whether ``ts``, placed by data, waits for its worker while that one is busy: a
-    worker holding none of its dependencies would take longer to fetch them than
-    ``COST_RATIO`` times its run (``estimate``, seconds; None, unknown: any bytes).  (Any
-    idle worker may claim it, and most hold none of it.)"""
-    missing = sum(max(dep.nbytes, 0) for dep in ts.dependencies if not dep.inline)
-    return missing / BANDWIDTH > COST_RATIO * (estimate or 0.0)
+    """Whether ``ts``, placed by data, waits for its worker while that one is busy: its
+    run (``estimate``, seconds; None: unknown) is shorter than moving its data to a
+    worker holding none of it (see the module docstring)."""
+    total = sum(max(dep.nbytes, 0) for dep in ts.dependencies if not dep.inline)
+    if total == 0:
+        return False
+    return estimate is None or total / BANDWIDTH + LATENCY > estimate
 
 
 def occupancy(ws: WorkerInfo) -> float:

@@ -570,7 +570,7 @@ return token
 # A worker that fills its budget while
 # its ready set and the placed set still hold tasks XADDs a ready-signal (capped at
 # ARGV[9] entries), so that idle workers look again now that it is busy.
-# the flags a claim returns (PASSED: it left placed tasks to their free worker, for now)
+# the flags a claim returns (PASSED: it left placed tasks to their worker, for now)
 CLAIM_BLOCKED, CLAIM_FULL, CLAIM_PASSED = 1, 2, 4
 PLACED_PATIENCE_MS = 500  # how long a placed task waits for its free preferred worker
 CLAIM = (
@@ -766,7 +766,7 @@ local function overdue(key)  -- passed over for PLACED_PATIENCE_MS: its worker d
   end
   return clock() - since >= PLACED_PATIENCE_MS
 end
-local passed_over = false  -- placed tasks left for their free worker, for now
+local passed_over = false  -- placed tasks left for their worker, for now
 local function claim_placed()
   local skipped = 0
   while #claimed < want and skipped < SKIP and not full do

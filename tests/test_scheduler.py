@@ -499,7 +499,7 @@ def test_a_dependent_runs_where_its_large_data_is_unless_that_worker_is_busy(
 def test_an_idle_worker_leaves_a_cheap_task_on_big_data_to_its_busy_holder(
     client: Client, redis_url: str, cluster_name: str
 ) -> None:
-    """A task of microseconds on 20 MB (0.2 s to move) is sticky (``decide.sticky``):
+    """A task of microseconds on 20 MB (0.3 s to move) is sticky (``decide.sticky``):
     while its holder A runs something else, idle B passes it over (its record's
     ``passed_over``) instead of fetching the 20 MB, and takes it only once A kept it
     ``PLACED_PATIENCE_MS``.  Before, B took it at once (bench/balance.py's shuffle moved
@@ -527,11 +527,12 @@ def test_a_sticky_task_waits_for_its_busy_worker_a_plain_one_does_not(
     redis_url: str, cluster_name: str
 ) -> None:
     """CLAIM's rule for tasks placed by data, on real Redis (docs/design.md, "Claim").
-    ``big`` (10 MB) is on A, whose one thread holds a claim: A is busy.  Idle B takes
-    ``merge`` (1 s of work: its data is worth moving) at once, but passes ``split`` over
-    (a millisecond of work on 10 MB: ``decide.sticky``), leaving it to A; B takes it once
-    it was passed over for ``PLACED_PATIENCE_MS`` (A stays busy), and takes another
-    sticky task at once, without passing it over, from a paused A."""
+    ``big`` (10 MB) and ``small`` (100 kB) are on A, whose one thread holds a claim: A
+    is busy.  Idle B takes ``merge`` (0.5 s of work on ``small``, 0.1 s to move) at once,
+    but passes ``split`` over (a millisecond of work on ``big``, 0.2 s to move:
+    ``decide.sticky``), leaving it to A; B takes it once it was passed over for
+    ``PLACED_PATIENCE_MS`` (A stays busy), and takes another sticky task at once, without
+    passing it over, from a paused A."""
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cluster_name)
     ensure_cluster(r, keys)
@@ -539,7 +540,7 @@ def test_a_sticky_task_waits_for_its_busy_worker_a_plain_one_does_not(
     for address in (a, b):
         r.hset(keys.workers, address, pack({"name": address, "nthreads": 1}))
         r.hset(keys.heartbeats, address, pack({"status": "running"}))
-    r.hset(keys.durations, mapping={"split": "0.001", "merge": "1.0"})
+    r.hset(keys.durations, mapping={"split": "0.001", "merge": "0.5"})
     scheduler = Scheduler(redis_url, cluster_name, validate=True)
     scheduler.acquire_lease()
     scheduler.state = scheduler._load()
@@ -560,12 +561,13 @@ def test_a_sticky_task_waits_for_its_busy_worker_a_plain_one_does_not(
         )
         return [t[0] for t in claimed], flags
 
-    submit({"big": [], "blocker": []})
-    assert claim(a, 2)[0] == [b"big", b"blocker"]
-    finished = {"op": "task-finished", "worker": a, "key": "big", "nbytes": 10_000_000}
-    r.xadd(keys.worker_stream, entry([finished]))
+    submit({"big": [], "small": [], "blocker": []})
+    assert claim(a, 3)[0] == [b"big", b"small", b"blocker"]
+    for key, nbytes in (("big", 10_000_000), ("small", 100_000)):
+        finished = {"op": "task-finished", "worker": a, "key": key, "nbytes": nbytes}
+        r.xadd(keys.worker_stream, entry([finished]))
     step()
-    submit({"split-1": ["big"], "merge-1": ["big"]})
+    submit({"split-1": ["big"], "merge-1": ["small"]})
     assert set(r.zrange(keys.worker_ready(a), 0, -1)) == {b"merge-1", b"split-1"}
     assert r.hmget(keys.task("split-1"), "sticky", "queued_on") == [b"1", a.encode()]
     assert r.hget(keys.task("merge-1"), "sticky") == b""
