@@ -102,6 +102,7 @@ TYPED: dict[str, st.SearchStrategy[Any]] = {
     "list[dict[str, Any]]": st.lists(st.dictionaries(keys, scalars, max_size=6), max_size=2),
     "dict[str, Any]": st.dictionaries(keys, values, max_size=3),
     "dict[str, int]": st.dictionaries(keys, st.integers(-5, 10**6), max_size=4),
+    "dict[str, float]": st.dictionaries(keys, st.floats() | st.integers(-5, 10), max_size=4),
     "dict[str, list[str]]": st.dictionaries(keys, st.lists(keys, max_size=3), max_size=3),
 }
 
