@@ -21,6 +21,13 @@ from redisdask.task_record import TaskRecord
 pytestmark = pytest.mark.timeout(90)
 
 
+@pytest.fixture(autouse=True)
+def _slow_heartbeat_deaths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker stopped for a while (SIGSTOP) is not declared dead by its heartbeat here
+    (a kill -9 is noticed at once all the same: its connections close)."""
+    monkeypatch.setenv("REDISDASK__SCHEDULER__WORKER_TTL", "20")
+
+
 def counted(i: int, url: str, runs: str) -> int:
     redis.Redis.from_url(url).rpush(runs, i)
     return i + 1
