@@ -20,15 +20,17 @@ task's estimate longer; a task without an estimate (a prefix never seen, or a ru
 twice its estimate) keeps its thread busy for an unknown time, so it is claimed only for
 a thread free now, and nothing is claimed behind it.  A worker whose one thread runs a
 2 s task claims no 20 ms tasks ahead, and another worker takes them.  A worker whose
-threads all run tasks longer than the horizon claims its next task when the first of them
-comes within the horizon of its end (``claim_delay``), so that the next task waits for
-the thread rather than the thread for a claim.
+threads all run tasks longer than the horizon, holding fewer claims than threads, claims
+its next task when the first of them comes within the horizon of its end
+(``claim_delay``), so that the next task waits for the thread rather than the thread for
+a claim.
 
 An estimate can be wrong: a prefix learnt from no-ops whose next runs take 40 ms, or a
 straggler.  Then a worker may hold a horizon's worth of what it believed instant behind
 a run that goes on.  Once every thread of the worker runs a task past any expectation
 (``stuck_in``: the horizon past twice its estimate), it hands back the claims it holds
-ready that may run elsewhere (``workers/state.py``, ``RunsOverdueEvent``), naming the
+ready that may run elsewhere, but the next one per thread (``workers/state.py``,
+``RunsOverdueEvent``), naming the
 prefixes of those runs whose estimate let claims take several per thread (``misleads``)
 and how long they ran: the scheduler queues the tasks again and forgets those averages
 in the same batch, so that other workers claim them one per free thread, not a

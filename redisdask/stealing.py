@@ -165,9 +165,7 @@ def _moves(
         d = _cost(ts, estimate)
         for thief in sorted(thieves, key=lambda a: (load[a], a)):
             tn = _threads(workers, thief)
-            if load[thief] + d / tn > load[v] - d / (2 * vn):
-                break  # (the least loaded one first: no other takes it either)
-            if may_run(ts, thief):
+            if load[thief] + d / tn <= load[v] - d / (2 * vn) and may_run(ts, thief):
                 load[thief] += d / tn
                 load[v] -= d / vn
                 surplus -= 1

@@ -665,10 +665,11 @@ def test_claims_behind_runs_past_twice_their_estimate_are_handed_back() -> None:
     assert ws.give_back_delay(0.02, now=100.021) == 0.0
     out = overdue(ws, 100.021)
     assert of(out, ReleasedKeys) == [
-        ReleasedKeys(SELF, [f"f-{i}" for i in range(1, 5)], [0.0] * 4,
+        ReleasedKeys(SELF, [f"f-{i}" for i in range(2, 5)], [0.0] * 3,
                      overdue={"f": pytest.approx(0.021)}, stimulus_id="overdue-100.021")
     ]  # fmt: skip
-    assert set(ws.tasks) == {"f-0"} and ws.tasks["f-0"].state == "executing"
+    # the next one stays: it starts as soon as the run ends, without a claim
+    assert set(ws.tasks) == {"f-0", "f-1"} and ws.tasks["f-0"].state == "executing"
     assert ws.give_back_delay(0.02, now=100.5) is None  # nothing held any more
     assert overdue(ws, 100.5) == []
 
@@ -680,9 +681,13 @@ def test_a_stuck_run_of_a_prefix_claimed_a_task_or_two_ahead_is_not_reported() -
     a result set it again, from that one run)."""
     ws = make(nthreads=1)
     ws.clock = 100.0
-    ws.handle_stimulus(compute("t-0", estimate=0.01), compute("t-1", estimate=0.01))
+    ws.handle_stimulus(*[compute(f"t-{i}", estimate=0.01) for i in range(3)])
     [msg] = of(overdue(ws, 100.05), ReleasedKeys)
-    assert msg.keys == ["t-1"] and msg.overdue == {}
+    assert msg.keys == ["t-2"] and msg.overdue == {}
+    one = make(nthreads=1)  # holding only the next one: nothing to hand back
+    one.clock = 100.0
+    one.handle_stimulus(compute("t-0", estimate=0.01), compute("t-1", estimate=0.01))
+    assert one.give_back_delay(0.02, now=100.05) is None and overdue(one, 100.05) == []
 
 
 def test_claims_stay_while_a_thread_may_run_them() -> None:
@@ -691,9 +696,9 @@ def test_claims_stay_while_a_thread_may_run_them() -> None:
     ws = make(nthreads=2)
     ws.clock = 100.0
     ws.handle_stimulus(compute("slow", estimate=0.001), compute("fine", estimate=10.0))
-    ws.handle_stimulus(compute("held", estimate=0.001))
+    ws.handle_stimulus(*[compute(f"held-{i}", estimate=0.001) for i in range(3)])
     assert ws.give_back_delay(0.02, now=101.0) == pytest.approx(19.02)  # "fine" runs on
-    assert overdue(ws, 101.0) == [] and ws.tasks["held"].state == "ready"
+    assert overdue(ws, 101.0) == [] and ws.tasks["held-2"].state == "ready"
     one = make(nthreads=2)
     one.handle_stimulus(compute("slow", estimate=0.001))  # the other thread is free
     assert one.give_back_delay(0.02, now=1e9) is None
@@ -705,6 +710,7 @@ def test_claims_stay_while_a_thread_may_run_them() -> None:
     chained.handle_stimulus(compute("next", {"run": ([], 0)}, estimate=0.001))
     chained.handle_stimulus(compute("dep", estimate=0.001), compute("free", estimate=0.001))
     chained.handle_stimulus(compute("use", {"dep": ([SELF], 1)}, estimate=0.001))
+    # ("dep" starts next: it would stay all the same; "free" goes)
     assert [chained.tasks[k].state for k in ("next", "dep", "use")] == [
         "waiting",
         "ready",
@@ -720,9 +726,10 @@ def test_claims_stay_while_a_thread_may_run_them() -> None:
     unknown = make(nthreads=1)  # a run of no estimate: stuck once past the horizon
     unknown.clock = 100.0
     unknown.handle_stimulus(compute("u"), compute("h", estimate=0.001))
+    unknown.handle_stimulus(compute("i", estimate=0.001))
     assert unknown.give_back_delay(0.02, now=100.01) == pytest.approx(0.01)
     [msg] = of(overdue(unknown, 100.03), ReleasedKeys)
-    assert msg.keys == ["h"] and msg.overdue == {}  # (no average to forget)
+    assert msg.keys == ["i"] and msg.overdue == {}  # (no average to forget)
 
 
 def test_claim_budget_tiny_tasks_keep_threads_busy_for_the_horizon() -> None:

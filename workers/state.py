@@ -46,7 +46,8 @@ Task states and the transitions implemented here::
     StealRequestEvent: a claim not started, waiting | ready ──► released (given back for
                    another worker, ``StolenKeys``); any other is refused, and runs here
     RunsOverdueEvent: every thread runs a task past any expectation: the claims held
-                   ready behind them, ready ──► released (``ReleasedKeys``)
+                   ready behind them but the next per thread, ready ──► released
+                   (``ReleasedKeys``)
 
 * ``released`` is transient: a task that is neither *wanted* (claimed by / pushed to this
   worker, so the scheduler expects it here) nor needed by a dependent is forgotten at
@@ -340,7 +341,8 @@ class RunsOverdueEvent(StateMachineEvent):
     """The driver's prompt once ``give_back_delay`` says so: every thread runs a task past
     any expectation (``durations.stuck_in``: a straggler, or a prefix whose estimate
     said next to nothing), so the claims held ready here behind them would wait for an
-    unknown time; they are handed back (``ReleasedKeys``) for other workers to run.
+    unknown time; they are handed back (``ReleasedKeys``) for other workers to run, but
+    the next one for each thread.
     ``now`` is the driver's clock, ``horizon`` its claim horizon."""
 
     horizon: float
@@ -871,22 +873,26 @@ class WorkerState:
             self._emit(ReleasedKeys(self.address, handed_back, scores, overdue=overdue or {},
                                     stimulus_id=stimulus_id))  # fmt: skip
 
-    def _ready_claims(self) -> list[TaskState]:
-        """The claims that wait here for a thread alone (``ready``: their data is here)
-        and may run elsewhere instead (``_movable``).  Not the ``waiting`` ones: a link
-        of a chain claimed behind a run here waits for that run (handed back, it would
-        wait for a scheduler to queue it again), and a transfer is under way for the
-        others."""
-        return [ts for ts in self.by_state["ready"] if _movable(ts)]
+    def _surplus_claims(self) -> list[TaskState]:
+        """The claims that wait here for a thread alone (``ready``: their data is here),
+        but the next one for each thread (those start as soon as a run ends, with no
+        claim's round trip: a worker holds one task more than it runs, as distributed's
+        does), that may run elsewhere instead (``_movable``).  Not the ``waiting`` ones:
+        a link of a chain claimed behind a run here waits for that run (handed back, it
+        would wait for a scheduler to queue it again), and a transfer is under way for
+        the others."""
+        ready = sorted(self.by_state["ready"], key=lambda t: (t.priority or (), t.key))
+        return [ts for ts in ready[self.nthreads :] if _movable(ts)]
 
     def give_back_delay(self, horizon: float = 0.02, now: float | None = None) -> float | None:
         """Seconds from ``now`` until every thread runs a task past any expectation
-        while claims wait ready behind them (0: now; ``RunsOverdueEvent`` then hands
-        them back); None: not by time alone (a thread is free, nothing held may go, or
-        paused or retiring: those hand back everything anyway)."""
+        while claims wait ready behind them, more than one per thread (0: now;
+        ``RunsOverdueEvent`` then hands those back); None: not by time alone (a thread
+        is free, nothing held may go, or paused or retiring: those hand back everything
+        anyway)."""
         if self.paused or self.retiring or len(self.executing) < self.nthreads:
             return None
-        if not self._ready_claims():
+        if len(self.by_state["ready"]) <= self.nthreads or not self._surplus_claims():
             return None
         return max(stuck_in(ts.estimate, _elapsed(ts, now), horizon) for ts in self.executing)
 
@@ -898,7 +904,7 @@ class WorkerState:
             if ts.estimate is not None and misleads(ts.estimate, ev.horizon):
                 prefix, elapsed = key_prefix(ts.key), round(_elapsed(ts, ev.now), 6)
                 overdue[prefix] = max(overdue.get(prefix, 0.0), elapsed)
-        self._give_back(self._ready_claims(), ev.stimulus_id, overdue)
+        self._give_back(self._surplus_claims(), ev.stimulus_id, overdue)
 
     def _handle_steal_request(self, ev: StealRequestEvent) -> None:
         """Give back the asked-for claims that have not started, as ``_hand_back_unstarted``
