@@ -213,3 +213,29 @@ def test_a_client_that_sent_a_graph_since_the_push_hears_from_the_scheduler_too(
     assert client_news(out) == [("c", "x")]
     [news] = [i.msg for i in out if isinstance(i, ClientMsg)]
     assert news.seen == 2
+
+
+def test_a_worker_ignores_a_push_meant_for_another_process_or_without_its_spec():
+    """A push names the worker process it is for; one whose spec did not come (its task
+    was forgotten in the batch that pushed it) is skipped, and the rest of the entry is
+    still applied.  (The scheduler queues such a task again once two holding reports go
+    without it: test_a_pushed_task_is_not_taken_for_lost_by_the_report_written_before...)"""
+    from redisdask import schema
+    from redisdask.protocol import FreeKeys
+    from redisdask.workers import state as ws
+    from redisdask.workers.worker import _inbox_events, _Pushed
+
+    def entry(*msgs: Any, specs: dict[str, bytes] | None = None) -> dict[bytes, bytes]:
+        fields = {b"m": schema.pack([m.to_dict() for m in msgs])}
+        for key, spec in (specs or {}).items():
+            fields[schema.push_spec_field(key).encode()] = spec
+        return fields
+
+    mine, gone = 1700000000.5, 1600000000.25
+    push = ComputeTask("x", 1.5, mine, 0.01, True)
+    [pushed] = _inbox_events("1-0", entry(push, specs={"x": b"spec"}), mine)
+    assert isinstance(pushed, _Pushed) and pushed.chain
+    assert (pushed.event.key, pushed.event.run_spec, pushed.event.estimate) == ("x", b"spec", 0.01)
+    assert _inbox_events("2-0", entry(push, specs={"x": b"spec"}), gone) == []
+    [freed] = _inbox_events("3-0", entry(push, FreeKeys(["y"])), mine)  # no spec for x
+    assert isinstance(freed, ws.FreeKeysEvent) and freed.keys == ["y"]

@@ -57,6 +57,8 @@ def test_a_task_submitted_to_a_free_worker_runs_there_without_a_claim(
             future = client.submit(counted, i, redis_url, f"{cluster_name}-runs", pure=False)
             assert future.result(timeout=30) == i + 1
         assert last_signal(r, keys) == before  # nothing was queued for a claim
+        # (the result came from the worker's report: the scheduler records it after)
+        poll(lambda: task_story(r, keys, future.key)[-1]["state"] == "memory")
         story = [(s["state"], s["cause"], s["origin"]) for s in task_story(r, keys, future.key)]
         workers = set(client.scheduler_info()["workers"])
         assert [(state, cause) for state, cause, _ in story][-3:] == [

@@ -839,17 +839,10 @@ class Worker:
                 items.extend(_inbox_events(entry_id.decode(), fields, self.started))
             except (ProtocolError, KeyError, TypeError, ValueError) as exc:
                 logger.warning("ignoring malformed inbox entry %s: %s", entry_id.decode(), exc)
-        for item in items:  # pushed: claimed, as far as this worker's reports go
-            if isinstance(item, _Pushed):
-                self._claimed_before[item.event.key] = self._holding_reports
-                if len(self._pushed) > CHAINED_KEPT:  # (tasks pushed and never reported)
-                    self._pushed.clear()
-                self._pushed.add(item.event.key)
-                if item.chain:
-                    self._chained.add(item.event.key)
         batch: list[ws.StateMachineEvent] = []
         for item in items:
             if isinstance(item, _Pushed):
+                self._note_pushed(item)
                 batch.append(item.event)
             elif isinstance(item, _Command):
                 if batch:
@@ -860,6 +853,17 @@ class Worker:
                 batch.append(item)
         if batch:
             self.handle(*batch)
+
+    def _note_pushed(self, item: _Pushed) -> None:
+        """A pushed task is a claimed one, as far as this worker's reports go; its report
+        carries its client's news (``_early_news``)."""
+        key = item.event.key
+        self._claimed_before[key] = self._holding_reports
+        if len(self._pushed) > CHAINED_KEPT:  # (tasks pushed and never reported)
+            self._pushed.clear()
+        self._pushed.add(key)
+        if item.chain:
+            self._chained.add(key)
 
     def _command(self, command: _Command) -> None:
         if command.op == "restart":  # drop everything held or running, as it is now
