@@ -961,7 +961,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
 
     async def _arefresh_who_has(self, keys: list[str]) -> dict[str, str | None]:
         """Read holders from the scheduler's records; returns each key's recorded state."""
-        fields = ("who_has", "state")
+        fields = ("who_has", "state", "worker")
         pipe = self._aredis.pipeline(transaction=False)
         for key in keys:
             pipe.hmget(self.keys.task(key), fields)
@@ -969,10 +969,14 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
         for key, values in zip(keys, await pipe.execute(), strict=True):
             record = TaskRecord.from_hmget(fields, values)
             states[key] = record.state or None
-            # the scheduler's record wins once it has one; until then (e.g. data scattered
-            # a moment ago, not yet processed) what this client knows stands
-            if record.state:
-                self._state_for(key).who_has = record.who_has
+            # the scheduler's record wins once it has one; until then what this client
+            # knows stands: data scattered a moment ago, not yet processed, or a pushed
+            # task's result that its worker's report told (the record says processing
+            # until the scheduler reads that report: docs/design.md, "Push")
+            known = self._state_for(key)
+            told = record.state == "processing" and known.status == "finished"
+            if record.state and not (told and record.worker in known.who_has):
+                known.who_has = record.who_has
         return states
 
     @offloaded

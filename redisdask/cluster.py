@@ -16,7 +16,7 @@ from redisdask import busy, schema, spawn
 from redisdask.config import load_config
 from redisdask.connection import connect, redact
 from redisdask.embedded import EmbeddedRedis
-from redisdask.errors import RedisDaskError
+from redisdask.errors import ClusterRunningError, RedisDaskError
 from redisdask.placement import format_resources, parse_resources
 from redisdask.protocol import CloseWorker
 from redisdask.schema import Keys
@@ -76,6 +76,7 @@ class LocalCluster:
             redis_url = self.embedded.url
         self.redis_url = redis_url
         self.redis = connect(redis_url)
+        self._refuse_a_running_cluster()
         schema.ensure_cluster(self.redis, self.keys)
         self.log_directory = Path(log_directory) if log_directory else None
         self.log_level = "INFO" if self.log_directory else silence_logs
@@ -91,6 +92,18 @@ class LocalCluster:
         except BaseException:
             self.close()
             raise
+
+    def _refuse_a_running_cluster(self) -> None:
+        """A second scheduler (a standby) and more workers would join a cluster that runs
+        under this name: ``Client(redis_url=...)`` reads like a connection, but with no
+        address it starts a cluster."""
+        if self.redis.exists(self.keys.leader):
+            url = redact(self.redis_url)
+            raise ClusterRunningError(
+                f"cluster {self.cluster_name!r} already runs at {url} (a scheduler leads "
+                f"it): to use it, connect with Client({url!r}, "
+                f"cluster_name={self.cluster_name!r}); to start another, give a new name"
+            )
 
     def _spawn(self, args: list[str], label: str) -> subprocess.Popen[bytes]:
         out: Any = subprocess.DEVNULL

@@ -376,11 +376,12 @@ class ClusterAdmin:
 
     async def _awho_has_all(self) -> dict[str, list[str]]:
         """Every task's holders, as recorded; data this client scattered a moment ago,
-        which the scheduler has not recorded yet, as this client knows it."""
+        or a pushed task's result heard from its worker, which the scheduler has not
+        recorded yet, as this client knows it."""
         found = await holdings.who_has_all(self._aredis, self.keys)
         with self._lock:
             for key, state in self._states.items():
-                if key not in found and state.status == "finished":
+                if not found.get(key) and state.status == "finished":
                     found[key] = holdings.workers_only(state.who_has)
         return found
 

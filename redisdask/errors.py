@@ -15,6 +15,8 @@
     │                                                  wrong (redisdask.security)
     ├── RedisServerNotFound (also FileNotFoundError)   no redis-server binary to embed
     ├── EmbeddedRedisError (also RuntimeError)         the embedded redis-server failed
+    ├── ClusterRunningError (also RuntimeError)        a LocalCluster asked to start a
+    │                                                  cluster that already runs there
     ├── SchemaError                                    the cluster in Redis is incompatible
     ├── EvictingRedisError                             Redis may evict the cluster's keys
     │                                                  (maxmemory-policy: redis_memory)
@@ -106,6 +108,12 @@ class RedisServerNotFound(RedisDaskError, FileNotFoundError):
 
 class EmbeddedRedisError(RedisDaskError, RuntimeError):
     """The embedded ``redis-server`` failed to start or misbehaved."""
+
+
+class ClusterRunningError(RedisDaskError, RuntimeError):
+    """A ``LocalCluster`` (or ``Client()`` with no address, which starts one) was given
+    the name of a cluster whose scheduler leads in that Redis: a second scheduler and
+    more workers would join it unasked."""
 
 
 class SchemaError(RedisDaskError):

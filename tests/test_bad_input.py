@@ -13,8 +13,9 @@ import pytest
 import redis
 from polling import poll
 
-from redisdask import Client, ClusterConnectionError, Future, SchedulerRejectedError
+from redisdask import Client, ClusterConnectionError, Future, LocalCluster, SchedulerRejectedError
 from redisdask.comm import encode_message, parse_address
+from redisdask.errors import ClusterRunningError
 from redisdask.schema import Keys, ensure_cluster, entry
 
 pytestmark = pytest.mark.timeout(60)
@@ -288,3 +289,16 @@ def test_sentinels_that_cannot_be_reached_are_a_clear_connection_error() -> None
     assert f"127.0.0.1:{port}/mymaster" in str(info.value)
     assert "Sentinels running there" in str(info.value)
     assert "hunter2" not in str(info.value)
+
+
+def test_a_local_cluster_under_a_running_clusters_name_is_refused(
+    redis_url: str, cluster_name: str
+) -> None:
+    """``Client(redis_url=...)`` with no address starts a LocalCluster: under the name of
+    a cluster that runs there, it would add a second scheduler and more workers to it.
+    It is refused, and the message says how to connect instead."""
+    with LocalCluster(n_workers=1, nanny=False, redis_url=redis_url, cluster_name=cluster_name):
+        with pytest.raises(ClusterRunningError, match=r"connect with Client\('redis://"):
+            Client(redis_url=redis_url, cluster_name=cluster_name)
+        r = redis.Redis.from_url(redis_url)
+        assert r.hlen(Keys(cluster_name).workers) == 1  # nothing joined it

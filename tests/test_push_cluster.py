@@ -49,7 +49,7 @@ def test_a_task_submitted_to_a_free_worker_runs_there_without_a_claim(
     r = redis.Redis.from_url(redis_url)
     with (
         LocalCluster(nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name),
-        Client(redis_url=redis_url, cluster_name=cluster_name) as client,
+        Client(redis_url, cluster_name=cluster_name) as client,
     ):
         assert client.submit(counted, 0, redis_url, "warm").result(timeout=30) == 1
         before = last_signal(r, keys)
@@ -77,7 +77,7 @@ def test_a_pushed_task_whose_worker_dies_before_reading_it_runs_elsewhere_once(
     runs = f"{cluster_name}-runs"
     with (
         LocalCluster(nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name),
-        Client(redis_url=redis_url, cluster_name=cluster_name) as client,
+        Client(redis_url, cluster_name=cluster_name) as client,
     ):
         assert client.submit(counted, -1, redis_url, "warm").result(timeout=30) == 0
         pids = {a: pid_of(client, a) for a in client.scheduler_info()["workers"]}
@@ -120,7 +120,7 @@ def test_a_pushed_tasks_result_reaches_its_client_with_the_scheduler_stopped(
         LocalCluster(
             nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name
         ) as cluster,
-        Client(redis_url=redis_url, cluster_name=cluster_name) as client,
+        Client(redis_url, cluster_name=cluster_name) as client,
     ):
         future = client.submit(gated, 1, redis_url, gate)
         poll(lambda: TaskRecord.from_hash(r.hgetall(keys.task(future.key))).state == "processing")
@@ -130,6 +130,9 @@ def test_a_pushed_tasks_result_reaches_its_client_with_the_scheduler_stopped(
         try:
             r.rpush(gate, 1)
             assert future.result(timeout=20) == 2  # no scheduler ran meanwhile
+            # where it lives, as the client heard it (the record says processing still)
+            (worker,) = client.scheduler_info()["workers"]  # (read from Redis)
+            assert client.who_has([future]) == {future.key: [worker]}
         finally:
             scheduler.send_signal(signal.SIGCONT)
         # the scheduler reads the report, records the result, and does not tell again
