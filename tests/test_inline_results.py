@@ -160,7 +160,9 @@ def test_small_arrays_and_frames_are_kept_in_redis_and_read_back(
     small, large = client.submit(frame_of, 100), client.submit(frame_of, 100_000)
     array = client.submit(np.arange, 1000)
     wait([small, large, array], timeout=30)
-    assert r.hget(keys.task(small.key), "value") and r.hget(keys.task(array.key), "value")
+    # (a pushed task's small result may reach the client before the scheduler records it;
+    # a large one is told by the scheduler, once recorded)
+    poll(lambda: r.hget(keys.task(small.key), "value") and r.hget(keys.task(array.key), "value"))
     assert not r.hget(keys.task(large.key), "value")
     assert small.result().equals(frame_of(100)) and large.result().equals(frame_of(100_000))
     assert (array.result() == np.arange(1000)).all()
