@@ -889,12 +889,16 @@ class WorkerState:
         while claims wait ready behind them, more than one per thread (0: now;
         ``RunsOverdueEvent`` then hands those back); None: not by time alone (a thread
         is free, nothing held may go, or paused or retiring: those hand back everything
-        anyway)."""
+        anyway).  Whether anything held may go (``_surplus_claims``, a sort of every
+        claim) is asked only once the time is up: the claim loop asks after every run,
+        and that sort was a third of a worker's CPU in a ``map`` of no-ops; a delay so
+        given while nothing may go only makes the loop look once more."""
         if self.paused or self.retiring or len(self.executing) < self.nthreads:
             return None
-        if len(self.by_state["ready"]) <= self.nthreads or not self._surplus_claims():
+        if len(self.by_state["ready"]) <= self.nthreads:
             return None
-        return max(stuck_in(ts.estimate, _elapsed(ts, now), horizon) for ts in self.executing)
+        delay = max(stuck_in(ts.estimate, _elapsed(ts, now), horizon) for ts in self.executing)
+        return delay if delay > 0 or self._surplus_claims() else None
 
     def _handle_runs_overdue(self, ev: RunsOverdueEvent) -> None:
         if self.give_back_delay(ev.horizon, ev.now) != 0:
