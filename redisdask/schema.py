@@ -645,7 +645,8 @@ local function take(key, score, f, e)
   if f[2] then
     for _, dep in ipairs(cmsgpack.unpack(f[2])) do
       local d = redis.call('HMGET', ARGV[3] .. dep, 'who_has', 'nbytes', 'value')
-      if d[3] and d[3] ~= '' and inline_left >= #d[3] then
+      local mine = string.find(' ' .. (d[1] or '') .. ' ', ' ' .. ARGV[1] .. ' ', 1, true)
+      if d[3] and d[3] ~= '' and not mine and inline_left >= #d[3] then
         inline_left = inline_left - #d[3]
         deps[#deps + 1] = {dep, d[1] or '', d[2] or '0', d[3]}
       else
@@ -875,10 +876,10 @@ if want > 0 and redis.call('HEXISTS', KEYS[6], me) == 1 then
     if done[dep] then return {dep, '', '0'} end
     local d = redis.call('HMGET', prefix .. dep, 'state', 'who_has', 'nbytes', 'value')
     if d[1] ~= 'memory' then return nil end
-    if d[4] and d[4] ~= '' then return {dep, d[2] or '', d[3] or '0', d[4]} end
     if string.find(' ' .. (d[2] or '') .. ' ', ' ' .. me .. ' ', 1, true) then
-      return {dep, d[2], d[3] or '0'}
+      return {dep, d[2], d[3] or '0'}  -- (held here: its value, if in Redis, stays there)
     end
+    if d[4] and d[4] ~= '' then return {dep, d[2] or '', d[3] or '0', d[4]} end
     return nil
   end
   local function take(key, deep)  -- claims ``key`` if it may run here: its record, or nil

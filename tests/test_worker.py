@@ -32,3 +32,26 @@ def test_a_claim_returns_the_inbox_written_before_it_in_a_decodable_form(
     assert entry_id == second
     [event] = _inbox_events(entry_id.decode(), fields, 0.0)
     assert event.keys == ["x"]
+
+
+def test_a_claim_brings_small_dependencies_only_to_a_worker_that_lacks_them(
+    redis_url: str, cluster_name: str
+) -> None:
+    """A dependency kept in its record comes with the claim's reply, unless the claiming
+    worker holds it already: those bytes would move for nothing."""
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ensure_cluster(r, keys)
+    holder, other = "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"
+    for worker in (holder, other):
+        r.hset(keys.workers, worker, pack({"address": worker}))
+    r.hset(keys.task("a"), mapping={"state": "memory", "who_has": f"{holder} redis",
+                                    "nbytes": 28, "value": b"pickled"})  # fmt: skip
+    for key in ("x", "y"):
+        r.hset(keys.task(key), mapping={"state": "queued", "spec": b"s", "deps": pack(["a"])})
+        r.zadd(keys.ready, {key: 1.0})
+    scripts = Scripts(r, keys)
+    (mine,), *_ = scripts.claim(worker=holder, count=1, last_inbox_id="0-0")
+    (theirs,), *_ = scripts.claim(worker=other, count=1, last_inbox_id="0-0")
+    assert mine[3] == [[b"a", f"{holder} redis".encode(), b"28"]]  # no value
+    assert theirs[3] == [[b"a", f"{holder} redis".encode(), b"28", b"pickled"]]
