@@ -1001,7 +1001,12 @@ class WorkerState:
     def _ensure_communicating(self, sid: str) -> None:
         """Start GatherDeps, highest priority first, batched per peer."""
         fetch = self.by_state["fetch"]
-        if not fetch or len(self.in_flight_workers) >= self.transfer_concurrency:
+        in_flight = self.in_flight_workers
+        if not fetch or len(in_flight) >= self.transfer_concurrency:
+            return
+        # (most calls find every holder busy answering, whose answer calls this again:
+        # a tree of tiny tasks made ~150 such waits sorted at nearly every stimulus)
+        if all(w in in_flight for ts in fetch for w in ts.who_has):
             return
         queue = sorted(fetch, key=lambda t: (t.priority or (), t.key))
         for ts in queue:
