@@ -295,5 +295,41 @@ def test_a_worker_hands_back_its_claims_once_its_run_goes_on_past_twice_its_esti
         assert not any(s[1] == "stolen-keys" for s in story_of(r, keys, last))
 
 
+class SlowLoop:
+    """A worker plugin that holds the worker's event loop 40 ms as each task starts, as a
+    loop busy with a claim of hundreds does: the task's run, in its pool thread, then
+    begins late (or ends before the loop hears of it)."""
+
+    name = "slow-loop"
+
+    def transition(self, key: str, start: str, finish: str, **kwargs: Any) -> None:
+        if finish == "executing":
+            time.sleep(0.04)
+
+
+def test_tiny_runs_that_wait_for_a_busy_loop_are_not_overdue(
+    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run is overdue by its pool thread's clock, not by the time since its Execute:
+    no-ops that wait 40 ms for the worker's loop each are never handed back (before,
+    each looked 40 ms long, past 20 ms plus twice its estimate, and the claims behind
+    it went back to the queue, a tenth of a tree of no-ops)."""
+    monkeypatch.setenv("REDISDASK__WORKER__CLAIM_HORIZON", "0.02")
+    with (
+        LocalCluster(nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name)
+        as cluster,
+        Client(cluster) as client,
+    ):  # fmt: skip
+        [worker] = client.scheduler_info()["workers"]
+        assert client.gather(client.map(work, range(-200, 0))) == list(range(-2000, 0, 10))
+        client.register_plugin(SlowLoop())
+        futures = client.map(work, range(60))
+        assert client.gather(futures) == [i * 10 for i in range(60)]
+        r, keys = redis.Redis.from_url(redis_url), Keys(cluster_name)
+        poll(lambda: story_of(r, keys, futures[-1].key)[-1][0] == "memory")
+        back = ("queued", "released-keys", worker)
+        assert [f.key for f in futures if back in story_of(r, keys, f.key)] == []
+
+
 def story_of(r: redis.Redis, keys: Keys, key: str) -> list[tuple[str, str, str]]:
     return [(s["state"], s["cause"], s["origin"]) for s in task_story(r, keys, key)]
