@@ -186,6 +186,7 @@ def monitor_in_a_terminal(url: str, cluster: str) -> Iterator[tuple[int, int]]:
     ``(pid, fd)``; the child is killed and the terminal closed on the way out."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: become the monitor
+        _interruptible()
         os.environ.update(COLUMNS="120", LINES="40", TERM="xterm-256color")
         os.execv(
             sys.executable,
@@ -198,6 +199,13 @@ def monitor_in_a_terminal(url: str, cluster: str) -> Iterator[tuple[int, int]]:
         if psutil.pid_exists(pid):
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+
+
+def _interruptible() -> None:
+    """SIGINT as a terminal's user has it, even where this suite was started with it
+    ignored (a non-interactive shell's background job: its children inherit that, and
+    Python then installs no KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _read_until(fd: int, needle: bytes, timeout: float = 30.0) -> bytes:
@@ -352,7 +360,7 @@ def test_inspect_events_follow_prints_new_events_as_they_come(
     follower = subprocess.Popen(
         [sys.executable, "-m", "redisdask", "inspect", "events", read_only_url, "--cluster",
          cluster.cluster_name, "--follow", "--json"],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, text=True, preexec_fn=_interruptible,
     )  # fmt: skip
     try:
         assert follower.stdout is not None
