@@ -722,13 +722,11 @@ class Worker:
     async def _claim_loop(self) -> None:
         while self.status == "running":
             now = time.time()
-            give_back = self.state.give_back_delay(self.claim_horizon, now)
-            if give_back == 0:  # overdue by the runs' own clocks too?
-                ran = now - self._start_lag(now)
+            ran = now - self._start_lag(now)  # "now" for the runs, by their threads' clocks
+            give_back = self.state.give_back_delay(self.claim_horizon, ran)
+            if give_back == 0:
+                self.handle(ws.RunsOverdueEvent(self.claim_horizon, ran, f"overdue-{now:.3f}"))
                 give_back = self.state.give_back_delay(self.claim_horizon, ran)
-                if give_back == 0:
-                    self.handle(ws.RunsOverdueEvent(self.claim_horizon, ran, f"overdue-{now:.3f}"))
-                    give_back = self.state.give_back_delay(self.claim_horizon, now)
             starts = self.state.claim_budget(self.claim_horizon, now)
             if starts and self._may_have_work():
                 async with self._claim_lock:
