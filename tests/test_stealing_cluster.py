@@ -64,6 +64,28 @@ def runs_of(r: redis.Redis, runs: str) -> list[tuple[int, str]]:
 
 
 @contextmanager
+def one_worker_taught_no_ops(
+    redis_url: str, cluster_name: str, resources: dict[str, float] | None = None
+) -> Iterator[tuple[LocalCluster, Client, str]]:
+    """A cluster of one worker that ran 200 ``work`` tasks of no time: the estimate of
+    ``work`` says next to nothing, so the worker claims a whole batch of them at once.
+    Yields the cluster, the client and the worker's address."""
+    with (
+        LocalCluster(
+            nanny=False,
+            n_workers=1,
+            redis_url=redis_url,
+            cluster_name=cluster_name,
+            resources=resources,
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        [first] = client.scheduler_info()["workers"]
+        assert client.gather(client.map(work, range(-200, 0))) == list(range(-2000, 0, 10))
+        yield cluster, client, first
+
+
+@contextmanager
 def one_busy_worker(
     redis_url: str, cluster_name: str, pinned: int = 0, by: str = "workers"
 ) -> Iterator[tuple[LocalCluster, Client, list[Any], str, str]]:
@@ -72,19 +94,8 @@ def one_busy_worker(
     ``workers=`` or ``resources=``, which only it has), and a second worker that joins
     after that; yields the cluster, the client, the batch's futures, the first worker's
     address and the runs list."""
-    with (
-        LocalCluster(
-            nanny=False,
-            n_workers=1,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
-            resources=RESOURCES if by == "resources" else None,
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        [first] = client.scheduler_info()["workers"]
-        # the estimate of ``work``: next to nothing, so the worker claims all of the batch
-        assert client.gather(client.map(work, range(-200, 0))) == list(range(-2000, 0, 10))
+    resources = RESOURCES if by == "resources" else None
+    with one_worker_taught_no_ops(redis_url, cluster_name, resources) as (cluster, client, first):
         runs = f"{cluster_name}-runs"
         futures = client.map(work, range(N), delay=DELAY, url=redis_url, runs=runs)
         only = {"workers": [first]} if by == "workers" else {"resources": {"R": 1}}
@@ -269,13 +280,7 @@ def test_a_worker_hands_back_its_claims_once_its_run_goes_on_past_twice_its_esti
     twice, none is lost.  (Before, the batch waited claimed on the first worker until a
     steal moved some of it: the last task's story said ``stolen-keys``.)"""
     monkeypatch.setenv("REDISDASK__WORKER__CLAIM_HORIZON", "0.02")
-    with (
-        LocalCluster(nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name)
-        as cluster,
-        Client(cluster) as client,
-    ):  # fmt: skip
-        [first] = client.scheduler_info()["workers"]
-        assert client.gather(client.map(work, range(-200, 0))) == list(range(-2000, 0, 10))
+    with one_worker_taught_no_ops(redis_url, cluster_name) as (cluster, client, first):
         runs = f"{cluster_name}-runs"
         futures = client.map(work, range(N), delay=DELAY, url=redis_url, runs=runs)
         r = redis.Redis.from_url(redis_url)
@@ -304,7 +309,7 @@ class SlowLoop:
 
     def transition(self, key: str, start: str, finish: str, **kwargs: Any) -> None:
         if finish == "executing":
-            time.sleep(0.04)
+            time.sleep(0.04)  # (the busy loop under test, not a wait for anything)
 
 
 def test_tiny_runs_that_wait_for_a_busy_loop_are_not_overdue(
@@ -315,13 +320,7 @@ def test_tiny_runs_that_wait_for_a_busy_loop_are_not_overdue(
     each looked 40 ms long, past 20 ms plus twice its estimate, and the claims behind
     it went back to the queue, a tenth of a tree of no-ops)."""
     monkeypatch.setenv("REDISDASK__WORKER__CLAIM_HORIZON", "0.02")
-    with (
-        LocalCluster(nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name)
-        as cluster,
-        Client(cluster) as client,
-    ):  # fmt: skip
-        [worker] = client.scheduler_info()["workers"]
-        assert client.gather(client.map(work, range(-200, 0))) == list(range(-2000, 0, 10))
+    with one_worker_taught_no_ops(redis_url, cluster_name) as (_, client, worker):
         client.register_plugin(SlowLoop())
         futures = client.map(work, range(60))
         assert client.gather(futures) == [i * 10 for i in range(60)]
