@@ -821,7 +821,7 @@ return {out, last_id, redis.call('XRANGE', KEYS[7], '(' .. ARGV[5], '+'), blocke
 # ms, so they get through a full Redis), and the **chained claim** of the dependents its
 # finished tasks free (docs/design.md, "Chains"), in one atomic step.  KEYS: the worker's
 # alive key, the workers stream, the worker's processing set, its inbox, the durations
-# hash, the workers hash.  ARGV: the alive TTL (ms), the worker's address, the task key
+# hash, the workers hash, the clients hash.  ARGV: the alive TTL (ms), the worker's address, the task key
 # prefix, the last inbox id the worker read, how many tasks it may claim (0: none), the
 # number of reports, the reports (each a msgpack map, concatenated: the body of a msgpack
 # array), how many links deeper it may claim (below), the claim horizon, the prefix of
@@ -832,7 +832,9 @@ return {out, last_id, redis.call('XRANGE', KEYS[7], '(' .. ARGV[5], '+'), blocke
 # concatenated key/value pairs of the msgpack map, 6 of them).  If its record says the
 # task is still processing on this worker, for that run, and names in ``notify`` the
 # clients that wanted it when it was pushed (msgpack {client: generation}), each of
-# those clients gets the news at once (the 7th pair: ``seen``, that generation), and the
+# those clients still registered (KEYS[7]: a client gone since has its events stream
+# deleted, which an XADD would make again, for good) gets the news at once (the 7th
+# pair: ``seen``, that generation), and the
 # entry says so to the scheduler (a ``told`` message, after the claim), which then does
 # not send it again: the result reaches the client with no scheduler hop.  A finished
 # task whose record says it is processing on this worker (the claim still holds) may
@@ -937,7 +939,8 @@ for j = 0, early - 1 do
   local same_run = tonumber(f[3] or '') == tonumber(score)  -- (written as %.17g or repr)
   if f[1] == 'processing' and f[2] == me and same_run and ok and type(who) == 'table' then
     for client, seen in pairs(who) do  -- news: [{the worker's pairs..., seen = seen}]
-      if type(client) == 'string' and type(seen) == 'number' then
+      if type(client) == 'string' and type(seen) == 'number'
+         and redis.call('HEXISTS', KEYS[7], client) == 1 then
         redis.call('XADD', ARGV[10] .. client .. ':events', '*', 'm',
                    '\\145\\135' .. news .. cmsgpack.pack('seen') .. cmsgpack.pack(seen))
       end
@@ -1178,7 +1181,7 @@ class Scripts:
         k = self.keys
         return self._finish(
             keys=[k.worker_alive(worker), k.worker_stream, k.worker_processing(worker),
-                  k.worker_inbox(worker), k.durations, k.workers],
+                  k.worker_inbox(worker), k.durations, k.workers, k.clients],
             args=[ttl_ms, worker, k.task_prefix, last_inbox_id, chain, len(reports),
                   b"".join(reports), deeper, horizon, k.prefix + "client:", len(early),
                   *(x for news in early for x in news), *finished],

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from redisdask.schema import Keys, Scripts, ensure_cluster, entry, pack
+from redisdask.schema import Keys, Scripts, ensure_cluster, entry, pack, unpack
 from redisdask.workers.worker import _inbox_events, script_entries
 
 pytestmark = pytest.mark.timeout(30)
@@ -55,3 +55,36 @@ def test_a_claim_brings_small_dependencies_only_to_a_worker_that_lacks_them(
     (theirs,), *_ = scripts.claim(worker=other, count=1, last_inbox_id="0-0")
     assert mine[3] == [[b"a", f"{holder} redis".encode(), b"28"]]  # no value
     assert theirs[3] == [[b"a", f"{holder} redis".encode(), b"28", b"pickled"]]
+
+
+def test_a_pushed_tasks_early_news_goes_to_its_registered_clients_for_its_run_only(
+    redis_url: str, cluster_name: str
+) -> None:
+    """FINISH sends a pushed task's small result to the clients its record's ``notify``
+    names, if the record still says processing here for this run, and only to clients
+    still registered: a closed client's events stream, deleted when it was forgotten,
+    is not made again (nothing would ever delete it)."""
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ensure_cluster(r, keys)
+    me = "tcp://127.0.0.1:1"
+    r.hset(keys.clients, "c1", pack({"id": "c1"}))  # c2 closed: not registered
+    r.hset(keys.task("x"), mapping={"state": "processing", "worker": me, "score": "5",
+                                    "notify": pack({"c1": 3, "c2": 4})})  # fmt: skip
+    news = {"op": "key-in-memory", "key": "x", "who_has": [me, "redis"], "nbytes": 28,
+            "type": "int", "value": b"v"}  # fmt: skip
+    pairs = b"".join(pack(k) + pack(v) for k, v in news.items())
+    scripts = Scripts(r, keys)
+
+    def finish(score: float) -> None:
+        scripts.finish(worker=me, ttl_ms=3000, reports=[pack({"op": "x"})], finished=[],
+                       chain=0, last_inbox_id="0-0", early=[("x", score, pairs)])  # fmt: skip
+
+    finish(4.0)  # a report of an earlier run of x: nobody is told
+    assert not r.exists(keys.client_events("c1"))
+    finish(5.0)
+    [(_, fields)] = r.xrange(keys.client_events("c1"))
+    assert unpack(fields[b"m"]) == [{**news, "seen": 3}]
+    assert not r.exists(keys.client_events("c2"))
+    [*_, (_, last)] = r.xrange(keys.worker_stream)
+    assert unpack(last[b"m"])[0] == {"op": "told", "worker": me, "keys": ["x"], "scores": [5]}
