@@ -690,6 +690,20 @@ def test_a_stuck_run_of_a_prefix_claimed_a_task_or_two_ahead_is_not_reported() -
     assert one.give_back_delay(0.02, now=100.05) is None and overdue(one, 100.05) == []
 
 
+def test_a_rejoined_run_past_its_estimate_hands_back_but_belies_no_average() -> None:
+    """A task that seceded and rejoined ran long, but its wait outside the pool is no
+    compute time (its duration is kept out of the averages): the claims behind it go
+    back, and its prefix's average is not named for the scheduler to forget."""
+    ws = make(nthreads=1)
+    ws.clock = 100.0
+    ws.handle_stimulus(compute("f-0", estimate=0.0002), SecedeEvent("f-0", "s"))
+    ws.handle_stimulus(RejoinEvent("f-0", "r"))
+    assert ws.tasks["f-0"].state == "executing" and ws.tasks["f-0"].seceded
+    ws.handle_stimulus(*[compute(f"g-{i}", estimate=0.0002) for i in range(3)])
+    [msg] = of(overdue(ws, 105.0), ReleasedKeys)
+    assert msg.keys == ["g-1", "g-2"] and msg.overdue == {}
+
+
 def test_claims_stay_while_a_thread_may_run_them() -> None:
     """Not while one thread is free or runs within its estimate; not a claim a held task
     depends on; not while paused (it handed everything back already)."""

@@ -904,8 +904,9 @@ class WorkerState:
         if self.give_back_delay(ev.horizon, ev.now) != 0:
             return
         overdue: dict[str, float] = {}  # per prefix, the longest run that belies its estimate
-        for ts in self.executing:
-            if ts.estimate is not None and misleads(ts.estimate, ev.horizon):
+        for ts in self.executing:  # (not a rejoined run: its wait outside the pool is no
+            # compute time, as its duration is kept out of the averages)
+            if ts.estimate is not None and not ts.seceded and misleads(ts.estimate, ev.horizon):
                 prefix, elapsed = key_prefix(ts.key), round(_elapsed(ts, ev.now), 6)
                 overdue[prefix] = max(overdue.get(prefix, 0.0), elapsed)
         self._give_back(self._surplus_claims(), ev.stimulus_id, overdue)
