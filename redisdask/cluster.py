@@ -101,8 +101,9 @@ class LocalCluster:
             url = redact(self.redis_url)
             raise ClusterRunningError(
                 f"cluster {self.cluster_name!r} already runs at {url} (a scheduler leads "
-                f"it): to use it, connect with Client({url!r}, "
-                f"cluster_name={self.cluster_name!r}); to start another, give a new name"
+                f"it, or one killed less than scheduler.lease-ttl ago did): to use it, "
+                f"connect with Client({url!r}, cluster_name={self.cluster_name!r}); to "
+                f"start another, give a new name"
             )
 
     def _spawn(self, args: list[str], label: str) -> subprocess.Popen[bytes]:

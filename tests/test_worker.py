@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from redisdask.schema import Keys, Scripts, ensure_cluster, entry, pack, unpack
-from redisdask.workers.worker import _inbox_events, script_entries
+from redisdask.workers.worker import _inbox_events, early_news, script_entries
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -71,20 +71,39 @@ def test_a_pushed_tasks_early_news_goes_to_its_registered_clients_for_its_run_on
     r.hset(keys.clients, "c1", pack({"id": "c1"}))  # c2 closed: not registered
     r.hset(keys.task("x"), mapping={"state": "processing", "worker": me, "score": "5",
                                     "notify": pack({"c1": 3, "c2": 4})})  # fmt: skip
-    news = {"op": "key-in-memory", "key": "x", "who_has": [me, "redis"], "nbytes": 28,
-            "type": "int", "value": b"v"}  # fmt: skip
-    pairs = b"".join(pack(k) + pack(v) for k, v in news.items())
     scripts = Scripts(r, keys)
 
     def finish(score: float) -> None:
+        report = {"op": "task-finished", "key": "x", "score": score, "nbytes": 28,
+                  "type": "int", "value": b"v"}  # fmt: skip
+        early = early_news([report], {"x"}, me)
         scripts.finish(worker=me, ttl_ms=3000, reports=[pack({"op": "x"})], finished=[],
-                       chain=0, last_inbox_id="0-0", early=[("x", score, pairs)])  # fmt: skip
+                       chain=0, last_inbox_id="0-0", early=early)  # fmt: skip
 
     finish(4.0)  # a report of an earlier run of x: nobody is told
     assert not r.exists(keys.client_events("c1"))
     finish(5.0)
     [(_, fields)] = r.xrange(keys.client_events("c1"))
-    assert unpack(fields[b"m"]) == [{**news, "seen": 3}]
+    [news] = unpack(fields[b"m"])
+    assert news == {"op": "key-in-memory", "key": "x", "who_has": [me, "redis"], "nbytes": 28,
+                    "type": "int", "value": b"v", "seen": 3}  # fmt: skip
     assert not r.exists(keys.client_events("c2"))
     [*_, (_, last)] = r.xrange(keys.worker_stream)
     assert unpack(last[b"m"])[0] == {"op": "told", "worker": me, "keys": ["x"], "scores": [5]}
+
+
+def test_early_news_is_only_for_a_pushed_tasks_small_result_of_a_known_run() -> None:
+    """What a report batch makes of early news: a pushed task's small result, once (the
+    keys reported leave the pushed set); not a big result, a claimed task's, an error, or a
+    report that names no run (the scheduler tells those clients)."""
+
+    def done(key: str, **kw: object) -> dict[str, object]:
+        return {"op": "task-finished", "key": key, "score": 1.0, "value": b"v", **kw}
+
+    no_run = done("d")
+    del no_run["score"]
+    pushed = {"a", "b", "d"}
+    batch = [done("a"), done("b", value=None), done("c"), no_run,
+             {"op": "task-erred", "key": "e"}, done("a")]  # fmt: skip
+    assert [key for key, *_ in early_news(batch, pushed, "tcp://w:1")] == ["a"]
+    assert pushed == set()

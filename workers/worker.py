@@ -878,7 +878,7 @@ class Worker:
 
     def _note_pushed(self, item: _Pushed) -> None:
         """A pushed task is a claimed one, as far as this worker's reports go; its report
-        carries its client's news (``_early_news``)."""
+        carries its client's news (``early_news``)."""
         key = item.event.key
         self._claimed_before[key] = self._holding_reports
         if len(self._pushed) > CHAINED_KEPT:  # (tasks pushed and never reported)
@@ -963,7 +963,7 @@ class Worker:
         ):
             room = len(self.state.claim_budget(self.claim_horizon, time.time()))
         holding_before, inbox_id = self._holding_reports, self._inbox_id
-        early = self._early_news(batch)
+        early = early_news(batch, self._pushed, self.address)
         tasks, inbox = await self.scripts.finish(
             worker=self.address,
             ttl_ms=int(self.worker_ttl * 1000),
@@ -985,29 +985,6 @@ class Worker:
             self._claimed_before[ev.key] = holding_before
         self.handle(*events)
         self._claimed_values.clear()
-
-    def _early_news(self, batch: list[dict[str, Any]]) -> list[tuple[str, float, bytes]]:
-        """The ``key-in-memory`` news of the pushed tasks whose small results the batch
-        reports, for ``FINISH`` to send their clients at once (docs/design.md, "Push"):
-        (key, score, the message's key/value pairs packed, ``seen`` left to FINISH)."""
-        early = []
-        for m in batch:
-            if m.get("op") != "task-finished" or m["key"] not in self._pushed:
-                continue
-            self._pushed.discard(m["key"])
-            if m.get("value") is None:
-                continue  # (a result too big for Redis: the scheduler tells its clients)
-            news = {
-                "op": KeyInMemory.op,
-                "key": m["key"],
-                "who_has": [self.address, schema.REDIS_COPY],
-                "nbytes": m.get("nbytes", 0),
-                "type": m.get("type", ""),
-                "value": m["value"],
-            }
-            pairs = b"".join(schema.pack(k) + schema.pack(v) for k, v in news.items())
-            early.append((m["key"], m["score"], pairs))
-        return early
 
     def _note_chains(self, claimed: list[Any]) -> None:
         """Remember which claimed tasks have dependents chained on them (their records'
@@ -1312,6 +1289,34 @@ class _Command:
     op: str
     stimulus_id: str
     reason: str = ""
+
+
+def early_news(
+    batch: list[dict[str, Any]], pushed: set[str], address: str
+) -> list[tuple[str, float, bytes]]:
+    """The ``key-in-memory`` news of the pushed tasks whose small results the batch of
+    reports carries, for ``FINISH`` to send their clients at once (docs/design.md,
+    "Push"): (key, score, the message's key/value pairs packed, ``seen`` left to
+    FINISH).  The reported keys leave ``pushed``."""
+    early = []
+    for m in batch:
+        if m.get("op") != "task-finished" or m["key"] not in pushed:
+            continue
+        pushed.discard(m["key"])
+        if m.get("value") is None or "score" not in m:
+            continue  # (a result too big for Redis, or a report of no known run:
+            # the scheduler tells its clients)
+        news = {
+            "op": KeyInMemory.op,
+            "key": m["key"],
+            "who_has": [address, schema.REDIS_COPY],
+            "nbytes": m.get("nbytes", 0),
+            "type": m.get("type", ""),
+            "value": m["value"],
+        }
+        pairs = b"".join(schema.pack(k) + schema.pack(v) for k, v in news.items())
+        early.append((m["key"], m["score"], pairs))
+    return early
 
 
 @dataclass(slots=True)
