@@ -821,10 +821,10 @@ return {out, last_id, redis.call('XRANGE', KEYS[7], '(' .. ARGV[5], '+'), blocke
 # ms, so they get through a full Redis), and the **chained claim** of the dependents its
 # finished tasks free (docs/design.md, "Chains"), in one atomic step.  KEYS: the worker's
 # alive key, the workers stream, the worker's processing set, its inbox, the durations
-# hash, the workers hash, the clients hash.  ARGV: the alive TTL (ms), the worker's address, the task key
-# prefix, the last inbox id the worker read, how many tasks it may claim (0: none), the
-# number of reports, the reports (each a msgpack map, concatenated: the body of a msgpack
-# array), how many links deeper it may claim (below), the claim horizon, the prefix of
+# hash, the workers hash, the clients hash.  ARGV: the alive TTL (ms), the worker's
+# address, the task key prefix, the last inbox id the worker read, how many tasks it may
+# claim (0: none), the number of reports, the reports (each a msgpack map, concatenated:
+# the body of a msgpack array), how many links deeper it may claim (below), the claim horizon, the prefix of
 # the clients' keys (``rd:{c}:client:``), the number E of early news, E triples (below),
 # then the keys of the tasks whose ``task-finished`` is among them.
 # **Early news** (docs/design.md, "Push"): each triple is a pushed task's key, the score
