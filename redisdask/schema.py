@@ -824,9 +824,10 @@ return {out, last_id, redis.call('XRANGE', KEYS[7], '(' .. ARGV[5], '+'), blocke
 # hash, the workers hash, the clients hash.  ARGV: the alive TTL (ms), the worker's
 # address, the task key prefix, the last inbox id the worker read, how many tasks it may
 # claim (0: none), the number of reports, the reports (each a msgpack map, concatenated:
-# the body of a msgpack array), how many links deeper it may claim (below), the claim horizon, the prefix of
-# the clients' keys (``rd:{c}:client:``), the number E of early news, E triples (below),
-# then the keys of the tasks whose ``task-finished`` is among them.
+# the body of a msgpack array), how many links deeper it may claim (below), the claim
+# horizon, the prefix of the clients' keys (``rd:{c}:client:``), the number E of early
+# news, E triples (below), then the keys of the tasks whose ``task-finished`` is among
+# them.
 # **Early news** (docs/design.md, "Push"): each triple is a pushed task's key, the score
 # of its run and the worker's ``key-in-memory`` message for it (a small result: the
 # concatenated key/value pairs of the msgpack map, 6 of them).  If its record says the
