@@ -1,4 +1,5 @@
-"""The worker's memory manager on its own (no worker), and the nanny <-> worker contract."""
+"""The worker's memory manager on its own (no worker), the nanny <-> worker contract, and
+whether a worker process gives back the memory of the results it no longer holds."""
 
 from __future__ import annotations
 
@@ -6,18 +7,23 @@ import ast
 import asyncio
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import pytest
+from polling import poll
 
-from redisdask import nanny_contract
+from redisdask import Client, LocalCluster, nanny_contract, wait
 from redisdask.workers import memory as memory_module
 from redisdask.workers.memory import WorkerMemoryManager
 from redisdask.workers.spill import SpillBuffer
 
 pytestmark = pytest.mark.timeout(60)
+
+MB, MiB = 1_000_000, 2**20
 
 
 class _Calls:
@@ -48,6 +54,12 @@ def _manager(
 
 def _rss() -> int:
     return psutil.Process().memory_info().rss
+
+
+def array(i: int, nbytes: int) -> np.ndarray:
+    """A result of ``nbytes``, made in 10 ms."""
+    threading.Event().wait(0.01)
+    return np.full(nbytes // 8, i, dtype="f8")
 
 
 def test_no_limit_is_a_plain_dict_without_monitor(tmp_path: Path) -> None:
@@ -205,3 +217,34 @@ def test_values_are_sized_as_dask_sizes_them_once_dask_is_loaded() -> None:
 
     groups = Groups({0: b"x" * 100_000, 1: b"y" * 100_000})
     assert 200_000 <= sizes._fallback(groups) < 210_000
+
+
+def test_a_worker_process_gives_back_the_memory_of_its_released_results(
+    redis_url: str, cluster_name: str
+) -> None:
+    """Results made and released in rounds, one of each kept: the worker process holds
+    what it keeps, not what glibc kept of what it released (``keep_large_blocks_apart``).
+    Before, it held three times as much, and a worker past its pause mark after spilling
+    stayed paused for good."""
+    with (
+        LocalCluster(
+            nanny=False,
+            n_workers=1,
+            threads_per_worker=2,
+            redis_url=redis_url,
+            cluster_name=cluster_name,
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        process = psutil.Process(cluster.worker_processes[0].pid)
+        assert client.gather(client.map(str, range(10)))  # imports done, pools started
+        base = process.memory_info().rss
+        kept = []
+        for round in range(4):
+            futures = client.map(array, range(8 * round, 8 * round + 8), nbytes=8 * MB)
+            wait(futures)
+            kept.append(futures[3])
+            del futures
+        held = len(kept) * 8 * MB
+        poll(lambda: process.memory_info().rss - base < held + 20 * MiB, timeout=20)
+        assert [f.result()[0] for f in kept] == [3, 11, 19, 27]

@@ -22,9 +22,11 @@ Not to be confused with ``redisdask.memory``, which parses sizes and limits (``"
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import logging
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -43,6 +45,27 @@ logger = logging.getLogger("redisdask.worker")
 Fraction = float | Literal[False]
 
 SPILL_FAILED_REPEAT = 30.0  # seconds between the reminders of a paused worker that cannot spill
+M_TRIM_THRESHOLD = -1  # mallopt's parameter number (glibc's malloc.h)
+
+
+def keep_large_blocks_apart() -> bool:
+    """Make this process's freed results go back to the system, as Dask's nanny does by
+    starting its workers with ``MALLOC_TRIM_THRESHOLD_=65536``; whether it could.
+
+    glibc's malloc raises its mmap threshold the first time a large block (a result of a
+    few MB) is freed, and from then on makes such blocks on its heaps, where freeing them
+    does not give the memory back: a worker that spilled or released its results kept
+    their memory, and one past its pause mark stayed paused for good.  Setting the trim
+    threshold (``mallopt``) turns that off.  A ``MALLOC_TRIM_THRESHOLD_`` in the
+    environment is the user's choice, and stands; other C libraries are left alone.
+    """
+    if "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (macOS)
+        return False
+    return bool(mallopt(M_TRIM_THRESHOLD, 65536))
 
 
 class WorkerMemoryManager:

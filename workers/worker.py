@@ -82,7 +82,7 @@ from redisdask.workers import calls
 from redisdask.workers import state as ws
 from redisdask.workers.coroutines import run_coroutine
 from redisdask.workers.failures import MAX_ERROR_LENGTH, failure_event
-from redisdask.workers.memory import WorkerMemoryManager
+from redisdask.workers.memory import WorkerMemoryManager, keep_large_blocks_apart
 from redisdask.workers.plugins import PluginHost
 from redisdask.workers.sizeof import sizeof
 from redisdask.workers.spill import SpillBuffer
@@ -1460,6 +1460,7 @@ async def _settle_heap() -> None:
 def main(redis_url: str, cluster: str, **kwargs: Any) -> None:
     """Run one worker in this process until SIGTERM/SIGINT, then leave gracefully."""
     faulthandler.enable()  # a crash in compiled code prints every thread's Python stack
+    keep_large_blocks_apart()
 
     async def run() -> None:
         # this process is the worker's own: dask's scheduler here is the cluster inside a
