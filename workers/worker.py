@@ -25,6 +25,7 @@ What it does, and the Redis or TCP call behind each:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import inspect
 import itertools
@@ -37,7 +38,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -621,18 +622,24 @@ class Worker:
     def _execute(self, key: str) -> None:
         ts = self.state.tasks[key]
         deps = {d.key: self.state.data[d.key] for d in ts.dependencies}
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self.executor, self._run, key, ts.run_spec, deps)
-        future.add_done_callback(self._ran)
+        run = self.executor.submit(self._run, key, ts.run_spec, deps)
+        run.add_done_callback(self._hand_back)
 
-    def _ran(self, future: asyncio.Future[ws.StateMachineEvent]) -> None:
+    def _hand_back(self, run: Future[ws.StateMachineEvent]) -> None:
+        """In the pool thread, as a run ends: its end goes to the event loop, in the
+        loop's next turn (``run_in_executor`` took two: the asyncio future's, then its
+        callback's, a tenth of a round trip)."""
+        with contextlib.suppress(RuntimeError):  # (a closed loop: the worker is gone)
+            self._loop.call_soon_threadsafe(self._ran, run)
+
+    def _ran(self, run: Future[ws.StateMachineEvent]) -> None:
         """A run's end, on the event loop.  A run that failed once this worker began to
         close is not reported: its goodbye hands the task back (it runs elsewhere, as
         distributed's ``Reschedule``), for the error may be the closing's own doing (its
         client closed, ``get_client()`` refused) and must never become the result."""
-        if future.cancelled():
+        if run.cancelled():
             return
-        event = future.result()
+        event = run.result()
         self._run_began.pop(event.key, None)
         self._run_ended.discard(event.key)
         if isinstance(event, ws.ExecuteFailureEvent) and self.status != "running":
