@@ -829,8 +829,9 @@ return {out, last_id, redis.call('XRANGE', KEYS[7], '(' .. ARGV[5], '+'), blocke
 # news, E triples (below), then the keys of the tasks whose ``task-finished`` is among
 # them.
 # **Early news** (docs/design.md, "Push"): each triple is a pushed task's key, the score
-# of its run and the worker's ``key-in-memory`` message for it (a small result: the
-# concatenated key/value pairs of the msgpack map, 6 of them).  If its record says the
+# of its run and the worker's ``key-in-memory`` message for it (a small result), packed
+# as the client's entry is, a list of that one message, but for the message's last
+# key/value pair, ``seen``, which is appended here.  If its record says the
 # task is still processing on this worker, for that run, and names in ``notify`` the
 # clients that wanted it when it was pushed (msgpack {client: generation}), each of
 # those clients still registered (KEYS[7]: a client gone since has its events stream
@@ -943,7 +944,7 @@ for j = 0, early - 1 do
       if type(client) == 'string' and type(seen) == 'number'
          and redis.call('HEXISTS', KEYS[7], client) == 1 then
         redis.call('XADD', ARGV[10] .. client .. ':events', '*', 'm',
-                   '\\145\\135' .. news .. cmsgpack.pack('seen') .. cmsgpack.pack(seen))
+                   news .. cmsgpack.pack('seen') .. cmsgpack.pack(seen))
       end
     end
     told[#told + 1] = key

@@ -122,16 +122,16 @@ def plan_steals(
     thieves: list[str] = []
     for address, ws in workers.items():
         n = nthreads(ws)
-        load[address] = (
-            load.get(address, 0.0) + sum(_cost(ts, estimate) for ts in ws.processing) / n
-        )
         extra = len(ws.processing) - n - asked_from.get(address, 0)
         if extra > 0:
             surplus[address] = extra
         elif len(ws.processing) < n and not (ws.retiring or ws.retire_heard or ws.told_to_close):
             thieves.append(address)
     if not surplus or not thieves:
-        return []
+        return []  # (before the loads: every claim of a busy cluster would be summed)
+    for address, ws in workers.items():
+        total = sum(_cost(ts, estimate) for ts in ws.processing)
+        load[address] = load.get(address, 0.0) + total / nthreads(ws)
     thieves = [t for t in thieves if not has_queued_for(t)]
     plans: dict[tuple[str, str], list[TaskState]] = {}
     for victim in sorted(surplus, key=lambda a: (-load[a], a)):

@@ -577,12 +577,13 @@ class WorkerState:
         alone (paused, retiring, every thread busy for an unknown time), or no need: a
         task is held for each thread already, so none goes idle when its run ends (the
         end wakes the claim loop, which claims then)."""
-        if self.paused or self.retiring:
+        if self.paused or self.retiring or self._held_count() >= self.nthreads:
             return None
-        running, held = self._loads(horizon, now)
-        if len(held) >= self.nthreads:
-            return None
-        return claim_delay(self.nthreads, running, held, horizon)
+        return claim_delay(self.nthreads, *self._loads(horizon, now), horizon)
+
+    def _held_count(self) -> int:
+        """How many tasks ``_loads`` counts as held (without sizing each)."""
+        return len(self.by_state["waiting"]) + len(self.by_state["ready"]) + len(self.rejoining)
 
     def _loads(self, horizon: float, now: float | None) -> tuple[list[float], list[float | None]]:
         """The expected remaining time of each run, and the estimate of each task held

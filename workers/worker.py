@@ -1303,8 +1303,8 @@ def early_news(
 ) -> list[tuple[str, float, bytes]]:
     """The ``key-in-memory`` news of the pushed tasks whose small results the batch of
     reports carries, for ``FINISH`` to send their clients at once (docs/design.md,
-    "Push"): (key, score, the message's key/value pairs packed, ``seen`` left to
-    FINISH).  The reported keys leave ``pushed``."""
+    "Push"): (key, score, the message packed as a one-message list, but for its last
+    pair, ``seen``, which FINISH appends).  The reported keys leave ``pushed``."""
     early = []
     for m in batch:
         if m.get("op") != "task-finished" or m["key"] not in pushed:
@@ -1321,8 +1321,9 @@ def early_news(
             "type": m.get("type", ""),
             "value": m["value"],
         }
+        opening = bytes([0x91, 0x80 + len(news) + 1])  # [{...news, seen}]: fixarray, fixmap
         pairs = b"".join(schema.pack(k) + schema.pack(v) for k, v in news.items())
-        early.append((m["key"], m["score"], pairs))
+        early.append((m["key"], m["score"], opening + pairs))
     return early
 
 
