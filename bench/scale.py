@@ -130,7 +130,7 @@ def run_redisdask(out: Results, n: int, args: argparse.Namespace, label: str) ->
     import redis
 
     from redisdask import Client, LocalCluster, wait
-    from redisdask.scheduler_redis import load_state
+    from redisdask.scheduler.translator import load_state
 
     with (
         _run(out, label),

@@ -58,7 +58,7 @@ PARTS: list[tuple[str, tuple[str, ...]]] = [
     ("waiting for a write's reply", ("read_response", "read_from_socket", "_read_from_socket")),
     ("sending commands", ("send_packed_command", "sendall")),
     ("state machine", ("handle_stimulus",)),
-    ("translating instructions", ("to_commands", "story (redisdask/scheduler_redis")),
+    ("translating instructions", ("to_commands", "story (redisdask/scheduler/translator")),
     ("encoding the script's arguments", ("pack_for_lua",)),
     ("decoding entries", ("decode_reply",)),
     ("looking for the dead", ("look_for_the_dead", "look_at_redis_memory")),
@@ -114,7 +114,10 @@ def split_profile(path: Path) -> tuple[dict[str, float], dict[str, float]]:
         stack, _, n = line.rpartition(" ")
         if not stack or "lease.py" in stack or "_keep" in stack:
             continue  # the lease keeper's thread
-        if "_lead (redisdask/scheduler.py" not in stack and "run (redisdask/sch" not in stack:
+        if (
+            "_lead (redisdask/scheduler/driver.py" not in stack
+            and "run (redisdask/sch" not in stack
+        ):
             continue
         frames = stack.split(";")
         label = "other"

@@ -561,7 +561,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "scheduler":
             logs.setup(config.logging.level, "scheduler", log_format=config.logging.format)
-            from redisdask.scheduler import main as scheduler_main
+            from redisdask.scheduler.driver import main as scheduler_main
 
             scheduler_main(
                 args.redis_url,

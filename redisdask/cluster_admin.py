@@ -20,7 +20,7 @@ from redisdask.connection import redact
 from redisdask.futures import _FutureState, _seconds, futures_of
 from redisdask.loop import offloaded
 from redisdask.protocol import Rebalance, Replicate, Restart, RetireWorkers
-from redisdask.scheduler_moves import RebalanceRecord
+from redisdask.scheduler.moves import RebalanceRecord
 from redisdask.task_stream import read_task_stream, when
 from redisdask.versions import VersionMismatchError, mismatches, process_versions, table
 
@@ -130,7 +130,7 @@ class ClusterAdmin:
         distributed's ``rebalance``): workers above the mean give their oldest results
         to workers below it, within ``worker.memory.rebalance``'s limits (as in Dask, by
         default nothing moves while every worker holds under 30% of its memory limit;
-        see ``redisdask.scheduler_moves``).  A worker is weighed by the sizes of the
+        see ``redisdask.scheduler.moves``).  A worker is weighed by the sizes of the
         results it holds (Dask's *managed* memory).
 
         ``futures``: move only their keys (waited for first; None: any result);

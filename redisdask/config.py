@@ -257,8 +257,8 @@ class SchedulerConfig(Section):
     # lease on a loaded machine
     batch_size: Annotated[int, Field(gt=0)] = 100
     client_ttl: Seconds = 30.0
-    # move claimed tasks not started from busy workers to idle ones (redisdask/stealing.py;
-    # Dask's distributed.scheduler.work-stealing)
+    # move claimed tasks not started from busy workers to idle ones
+    # (redisdask/scheduler/stealing.py; Dask's distributed.scheduler.work-stealing)
     work_stealing: bool = True
     locks: LocksConfig = Field(default_factory=LocksConfig)
 

@@ -189,7 +189,7 @@ class Message:
 
 @dataclass(slots=True)
 class Event(Message):
-    """A message into the scheduler: a stimulus of its state machine (``scheduler_state``).
+    """A message into the scheduler: a stimulus of its state machine (``scheduler.state``).
     ``stimulus_id`` identifies it in the stories; it is not part of the wire message."""
 
     stimulus_id: str = field(default="", kw_only=True)
@@ -536,7 +536,7 @@ class ReleasedKeys(Event):
 class StolenKeys(Event):
     """The victim's answer to a ``steal-request``: it gave back its claims of ``keys``
     (not started here: they will not run here), to be queued for ``thief``
-    (``redisdask.stealing``); ``scores`` say which run of each key; ``refused``: the keys
+    (``redisdask.scheduler.stealing``); ``scores`` say which run of each key; ``refused``: the keys
     asked for that it keeps (started, or no longer here)."""
 
     op: ClassVar[str] = "stolen-keys"
@@ -613,7 +613,7 @@ class CloseWorker(InboxMessage):
 @dataclass(slots=True)
 class StealRequest(InboxMessage):
     """Give back, for ``thief``, the claims of ``keys`` that have not started here
-    (answered with ``stolen-keys``; see ``redisdask.stealing``)."""
+    (answered with ``stolen-keys``; see ``redisdask.scheduler.stealing``)."""
 
     op: ClassVar[str] = "steal-request"
     keys: list[str]

@@ -283,7 +283,7 @@ class Keys:
         return self.prefix + "rebalances"
 
     def rebalance(self, request: str) -> str:
-        """A rebalance's plan and progress (``scheduler_moves``)."""
+        """A rebalance's plan and progress (``scheduler.moves``)."""
         return f"{self.prefix}rebalance:{request}"
 
     # the coordination primitives (redisdask/coordination): see CoordinationScripts
@@ -406,7 +406,7 @@ def worker_info(record: str, raw: bytes) -> dict[str, Any]:
 
 def worker_info_or_empty(raw: bytes | None) -> dict[str, Any]:
     """A workers entry for a reader that shows what it can: ``{}`` when it is malformed
-    (the scheduler, which acts on it, logs and repairs it: ``redisdask/quarantine.py``)."""
+    (the scheduler, which acts on it, logs and repairs it: ``scheduler/quarantine.py``)."""
     from redisdask.errors import RecordError
 
     try:
@@ -555,7 +555,7 @@ return token
 # (the rest is read when fetched).  The inbox entries were written before anything claimed
 # here was queued (e.g. free-keys of an earlier run of a key that is queued again); the
 # worker applies them first, so the inbox and the ready sets cannot overtake each other.
-# KEYS[10], the ``placed`` set, holds the tasks placed by data (``redisdask.decide``) on
+# KEYS[10], the ``placed`` set, holds the tasks placed by data (``redisdask.scheduler.decide``) on
 # one worker (the first word of ``queued_on``), which is in that worker's ready set too.
 # A worker with room left after its own sets and the shared one takes from it the tasks
 # whose worker is busy (as many tasks in its processing set as it has threads) unless
@@ -1097,7 +1097,7 @@ class Scripts:
         self, *, token: str | None, commands: list[list[Any]], ttl_ms: int
     ) -> list[Any]:
         """The ``EVALSHA`` of ``apply_fenced`` (one part) as a command to send by hand, for
-        a write sent without waiting for its reply (``redisdask/scheduler_pipe.py``).  It
+        a write sent without waiting for its reply (``redisdask/scheduler/pipe.py``).  It
         fails ``NOSCRIPT`` where Redis lost the script: the caller sends it again through
         ``apply_fenced``, which loads it."""
         keys = [self.keys.lease, self.keys.lease_token, self.keys.applying, self.keys.leader]

@@ -1,6 +1,6 @@
 """The idiom both task state machines share, after Dask's ``worker_state_machine.py``.
 
-``redisdask.scheduler_state.SchedulerState`` and ``redisdask.workers.state.WorkerState``
+``redisdask.scheduler.state.SchedulerState`` and ``redisdask.workers.state.WorkerState``
 are written the same way (neither imports the other; both import this module):
 
 * **Handlers chosen by event type.**  A class-level ``_HANDLERS`` dict maps each event

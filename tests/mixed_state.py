@@ -25,8 +25,8 @@ from redisdask.protocol import (
     TaskFinished,
     UpdateGraph,
 )
-from redisdask.scheduler_redis import Translator, decode_entry
-from redisdask.scheduler_state import SchedulerState
+from redisdask.scheduler.state import SchedulerState
+from redisdask.scheduler.translator import Translator, decode_entry
 from redisdask.schema import Keys, Scripts, ensure_cluster, pack
 
 GPU_WORKER = "tcp://10.0.0.1:1"

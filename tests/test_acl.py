@@ -32,7 +32,7 @@ from redisdask.acl import (
     setuser,
     setuser_args,
 )
-from redisdask.scheduler import Scheduler
+from redisdask.scheduler.driver import Scheduler
 from redisdask.schema import Keys, Scripts
 
 pytestmark = pytest.mark.timeout(180)

@@ -1,4 +1,4 @@
-"""Chains on a real cluster (redisdask/scheduler_chain.py, the FINISH script): each link
+"""Chains on a real cluster (redisdask/scheduler/chain.py, the FINISH script): each link
 of ``x = submit(f, x)`` is claimed by the worker that finished the link before, in the
 step that reports it, and still runs exactly once, through a scheduler ``kill -9`` too."""
 

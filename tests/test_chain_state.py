@@ -1,4 +1,4 @@
-"""Chains in the scheduler's pure state machine (redisdask/scheduler_chain.py): which
+"""Chains in the scheduler's pure state machine (redisdask/scheduler/chain.py): which
 dependents a task's ``chain`` names, and when a chained claim (``FINISH``'s) stands.  No
 Redis, no processes: events in, instructions out."""
 
@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from redisdask.scheduler_chain import CHAIN_MAX
-from redisdask.scheduler_instructions import (
+from redisdask.scheduler.chain import CHAIN_MAX
+from redisdask.scheduler.instructions import (
     Enqueue,
     MarkChain,
     SetState,
     Unclaim,
 )
-from redisdask.scheduler_state import RemoveWorker, TaskClaimed, TaskFinished
+from redisdask.scheduler.state import RemoveWorker, TaskClaimed, TaskFinished
 from tests.test_scheduler_state import W1, W2, freed, make, of, submit, task
 
 pytestmark = pytest.mark.timeout(10)
@@ -109,7 +109,7 @@ def test_a_chained_claim_from_a_removed_worker_is_taken_back_and_the_task_queued
 
 
 def test_a_chained_claim_of_a_released_task_is_taken_back():
-    from redisdask.scheduler_state import CancelKeys
+    from redisdask.scheduler.state import CancelKeys
 
     s = make(W1)
     submit(s, "c", [task("x"), task("y", ["x"])], ["x", "y"])
@@ -168,7 +168,7 @@ def test_a_link_chained_on_a_link_claimed_in_the_same_step_stands():
 
 
 def test_the_links_chained_on_a_task_that_errs_err_and_are_taken_back():
-    from redisdask.scheduler_state import TaskErred
+    from redisdask.scheduler.state import TaskErred
 
     s = make(W1, W2)
     chain_of_three(s)
@@ -180,7 +180,7 @@ def test_the_links_chained_on_a_task_that_errs_err_and_are_taken_back():
 
 
 def test_the_links_chained_on_a_task_queued_again_wait_again():
-    from redisdask.scheduler_state import TaskErred
+    from redisdask.scheduler.state import TaskErred
 
     s = make(W1, W2)
     submit(s, "c", [task("x"), task("y", ["x"], retries=1), task("z", ["y"])], ["z"])

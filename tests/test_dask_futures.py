@@ -35,7 +35,7 @@ from redisdask import (
     wait,
 )
 from redisdask.inspect import read_task
-from redisdask.scheduler_tasks import PRIORITY_SCALE
+from redisdask.scheduler.tasks import PRIORITY_SCALE
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""Placement by data in the scheduler's pure state machine (redisdask/decide.py): where a
+"""Placement by data in the scheduler's pure state machine (redisdask/scheduler/decide.py): where a
 ready task is queued first.  No Redis, no processes: events in, instructions out."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from redisdask.decide import decide_worker, sticky
-from redisdask.scheduler_instructions import Dequeue, Enqueue, Instruction
-from redisdask.scheduler_state import (
+from redisdask.scheduler.decide import decide_worker, sticky
+from redisdask.scheduler.instructions import Dequeue, Enqueue, Instruction
+from redisdask.scheduler.state import (
     MissingData,
     RemoveWorker,
     RetireWorkers,

@@ -25,9 +25,9 @@ from redisdask.durations import (
     stuck_in,
 )
 from redisdask.protocol import AddWorker, ReleasedKeys, TaskClaimed, TaskFinished, UpdateGraph
-from redisdask.scheduler_redis import Translator, load_state
-from redisdask.scheduler_state import SchedulerState
-from redisdask.scheduler_tasks import key_prefix
+from redisdask.scheduler.state import SchedulerState
+from redisdask.scheduler.tasks import key_prefix
+from redisdask.scheduler.translator import Translator, load_state
 from redisdask.schema import CLAIM_FULL, Keys, Scripts, ensure_cluster, pack
 
 pytestmark = pytest.mark.timeout(60)

@@ -23,7 +23,7 @@ from sentinel_set import SentinelSet
 from redisdask import Client, LocalCluster
 from redisdask.connection import connect
 from redisdask.embedded import HOST, EmbeddedRedis
-from redisdask.scheduler import Scheduler
+from redisdask.scheduler.driver import Scheduler
 from redisdask.schema import ensure_cluster
 
 pytestmark = pytest.mark.timeout(60)

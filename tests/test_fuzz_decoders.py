@@ -1,5 +1,5 @@
 """Fuzzing every decoder of what a stranger can write (hypothesis, 10,000 cases each):
-stream entries and messages (``protocol``, ``scheduler_redis.decode_entry``), task
+stream entries and messages (``protocol``, ``scheduler.translator.decode_entry``), task
 records (``task_record``), workers entries and msgpack (``schema``), and the frames of a
 peer connection (``comm.MessageReader``).
 
@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from redisdask import comm, schema
 from redisdask.errors import ProtocolError, RecordError
 from redisdask.protocol import CHANNELS, SCHEDULER_EVENTS, parse
-from redisdask.scheduler_redis import decode_entry, rejected_graphs
+from redisdask.scheduler.translator import decode_entry, rejected_graphs
 from redisdask.task_record import FIELDS, TaskRecord
 
 pytestmark = pytest.mark.timeout(300)

@@ -23,8 +23,8 @@ from tasklib import wait_for_file
 
 from redisdask import Client, LocalCluster
 from redisdask.errors import SchedulerRejectedError
-from redisdask.quarantine import Quarantined
-from redisdask.scheduler_redis import load_state
+from redisdask.scheduler.quarantine import Quarantined
+from redisdask.scheduler.translator import load_state
 from redisdask.schema import Keys, unpack
 from redisdask.snapshot import read_snapshot
 

@@ -220,7 +220,7 @@ def test_a_dependent_of_a_holder_cut_off_from_its_worker_finishes(
             took = time.monotonic() - cut_at
             print(f"\ny finished {took:.2f} s after the cut (deadline {DEAD_AFTER} s)")
             assert took < DEAD_AFTER + MARGIN, took
-            # recomputed where it was missed (redisdask/decide.py): a, alive and idle,
+            # recomputed where it was missed (redisdask/scheduler/decide.py): a, alive and idle,
             # might have taken it again, and b's next fetch from a failed again
             assert client.who_has()[x.key] == [other]
             assert n_workers(client) == 2  # both still there: nothing died, a link did

@@ -1,4 +1,4 @@
-"""Push (redisdask/push.py) in the scheduler's pure state machine: which root tasks of a
+"""Push (redisdask/scheduler/push.py) in the scheduler's pure state machine: which root tasks of a
 submission go straight to a worker's free thread, and which are queued for the claims.
 No Redis, no processes: microseconds each."""
 
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from redisdask.protocol import ClientDesiresKeys, ClientsTold, ComputeTask, Holding
-from redisdask.scheduler_instructions import ClientMsg, Enqueue, Instruction, Push
-from redisdask.scheduler_state import (
+from redisdask.scheduler.instructions import ClientMsg, Enqueue, Instruction, Push
+from redisdask.scheduler.state import (
     AddWorker,
     ReleasedKeys,
     RemoveWorker,
@@ -92,7 +92,7 @@ def test_only_root_tasks_that_run_anywhere_are_pushed():
     out = submit(
         s,
         task("root"),
-        task("dep", deps=["root"]),  # placed by data once root is done (decide.py)
+        task("dep", deps=["root"]),  # placed by data once root is done (scheduler/decide.py)
         task("restricted", workers=[A]),
         task("resourced", resources={"GPU": 1}),
     )

@@ -1,4 +1,4 @@
-"""Push for real (redisdask/push.py): a root task submitted while a worker has a free
+"""Push for real (redisdask/scheduler/push.py): a root task submitted while a worker has a free
 thread goes to that worker in the scheduler's batch, with no ready-signal and no claim;
 and a pushed task whose worker is killed before it starts runs elsewhere, once.  Worker
 and scheduler processes, Redis, SIGSTOP and kill -9; every run is counted in a Redis

@@ -22,7 +22,7 @@ from polling import poll
 from test_scheduler_roundtrip import carried, differences
 
 from redisdask import Client, LocalCluster, wait
-from redisdask.scheduler_redis import LOAD_PAGE, load_state
+from redisdask.scheduler.translator import LOAD_PAGE, load_state
 from redisdask.schema import REDIS_COPY, Keys
 
 pytestmark = pytest.mark.timeout(180)

@@ -17,9 +17,9 @@ from redisdask import Client, LocalCluster
 from redisdask.errors import FencedError
 from redisdask.lease import token_number
 from redisdask.protocol import FreeKeys, KeysRecorded
-from redisdask.scheduler import Scheduler, decode_reply
-from redisdask.scheduler_instructions import Forget, StoreTask, WorkerMsg
-from redisdask.scheduler_redis import Translator, load_state, rejected_graphs
+from redisdask.scheduler.driver import Scheduler, decode_reply
+from redisdask.scheduler.instructions import Forget, StoreTask, WorkerMsg
+from redisdask.scheduler.translator import Translator, load_state, rejected_graphs
 from redisdask.schema import (
     CLAIM_PASSED,
     SCHEDULER_GROUP,
@@ -259,7 +259,7 @@ def test_an_entry_that_crashes_the_state_machine_is_dead_lettered(
 ) -> None:
     """Fault injection in our own state machine (a stand-in for a bug): the batch is
     retried entry by entry, the bad entry dead-lettered, the good ones applied."""
-    from redisdask.scheduler_state import SchedulerState, UpdateGraph
+    from redisdask.scheduler.state import SchedulerState, UpdateGraph
 
     original = SchedulerState._handle_update_graph
 
@@ -474,7 +474,7 @@ def _blocked(name: str) -> None:
 def test_a_dependent_runs_where_its_large_data_is_unless_that_worker_is_busy(
     client: Client, redis_url: str, cluster_name: str
 ) -> None:
-    """Placement by data (redisdask/decide.py) on real processes: a 20 MB array scattered
+    """Placement by data (redisdask/scheduler/decide.py) on real processes: a 20 MB array scattered
     to A draws its dependents to A; while A's one thread is taken, idle B takes them
     (after ``PLACED_PATIENCE_MS``: the task is sticky, its cost unknown yet)."""
     import numpy as np

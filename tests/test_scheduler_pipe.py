@@ -1,4 +1,4 @@
-"""The scheduler's write in flight and the read behind it (redisdask/scheduler_pipe.py):
+"""The scheduler's write in flight and the read behind it (redisdask/scheduler/pipe.py):
 the crash windows it opens keep "every entry is acknowledged by the write that applies
 it", and no batch computed on a write that did not land is ever written (real Redis; the
 driver's own steps, in the order its lead loop takes them)."""
@@ -10,7 +10,7 @@ import redis
 from polling import poll
 
 from redisdask.errors import FencedError
-from redisdask.scheduler import Scheduler
+from redisdask.scheduler.driver import Scheduler
 from redisdask.schema import SCHEDULER_GROUP, Keys, ensure_cluster, entry
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,5 +1,5 @@
 """Unit tests of rebalancing in the scheduler's pure state machine
-(``redisdask/scheduler_moves.py``, through ``SchedulerState``), in the style of
+(``redisdask/scheduler/moves.py``, through ``SchedulerState``), in the style of
 ``tests/test_scheduler_state.py``: no Redis, no processes, no clocks; events in,
 instructions out; every state validates its invariants after each ``handle_stimulus``.
 
@@ -31,17 +31,17 @@ from redisdask.protocol import (
     UpdateData,
     UpdateGraph,
 )
-from redisdask.scheduler_instructions import (
+from redisdask.scheduler.instructions import (
     Instruction,
     LogEvent,
     RecordRebalance,
     SetState,
     WorkerMsg,
 )
-from redisdask.scheduler_moves import RebalanceRecord, find_moves
-from redisdask.scheduler_redis import Translator
-from redisdask.scheduler_state import SchedulerState
-from redisdask.scheduler_tasks import TaskState, WorkerInfo
+from redisdask.scheduler.moves import RebalanceRecord, find_moves
+from redisdask.scheduler.state import SchedulerState
+from redisdask.scheduler.tasks import TaskState, WorkerInfo
+from redisdask.scheduler.translator import Translator
 from redisdask.schema import Keys
 
 pytestmark = pytest.mark.timeout(10)

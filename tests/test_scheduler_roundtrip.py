@@ -67,8 +67,8 @@ from redisdask.protocol import (
     UpdateData,
     UpdateGraph,
 )
-from redisdask.scheduler_redis import Translator, decode_entry, load_state
-from redisdask.scheduler_state import HOLDS_DEPENDENCIES, SchedulerState
+from redisdask.scheduler.state import HOLDS_DEPENDENCIES, SchedulerState
+from redisdask.scheduler.translator import Translator, decode_entry, load_state
 from redisdask.schema import Keys, Scripts, ensure_cluster, pack
 
 pytestmark = pytest.mark.timeout(240)
@@ -108,9 +108,9 @@ def carried(state: SchedulerState) -> dict[str, Any]:
             "restrict": ts.restrict,
             "loose": ts.loose,
             "resources": ts.resources,
-            # (restricted, resourced, or placed by data on one worker: redisdask.decide)
+            # (restricted, resourced, or placed by data on one worker: redisdask.scheduler.decide)
             "queued_on": ts.queued_on if ts.state == "queued" else None,
-            "chain": ts.chain,  # (redisdask/scheduler_chain.py)
+            "chain": ts.chain,  # (redisdask/scheduler/chain.py)
             "suspicious": ts.suspicious,
             "deaths": ts.deaths,
             "killed": ts.killed,
@@ -662,7 +662,7 @@ def test_a_claim_of_a_task_released_and_queued_again_meanwhile_is_recorded(run: 
     (It stays known meanwhile because an erred dependent of it is still wanted.)"""
     a = "tcp://10.0.0.1:1"
     for ws in run.state.workers.values():
-        ws.no_push = True  # queued for a claim, not pushed to a free thread (push.py)
+        ws.no_push = True  # queued for a claim, not pushed to a free thread (scheduler/push.py)
     graph(run, {"key": "x"}, {"key": "y", "deps": ["x", "nobody-made-it"]}, wanted=["x", "y"])
     assert run.state.tasks["y"].state == "erred"
     run.scripts.claim(worker=a, count=1, last_inbox_id="0-0")

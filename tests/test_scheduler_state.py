@@ -1,4 +1,4 @@
-"""Unit tests of the scheduler's pure state machine (redisdask/scheduler_state.py).
+"""Unit tests of the scheduler's pure state machine (redisdask/scheduler/state.py).
 
 No Redis, no processes, no clocks: events in, instructions out, microseconds each.
 Every ``SchedulerState`` here validates its invariants after each ``handle_stimulus``
@@ -16,7 +16,7 @@ import pytest
 
 from redisdask.errors import ProtocolError
 from redisdask.protocol import SCHEDULER_EVENTS
-from redisdask.scheduler_instructions import (
+from redisdask.scheduler.instructions import (
     ClaimAccepted,
     ClientMsg,
     Dequeue,
@@ -34,7 +34,7 @@ from redisdask.scheduler_instructions import (
     Unclaim,
     WorkerMsg,
 )
-from redisdask.scheduler_state import (
+from redisdask.scheduler.state import (
     AddKeys,
     AddWorker,
     CancelKeys,
@@ -60,7 +60,7 @@ from redisdask.scheduler_state import (
     UpdateGraph,
     priority_score,
 )
-from redisdask.scheduler_tasks import key_prefix
+from redisdask.scheduler.tasks import key_prefix
 from redisdask.state_machine import InvalidTransition, table_problems
 
 pytestmark = pytest.mark.timeout(10)
@@ -802,7 +802,7 @@ def forgot_client(instructions: list[Instruction]) -> list[str]:
 def told(instructions: list[Instruction]) -> set[str]:
     """The clients whose events streams the translated instructions write to (a holder's
     messages are dropped there: it is no process, nobody would read them)."""
-    from redisdask.scheduler_redis import Translator
+    from redisdask.scheduler.translator import Translator
     from redisdask.schema import Keys
 
     keys = Keys("c")
@@ -899,7 +899,7 @@ def test_a_restart_drops_the_holders_with_the_tasks():
 def test_holders_are_never_sent_events_and_are_restored_from_their_own_set():
     """The translation: a holder's wants go to its wants set and its id to ``holders``;
     messages to it are dropped (no events stream appears); its end removes it there."""
-    from redisdask.scheduler_redis import Translator
+    from redisdask.scheduler.translator import Translator
     from redisdask.schema import Keys
 
     keys = Keys("c")
@@ -2216,7 +2216,7 @@ def test_allow_other_workers_makes_a_restriction_a_preference():
 
 
 def test_no_worker_tasks_say_what_they_ask_for_and_what_the_workers_have():
-    from redisdask.scheduler_redis import no_worker_reasons
+    from redisdask.scheduler.translator import no_worker_reasons
 
     s = gpus(W1=1)
     tasks = [task(f"big-{i}", resources={"GPU": 2}) for i in range(3)]

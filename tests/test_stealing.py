@@ -1,4 +1,4 @@
-"""Work stealing in the scheduler's pure state machine (redisdask/stealing.py): which
+"""Work stealing in the scheduler's pure state machine (redisdask/scheduler/stealing.py): which
 claims an idle worker asks a busy one for, and how the victim's answer queues them for
 the thief.  No Redis, no processes, no clocks: microseconds each."""
 
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from redisdask.protocol import StealRequest, StolenKeys
-from redisdask.scheduler_instructions import Enqueue, Instruction, LogEvent, Unclaim, WorkerMsg
-from redisdask.scheduler_state import (
+from redisdask.scheduler.instructions import Enqueue, Instruction, LogEvent, Unclaim, WorkerMsg
+from redisdask.scheduler.state import (
     AddWorker,
     RemoveWorker,
     RetireWorkers,
@@ -19,7 +19,7 @@ from redisdask.scheduler_state import (
     TaskFinished,
     UpdateGraph,
 )
-from redisdask.stealing import STEAL_TIMEOUT, StealTick, plan_steals
+from redisdask.scheduler.stealing import STEAL_TIMEOUT, StealTick, plan_steals
 
 pytestmark = pytest.mark.timeout(10)
 

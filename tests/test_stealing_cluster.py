@@ -1,4 +1,4 @@
-"""Work stealing for real (redisdask/stealing.py): worker processes, a scheduler process,
+"""Work stealing for real (redisdask/scheduler/stealing.py): worker processes, a scheduler process,
 Redis, kill -9.  One worker claims a whole batch (its prefix's estimate, learnt from a
 warm-up of no-ops, says the batch takes no time, and its claim horizon is long), then a
 second worker joins with nothing to claim: it must get its share, and no task may run
@@ -27,7 +27,7 @@ from polling import poll
 
 from redisdask import Client, LocalCluster
 from redisdask.inspect import read_events, task_story
-from redisdask.scheduler import Scheduler, decode_reply
+from redisdask.scheduler.driver import Scheduler, decode_reply
 from redisdask.schema import SCHEDULER_GROUP, Keys, ensure_cluster, entry, pack, unpack
 
 pytestmark = pytest.mark.timeout(90)

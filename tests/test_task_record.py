@@ -8,8 +8,8 @@ import pytest
 import redis
 
 from redisdask import schema
-from redisdask.scheduler_instructions import SetState, StoreTask
-from redisdask.scheduler_redis import Translator
+from redisdask.scheduler.instructions import SetState, StoreTask
+from redisdask.scheduler.translator import Translator
 from redisdask.schema import Keys, pack
 from redisdask.task_record import FIELDS, TaskRecord, split_words
 
@@ -121,7 +121,7 @@ def test_releasing_an_erred_task_stores_an_empty_list_of_deaths() -> None:
     msgpack list), not a stored form (``b""``) that the codec packs again into a msgpack
     ``bin``; the codec refuses such a stored form for its packed fields."""
     from redisdask.protocol import ClientReleasesKeys, TaskClaimed, TaskErred, UpdateGraph
-    from redisdask.scheduler_state import AddWorker, SchedulerState
+    from redisdask.scheduler.state import AddWorker, SchedulerState
 
     w = "tcp://10.0.0.1:8000"
     s = SchedulerState(validate=True)

@@ -115,7 +115,7 @@ from redisdask.protocol import (
     TaskErred,
     TaskFinished,
 )
-from redisdask.scheduler_tasks import key_prefix
+from redisdask.scheduler.tasks import key_prefix
 from redisdask.schema import REDIS_COPY
 from redisdask.state_machine import InvalidTransition
 from redisdask.typenames import type_name
@@ -328,7 +328,7 @@ class RetireEvent(StateMachineEvent):
 @dataclass(slots=True)
 class StealRequestEvent(StateMachineEvent):
     """The scheduler asks for ``keys`` back, for ``thief`` (work stealing,
-    ``redisdask.stealing``): the claims of them that have not started here are given
+    ``redisdask.scheduler.stealing``): the claims of them that have not started here are given
     back (``StolenKeys``: they will not run here), the others refused."""
 
     keys: list[str]

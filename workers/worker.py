@@ -1329,7 +1329,7 @@ def early_news(
 
 @dataclass(slots=True)
 class _Pushed:
-    """A task the scheduler gave this worker (``compute-task``, ``redisdask.push``)."""
+    """A task the scheduler gave this worker (``compute-task``, ``redisdask.scheduler.push``)."""
 
     event: ws.ComputeTaskEvent
     chain: bool

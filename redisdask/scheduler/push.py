@@ -9,7 +9,7 @@ blocks on (Dask's scheduler assigns every task this way; Ray's driver hands task
 workers it leased).  Everything else is queued, for the claims to take, as before:
 
 * only a **root task** (no dependencies: its placement is by nothing but free threads;
-  a task with dependencies is placed by data, ``redisdask.decide``), that runs anywhere
+  a task with dependencies is placed by data, ``redisdask.scheduler.decide``), that runs anywhere
   (no ``workers=``, no ``resources=``), read from a **submission** (``update-graph``): a
   task queued again (its worker died, gave it back, was stolen from) goes to the ready set;
 * to a worker with **fewer claimed tasks than threads**, as far as the scheduler knows
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from redisdask.scheduler_tasks import TaskState, WorkerInfo
+from redisdask.scheduler.tasks import TaskState, WorkerInfo
 
 
 def pushable(ts: TaskState) -> bool:

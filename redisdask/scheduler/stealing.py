@@ -58,11 +58,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from redisdask.durations import Durations
 from redisdask.placement import Placement
 from redisdask.protocol import Event, StealRequest, StolenKeys
-from redisdask.scheduler_instructions import Enqueue, LogEvent, SetState, Unclaim, WorkerMsg
-from redisdask.scheduler_tasks import other_run
+from redisdask.scheduler.instructions import Enqueue, LogEvent, SetState, Unclaim, WorkerMsg
+from redisdask.scheduler.tasks import other_run
 
 if TYPE_CHECKING:
-    from redisdask.scheduler_tasks import TaskState, WorkerInfo
+    from redisdask.scheduler.tasks import TaskState, WorkerInfo
 
 STEAL_TIMEOUT = 2.0  # seconds a steal request may go unanswered before it is asked again
 BANDWIDTH = 100e6  # bytes/s assumed between workers (Dask's ``scheduler.bandwidth``)
@@ -231,7 +231,7 @@ class WorkStealing:
             return False
         if ts.waiting_on or any(d.state == "processing" and ts in d.waiting_on
                                 for d in ts.dependents):  # fmt: skip
-            return False  # a chain claimed together runs together (scheduler_chain.py)
+            return False  # a chain claimed together runs together (scheduler/chain.py)
         return transfer_seconds(ts, thief) <= COST_RATIO * self._estimate(ts)
 
     def _queued_for(self) -> Callable[[str], bool]:

@@ -13,7 +13,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from redisdask.scheduler_tasks import TaskState
+    from redisdask.scheduler.tasks import TaskState
 
 
 def find_cycles(roots: list[TaskState], within: set[TaskState]) -> list[list[TaskState]]:

@@ -48,10 +48,10 @@ from typing import TYPE_CHECKING, Any
 from redisdask import schema
 from redisdask.config import RebalanceConfig
 from redisdask.protocol import AcquireReplicas, Rebalance, Replicate
-from redisdask.scheduler_instructions import LogEvent, RecordRebalance, SetState, WorkerMsg
+from redisdask.scheduler.instructions import LogEvent, RecordRebalance, SetState, WorkerMsg
 
 if TYPE_CHECKING:
-    from redisdask.scheduler_tasks import TaskState, WorkerInfo
+    from redisdask.scheduler.tasks import TaskState, WorkerInfo
 
 MOVE_FIELD = "move:"  # a move in flight, in a rebalance's record: move:<key> -> [snd, rec]
 

@@ -47,8 +47,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from redisdask.scheduler_tasks import TaskState, WorkerInfo
-from redisdask.stealing import BANDWIDTH
+from redisdask.scheduler.stealing import BANDWIDTH
+from redisdask.scheduler.tasks import TaskState, WorkerInfo
 
 LATENCY = 0.1  # seconds a move costs besides its bytes (``distributed.stealing.LATENCY``)
 

@@ -32,7 +32,7 @@ import redis
 
 from redisdask import schema
 from redisdask.errors import RecordError
-from redisdask.scheduler_tasks import BadRecord
+from redisdask.scheduler.tasks import BadRecord
 from redisdask.schema import Keys
 
 logger = logging.getLogger("redisdask.scheduler")

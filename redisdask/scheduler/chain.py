@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from redisdask.scheduler_instructions import ClaimAccepted, MarkChain, SetState, Unclaim
-from redisdask.scheduler_tasks import TaskState, WorkerInfo, other_run, worker_stream_position
+from redisdask.scheduler.instructions import ClaimAccepted, MarkChain, SetState, Unclaim
+from redisdask.scheduler.tasks import TaskState, WorkerInfo, other_run, worker_stream_position
 
 # dependents named in one task's chain at most (a fan-out needs no more: the first ones
 # follow on its worker, the others are queued as usual when the scheduler reads the result)

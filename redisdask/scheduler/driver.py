@@ -7,7 +7,7 @@
         ->  one EVALSHA of APPLY_FENCED (checks our lease token, renews it; a big write
             goes as several, in one MULTI/EXEC), sent without waiting for its reply, with
             a non-blocking XREADGROUP behind it: the next batch is computed while Redis
-            writes this one (``scheduler_pipe.py``; docs/design.md, "Writes in flight")
+            writes this one (``scheduler/pipe.py``; docs/design.md, "Writes in flight")
 
 Delivery semantics: a batch's effects and its acknowledgement land in one atomic script,
 so a crash before the write leaves the batch pending for the next scheduler (it re-reads
@@ -18,7 +18,7 @@ the source of truth.
 
 This module keeps the loop, the dead-letter path and the watch for dead workers; the
 lease (its renewal, a standby's takeover) is ``lease.py``; what the instructions become
-in Redis, and how the state is read back, is ``scheduler_redis.py``.
+in Redis, and how the state is read back, is ``scheduler/translator.py``.
 """
 
 from __future__ import annotations
@@ -45,12 +45,18 @@ from redisdask.connection import connect, redact
 from redisdask.errors import EvictingRedisError, FencedError, ProtocolError
 from redisdask.heap import Heap
 from redisdask.lease import LOOK_INTERVAL, HolderWatch, Lease
-from redisdask.quarantine import Quarantined, dead_letter_command
-from redisdask.scheduler_pipe import WritePipe
-from redisdask.scheduler_redis import Summary, Translator, decode_entry, load_state, rejected_graphs
-from redisdask.scheduler_state import CloseClient, Event, RemoveWorker, Restart, SchedulerState
+from redisdask.scheduler.pipe import WritePipe
+from redisdask.scheduler.quarantine import Quarantined, dead_letter_command
+from redisdask.scheduler.state import CloseClient, Event, RemoveWorker, Restart, SchedulerState
+from redisdask.scheduler.stealing import StealTick
+from redisdask.scheduler.translator import (
+    Summary,
+    Translator,
+    decode_entry,
+    load_state,
+    rejected_graphs,
+)
 from redisdask.schema import Keys
-from redisdask.stealing import StealTick
 from redisdask.versions import host_info, versions
 
 logger = logging.getLogger("redisdask.scheduler")
@@ -95,7 +101,9 @@ class Scheduler:
         work_stealing: bool = True,
     ) -> None:
         self.keys = Keys(cluster)
-        self.work_stealing = work_stealing  # scheduler.work-stealing (redisdask/stealing.py)
+        self.work_stealing = (
+            work_stealing  # scheduler.work-stealing (redisdask/scheduler/stealing.py)
+        )
         self.wait_replicas = wait_replicas  # redis.wait-replicas (see wait_for_replicas)
         self.wait_timeout_ms = max(1, int(wait_timeout * 1000))
         self.unreplicated = 0  # writes whose WAIT timed out since the last warning
@@ -129,7 +137,7 @@ class Scheduler:
         self.translator = Translator(self.keys, self.retention)
         self.heap = Heap()  # keeps full collections off the tasks (see redisdask/heap.py)
         # a batch's write goes without waiting for its reply, a read of the next entries
-        # behind it, while the batch read ahead is computed (redisdask/scheduler_pipe.py)
+        # behind it, while the batch read ahead is computed (redisdask/scheduler/pipe.py)
         self.pipe = WritePipe(self.redis, self.keys, batch_size)
         self.in_flight: tuple[list[list[Any]], float] | None = None  # (commands, sent at)
         self.ahead: deque[list[Entry]] = deque()  # batches read, not yet computed
@@ -404,7 +412,7 @@ class Scheduler:
 
     def balance(self) -> None:
         """Ask busy workers to hand claims they have not started to idle ones
-        (``redisdask.stealing``); writes nothing when there is nothing to move."""
+        (``redisdask.scheduler.stealing``); writes nothing when there is nothing to move."""
         if self.work_stealing and self.state.workers:
             now = time.monotonic()
             self.process([], [StealTick(now=now, stimulus_id=f"steal-{time.time():.3f}")])
@@ -498,7 +506,7 @@ class Scheduler:
 
     def _quarantine(self, state: SchedulerState, quarantined: list[Quarantined]) -> SchedulerState:
         """Dead-letter and repair the malformed records ``load_state`` skipped and err
-        their tasks, in one fenced write (``redisdask/quarantine.py``); the state to go on
+        their tasks, in one fenced write (``redisdask/scheduler/quarantine.py``); the state to go on
         with.  A write that fails leaves them to the next reload, which skips them again
         (never a loop), and the state is the one ``apply`` reloaded, in which nothing
         erred that Redis and the clients do not know of."""

@@ -1,7 +1,7 @@
 """What the scheduler's state machine knows of one task and of one worker
 (``TaskState``, ``WorkerInfo``), the stimuli only its driver makes (``RejectedGraph``,
 ``BadRecord``), and how a task is grouped (``key_prefix``) and ranked (``priority_score``).
-Kept apart from ``scheduler_state`` so that the readers of these records (the Redis
+Kept apart from ``scheduler.state`` so that the readers of these records (the Redis
 translator, data moves, diagnostics) need not import the machine.
 """
 
@@ -30,7 +30,7 @@ def stream_position(entry_id: str) -> StreamPosition | None:
 
 def worker_stream_position(stimulus_id: str) -> StreamPosition | None:
     """Where on the workers stream the message a stimulus id names was written
-    (``workers:<entry id>/<i>``, see ``scheduler_redis.decode_entry``); None for a
+    (``workers:<entry id>/<i>``, see ``scheduler.translator.decode_entry``); None for a
     stimulus of any other origin (the clients stream, a load, the driver's own)."""
     stream, sep, rest = stimulus_id.partition(":")
     if stream != "workers" or not sep:
@@ -189,4 +189,6 @@ class WorkerInfo:
     told_to_close: bool = False  # retired: its data is safe elsewhere
     announced: bool = False  # its worker-joined event was logged
     holding_reports: int = 0  # its holding reports read (since this scheduler loaded)
-    no_push: bool = False  # gave a pushed task back since it last claimed (``redisdask.push``)
+    no_push: bool = (
+        False  # gave a pushed task back since it last claimed (``redisdask.scheduler.push``)
+    )

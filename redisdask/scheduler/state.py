@@ -2,7 +2,7 @@
 
 ``SchedulerState.handle_stimulus(*events)`` applies events (client submissions, worker
 claims and completions, ...) to an in-memory model of every task and returns instructions
-(``redisdask.scheduler_instructions``) for the driver (``redisdask.scheduler``), which
+(``redisdask.scheduler.instructions``) for the driver (``redisdask.scheduler``), which
 turns them into one atomic, fenced Redis write together with the acknowledgement of the
 batch that caused them.
 
@@ -48,9 +48,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 from redisdask import schema
-from redisdask.decide import decide_worker, sticky
 from redisdask.durations import Durations
-from redisdask.graph_cycles import cycle_text, find_cycles
 from redisdask.placement import Placement
 from redisdask.protocol import (
     NO_SCORE,
@@ -92,9 +90,10 @@ from redisdask.protocol import (
     UpdateGraph,
     WhoHas,
 )
-from redisdask.push import push_target, pushable
-from redisdask.scheduler_chain import Chains
-from redisdask.scheduler_instructions import (
+from redisdask.scheduler.chain import Chains
+from redisdask.scheduler.cycles import cycle_text, find_cycles
+from redisdask.scheduler.decide import decide_worker, sticky
+from redisdask.scheduler.instructions import (
     ClaimAccepted,
     ClientMsg,
     Dequeue,
@@ -114,8 +113,10 @@ from redisdask.scheduler_instructions import (
     Unclaim,
     WorkerMsg,
 )
-from redisdask.scheduler_moves import DataMoves, RebalanceConfig
-from redisdask.scheduler_tasks import (
+from redisdask.scheduler.moves import DataMoves, RebalanceConfig
+from redisdask.scheduler.push import push_target, pushable
+from redisdask.scheduler.stealing import WorkStealing
+from redisdask.scheduler.tasks import (
     BadRecord,
     RejectedGraph,
     StoryEntry,
@@ -127,7 +128,6 @@ from redisdask.scheduler_tasks import (
     worker_stream_position,
 )
 from redisdask.state_machine import InvalidTransition
-from redisdask.stealing import WorkStealing
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         self.validate = validate
         self._instructions: list[Instruction] = []
         self._candidates: deque[TaskState] = deque()
-        self._pushing = False  # root tasks queued now may go to a free thread (push.py)
+        self._pushing = False  # root tasks queued now may go to a free thread (scheduler/push.py)
         self._holders_changed = False  # something a retirement or a rebalance waits for
         self._init_moves(rebalance)
         self._init_stealing()
@@ -192,7 +192,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         stimulus_id = ""
         for event in events:
             stimulus_id = event.stimulus_id
-            self._pushing = type(event) is UpdateGraph  # (redisdask.push)
+            self._pushing = type(event) is UpdateGraph  # (redisdask.scheduler.push)
             self._HANDLERS[type(event)](self, event)
             self._drain(stimulus_id=stimulus_id)
         self._pushing = False
@@ -822,10 +822,10 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
     def _handle_claimed(self, ev: TaskClaimed) -> None:
         ws = self.workers.get(ev.worker)
         if ws is not None and not ev.chained:
-            ws.no_push = False  # it claims: it runs what it is given (redisdask.push)
+            ws.no_push = False  # it claims: it runs what it is given (redisdask.scheduler.push)
         scores = list(ev.scores) + [NO_SCORE] * (len(ev.keys) - len(ev.scores))
         for key, score in zip(ev.keys, scores, strict=False):
-            if ev.chained:  # claimed by FINISH while waiting (scheduler_chain.py)
+            if ev.chained:  # claimed by FINISH while waiting (scheduler/chain.py)
                 self._chained_claim(key, score, ev.worker, stimulus_id=ev.stimulus_id)
                 continue
             ts = self.tasks.get(key)
@@ -1117,7 +1117,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             raise InvalidTransition(ts.key, start, finish, stimulus_id, story)
         func(self, ts, stimulus_id=stimulus_id, **kwargs)
         if finish not in ("processing", "memory") and ts.dependents:
-            self._unchain(ts, stimulus_id=stimulus_id)  # (scheduler_chain.py)
+            self._unchain(ts, stimulus_id=stimulus_id)  # (scheduler/chain.py)
 
     def _set_state(self, ts: TaskState, finish: str, *, stimulus_id: str) -> None:
         """Every change of a task's state goes through here, which tells its story."""
@@ -1152,7 +1152,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
 
     def _push(self, ts: TaskState, *, stimulus_id: str) -> bool:
         """Give a root task of a submission to a worker with a free thread
-        (``redisdask.push``); False when none has one (nor will, in this batch)."""
+        (``redisdask.scheduler.push``); False when none has one (nor will, in this batch)."""
         ws = push_target(self.workers)
         if ws is None:
             self._pushing = False  # (the rest of the submission is queued: no scan each)
@@ -1175,7 +1175,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
     def _enqueue(self, ts: TaskState, *, stimulus_id: str) -> None:
         """Into the own ready (``constrained``, for a task with resources) sets of the live
         workers it may run on, the one of the worker holding most of its data (a
-        ``preferred`` one, ``redisdask.decide``), or the shared ready set."""
+        ``preferred`` one, ``redisdask.scheduler.decide``), or the shared ready set."""
         placed = bool(ts.restrict or ts.resources)
         best = None if placed else decide_worker(ts, self.workers)
         ts.sticky = (

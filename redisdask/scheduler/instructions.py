@@ -1,8 +1,8 @@
 """The scheduler's side effects: the instructions ``SchedulerState.handle_stimulus`` returns.
 
-The state machine (``redisdask.scheduler_state``) does no I/O; each change it wants made
+The state machine (``redisdask.scheduler.state``) does no I/O; each change it wants made
 outside its own memory is one of these records.  The driver hands a batch's instructions
-to ``scheduler_redis.Translator``, which turns each type into Redis commands (one short
+to ``scheduler.translator.Translator``, which turns each type into Redis commands (one short
 method per type) written atomically, fenced, with the acknowledgement of the batch that
 caused them.  Every instruction carries the ``stimulus_id`` of the event behind it, so
 the task's story can say why it changed.
@@ -52,7 +52,7 @@ class Enqueue(Instruction):
     set holds it after this one (those listed and those it was in already), for the task
     hash, where the CLAIM script reads it; written when the task is ``placed`` (restricted
     or resourced) even when empty (a preference nobody can honour: the shared set).
-    ``preferred``: placed by data (``redisdask.decide``) on the one worker listed, which
+    ``preferred``: placed by data (``redisdask.scheduler.decide``) on the one worker listed, which
     has the first refusal: the task goes into the cluster's ``placed`` set too, where
     ``CLAIM`` lets another worker take it while that one is busy, unless it is
     ``sticky`` (its data costs more to move than its run: ``decide.sticky``)."""
@@ -158,7 +158,7 @@ class ClaimAccepted(Instruction):
 @dataclass(slots=True)
 class MarkChain(Instruction):
     """Write the ``chain`` of task ``key``: the dependents that wait on it alone, which
-    the worker that finishes it may claim in the same step (``redisdask/scheduler_chain.py``)."""
+    the worker that finishes it may claim in the same step (``redisdask/scheduler/chain.py``)."""
 
     key: str
     chain: list[str]
@@ -191,7 +191,7 @@ class RecordDeath(Instruction):
 @dataclass(slots=True)
 class RecordRebalance(Instruction):
     """Write to a rebalance's record (``rd:{c}:rebalance:<request>``, see
-    ``scheduler_moves``): set ``fields`` (values as stored: str, int or bytes), delete the
+    ``scheduler.moves``): set ``fields`` (values as stored: str, int or bytes), delete the
     fields in ``drop``; ``done``: the rebalance is over (it leaves the running set and its
     record expires a while after, once its client had time to read it)."""
 

@@ -10,7 +10,7 @@
 
 Task hashes go through the one codec of ``redisdask/task_record.py``.  Nothing here
 talks to Redis except the two readers (``load_state``, ``Summary.resumed``); the driver
-(``scheduler.py``) owns the loop, the lease and the writes.
+(``scheduler/driver.py``) owns the loop, the lease and the writes.
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ from redisdask.errors import ProtocolError, RecordError
 from redisdask.events import death_fields, event_command
 from redisdask.heap import no_collections
 from redisdask.protocol import SCHEDULER_EVENTS, AddWorker, ComputeTask, Event, FreeKeys, parse
-from redisdask.quarantine import REBALANCE_RECORD_TTL_MS, Quarantined, record_copy
-from redisdask.scheduler_instructions import (
+from redisdask.scheduler.instructions import (
     ClaimAccepted,
     ClientMsg,
     Dequeue,
@@ -56,9 +55,10 @@ from redisdask.scheduler_instructions import (
     Unclaim,
     WorkerMsg,
 )
-from redisdask.scheduler_moves import RebalanceConfig, RebalanceRecord
-from redisdask.scheduler_state import HOLDS_DEPENDENCIES, SchedulerState
-from redisdask.scheduler_tasks import RejectedGraph, TaskState, stream_position
+from redisdask.scheduler.moves import RebalanceConfig, RebalanceRecord
+from redisdask.scheduler.quarantine import REBALANCE_RECORD_TTL_MS, Quarantined, record_copy
+from redisdask.scheduler.state import HOLDS_DEPENDENCIES, SchedulerState
+from redisdask.scheduler.tasks import RejectedGraph, TaskState, stream_position
 from redisdask.schema import Keys
 from redisdask.task_record import TaskRecord, evidence
 
@@ -590,7 +590,7 @@ def load_state(
     ``docs/redis-schema.md``) starts afresh: a retirement, replicas being made, holding
     report counts.  The rebalances under way are reloaded with their moves in flight.
 
-    A malformed record is skipped and logged, never raised (``redisdask/quarantine.py``):
+    A malformed record is skipped and logged, never raised (``redisdask/scheduler/quarantine.py``):
     it is appended to ``quarantined`` for the driver to dead-letter and repair; a task's
     stands in the state as a ``released`` task without a spec, so that ``BadRecord`` can
     err it and its dependents."""
@@ -813,7 +813,7 @@ def _task_state(key: str, rec: TaskRecord, state: SchedulerState) -> TaskState:
         # (a record from before queued_on existed: its workers were addresses)
         queued_on = rec.workers if rec.queued_on is None else rec.queued_on
         ts.queued_on = tuple(w for w in queued_on if w in state.workers)
-    elif ts.state == "queued" and rec.queued_on:  # placed by data (``redisdask.decide``)
+    elif ts.state == "queued" and rec.queued_on:  # placed by data (``redisdask.scheduler.decide``)
         ts.queued_on = tuple(w for w in rec.queued_on[:1] if w in state.workers)
         ts.sticky = rec.sticky and bool(ts.queued_on)
     # a claim made before this scheduler started may be on its way, over which the last
