@@ -21,7 +21,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
-from redisdask.memory import format_bytes
+from redisdask.utils.sizes import format_bytes
 
 NEAR_LIMIT = 0.9  # an unexplained SIGKILL at this fraction of the limit is taken for OOM
 

@@ -49,16 +49,17 @@ from typing import Any, Literal
 import psutil
 import redis
 
-from redisdask import schema, spawn
-from redisdask.backoff import Backoff
+from redisdask import schema
 from redisdask.config import RetentionConfig
 from redisdask.connection import connect_async, redact
 from redisdask.events import death_fields
-from redisdask.memory import format_bytes, oom_kills
 from redisdask.nanny import deaths
 from redisdask.nanny_contract import GRACEFUL_TIMEOUT, spill_directory_file, worker_environment
 from redisdask.protocol import RemoveWorker
 from redisdask.schema import Keys
+from redisdask.utils import spawn
+from redisdask.utils.backoff import Backoff
+from redisdask.utils.sizes import format_bytes, oom_kills
 
 logger = logging.getLogger("redisdask.nanny")
 

@@ -54,7 +54,7 @@ import redis.asyncio
 import redis.asyncio.client
 import redis.client
 
-from redisdask.backoff import Backoff
+from redisdask.utils.backoff import Backoff
 
 logger = logging.getLogger("redisdask.redis")
 

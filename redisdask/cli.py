@@ -20,11 +20,12 @@ from collections.abc import Callable, Sequence
 
 import yaml
 
-from redisdask import __version__, logs, memory
+from redisdask import __version__
 from redisdask.acl import PASSWORD_PLACEHOLDER, ROLES, parse_version, setuser
 from redisdask.config import Config, ConfigError, load_config, parse_duration
 from redisdask.errors import RedisDaskError
 from redisdask.placement import format_resources
+from redisdask.utils import logs, sizes
 
 # Flags that set a config key: their values go through the config's own validation (with
 # the flag named as the source), so `--lease-ttl 0` fails exactly as the YAML key would.
@@ -364,7 +365,7 @@ def _worker(args: argparse.Namespace, config: Config) -> int:
     """``redisdask worker``: nannies, each supervising a worker process, or a bare worker."""
     nthreads = config.worker.nthreads or os.cpu_count() or 1
     local_directory = config.worker.local_directory
-    memory_limit = memory.memory_limit(config.worker.memory_limit or None, nthreads)
+    memory_limit = sizes.memory_limit(config.worker.memory_limit or None, nthreads)
     try:
         lifetime = parse_duration(args.lifetime) if args.lifetime is not None else None
         stagger = parse_duration(args.lifetime_stagger)

@@ -44,10 +44,9 @@ from typing import Any, TypeVar
 
 import redis
 
-from redisdask import busy, comm, logs, redis_memory, schema, task_context
+from redisdask import busy, comm, redis_memory, schema, task_context
 from redisdask import spec as specs
 from redisdask.annotations import call_options
-from redisdask.backoff import Backoff
 from redisdask.client_channel import SchedulerChannel, _Outgoing
 from redisdask.cluster import LocalCluster
 from redisdask.cluster_admin import ClusterAdmin
@@ -79,7 +78,6 @@ from redisdask.loop import (
     running_loop,
     wake,
 )
-from redisdask.memory import format_bytes
 from redisdask.placement import task_options as _options
 from redisdask.protocol import (
     CancelKeys,
@@ -96,6 +94,9 @@ from redisdask.schema import REDIS_COPY, Keys
 from redisdask.security import Security
 from redisdask.task_record import TaskRecord
 from redisdask.tracebacks import shorten_traceback
+from redisdask.utils import logs
+from redisdask.utils.backoff import Backoff
+from redisdask.utils.sizes import format_bytes
 from redisdask.versions import versions
 from redisdask.worker_calls import WorkerCalls
 

@@ -44,7 +44,6 @@ import cloudpickle
 import redis
 
 from redisdask import busy, redis_memory, schema
-from redisdask.backoff import Backoff
 from redisdask.connection import redact
 from redisdask.errors import (
     ClusterConnectionError,
@@ -59,7 +58,6 @@ from redisdask.errors import (
 from redisdask.events import WARN_CLIENTS, describe
 from redisdask.futures import _FutureState
 from redisdask.loop import running_loop, wake
-from redisdask.memory import format_bytes
 from redisdask.protocol import (
     SCHEDULER_TO_CLIENT,
     CancelledKeys,
@@ -73,6 +71,8 @@ from redisdask.protocol import (
     dicts,
     parse,
 )
+from redisdask.utils.backoff import Backoff
+from redisdask.utils.sizes import format_bytes
 
 if TYPE_CHECKING:
     from redisdask.config import Config

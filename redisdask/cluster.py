@@ -12,7 +12,7 @@ from typing import Any
 
 import psutil
 
-from redisdask import busy, schema, spawn
+from redisdask import busy, schema
 from redisdask.config import load_config
 from redisdask.connection import connect, redact
 from redisdask.embedded import EmbeddedRedis
@@ -21,6 +21,7 @@ from redisdask.placement import format_resources, parse_resources
 from redisdask.protocol import CloseWorker
 from redisdask.schema import Keys
 from redisdask.security import Security
+from redisdask.utils import spawn
 
 logger = logging.getLogger("redisdask.cluster")
 

@@ -39,10 +39,10 @@ from pydantic import (
     model_validator,
 )
 
-from redisdask import memory
 from redisdask.errors import ConfigError  # defined there, in the tree; importable here too
 from redisdask.placement import parse_resources
 from redisdask.schema import validate_cluster_name
+from redisdask.utils import sizes
 
 __all__ = ["Config", "ConfigError", "config_path", "load_config"]
 
@@ -333,7 +333,7 @@ class WorkerConfig(Section):
             raise ValueError("must be 'auto', a byte count, a size like '4GiB', or a fraction")
         if value is not None and value != "auto":
             try:
-                memory.memory_limit(value, 1)
+                sizes.memory_limit(value, 1)
             except ValueError as exc:
                 raise ValueError(
                     f"must be 'auto', a byte count, a size or a fraction: {exc}"
@@ -363,7 +363,7 @@ class AdminConfig(Section):
 
 class LoggingConfig(Section):
     level: LogLevel = "INFO"
-    # text: one readable line per record; json: one JSON object per line (redisdask/logs.py),
+    # text: one readable line per record; json: one JSON object per line (redisdask/utils/logs.py),
     # for log shippers
     format: Literal["text", "json"] = "text"
 

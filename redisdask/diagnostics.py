@@ -13,7 +13,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from redisdask.scheduler.tasks import key_prefix
+from redisdask.spec import key_prefix
 
 MAX_ROWS = 8  # prefixes drawn one bar each; more share one "other" bar
 

@@ -9,7 +9,7 @@ writes the averages that changed in the batch that accepts the results, to the
 ``durations`` hash (``schema.Keys.durations``).  A restarted scheduler reloads them from
 there.  Workers never read the hash themselves: the ``CLAIM`` script reads the estimate
 of each task it considers (``KEY_PREFIX_LUA`` finds its prefix, as
-``scheduler.tasks.key_prefix`` does) and returns it with the task, so knowing what a task
+``spec.key_prefix`` does) and returns it with the task, so knowing what a task
 costs takes no round trip of its own.
 
 The worker sizes a claim with ``start_times``: when each of its threads will be free to
@@ -173,7 +173,7 @@ def _level(loads: list[float], work: float) -> float:
     return (total + work) / len(loads) if loads else math.inf
 
 
-# The Lua twin of ``scheduler.tasks.key_prefix`` (Dask's ``key_split``), for the CLAIM
+# The Lua twin of ``spec.key_prefix`` (Dask's ``key_split``), for the CLAIM
 # script: the same prefix for every ASCII key (tests/test_durations.py compares them); a
 # key whose first word starts with a non-ASCII letter may get another, whose estimate it
 # then lacks (claimed one per free thread, which is safe).

@@ -46,7 +46,7 @@ from __future__ import annotations
 from typing import Any
 
 from redisdask import schema
-from redisdask.memory import format_bytes
+from redisdask.utils.sizes import format_bytes
 
 WARN_CLIENTS = frozenset({"spill-failed"})
 

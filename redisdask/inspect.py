@@ -33,10 +33,10 @@ from rich.text import Text
 from redisdask import schema
 from redisdask.events import describe
 from redisdask.holdings import workers_only
-from redisdask.memory import format_bytes
 from redisdask.placement import Placement, format_resources, worker_resources
 from redisdask.schema import REDIS_COPY, Keys
 from redisdask.task_record import TaskRecord
+from redisdask.utils.sizes import format_bytes
 from redisdask.views import clock
 
 LOG_LINES = 15  # lines of a death's log tail shown (``--json`` gives all of them)

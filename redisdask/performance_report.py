@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from redisdask.connection import redact
 from redisdask.inspect import read_deaths
-from redisdask.scheduler.tasks import key_prefix
+from redisdask.spec import key_prefix
 from redisdask.task_stream import read_task_stream
 
 if TYPE_CHECKING:

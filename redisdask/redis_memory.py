@@ -24,7 +24,7 @@ from typing import Any
 import redis
 
 from redisdask.errors import EvictingRedisError
-from redisdask.memory import format_bytes
+from redisdask.utils.sizes import format_bytes
 
 logger = logging.getLogger("redisdask.redis")
 

@@ -13,6 +13,8 @@ the function itself, a closure say, or a result) stays a future: it is unpickled
 the client of that place (in a task, its worker's; ``futures.rebind_future``).
 
 The scheduler never unpickles a spec: to it the spec is opaque bytes, the graph history.
+What it reads of a task is its key, whose prefix (``key_prefix``, Dask's ``key_split``)
+groups the task with its kind: for duration estimates, the monitor's rows, the reports.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import contextvars
 import graphlib
 import hashlib
 import heapq
+import re
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
@@ -28,7 +31,27 @@ from typing import Any
 
 import cloudpickle
 
-from redisdask import pickling
+from redisdask.utils import pickling
+
+_HEX8 = re.compile(r"^[0-9a-f]{8}$")
+
+
+def key_prefix(key: str) -> str:
+    """The group a task key belongs to, as Dask's ``key_split`` finds it: ``"inc"`` for
+    ``"inc-5f3a9c..."``, ``"sum-chunk"`` for ``"sum-chunk-00ab12cd"``, ``"x"`` for the text
+    of a tuple key ``"('x-1a2b', 0)"``.  The monitor's progress rows are per prefix."""
+    words = key.split("-")
+    head = words[0]
+    if head.startswith("<"):  # "<lambda>", "<function f at 0x...>"
+        head = (head.strip("<>").split() or [""])[0].split(".")[-1]
+    elif head and not head[0].isalpha():
+        head = head.split(",")[0].strip("_'()\" ")
+    parts = [head]
+    for word in words[1:]:
+        if not word.isalpha() or _HEX8.match(word):
+            break
+        parts.append(word)
+    return "-".join(parts) or "other"
 
 
 @dataclass(frozen=True, slots=True)

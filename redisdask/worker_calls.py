@@ -33,12 +33,13 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import cloudpickle
 
-from redisdask import comm, pickling, schema
+from redisdask import comm, schema
 from redisdask.config import parse_duration
 from redisdask.errors import RedisDaskError, WorkerStartTimeoutError, WorkerUnresponsiveError
 from redisdask.loop import offloaded
-from redisdask.memory import format_bytes
 from redisdask.plugins import UPLOAD_SUFFIXES, check_worker_plugin, plugin_name
+from redisdask.utils import pickling
+from redisdask.utils.sizes import format_bytes
 
 if TYPE_CHECKING:
     import redis

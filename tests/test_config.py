@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from redisdask import memory
 from redisdask.config import Config, ConfigError, load_config
 from redisdask.connection import parse_sentinel_url
+from redisdask.utils import sizes
 
 
 @pytest.fixture(autouse=True)
@@ -212,7 +212,7 @@ def test_marks_may_be_switched_off_and_a_limit_of_one_is_all_memory() -> None:
     config = load_config({"worker.memory.spill": False, "worker.memory.pause": 0.65})
     assert config.worker.memory.spill is False
     assert load_config({"worker.memory.target": 0.9}).worker.memory.target == 0.9  # as Dask
-    assert memory.memory_limit(1, 1) == memory.memory_limit(1.0, 1) > 2**20
+    assert sizes.memory_limit(1, 1) == sizes.memory_limit(1.0, 1) > 2**20
 
 
 def test_sentinels_and_their_service_stand_for_a_sentinel_url() -> None:

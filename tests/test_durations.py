@@ -26,9 +26,9 @@ from redisdask.durations import (
 )
 from redisdask.protocol import AddWorker, ReleasedKeys, TaskClaimed, TaskFinished, UpdateGraph
 from redisdask.scheduler.state import SchedulerState
-from redisdask.scheduler.tasks import key_prefix
 from redisdask.scheduler.translator import Translator, load_state
 from redisdask.schema import CLAIM_FULL, Keys, Scripts, ensure_cluster, pack
+from redisdask.spec import key_prefix
 
 pytestmark = pytest.mark.timeout(60)
 

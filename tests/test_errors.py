@@ -14,11 +14,11 @@ import redisdask
 import redisdask.nanny
 import redisdask.workers
 from redisdask import errors
-from redisdask.backoff import Backoff
 from redisdask.client import Client
 from redisdask.embedded import EmbeddedRedis
 from redisdask.errors import ClusterConnectionError, RedisDaskError
 from redisdask.schema import Keys, ensure_cluster
+from redisdask.utils.backoff import Backoff
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -139,7 +139,7 @@ def test_a_small_result_with_buffers_is_pickled_in_one_piece_a_large_one_not_at_
 
     import numpy as np
 
-    from redisdask.pickling import dumps_within
+    from redisdask.utils.pickling import dumps_within
 
     small = np.arange(100)
     blob = dumps_within(small, 65_536)

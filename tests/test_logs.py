@@ -19,7 +19,7 @@ import redis
 
 from redisdask import Client, LocalCluster
 from redisdask.embedded import EmbeddedRedis
-from redisdask.logs import JsonFormatter
+from redisdask.utils.logs import JsonFormatter
 
 pytestmark = pytest.mark.timeout(120)
 

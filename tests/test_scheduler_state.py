@@ -60,7 +60,7 @@ from redisdask.scheduler.state import (
     UpdateGraph,
     priority_score,
 )
-from redisdask.scheduler.tasks import key_prefix
+from redisdask.spec import key_prefix
 from redisdask.state_machine import InvalidTransition, table_problems
 
 pytestmark = pytest.mark.timeout(10)

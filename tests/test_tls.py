@@ -29,7 +29,7 @@ from redisdask.comm import (
     serialize,
 )
 from redisdask.security import TLSSetupError
-from redisdask.spawn import command, environment
+from redisdask.utils.spawn import command, environment
 
 SECRET = b"tls-test-secret"
 

@@ -15,8 +15,8 @@ clients log as a warning): when the failures start, when the worker pauses while
 and every ``SPILL_FAILED_REPEAT`` seconds while it stays paused; the heartbeat carries the
 error (``spill_error``) for ``redisdask status`` and for the nanny's death record.
 
-Not to be confused with ``redisdask.memory``, which parses sizes and limits (``"4GB"``,
-``auto``) and reads the cgroup's OOM kill count: that module knows nothing of workers.
+Sizes and limits (``"4GB"``, ``auto``) and the cgroup's OOM kill count are read by
+``redisdask.utils.sizes``, which knows nothing of workers.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any, Literal
 import psutil
 
 from redisdask import comm
-from redisdask.memory import format_bytes
+from redisdask.utils.sizes import format_bytes
 from redisdask.workers.spill import SpillBuffer
 
 logger = logging.getLogger("redisdask.worker")

@@ -115,8 +115,8 @@ from redisdask.protocol import (
     TaskErred,
     TaskFinished,
 )
-from redisdask.scheduler.tasks import key_prefix
 from redisdask.schema import REDIS_COPY
+from redisdask.spec import key_prefix
 from redisdask.state_machine import InvalidTransition
 from redisdask.typenames import type_name
 

@@ -46,13 +46,10 @@ from typing import Any, Literal
 import psutil
 import redis
 
-from redisdask import comm, logs, nanny_contract, pickling, redis_memory, schema, task_context
-from redisdask.backoff import redis_away
+from redisdask import comm, nanny_contract, redis_memory, schema, task_context
 from redisdask.connection import connect, connect_async
 from redisdask.errors import ProtocolError
 from redisdask.events import event_command
-from redisdask.heap import Heap
-from redisdask.memory import format_bytes
 from redisdask.nanny_contract import GRACEFUL_TIMEOUT
 from redisdask.placement import format_resources, parse_resources, split_resources
 from redisdask.protocol import (
@@ -78,6 +75,10 @@ from redisdask.security import Security
 from redisdask.spec import FunctionCache, run_spec
 from redisdask.task_record import split_words
 from redisdask.typenames import type_name
+from redisdask.utils import logs, pickling
+from redisdask.utils.backoff import redis_away
+from redisdask.utils.heap import Heap
+from redisdask.utils.sizes import format_bytes
 from redisdask.versions import VersionMismatchError, pickle_breaking, versions
 from redisdask.workers import calls
 from redisdask.workers import state as ws
@@ -102,7 +103,7 @@ HEARTBEAT_KEYS = 20  # executing task keys named in a heartbeat, at most
 RETIRE_REPEAT = 1.0  # seconds between a retiring worker's requests to be retired
 # threads the pool may hold beyond nthreads for seceded tasks (each waits in its thread)
 MAX_SECEDED = 10_000
-HEAP_SETTLE_INTERVAL = 1.0  # seconds between freezes of what survived (``redisdask.heap``)
+HEAP_SETTLE_INTERVAL = 1.0  # seconds between freezes of what survived (``redisdask.utils.heap``)
 
 
 _STIMULI = itertools.count()  # makes the worker's own stimulus ids unique (thread-safe)

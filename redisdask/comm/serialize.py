@@ -11,9 +11,9 @@ import pickle
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-from redisdask import pickling
 from redisdask.comm.errors import ProtocolError, SerializationError
 from redisdask.comm.frames import Buffer, Header
+from redisdask.utils import pickling
 
 
 def serialize(obj: Any) -> list[Buffer]:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from redisdask import pickling, schema
+from redisdask import schema
 from redisdask.coordination.backend import (
     Backend,
     backend_of,
@@ -30,6 +30,7 @@ from redisdask.coordination.backend import (
     unpack_record,
 )
 from redisdask.loop import offloaded
+from redisdask.utils import pickling
 
 if TYPE_CHECKING:
     from redisdask.client import Client

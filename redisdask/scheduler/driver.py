@@ -39,11 +39,9 @@ from typing import Any
 import redis
 
 from redisdask import busy, redis_memory, schema
-from redisdask.backoff import redis_away
 from redisdask.config import RebalanceConfig, RetentionConfig
 from redisdask.connection import connect, redact
 from redisdask.errors import EvictingRedisError, FencedError, ProtocolError
-from redisdask.heap import Heap
 from redisdask.lease import LOOK_INTERVAL, HolderWatch, Lease
 from redisdask.scheduler.pipe import WritePipe
 from redisdask.scheduler.quarantine import Quarantined, dead_letter_command
@@ -57,6 +55,8 @@ from redisdask.scheduler.translator import (
     rejected_graphs,
 )
 from redisdask.schema import Keys
+from redisdask.utils.backoff import redis_away
+from redisdask.utils.heap import Heap
 from redisdask.versions import host_info, versions
 
 logger = logging.getLogger("redisdask.scheduler")
@@ -135,7 +135,7 @@ class Scheduler:
         self.redis_full = False
         self.summary = Summary()
         self.translator = Translator(self.keys, self.retention)
-        self.heap = Heap()  # keeps full collections off the tasks (see redisdask/heap.py)
+        self.heap = Heap()  # keeps full collections off the tasks (see redisdask/utils/heap.py)
         # a batch's write goes without waiting for its reply, a read of the next entries
         # behind it, while the batch read ahead is computed (redisdask/scheduler/pipe.py)
         self.pipe = WritePipe(self.redis, self.keys, batch_size)

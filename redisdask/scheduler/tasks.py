@@ -1,18 +1,18 @@
 """What the scheduler's state machine knows of one task and of one worker
 (``TaskState``, ``WorkerInfo``), the stimuli only its driver makes (``RejectedGraph``,
-``BadRecord``), and how a task is grouped (``key_prefix``) and ranked (``priority_score``).
+``BadRecord``), and how a task is ranked (``priority_score``).
 Kept apart from ``scheduler.state`` so that the readers of these records (the Redis
 translator, data moves, diagnostics) need not import the machine.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from redisdask import schema
 from redisdask.protocol import Event
+from redisdask.spec import key_prefix
 
 PRIORITY_SCALE = 2**40  # submission sequence numbers stay below this
 
@@ -36,27 +36,6 @@ def worker_stream_position(stimulus_id: str) -> StreamPosition | None:
     if stream != "workers" or not sep:
         return None
     return stream_position(rest.partition("/")[0])
-
-
-_HEX8 = re.compile(r"^[0-9a-f]{8}$")
-
-
-def key_prefix(key: str) -> str:
-    """The group a task key belongs to, as Dask's ``key_split`` finds it: ``"inc"`` for
-    ``"inc-5f3a9c..."``, ``"sum-chunk"`` for ``"sum-chunk-00ab12cd"``, ``"x"`` for the text
-    of a tuple key ``"('x-1a2b', 0)"``.  The monitor's progress rows are per prefix."""
-    words = key.split("-")
-    head = words[0]
-    if head.startswith("<"):  # "<lambda>", "<function f at 0x...>"
-        head = (head.strip("<>").split() or [""])[0].split(".")[-1]
-    elif head and not head[0].isalpha():
-        head = head.split(",")[0].strip("_'()\" ")
-    parts = [head]
-    for word in words[1:]:
-        if not word.isalpha() or _HEX8.match(word):
-            break
-        parts.append(word)
-    return "-".join(parts) or "other"
 
 
 def other_run(score: Any, ts: TaskState) -> bool:

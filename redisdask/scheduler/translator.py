@@ -31,7 +31,6 @@ from redisdask.config import RetentionConfig
 from redisdask.durations import Durations
 from redisdask.errors import ProtocolError, RecordError
 from redisdask.events import death_fields, event_command
-from redisdask.heap import no_collections
 from redisdask.protocol import SCHEDULER_EVENTS, AddWorker, ComputeTask, Event, FreeKeys, parse
 from redisdask.scheduler.instructions import (
     ClaimAccepted,
@@ -61,6 +60,7 @@ from redisdask.scheduler.state import HOLDS_DEPENDENCIES, SchedulerState
 from redisdask.scheduler.tasks import RejectedGraph, TaskState, stream_position
 from redisdask.schema import Keys
 from redisdask.task_record import TaskRecord, evidence
+from redisdask.utils.heap import no_collections
 
 logger = logging.getLogger("redisdask.scheduler")
 
