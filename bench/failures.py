@@ -430,7 +430,7 @@ def make(name: str, redis_url: str, logdir: Path, scenario: str) -> Iterator[Sys
 def run(
     names: list[str], repeats: int, logdir: Path, only: list[str] | None = None
 ) -> dict[str, dict[str, list[Any]]]:
-    from redisdask.embedded import EmbeddedRedis
+    from redisdask.deploy.embedded import EmbeddedRedis
 
     results: dict[str, dict[str, list[Any]]] = {}
     with EmbeddedRedis() as redis_server:

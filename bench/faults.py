@@ -60,7 +60,7 @@ from redisdask import (
     secede,
     wait,
 )
-from redisdask.embedded import EmbeddedRedis
+from redisdask.deploy.embedded import EmbeddedRedis
 from redisdask.schema import Keys, unpack
 
 MB = 1_000_000

@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from distributed.spill import SpillBuffer as DaskSpillBuffer
 
-    from redisdask.embedded import EmbeddedRedis
+    from redisdask.deploy.embedded import EmbeddedRedis
     from redisdask.workers.spill import SpillBuffer
 
     results: dict[str, dict[str, list[float]]] = {"redisdask": {}, "dask": {}}

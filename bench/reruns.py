@@ -28,7 +28,7 @@ import cloudpickle
 import redis
 
 from redisdask import Client, LocalCluster
-from redisdask.embedded import EmbeddedRedis
+from redisdask.deploy.embedded import EmbeddedRedis
 
 
 def record(i: int, url: str, runs: str) -> int:

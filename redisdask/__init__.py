@@ -8,7 +8,6 @@ import importlib.metadata
 __version__ = importlib.metadata.version("redisdask")
 
 from redisdask.client import Client, Future, as_completed, default_client, futures_of, wait
-from redisdask.cluster import LocalCluster
 from redisdask.coordination import (
     Event,
     Lock,
@@ -18,6 +17,7 @@ from redisdask.coordination import (
     Variable,
     fire_and_forget,
 )
+from redisdask.deploy.cluster import LocalCluster
 from redisdask.diagnostics import progress
 from redisdask.errors import (
     ClusterConnectionError,

@@ -48,12 +48,12 @@ from redisdask import busy, comm, redis_memory, schema, task_context
 from redisdask import spec as specs
 from redisdask.annotations import call_options
 from redisdask.client_channel import SchedulerChannel, _Outgoing
-from redisdask.cluster import LocalCluster
 from redisdask.cluster_admin import ClusterAdmin
 from redisdask.completed import as_completed
 from redisdask.config import load_config
 from redisdask.connection import check_async, connect, connect_async, redact
 from redisdask.coordination.datasets import DatasetMethods
+from redisdask.deploy.cluster import LocalCluster
 from redisdask.errors import (
     ClusterConnectionError,
     ClusterNotRunningError,

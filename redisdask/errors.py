@@ -59,8 +59,8 @@
                                                        broke an invariant (validate=True)
 
 The classes defined elsewhere are importable from where the tree names them; those
-defined here stay importable from their old modules too (``redisdask.config.ConfigError``,
-``redisdask.embedded.EmbeddedRedisError``, ``redisdask.embedded.RedisServerNotFound``).
+defined here also from the modules that raise them (``redisdask.config.ConfigError``,
+``EmbeddedRedisError`` and ``RedisServerNotFound`` from ``redisdask.deploy.embedded``).
 
 ``TypeError`` is raised as-is for an unpicklable function or argument at ``submit`` (and
 ``client.run``), and a task's own exception is re-raised as its original type by

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 from redisdask.config import load_config
 from redisdask.connection import connect, redact
+from redisdask.observe.snapshot import Snapshot, read_snapshot
 from redisdask.schema import Keys
-from redisdask.snapshot import Snapshot, read_snapshot
 
 EXPORTER_PORT = 9649
 

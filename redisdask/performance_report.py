@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from redisdask.connection import redact
-from redisdask.inspect import read_deaths
+from redisdask.observe.inspect import read_deaths
 from redisdask.spec import key_prefix
 from redisdask.task_stream import read_task_stream
 

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from redisdask import Client, LocalCluster
-from redisdask.embedded import EmbeddedRedis
+from redisdask.deploy.embedded import EmbeddedRedis
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from typing import Self
 
 import redis
 
-from redisdask.embedded import HOST, EmbeddedRedis
+from redisdask.deploy.embedded import HOST, EmbeddedRedis
 
 SERVICE = "rd-primary"
 DOWN_AFTER_MS = 500  # the Sentinel counts the primary down after this long unanswered

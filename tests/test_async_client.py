@@ -28,7 +28,7 @@ from redisdask import (
     as_completed,
     wait,
 )
-from redisdask.embedded import EmbeddedRedis
+from redisdask.deploy.embedded import EmbeddedRedis
 
 pytestmark = pytest.mark.timeout(120)
 

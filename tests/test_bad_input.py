@@ -181,7 +181,7 @@ def test_huge_malformed_entries_are_dead_lettered_within_bounds(
 
 
 def test_wrong_credentials_are_named_without_the_password() -> None:
-    from redisdask.embedded import EmbeddedRedis
+    from redisdask.deploy.embedded import EmbeddedRedis
 
     with EmbeddedRedis() as server:
         server.client().config_set("requirepass", "s3cret")
@@ -227,7 +227,7 @@ def test_the_redis_password_is_not_on_any_command_line(cluster_name: str) -> Non
     import psutil
 
     from redisdask import LocalCluster
-    from redisdask.embedded import EmbeddedRedis
+    from redisdask.deploy.embedded import EmbeddedRedis
 
     with EmbeddedRedis() as server:
         server.client().config_set("requirepass", "pw-4-test")

@@ -23,7 +23,7 @@ from redisdask import (
     wait,
 )
 from redisdask.client import MAX_SPEC_BYTES
-from redisdask.embedded import EmbeddedRedis
+from redisdask.deploy.embedded import EmbeddedRedis
 from redisdask.errors import ClusterConnectionError
 from redisdask.schema import Keys
 

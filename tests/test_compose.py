@@ -22,8 +22,8 @@ import redis as redis_lib
 import yaml
 from polling import poll
 
-from redisdask.cli import build_parser
-from redisdask.embedded import EmbeddedRedis
+from redisdask.cli.commands import build_parser
+from redisdask.deploy.embedded import EmbeddedRedis
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -33,7 +33,7 @@ from redisdask import (
     fire_and_forget,
 )
 from redisdask.errors import ClientClosedError, FutureCancelledError, LeaseNotHeldError
-from redisdask.inspect import read_keys
+from redisdask.observe.inspect import read_keys
 from redisdask.protocol import CLIENT_TO_SCHEDULER, parse
 from redisdask.schema import FIRE_AND_FORGET, CoordinationScripts, Keys, ensure_cluster
 

@@ -26,7 +26,7 @@ from polling import poll
 
 from redisdask import Client, LocalCluster, wait
 from redisdask.futures import Future
-from redisdask.inspect import read_task
+from redisdask.observe.inspect import read_task
 from redisdask.schema import Keys, ensure_cluster
 
 

@@ -34,7 +34,7 @@ from redisdask import (
     futures_of,
     wait,
 )
-from redisdask.inspect import read_task
+from redisdask.observe.inspect import read_task
 from redisdask.scheduler.tasks import PRIORITY_SCALE
 
 pytestmark = pytest.mark.timeout(120)

@@ -22,7 +22,7 @@ import redis
 
 import redisdask
 from redisdask import Client, LocalCluster, TaskInterrupted, get_worker, wait
-from redisdask.inspect import read_task
+from redisdask.observe.inspect import read_task
 from redisdask.workers import failures
 
 pytestmark = pytest.mark.timeout(120)

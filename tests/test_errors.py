@@ -15,7 +15,7 @@ import redisdask.nanny
 import redisdask.workers
 from redisdask import errors
 from redisdask.client import Client
-from redisdask.embedded import EmbeddedRedis
+from redisdask.deploy.embedded import EmbeddedRedis
 from redisdask.errors import ClusterConnectionError, RedisDaskError
 from redisdask.schema import Keys, ensure_cluster
 from redisdask.utils.backoff import Backoff
@@ -59,7 +59,7 @@ def test_every_public_error_is_a_redisdask_error_drawn_in_the_tree() -> None:
 
 def test_errors_keep_their_builtin_bases_and_old_import_locations() -> None:
     from redisdask.config import ConfigError
-    from redisdask.embedded import EmbeddedRedisError, RedisServerNotFound
+    from redisdask.deploy.embedded import EmbeddedRedisError, RedisServerNotFound
 
     assert ConfigError is errors.ConfigError and issubclass(ConfigError, ValueError)
     assert EmbeddedRedisError is errors.EmbeddedRedisError

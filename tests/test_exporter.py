@@ -22,7 +22,7 @@ from polling import poll
 from prometheus_client.parser import text_string_to_metric_families
 
 from redisdask import Client, LocalCluster
-from redisdask.embedded import EmbeddedRedis
+from redisdask.deploy.embedded import EmbeddedRedis
 from redisdask.lease import token_number
 from redisdask.schema import Keys, ensure_cluster
 

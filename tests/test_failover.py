@@ -22,7 +22,7 @@ from sentinel_set import SentinelSet
 
 from redisdask import Client, LocalCluster
 from redisdask.connection import connect
-from redisdask.embedded import HOST, EmbeddedRedis
+from redisdask.deploy.embedded import HOST, EmbeddedRedis
 from redisdask.scheduler.driver import Scheduler
 from redisdask.schema import ensure_cluster
 

@@ -23,10 +23,10 @@ from tasklib import wait_for_file
 
 from redisdask import Client, LocalCluster
 from redisdask.errors import SchedulerRejectedError
+from redisdask.observe.snapshot import read_snapshot
 from redisdask.scheduler.quarantine import Quarantined
 from redisdask.scheduler.translator import load_state
 from redisdask.schema import Keys, unpack
-from redisdask.snapshot import read_snapshot
 
 pytestmark = pytest.mark.timeout(120)
 

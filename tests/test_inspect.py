@@ -15,7 +15,7 @@ from polling import poll
 from tasklib import allocate_forever
 
 from redisdask import Client, KilledWorker, LocalCluster
-from redisdask.inspect import read_deaths
+from redisdask.observe.inspect import read_deaths
 from redisdask.schema import Keys
 
 pytestmark = pytest.mark.timeout(120)

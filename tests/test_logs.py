@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from redisdask import Client, LocalCluster
-from redisdask.embedded import EmbeddedRedis
+from redisdask.deploy.embedded import EmbeddedRedis
 from redisdask.utils.logs import JsonFormatter
 
 pytestmark = pytest.mark.timeout(120)

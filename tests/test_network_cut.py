@@ -24,7 +24,7 @@ import pytest
 from polling import poll
 
 from redisdask import Client, wait
-from redisdask.embedded import EmbeddedRedis
+from redisdask.deploy.embedded import EmbeddedRedis
 
 DEAD_AFTER = 1.0  # comm.timeouts.tcp and comm.timeouts.connect in this test
 MARGIN = 15.0  # seconds beyond the deadline the dependent may take (a loaded 2-core box)

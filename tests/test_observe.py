@@ -28,10 +28,10 @@ from tasklib import wait_for_file
 
 from redisdask import Client, LocalCluster, progress
 from redisdask.connection import connect
-from redisdask.inspect import read_deaths
+from redisdask.observe.inspect import read_deaths
+from redisdask.observe.snapshot import SNAPSHOT_COMMANDS, read_snapshot
+from redisdask.observe.views import dashboard, status_view
 from redisdask.schema import Keys, ensure_cluster
-from redisdask.snapshot import SNAPSHOT_COMMANDS, read_snapshot
-from redisdask.views import dashboard, status_view
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -159,7 +159,7 @@ def test_status_json_of_a_running_cluster(
 def test_one_snapshot_is_one_round_trip_of_a_few_reads(tmp_path: Path, cluster_name: str) -> None:
     """The Redis cost of a monitor frame, measured: commands per snapshot (on a Redis of
     its own: INFO commandstats counts every client's commands)."""
-    from redisdask.embedded import EmbeddedRedis
+    from redisdask.deploy.embedded import EmbeddedRedis
 
     with EmbeddedRedis(data_dir=tmp_path) as server:
         r = redis.Redis.from_url(server.url)
@@ -378,7 +378,7 @@ def test_inspect_events_follow_prints_new_events_as_they_come(
 def test_the_monitor_outlives_a_redis_that_goes_away_and_comes_back(
     tmp_path: Path, cluster_name: str
 ) -> None:
-    from redisdask.embedded import EmbeddedRedis
+    from redisdask.deploy.embedded import EmbeddedRedis
 
     with (
         EmbeddedRedis(data_dir=tmp_path) as server,
@@ -397,7 +397,7 @@ def test_strangers_entries_are_shown_or_skipped_never_fatal(
     redis_url: str, cluster_name: str
 ) -> None:
     from redisdask import schema
-    from redisdask.inspect import read_events, read_task, read_worker
+    from redisdask.observe.inspect import read_events, read_task, read_worker
 
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cluster_name)

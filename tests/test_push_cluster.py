@@ -14,7 +14,7 @@ import redis
 from polling import poll
 
 from redisdask import Client, LocalCluster
-from redisdask.inspect import task_story
+from redisdask.observe.inspect import task_story
 from redisdask.schema import Keys
 from redisdask.task_record import TaskRecord
 

@@ -20,7 +20,7 @@ from polling import poll
 from redisdask import Client, LocalCluster
 from redisdask.config import load_config
 from redisdask.connection import connect
-from redisdask.embedded import find_redis_server
+from redisdask.deploy.embedded import find_redis_server
 from redisdask.errors import ClusterConnectionError
 
 

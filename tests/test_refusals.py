@@ -21,7 +21,7 @@ from polling import poll
 from tasklib import recorded, wait_for_file
 
 from redisdask import Client, LocalCluster
-from redisdask.embedded import EmbeddedRedis, find_redis_server, version
+from redisdask.deploy.embedded import EmbeddedRedis, find_redis_server, version
 from redisdask.errors import EvictingRedisError, RedisRefusedError
 from redisdask.scheduler.driver import MAX_SCRIPT_COMMANDS, Scheduler
 from redisdask.schema import Keys, ensure_cluster, unpack

@@ -15,7 +15,7 @@ from polling import poll
 
 from redisdask import Client, KilledWorker, LocalCluster
 from redisdask.errors import DataUnavailableError
-from redisdask.inspect import read_events
+from redisdask.observe.inspect import read_events
 from redisdask.schema import WRITE_ENTRIES, Keys, entry, unpack
 
 pytestmark = pytest.mark.timeout(90)
@@ -331,7 +331,7 @@ def test_recreate_error_locally_runs_the_failing_task_here(client: Client) -> No
 
 
 def test_a_restarted_redis_under_a_running_computation(tmp_path, cluster_name: str) -> None:  # type: ignore[no-untyped-def]
-    from redisdask.embedded import EmbeddedRedis
+    from redisdask.deploy.embedded import EmbeddedRedis
 
     with (
         EmbeddedRedis(data_dir=tmp_path) as server,
@@ -406,7 +406,7 @@ def test_redis_killed_again_and_again_under_a_running_computation(
 ) -> None:
     """kill -9 of Redis (AOF everysec: it may come back without its last writes) three
     times while tasks are claimed, run and reported: every task still finishes."""
-    from redisdask.embedded import EmbeddedRedis
+    from redisdask.deploy.embedded import EmbeddedRedis
 
     with (
         EmbeddedRedis(data_dir=tmp_path) as server,
@@ -459,7 +459,7 @@ def test_a_graph_redis_acknowledged_then_lost_is_sent_again(
     right result instead of waiting forever."""
     from tasklib import wait_for_file
 
-    from redisdask.embedded import EmbeddedRedis
+    from redisdask.deploy.embedded import EmbeddedRedis
 
     gate = tmp_path / "gate"
     if then == "writes":  # no heartbeat comes first: the write finds the loss
@@ -507,7 +507,7 @@ def test_a_client_waits_for_redis_then_says_so_and_keeps_its_futures(
     cluster_name: str,  # type: ignore[no-untyped-def]
 ) -> None:
     from redisdask import ClusterConnectionError
-    from redisdask.embedded import EmbeddedRedis
+    from redisdask.deploy.embedded import EmbeddedRedis
 
     with (
         EmbeddedRedis(data_dir=tmp_path) as server,

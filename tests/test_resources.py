@@ -23,10 +23,10 @@ from polling import poll
 from rich.console import Console
 
 from redisdask import Client, LocalCluster, comm
-from redisdask.inspect import read_task, render_task
+from redisdask.observe.inspect import read_task, render_task
+from redisdask.observe.snapshot import read_snapshot
+from redisdask.observe.views import header
 from redisdask.schema import Keys, Scripts, ensure_cluster, pack
-from redisdask.snapshot import read_snapshot
-from redisdask.views import header
 
 pytestmark = pytest.mark.timeout(120)
 

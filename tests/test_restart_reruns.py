@@ -13,7 +13,7 @@ import redis
 from polling import poll
 
 from redisdask import Client, LocalCluster
-from redisdask.inspect import read_events
+from redisdask.observe.inspect import read_events
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,7 +61,7 @@ def test_a_scheduler_killed_twice_redoes_no_finished_task(redis_url: str, cluste
 
 
 def test_redis_killed_under_a_computation_redoes_few_tasks(tmp_path, cluster_name: str):  # type: ignore[no-untyped-def]
-    from redisdask.embedded import EmbeddedRedis
+    from redisdask.deploy.embedded import EmbeddedRedis
 
     runs = f"runs-{cluster_name}"
     with EmbeddedRedis() as tally, EmbeddedRedis(data_dir=tmp_path) as server:

@@ -45,7 +45,7 @@ from polling import poll
 
 from redisdask import Client, LocalCluster, comm
 from redisdask.client import Future
-from redisdask.inspect import read_task
+from redisdask.observe.inspect import read_task
 from redisdask.schema import Keys, ensure_cluster, unpack_or
 
 SHORT_SECONDS = 12.0

@@ -25,9 +25,9 @@ from tasklib import allocate_forever
 from redisdask import Client, KilledWorker, LocalCluster, wait
 from redisdask.events import describe
 from redisdask.nanny.deaths import WorkerExit, classify
+from redisdask.observe.snapshot import read_snapshot
+from redisdask.observe.views import status_view
 from redisdask.schema import Keys, unpack
-from redisdask.snapshot import read_snapshot
-from redisdask.views import status_view
 
 pytestmark = pytest.mark.timeout(120)
 

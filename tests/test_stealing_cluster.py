@@ -26,7 +26,7 @@ import redis
 from polling import poll
 
 from redisdask import Client, LocalCluster
-from redisdask.inspect import read_events, task_story
+from redisdask.observe.inspect import read_events, task_story
 from redisdask.scheduler.driver import Scheduler, decode_reply
 from redisdask.schema import SCHEDULER_GROUP, Keys, ensure_cluster, entry, pack, unpack
 

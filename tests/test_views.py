@@ -10,8 +10,15 @@ import pytest
 from rich.console import Console
 
 from redisdask.events import describe
-from redisdask.snapshot import PrefixView, Snapshot, WorkerView
-from redisdask.views import dashboard, header, memory_bar, progress_bar, sparkline, status_view
+from redisdask.observe.snapshot import PrefixView, Snapshot, WorkerView
+from redisdask.observe.views import (
+    dashboard,
+    header,
+    memory_bar,
+    progress_bar,
+    sparkline,
+    status_view,
+)
 
 pytestmark = pytest.mark.timeout(10)
 GiB = 2**30

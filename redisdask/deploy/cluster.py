@@ -15,7 +15,7 @@ import psutil
 from redisdask import busy, schema
 from redisdask.config import load_config
 from redisdask.connection import connect, redact
-from redisdask.embedded import EmbeddedRedis
+from redisdask.deploy.embedded import EmbeddedRedis
 from redisdask.errors import ClusterRunningError, RedisDaskError
 from redisdask.placement import format_resources, parse_resources
 from redisdask.protocol import CloseWorker
@@ -23,7 +23,7 @@ from redisdask.schema import Keys
 from redisdask.security import Security
 from redisdask.utils import spawn
 
-logger = logging.getLogger("redisdask.cluster")
+logger = logging.getLogger("redisdask.deploy.cluster")
 
 
 class LocalCluster:

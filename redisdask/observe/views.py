@@ -18,7 +18,7 @@ from rich.text import Text
 
 from redisdask import redis_memory
 from redisdask.events import describe, spill_failed
-from redisdask.snapshot import PrefixView, Snapshot, WorkerView
+from redisdask.observe.snapshot import PrefixView, Snapshot, WorkerView
 from redisdask.utils.sizes import format_bytes
 
 NARROW = 100  # columns below which the tables drop their less vital columns

@@ -37,10 +37,10 @@ from prometheus_client.core import (
 from redisdask import schema
 from redisdask.connection import connect, redact
 from redisdask.lease import token_number
+from redisdask.observe.snapshot import Snapshot, read_snapshot
 from redisdask.schema import Keys
-from redisdask.snapshot import Snapshot, read_snapshot
 
-logger = logging.getLogger("redisdask.exporter")
+logger = logging.getLogger("redisdask.observe.exporter")
 
 DEATHS_PAGE = 1000  # entries of the deaths stream per XRANGE
 # the scheduler's task states, always exported (a state with no task is 0, not absent,

@@ -470,8 +470,8 @@ def _read_only(args: argparse.Namespace, config: Config) -> int:
     """``status``, ``monitor`` and ``inspect ...``: they only ever read Redis."""
     from rich.console import Console
 
-    from redisdask import inspect
     from redisdask.connection import connect, redact
+    from redisdask.observe import inspect
     from redisdask.schema import Keys
 
     console = Console()
@@ -485,12 +485,12 @@ def _read_only(args: argparse.Namespace, config: Config) -> int:
     r = connect(args.redis_url, timeout=config.redis.connect_timeout)
     try:
         if args.command == "monitor":
-            from redisdask.monitor import run_monitor
+            from redisdask.observe.monitor import run_monitor
 
             return run_monitor(r, keys, redact(args.redis_url), interval=args.interval)
         if args.command == "status":
-            from redisdask.snapshot import read_snapshot
-            from redisdask.views import status_view
+            from redisdask.observe.snapshot import read_snapshot
+            from redisdask.observe.views import status_view
 
             snap = read_snapshot(r, keys)
             if args.json:
@@ -587,7 +587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "exporter":
             logs.setup(config.logging.level, "exporter", args.cluster, config.logging.format)
             _check_host("--host", args.host)
-            from redisdask.exporter import run_exporter
+            from redisdask.observe.exporter import run_exporter
 
             return run_exporter(
                 args.redis_url,
@@ -601,7 +601,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "demo":
             logs.setup("WARNING", "demo", log_format=config.logging.format)
             try:
-                from redisdask.demo import run_demo
+                from redisdask.cli.demo import run_demo
             except ModuleNotFoundError as exc:
                 print(
                     f"redisdask demo needs {exc.name}: pip install 'redisdask[demo]'",

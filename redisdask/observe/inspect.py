@@ -33,11 +33,11 @@ from rich.text import Text
 from redisdask import schema
 from redisdask.events import describe
 from redisdask.holdings import workers_only
+from redisdask.observe.views import clock
 from redisdask.placement import Placement, format_resources, worker_resources
 from redisdask.schema import REDIS_COPY, Keys
 from redisdask.task_record import TaskRecord
 from redisdask.utils.sizes import format_bytes
-from redisdask.views import clock
 
 LOG_LINES = 15  # lines of a death's log tail shown (``--json`` gives all of them)
 SCAN_LIMIT = 200_000  # tasks read to find dependents or a worker's data (else: skipped)

@@ -1,7 +1,7 @@
 """``redisdask monitor``: a full-screen dashboard of a cluster, redrawn twice a second.
 
 Each frame is one ``read_snapshot`` (a pipeline of read-only commands) rendered by
-``redisdask.views.dashboard``; the monitor never writes to Redis, so any number of them
+``redisdask.observe.views.dashboard``; the monitor never writes to Redis, so any number of them
 can watch a cluster, from any machine, without slowing it down.  ``q`` or Ctrl-C quits.
 A Redis that goes away is shown on screen and retried; it does not end the monitor.
 """
@@ -20,9 +20,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
+from redisdask.observe.snapshot import read_snapshot
+from redisdask.observe.views import dashboard
 from redisdask.schema import Keys
-from redisdask.snapshot import read_snapshot
-from redisdask.views import dashboard
 
 QUIT_KEYS = {"q", "Q", "\x03", "\x04"}  # q, Ctrl-C (when the terminal passes it), Ctrl-D
 
