@@ -390,7 +390,7 @@ class Nanny:
         if watch.address is None:
             watch.address = _read(self.address_path)
             watch.heard_at = time.monotonic()
-            return  # not registered yet, or just now
+            return  # not about to register yet, or just now
         busy = proc.cpu_percent(None) >= BUSY_CPU_PERCENT and status not in (
             psutil.STATUS_STOPPED,
             psutil.STATUS_ZOMBIE,
@@ -404,6 +404,9 @@ class Nanny:
         # that we saw (a Redis back from its AOF holds old entries; a removed worker's
         # entry is gone)
         beat = await self.redis.hget(self.keys.heartbeats, watch.address)
+        if beat is None and watch.last_beat is None:  # (its address is written before it
+            watch.heard_at = time.monotonic()  # registers: silence counts from then)
+            return
         if beat is not None and beat != watch.last_beat:
             watch.last_beat, watch.heard_at = beat, time.monotonic()
         silent = time.monotonic() - watch.heard_at

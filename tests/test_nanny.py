@@ -367,3 +367,65 @@ def test_a_hung_worker_is_killed_and_restarted_by_its_nanny(
             not psutil.pid_exists(info["pid"]) or psutil.Process(info["pid"]).status() == "zombie"
         )
         assert client.submit(inc, 1).result(timeout=30) == 2  # a fresh worker took over
+
+
+STALL_PRELOAD = """
+import asyncio, os
+from pathlib import Path
+
+FLAG = Path({flag!r})
+
+
+def dask_setup(worker):
+    register = worker._register
+
+    async def register_then_stall(*args, **kwargs):
+        await register(*args, **kwargs)
+        if FLAG.exists():  # registered, and stalled before its start ends: to be killed
+            FLAG.write_text(str(os.getpid()))
+            await asyncio.sleep(3600)
+
+    worker._register = register_then_stall
+"""
+
+
+def test_a_worker_killed_just_after_it_registered_is_named_to_the_scheduler(
+    redis_url: str, cluster_name: str, tmp_path: Path
+) -> None:
+    """Killed between its registration and the rest of its start: its nanny names it to
+    the scheduler, which removes it with the death's record.  Before, the worker told its
+    nanny its address only once started, so the nanny recorded the death of a worker "not
+    registered" and the scheduler went on pushing tasks to the dead worker until its
+    watch noticed, blaming the first of them for the death (``KilledWorker``: CI's
+    ``test_crashes_are_recorded_with_exit_code_or_signal_and_the_worker_comes_back``)."""
+    flag = tmp_path / "stall"
+    preload = tmp_path / "stall_preload.py"
+    preload.write_text(STALL_PRELOAD.format(flag=str(flag)))
+    with (
+        LocalCluster(
+            n_workers=1,
+            nanny=True,
+            redis_url=redis_url,
+            cluster_name=cluster_name,
+            worker_options={"preload": [str(preload)]},
+            scheduler_options={"allowed_failures": 0},
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        assert client.submit(inc, 0).result(timeout=30) == 1
+        [(first, info)] = workers_of(redis_url, cluster_name).items()
+        flag.write_text("")
+        os.kill(info["pid"], signal.SIGKILL)  # its nanny starts the next, which stalls
+        poll(lambda: flag.read_text().isdigit(), timeout=30)
+        stalled_pid = int(flag.read_text())
+        [stalled] = [
+            a for a, i in workers_of(redis_url, cluster_name).items() if i["pid"] == stalled_pid
+        ]
+        flag.unlink()  # the one after it starts whole
+        os.kill(stalled_pid, signal.SIGKILL)
+        poll(lambda: stalled in {d["worker"] for d in deaths(redis_url, cluster_name)})
+        [death] = [d for d in deaths(redis_url, cluster_name) if d["worker"] == stalled]
+        assert death["how"] == "nanny" and death["evidence"]["signal"] == "SIGKILL"
+        assert stalled not in workers_of(redis_url, cluster_name)  # removed with its death
+        assert client.submit(inc, 1).result(timeout=30) == 2  # not pushed to the dead one
+        assert first != stalled and cluster.worker_processes[0].poll() is None

@@ -312,11 +312,13 @@ class Worker:
             self.data.known = self._known_nbytes
         self.scripts = schema.Scripts(self.redis, self.keys)  # type: ignore[arg-type]
         await self.plugin_host.start(self)  # preloads, uploads, plugins: before any claim
+        if self._address_file:  # for its nanny: which worker.  Before registering: a death
+            # after the registration, and the nanny could not name it to the scheduler,
+            # which would go on giving work to a dead worker until its watch noticed
+            Path(self._address_file).write_text(self.address)
         await self._register()
         self._run_id = (await self.redis.info("server")).get("run_id")  # see _removed
         await self.plugin_host.sync(self)  # those registered while this one registered
-        if self._address_file:
-            Path(self._address_file).write_text(self.address)  # for its nanny: which worker
         self.status = "running"
         loops = [self._claim_loop, self._listen_loop, self._heartbeat_loop, self._flush_loop]
         loops.append(self._holding_loop)
