@@ -85,8 +85,8 @@ from redisdask.protocol import (
     ClientMissingData,
     ClientReleasesKeys,
     CloseClient,
-    Event,
     RetryKeys,
+    Stimulus,
     UpdateGraph,
 )
 from redisdask.scatter import ScatterMethods
@@ -545,7 +545,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
         wanted_in: list[list[str]] = [[] for _ in chunks]
         for key in wanted:
             wanted_in[chunk_of.get(key, 0)].append(key)
-        entries: list[list[Event]] = [
+        entries: list[list[Stimulus]] = [
             [UpdateGraph(self.id, chunk, want + bridge, generation)]
             for chunk, want, bridge in zip(chunks, wanted_in, bridges, strict=True)
         ]

@@ -62,11 +62,11 @@ from redisdask.protocol import (
     SCHEDULER_TO_CLIENT,
     CancelledKeys,
     ClientReleasesKeys,
-    Event,
     KeyErred,
     KeyInMemory,
     Restarted,
     RetireRefused,
+    Stimulus,
     TaskRetried,
     dicts,
     parse,
@@ -130,7 +130,7 @@ class SchedulerChannel:
 
     def _send(
         self,
-        *batches: list[Event],
+        *batches: list[Stimulus],
         resubmitted: Iterable[str] = (),
         wait: bool = True,
     ) -> Awaitable[None] | None:
@@ -169,7 +169,7 @@ class SchedulerChannel:
         if busy and running_loop() is not self.loop:
             self._send()
 
-    async def _asend(self, *batches: list[Event], resubmitted: Iterable[str] = ()) -> None:
+    async def _asend(self, *batches: list[Stimulus], resubmitted: Iterable[str] = ()) -> None:
         """``_send`` from a coroutine on the client's loop: waits until written."""
         await self._send(*batches, resubmitted=resubmitted)  # type: ignore[misc]
 
@@ -446,7 +446,7 @@ class SchedulerChannel:
 
     def _with_releases(
         self, items: list[_Outgoing]
-    ) -> tuple[list[list[Event]], list[_Outgoing | None], dict[str, int]]:
+    ) -> tuple[list[list[Stimulus]], list[_Outgoing | None], dict[str, int]]:
         """The items' batches in order, with the release of every key whose last future
         went (``_dec_ref``) placed after every send queued before it went (a graph queued
         earlier may depend on the key) and before the items queued after.  A release due
@@ -458,7 +458,7 @@ class SchedulerChannel:
         anew.  Otherwise it stays pending while it has futures.  Also returns the item
         each batch is of (``None``: releases alone) and the releases taken (key -> its
         place), to put back if the write fails."""
-        batches: list[list[Event]] = []
+        batches: list[list[Stimulus]] = []
         owners: list[_Outgoing | None] = []
         released: dict[str, int] = {}
         with self._lock:
@@ -751,7 +751,7 @@ class SchedulerChannel:
 class _Outgoing:
     """Stream entries queued for the sender task, and who hears how the write went."""
 
-    batches: tuple[list[Event], ...]
+    batches: tuple[list[Stimulus], ...]
     resubmitted: tuple[str, ...]  # the keys of a graph (a failed send errs their futures)
     written: concurrent.futures.Future[None]
     waited: bool  # a thread blocks on ``written`` (else a failure errs the futures)
@@ -812,7 +812,9 @@ def _fail(items: list[_Outgoing], exc: BaseException) -> None:
             item.written.set_exception(exc)
 
 
-def _prepend(batches: list[list[Event]], following: Sequence[list[Event]], msg: Event) -> None:
+def _prepend(
+    batches: list[list[Stimulus]], following: Sequence[list[Stimulus]], msg: Stimulus
+) -> None:
     """Append ``following`` to ``batches`` with ``msg`` first, in the same stream entry as
     the first of them: separate entries are read as separate scheduler batches, and a
     release written just before a submission would cost the submission a batch of its
@@ -822,10 +824,6 @@ def _prepend(batches: list[list[Event]], following: Sequence[list[Event]], msg: 
         batches.extend(following[1:])
     else:
         batches.append([msg])
-
-
-def _entries_size(packed: list[dict[str, bytes]]) -> int:
-    return sum(len(entry["m"]) for entry in packed)
 
 
 def _load_error(msg: KeyErred) -> tuple[BaseException, Any]:

@@ -26,7 +26,7 @@
     │                                                  hash, a workers entry): skipped,
     │                                                  dead-lettered, its futures err
     ├── CommError                                      peer-to-peer transport (redisdask.comm)
-    │   ├── ProtocolError (also the one above)         a malformed frame from a peer
+    │   ├── FramingError (also a ProtocolError)        a malformed frame from a peer
     │   ├── AuthenticationError                        the HMAC handshake failed
     │   ├── CommClosedError (also ConnectionError)     a peer cannot be reached
     │   │   ├── SecurityMismatchError                  one side wants TLS, the other not

@@ -17,7 +17,7 @@ named in one place.  A malformed message raises ``ProtocolError`` naming the fie
 receiver decides what that means (the scheduler dead-letters the entry, a worker or a
 client logs and skips the message).
 
-The messages into the scheduler are its events (``Event``): they carry a
+The messages into the scheduler are its events (``Stimulus``): they carry a
 ``stimulus_id``, keyword-only and last (Dask's convention), which is **not** on the wire:
 the scheduler names each message after its stream entry (``workers:<id>/<index>``).
 
@@ -188,7 +188,7 @@ class Message:
 
 
 @dataclass(slots=True)
-class Event(Message):
+class Stimulus(Message):
     """A message into the scheduler: a stimulus of its state machine (``scheduler.state``).
     ``stimulus_id`` identifies it in the stories; it is not part of the wire message."""
 
@@ -229,7 +229,7 @@ def dicts(messages: Iterable[Message]) -> list[dict[str, Any]]:
 
 
 @dataclass(slots=True)
-class UpdateGraph(Event):
+class UpdateGraph(Stimulus):
     """A client submits tasks.  Each task: {key, spec: bytes|None, deps: [keys],
     priority: int, retries: int, workers?: [address, name or host],
     allow_other_workers?: bool, resources?: {name: amount}}.  ``wanted`` are the keys the
@@ -264,21 +264,21 @@ class UpdateGraph(Event):
 
 
 @dataclass(slots=True)
-class ClientDesiresKeys(Event):
+class ClientDesiresKeys(Stimulus):
     op: ClassVar[str] = "client-desires-keys"
     client: str
     keys: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
-class ClientReleasesKeys(Event):
+class ClientReleasesKeys(Stimulus):
     op: ClassVar[str] = "client-releases-keys"
     client: str
     keys: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
-class CancelKeys(Event):
+class CancelKeys(Stimulus):
     op: ClassVar[str] = "cancel-keys"
     client: str
     keys: list[str] = field(default_factory=list)
@@ -286,7 +286,7 @@ class CancelKeys(Event):
 
 
 @dataclass(slots=True)
-class RetryKeys(Event):
+class RetryKeys(Stimulus):
     """Run erred tasks again (``client.retry``), with the erred tasks they depend on."""
 
     op: ClassVar[str] = "retry-keys"
@@ -295,13 +295,13 @@ class RetryKeys(Event):
 
 
 @dataclass(slots=True)
-class CloseClient(Event):
+class CloseClient(Stimulus):
     op: ClassVar[str] = "close-client"
     client: str
 
 
 @dataclass(slots=True)
-class UpdateData(Event):
+class UpdateData(Stimulus):
     """A client scattered data straight to workers: who_has {key: [worker]}."""
 
     op: ClassVar[str] = "update-data"
@@ -312,7 +312,7 @@ class UpdateData(Event):
 
 
 @dataclass(slots=True)
-class ClientMissingData(Event):
+class ClientMissingData(Stimulus):
     """A client could fetch none of ``keys`` from the holders the scheduler named: for
     each key, the holders whose request failed (a peer deadline or a connection error).
     The scheduler drops those it still counts, as for a worker's ``missing-data``."""
@@ -323,7 +323,7 @@ class ClientMissingData(Event):
 
 
 @dataclass(slots=True)
-class Restart(Event):
+class Restart(Stimulus):
     """A client restarts the cluster: every task is forgotten, every future cancelled,
     every worker drops what it holds.  ``connected``: the clients connected when the
     scheduler took it up (``rd:{c}:clients``), filled in by the scheduler: each hears of
@@ -335,7 +335,7 @@ class Restart(Event):
 
 
 @dataclass(slots=True)
-class Replicate(Event):
+class Replicate(Stimulus):
     """A client asks for ``n`` copies of each of ``keys`` on distinct workers, kept after
     a loss while a copy survives."""
 
@@ -346,7 +346,7 @@ class Replicate(Event):
 
 
 @dataclass(slots=True)
-class Rebalance(Event):
+class Rebalance(Stimulus):
     """A client asks to even out the bytes its workers hold (``Client.rebalance``):
     ``keys`` only those (None: any key), among ``workers`` only (None: every worker).
     The scheduler records its plan and progress under ``request`` (the client's id for
@@ -365,7 +365,7 @@ class Rebalance(Event):
 
 
 @dataclass(slots=True)
-class RetireWorkers(Event):
+class RetireWorkers(Stimulus):
     """Workers leave gracefully (on both input streams).  They stop claiming, hand back
     the tasks they claimed but did not start, finish the ones running, and stay until
     every result that only they hold has a copy on a worker that stays; then the
@@ -391,7 +391,7 @@ class RetireWorkers(Event):
 
 
 @dataclass(slots=True)
-class AddWorker(Event):
+class AddWorker(Stimulus):
     """A worker (re)joins.  After losing Redis it sends ``resync``: the keys it holds
     ``{"keys": {key: nbytes}}`` and the claimed tasks it still has
     ``{"processing": [key]}``, so the scheduler can reconcile what Redis forgot."""
@@ -404,7 +404,7 @@ class AddWorker(Event):
 
 
 @dataclass(slots=True)
-class RemoveWorker(Event):
+class RemoveWorker(Stimulus):
     """A worker is gone.  ``how``: ``goodbye`` (it left on its own: nothing is blamed),
     ``connection`` (its Redis connections closed), ``heartbeat`` (its heartbeat expired) or
     ``nanny`` (its nanny saw it die) or ``replaced`` (a new process registered at its
@@ -421,7 +421,7 @@ class RemoveWorker(Event):
 
 
 @dataclass(slots=True)
-class TaskClaimed(Event):
+class TaskClaimed(Stimulus):
     """Written by the CLAIM script; ``scores`` say which run of each key was popped.
     ``chained``: written by the FINISH script, which claimed ``keys`` while they were
     still waiting, on tasks processing on ``worker`` whose results the same entry
@@ -436,7 +436,7 @@ class TaskClaimed(Event):
 
 
 @dataclass(slots=True)
-class ClientsTold(Event):
+class ClientsTold(Stimulus):
     """Written by the FINISH script: it sent the ``key-in-memory`` of these pushed tasks'
     results (``scores``: which run) to the clients named in their records' ``notify``,
     whose results the same entry reports next (docs/design.md, "Push")."""
@@ -448,7 +448,7 @@ class ClientsTold(Event):
 
 
 @dataclass(slots=True)
-class Holding(Event):
+class Holding(Stimulus):
     """A worker's periodic word on the claimed tasks it has not finished: ``keys``, of
     the tasks it claimed before its previous holding report (the workers stream orders
     the reports, claims and results exactly; see the worker's ``_report_holding``).  A
@@ -461,7 +461,7 @@ class Holding(Event):
 
 
 @dataclass(slots=True)
-class TaskFinished(Event):
+class TaskFinished(Stimulus):
     """A claimed task's result is in the worker's memory (the worker state machine emits
     it).  ``score``: the run it answers (a task's score is new at each submission)."""
 
@@ -481,7 +481,7 @@ class TaskFinished(Event):
 
 
 @dataclass(slots=True)
-class TaskErred(Event):
+class TaskErred(Stimulus):
     """The function raised (the worker state machine emits it): the exception and tblib
     traceback cloudpickled, and their text."""
 
@@ -497,7 +497,7 @@ class TaskErred(Event):
 
 
 @dataclass(slots=True)
-class MissingData(Event):
+class MissingData(Stimulus):
     """A worker could not get ``keys`` from ``errant_worker`` (or from anyone: ``""``)."""
 
     op: ClassVar[str] = "missing-data"
@@ -507,7 +507,7 @@ class MissingData(Event):
 
 
 @dataclass(slots=True)
-class AddKeys(Event):
+class AddKeys(Stimulus):
     """A worker holds ``keys`` it did not compute (scattered to it, or a replica)."""
 
     op: ClassVar[str] = "add-keys"
@@ -517,7 +517,7 @@ class AddKeys(Event):
 
 
 @dataclass(slots=True)
-class ReleasedKeys(Event):
+class ReleasedKeys(Stimulus):
     """A worker dropped ``keys`` (e.g. a cancelled task's late result), or handed back
     its claims of them; ``scores`` say which run of each key (none: unknown).
     ``overdue``: it handed them back because every thread runs a task past twice its
@@ -533,7 +533,7 @@ class ReleasedKeys(Event):
 
 
 @dataclass(slots=True)
-class StolenKeys(Event):
+class StolenKeys(Stimulus):
     """The victim's answer to a ``steal-request``: it gave back its claims of ``keys``
     (not started here: they will not run here), to be queued for ``thief``
     (``redisdask.scheduler.stealing``); ``scores`` say which run of each key; ``refused``: the keys
@@ -730,17 +730,17 @@ class RetireRefused(ClientEvent):
 
 # --------------------------------------------------------------------------- channels
 
-CLIENT_TO_SCHEDULER: dict[str, type[Event]] = registry(
+CLIENT_TO_SCHEDULER: dict[str, type[Stimulus]] = registry(
     UpdateGraph, ClientDesiresKeys, ClientReleasesKeys, CancelKeys, RetryKeys, Replicate,
     Rebalance, Restart, RetireWorkers, UpdateData, CloseClient, ClientMissingData,
 )  # fmt: skip
-WORKER_TO_SCHEDULER: dict[str, type[Event]] = registry(
+WORKER_TO_SCHEDULER: dict[str, type[Stimulus]] = registry(
     AddWorker, TaskClaimed, TaskFinished, TaskErred, MissingData, AddKeys, ReleasedKeys,
     Holding, RetireWorkers, RemoveWorker, StolenKeys, ClientsTold,
 )  # fmt: skip
-NANNY_TO_SCHEDULER: dict[str, type[Event]] = registry(RemoveWorker)
+NANNY_TO_SCHEDULER: dict[str, type[Stimulus]] = registry(RemoveWorker)
 # the scheduler accepts every one of its events on either input stream
-SCHEDULER_EVENTS: dict[str, type[Event]] = {**CLIENT_TO_SCHEDULER, **WORKER_TO_SCHEDULER}
+SCHEDULER_EVENTS: dict[str, type[Stimulus]] = {**CLIENT_TO_SCHEDULER, **WORKER_TO_SCHEDULER}
 SCHEDULER_TO_WORKER: dict[str, type[InboxMessage]] = registry(
     FreeKeys,
     KeysRecorded,
@@ -762,9 +762,9 @@ CHANNELS: dict[str, dict[str, Any]] = {
     "scheduler -> worker": SCHEDULER_TO_WORKER,
     "scheduler -> client": SCHEDULER_TO_CLIENT,
 }
-# ``Event.from_dict(msg)``: any message into the scheduler, and so on
+# ``Stimulus.from_dict(msg)``: any message into the scheduler, and so on
 _CHANNEL_OF: dict[type[Message], dict[str, Any]] = {
-    Event: SCHEDULER_EVENTS,
+    Stimulus: SCHEDULER_EVENTS,
     InboxMessage: SCHEDULER_TO_WORKER,
     ClientEvent: SCHEDULER_TO_CLIENT,
 }

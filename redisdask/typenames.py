@@ -1,4 +1,5 @@
-"""Type names as results' records keep them, and the types they name.
+"""Type names as results' records keep them, the types they name, and a function's name
+as messages about a call show it (``function_name``).
 
 A worker records the type of each result it holds as its name, which travels to the
 scheduler and the clients (and ``redisdask inspect`` shows): ``int`` for a builtin,
@@ -21,6 +22,15 @@ def type_name(typ: type) -> str:
     module = getattr(typ, "__module__", "") or ""
     qualname = getattr(typ, "__qualname__", typ.__name__)
     return qualname if module == "builtins" else f"{module}.{qualname}"
+
+
+def function_name(function: object) -> str:
+    """A callable's qualified name (``Class.method``), through ``functools.partial`` and
+    its kind, for messages naming a call (``client.run(f)``); not a task key's prefix,
+    which is ``spec.funcname``'s."""
+    while hasattr(function, "func"):  # functools.partial and friends
+        function = function.func
+    return str(getattr(function, "__qualname__", None) or type(function).__name__)
 
 
 @functools.lru_cache(maxsize=256)

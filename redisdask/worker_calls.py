@@ -38,6 +38,7 @@ from redisdask.config import parse_duration
 from redisdask.errors import RedisDaskError, WorkerStartTimeoutError, WorkerUnresponsiveError
 from redisdask.loop import offloaded
 from redisdask.plugins import UPLOAD_SUFFIXES, check_worker_plugin, plugin_name
+from redisdask.typenames import function_name
 from redisdask.utils import pickling
 from redisdask.utils.sizes import format_bytes
 
@@ -56,12 +57,6 @@ WAIT_POLL = 0.05  # seconds between looks at the workers hash in wait_for_worker
 
 Answer = tuple[Literal["ok", "error", "unanswered"], Any]
 OnError = Literal["raise", "return", "ignore"]
-
-
-def funcname(function: Any) -> str:
-    while hasattr(function, "func"):  # functools.partial and friends
-        function = function.func
-    return str(getattr(function, "__qualname__", None) or type(function).__name__)
 
 
 class WorkerCalls:
@@ -112,7 +107,7 @@ class WorkerCalls:
         if not callable(function):
             raise TypeError(f"client.run needs a function, got {type(function).__name__}")
         seconds = self._call_timeout(timeout)
-        what = f"client.run({funcname(function)})"
+        what = f"client.run({function_name(function)})"
         try:
             frames = comm.serialize((function, args, kwargs))
         except comm.SerializationError as exc:

@@ -20,7 +20,7 @@ import redis
 
 from redisdask.protocol import (
     AddWorker,
-    Event,
+    Stimulus,
     TaskErred,
     TaskFinished,
     UpdateGraph,
@@ -48,7 +48,7 @@ class Writer:
         self.n = 0
         self.read_to = "0-0"  # the last entry of the workers stream applied
 
-    def apply(self, *events: Event) -> None:
+    def apply(self, *events: Stimulus) -> None:
         commands = self.translator.to_commands(self.state.handle_stimulus(*events))
         commands.append(["HSET", self.keys.meta, "seq", self.state.seq])
         self.scripts.apply_fenced(token=self.token, commands=commands, ttl_ms=600_000)
@@ -100,7 +100,7 @@ def build(r: redis.Redis, keys: Keys, n: int, claimed_share: float = 0.4) -> Sch
         claimed = w.claims()
         if not claimed:
             break
-        finished: list[Event] = []
+        finished: list[Stimulus] = []
         for key in claimed[: max(0, len(claimed) - 50)]:  # the last claims stay processing
             ts = w.state.tasks[key]
             worker, i = ts.processing_on or CPU_WORKER, int(key.split("-")[1])

@@ -25,8 +25,8 @@ from redisdask.comm import (
     CommClosedError,
     ConnectionPool,
     DataServer,
+    FramingError,
     MessageReader,
-    ProtocolError,
     SerializationError,
     deserialize,
     deserialize_dict,
@@ -170,7 +170,7 @@ def test_reader_fed_byte_by_byte_and_in_one_chunk() -> None:
     ],
 )
 def test_reader_rejects_garbage(garbage: bytes) -> None:
-    with pytest.raises(ProtocolError):
+    with pytest.raises(FramingError):
         MessageReader().feed(garbage)
 
 

@@ -267,7 +267,7 @@ def test_peer_frames_decode_or_raise_protocol_error() -> None:
         try:
             reader.feed(data[:cut])  # in two reads, as a socket may deliver it
             reader.feed(data[cut:])
-        except comm.ProtocolError:
+        except comm.FramingError:
             return
         while (message := reader.next_message()) is not None:
             header, payload = message

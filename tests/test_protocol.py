@@ -102,14 +102,14 @@ def test_every_message_round_trips(message: wire.Message) -> None:
     back = type(message).from_dict(packed, "s")
     assert back == message and type(back) is type(message)
     # its channel's base class (and parse) find the class by op
-    base = wire.Event if isinstance(message, wire.Event) else type(message).__mro__[1]
+    base = wire.Stimulus if isinstance(message, wire.Stimulus) else type(message).__mro__[1]
     assert type(base.from_dict(packed, "s")) is type(message)
 
 
 def test_events_take_the_stimulus_id_of_the_receiver() -> None:
     d = wire.CloseClient(client="c").to_dict()
-    assert wire.Event.from_dict(d, "clients:1-0/0").stimulus_id == "clients:1-0/0"
-    assert wire.Event.from_dict(d).stimulus_id == "replay"
+    assert wire.Stimulus.from_dict(d, "clients:1-0/0").stimulus_id == "clients:1-0/0"
+    assert wire.Stimulus.from_dict(d).stimulus_id == "replay"
     with pytest.raises(TypeError):
         wire.CloseClient("s", "c")  # type: ignore[misc]  # stimulus_id is keyword-only
 
@@ -139,7 +139,7 @@ def test_optional_fields_stay_off_the_wire_at_their_default() -> None:
 
 
 def test_from_dict_defaults_missing_optional_fields() -> None:
-    ev = wire.Event.from_dict({"op": "claimed", "worker": W1})
+    ev = wire.Stimulus.from_dict({"op": "claimed", "worker": W1})
     assert isinstance(ev, wire.TaskClaimed) and ev.keys == [] and ev.stimulus_id == "replay"
 
 
@@ -158,7 +158,7 @@ def test_from_dict_defaults_missing_optional_fields() -> None:
 )
 def test_from_dict_names_the_bad_field(msg: dict[str, Any], named: str) -> None:
     with pytest.raises(ProtocolError, match=re.escape(named)):
-        wire.Event.from_dict(msg)
+        wire.Stimulus.from_dict(msg)
 
 
 @pytest.mark.parametrize(
@@ -234,15 +234,15 @@ def test_unknown_ops_are_refused(msg: Any) -> None:
 )
 def test_from_dict_rejects_malformed_messages(msg: dict[str, Any]) -> None:
     with pytest.raises(ProtocolError):
-        wire.Event.from_dict(msg)
+        wire.Stimulus.from_dict(msg)
 
 
 def test_channel_bases_parse_only_their_channel() -> None:
     assert isinstance(wire.InboxMessage.from_dict({"op": "restart"}), wire.RestartWorker)
-    assert isinstance(wire.Event.from_dict({"op": "restart", "client": "c"}), wire.Restart)
+    assert isinstance(wire.Stimulus.from_dict({"op": "restart", "client": "c"}), wire.Restart)
     assert isinstance(wire.ClientEvent.from_dict({"op": "task-erred", "key": "x"}), wire.KeyErred)
     assert isinstance(
-        wire.Event.from_dict({"op": "task-erred", "worker": W1, "key": "x"}), wire.TaskErred
+        wire.Stimulus.from_dict({"op": "task-erred", "worker": W1, "key": "x"}), wire.TaskErred
     )
     with pytest.raises(ProtocolError):
         wire.ClientEvent.from_dict({"op": "free-keys", "keys": []})

@@ -53,7 +53,6 @@ from redisdask.protocol import (
     ClientDesiresKeys,
     ClientReleasesKeys,
     CloseClient,
-    Event,
     Holding,
     MissingData,
     Rebalance,
@@ -62,6 +61,7 @@ from redisdask.protocol import (
     Replicate,
     Restart,
     RetireWorkers,
+    Stimulus,
     TaskErred,
     TaskFinished,
     UpdateData,
@@ -77,7 +77,7 @@ pytestmark = pytest.mark.timeout(240)
 SEEDS = range(int(os.environ.get("REDISDASK_ROUNDTRIP_SEEDS", "30")))
 STEPS = 150
 HOSTS = ("10.0.0.1", "10.0.0.2")
-E = TypeVar("E", bound=Event)
+E = TypeVar("E", bound=Stimulus)
 # small test data: the thresholds of a rebalance would move nothing
 LIMITS = RebalanceConfig(sender_min=0, sender_recipient_gap=0)
 
@@ -166,7 +166,7 @@ class Run:
         self.scripts = Scripts(r, keys)
         self.token = self.scripts.acquire_lease(token=None, ttl_ms=600_000).decode()
         self.n = 0  # stimulus counter, and a source of fresh names
-        self.in_flight: list[list[Event]] = []  # claims made, their message not yet read
+        self.in_flight: list[list[Stimulus]] = []  # claims made, their message not yet read
         self.claims_read = "0-0"  # the last entry of the workers stream read
         self.clients = ["c0", "c1"]
         self.task_keys: list[str] = []  # every key ever submitted (some are long gone)
@@ -182,7 +182,7 @@ class Run:
         """An event of ``kind`` with the next stimulus id."""
         return kind(**fields, stimulus_id=self.sid())
 
-    def apply(self, *events: Event) -> None:
+    def apply(self, *events: Stimulus) -> None:
         self.history += [repr(ev) for ev in events]
         instructions = self.state.handle_stimulus(*events)
         commands = self.translator.to_commands(instructions)

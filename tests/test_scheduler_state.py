@@ -42,7 +42,6 @@ from redisdask.scheduler.state import (
     ClientMissingData,
     ClientReleasesKeys,
     CloseClient,
-    Event,
     Holding,
     MissingData,
     RejectedGraph,
@@ -53,6 +52,7 @@ from redisdask.scheduler.state import (
     RetireWorkers,
     RetryKeys,
     SchedulerState,
+    Stimulus,
     TaskClaimed,
     TaskErred,
     TaskFinished,
@@ -1354,7 +1354,7 @@ def _drive(s: SchedulerState, ready: list[tuple[float, str]], worker: str, batch
             _, key = heapq.heappop(ready)
             if key not in dequeued:
                 keys.append(key)
-        events: list[Event] = [TaskClaimed(worker=worker, keys=keys, stimulus_id="c")]
+        events: list[Stimulus] = [TaskClaimed(worker=worker, keys=keys, stimulus_id="c")]
         events += [
             TaskFinished(worker=worker, key=k, nbytes=8, type="int", stimulus_id="f") for k in keys
         ]
@@ -1439,7 +1439,7 @@ def test_accepted_messages_never_crash_the_machine():
         {"op": "add-keys", "worker": W2, "keys": ["x"]},
         {"op": "remove-worker", "worker": W2},
     ]:
-        s.handle_stimulus(Event.from_dict(msg))
+        s.handle_stimulus(Stimulus.from_dict(msg))
 
 
 # --------------------------------------------------------------------------- randomized
@@ -1757,7 +1757,7 @@ def test_a_restricted_task_waits_for_a_matching_worker_and_is_queued_on_each_tha
 
 def test_a_restriction_must_be_a_list_of_str():
     with pytest.raises(ProtocolError, match="'workers' should be a list of str"):
-        Event.from_dict(
+        Stimulus.from_dict(
             {"op": "update-graph", "client": "c", "tasks": [{"key": "x", "workers": 5}]}
         )
 
@@ -2108,7 +2108,7 @@ def test_the_transition_table_holds_every_transition_method():
 
 
 def test_every_event_type_has_its_handler():
-    assert set(SchedulerState._HANDLERS) == set(Event.__subclasses__())
+    assert set(SchedulerState._HANDLERS) == set(Stimulus.__subclasses__())
     assert set(SCHEDULER_EVENTS.values()) <= set(SchedulerState._HANDLERS)
     handlers = {n for n in dir(SchedulerState) if n.startswith("_handle_")}
     assert {f.__name__ for f in SchedulerState._HANDLERS.values()} == handlers
@@ -2238,11 +2238,11 @@ def test_resources_in_an_update_graph_must_be_a_map_of_amounts():
         ({"GPU": float("nan")}, "finite"),
     ):
         with pytest.raises(ProtocolError, match=match):
-            Event.from_dict(
+            Stimulus.from_dict(
                 {"op": "update-graph", "client": "c", "tasks": [{"key": "x", "resources": bad}]}
             )
     with pytest.raises(ProtocolError, match="allow_other_workers"):
-        Event.from_dict(
+        Stimulus.from_dict(
             {"op": "update-graph", "client": "c", "tasks": [{"key": "x", "allow_other_workers": 1}]}
         )
 

@@ -12,9 +12,9 @@ import pytest
 
 from redisdask.protocol import (
     AddKeys,
-    Event,
     MissingData,
     ReleasedKeys,
+    Stimulus,
     StolenKeys,
     TaskErred,
     TaskFinished,
@@ -800,7 +800,7 @@ def test_instructions_round_trip() -> None:
     for instruction in out:
         packed = msgpack.unpackb(msgpack.packb(instruction.to_dict()))
         if isinstance(instruction, Report):  # a message to the scheduler, as it is sent
-            assert Event.from_dict(packed, instruction.stimulus_id) == instruction
+            assert Stimulus.from_dict(packed, instruction.stimulus_id) == instruction
         else:
             assert Instruction.from_dict(packed) == instruction
 

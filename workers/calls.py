@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from redisdask import comm
 from redisdask.errors import TaskInterrupted
-from redisdask.worker_calls import funcname
+from redisdask.typenames import function_name
 from redisdask.workers.failures import exception_blobs
 
 if TYPE_CHECKING:
@@ -90,11 +90,11 @@ async def in_thread(function: Callable[..., Any], *args: Any, **kwargs: Any) -> 
         try:
             result, error = function(*args, **kwargs), None
         except BaseException as exc:
-            result, error = None, _not_interrupting(exc, funcname(function))
+            result, error = None, _not_interrupting(exc, function_name(function))
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
             loop.call_soon_threadsafe(settle, result, error)
 
-    threading.Thread(target=target, daemon=True, name=f"rd-call-{funcname(function)}").start()
+    threading.Thread(target=target, daemon=True, name=f"rd-call-{function_name(function)}").start()
     return await future
 
 
@@ -111,7 +111,7 @@ async def call_user(function: Callable[..., Any], *args: Any, **kwargs: Any) -> 
     except asyncio.CancelledError:
         raise
     except BaseException as exc:
-        raise _not_interrupting(exc, funcname(function)) from None
+        raise _not_interrupting(exc, function_name(function)) from None
 
 
 def _takes(function: Any, name: str) -> bool:
@@ -140,7 +140,7 @@ async def _run(worker: Worker, header: dict[str, Any], frames: list[Any]) -> Rep
     kwargs = dict(kwargs)
     if _takes(function, "dask_worker"):
         kwargs["dask_worker"] = worker
-    name = funcname(function)
+    name = function_name(function)
     logger.info("Run out-of-band function %r", name)
     call = call_user(function, *args, **kwargs)
     if not header.get("wait", True):

@@ -16,7 +16,7 @@ class CommError(errors.RedisDaskError):
     """Base class of every error raised by ``redisdask.comm``."""
 
 
-class ProtocolError(CommError, errors.ProtocolError):
+class FramingError(CommError, errors.ProtocolError):
     """The peer sent bytes that do not follow the wire format."""
 
 

@@ -11,7 +11,7 @@ Frame 0 is the header: a small msgpack-encoded dict (decoding it never unpickles
 Frames 1..N-1 are opaque payload bytes, typically the output of
 :func:`redisdask.comm.serialize.serialize`: a cloudpickle protocol-5 stream followed by
 its out-of-band buffers (numpy data travels without copies).  Limits (:class:`Limits`):
-header <= 1 MiB, N <= 500 000; anything else raises :class:`ProtocolError` and the
+header <= 1 MiB, N <= 500 000; anything else raises :class:`FramingError` and the
 connection is dropped.  A frame bigger than ``buffers.FRAME_RESERVE`` is reserved as it
 arrives (:mod:`redisdask.comm.buffers`).
 
@@ -33,7 +33,7 @@ import msgpack
 
 from redisdask.comm import buffers
 from redisdask.comm.buffers import GrowingFrame, allocate
-from redisdask.comm.errors import ProtocolError, SerializationError
+from redisdask.comm.errors import FramingError, SerializationError
 
 Buffer: TypeAlias = bytes | bytearray | memoryview | pickle.PickleBuffer
 Header: TypeAlias = dict[str, Any]
@@ -102,9 +102,9 @@ def decode_header(data: Buffer) -> Header:
     try:
         header = msgpack.unpackb(data, raw=False)
     except Exception as exc:
-        raise ProtocolError(f"undecodable message header: {exc}") from exc
+        raise FramingError(f"undecodable message header: {exc}") from exc
     if not isinstance(header, dict):
-        raise ProtocolError(f"message header is a {type(header).__name__}, not a dict")
+        raise FramingError(f"message header is a {type(header).__name__}, not a dict")
     return header
 
 
@@ -115,7 +115,7 @@ def encode_message(
     head = encode_header(header)
     views = [memoryview(head), *(byte_view(f) for f in frames)]
     if len(head) > limits.max_header_size or len(views) > limits.max_frames:
-        raise ProtocolError(f"message too large: header {len(head)} B, {len(views)} frames")
+        raise FramingError(f"message too large: header {len(head)} B, {len(views)} frames")
     lengths = [v.nbytes for v in views]
     prefix = _U32.pack(len(views)) + struct.pack(f"<{len(views)}Q", *lengths)
     return _coalesce([memoryview(prefix), *views])
@@ -193,7 +193,7 @@ class MessageReader:
         if self._stage == _PREFIX:
             (nframes,) = _U32.unpack(self._target)
             if not 1 <= nframes <= self._limits.max_frames:
-                raise ProtocolError(f"bad frame count {nframes}")
+                raise FramingError(f"bad frame count {nframes}")
             self._stage, self._target, self._pos = _LENGTHS, allocate(8 * nframes), 0
         elif self._stage == _LENGTHS:
             self._lengths = list(struct.unpack(f"<{self._target.nbytes // 8}Q", self._target))
@@ -213,9 +213,9 @@ class MessageReader:
 
     def _check_lengths(self, lengths: list[int]) -> None:
         if lengths[0] > self._limits.max_header_size:
-            raise ProtocolError(f"header of {lengths[0]} bytes exceeds the limit")
+            raise FramingError(f"header of {lengths[0]} bytes exceeds the limit")
         if sum(lengths) > self._limits.max_message_size:
-            raise ProtocolError(f"message of {sum(lengths)} bytes exceeds the limit")
+            raise FramingError(f"message of {sum(lengths)} bytes exceeds the limit")
 
     def _begin_frame(self) -> None:
         size, self._pos = self._lengths[len(self._frames)], 0

@@ -11,7 +11,7 @@ import pickle
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-from redisdask.comm.errors import ProtocolError, SerializationError
+from redisdask.comm.errors import FramingError, SerializationError
 from redisdask.comm.frames import Buffer, Header
 from redisdask.utils import pickling
 
@@ -79,13 +79,13 @@ def deserialize_dict(
         pairs = list(zip(header["keys"], header["ranges"], strict=True))
         failed = header.get("errors", [])
     except (KeyError, TypeError, ValueError) as exc:
-        raise ProtocolError(f"malformed dict header: {exc}") from exc
+        raise FramingError(f"malformed dict header: {exc}") from exc
     values: dict[Hashable, Any] = {}
     errors = {_as_key(k): SerializationError(str(msg), key=_as_key(k)) for k, msg in failed}
     for raw_key, (start, stop) in pairs:
         key = _as_key(raw_key)
         if not 0 <= start < stop <= len(frames):
-            raise ProtocolError(f"frame range {start}:{stop} of key {key!r} out of bounds")
+            raise FramingError(f"frame range {start}:{stop} of key {key!r} out of bounds")
         try:
             values[key] = deserialize(frames[start:stop])
         except SerializationError as exc:

@@ -18,8 +18,8 @@ from redisdask.comm.connection import AsyncConnection, PeerConnection
 from redisdask.comm.errors import (
     AuthenticationError,
     CommClosedError,
+    FramingError,
     PeerTimeoutError,
-    ProtocolError,
     SerializationError,
 )
 from redisdask.comm.frames import DEFAULT_LIMITS, Buffer, Header, Limits
@@ -215,7 +215,7 @@ class DataServer:
         connection waits for the next request.)"""
         try:
             header, frames = await conn.recv(idle=self._idle_timeout)
-        except ProtocolError as exc:
+        except FramingError as exc:
             logger.warning("protocol error from %s: %s; dropping it", conn.peer, exc)
             return False
         except PeerTimeoutError as exc:
@@ -232,7 +232,7 @@ class DataServer:
         del frames
         try:
             await conn.send(reply, reply_frames)
-        except (SerializationError, ProtocolError) as exc:  # unencodable: say so instead
+        except (SerializationError, FramingError) as exc:  # unencodable: say so instead
             await conn.send({"status": "error", "message": f"bad reply: {exc}"})
         except PeerTimeoutError as exc:
             logger.warning("%s; dropping it", exc)

@@ -45,7 +45,7 @@ from redisdask.errors import EvictingRedisError, FencedError, ProtocolError
 from redisdask.lease import LOOK_INTERVAL, HolderWatch, Lease
 from redisdask.scheduler.pipe import WritePipe
 from redisdask.scheduler.quarantine import Quarantined, dead_letter_command
-from redisdask.scheduler.state import CloseClient, Event, RemoveWorker, Restart, SchedulerState
+from redisdask.scheduler.state import CloseClient, RemoveWorker, Restart, SchedulerState, Stimulus
 from redisdask.scheduler.stealing import StealTick
 from redisdask.scheduler.translator import (
     Summary,
@@ -454,7 +454,7 @@ class Scheduler:
         if gap > self.client_ttl / 2:
             self.trust_clients_at = max(self.trust_clients_at, now + self.client_ttl)
 
-    def _gone_clients(self) -> list[Event]:
+    def _gone_clients(self) -> list[Stimulus]:
         """Clients whose heartbeat key expired: their keys are released as if they had
         closed (a crashed notebook must not pin results in the cluster forever)."""
         if time.monotonic() < self.trust_clients_at or not self.state.clients:
@@ -468,12 +468,12 @@ class Scheduler:
         gone = [c for c, alive in zip(clients, pipe.execute(), strict=True) if not alive]
         return [CloseClient(client=client, stimulus_id=f"client-ttl-{client}") for client in gone]
 
-    def _still_gone(self, dead: list[Event]) -> list[Event]:
+    def _still_gone(self, dead: list[Stimulus]) -> list[Stimulus]:
         """The deaths still to record once the waiting entries are applied: a worker or a
         client whose ``alive`` key went with its goodbye closed, it did not die (the
         goodbye was waiting on its stream when the watch looked), and is not logged as
         dead; the goodbye has done what the death would."""
-        out: list[Event] = []
+        out: list[Stimulus] = []
         for event in dead:
             if isinstance(event, RemoveWorker):
                 if event.worker not in self.state.workers:  # its goodbye was waiting
@@ -511,7 +511,7 @@ class Scheduler:
         (never a loop), and the state is the one ``apply`` reloaded, in which nothing
         erred that Redis and the clients do not know of."""
         commands = [c for q in quarantined for c in q.commands(self.keys)]
-        events: list[Event] = [e for q in quarantined for e in q.events()]
+        events: list[Stimulus] = [e for q in quarantined for e in q.events()]
         if events:
             instructions = state.handle_stimulus(*events)
             commands += self.translator.to_commands(instructions)
@@ -534,7 +534,7 @@ class Scheduler:
         self._stopping = True
 
     def process(
-        self, entries: list[Entry], events: list[Event] = (), *, ahead: bool | None = None
+        self, entries: list[Entry], events: list[Stimulus] = (), *, ahead: bool | None = None
     ) -> None:
         """Apply one batch of decoded stream entries: transition, write atomically.  The
         lead loop passes ``ahead``: the write is then left in flight, with a read of the
@@ -582,10 +582,10 @@ class Scheduler:
                 ]
             )
 
-    def _process(self, entries: list[Entry], events: list[Event], ahead: bool = False) -> None:
+    def _process(self, entries: list[Entry], events: list[Stimulus], ahead: bool = False) -> None:
         commands: list[list[Any]] = []
         acks: dict[str, list[bytes]] = defaultdict(list)
-        received: list[Event] = []
+        received: list[Stimulus] = []
         for e in entries:
             acks[e.stream].append(e.id)
             if e.error is None:
@@ -624,7 +624,7 @@ class Scheduler:
                 times[3] - times[2], self.lease.ttl_ms / 1000,
             )  # fmt: skip
 
-    def _tell_restart_to_all(self, events: list[Event]) -> None:
+    def _tell_restart_to_all(self, events: list[Stimulus]) -> None:
         """Give each ``Restart`` the clients connected now: the state knows a client
         from its first graph, but every connected client hears of a restart (as in
         distributed), the one that asked among them."""
@@ -759,7 +759,7 @@ class WorkerWatch:
         self.run_id = ""  # of the Redis server at the previous look
         self.warned = False
 
-    def check(self, r: redis.Redis, workers: dict[str, Any]) -> list[Event]:
+    def check(self, r: redis.Redis, workers: dict[str, Any]) -> list[Stimulus]:
         if not workers:
             return []
         addresses = list(workers)
@@ -819,7 +819,7 @@ class WorkerWatch:
         for address in dead:
             pipe.hget(self.keys.heartbeats, address)
         beats = pipe.execute()
-        events: list[Event] = []
+        events: list[Stimulus] = []
         for (address, (how, reason)), beat in zip(dead.items(), beats, strict=True):
             self.missing.pop(address, None)
             self.seen_on.pop(address, None)
@@ -849,7 +849,7 @@ class Entry:
     stream: str
     id: bytes
     fields: dict[bytes, bytes]
-    events: list[Event]
+    events: list[Stimulus]
     error: str | None  # the ProtocolError: the entry is dead-lettered
     size: int  # payload bytes
     weight: int  # what its events carry: tasks, keys (see _weight)
@@ -872,7 +872,7 @@ def decode_reply(reply: Any) -> list[Entry]:
     return out
 
 
-def _weight(event: Event) -> int:
+def _weight(event: Stimulus) -> int:
     """What an event asks of a batch, roughly: one, plus one per task, key or worker that
     it names (the lengths of its list and map fields)."""
     sized = _SIZED.get(type(event))

@@ -64,7 +64,6 @@ from redisdask.protocol import (
     CloseClient,
     CloseWorker,
     ComputeTask,
-    Event,
     FreeKeys,
     Holding,
     KeyErred,
@@ -82,6 +81,7 @@ from redisdask.protocol import (
     RetireWorker,
     RetireWorkers,
     RetryKeys,
+    Stimulus,
     TaskClaimed,
     TaskErred,
     TaskFinished,
@@ -187,7 +187,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
 
     # ------------------------------------------------------------------ entry point
 
-    def handle_stimulus(self, *events: Event) -> list[Instruction]:
+    def handle_stimulus(self, *events: Stimulus) -> list[Instruction]:
         """Apply events in order; return the instructions for the driver to carry out."""
         stimulus_id = ""
         for event in events:
@@ -1075,7 +1075,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                     self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
 
     # the handler of each event type (``handle_stimulus`` looks it up by ``type(event)``)
-    _HANDLERS: ClassVar[dict[type[Event], Callable[[SchedulerState, Any], None]]] = {
+    _HANDLERS: ClassVar[dict[type[Stimulus], Callable[[SchedulerState, Any], None]]] = {
         UpdateGraph: _handle_update_graph,
         RejectedGraph: _handle_rejected_graph,
         BadRecord: _handle_bad_record,

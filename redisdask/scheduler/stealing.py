@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from redisdask.durations import Durations
 from redisdask.placement import Placement
-from redisdask.protocol import Event, StealRequest, StolenKeys
+from redisdask.protocol import StealRequest, Stimulus, StolenKeys
 from redisdask.scheduler.instructions import Enqueue, LogEvent, SetState, Unclaim, WorkerMsg
 from redisdask.scheduler.tasks import other_run
 
@@ -73,7 +73,7 @@ MIN_COST = 0.001  # seconds a task counts for in the balance, whatever its estim
 
 
 @dataclass(slots=True)
-class StealTick(Event):
+class StealTick(Stimulus):
     """The driver's periodic prompt to balance (its look for dead workers); ``now`` is
     its monotonic clock, so the state machine reads no clock.  Made by the driver only,
     never read from a stream (so it is in no ``protocol`` registry)."""
@@ -303,7 +303,7 @@ class WorkStealing:
         on = ts.queued_on
         self._emit(Enqueue(stimulus_id, ts.key, ts.score, on, on, placed=True, preferred=True))
 
-    _STEAL_HANDLERS: ClassVar[dict[type[Event], Callable[[Any, Any], None]]] = {
+    _STEAL_HANDLERS: ClassVar[dict[type[Stimulus], Callable[[Any, Any], None]]] = {
         StealTick: _handle_steal_tick,
         StolenKeys: _handle_stolen_keys,
     }

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from redisdask import schema
-from redisdask.protocol import Event
+from redisdask.protocol import Stimulus
 from redisdask.spec import key_prefix
 
 PRIORITY_SCALE = 2**40  # submission sequence numbers stay below this
@@ -60,7 +60,7 @@ def priority_score(user_priority: int, seq: int) -> float:
 
 
 @dataclass(slots=True)
-class RejectedGraph(Event):
+class RejectedGraph(Stimulus):
     """The driver refused a client's message (it failed validation and was
     dead-lettered, ``reason`` says why): the client is told that the keys it named will
     not run, instead of waiting forever.  Made by the driver only, never read from a
@@ -73,7 +73,7 @@ class RejectedGraph(Event):
 
 
 @dataclass(slots=True)
-class BadRecord(Event):
+class BadRecord(Stimulus):
     """The task record of ``key`` in Redis was malformed (``reason`` says how): the
     driver moved it to the dead-letter stream, and ``load_state`` left a ``released``
     task without a spec in its place.  The task errs (``SchedulerRejectedError``, with

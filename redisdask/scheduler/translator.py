@@ -31,7 +31,7 @@ from redisdask.config import RetentionConfig
 from redisdask.durations import Durations
 from redisdask.errors import ProtocolError, RecordError
 from redisdask.events import death_fields, event_command
-from redisdask.protocol import SCHEDULER_EVENTS, AddWorker, ComputeTask, Event, FreeKeys, parse
+from redisdask.protocol import SCHEDULER_EVENTS, AddWorker, ComputeTask, FreeKeys, Stimulus, parse
 from redisdask.scheduler.instructions import (
     ClaimAccepted,
     ClientMsg,
@@ -361,7 +361,7 @@ class Translator:
     def event_command(self, kind: str, now: float, **fields: Any) -> list[Any]:
         return event_command(self.keys.events, self.retention.events, kind, now, **fields)
 
-    def story(self, events: list[Event], instructions: list[Instruction]) -> list[list[Any]]:
+    def story(self, events: list[Stimulus], instructions: list[Instruction]) -> list[list[Any]]:
         """The batch's task transitions for ``rd:{c}:story``: ``[key, state, stimulus_id]``
         each, with what caused each stimulus (``[op, origin]``), in entries of at most
         ``STORY_CHUNK`` transitions.  ``redisdask inspect task`` reads a task's story here."""
@@ -414,7 +414,7 @@ _TRANSLATIONS: dict[type[Instruction], Callable[[Translator, Any, _Batch], None]
 }
 
 
-def _origin(ev: Event) -> str:
+def _origin(ev: Stimulus) -> str:
     """The process a stimulus came from: a worker, a client, or the scheduler itself."""
     return getattr(ev, "worker", "") or getattr(ev, "client", "") or "scheduler"
 
@@ -427,7 +427,7 @@ def _chunked(head: list[Any], items: list[Any], step: int = 1) -> list[list[Any]
 # --------------------------------------------------------------------------- stream entries
 
 
-def decode_entry(entry_id: bytes, fields: dict[bytes, bytes], stream: str = "") -> list[Event]:
+def decode_entry(entry_id: bytes, fields: dict[bytes, bytes], stream: str = "") -> list[Stimulus]:
     """Decode one stream entry into events; ProtocolError when it is malformed.  The
     stimulus ids name the stream, the entry and the message: ``workers:1700000000000-0/2``
     (entry ids are unique per stream only)."""
