@@ -876,8 +876,10 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
         values: dict[str, Any] = {}
         tries = _Tries({key: self._state_for(key).finishes for key in keys})
         # a holder that just died is still named by the scheduler until it notices (well
-        # under a second; scheduler.worker-ttl at worst): wait that long, then give up
-        patience = time.monotonic() + self.config.scheduler.worker_ttl + 2.0
+        # under a second; scheduler.worker-ttl at worst): wait that long once it has read
+        # our reports, then give up
+        wait_for_scheduler = self.config.scheduler.worker_ttl + 2.0
+        patience = time.monotonic() + wait_for_scheduler
         backoff = Backoff(base=0.02, cap=0.5)
         for key in keys:  # small results came with the news: nothing to fetch
             raw = self._state_for(key).value
@@ -899,6 +901,10 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
                 if time.monotonic() > patience:
                     raise tries.unavailable(unknown)
                 same_holders = await self._anew_holders(unknown, tries, stale)
+                if same_holders and await self._aredis.xlen(self.keys.client_stream):
+                    # the scheduler has not read every submission yet, ours among them (a
+                    # long batch: a 100,000-task map's takes seconds): patience from then
+                    patience = time.monotonic() + wait_for_scheduler
                 remaining -= stale
                 if same_holders:  # let the scheduler notice, or act on our report
                     await asyncio.sleep(backoff.next())

@@ -433,3 +433,36 @@ def test_a_client_that_reaches_no_worker_gives_up_after_a_few_recomputes(
         # the cluster goes on: the key is in memory again, on a worker the client missed
         assert x.status == "finished"
         assert client.who_has()[x.key]
+
+
+@pytest.mark.timeout(90)
+def test_a_client_waits_for_a_busy_scheduler_to_read_its_report_of_a_silent_holder(
+    redis_url: str, cluster_name: str, stopped_holder_env: None
+) -> None:
+    """The scheduler is busy (here: stopped) when the client reports the holder that did
+    not answer: the client waits for it to read the report and have the key computed
+    again, not ``worker-ttl`` + 2 s from the gather's start, after which it gave up with
+    ``DataUnavailableError`` (a 100,000-task map's batches, seconds long on a loaded
+    machine, made CI's gather fail so)."""
+    import concurrent.futures
+
+    with (
+        LocalCluster(
+            nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name
+        ) as cluster,
+        Client(cluster) as client,
+        a_stopped_holder(client) as (x, _other),
+    ):
+        scheduler = cluster.scheduler_process
+        assert scheduler is not None
+        os.kill(scheduler.pid, signal.SIGSTOP)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                result = pool.submit(x.result, timeout=80)
+                patience = client.config.scheduler.worker_ttl + 2.0
+                with pytest.raises(concurrent.futures.TimeoutError):  # still waiting
+                    result.result(timeout=DEAD_AFTER + patience + 2.0)
+                os.kill(scheduler.pid, signal.SIGCONT)
+                assert result.result(timeout=60) == 42
+        finally:
+            os.kill(scheduler.pid, signal.SIGCONT)
