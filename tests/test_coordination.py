@@ -32,10 +32,11 @@ from redisdask import (
     Variable,
     fire_and_forget,
 )
+from redisdask.coordination.scripts import CoordinationScripts
 from redisdask.errors import ClientClosedError, FutureCancelledError, LeaseNotHeldError
 from redisdask.observe.inspect import read_keys
 from redisdask.protocol import CLIENT_TO_SCHEDULER, parse
-from redisdask.schema import FIRE_AND_FORGET, CoordinationScripts, Keys, ensure_cluster
+from redisdask.schema import FIRE_AND_FORGET, Keys, ensure_cluster
 
 pytestmark = pytest.mark.timeout(90)
 

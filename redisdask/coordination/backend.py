@@ -53,10 +53,11 @@ import redis
 
 from redisdask import schema, spec
 from redisdask.config import parse_duration
+from redisdask.coordination.scripts import CoordinationScripts
 from redisdask.errors import ClientClosedError, ClusterConnectionError
 from redisdask.futures import Future, _FutureState
 from redisdask.loop import running_loop
-from redisdask.schema import CoordinationScripts, Keys
+from redisdask.schema import Keys
 from redisdask.task_record import TaskRecord
 
 if TYPE_CHECKING:

@@ -6,11 +6,11 @@ num_locks=None)`` (``num_locks`` of the names, all by default), ``release()``,
 
 As in distributed's scheduler extension, each name has a queue of requests in arrival
 order, and the head of a queue holds that lock.  A request joins the queues of its
-names in one Lua script (``schema.MULTILOCK_ACQUIRE``), the shortest first, stopping as
-soon as it heads ``num_locks`` of them; otherwise it waits, holding the ones it heads,
-and is handed each lock as the requests before it leave.  So nobody overtakes an
-earlier request, and no two requests wait for each other (each waits only for earlier
-ones).  Its names are ``rd:{c}:multilock:<name>``, a namespace of their own:
+names in one Lua script (``coordination/scripts.py``, ``MULTILOCK_ACQUIRE``), the
+shortest first, stopping as soon as it heads ``num_locks`` of them; otherwise it waits,
+holding the ones it heads, and is handed each lock as the requests before it leave.  So
+nobody overtakes an earlier request, and no two requests wait for each other (each waits
+only for earlier ones).  Its names are ``rd:{c}:multilock:<name>``, a namespace of their own:
 ``MultiLock(["x"])`` and ``Lock("x")`` are two things, as in distributed.
 
 Leases as ``Lock``'s: a holder's request lapses ``scheduler.locks.lease-timeout`` after
