@@ -20,7 +20,7 @@ from redisdask.connection import redact
 from redisdask.futures import _FutureState, _seconds, futures_of
 from redisdask.loop import offloaded
 from redisdask.protocol import Rebalance, Replicate, Restart, RetireWorkers
-from redisdask.scheduler.moves import RebalanceRecord
+from redisdask.schema import RebalanceRecord
 from redisdask.task_stream import read_task_stream, when
 from redisdask.versions import VersionMismatchError, mismatches, process_versions, table
 

@@ -61,8 +61,8 @@ from __future__ import annotations
 import math
 import re
 import secrets
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -413,6 +413,38 @@ def worker_info_or_empty(raw: bytes | None) -> dict[str, Any]:
         return worker_info("", raw or b"")
     except RecordError:
         return {}
+
+
+MOVE_FIELD = "move:"  # a move in flight, in a rebalance's record: move:<key> -> [snd, rec]
+
+
+@dataclass(slots=True)
+class RebalanceRecord:
+    """A rebalance's record in Redis, as ``Client.rebalance`` and ``load_state`` read it."""
+
+    client: str = ""
+    status: str = ""  # running | done ("" before the scheduler read the request)
+    moves: int = 0
+    moved: int = 0
+    failed: list[str] = field(default_factory=list)
+    pending: dict[str, tuple[str, str]] = field(default_factory=dict)  # key -> (snd, rec)
+
+    @classmethod
+    def from_hash(cls, raw: Mapping[bytes, bytes]) -> RebalanceRecord:
+        rec = cls(
+            client=raw.get(b"client", b"").decode(),
+            status=raw.get(b"status", b"").decode(),
+            moves=int(raw.get(b"moves") or 0),
+            moved=int(raw.get(b"moved") or 0),
+            failed=[str(k) for k in unpack_or(raw.get(b"failed"), [], list)],
+        )
+        prefix = MOVE_FIELD.encode()
+        for name, value in raw.items():
+            if name.startswith(prefix):
+                pair = unpack_or(value, [], list)
+                if len(pair) == 2:
+                    rec.pending[name[len(prefix) :].decode()] = (str(pair[0]), str(pair[1]))
+        return rec
 
 
 def entry(messages: Sequence[dict[str, Any]]) -> dict[str, bytes]:

@@ -38,11 +38,11 @@ from redisdask.scheduler.instructions import (
     SetState,
     WorkerMsg,
 )
-from redisdask.scheduler.moves import RebalanceRecord, find_moves
+from redisdask.scheduler.moves import find_moves
 from redisdask.scheduler.state import SchedulerState
 from redisdask.scheduler.tasks import TaskState, WorkerInfo
 from redisdask.scheduler.translator import Translator
-from redisdask.schema import Keys
+from redisdask.schema import Keys, RebalanceRecord
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -49,11 +49,10 @@ from redisdask import schema
 from redisdask.config import RebalanceConfig
 from redisdask.protocol import AcquireReplicas, Rebalance, Replicate
 from redisdask.scheduler.instructions import LogEvent, RecordRebalance, SetState, WorkerMsg
+from redisdask.schema import MOVE_FIELD, RebalanceRecord
 
 if TYPE_CHECKING:
     from redisdask.scheduler.tasks import TaskState, WorkerInfo
-
-MOVE_FIELD = "move:"  # a move in flight, in a rebalance's record: move:<key> -> [snd, rec]
 
 
 @dataclass(slots=True, eq=False)
@@ -78,35 +77,6 @@ class RebalanceRequest:
     failed: list[str] = field(default_factory=list)  # keys not moved
     pending: set[str] = field(default_factory=set)  # keys of its moves in flight
     stale: list[str] = field(default_factory=list)  # reloaded moves of tasks gone: to end
-
-
-@dataclass(slots=True)
-class RebalanceRecord:
-    """A rebalance's record in Redis, as ``Client.rebalance`` and ``load_state`` read it."""
-
-    client: str = ""
-    status: str = ""  # running | done ("" before the scheduler read the request)
-    moves: int = 0
-    moved: int = 0
-    failed: list[str] = field(default_factory=list)
-    pending: dict[str, tuple[str, str]] = field(default_factory=dict)  # key -> (snd, rec)
-
-    @classmethod
-    def from_hash(cls, raw: Mapping[bytes, bytes]) -> RebalanceRecord:
-        rec = cls(
-            client=raw.get(b"client", b"").decode(),
-            status=raw.get(b"status", b"").decode(),
-            moves=int(raw.get(b"moves") or 0),
-            moved=int(raw.get(b"moved") or 0),
-            failed=[str(k) for k in schema.unpack_or(raw.get(b"failed"), [], list)],
-        )
-        prefix = MOVE_FIELD.encode()
-        for name, value in raw.items():
-            if name.startswith(prefix):
-                pair = schema.unpack_or(value, [], list)
-                if len(pair) == 2:
-                    rec.pending[name[len(prefix) :].decode()] = (str(pair[0]), str(pair[1]))
-        return rec
 
 
 def held_bytes(ws: WorkerInfo) -> int:

@@ -54,11 +54,11 @@ from redisdask.scheduler.instructions import (
     Unclaim,
     WorkerMsg,
 )
-from redisdask.scheduler.moves import RebalanceConfig, RebalanceRecord
+from redisdask.scheduler.moves import RebalanceConfig
 from redisdask.scheduler.quarantine import REBALANCE_RECORD_TTL_MS, Quarantined, record_copy
 from redisdask.scheduler.state import HOLDS_DEPENDENCIES, SchedulerState
 from redisdask.scheduler.tasks import RejectedGraph, TaskState, stream_position
-from redisdask.schema import Keys
+from redisdask.schema import Keys, RebalanceRecord
 from redisdask.task_record import TaskRecord, evidence
 from redisdask.utils.heap import no_collections
 
