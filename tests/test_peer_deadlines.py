@@ -5,6 +5,7 @@ really SIGSTOPped (alive, their sockets open, silent: what a network cut looks l
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -444,8 +445,6 @@ def test_a_client_waits_for_a_busy_scheduler_to_read_its_report_of_a_silent_hold
     again, not ``worker-ttl`` + 2 s from the gather's start, after which it gave up with
     ``DataUnavailableError`` (a 100,000-task map's batches, seconds long on a loaded
     machine, made CI's gather fail so)."""
-    import concurrent.futures
-
     with (
         LocalCluster(
             nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name

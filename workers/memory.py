@@ -48,9 +48,10 @@ SPILL_FAILED_REPEAT = 30.0  # seconds between the reminders of a paused worker t
 M_TRIM_THRESHOLD = -1  # mallopt's parameter number (glibc's malloc.h)
 
 
-def keep_large_blocks_apart() -> bool:
+def keep_large_blocks_apart() -> None:
     """Make this process's freed results go back to the system, as Dask's nanny does by
-    starting its workers with ``MALLOC_TRIM_THRESHOLD_=65536``; whether it could.
+    starting its workers with ``MALLOC_TRIM_THRESHOLD_=65536`` (``distributed.yaml``'s
+    ``nanny.pre-spawn-environ``).
 
     glibc's malloc raises its mmap threshold the first time a large block (a result of a
     few MB) is freed, and from then on makes such blocks on its heaps, where freeing them
@@ -60,12 +61,12 @@ def keep_large_blocks_apart() -> bool:
     environment is the user's choice, and stands; other C libraries are left alone.
     """
     if "MALLOC_TRIM_THRESHOLD_" in os.environ:
-        return False
+        return
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (macOS)
-        return False
-    return bool(mallopt(M_TRIM_THRESHOLD, 65536))
+        return
+    mallopt(M_TRIM_THRESHOLD, 65536)
 
 
 class WorkerMemoryManager:
