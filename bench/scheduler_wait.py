@@ -9,6 +9,8 @@ no-ops, and times ``client.map(noop, range(--tasks), pure=False)`` + ``wait``.
 Per run it records:
 
 * tasks/s (both systems);
+* the client's CPU per task and its share of the wall time, and the workers' (their sum
+  per task, and the median worker's share: how busy a worker was kept);
 * redisdask: Redis commands per task (``INFO commandstats``, every command including
   those inside scripts, the idle background included), ``EVALSHA`` and ``XREADGROUP``
   calls per task (the scheduler's writes and reads, and the workers' claims), Redis's own
@@ -37,6 +39,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -153,18 +156,25 @@ def run_redisdask(out: Results, run: int, args: argparse.Namespace) -> None:
         wait(client.map(_tasks.noop, range(WARMUP), pure=False), timeout=args.timeout)
         r = connect(cluster.redis_url)
         sched = psutil.Process(cluster.scheduler_process.pid)
+        me = psutil.Process()
+        workers = [
+            p for p in me.children(recursive=True)
+            if p.pid != sched.pid and "redis-server" not in " ".join(p.cmdline())
+        ]  # fmt: skip
         spy = args.py_spy and run == 1
         prof = args.logdir / "scheduler.pyspy.txt"
         cm = _py_spy(sched.pid, prof) if spy else contextlib.nullcontext()
         with cm:
             stats0, usec0 = _commandstats(r), _usec(r)
-            rcpu0, scpu0 = _redis_cpu(r), _cpu(sched)
+            rcpu0, scpu0, ccpu0 = _redis_cpu(r), _cpu(sched), _cpu(me)
+            wcpu0 = [_cpu(w) for w in workers]
             t0 = time.perf_counter()
             futures = client.map(_tasks.noop, range(WARMUP, WARMUP + args.tasks), pure=False)
             wait(futures, timeout=args.timeout)
             dt = time.perf_counter() - t0
             stats, usec = _diff(_commandstats(r), stats0), _diff(_usec(r), usec0)
-            rcpu, scpu = _redis_cpu(r) - rcpu0, _cpu(sched) - scpu0
+            rcpu, scpu, ccpu = _redis_cpu(r) - rcpu0, _cpu(sched) - scpu0, _cpu(me) - ccpu0
+            wcpu = [_cpu(w) - c for w, c in zip(workers, wcpu0, strict=True)]
         n = args.tasks
         out.add("tasks_per_s", n / dt)
         out.add("cmds_per_task", sum(stats.values()) / n)
@@ -174,6 +184,10 @@ def run_redisdask(out: Results, run: int, args: argparse.Namespace) -> None:
         out.add("redis_cpu_share", rcpu / dt)
         out.add("scheduler_cpu_us_per_task", scpu / n * 1e6)
         out.add("scheduler_cpu_share", scpu / dt)
+        out.add("client_cpu_us_per_task", ccpu / n * 1e6)
+        out.add("client_cpu_share", ccpu / dt)
+        out.add("worker_cpu_us_per_task", sum(wcpu) / n * 1e6)
+        out.add("worker_cpu_share", statistics.median(wcpu) / dt)
         if spy and prof.exists():
             out.extra["profile"], out.extra["functions"] = split_profile(prof)
             if args.keep_profile:
@@ -213,6 +227,10 @@ ROWS = [
     ("redis_cpu_share", "Redis CPU / wall", "{:.2f}"),
     ("scheduler_cpu_us_per_task", "scheduler CPU/task, us", "{:.1f}"),
     ("scheduler_cpu_share", "scheduler CPU / wall", "{:.2f}"),
+    ("client_cpu_us_per_task", "client CPU/task, us", "{:.1f}"),
+    ("client_cpu_share", "client CPU / wall", "{:.2f}"),
+    ("worker_cpu_us_per_task", "workers' CPU/task (all), us", "{:.1f}"),
+    ("worker_cpu_share", "a worker's CPU / wall (median)", "{:.2f}"),
 ]
 
 
