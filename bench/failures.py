@@ -156,7 +156,8 @@ class RedisDask(System):
         import redis
 
         from redisdask import Client, KilledWorker, LocalCluster
-        from redisdask.schema import Keys, unpack
+        from redisdask.store.codecs import unpack
+        from redisdask.store.keyspace import Keys
 
         self.KilledWorker = KilledWorker
         self.logdir = logdir

@@ -61,7 +61,8 @@ from redisdask import (
     wait,
 )
 from redisdask.deploy.embedded import EmbeddedRedis
-from redisdask.schema import Keys, unpack
+from redisdask.store.codecs import unpack
+from redisdask.store.keyspace import Keys
 
 MB = 1_000_000
 

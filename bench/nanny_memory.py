@@ -74,7 +74,8 @@ def redisdask_runs(redis_url: str, repeats: int) -> dict[str, list[float]]:
     import redis
 
     from redisdask import Client
-    from redisdask.schema import Keys, unpack
+    from redisdask.store.codecs import unpack
+    from redisdask.store.keyspace import Keys
 
     out: dict[str, list[float]] = {"replaced_s": [], "idle_rss_mb": []}
     env = dict(os.environ, REDISDASK__REDIS__URL=redis_url, REDISDASK__LOGGING__LEVEL="ERROR")

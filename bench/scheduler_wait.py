@@ -144,7 +144,7 @@ def split_profile(path: Path) -> tuple[dict[str, float], dict[str, float]]:
 
 def run_redisdask(out: Results, run: int, args: argparse.Namespace) -> None:
     from redisdask import Client, LocalCluster, wait
-    from redisdask.connection import connect
+    from redisdask.store.connection import connect
 
     with (
         LocalCluster(

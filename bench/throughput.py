@@ -373,7 +373,7 @@ def _diff(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 def redis_commands_per_task(bench: Bench, redis_url: str) -> None:
     """INFO commandstats around one extra 10,000-task map (plus the release messages that
     follow it), minus the idle background rate over the same wall time."""
-    from redisdask.connection import connect
+    from redisdask.store.connection import connect
 
     r = connect(redis_url)  # (a redis+sentinel:// URL too)
     try:
@@ -646,7 +646,7 @@ def _versions() -> dict[str, Any]:
 
 
 def _shown(url: str | None) -> str | None:
-    from redisdask.connection import redact
+    from redisdask.store.urls import redact
 
     return redact(url) if url else None
 

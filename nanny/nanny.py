@@ -49,14 +49,15 @@ from typing import Any, Literal
 import psutil
 import redis
 
-from redisdask import schema
 from redisdask.config import RetentionConfig
-from redisdask.connection import connect_async, redact
-from redisdask.events import death_fields
 from redisdask.nanny import deaths
 from redisdask.nanny_contract import GRACEFUL_TIMEOUT, spill_directory_file, worker_environment
 from redisdask.protocol import RemoveWorker
-from redisdask.schema import Keys
+from redisdask.store import codecs, scripts
+from redisdask.store.connection import connect_async
+from redisdask.store.eventlog import death_fields
+from redisdask.store.keyspace import Keys
+from redisdask.store.urls import redact
 from redisdask.utils import spawn
 from redisdask.utils.backoff import Backoff
 from redisdask.utils.sizes import format_bytes, oom_kills
@@ -301,7 +302,7 @@ class Nanny:
             raw = await self.redis.hget(self.keys.heartbeats, address)
         except redis.RedisError:
             return None  # (its death is still recorded, without this detail)
-        error = schema.unpack_or(raw, {}, dict).get("spill_error")
+        error = codecs.unpack_or(raw, {}, dict).get("spill_error")
         return str(error) if error else None
 
     async def _pump_log(self, process: asyncio.subprocess.Process) -> None:
@@ -450,15 +451,15 @@ class Nanny:
         last: dict[str, Any] = {}
         if watch.address is not None:
             raw = await self.redis.hget(self.keys.heartbeats, watch.address)
-            last = schema.unpack_or(raw, {}, dict)  # (a stranger's: no evidence, no crash)
+            last = codecs.unpack_or(raw, {}, dict)  # (a stranger's: no evidence, no crash)
         evidence = deaths.evidence(watch.exit, kind, restarted, last)
         evidence.update(pid=watch.pid, host=socket.gethostname(), name=self.name or self.label)
         if kind != "graceful" and watch.address is not None:
             message = RemoveWorker(watch.address, reason=reason, how="nanny", evidence=evidence)
             stream = self.keys.worker_stream  # through a full Redis: it frees the dead's work
-            packed = schema.pack([message.to_dict()])
-            scripts = schema.Scripts(self.redis, self.keys)  # type: ignore[arg-type]
-            await scripts.through(
+            packed = codecs.pack([message.to_dict()])
+            lua = scripts.Scripts(self.redis, self.keys)  # type: ignore[arg-type]
+            await lua.through(
                 key=stream, ttl_ms=None, commands=[["XADD", stream, "*", "m", packed]]
             )
             return
@@ -480,12 +481,12 @@ class Nanny:
         pipe = self.redis.pipeline(transaction=False)
         keep_deaths, keep_events = self.retention.deaths, self.retention.events
         pipe.xadd(
-            self.keys.deaths, {"m": schema.pack(record)}, maxlen=keep_deaths, approximate=False
+            self.keys.deaths, {"m": codecs.pack(record)}, maxlen=keep_deaths, approximate=False
         )
         if kind != "graceful":  # (a graceful one's worker-left came from the scheduler)
             event = {"kind": "worker-died", "time": record["time"], **death_fields(record)}
             pipe.xadd(
-                self.keys.events, {"m": schema.pack(event)}, maxlen=keep_events, approximate=False
+                self.keys.events, {"m": codecs.pack(event)}, maxlen=keep_events, approximate=False
             )
         await pipe.execute()
 

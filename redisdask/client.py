@@ -44,14 +44,13 @@ from typing import Any, TypeVar
 
 import redis
 
-from redisdask import busy, comm, redis_memory, schema, task_context
+from redisdask import comm, task_context
 from redisdask import spec as specs
 from redisdask.annotations import call_options
 from redisdask.client_channel import SchedulerChannel, _Outgoing
 from redisdask.cluster_admin import ClusterAdmin
 from redisdask.completed import as_completed
 from redisdask.config import load_config
-from redisdask.connection import check_async, connect, connect_async, redact
 from redisdask.coordination.datasets import DatasetMethods
 from redisdask.deploy.cluster import LocalCluster
 from redisdask.errors import (
@@ -90,9 +89,12 @@ from redisdask.protocol import (
     UpdateGraph,
 )
 from redisdask.scatter import ScatterMethods
-from redisdask.schema import REDIS_COPY, Keys
 from redisdask.security import Security
-from redisdask.task_record import TaskRecord
+from redisdask.store import bootstrap, busy, codecs, redis_memory, scripts
+from redisdask.store.connection import check_async, connect, connect_async
+from redisdask.store.keyspace import REDIS_COPY, Keys
+from redisdask.store.task_record import TaskRecord
+from redisdask.store.urls import redact
 from redisdask.tracebacks import shorten_traceback
 from redisdask.utils import logs
 from redisdask.utils.backoff import Backoff
@@ -258,13 +260,13 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
             self.redis_url = self.cluster.redis_url
             self.keys = Keys(self.cluster.cluster_name)
         name = f"rd-client-{self.id}"
-        # connection failures are ClusterConnectionError (redisdask.connection); the
+        # connection failures are ClusterConnectionError (redisdask.store.connection); the
         # blocking connection serves the cluster-wide calls (ClusterAdmin, WorkerCalls…)
         login = self.config.redis  # the ACL user: redis.username, redis.password
         self._aredis = connect_async(self.redis_url, timeout=self.timeout, name=name,
                                      cluster_errors=True, config=login)  # fmt: skip
-        self._write_entries = self._aredis.register_script(schema.WRITE_ENTRIES)
-        self._through = schema.Scripts(self._aredis, self.keys).through  # type: ignore[arg-type]
+        self._write_entries = self._aredis.register_script(scripts.WRITE_ENTRIES)
+        self._through = scripts.Scripts(self._aredis, self.keys).through  # type: ignore[arg-type]
         self.redis = connect(self.redis_url, timeout=self.timeout, name=name,
                              cluster_errors=True, check=False, config=login)  # fmt: skip
         self._events_redis = connect_async(
@@ -307,10 +309,10 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
         limit = self.config.client.no_scheduler_timeout
         deadline = time.monotonic() + limit
         backoff = Backoff(base=0.05, cap=1.0)
-        if (secret := await schema.cluster_secret(self._aredis, self.keys)) is not None:
+        if (secret := await bootstrap.cluster_secret(self._aredis, self.keys)) is not None:
             return secret
         logger.warning("%s; waiting up to %g s for it", await self._no_cluster_text(), limit)
-        while (secret := await schema.cluster_secret(self._aredis, self.keys)) is None:
+        while (secret := await bootstrap.cluster_secret(self._aredis, self.keys)) is None:
             if time.monotonic() > deadline:
                 raise ClusterNotRunningError(
                     f"{await self._no_cluster_text()} (waited {limit:g} s: "
@@ -323,7 +325,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
         """No such cluster, the ones there are (a SCAN: only for a message), what to do."""
         url, name = redact(self.redis_url), self.keys.cluster
         loop = asyncio.get_running_loop()
-        found = await loop.run_in_executor(None, schema.known_clusters, self.redis)
+        found = await loop.run_in_executor(None, bootstrap.known_clusters, self.redis)
         return (
             f"no cluster named {name!r} on {url} (no scheduler or worker ever ran it); the "
             f"clusters there are {found or 'none'}: check the name, or start its scheduler "
@@ -1158,7 +1160,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
                     key=alive,
                     ttl_ms=int(self.config.scheduler.client_ttl * 1000),
                     commands=[
-                        ["XADD", self.keys.client_stream, "*", "m", schema.pack([goodbye])],
+                        ["XADD", self.keys.client_stream, "*", "m", codecs.pack([goodbye])],
                         ["DEL", alive, self.keys.client_written(self.id)],
                     ],
                 )

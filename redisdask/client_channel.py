@@ -43,8 +43,6 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 import redis
 
-from redisdask import busy, redis_memory, schema
-from redisdask.connection import redact
 from redisdask.errors import (
     ClusterConnectionError,
     ClusterNotRunningError,
@@ -55,7 +53,6 @@ from redisdask.errors import (
     RedisRefusedError,
     TaskInterrupted,
 )
-from redisdask.events import WARN_CLIENTS, describe
 from redisdask.futures import _FutureState
 from redisdask.loop import running_loop, wake
 from redisdask.protocol import (
@@ -71,12 +68,15 @@ from redisdask.protocol import (
     dicts,
     parse,
 )
+from redisdask.store import busy, codecs, redis_memory
+from redisdask.store.eventlog import WARN_CLIENTS, describe
+from redisdask.store.urls import redact
 from redisdask.utils.backoff import Backoff
 from redisdask.utils.sizes import format_bytes
 
 if TYPE_CHECKING:
     from redisdask.config import Config
-    from redisdask.schema import Keys
+    from redisdask.store.keyspace import Keys
 
 logger = logging.getLogger("redisdask.client")
 
@@ -241,7 +241,7 @@ class SchedulerChannel:
             batches, owners, released = self._with_releases(items)
             alone = _Outgoing((), (), concurrent.futures.Future(), False, frees=True)
             written = [
-                (schema.entry(dicts(batch)), owner or alone)
+                (codecs.entry(dicts(batch)), owner or alone)
                 for batch, owner in zip(batches, owners, strict=True)
                 if batch
             ]
@@ -564,7 +564,7 @@ class SchedulerChannel:
             ttl_ms=ttl_ms,
             commands=[
                 ["SET", alive, 1, "PX", ttl_ms],
-                ["HSET", self.keys.clients, self.id, schema.pack(me)],
+                ["HSET", self.keys.clients, self.id, codecs.pack(me)],
             ],
             client=pipe,
         )
@@ -592,7 +592,7 @@ class SchedulerChannel:
         for _stream, items in reply or []:
             for entry_id, fields in items:
                 self._cluster_news_id = entry_id
-                event = schema.unpack_or(fields.get(b"m"), {}, dict)
+                event = codecs.unpack_or(fields.get(b"m"), {}, dict)
                 if event.get("kind") in WARN_CLIENTS:
                     logger.warning("%s", describe(event))
 
@@ -703,7 +703,7 @@ class SchedulerChannel:
         )
 
     def _handle_entry(self, fields: dict[bytes, bytes]) -> None:
-        messages = schema.unpack_or(fields.get(b"m"), None, list)
+        messages = codecs.unpack_or(fields.get(b"m"), None, list)
         if messages is None:
             logger.warning(
                 "client %s: ignoring an entry of its events stream that is no msgpack list "
@@ -843,7 +843,7 @@ def _load_error(msg: KeyErred) -> tuple[BaseException, Any]:
         )
     if exc is None and msg.killed:
         # (a record's bytes, passed on as they are: whatever they hold, the future errs)
-        evidence = schema.unpack_or(msg.killed, {}, dict)
+        evidence = codecs.unpack_or(msg.killed, {}, dict)
         deaths = evidence.get("deaths")
         deaths = [d for d in deaths if isinstance(d, dict)] if isinstance(deaths, list) else []
         exc = KilledWorker(str(evidence.get("task") or msg.key), deaths, msg.exception_text)

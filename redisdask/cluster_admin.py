@@ -15,19 +15,19 @@ from concurrent.futures import TimeoutError as FuturesTimeoutError
 from numbers import Number
 from typing import TYPE_CHECKING, Any
 
-from redisdask import holdings, schema
-from redisdask.connection import redact
 from redisdask.futures import _FutureState, _seconds, futures_of
 from redisdask.loop import offloaded
 from redisdask.protocol import Rebalance, Replicate, Restart, RetireWorkers
-from redisdask.schema import RebalanceRecord
+from redisdask.store import codecs, holdings
+from redisdask.store.codecs import RebalanceRecord
+from redisdask.store.urls import redact
 from redisdask.task_stream import read_task_stream, when
 from redisdask.versions import VersionMismatchError, mismatches, process_versions, table
 
 if TYPE_CHECKING:
     import redis
 
-    from redisdask.schema import Keys
+    from redisdask.store.keyspace import Keys
 
 logger = logging.getLogger("redisdask.client")
 
@@ -57,7 +57,7 @@ class ClusterAdmin:
         self._check_running()
         timeout = _seconds(timeout) or 30.0
         before = {
-            a.decode(errors="replace"): schema.worker_info_or_empty(v)
+            a.decode(errors="replace"): codecs.worker_info_or_empty(v)
             for a, v in self.redis.hgetall(self.keys.workers).items()
         }
         deadline = time.monotonic() + timeout
@@ -76,7 +76,7 @@ class ClusterAdmin:
 
         def back() -> bool:
             now = {
-                a.decode(errors="replace"): schema.worker_info_or_empty(v)
+                a.decode(errors="replace"): codecs.worker_info_or_empty(v)
                 for a, v in self.redis.hgetall(self.keys.workers).items()
             }
             fresh = [a for a, w in now.items() if (a, w.get("started")) not in old]
@@ -251,7 +251,7 @@ class ClusterAdmin:
         """Bytes of results each worker holds, from its last heartbeat."""
         held = dict.fromkeys(addresses, 0)
         for address, raw in self.redis.hgetall(self.keys.heartbeats).items():
-            beat = schema.unpack_or(raw, {}, dict)
+            beat = codecs.unpack_or(raw, {}, dict)
             managed = beat.get("managed")
             if address.decode(errors="replace") in held and isinstance(managed, int):
                 held[address.decode()] = managed
@@ -278,10 +278,10 @@ class ClusterAdmin:
         workers_raw, beats_raw, sched = pipe.execute()
         workers = {}
         for address, info in workers_raw.items():
-            entry = schema.worker_info_or_empty(info)  # (a stranger's entry: what is known)
+            entry = codecs.worker_info_or_empty(info)  # (a stranger's entry: what is known)
             beat = beats_raw.get(address)
             if beat:
-                entry["metrics"] = schema.unpack_or(beat, {}, dict)
+                entry["metrics"] = codecs.unpack_or(beat, {}, dict)
             workers[address.decode(errors="replace")] = entry
         return {
             "type": "Scheduler",
@@ -310,8 +310,8 @@ class ClusterAdmin:
         scheduler = None
         if raw[0] is not None:
             scheduler = {
-                "host": schema.unpack_or(raw[1], {}, dict),
-                "packages": schema.unpack_or(raw[0], {}, dict),
+                "host": codecs.unpack_or(raw[1], {}, dict),
+                "packages": codecs.unpack_or(raw[0], {}, dict),
             }
         result = {
             "scheduler": scheduler,
@@ -392,7 +392,7 @@ class ClusterAdmin:
         return self._sync(self._ahas_what, workers)
 
     async def _ahas_what(self, workers: Any) -> dict[str, list[str]]:
-        info = {a.decode(errors="replace"): schema.worker_info_or_empty(v)
+        info = {a.decode(errors="replace"): codecs.worker_info_or_empty(v)
                 for a, v in (await self._aredis.hgetall(self.keys.workers)).items()}  # fmt: skip
         return holdings.has_what(await self._awho_has_all(), _named(info, workers))
 

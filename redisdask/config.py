@@ -41,7 +41,8 @@ from pydantic import (
 
 from redisdask.errors import ConfigError  # defined there, in the tree; importable here too
 from redisdask.placement import parse_resources
-from redisdask.schema import validate_cluster_name
+from redisdask.store.keyspace import validate_cluster_name
+from redisdask.store.urls import parse_sentinel_url, redact, sentinel_url
 from redisdask.utils import sizes
 
 __all__ = ["Config", "ConfigError", "config_path", "load_config"]
@@ -134,7 +135,7 @@ class Section(BaseModel):
 
 class RedisConfig(Section):
     """Where Redis is: ``url`` (``redis://``, or ``redis+sentinel://`` naming Sentinels:
-    ``connection.parse_sentinel_url``), or ``sentinels`` and ``sentinel-service``, which
+    ``urls.parse_sentinel_url``), or ``sentinels`` and ``sentinel-service``, which
     stand for such a URL (with the credentials and db of a ``redis://`` ``url``).  Read
     it as ``address``."""
 
@@ -174,8 +175,6 @@ class RedisConfig(Section):
                 "private network, or TLS to one Redis without Sentinel"
             )
         if self.sentinels:
-            from redisdask.connection import parse_sentinel_url
-
             try:
                 parse_sentinel_url(self.address)
             except ValueError as exc:
@@ -190,8 +189,6 @@ class RedisConfig(Section):
         its processes)."""
         if not self.sentinels or self.url.startswith("redis+sentinel:"):
             return self.url
-        from redisdask.connection import sentinel_url
-
         parts = urllib.parse.urlsplit(self.url)
         db = parts.path.strip("/")
         return sentinel_url(
@@ -430,8 +427,6 @@ class Config(Section):
     def to_yaml(self) -> str:
         """The effective configuration as YAML (``redisdask config show``), with the
         password of the Redis URL masked."""
-        from redisdask.connection import redact
-
         data = self.to_dict()
         data["redis"]["url"] = redact(data["redis"]["url"])
         return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)

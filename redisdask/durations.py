@@ -6,7 +6,7 @@ The scheduler folds the run time of every accepted result into its prefix's aver
 distributed), forgets it when a worker reports a run of it going on past twice the
 average (``Durations.add_exec_time``, distributed's ``TaskPrefix.add_exec_time``), and
 writes the averages that changed in the batch that accepts the results, to the
-``durations`` hash (``schema.Keys.durations``).  A restarted scheduler reloads them from
+``durations`` hash (``keyspace.Keys.durations``).  A restarted scheduler reloads them from
 there.  Workers never read the hash themselves: the ``CLAIM`` script reads the estimate
 of each task it considers (``KEY_PREFIX_LUA`` finds its prefix, as
 ``spec.key_prefix`` does) and returns it with the task, so knowing what a task

@@ -21,9 +21,10 @@ import urllib.request
 from collections.abc import Sequence
 
 from redisdask.config import load_config
-from redisdask.connection import connect, redact
 from redisdask.observe.snapshot import Snapshot, read_snapshot
-from redisdask.schema import Keys
+from redisdask.store.connection import connect
+from redisdask.store.keyspace import Keys
+from redisdask.store.urls import redact
 
 EXPORTER_PORT = 9649
 

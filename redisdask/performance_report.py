@@ -20,9 +20,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from redisdask.connection import redact
 from redisdask.observe.inspect import read_deaths
 from redisdask.spec import key_prefix
+from redisdask.store.urls import redact
 from redisdask.task_stream import read_task_stream
 
 if TYPE_CHECKING:

@@ -221,7 +221,7 @@ def parse(msg: Any, channel: dict[str, type[M]], stimulus_id: str | None = None)
 
 
 def dicts(messages: Iterable[Message]) -> list[dict[str, Any]]:
-    """The maps of ``messages``, for ``schema.entry``."""
+    """The maps of ``messages``, for ``codecs.entry``."""
     return [m.to_dict() for m in messages]
 
 
@@ -629,7 +629,7 @@ class ComputeTask(InboxMessage):
     ignores it: the scheduler gave the task to a worker that is gone); ``estimate``: its
     prefix's duration average (negative: none yet); ``chain``: its record has a chain
     (its report looks it up, as a claimed task's).  The spec comes beside the message in
-    the inbox entry (``schema.push_spec_field``), copied from the task's record there."""
+    the inbox entry (``keyspace.push_spec_field``), copied from the task's record there."""
 
     op: ClassVar[str] = "compute-task"
     optional: ClassVar[frozenset[str]] = frozenset({"estimate", "chain"})
@@ -650,7 +650,7 @@ class ClientEvent(Message):
 
 @dataclass(slots=True)
 class KeyInMemory(ClientEvent):
-    """The future is finished: its value is on each of ``who_has`` (``schema.REDIS_COPY``:
+    """The future is finished: its value is on each of ``who_has`` (``keyspace.REDIS_COPY``:
     in the task's record) and, for a result small enough, in ``value`` (pickled).
 
     ``seen``, here and in ``task-erred``: the ``generation`` of the client's last

@@ -27,15 +27,16 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
-from redisdask import comm, schema
+from redisdask import comm
 from redisdask import spec as specs
 from redisdask.errors import RedisDaskError
 from redisdask.futures import Future, _seconds
 from redisdask.protocol import UpdateData
+from redisdask.store import codecs
 from redisdask.typenames import type_name
 
 if TYPE_CHECKING:
-    from redisdask.schema import Keys
+    from redisdask.store.keyspace import Keys
 
 _SEQUENCES = (list, tuple, set, frozenset)
 _round_robin = itertools.count()  # where the next scatter starts among the targets
@@ -81,7 +82,7 @@ def registered_workers(raw: Mapping[bytes, bytes]) -> dict[str, str]:
     out = {}
     for address, info in raw.items():
         text = address.decode(errors="replace")
-        out[text] = str(schema.worker_info_or_empty(info).get("name") or text)
+        out[text] = str(codecs.worker_info_or_empty(info).get("name") or text)
     return out
 
 

@@ -14,14 +14,14 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from redisdask import schema
 from redisdask.config import parse_duration
+from redisdask.store import codecs
 
 if TYPE_CHECKING:
     import redis
 
     from redisdask.client import Client
-    from redisdask.schema import Keys
+    from redisdask.store.keyspace import Keys
 
 _RUNNING = ("executing", "long-running")
 
@@ -60,7 +60,7 @@ def read_task_stream(
 
 def _rows(fields: dict[bytes, bytes]) -> list[list[Any]]:
     """The task rows of one story entry; nothing from an entry that is not one."""
-    rows = schema.unpack_or(fields.get(b"m"), [], list)
+    rows = codecs.unpack_or(fields.get(b"m"), [], list)
     return [
         row
         for row in rows

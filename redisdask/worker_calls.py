@@ -33,11 +33,12 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import cloudpickle
 
-from redisdask import comm, schema
+from redisdask import comm
 from redisdask.config import parse_duration
 from redisdask.errors import RedisDaskError, WorkerStartTimeoutError, WorkerUnresponsiveError
 from redisdask.loop import offloaded
 from redisdask.plugins import UPLOAD_SUFFIXES, check_worker_plugin, plugin_name
+from redisdask.store import codecs
 from redisdask.typenames import function_name
 from redisdask.utils import pickling
 from redisdask.utils.sizes import format_bytes
@@ -46,8 +47,8 @@ if TYPE_CHECKING:
     import redis
 
     from redisdask.config import Config
-    from redisdask.schema import Keys
     from redisdask.security import Security
+    from redisdask.store.keyspace import Keys
 
 # an upload or a plugin is kept in Redis for the cluster's life and read by every worker
 # that starts: keep them small (a big library belongs in the workers' environment)
@@ -174,7 +175,7 @@ class WorkerCalls:
         retiring = 0
         for address in addresses:
             beat = beats.get(address)
-            if schema.unpack_or(beat, {}, dict).get("status") == "retiring":
+            if codecs.unpack_or(beat, {}, dict).get("status") == "retiring":
                 retiring += 1
         return len(addresses) - retiring
 
@@ -183,7 +184,7 @@ class WorkerCalls:
         names; all when None); ``ValueError`` naming any that is not registered."""
         registered = {
             address.decode(errors="replace"): str(
-                schema.worker_info_or_empty(info).get("name") or address.decode(errors="replace")
+                codecs.worker_info_or_empty(info).get("name") or address.decode(errors="replace")
             )
             for address, info in self.redis.hgetall(self.keys.workers).items()
         }
@@ -360,7 +361,7 @@ class WorkerCalls:
         it; removed again if it raised on any of them."""
         key = self.keys.uploads if kind == "upload" else self.keys.worker_plugins
         token = uuid.uuid4().hex
-        self.redis.hset(key, name, schema.pack({**fields, "time": time.time(), "token": token}))
+        self.redis.hset(key, name, codecs.pack({**fields, "time": time.time(), "token": token}))
         targets = self._workers_named(None)
         seconds = self._call_timeout(None)
         header = {"op": "sync-plugins", "kind": kind, "name": name}
@@ -388,7 +389,7 @@ class WorkerCalls:
 
         def delete(pipe: Any) -> None:
             raw = pipe.hget(key, name)
-            if schema.unpack_or(raw, {}, dict).get("token") == token:
+            if codecs.unpack_or(raw, {}, dict).get("token") == token:
                 pipe.multi()
                 pipe.hdel(key, name)
 

@@ -76,7 +76,7 @@ def read_only_url(redis_server: EmbeddedRedis, cluster_name: str) -> str:
     would fail the test (Redis refuses it)."""
     import redis
 
-    from redisdask.acl import parse_version, setuser_args
+    from redisdask.store.acl import parse_version, setuser_args
 
     password = uuid.uuid4().hex
     r = redis.Redis.from_url(redis_server.url)

@@ -27,7 +27,10 @@ from redisdask.protocol import (
 )
 from redisdask.scheduler.state import SchedulerState
 from redisdask.scheduler.translator import Translator, decode_entry
-from redisdask.schema import Keys, Scripts, ensure_cluster, pack
+from redisdask.store.bootstrap import ensure_cluster
+from redisdask.store.codecs import pack
+from redisdask.store.keyspace import Keys
+from redisdask.store.scripts import Scripts
 
 GPU_WORKER = "tcp://10.0.0.1:1"
 CPU_WORKER = "tcp://10.0.0.2:2"

@@ -1,4 +1,4 @@
-"""The ACL roles of ``redisdask acl`` (redisdask/acl.py, docs/security.md), against a real
+"""The ACL roles of ``redisdask acl`` (redisdask/store/acl.py, docs/security.md), against a real
 redis-server: every process runs as its own role's user and does real work, each role
 is refused what it must not do, and a ``monitor`` user, reading all it can, cannot make
 a worker unpickle anything."""
@@ -21,7 +21,8 @@ import redis
 from polling import poll
 
 from redisdask import Client, Event, LocalCluster, Lock, Queue, Variable, comm, get_client, secede
-from redisdask.acl import (
+from redisdask.scheduler.driver import Scheduler
+from redisdask.store.acl import (
     FAMILIES,
     READ_ONLY_SINCE,
     ROLES,
@@ -32,8 +33,8 @@ from redisdask.acl import (
     setuser,
     setuser_args,
 )
-from redisdask.scheduler.driver import Scheduler
-from redisdask.schema import Keys, Scripts
+from redisdask.store.keyspace import Keys
+from redisdask.store.scripts import Scripts
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -20,14 +20,7 @@ import redis
 from polling import poll
 from tasklib import wait_for_file
 
-from redisdask import (
-    Client,
-    FutureCancelledError,
-    LocalCluster,
-    RedisDaskError,
-    as_completed,
-    wait,
-)
+from redisdask import Client, FutureCancelledError, LocalCluster, RedisDaskError, as_completed, wait
 from redisdask.deploy.embedded import EmbeddedRedis
 
 pytestmark = pytest.mark.timeout(120)

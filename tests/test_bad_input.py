@@ -16,7 +16,9 @@ from polling import poll
 from redisdask import Client, ClusterConnectionError, Future, LocalCluster, SchedulerRejectedError
 from redisdask.comm import encode_message, parse_address
 from redisdask.errors import ClusterRunningError
-from redisdask.schema import Keys, ensure_cluster, entry
+from redisdask.store.bootstrap import ensure_cluster
+from redisdask.store.codecs import entry
+from redisdask.store.keyspace import Keys
 
 pytestmark = pytest.mark.timeout(60)
 

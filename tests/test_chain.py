@@ -12,7 +12,8 @@ import pytest
 import redis
 
 from redisdask import Client, LocalCluster
-from redisdask.schema import Keys, unpack
+from redisdask.store.codecs import unpack
+from redisdask.store.keyspace import Keys
 from tests.polling import poll
 from tests.tasklib import wait_for_file
 
@@ -132,7 +133,9 @@ def test_finish_claims_deeper_links_only_within_the_claim_horizon(
     """The FINISH script alone, on planted records: x processing here names y in its
     chain, y names z; y follows x, and z follows y only while their estimates fit the
     horizon (and are known)."""
-    from redisdask.schema import Scripts, ensure_cluster, pack
+    from redisdask.store.bootstrap import ensure_cluster
+    from redisdask.store.codecs import pack
+    from redisdask.store.scripts import Scripts
 
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cluster_name)

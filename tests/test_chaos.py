@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from redisdask import Client, LocalCluster
-from redisdask.schema import Keys
+from redisdask.store.keyspace import Keys
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,7 +51,7 @@ def _diagnose(redis_url: str, cluster_name: str) -> str:
     """What Redis says about a computation that did not finish."""
     from collections import Counter
 
-    from redisdask.schema import unpack
+    from redisdask.store.codecs import unpack
 
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cluster_name)
@@ -77,7 +77,7 @@ def _diagnose(redis_url: str, cluster_name: str) -> str:
     died = [(d["name"], d["how"]) for d in (unpack(f[b"m"]) for _, f in r.xrange(keys.deaths))]
     inside = {}
     from redisdask import comm
-    from redisdask.schema import ensure_cluster
+    from redisdask.store.bootstrap import ensure_cluster
 
     pool = comm.BlockingPool(ensure_cluster(r, keys), timeout=5)
     for address, (busy, _alive) in workers.items():

@@ -16,7 +16,8 @@ import redis
 from polling import poll
 
 from redisdask import Client, FutureCancelledError, LocalCluster, as_completed, wait
-from redisdask.schema import Keys, ensure_cluster
+from redisdask.store.bootstrap import ensure_cluster
+from redisdask.store.keyspace import Keys
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -25,7 +25,7 @@ from redisdask import (
 from redisdask.client import MAX_SPEC_BYTES
 from redisdask.deploy.embedded import EmbeddedRedis
 from redisdask.errors import ClusterConnectionError
-from redisdask.schema import Keys
+from redisdask.store.keyspace import Keys
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -25,7 +25,7 @@ from redisdask import (
     wait,
 )
 from redisdask.performance_report import report_text
-from redisdask.schema import Keys
+from redisdask.store.keyspace import Keys
 
 pytestmark = pytest.mark.timeout(120)
 

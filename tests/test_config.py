@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from redisdask.config import Config, ConfigError, load_config
-from redisdask.connection import parse_sentinel_url
+from redisdask.store.urls import parse_sentinel_url
 from redisdask.utils import sizes
 
 

@@ -22,21 +22,13 @@ import pytest
 import redis
 from polling import poll
 
-from redisdask import (
-    Client,
-    Event,
-    LocalCluster,
-    Lock,
-    Queue,
-    Semaphore,
-    Variable,
-    fire_and_forget,
-)
+from redisdask import Client, Event, LocalCluster, Lock, Queue, Semaphore, Variable, fire_and_forget
 from redisdask.coordination.scripts import CoordinationScripts
 from redisdask.errors import ClientClosedError, FutureCancelledError, LeaseNotHeldError
 from redisdask.observe.inspect import read_keys
 from redisdask.protocol import CLIENT_TO_SCHEDULER, parse
-from redisdask.schema import FIRE_AND_FORGET, Keys, ensure_cluster
+from redisdask.store.bootstrap import ensure_cluster
+from redisdask.store.keyspace import FIRE_AND_FORGET, Keys
 
 pytestmark = pytest.mark.timeout(90)
 

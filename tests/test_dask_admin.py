@@ -27,7 +27,8 @@ from polling import poll
 from redisdask import Client, LocalCluster, wait
 from redisdask.futures import Future
 from redisdask.observe.inspect import read_task
-from redisdask.schema import Keys, ensure_cluster
+from redisdask.store.bootstrap import ensure_cluster
+from redisdask.store.keyspace import Keys
 
 
 def inc(x: int) -> int:
@@ -464,7 +465,7 @@ def test_get_versions_check_raises_a_value_error(
 ) -> None:
     """As distributed's ``get_versions(check=True)``, a mismatch raises a ValueError
     naming the package (a forged scheduler record stands for another install)."""
-    from redisdask.schema import pack, unpack
+    from redisdask.store.codecs import pack, unpack
 
     r = redis.Redis.from_url(module_cluster.redis_url)
     keys = Keys(module_cluster.cluster_name)

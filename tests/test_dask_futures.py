@@ -26,14 +26,7 @@ import dask.bag as db
 import pytest
 from polling import poll
 
-from redisdask import (
-    Client,
-    FuturesCancelledError,
-    LocalCluster,
-    as_completed,
-    futures_of,
-    wait,
-)
+from redisdask import Client, FuturesCancelledError, LocalCluster, as_completed, futures_of, wait
 from redisdask.observe.inspect import read_task
 from redisdask.scheduler.tasks import PRIORITY_SCALE
 

@@ -27,8 +27,11 @@ from redisdask.durations import (
 from redisdask.protocol import AddWorker, ReleasedKeys, TaskClaimed, TaskFinished, UpdateGraph
 from redisdask.scheduler.state import SchedulerState
 from redisdask.scheduler.translator import Translator, load_state
-from redisdask.schema import CLAIM_FULL, Keys, Scripts, ensure_cluster, pack
 from redisdask.spec import key_prefix
+from redisdask.store.bootstrap import ensure_cluster
+from redisdask.store.codecs import pack
+from redisdask.store.keyspace import Keys
+from redisdask.store.scripts import CLAIM_FULL, Scripts
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -17,7 +17,8 @@ from redisdask import errors
 from redisdask.client import Client
 from redisdask.deploy.embedded import EmbeddedRedis
 from redisdask.errors import ClusterConnectionError, RedisDaskError
-from redisdask.schema import Keys, ensure_cluster
+from redisdask.store.bootstrap import ensure_cluster
+from redisdask.store.keyspace import Keys
 from redisdask.utils.backoff import Backoff
 
 pytestmark = pytest.mark.timeout(120)

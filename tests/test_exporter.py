@@ -23,8 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from redisdask import Client, LocalCluster
 from redisdask.deploy.embedded import EmbeddedRedis
-from redisdask.lease import token_number
-from redisdask.schema import Keys, ensure_cluster
+from redisdask.store.bootstrap import ensure_cluster
+from redisdask.store.keyspace import Keys
+from redisdask.store.lease import token_number
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -21,10 +21,10 @@ from polling import poll
 from sentinel_set import SentinelSet
 
 from redisdask import Client, LocalCluster
-from redisdask.connection import connect
 from redisdask.deploy.embedded import HOST, EmbeddedRedis
 from redisdask.scheduler.driver import Scheduler
-from redisdask.schema import ensure_cluster
+from redisdask.store.bootstrap import ensure_cluster
+from redisdask.store.connection import connect
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -4,7 +4,7 @@ records (``task_record``), workers entries and msgpack (``schema``), and the fra
 peer connection (``comm.MessageReader``).
 
 Each decoder lets only its documented error escape (``ProtocolError``, ``RecordError``,
-``ValueError`` for ``schema.unpack``; the tolerant readers nothing at all), and nothing
+``ValueError`` for ``codecs.unpack``; the tolerant readers nothing at all), and nothing
 is ever unpickled: the inputs are seeded with a pickle whose loading would leave a trace
 (``TRAP``), and the trace must stay empty.  Derandomized, with no example database: the
 same cases on every run, on CI too.
@@ -26,11 +26,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from redisdask import comm, schema
+from redisdask import comm
 from redisdask.errors import ProtocolError, RecordError
 from redisdask.protocol import CHANNELS, SCHEDULER_EVENTS, parse
 from redisdask.scheduler.translator import decode_entry, rejected_graphs
-from redisdask.task_record import FIELDS, TaskRecord
+from redisdask.store import codecs
+from redisdask.store.task_record import FIELDS, TaskRecord
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -229,11 +230,11 @@ worker_infos = st.one_of(
 
 def test_workers_entries_and_msgpack_decode_or_raise_their_error() -> None:
     def one(raw: bytes) -> None:
-        schema.unpack_or(raw, "default")  # tolerant: never raises
+        codecs.unpack_or(raw, "default")  # tolerant: never raises
         with contextlib.suppress(ValueError):  # its one error
-            schema.unpack(raw)
+            codecs.unpack(raw)
         try:
-            info = schema.worker_info("rd:{fuzz}:workers/tcp://x:1", raw)
+            info = codecs.worker_info("rd:{fuzz}:workers/tcp://x:1", raw)
         except RecordError as exc:
             assert exc.field and exc.evidence
             return

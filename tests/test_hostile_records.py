@@ -26,7 +26,8 @@ from redisdask.errors import SchedulerRejectedError
 from redisdask.observe.snapshot import read_snapshot
 from redisdask.scheduler.quarantine import Quarantined
 from redisdask.scheduler.translator import load_state
-from redisdask.schema import Keys, unpack
+from redisdask.store.codecs import unpack
+from redisdask.store.keyspace import Keys
 
 pytestmark = pytest.mark.timeout(120)
 

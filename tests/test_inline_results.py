@@ -15,7 +15,7 @@ import redis
 from polling import poll
 
 from redisdask import Client, LocalCluster, wait
-from redisdask.schema import Keys
+from redisdask.store.keyspace import Keys
 
 pytestmark = pytest.mark.timeout(90)
 

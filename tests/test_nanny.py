@@ -21,7 +21,8 @@ from tasklib import allocate_forever
 
 from redisdask import Client, KilledWorker, LocalCluster
 from redisdask.nanny.deaths import WorkerExit, classify
-from redisdask.schema import Keys, unpack
+from redisdask.store.codecs import unpack
+from redisdask.store.keyspace import Keys
 
 pytestmark = pytest.mark.timeout(120)
 

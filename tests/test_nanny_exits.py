@@ -23,12 +23,12 @@ from redisdask import (
     get_client,
     get_worker,
     rejoin,
-    schema,
     secede,
 )
 from redisdask.nanny.deaths import WorkerExit, classify
 from redisdask.protocol import CloseWorker
-from redisdask.schema import Keys
+from redisdask.store import codecs
+from redisdask.store.keyspace import Keys
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -165,5 +165,5 @@ def test_an_error_caused_by_the_worker_closing_is_handed_back_not_the_result(
     poll(lambda: r.exists(mark))
     first = r.get(mark).decode()
     keys = Keys(cluster_name)  # the close now that LocalCluster.close sends
-    r.xadd(keys.worker_inbox(first), schema.entry([CloseWorker("told to close").to_dict()]))
+    r.xadd(keys.worker_inbox(first), codecs.entry([CloseWorker("told to close").to_dict()]))
     assert future.result(timeout=60) not in ("", first)  # it ran again elsewhere

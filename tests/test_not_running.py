@@ -19,7 +19,8 @@ import redis
 
 from redisdask import Client, KilledWorker, LocalCluster, as_completed, wait
 from redisdask.errors import ClusterNotRunningError
-from redisdask.schema import Keys, ensure_cluster
+from redisdask.store.bootstrap import ensure_cluster
+from redisdask.store.keyspace import Keys
 
 pytestmark = pytest.mark.timeout(90)
 

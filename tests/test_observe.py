@@ -27,11 +27,12 @@ from rich.console import Console
 from tasklib import wait_for_file
 
 from redisdask import Client, LocalCluster, progress
-from redisdask.connection import connect
 from redisdask.observe.inspect import read_deaths
 from redisdask.observe.snapshot import SNAPSHOT_COMMANDS, read_snapshot
 from redisdask.observe.views import dashboard, status_view
-from redisdask.schema import Keys, ensure_cluster
+from redisdask.store.bootstrap import ensure_cluster
+from redisdask.store.connection import connect
+from redisdask.store.keyspace import Keys
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -396,20 +397,20 @@ def test_the_monitor_outlives_a_redis_that_goes_away_and_comes_back(
 def test_strangers_entries_are_shown_or_skipped_never_fatal(
     redis_url: str, cluster_name: str
 ) -> None:
-    from redisdask import schema
     from redisdask.observe.inspect import read_events, read_task, read_worker
+    from redisdask.store import codecs
 
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cluster_name)
     odd = "tcp://10.9.9.9:1"
     for stream in (keys.events, keys.story, keys.deaths, keys.worker_story(odd)):
         r.xadd(stream, {"m": b"\xc1 not msgpack"})
-        r.xadd(stream, {"m": schema.pack([1, "k", 2])})
-        r.xadd(stream, {"m": schema.pack({"transitions": 5, "kind": ["k"]})})
-        r.xadd(stream, {"m": schema.pack({"transitions": [["k", "memory", ["x"]]], "causes": 1})})
-    r.hset(keys.workers, odd, schema.pack({"name": "k", "nthreads": "many",
+        r.xadd(stream, {"m": codecs.pack([1, "k", 2])})
+        r.xadd(stream, {"m": codecs.pack({"transitions": 5, "kind": ["k"]})})
+        r.xadd(stream, {"m": codecs.pack({"transitions": [["k", "memory", ["x"]]], "causes": 1})})
+    r.hset(keys.workers, odd, codecs.pack({"name": "k", "nthreads": "many",
                                            "memory_fractions": {"pause": "high"}}))  # fmt: skip
-    r.hset(keys.heartbeats, odd, schema.pack({"time": "yesterday"}))
+    r.hset(keys.heartbeats, odd, codecs.pack({"time": "yesterday"}))
     snap = read_snapshot(r, keys)
     assert [w.status for w in snap.workers] == ["unreadable"]
     assert "unreadable" in render(status_view(snap, "redis://h/0"), 120)
@@ -421,8 +422,8 @@ def test_strangers_entries_are_shown_or_skipped_never_fatal(
     for kind in ("worker-died", "redis-reconnected", "scheduler-start", "worker-joined"):
         event = {"kind": kind, "time": "noon", "name": "k", "rss": "big", "memory_limit": [1],
                  "away": "x"}  # fmt: skip
-        r.xadd(keys.events, {"m": schema.pack(event)})
-    r.hset(keys.workers, "tcp://10.9.9.9:2", schema.pack(7))  # not even a map
+        r.xadd(keys.events, {"m": codecs.pack(event)})
+    r.hset(keys.workers, "tcp://10.9.9.9:2", codecs.pack(7))  # not even a map
     snap = read_snapshot(r, keys)
     frame = render(dashboard(snap, "redis://h/0"), 120)
     assert "worker k died" in frame and "--:--:--" in frame

@@ -220,15 +220,15 @@ def test_a_worker_ignores_a_push_meant_for_another_process_or_without_its_spec()
     was forgotten in the batch that pushed it) is skipped, and the rest of the entry is
     still applied.  (The scheduler queues such a task again once two holding reports go
     without it: test_a_pushed_task_is_not_taken_for_lost_by_the_report_written_before...)"""
-    from redisdask import schema
     from redisdask.protocol import FreeKeys
+    from redisdask.store import codecs, keyspace
     from redisdask.workers import state as ws
     from redisdask.workers.worker import _inbox_events, _Pushed
 
     def entry(*msgs: Any, specs: dict[str, bytes] | None = None) -> dict[bytes, bytes]:
-        fields = {b"m": schema.pack([m.to_dict() for m in msgs])}
+        fields = {b"m": codecs.pack([m.to_dict() for m in msgs])}
         for key, spec in (specs or {}).items():
-            fields[schema.push_spec_field(key).encode()] = spec
+            fields[keyspace.push_spec_field(key).encode()] = spec
         return fields
 
     mine, gone = 1700000000.5, 1600000000.25

@@ -15,8 +15,8 @@ from polling import poll
 
 from redisdask import Client, LocalCluster
 from redisdask.observe.inspect import task_story
-from redisdask.schema import Keys
-from redisdask.task_record import TaskRecord
+from redisdask.store.keyspace import Keys
+from redisdask.store.task_record import TaskRecord
 
 pytestmark = pytest.mark.timeout(90)
 

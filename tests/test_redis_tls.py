@@ -19,9 +19,9 @@ from polling import poll
 
 from redisdask import Client, LocalCluster
 from redisdask.config import load_config
-from redisdask.connection import connect
 from redisdask.deploy.embedded import find_redis_server
 from redisdask.errors import ClusterConnectionError
+from redisdask.store.connection import connect
 
 
 def _free_port() -> int:

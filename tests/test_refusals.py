@@ -24,7 +24,9 @@ from redisdask import Client, LocalCluster
 from redisdask.deploy.embedded import EmbeddedRedis, find_redis_server, version
 from redisdask.errors import EvictingRedisError, RedisRefusedError
 from redisdask.scheduler.driver import MAX_SCRIPT_COMMANDS, Scheduler
-from redisdask.schema import Keys, ensure_cluster, unpack
+from redisdask.store.bootstrap import ensure_cluster
+from redisdask.store.codecs import unpack
+from redisdask.store.keyspace import Keys
 from redisdask.workers.worker import Worker
 
 

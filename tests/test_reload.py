@@ -23,7 +23,7 @@ from test_scheduler_roundtrip import carried, differences
 
 from redisdask import Client, LocalCluster, wait
 from redisdask.scheduler.translator import LOAD_PAGE, load_state
-from redisdask.schema import REDIS_COPY, Keys
+from redisdask.store.keyspace import REDIS_COPY, Keys
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -16,7 +16,9 @@ from polling import poll
 from redisdask import Client, KilledWorker, LocalCluster
 from redisdask.errors import DataUnavailableError
 from redisdask.observe.inspect import read_events
-from redisdask.schema import WRITE_ENTRIES, Keys, entry, unpack
+from redisdask.store.codecs import entry, unpack
+from redisdask.store.keyspace import Keys
+from redisdask.store.scripts import WRITE_ENTRIES
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -266,7 +268,7 @@ def test_a_paused_scheduler_is_fenced_out_by_the_standby_that_took_over(
 
 
 def test_versions_are_recorded_and_checked(client: Client, cluster) -> None:  # type: ignore[no-untyped-def]
-    from redisdask.schema import pack
+    from redisdask.store.codecs import pack
     from redisdask.versions import VersionMismatchError
 
     found = client.get_versions(check=True)  # one machine, one venv: all agree
@@ -287,7 +289,8 @@ def test_a_worker_that_cannot_read_the_clusters_pickles_refuses_to_join(
     import subprocess
     import sys
 
-    from redisdask.schema import ensure_cluster, pack
+    from redisdask.store.bootstrap import ensure_cluster
+    from redisdask.store.codecs import pack
 
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cluster_name)

@@ -26,7 +26,10 @@ from redisdask import Client, LocalCluster, comm
 from redisdask.observe.inspect import read_task, render_task
 from redisdask.observe.snapshot import read_snapshot
 from redisdask.observe.views import header
-from redisdask.schema import Keys, Scripts, ensure_cluster, pack
+from redisdask.store.bootstrap import ensure_cluster
+from redisdask.store.codecs import pack
+from redisdask.store.keyspace import Keys
+from redisdask.store.scripts import Scripts
 
 pytestmark = pytest.mark.timeout(120)
 

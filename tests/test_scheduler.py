@@ -15,20 +15,15 @@ from polling import poll
 
 from redisdask import Client, LocalCluster
 from redisdask.errors import FencedError
-from redisdask.lease import token_number
 from redisdask.protocol import FreeKeys, KeysRecorded
 from redisdask.scheduler.driver import Scheduler, decode_reply
 from redisdask.scheduler.instructions import Forget, StoreTask, WorkerMsg
 from redisdask.scheduler.translator import Translator, load_state, rejected_graphs
-from redisdask.schema import (
-    CLAIM_PASSED,
-    SCHEDULER_GROUP,
-    Keys,
-    ensure_cluster,
-    entry,
-    pack,
-    unpack,
-)
+from redisdask.store.bootstrap import ensure_cluster
+from redisdask.store.codecs import entry, pack, unpack
+from redisdask.store.keyspace import SCHEDULER_GROUP, Keys
+from redisdask.store.lease import token_number
+from redisdask.store.scripts import CLAIM_PASSED
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,9 @@ from polling import poll
 
 from redisdask.errors import FencedError
 from redisdask.scheduler.driver import Scheduler
-from redisdask.schema import SCHEDULER_GROUP, Keys, ensure_cluster, entry
+from redisdask.store.bootstrap import ensure_cluster
+from redisdask.store.codecs import entry
+from redisdask.store.keyspace import SCHEDULER_GROUP, Keys
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -42,7 +42,8 @@ from redisdask.scheduler.moves import find_moves
 from redisdask.scheduler.state import SchedulerState
 from redisdask.scheduler.tasks import TaskState, WorkerInfo
 from redisdask.scheduler.translator import Translator
-from redisdask.schema import Keys, RebalanceRecord
+from redisdask.store.codecs import RebalanceRecord
+from redisdask.store.keyspace import Keys
 
 pytestmark = pytest.mark.timeout(10)
 

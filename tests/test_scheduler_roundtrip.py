@@ -69,7 +69,10 @@ from redisdask.protocol import (
 )
 from redisdask.scheduler.state import HOLDS_DEPENDENCIES, SchedulerState
 from redisdask.scheduler.translator import Translator, decode_entry, load_state
-from redisdask.schema import Keys, Scripts, ensure_cluster, pack
+from redisdask.store.bootstrap import ensure_cluster
+from redisdask.store.codecs import pack
+from redisdask.store.keyspace import Keys
+from redisdask.store.scripts import Scripts
 
 pytestmark = pytest.mark.timeout(240)
 

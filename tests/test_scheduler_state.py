@@ -803,7 +803,7 @@ def told(instructions: list[Instruction]) -> set[str]:
     """The clients whose events streams the translated instructions write to (a holder's
     messages are dropped there: it is no process, nobody would read them)."""
     from redisdask.scheduler.translator import Translator
-    from redisdask.schema import Keys
+    from redisdask.store.keyspace import Keys
 
     keys = Keys("c")
     streams = {c[1] for c in Translator(keys).to_commands(instructions) if c[0] == "XADD"}
@@ -900,7 +900,7 @@ def test_holders_are_never_sent_events_and_are_restored_from_their_own_set():
     """The translation: a holder's wants go to its wants set and its id to ``holders``;
     messages to it are dropped (no events stream appears); its end removes it there."""
     from redisdask.scheduler.translator import Translator
-    from redisdask.schema import Keys
+    from redisdask.store.keyspace import Keys
 
     keys = Keys("c")
     s = make(W1)

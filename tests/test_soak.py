@@ -46,7 +46,9 @@ from polling import poll
 from redisdask import Client, LocalCluster, comm
 from redisdask.client import Future
 from redisdask.observe.inspect import read_task
-from redisdask.schema import Keys, ensure_cluster, unpack_or
+from redisdask.store.bootstrap import ensure_cluster
+from redisdask.store.codecs import unpack_or
+from redisdask.store.keyspace import Keys
 
 SHORT_SECONDS = 12.0
 LONG_SECONDS = float(os.environ.get("REDISDASK_SOAK_SECONDS", "300"))

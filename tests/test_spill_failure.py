@@ -23,11 +23,12 @@ from rich.console import Console
 from tasklib import allocate_forever
 
 from redisdask import Client, KilledWorker, LocalCluster, wait
-from redisdask.events import describe
 from redisdask.nanny.deaths import WorkerExit, classify
 from redisdask.observe.snapshot import read_snapshot
 from redisdask.observe.views import status_view
-from redisdask.schema import Keys, unpack
+from redisdask.store.codecs import unpack
+from redisdask.store.eventlog import describe
+from redisdask.store.keyspace import Keys
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -28,7 +28,9 @@ from polling import poll
 from redisdask import Client, LocalCluster
 from redisdask.observe.inspect import read_events, task_story
 from redisdask.scheduler.driver import Scheduler, decode_reply
-from redisdask.schema import SCHEDULER_GROUP, Keys, ensure_cluster, entry, pack, unpack
+from redisdask.store.bootstrap import ensure_cluster
+from redisdask.store.codecs import entry, pack, unpack
+from redisdask.store.keyspace import SCHEDULER_GROUP, Keys
 
 pytestmark = pytest.mark.timeout(90)
 

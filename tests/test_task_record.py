@@ -1,4 +1,4 @@
-"""The task record's one codec (``redisdask/task_record.py``), against a real Redis."""
+"""The task record's one codec (``redisdask/store/task_record.py``), against a real Redis."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import re
 import pytest
 import redis
 
-from redisdask import schema
 from redisdask.scheduler.instructions import SetState, StoreTask
 from redisdask.scheduler.translator import Translator
-from redisdask.schema import Keys, pack
-from redisdask.task_record import FIELDS, TaskRecord, split_words
+from redisdask.store import codecs, scripts
+from redisdask.store.codecs import pack
+from redisdask.store.keyspace import Keys
+from redisdask.store.task_record import FIELDS, TaskRecord, split_words
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -109,10 +110,10 @@ def test_the_scheduler_writes_the_same_bytes_as_before_the_codec() -> None:
 
 
 def test_the_claim_script_reads_only_fields_of_the_record() -> None:
-    named = set(re.findall(r"'(\w+)'", " ".join(re.findall(r"HMGET', [^)]*", schema.CLAIM))))
+    named = set(re.findall(r"'(\w+)'", " ".join(re.findall(r"HMGET', [^)]*", scripts.CLAIM))))
     assert named and named <= set(FIELDS), named - set(FIELDS)
     assert {"spec", "deps", "state", "queued_on", "who_has", "nbytes"} <= named
-    written = re.findall(r"HSET', tkey, (.*)\)", schema.CLAIM)
+    written = re.findall(r"HSET', tkey, (.*)\)", scripts.CLAIM)
     assert set(re.findall(r"'(\w+)'", written[0])) <= set(FIELDS) | {"processing"}
 
 
@@ -136,17 +137,17 @@ def test_releasing_an_erred_task_stores_an_empty_list_of_deaths() -> None:
     keys = Keys("c")
     (hset,) = [c for c in Translator(keys).to_commands(released[:1]) if c[0] == "HSET"]
     stored = dict(zip(hset[2::2], hset[3::2], strict=True))
-    assert schema.unpack(stored["deaths"]) == []
+    assert codecs.unpack(stored["deaths"]) == []
     for name in ("deaths", "deps"):
         with pytest.raises(TypeError, match="stored form"):
             TaskRecord.encode({name: b""})
 
 
 def test_the_finish_script_reads_only_fields_of_the_record() -> None:
-    named = set(re.findall(r"'(\w+)'", " ".join(re.findall(r"HMGET', [^)]*", schema.FINISH))))
+    named = set(re.findall(r"'(\w+)'", " ".join(re.findall(r"HMGET', [^)]*", scripts.FINISH))))
     assert named and named <= set(FIELDS), named - set(FIELDS)
     assert {"spec", "deps", "state", "chain", "who_has", "value", "score"} <= named
-    written = re.findall(r"HSET', (?:tkey|prefix \.\. key), (.*)\)", schema.FINISH)
+    written = re.findall(r"HSET', (?:tkey|prefix \.\. key), (.*)\)", scripts.FINISH)
     assert written and set(re.findall(r"'(\w+)'", " ".join(written))) <= set(FIELDS) | {
         "processing"
     }

@@ -26,12 +26,12 @@ from redisdask import (
     get_client,
     get_worker,
     rejoin,
-    schema,
     secede,
     worker_client,
 )
 from redisdask.client import default_client
 from redisdask.errors import DataUnavailableError
+from redisdask.store import bootstrap, codecs, keyspace
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -289,7 +289,9 @@ def test_get_client_and_friends_outside_a_task(redis_url: str, cluster_name: str
     with pytest.raises(ValueError, match="No worker found"):
         get_worker()
     r = redis.Redis.from_url(redis_url)
-    schema.ensure_cluster(r, schema.Keys(cluster_name))  # as a scheduler that stopped leaves it
+    bootstrap.ensure_cluster(
+        r, keyspace.Keys(cluster_name)
+    )  # as a scheduler that stopped leaves it
     r.close()
     with Client(redis_url, cluster_name) as client:  # none runs now: it only warns
         assert get_client() is client is default_client()
@@ -328,7 +330,7 @@ def test_the_workers_client_closes_with_the_worker(
     redis_url: str, cluster_name: str, cluster_of: Callable[..., LocalCluster]
 ) -> None:
     r = redis.Redis.from_url(redis_url)
-    alive = schema.Keys(cluster_name).client_alive
+    alive = keyspace.Keys(cluster_name).client_alive
     with cluster_of(1, 1) as cluster, Client(cluster) as client:
         worker_client_id, _, _ = client.submit(whose_client).result(timeout=30)
         assert r.exists(alive(worker_client_id))
@@ -353,6 +355,6 @@ def test_a_worker_killed_during_a_worker_client_computation(
         assert future.result(timeout=90) == sum(i * i for i in range(n))
         pids = {int(p.name.split("-")[1]) for p in tmp_path.glob("parent-*")}
         assert pid in pids and len(pids) == 2  # it ran again, in the other worker
-        records = [schema.unpack(f[b"m"]) for _, f in cluster.redis.xrange(cluster.keys.deaths)]
+        records = [codecs.unpack(f[b"m"]) for _, f in cluster.redis.xrange(cluster.keys.deaths)]
         assert [r["pid"] for r in records] == [pid]
         assert future.key in records[0]["processing"]

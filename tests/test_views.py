@@ -9,7 +9,6 @@ import io
 import pytest
 from rich.console import Console
 
-from redisdask.events import describe
 from redisdask.observe.snapshot import PrefixView, Snapshot, WorkerView
 from redisdask.observe.views import (
     dashboard,
@@ -19,6 +18,7 @@ from redisdask.observe.views import (
     sparkline,
     status_view,
 )
+from redisdask.store.eventlog import describe
 
 pytestmark = pytest.mark.timeout(10)
 GiB = 2**30

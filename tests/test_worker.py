@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 import redis
 
-from redisdask.schema import Keys, Scripts, ensure_cluster, entry, pack, unpack
+from redisdask.store.bootstrap import ensure_cluster
+from redisdask.store.codecs import entry, pack, unpack
+from redisdask.store.keyspace import Keys
+from redisdask.store.scripts import Scripts
 from redisdask.workers.worker import _inbox_events, early_news, script_entries
 
 pytestmark = pytest.mark.timeout(30)

@@ -32,9 +32,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from redisdask import schema
 from redisdask.errors import ConfigError
 from redisdask.plugins import UPLOAD_SUFFIXES
+from redisdask.store import codecs
 from redisdask.workers.calls import call_user, in_thread
 
 if TYPE_CHECKING:
@@ -275,7 +275,7 @@ def _by_time(raw: dict[bytes, bytes]) -> list[tuple[str, dict[str, Any]]]:
     entries = []
     for field, value in raw.items():
         try:
-            entry = schema.unpack(value)
+            entry = codecs.unpack(value)
             when, token = float(entry["time"]), entry["token"]
             if not isinstance(token, str):
                 raise TypeError(f"token {token!r} is not a str")

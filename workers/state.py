@@ -102,7 +102,6 @@ from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from redisdask.comm import MAX_KEYS_PER_MESSAGE
 from redisdask.durations import claim_delay, misleads, remaining, start_times, stuck_in
 from redisdask.errors import RedisDaskError
 from redisdask.placement import EPSILON, fits
@@ -115,9 +114,9 @@ from redisdask.protocol import (
     TaskErred,
     TaskFinished,
 )
-from redisdask.schema import REDIS_COPY
 from redisdask.spec import key_prefix
 from redisdask.state_machine import InvalidTransition
+from redisdask.store.keyspace import REDIS_COPY
 from redisdask.typenames import type_name
 
 STATES: frozenset[str] = frozenset(
@@ -128,6 +127,7 @@ STATES: frozenset[str] = frozenset(
 )  # fmt: skip
 
 DEFAULT_TRANSFER_BATCH_BYTES = 200_000_000
+DEFAULT_TRANSFER_BATCH_KEYS = 1000  # the worker gives the wire's: comm.MAX_KEYS_PER_MESSAGE
 DEFAULT_TRANSFER_CONCURRENCY = 4
 MAX_CLAIM = 1000
 _RUNNING = ("executing", "long-running")  # a thread computes the task
@@ -482,6 +482,7 @@ class WorkerState:
         nthreads: int = 1,
         data: MutableMapping[str, object] | None = None,
         transfer_batch_bytes: int = DEFAULT_TRANSFER_BATCH_BYTES,
+        transfer_batch_keys: int = DEFAULT_TRANSFER_BATCH_KEYS,
         transfer_concurrency: int = DEFAULT_TRANSFER_CONCURRENCY,
         rng: random.Random | None = None,
         validate: bool = False,
@@ -494,6 +495,7 @@ class WorkerState:
         self.nthreads = nthreads
         self.data: MutableMapping[str, object] = {} if data is None else data
         self.transfer_batch_bytes = transfer_batch_bytes
+        self.transfer_batch_keys = transfer_batch_keys  # (the driver's: keys per message)
         self.transfer_concurrency = transfer_concurrency
         self.rng = rng if rng is not None else random.Random(0)
         self.validate = validate
@@ -1031,7 +1033,8 @@ class WorkerState:
                     continue
                 nbytes = other.nbytes or 0
                 if batch and (
-                    total + nbytes > self.transfer_batch_bytes or len(batch) >= MAX_KEYS_PER_MESSAGE
+                    total + nbytes > self.transfer_batch_bytes
+                    or len(batch) >= self.transfer_batch_keys
                 ):
                     break
                 batch.append(other)

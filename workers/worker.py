@@ -46,10 +46,8 @@ from typing import Any, Literal
 import psutil
 import redis
 
-from redisdask import comm, nanny_contract, redis_memory, schema, task_context
-from redisdask.connection import connect, connect_async
+from redisdask import comm, nanny_contract, task_context
 from redisdask.errors import ProtocolError
-from redisdask.events import event_command
 from redisdask.nanny_contract import GRACEFUL_TIMEOUT
 from redisdask.placement import format_resources, parse_resources, split_resources
 from redisdask.protocol import (
@@ -70,10 +68,14 @@ from redisdask.protocol import (
     WhoHas,
     parse,
 )
-from redisdask.schema import CLAIM_BLOCKED, CLAIM_FULL, CLAIM_PASSED, PLACED_PATIENCE_MS, Keys
 from redisdask.security import Security
 from redisdask.spec import FunctionCache, run_spec
-from redisdask.task_record import split_words
+from redisdask.store import bootstrap, codecs, keyspace, redis_memory, scripts
+from redisdask.store.connection import connect, connect_async
+from redisdask.store.eventlog import event_command
+from redisdask.store.keyspace import Keys
+from redisdask.store.scripts import CLAIM_BLOCKED, CLAIM_FULL, CLAIM_PASSED, PLACED_PATIENCE_MS
+from redisdask.store.task_record import split_words
 from redisdask.typenames import type_name
 from redisdask.utils import logs, pickling
 from redisdask.utils.backoff import redis_away
@@ -306,11 +308,12 @@ class Worker:
             data=self.data,
             validate=self.validate,
             transfer_batch_bytes=self.transfer_batch_bytes,
+            transfer_batch_keys=comm.MAX_KEYS_PER_MESSAGE,
             resources=self.resources,
         )
         if isinstance(self.data, SpillBuffer):  # weigh what is stored by the size measured
             self.data.known = self._known_nbytes
-        self.scripts = schema.Scripts(self.redis, self.keys)  # type: ignore[arg-type]
+        self.scripts = scripts.Scripts(self.redis, self.keys)  # type: ignore[arg-type]
         await self.plugin_host.start(self)  # preloads, uploads, plugins: before any claim
         if self._address_file:  # for its nanny: which worker.  Before registering: a death
             # after the registration, and the nanny could not name it to the scheduler,
@@ -343,8 +346,8 @@ class Worker:
         try:
             redis_memory.check_policy(redis_memory.read(client), "this worker")
             ours = versions()
-            client.hsetnx(self.keys.meta, "versions", schema.pack(ours))
-            theirs = schema.unpack(client.hget(self.keys.meta, "versions"))
+            client.hsetnx(self.keys.meta, "versions", codecs.pack(ours))
+            theirs = codecs.unpack(client.hget(self.keys.meta, "versions"))
             problems = pickle_breaking(ours, theirs)
             if problems:
                 raise VersionMismatchError(
@@ -357,7 +360,7 @@ class Worker:
             client.close()
         client = connect(self.redis_url, timeout=self.connect_timeout)
         try:
-            return schema.ensure_cluster(client, self.keys)
+            return bootstrap.ensure_cluster(client, self.keys)
         finally:
             client.close()
 
@@ -384,10 +387,10 @@ class Worker:
             },
         }
         pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(self.keys.workers, self.address, schema.pack(info))
+        pipe.hset(self.keys.workers, self.address, codecs.pack(info))
         pipe.persist(self.keys.worker_story(self.address))  # a predecessor's had a TTL
         pipe.set(self.keys.worker_alive(self.address), 1, px=int(self.worker_ttl * 1000))
-        pipe.hset(self.keys.heartbeats, self.address, schema.pack(self._metrics()))
+        pipe.hset(self.keys.heartbeats, self.address, codecs.pack(self._metrics()))
         message = AddWorker(self.address, info=info)
         # made and landed under the claim lock, like a holding report: a claim lands
         # either before the message and is in its resync, or after it (a claim that the
@@ -403,7 +406,7 @@ class Worker:
                         if ts.wanted and ts.state not in ("memory", "released", "error")
                     ],
                 }
-            pipe.xadd(self.keys.worker_stream, schema.entry([message.to_dict()]))
+            pipe.xadd(self.keys.worker_stream, codecs.entry([message.to_dict()]))
             await pipe.execute()
 
     async def _keep_running(self, loop: Any) -> None:
@@ -521,7 +524,7 @@ class Worker:
         for ins in instructions:
             if isinstance(ins, ws.Execute):
                 self._execute(ins.key)
-            elif isinstance(ins, ws.GatherDep) and ins.worker == schema.REDIS_COPY:
+            elif isinstance(ins, ws.GatherDep) and ins.worker == keyspace.REDIS_COPY:
                 came = self._claimed_values
                 claimed = {k: came[k] for k in ins.keys if k in came}
                 self._spawn(self._gather_from_redis(sorted(ins.keys), claimed))
@@ -685,7 +688,7 @@ class Worker:
         """Check that ``value`` pickles (``comm.SerializationError`` if not), pickling it
         once: in one piece while it may fit ``inline_result_bytes`` (``nbytes``, its
         sizeof, says whether it may), and then, if it fits, that pickle travels with its
-        report into the task's record (``schema.REDIS_COPY``); otherwise with its
+        report into the task's record (``keyspace.REDIS_COPY``); otherwise with its
         buffers out of band, copying none.  Nothing is inlined while Redis is past its
         budget (``_inline_budget``)."""
         limit = self.inline_result_bytes
@@ -804,7 +807,7 @@ class Worker:
 
     def _claim_again(self) -> None:
         """Claim again, though no ready-signal came: placed tasks this worker passed over
-        may be overdue for their own worker (``schema.CLAIM``)."""
+        may be overdue for their own worker (``scripts.CLAIM``)."""
         self._empty_at = None
         self._wake.set()
 
@@ -977,7 +980,7 @@ class Worker:
         tasks, inbox = await self.scripts.finish(
             worker=self.address,
             ttl_ms=int(self.worker_ttl * 1000),
-            reports=[schema.pack(m) for m in batch],
+            reports=[codecs.pack(m) for m in batch],
             # (the latest few: a batch of many tiny results costs no lookup per task)
             finished=finished[-CHAIN_LOOKUPS * room :] if room else (),
             chain=room,
@@ -1052,13 +1055,13 @@ class Worker:
             events, self._events = self._events, []
             commands: list[list[Any]] = [
                 ["SET", alive, 1, "PX", ttl],
-                ["HSET", self.keys.heartbeats, self.address, schema.pack(self._metrics())],
+                ["HSET", self.keys.heartbeats, self.address, codecs.pack(self._metrics())],
                 ["XTRIM", self.keys.worker_inbox(self.address), "MINID", f"{ms}-{seq + 1}"],
                 *events,
             ]
             for chunk in self._new_story():  # (bounded: story_maxlen)
                 commands.append(["XADD", self.keys.worker_story(self.address), "MAXLEN",
-                                 self.story_maxlen, "*", "m", schema.pack(chunk)])  # fmt: skip
+                                 self.story_maxlen, "*", "m", codecs.pack(chunk)])  # fmt: skip
             # through a full Redis: a heartbeat that lapsed would have the worker dead
             pipe = self.redis.pipeline(transaction=False)
             pipe.hexists(self.keys.workers, self.address)
@@ -1116,7 +1119,7 @@ class Worker:
         rows += self._notes
         self._notes = []
         rows.sort(key=lambda row: row[0])
-        step = schema.STORY_CHUNK
+        step = keyspace.STORY_CHUNK
         return [rows[i : i + step] for i in range(0, len(rows), step)]
 
     def _metrics(self) -> dict[str, Any]:
@@ -1155,7 +1158,7 @@ class Worker:
 
     def _on_spill_failed(self, news: dict[str, Any]) -> None:
         """Spills fail: the next heartbeat writes a ``spill-failed`` cluster event, which
-        clients log as a warning (``redisdask.events``)."""
+        clients log as a warning (``redisdask.store.eventlog``)."""
         fields = {"worker": self.address, "name": self.name, **news}
         event = event_command(
             self.keys.events, self.events_maxlen, "spill-failed", time.time(), **fields
@@ -1206,7 +1209,7 @@ class Worker:
         nbytes = {k: sizeof(v) for k, v in data.items()}
         self.transfers.received(sum(nbytes.values()), from_redis=True)
         sid = f"gather-redis-{time.time():.6f}-{next(_STIMULI)}"
-        self.handle(ws.GatherDepSuccessEvent(schema.REDIS_COPY, data, nbytes, sid))
+        self.handle(ws.GatherDepSuccessEvent(keyspace.REDIS_COPY, data, nbytes, sid))
 
     async def _gather(self, worker: str, keys: list[str]) -> None:
         self.transfers.peer_transfer()
@@ -1319,13 +1322,13 @@ def early_news(
         news = {
             "op": KeyInMemory.op,
             "key": m["key"],
-            "who_has": [address, schema.REDIS_COPY],
+            "who_has": [address, keyspace.REDIS_COPY],
             "nbytes": m.get("nbytes", 0),
             "type": m.get("type", ""),
             "value": m["value"],
         }
         opening = bytes([0x91, 0x80 + len(news) + 1])  # [{...news, seen}]: fixarray, fixmap
-        pairs = b"".join(schema.pack(k) + schema.pack(v) for k, v in news.items())
+        pairs = b"".join(codecs.pack(k) + codecs.pack(v) for k, v in news.items())
         early.append((m["key"], m["score"], opening + pairs))
     return early
 
@@ -1342,7 +1345,7 @@ def _pushed(msg: ComputeTask, fields: dict[bytes, bytes], sid: str) -> _Pushed |
     """None for a push without its spec (the task was forgotten in the batch that pushed
     it: the message after it frees it; else the scheduler queues it again once the
     worker's holding reports go without it)."""
-    spec = fields.get(schema.push_spec_field(msg.key).encode())
+    spec = fields.get(keyspace.push_spec_field(msg.key).encode())
     if not spec:
         logger.warning("ignoring compute-task %r: its spec did not come with it", msg.key)
         return None
@@ -1357,7 +1360,7 @@ def _inbox_events(
     """Events from one inbox entry (``protocol.SCHEDULER_TO_WORKER``) of the worker
     process ``started`` then; ProtocolError (or KeyError, ValueError from a field that is
     not msgpack) when it is malformed."""
-    messages = schema.unpack(fields[b"m"])
+    messages = codecs.unpack(fields[b"m"])
     if not isinstance(messages, list):
         raise ProtocolError("field 'm' is not a list of messages")
     events: list[ws.StateMachineEvent | _Command | _Pushed] = []

@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 import yaml
 
 from redisdask import __version__
-from redisdask.acl import PASSWORD_PLACEHOLDER, ROLES, parse_version, setuser
 from redisdask.config import Config, ConfigError, load_config, parse_duration
 from redisdask.errors import RedisDaskError
 from redisdask.placement import format_resources
+from redisdask.store.acl import PASSWORD_PLACEHOLDER, ROLES, parse_version, setuser
 from redisdask.utils import logs, sizes
 
 # Flags that set a config key: their values go through the config's own validation (with
@@ -76,7 +76,7 @@ def _positive_seconds(text: str) -> float:
 
 def _cluster_name(text: str) -> str:
     """An argparse type: a cluster name that can be the hash tag of its keys."""
-    from redisdask.schema import validate_cluster_name
+    from redisdask.store.keyspace import validate_cluster_name
 
     try:
         return validate_cluster_name(text)
@@ -125,7 +125,7 @@ def _flag_overrides(args: argparse.Namespace) -> tuple[dict[str, object], dict[s
 
 
 def _add_common(parser: argparse.ArgumentParser, default_url: str, default_cluster: str) -> None:
-    from redisdask.connection import redact
+    from redisdask.store.urls import redact
 
     parser.add_argument(
         "redis_url",
@@ -398,9 +398,9 @@ def _worker(args: argparse.Namespace, config: Config) -> int:
             preload=args.preload,
         )
         return 0
-    from redisdask.connection import connect
     from redisdask.nanny.nanny import Nanny, run_nannies
     from redisdask.security import Security
+    from redisdask.store.connection import connect
 
     # unreadable TLS files are the same for every restart too: refuse them now
     security = Security.from_config(config)
@@ -470,9 +470,10 @@ def _read_only(args: argparse.Namespace, config: Config) -> int:
     """``status``, ``monitor`` and ``inspect ...``: they only ever read Redis."""
     from rich.console import Console
 
-    from redisdask.connection import connect, redact
     from redisdask.observe import inspect
-    from redisdask.schema import Keys
+    from redisdask.store.connection import connect
+    from redisdask.store.keyspace import Keys
+    from redisdask.store.urls import redact
 
     console = Console()
     keys = Keys(args.cluster)

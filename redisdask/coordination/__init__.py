@@ -2,7 +2,7 @@
 ``MultiLock``, ``Semaphore``, ``Event``, ``Variable``, ``Queue``, published datasets and
 ``fire_and_forget``.
 
-Their state lives in Redis (``schema.py`` lists the keys; ``docs/redis-schema.md``
+Their state lives in Redis (``store/keyspace.py`` lists the keys; ``docs/redis-schema.md``
 documents them), changed by Lua scripts, so they work without a scheduler, survive a
 scheduler's restart by construction, and are usable from inside tasks.  Futures they
 hold are kept alive by holders: client ids that are no client (``holder:<kind>:<name>``,

@@ -22,8 +22,8 @@
 * ``encode`` and ``decode``: values are pickled (any picklable object, a superset of
   distributed's msgpack-able data); a ``Future`` anywhere inside becomes a reference to
   its key, and those keys are held by the primitive's holder
-  (``schema.holder(kind, name)``) while the value is stored.  A getter's want of them
-  is sent by the same script that hands the value over (see ``schema.py``), so the
+  (``keyspace.holder(kind, name)``) while the value is stored.  A getter's want of them
+  is sent by the same script that hands the value over (see ``store/scripts.py``), so the
   key is never unwanted in between.  The futures handed over carry their dask keys
   (``('x', 0)``, not its string form) and start with their task's state as its record
   says (``learn_states``): finished or erred at once, as distributed's do.
@@ -51,14 +51,15 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import redis
 
-from redisdask import schema, spec
+from redisdask import spec
 from redisdask.config import parse_duration
 from redisdask.coordination.scripts import CoordinationScripts
 from redisdask.errors import ClientClosedError, ClusterConnectionError
 from redisdask.futures import Future, _FutureState
 from redisdask.loop import running_loop
-from redisdask.schema import Keys
-from redisdask.task_record import TaskRecord
+from redisdask.store import keyspace
+from redisdask.store.keyspace import Keys
+from redisdask.store.task_record import TaskRecord
 
 if TYPE_CHECKING:
     from redisdask.client import Client
@@ -221,7 +222,7 @@ class Bound:
     @property
     def _holder(self) -> str:
         """Who keeps the futures in its values alive: ``holder:<kind>:<name>``."""
-        return schema.holder(self.kind, self._name)
+        return keyspace.holder(self.kind, self._name)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__}: {self.name}>"

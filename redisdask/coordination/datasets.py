@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from redisdask import schema
 from redisdask.coordination.backend import (
     Backend,
     backend_of,
@@ -30,6 +29,7 @@ from redisdask.coordination.backend import (
     unpack_record,
 )
 from redisdask.loop import offloaded
+from redisdask.store import keyspace
 from redisdask.utils import pickling
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ class DatasetMethods:
         records = []
         for n, f, value in zip(names, fields, data, strict=True):
             packed, keys = encode(value, f"{what} of {f!r}")
-            records.append((f, schema.holder("dataset", f), keys, packed, pickling.dumps(n)))
+            records.append((f, keyspace.holder("dataset", f), keys, packed, pickling.dumps(n)))
         with b.sending():
             try:
                 b.scripts.publish(datasets=records, override=override)
@@ -112,7 +112,7 @@ class DatasetMethods:
         b = backend_of(client, "unpublish_dataset()")
         fields = [_field(n) for n in (name if isinstance(name, list) else [name])]
         with b.sending():
-            b.scripts.unpublish(datasets=[(f, schema.holder("dataset", f)) for f in fields])
+            b.scripts.unpublish(datasets=[(f, keyspace.holder("dataset", f)) for f in fields])
 
     @offloaded
     def list_datasets(self, **kwargs: Any) -> tuple[Hashable, ...]:

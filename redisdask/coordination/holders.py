@@ -1,7 +1,7 @@
 """``fire_and_forget``: run tasks to the end even when nobody keeps their futures.
 
 As in Dask, the futures' keys are wanted by a holder that is no client,
-``holder:fire-and-forget`` (``schema.FIRE_AND_FORGET``): it never expires with a
+``holder:fire-and-forget`` (``keyspace.FIRE_AND_FORGET``): it never expires with a
 client's heartbeat, and the scheduler drops its want when the task reaches ``memory`` or
 ``erred``, so the result is released after unless someone else wants it.  The want goes
 on the clients stream through the future's own client, in order with that client's
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from redisdask import schema
 from redisdask.errors import ClientClosedError
 from redisdask.futures import futures_of
 from redisdask.protocol import ClientDesiresKeys
+from redisdask.store import keyspace
 
 if TYPE_CHECKING:
     from redisdask.client import Client
@@ -33,4 +33,4 @@ def fire_and_forget(obj: Any) -> None:
                 f"fire_and_forget(): the futures' client {client.id} is {client.status}, so "
                 "its tasks were cancelled already; submit them with a running client"
             )
-        client._send([ClientDesiresKeys(schema.FIRE_AND_FORGET, list(dict.fromkeys(keys)))])
+        client._send([ClientDesiresKeys(keyspace.FIRE_AND_FORGET, list(dict.fromkeys(keys)))])

@@ -1,7 +1,7 @@
 """The coordination primitives' Lua scripts, beside the primitives that call them, and
 ``CoordinationScripts``, which registers them on a Redis client (issue 25: each concern
 with its own code; the core scripts, which the scheduler, workers and clients share, stay
-in ``redisdask/schema.py``)."""
+in ``redisdask/store/scripts.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
-from redisdask.schema import Keys, pack_for_lua
+from redisdask.store.codecs import pack_for_lua
+from redisdask.store.keyspace import Keys
 
 # The coordination primitives (``redisdask/coordination``) keep their whole state in Redis,
 # changed only by the scripts below, so they need no scheduler and survive one's restart:

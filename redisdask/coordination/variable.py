@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from redisdask import schema
 from redisdask.coordination.backend import (
     Attempt,
     Backend,
@@ -25,6 +24,7 @@ from redisdask.coordination.backend import (
     learn_states,
     seconds,
 )
+from redisdask.store import codecs
 
 if TYPE_CHECKING:
     from redisdask.client import Client
@@ -70,7 +70,7 @@ class Variable(Bound):
                     if reply[0] == 0:
                         return False, None, reply[1].decode(), None
                     _, data, packed, epoch, current = reply
-                    futures = hand_over(b, schema.unpack(packed), epoch != current)
+                    futures = hand_over(b, codecs.unpack(packed), epoch != current)
                 value = decode(data, futures)
                 learn_states(b, list(futures.values()))
                 return True, value, "", None

@@ -12,15 +12,16 @@ from typing import Any
 
 import psutil
 
-from redisdask import busy, schema
 from redisdask.config import load_config
-from redisdask.connection import connect, redact
 from redisdask.deploy.embedded import EmbeddedRedis
 from redisdask.errors import ClusterRunningError, RedisDaskError
 from redisdask.placement import format_resources, parse_resources
 from redisdask.protocol import CloseWorker
-from redisdask.schema import Keys
 from redisdask.security import Security
+from redisdask.store import bootstrap, busy, codecs
+from redisdask.store.connection import connect
+from redisdask.store.keyspace import Keys
+from redisdask.store.urls import redact
 from redisdask.utils import spawn
 
 logger = logging.getLogger("redisdask.deploy.cluster")
@@ -78,7 +79,7 @@ class LocalCluster:
         self.redis_url = redis_url
         self.redis = connect(redis_url)
         self._refuse_a_running_cluster()
-        schema.ensure_cluster(self.redis, self.keys)
+        bootstrap.ensure_cluster(self.redis, self.keys)
         self.log_directory = Path(log_directory) if log_directory else None
         self.log_level = "INFO" if self.log_directory else silence_logs
         self.scheduler_process: subprocess.Popen[bytes] | None = None
@@ -235,7 +236,7 @@ class LocalCluster:
         try:
             addresses = self.redis.hkeys(self.keys.workers)
             pipe = self.redis.pipeline(transaction=False)
-            message = schema.entry([CloseWorker("the cluster is closing").to_dict()])
+            message = codecs.entry([CloseWorker("the cluster is closing").to_dict()])
             for address in addresses:
                 pipe.xadd(self.keys.worker_inbox(address.decode()), message)
             with busy.raised():  # (a full Redis: the signals below do it)

@@ -34,11 +34,12 @@ from prometheus_client.core import (
     Metric,
 )
 
-from redisdask import schema
-from redisdask.connection import connect, redact
-from redisdask.lease import token_number
 from redisdask.observe.snapshot import Snapshot, read_snapshot
-from redisdask.schema import Keys
+from redisdask.store import codecs
+from redisdask.store.connection import connect
+from redisdask.store.keyspace import Keys
+from redisdask.store.lease import token_number
+from redisdask.store.urls import redact
 
 logger = logging.getLogger("redisdask.observe.exporter")
 
@@ -82,7 +83,7 @@ class DeathCounts:
             start = b"-" if self.last_id is None else b"(" + self.last_id
             entries = r.xrange(keys.deaths, min=start, max=b"+", count=DEATHS_PAGE)
             for entry_id, fields in entries:
-                record = schema.unpack_or(fields.get(b"m"), {}, dict)
+                record = codecs.unpack_or(fields.get(b"m"), {}, dict)
                 kind = str(record.get("kind") or "unknown")
                 self.kinds[kind] = self.kinds.get(kind, 0) + 1
                 self.last_id = entry_id

@@ -30,13 +30,13 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from redisdask import schema
-from redisdask.events import describe
-from redisdask.holdings import workers_only
 from redisdask.observe.views import clock
 from redisdask.placement import Placement, format_resources, worker_resources
-from redisdask.schema import REDIS_COPY, Keys
-from redisdask.task_record import TaskRecord
+from redisdask.store import codecs, keyspace
+from redisdask.store.eventlog import describe
+from redisdask.store.holdings import workers_only
+from redisdask.store.keyspace import REDIS_COPY, Keys
+from redisdask.store.task_record import TaskRecord
 from redisdask.utils.sizes import format_bytes
 
 LOG_LINES = 15  # lines of a death's log tail shown (``--json`` gives all of them)
@@ -61,7 +61,7 @@ def read_deaths(
     low = f"{int((time.time() - since) * 1000)}-0" if since is not None else "-"
     records = []
     for entry_id, fields in r.xrevrange(keys.deaths, "+", low, count=limit):
-        record = schema.unpack_or(fields.get(b"m"), None, dict)
+        record = codecs.unpack_or(fields.get(b"m"), None, dict)
         if record is None:
             continue  # not ours: a stranger's entry is no record
         if worker is not None and worker not in (record.get("worker"), record.get("name")):
@@ -148,7 +148,7 @@ def _read_stream_matching(r: redis.Redis, stream: str, needle: bytes) -> Iterato
         entries = r.xrange(stream, low, "+", count=PAGE)
         for _, fields in entries:
             raw = fields.get(b"m", b"")
-            if needle in raw and (entry := schema.unpack_or(raw, None)) is not None:
+            if needle in raw and (entry := codecs.unpack_or(raw, None)) is not None:
                 yield entry
         if len(entries) < PAGE:
             return
@@ -190,7 +190,7 @@ def worker_story(
         entries = list(_read_stream_matching(r, stream, key.encode()))
     else:
         newest_first = r.xrevrange(stream, count=limit)
-        entries = [schema.unpack_or(f.get(b"m"), None) for _, f in reversed(newest_first)]
+        entries = [codecs.unpack_or(f.get(b"m"), None) for _, f in reversed(newest_first)]
     for entry in entries:
         for row in entry if isinstance(entry, list) else []:
             if not isinstance(row, list) or len(row) != 5 or (key is not None and row[1] != key):
@@ -253,7 +253,7 @@ def read_task(r: redis.Redis, keys: Keys, key: str) -> dict[str, Any]:
     task["resources"] = record.resources
     if record.state == "no-worker":  # why: what it asks for, what the workers have
         infos = {
-            a.decode(errors="replace"): schema.worker_info_or_empty(i)
+            a.decode(errors="replace"): codecs.worker_info_or_empty(i)
             for a, i in r.hgetall(keys.workers).items()
         }
         placement = Placement(lambda: infos)
@@ -355,7 +355,7 @@ def _worker_story_table(rows: list[dict[str, Any]], title: str) -> Table:
 def read_worker(r: redis.Redis, keys: Keys, who: str, story: int = 200) -> dict[str, Any] | None:
     """A live worker by address or name; else the newest death record of one."""
     workers = {
-        a.decode(errors="replace"): schema.worker_info_or_empty(i)
+        a.decode(errors="replace"): codecs.worker_info_or_empty(i)
         for a, i in r.hgetall(keys.workers).items()
     }
     address = next((a for a, i in workers.items() if who in (a, i.get("name"))), None)
@@ -366,7 +366,7 @@ def read_worker(r: redis.Redis, keys: Keys, who: str, story: int = 200) -> dict[
             return None
         death = found[0]
         address = str(death.get("worker"))
-    beat = schema.unpack_or(r.hget(keys.heartbeats, address), {}, dict)
+    beat = codecs.unpack_or(r.hget(keys.heartbeats, address), {}, dict)
     if death is not None:
         beat = (death.get("evidence") or {}).get("last_heartbeat") or {}
     data = []
@@ -472,7 +472,7 @@ def _kind(name: str) -> str:
     """``task:inc-1`` -> ``task:*``; ``worker:tcp://h:1:story`` -> ``worker:*:story``;
     ``lock:x`` -> ``lock:*``; ``waiters:queue:q`` -> ``waiters:queue:*``."""
     head, _, rest = name.partition(":")
-    if head in ("task", "queue-refs", "rebalance", *schema.COORDINATION_KINDS):
+    if head in ("task", "queue-refs", "rebalance", *keyspace.COORDINATION_KINDS):
         return f"{head}:*"
     if head in ("waiters", "signal") and rest:
         return f"{head}:{rest.partition(':')[0]}:*"
@@ -507,7 +507,7 @@ def read_events(r: redis.Redis, keys: Keys, count: int = 50) -> list[dict[str, A
 
 
 def _event(entry_id: bytes, fields: dict[bytes, bytes]) -> dict[str, Any] | None:
-    event = schema.unpack_or(fields.get(b"m"), None, dict)
+    event = codecs.unpack_or(fields.get(b"m"), None, dict)
     if event is not None:
         event["id"] = entry_id.decode()
     return event

@@ -22,7 +22,7 @@ from rich.text import Text
 
 from redisdask.observe.snapshot import read_snapshot
 from redisdask.observe.views import dashboard
-from redisdask.schema import Keys
+from redisdask.store.keyspace import Keys
 
 QUIT_KEYS = {"q", "Q", "\x03", "\x04"}  # q, Ctrl-C (when the terminal passes it), Ctrl-D
 

@@ -17,8 +17,9 @@ from typing import Any
 
 import redis
 
-from redisdask import schema
-from redisdask.schema import Keys, known_clusters
+from redisdask.store import codecs
+from redisdask.store.bootstrap import known_clusters
+from redisdask.store.keyspace import Keys
 
 SNAPSHOT_COMMANDS = 9  # Redis commands per read_snapshot (the monitor's cost per frame)
 WAITING_STATES = ("waiting", "queued", "no-worker")
@@ -152,7 +153,7 @@ def read_snapshot(
 
 
 def _unpack(raw: bytes | None) -> dict[str, Any]:
-    return schema.unpack_or(raw, {}, dict)  # a stranger's value: show what is known
+    return codecs.unpack_or(raw, {}, dict)  # a stranger's value: show what is known
 
 
 def _worker_view(
@@ -223,7 +224,7 @@ def _read_summary(snap: Snapshot, summary: dict[bytes, bytes], now: float, windo
                 setattr(view, state, getattr(view, state) + n)
         snap.prefixes.append(view)
     snap.states = states
-    finished = schema.unpack_or(summary.get(b"finished"), [], list)
+    finished = codecs.unpack_or(summary.get(b"finished"), [], list)
     per_second = {p[0]: p[1] for p in finished if isinstance(p, list | tuple) and len(p) == 2}
     last = int(now) - 1  # the current second is not over yet
     snap.finished = [_number(per_second.get(s)) for s in range(last - window + 1, last + 1)]
@@ -232,7 +233,7 @@ def _read_summary(snap: Snapshot, summary: dict[bytes, bytes], now: float, windo
     snap.clients = _number(summary.get(b"clients"))
     snap.no_worker = [
         {"reason": str(n.get("reason", "")), "count": n.get("count"), "key": str(n.get("key"))}
-        for n in schema.unpack_or(summary.get(b"no_worker"), [], list)
+        for n in codecs.unpack_or(summary.get(b"no_worker"), [], list)
         if isinstance(n, dict)
     ]
     snap.summary_time = _number(summary.get(b"time"), float) or None

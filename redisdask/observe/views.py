@@ -16,9 +16,9 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from redisdask import redis_memory
-from redisdask.events import describe, spill_failed
 from redisdask.observe.snapshot import PrefixView, Snapshot, WorkerView
+from redisdask.store import redis_memory
+from redisdask.store.eventlog import describe, spill_failed
 from redisdask.utils.sizes import format_bytes
 
 NARROW = 100  # columns below which the tables drop their less vital columns

@@ -7,7 +7,7 @@ runs.  Here the scheduler marks, ahead of time, which dependents could follow a 
 when a waiting task ``y`` waits on one task ``x`` alone and may run anywhere (no
 ``workers=``, no ``resources=``), ``y`` joins ``x``'s ``chain`` (at most ``CHAIN_MAX``
 dependents, written to ``x``'s record, ``MarkChain``).  The worker that finishes ``x``
-sends its report through the ``FINISH`` script (``schema.py``), which claims for it any
+sends its report through the ``FINISH`` script (``store/scripts.py``), which claims for it any
 dependent in ``x``'s chain that Redis still says is ``waiting`` and whose other
 dependencies it can have (in memory inline, or held by it), exactly as ``CLAIM`` claims
 (processing, the processing set, ``claim``), and writes the claim and the results in one

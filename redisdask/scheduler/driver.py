@@ -38,11 +38,8 @@ from typing import Any
 
 import redis
 
-from redisdask import busy, redis_memory, schema
 from redisdask.config import RebalanceConfig, RetentionConfig
-from redisdask.connection import connect, redact
 from redisdask.errors import EvictingRedisError, FencedError, ProtocolError
-from redisdask.lease import LOOK_INTERVAL, HolderWatch, Lease
 from redisdask.scheduler.pipe import WritePipe
 from redisdask.scheduler.quarantine import Quarantined, dead_letter_command
 from redisdask.scheduler.state import CloseClient, RemoveWorker, Restart, SchedulerState, Stimulus
@@ -54,7 +51,11 @@ from redisdask.scheduler.translator import (
     load_state,
     rejected_graphs,
 )
-from redisdask.schema import Keys
+from redisdask.store import bootstrap, busy, codecs, keyspace, redis_memory, scripts
+from redisdask.store.connection import connect
+from redisdask.store.keyspace import Keys
+from redisdask.store.lease import LOOK_INTERVAL, HolderWatch, Lease
+from redisdask.store.urls import redact
 from redisdask.utils.backoff import redis_away
 from redisdask.utils.heap import Heap
 from redisdask.versions import host_info, versions
@@ -113,7 +114,7 @@ class Scheduler:
         self.id = f"scheduler-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         name = self.keys.scheduler_connection(self.id)  # what standbys watch
         self.redis = connect(redis_url, timeout=connect_timeout, name=name)
-        self.scripts = schema.Scripts(self.redis, self.keys)
+        self.scripts = scripts.Scripts(self.redis, self.keys)
         self.batch_size = batch_size
         self.validate = validate
         self.lease = Lease(self.scripts, lease_ttl, self.id, name)
@@ -177,8 +178,8 @@ class Scheduler:
                         "pid": os.getpid(),
                         "since": time.time(),
                         "token": self.token,
-                        "versions": schema.pack(versions()),
-                        "host_info": schema.pack(host_info()),
+                        "versions": codecs.pack(versions()),
+                        "host_info": codecs.pack(host_info()),
                     },
                 )
                 logger.info("scheduler %s holds the lease (token %s)", self.id, self.token)
@@ -223,7 +224,7 @@ class Scheduler:
         while not self._stopping:
             try:
                 # again after Redis was away: one that came back empty needs it all anew
-                schema.ensure_cluster(self.redis, self.keys)
+                bootstrap.ensure_cluster(self.redis, self.keys)
                 self.acquire_lease(standby or self.token is not None)
                 self.state = self._load()
                 self.heap.settle()
@@ -306,8 +307,8 @@ class Scheduler:
             self.keys.client_stream: "0" if pending else ">",
         }
         reply = self.redis.xreadgroup(
-            schema.SCHEDULER_GROUP,
-            schema.SCHEDULER_CONSUMER,
+            keyspace.SCHEDULER_GROUP,
+            keyspace.SCHEDULER_CONSUMER,
             streams,
             count=self.batch_size,
             block=None if pending else block_ms,
@@ -399,8 +400,8 @@ class Scheduler:
         with self.lease.kept():
             for _ in range(DRAIN_READS):  # (bounded: writers may go on meanwhile)
                 reply = self.redis.xreadgroup(
-                    schema.SCHEDULER_GROUP,
-                    schema.SCHEDULER_CONSUMER,
+                    keyspace.SCHEDULER_GROUP,
+                    keyspace.SCHEDULER_CONSUMER,
                     {self.keys.worker_stream: ">", self.keys.client_stream: ">"},
                     count=self.batch_size,
                 )
@@ -459,7 +460,7 @@ class Scheduler:
         closed (a crashed notebook must not pin results in the cluster forever)."""
         if time.monotonic() < self.trust_clients_at or not self.state.clients:
             return []
-        clients = [c for c in self.state.clients if not schema.is_holder(c)]  # never expire
+        clients = [c for c in self.state.clients if not keyspace.is_holder(c)]  # never expire
         if not clients:
             return []
         pipe = self.redis.pipeline(transaction=False)
@@ -577,7 +578,7 @@ class Scheduler:
             self.apply(
                 [
                     self._dead_letter(one.stream, one.id, one.fields, one.error or ""),
-                    ["XACK", one.stream, schema.SCHEDULER_GROUP, one.id],
+                    ["XACK", one.stream, keyspace.SCHEDULER_GROUP, one.id],
                     ["XDEL", one.stream, one.id],
                 ]
             )
@@ -607,7 +608,7 @@ class Scheduler:
         if self.summary.due():
             commands.append(self.summary.command(self.keys, self.state, self.id))
         for stream, ids in acks.items():
-            commands.append(["XACK", stream, schema.SCHEDULER_GROUP, *ids])
+            commands.append(["XACK", stream, keyspace.SCHEDULER_GROUP, *ids])
             commands.append(["XDEL", stream, *ids])
         commands.append(["HSET", self.keys.meta, "seq", self.state.seq])
         times.append(time.monotonic())
@@ -644,7 +645,7 @@ class Scheduler:
     def apply(self, commands: list[list[Any]]) -> None:
         """Write ``commands`` atomically, fenced by our token.  A big write goes as
         several scripts of at most ``MAX_SCRIPT_COMMANDS`` commands in one MULTI/EXEC
-        (see ``schema.APPLY_FENCED``): no script runs long enough for Redis to answer
+        (see ``scripts.APPLY_FENCED``): no script runs long enough for Redis to answer
         the other processes BUSY, and the write stays all-or-nothing for them.  Every
         part opens with a write that a full Redis allows, so batches get through one
         (see ``_refused``); other refusals are waited out by the connection.  The write
@@ -823,7 +824,7 @@ class WorkerWatch:
         for (address, (how, reason)), beat in zip(dead.items(), beats, strict=True):
             self.missing.pop(address, None)
             self.seen_on.pop(address, None)
-            last = schema.unpack_or(beat, {}, dict)  # (a stranger's: no evidence, no crash)
+            last = codecs.unpack_or(beat, {}, dict)  # (a stranger's: no evidence, no crash)
             beat_time = last.get("time")
             age = (
                 f"; last heartbeat {time.time() - beat_time:.1f} s ago"

@@ -45,11 +45,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from redisdask import schema
 from redisdask.config import RebalanceConfig
 from redisdask.protocol import AcquireReplicas, Rebalance, Replicate
 from redisdask.scheduler.instructions import LogEvent, RecordRebalance, SetState, WorkerMsg
-from redisdask.schema import MOVE_FIELD, RebalanceRecord
+from redisdask.store import codecs
+from redisdask.store.codecs import MOVE_FIELD, RebalanceRecord
 
 if TYPE_CHECKING:
     from redisdask.scheduler.tasks import TaskState, WorkerInfo
@@ -260,14 +260,14 @@ class DataMoves:
             "status": "running" if plan else "done",
             "moves": len(plan),
             "moved": 0,
-            "failed": schema.pack(missing),
+            "failed": codecs.pack(missing),
         }
         request = RebalanceRequest(ev.client, len(plan), failed=missing)
         asks: dict[str, dict[str, list[str]]] = {}
         for snd, rec, ts in plan:
             self.moving[ts.key] = Move(ts, snd.address, rec.address, ev.request, rec)
             request.pending.add(ts.key)
-            fields[MOVE_FIELD + ts.key] = schema.pack([snd.address, rec.address])
+            fields[MOVE_FIELD + ts.key] = codecs.pack([snd.address, rec.address])
             asks.setdefault(rec.address, {})[ts.key] = [snd.address]
         if plan:
             self.rebalances[ev.request] = request
@@ -301,7 +301,7 @@ class DataMoves:
             if request.stale or not request.pending:  # (as reloaded)
                 request.failed += request.stale
                 drop, request.stale = [MOVE_FIELD + k for k in request.stale], []
-                fields = {"failed": schema.pack(request.failed)}
+                fields = {"failed": codecs.pack(request.failed)}
                 self._record(name, request, fields, drop, stimulus_id=stimulus_id)
         seen = frozenset((a, id(ws), ws.retiring) for a, ws in self.workers.items())
         if seen != self._workers_seen:  # (a Move keeps its recipient: ids stay unique)
@@ -372,7 +372,7 @@ class DataMoves:
             fields["moved"] = request.moved
         else:
             request.failed.append(key)
-            fields["failed"] = schema.pack(request.failed)
+            fields["failed"] = codecs.pack(request.failed)
         self._record(move.request, request, fields, [MOVE_FIELD + key], stimulus_id=stimulus_id)
 
     def _record(

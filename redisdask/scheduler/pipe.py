@@ -33,13 +33,13 @@ from typing import Any
 
 import redis
 
-from redisdask import busy, schema
+from redisdask.store import busy, keyspace
 
 
 class WritePipe:
     """One connection of the scheduler's pool, held for writes sent without waiting."""
 
-    def __init__(self, r: redis.Redis, keys: schema.Keys, count: int) -> None:
+    def __init__(self, r: redis.Redis, keys: keyspace.Keys, count: int) -> None:
         self.redis = r
         self.keys = keys
         self.count = count  # entries per read ahead (the scheduler's batch size)
@@ -55,7 +55,7 @@ class WritePipe:
     def read_command(self) -> list[Any]:
         """A non-blocking read of new entries from both input streams."""
         return [
-            "XREADGROUP", "GROUP", schema.SCHEDULER_GROUP, schema.SCHEDULER_CONSUMER,
+            "XREADGROUP", "GROUP", keyspace.SCHEDULER_GROUP, keyspace.SCHEDULER_CONSUMER,
             "COUNT", self.count, "STREAMS", self.keys.worker_stream, self.keys.client_stream,
             ">", ">",
         ]  # fmt: skip

@@ -4,7 +4,7 @@ Redis is the source of truth, but anyone who can write to it can write anything:
 hash without ``state``, a score that is no number, a workers entry that is no msgpack.
 One such record must not crash the scheduler at every start (a crash loop that no
 restart ends).  So ``load_state`` decodes every record strictly (``TaskRecord.checked``,
-``schema.worker_info``) and, for one that fails, logs it once (the key, the field, what
+``codecs.worker_info``) and, for one that fails, logs it once (the key, the field, what
 was found, what to do) and notes it here; the driver then writes, in one fenced write:
 
 * a copy of the record (bounded) into the cluster's dead-letter stream, beside the stream
@@ -30,10 +30,10 @@ from typing import Any
 
 import redis
 
-from redisdask import schema
 from redisdask.errors import RecordError
 from redisdask.scheduler.tasks import BadRecord
-from redisdask.schema import Keys
+from redisdask.store import codecs
+from redisdask.store.keyspace import Keys
 
 logger = logging.getLogger("redisdask.scheduler")
 
@@ -48,7 +48,7 @@ def dead_letter_command(
 ) -> list[Any]:
     """The XADD of a bounded copy of a stream entry (or a record) into the dead-letter
     stream: a stranger's entry may have any number of fields of any size."""
-    sample = schema.pack(
+    sample = codecs.pack(
         {k: v[:DEAD_LETTER_SAMPLE] for k, v in list(fields.items())[:DEAD_LETTER_FIELDS]}
     )
     return [
@@ -111,14 +111,14 @@ class Quarantined:
             if self.name is None:  # (an address that is no text: no worker's)
                 out.append(["HDEL", keys.workers, self.member])
             else:
-                out.append(["HSET", keys.workers, self.member, schema.pack({})])
+                out.append(["HSET", keys.workers, self.member, codecs.pack({})])
         elif self.kind == "wants":
             out.append(["DEL", self.key])
             step = 2000  # (arguments per command in a fenced write: Lua's unpack limit)
             out += [["SADD", self.key, *self.wanted[i : i + step]]
                     for i in range(0, len(self.wanted), step)]  # fmt: skip
         else:  # done, with the error as what failed: its client raises instead of waiting
-            failed = schema.pack([f"the rebalance's record was malformed: {self.error}"])
+            failed = codecs.pack([f"the rebalance's record was malformed: {self.error}"])
             out += [
                 ["DEL", self.key],
                 ["SREM", keys.rebalances, self.member],

@@ -47,7 +47,6 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
-from redisdask import schema
 from redisdask.durations import Durations
 from redisdask.placement import Placement
 from redisdask.protocol import (
@@ -128,6 +127,7 @@ from redisdask.scheduler.tasks import (
     worker_stream_position,
 )
 from redisdask.state_machine import InvalidTransition
+from redisdask.store import codecs, keyspace
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def _before_claim(ts: TaskState, written: StreamPosition | None) -> bool:
 
 def _pack_deaths(ts: TaskState) -> bytes:
     """The structured evidence of a KilledWorker, for ``exc.deaths`` in the client."""
-    return schema.pack({"task": ts.key, "deaths": ts.deaths})
+    return codecs.pack({"task": ts.key, "deaths": ts.deaths})
 
 
 class SchedulerState(DataMoves, WorkStealing, Chains):
@@ -333,7 +333,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         self._transition(ts, "erred", stimulus_id=stimulus_id)
 
     def _handle_rejected_graph(self, ev: RejectedGraph) -> None:
-        if schema.is_holder(ev.client):
+        if keyspace.is_holder(ev.client):
             return  # (a stranger's message: a holder has no events stream to tell)
         wanted = self.clients.setdefault(ev.client, set())  # forgotten with the client
         for key in dict.fromkeys(ev.keys):
@@ -431,7 +431,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
     def _add_wants(self, client: str, keys: Iterable[str], *, stimulus_id: str) -> None:
         added = []
         wanted = self.clients.setdefault(client, set())
-        fired = client == schema.FIRE_AND_FORGET
+        fired = client == keyspace.FIRE_AND_FORGET
         for key in keys:
             ts = self.tasks.get(key)
             if ts is None or client in ts.who_wants:
@@ -446,7 +446,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             self._report_to(client, ts, stimulus_id=stimulus_id)
         if added:
             self._emit(SetWants(stimulus_id, client, add=added))
-        elif not wanted and schema.is_holder(client):
+        elif not wanted and keyspace.is_holder(client):
             del self.clients[client]  # a holder exists only while it wants something
 
     def _report_to(self, client: str, ts: TaskState, *, stimulus_id: str) -> None:
@@ -461,7 +461,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         for key in ev.keys:
             if key in self.tasks:
                 self._make_needed(self.tasks[key], stimulus_id=ev.stimulus_id)
-            elif not schema.is_holder(ev.client):  # a holder hears nothing
+            elif not keyspace.is_holder(ev.client):  # a holder hears nothing
                 # e.g. a future unpickled in a task after its submitter let it go
                 text = (
                     f"task {key!r} is unknown to the scheduler: it was released (no client "
@@ -486,7 +486,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             self._maybe_release(ts)
         if removed:
             self._emit(SetWants(stimulus_id, client, remove=removed))
-            if not wanted and schema.is_holder(client):
+            if not wanted and keyspace.is_holder(client):
                 del self.clients[client]  # a holder exists only while it wants something
                 self._emit(ForgetClient(stimulus_id, client))
         return removed
@@ -494,8 +494,8 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
     def _fired_done(self, ts: TaskState, *, stimulus_id: str) -> None:
         """``fire_and_forget`` wanted ``ts`` until it ran (memory or erred), as in Dask:
         its result is released after, unless somebody else wants it."""
-        if schema.FIRE_AND_FORGET in ts.who_wants:
-            self._release_wants(schema.FIRE_AND_FORGET, [ts.key], stimulus_id=stimulus_id)
+        if keyspace.FIRE_AND_FORGET in ts.who_wants:
+            self._release_wants(keyspace.FIRE_AND_FORGET, [ts.key], stimulus_id=stimulus_id)
 
     def _handle_cancel_keys(self, ev: CancelKeys) -> None:
         # cancelling a key cancels the client's dependents of it too, as in Dask
@@ -536,7 +536,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         self._forget_moves(stimulus_id=ev.stimulus_id)
         # (the holders wanted only tasks: they go with them; a client that only heard
         # of the restart stays unknown until its first graph, as before it)
-        self.clients = {c: set() for c in self.clients if not schema.is_holder(c)}
+        self.clients = {c: set() for c in self.clients if not keyspace.is_holder(c)}
 
     def _handle_retry_keys(self, ev: RetryKeys) -> None:
         """Run erred tasks again, as distributed's ``stimulus_retry``: each erred key the
@@ -574,7 +574,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         wanted = [ts.key for ts in self.clients.get(ev.client, ())]
         self._release_wants(ev.client, wanted, stimulus_id=ev.stimulus_id)
         self.generations.pop(ev.client, None)
-        if self.clients.pop(ev.client, None) is not None or not schema.is_holder(ev.client):
+        if self.clients.pop(ev.client, None) is not None or not keyspace.is_holder(ev.client):
             self._emit(ForgetClient(ev.stimulus_id, ev.client))  # (a holder's went with its wants)
 
     def _handle_update_data(self, ev: UpdateData) -> None:
@@ -1167,7 +1167,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         estimate = self.durations.averages.get(ts.prefix, -1.0)
         started = float(ws.info["started"])
         msg = ComputeTask(ts.key, ts.score, started, estimate, bool(ts.chain))
-        notify = {c: self.generations.get(c, 0) for c in ts.who_wants if not schema.is_holder(c)}
+        notify = {c: self.generations.get(c, 0) for c in ts.who_wants if not keyspace.is_holder(c)}
         ts.notified, ts.told = notify, False
         self._emit(Push(stimulus_id, ws.address, msg, notify))
         return True
@@ -1534,7 +1534,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         )
         if ts.killed:
             msg.killed, msg.suspicious = ts.killed, ts.suspicious
-            msg.deaths = schema.pack(ts.deaths)
+            msg.deaths = codecs.pack(ts.deaths)
         return msg
 
     # ------------------------------------------------------------------ validation
@@ -1584,7 +1584,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 assert ws.address in ts.who_has, (ts, ws.address)
         self._validate_moves()
         for client, wanted in self.clients.items():
-            assert wanted or not schema.is_holder(client), client  # gone when it wants nothing
+            assert wanted or not keyspace.is_holder(client), client  # gone when it wants nothing
             for ts in wanted:
                 assert client in ts.who_wants, (client, ts)
                 assert self.tasks.get(ts.key) is ts, (client, ts)

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from redisdask import schema
 from redisdask.protocol import Stimulus
 from redisdask.spec import key_prefix
+from redisdask.store import keyspace
 
 PRIORITY_SCALE = 2**40  # submission sequence numbers stay below this
 
@@ -147,7 +147,7 @@ class TaskState:
 
     def holders(self) -> list[str]:
         """Where the result is: its workers and, for a small one, Redis (``REDIS_COPY``)."""
-        return [*sorted(self.who_has), schema.REDIS_COPY] if self.inline else sorted(self.who_has)
+        return [*sorted(self.who_has), keyspace.REDIS_COPY] if self.inline else sorted(self.who_has)
 
     def __hash__(self) -> int:
         return id(self)

@@ -8,7 +8,7 @@
 * ``decode_entry`` and ``rejected_graphs``: stream entries into events.
 * ``Summary``: the ``summary`` hash that ``status`` and ``monitor`` read.
 
-Task hashes go through the one codec of ``redisdask/task_record.py``.  Nothing here
+Task hashes go through the one codec of ``redisdask/store/task_record.py``.  Nothing here
 talks to Redis except the two readers (``load_state``, ``Summary.resumed``); the driver
 (``scheduler/driver.py``) owns the loop, the lease and the writes.
 """
@@ -26,11 +26,9 @@ from typing import Any
 
 import redis
 
-from redisdask import schema
 from redisdask.config import RetentionConfig
 from redisdask.durations import Durations
 from redisdask.errors import ProtocolError, RecordError
-from redisdask.events import death_fields, event_command
 from redisdask.protocol import SCHEDULER_EVENTS, AddWorker, ComputeTask, FreeKeys, Stimulus, parse
 from redisdask.scheduler.instructions import (
     ClaimAccepted,
@@ -58,8 +56,11 @@ from redisdask.scheduler.moves import RebalanceConfig
 from redisdask.scheduler.quarantine import REBALANCE_RECORD_TTL_MS, Quarantined, record_copy
 from redisdask.scheduler.state import HOLDS_DEPENDENCIES, SchedulerState
 from redisdask.scheduler.tasks import RejectedGraph, TaskState, stream_position
-from redisdask.schema import Keys, RebalanceRecord
-from redisdask.task_record import TaskRecord, evidence
+from redisdask.store import codecs, keyspace, scripts
+from redisdask.store.codecs import RebalanceRecord, evidence
+from redisdask.store.eventlog import death_fields, event_command
+from redisdask.store.keyspace import Keys
+from redisdask.store.task_record import TaskRecord
 from redisdask.utils.heap import no_collections
 
 logger = logging.getLogger("redisdask.scheduler")
@@ -140,15 +141,15 @@ class _Batch:
         for worker, keys in self.pushes.items():
             cmds.extend(_chunked(["SADD", k.worker_processing(worker)], keys))
         for worker, msgs in self.worker_msgs.items():
-            entry = [k.worker_inbox(worker), "*", "m", schema.pack(msgs)]
+            entry = [k.worker_inbox(worker), "*", "m", codecs.pack(msgs)]
             pushed = {m["key"] for m in msgs if m["op"] == ComputeTask.op}
             if pushed:  # each task's spec beside it, copied from its record (APPLY_FENCED)
-                specs = [x for key in pushed for x in (schema.push_spec_field(key), k.task(key))]
-                cmds.append([schema.XADD_WITH_SPECS, *entry, *specs])
+                specs = [x for key in pushed for x in (keyspace.push_spec_field(key), k.task(key))]
+                cmds.append([keyspace.XADD_WITH_SPECS, *entry, *specs])
             else:
                 cmds.append(["XADD", *entry])
         for client, msgs in self.client_msgs.items():
-            cmds.append(["XADD", k.client_events(client), "*", "m", schema.pack(msgs)])
+            cmds.append(["XADD", k.client_events(client), "*", "m", codecs.pack(msgs)])
         per_zset: dict[str, list[Any]] = defaultdict(list)
         for (zset, key), score in self.enqueue_on.items():
             per_zset[zset] += [score, key]
@@ -159,7 +160,7 @@ class _Batch:
             cmds.extend(_chunked(["ZADD", k.ready], pairs, step=2))
         if self.enqueue or self.enqueue_on:
             n = len(self.enqueue) + sum(zset != k.placed for zset, _ in self.enqueue_on)
-            signal = ["XADD", k.ready_signal, "MAXLEN", "~", schema.READY_SIGNAL_MAXLEN, "*"]
+            signal = ["XADD", k.ready_signal, "MAXLEN", "~", keyspace.READY_SIGNAL_MAXLEN, "*"]
             cmds.append([*signal, "n", n])
         for request, changes in self.rebalances.items():
             record = k.rebalance(request)
@@ -265,7 +266,7 @@ class Translator:
         b.fields(ins.key).update(TaskRecord.encode({"chain": ins.chain}))
 
     def _client_msg(self, ins: ClientMsg, b: _Batch) -> None:
-        if not schema.is_holder(ins.client):  # a holder is no process: nobody would read it
+        if not keyspace.is_holder(ins.client):  # a holder is no process: nobody would read it
             b.client_msgs[ins.client].append(ins.msg.to_dict())
 
     def _worker_msg(self, ins: WorkerMsg, b: _Batch) -> None:
@@ -289,7 +290,7 @@ class Translator:
         wants = self.keys.client_wants(ins.client)
         if ins.add:
             b.cmds.extend(_chunked(["SADD", wants], ins.add))
-            if schema.is_holder(ins.client):  # what load_state restores holders from
+            if keyspace.is_holder(ins.client):  # what load_state restores holders from
                 b.cmds.append(["SADD", self.keys.holders, ins.client])
         if ins.remove:
             b.cmds.extend(_chunked(["SREM", wants], ins.remove))
@@ -300,7 +301,7 @@ class Translator:
             ["DEL", k.client_wants(ins.client), k.client_events(ins.client),
              k.client_written(ins.client)]
         )  # fmt: skip
-        if schema.is_holder(ins.client):
+        if keyspace.is_holder(ins.client):
             b.cmds.append(["SREM", k.holders, ins.client])
         else:
             b.cmds.append(["HDEL", k.clients, ins.client])
@@ -344,7 +345,7 @@ class Translator:
 
     def _record_death(self, ins: RecordDeath, b: _Batch) -> None:
         now = time.time()
-        record = schema.pack({"time": now, **ins.record})
+        record = codecs.pack({"time": now, **ins.record})
         b.cmds.append(["XADD", self.keys.deaths, "MAXLEN", self.retention.deaths, "*", "m", record])
         b.cmds.append(self.event_command("worker-died", now, **death_fields(ins.record)))
 
@@ -383,10 +384,10 @@ class Translator:
         causes.update({ev.stimulus_id: [ev.op, _origin(ev)] for ev in events})
         now = time.time()
         cmds = []
-        for i in range(0, len(transitions), schema.STORY_CHUNK):
-            chunk = transitions[i : i + schema.STORY_CHUNK]
+        for i in range(0, len(transitions), keyspace.STORY_CHUNK):
+            chunk = transitions[i : i + keyspace.STORY_CHUNK]
             used = {sid: causes[sid] for _, _, sid in chunk if sid in causes}
-            entry = schema.pack({"time": now, "transitions": chunk, "causes": used})
+            entry = codecs.pack({"time": now, "transitions": chunk, "causes": used})
             cmds.append(["XADD", self.keys.story, "MAXLEN", self.retention.story, "*", "m", entry])
         return cmds
 
@@ -435,7 +436,7 @@ def decode_entry(entry_id: bytes, fields: dict[bytes, bytes], stream: str = "") 
     if raw is None:
         raise ProtocolError(f"entry has no 'm' field (fields: {sorted(fields)[:5]})")
     try:
-        msgs = schema.unpack(raw)
+        msgs = codecs.unpack(raw)
     except Exception as exc:
         raise ProtocolError(f"field 'm' is not msgpack: {exc}") from exc
     if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
@@ -453,7 +454,7 @@ def rejected_graphs(
     cannot be read (not msgpack, no client, keys that are not str) is skipped: there is
     nobody or nothing to tell."""
     try:
-        msgs = schema.unpack(fields.get(b"m") or b"")
+        msgs = codecs.unpack(fields.get(b"m") or b"")
     except Exception:
         return []
     if not isinstance(msgs, list):
@@ -541,12 +542,12 @@ class Summary:
         fields = {
             "time": now,
             "scheduler": scheduler_id,
-            "prefixes": schema.pack({p: dict(c) for p, c in by_prefix.items()}),
-            "finished": schema.pack(sorted(self.per_second.items())),
+            "prefixes": codecs.pack({p: dict(c) for p, c in by_prefix.items()}),
+            "finished": codecs.pack(sorted(self.per_second.items())),
             "finished_total": self.finished_total,
             "erred_total": self.erred_total,
-            "clients": sum(not schema.is_holder(c) for c in state.clients),
-            "no_worker": schema.pack(no_worker_reasons(state)),
+            "clients": sum(not keyspace.is_holder(c) for c in state.clients),
+            "no_worker": codecs.pack(no_worker_reasons(state)),
         }
         spent = time.monotonic() - started
         self.next_write = time.monotonic() + max(SUMMARY_INTERVAL, spent / SUMMARY_SHARE)
@@ -680,7 +681,7 @@ def _worker_entry(
         bad.append(Quarantined("worker", keys.workers, raw_address, error, {raw_address: raw_info}))
         return None, {}
     try:
-        return address, schema.worker_info(record, raw_info)
+        return address, codecs.worker_info(record, raw_info)
     except RecordError as error:
         fields = {raw_address: raw_info}
         bad.append(Quarantined("worker", keys.workers, raw_address, error, fields, address))
@@ -731,14 +732,14 @@ def _bad_wants(r: redis.Redis, keys: Keys, cid: str) -> Quarantined:
 def _pages(r: redis.Redis, keys: Keys) -> Iterator[list[list[bytes]]]:
     """The pages of ``LOAD_TASKS``, each read while the caller decodes the one before:
     Redis's time (a third of a reload) overlaps Python's."""
-    scripts = schema.Scripts(r, keys)
+    lua = scripts.Scripts(r, keys)
     with ThreadPoolExecutor(1, thread_name_prefix="load-state") as reader:
-        page = reader.submit(scripts.load_tasks, cursor=0, count=LOAD_PAGE)
+        page = reader.submit(lua.load_tasks, cursor=0, count=LOAD_PAGE)
         while page is not None:
             cursor, rows = page.result()
             page = None
             if cursor not in (b"0", 0):
-                page = reader.submit(scripts.load_tasks, cursor=cursor, count=LOAD_PAGE)
+                page = reader.submit(lua.load_tasks, cursor=cursor, count=LOAD_PAGE)
             yield rows
 
 
@@ -828,7 +829,7 @@ def _task_state(key: str, rec: TaskRecord, state: SchedulerState) -> TaskState:
     if ts.state == "no-worker":
         state.unrunnable.add(ts)
     ts.who_has = {w for w in rec.who_has if w in state.workers}
-    ts.inline = ts.state == "memory" and schema.REDIS_COPY in rec.who_has
+    ts.inline = ts.state == "memory" and keyspace.REDIS_COPY in rec.who_has
     ts.exception, ts.traceback = rec.exception, rec.traceback
     ts.exception_text, ts.traceback_text = rec.exception_text, rec.traceback_text
     if ts.state == "processing":

@@ -16,7 +16,7 @@ label that ``set_name`` updates; lines already written keep the label they had. 
 writes its worker's lines into a rotating file
 (``<local-directory>/redisdask-worker-space/<name>.log``) exactly as the worker wrote
 them, and keeps their tail for the death record.  Messages never hold a Redis password:
-every URL is logged through ``connection.redact``.
+every URL is logged through ``store.urls.redact``.
 """
 
 from __future__ import annotations

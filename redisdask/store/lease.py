@@ -4,7 +4,7 @@
   ``rd:{c}:lease-token`` holds the last token handed out, ``<n>.<nonce>`` (n counts up;
   the random nonce keeps two tokens apart where a Redis failover lost the last one and
   n is handed out again: see ``token_number``).  Every write of the leader is
-  an ``APPLY_FENCED`` that checks the token first (``schema._FENCE``), so a scheduler
+  an ``APPLY_FENCED`` that checks the token first (``scripts._FENCE``), so a scheduler
   that was paused or partitioned while a standby took over can never write again.
 * **An expired lease nobody took since is still ours**: the counter still stands at our
   token, so no other scheduler was ever handed one, and none can have written.  A leader
@@ -33,8 +33,9 @@ from collections.abc import Iterator
 
 import redis
 
-from redisdask import schema
 from redisdask.errors import FencedError
+from redisdask.store import keyspace
+from redisdask.store.scripts import Scripts
 
 logger = logging.getLogger("redisdask.scheduler")
 
@@ -49,9 +50,7 @@ def token_number(token: str | bytes) -> int:
 class Lease:
     """The lease of one scheduler process: its token, its renewals, the keeper thread."""
 
-    def __init__(
-        self, scripts: schema.Scripts, ttl: float, holder: str, connection: str = ""
-    ) -> None:
+    def __init__(self, scripts: Scripts, ttl: float, holder: str, connection: str = "") -> None:
         self.scripts = scripts
         self.ttl_ms = int(ttl * 1000)
         self.holder = holder  # the scheduler's id, for the messages
@@ -146,7 +145,7 @@ class HolderWatch:
     to its TTL.
     """
 
-    def __init__(self, r: redis.Redis, keys: schema.Keys) -> None:
+    def __init__(self, r: redis.Redis, keys: keyspace.Keys) -> None:
         self.redis, self.keys = r, keys
         self.seen: tuple[bytes, str] | None = None  # (token, run_id) seen connected
         self.missing = 0

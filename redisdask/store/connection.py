@@ -1,6 +1,6 @@
 """Opening Redis connections with errors that say what to do, and URLs safe to log.
 
-Every connection waits out a Redis busy running a script (``BUSY``: ``redisdask/busy.py``).
+Every connection waits out a Redis busy running a script (``BUSY``: ``busy.py``).
 ``connect(url, cluster_errors=True)`` (the client's connections) gives a ``ClusterRedis``:
 every command and every pipeline on it turns redis-py's ``ConnectionError`` and
 ``TimeoutError`` into ``ClusterConnectionError`` at one boundary
@@ -16,33 +16,28 @@ each process's reconnection finds the promoted replica.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import os
 import urllib.parse
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import redis
 import redis.asyncio.sentinel
 import redis.sentinel
 
-from redisdask import busy
 from redisdask.errors import ClusterConnectionError
+from redisdask.store import busy
+from redisdask.store.urls import (
+    SENTINEL_FORM,
+    SentinelAddress,
+    is_sentinel,
+    parse_sentinel_url,
+    redact,
+)
 
 if TYPE_CHECKING:
     from redisdask.config import RedisConfig
-
-
-def redact(url: str) -> str:
-    """The URL without its password, for logs and error messages."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urllib.parse.urlunsplit(parts._replace(netloc=user + netloc))
 
 
 def login(config: RedisConfig | None = None) -> dict[str, str]:
@@ -64,7 +59,7 @@ def login(config: RedisConfig | None = None) -> dict[str, str]:
 
 # No CLIENT subcommands on connecting but SETNAME: redis-py (>= 5) sends CLIENT SETINFO
 # and (>= 7, over RESP3, which it speaks when it logs in) CLIENT MAINT_NOTIFICATIONS,
-# ignoring a refusal.  The ACL roles of redisdask/acl.py grant neither (Redis 7.0 refuses
+# ignoring a refusal.  The ACL roles of redisdask/store/acl.py grant neither (Redis 7.0 refuses
 # a rule naming a subcommand it does not know), and every refusal would fill the ACL LOG.
 _PARAMETERS = inspect.signature(redis.connection.AbstractConnection.__init__).parameters
 _QUIET: dict[str, Any] = (
@@ -76,68 +71,6 @@ if "maint_notifications_config" in _PARAMETERS:
     from redis.maint_notifications import MaintNotificationsConfig
 
     _QUIET["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
-
-
-SENTINEL_SCHEME = "redis+sentinel"
-SENTINEL_PORT = 26379
-SENTINEL_FORM = "redis+sentinel://[user:password@]host:26379[,host2:26379...]/service-name[/db]"
-
-
-@dataclass(frozen=True)
-class SentinelAddress:
-    """What a ``redis+sentinel://`` URL names: the Sentinels to ask, the service (the
-    name of the primary in their configuration), and how to log in to the primary."""
-
-    sentinels: tuple[tuple[str, int], ...]
-    service: str
-    db: int = 0
-    username: str | None = None
-    password: str | None = None
-
-
-def parse_sentinel_url(url: str) -> SentinelAddress | None:
-    """The Sentinels and service of a ``redis+sentinel://`` URL (None for any other
-    scheme), in the form of the ``redis-sentinel-url`` package:
-    ``redis+sentinel://[user:password@]host1:26379,host2:26379/service[/db]`` (kombu's
-    ``sentinel://h1:26379;sentinel://h2:26379`` leaves the service to an option; one URL
-    that names it travels whole through ``REDISDASK__REDIS__URL`` and command lines).
-    The credentials are the data servers' (the Sentinels are asked without any); a host
-    without a port is on 26379.  ``ValueError`` naming what is wrong."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme != SENTINEL_SCHEME:
-        return None
-    if parts.query or parts.fragment:
-        raise ValueError(f"a Sentinel URL takes no query or fragment; expected {SENTINEL_FORM}")
-    hosts = parts.netloc.rsplit("@", 1)[-1]
-    sentinels = []
-    for host in hosts.split(","):
-        name, colon, port = host.strip().rpartition(":") if ":" in host else (host, "", "")
-        name = name.strip("[]")  # an IPv6 address in brackets
-        if not name or (colon and not port.isdigit()) or not 0 < int(port or 1) < 65536:
-            raise ValueError(f"bad Sentinel address {host!r}; expected {SENTINEL_FORM}")
-        sentinels.append((name, int(port) if port else SENTINEL_PORT))
-    path = [urllib.parse.unquote(p) for p in parts.path.strip("/").split("/") if p]
-    if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
-        raise ValueError(f"expected a service name and an optional db number: {SENTINEL_FORM}")
-    return SentinelAddress(
-        sentinels=tuple(sentinels),
-        service=path[0],
-        db=int(path[1]) if len(path) == 2 else 0,
-        username=urllib.parse.unquote(parts.username) if parts.username else None,
-        password=urllib.parse.unquote(parts.password) if parts.password is not None else None,
-    )
-
-
-def sentinel_url(
-    sentinels: list[str], service: str, username: str | None, password: str | None, db: int
-) -> str:
-    """A ``redis+sentinel://`` URL of ``host:port`` Sentinels (the config's
-    ``redis.sentinels`` and ``redis.sentinel-service``)."""
-    login = ""
-    if password is not None or username:
-        quote = functools.partial(urllib.parse.quote, safe="")
-        login = f"{quote(username or '')}:{quote(password or '')}@"
-    return f"{SENTINEL_SCHEME}://{login}{','.join(sentinels)}/{service}/{db}"
 
 
 def _master(
@@ -331,10 +264,6 @@ def _invalid_url(url: str, exc: ValueError) -> ClusterConnectionError:
     )
 
 
-def _is_sentinel(url: str) -> bool:
-    return urllib.parse.urlsplit(url).scheme == SENTINEL_SCHEME
-
-
 def unreachable(url: str, timeout: float, exc: BaseException) -> BaseException:
     """What a failed first PING means, as an error that says what to do (other
     ``RedisError``s are returned as they are)."""
@@ -344,7 +273,7 @@ def unreachable(url: str, timeout: float, exc: BaseException) -> BaseException:
             "password in the URL, or redis.username and redis.password in the config "
             "(REDISDASK__REDIS__USERNAME, REDISDASK__REDIS__PASSWORD)"
         )
-    if isinstance(exc, redis.ConnectionError | redis.TimeoutError | OSError) and _is_sentinel(url):
+    if isinstance(exc, redis.ConnectionError | redis.TimeoutError | OSError) and is_sentinel(url):
         return ClusterConnectionError(
             f"cannot reach the primary of {redact(url)} within {timeout:g} s: {exc}. Are the "
             "Sentinels running there, do they monitor that service name, and is its primary "

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from redisdask import schema
+from redisdask.store import codecs
 from redisdask.utils.sizes import format_bytes
 
 WARN_CLIENTS = frozenset({"spill-failed"})
@@ -53,7 +53,7 @@ WARN_CLIENTS = frozenset({"spill-failed"})
 
 def event_command(stream: str, maxlen: int, kind: str, now: float, **fields: Any) -> list[Any]:
     """The XADD of one event, trimmed to ``maxlen`` entries."""
-    event = schema.pack({"kind": kind, "time": now, **fields})
+    event = codecs.pack({"kind": kind, "time": now, **fields})
     return ["XADD", stream, "MAXLEN", maxlen, "*", "m", event]
 
 

@@ -8,7 +8,7 @@
   the scheduler looks again periodically (a policy changed at run time is logged as an
   ERROR, written to the events stream and shown by ``redisdask status``).  Only
   ``noeviction`` works: a full Redis then refuses writes instead, which every process
-  waits out (``redisdask/busy.py``).  A Redis where INFO is refused (an ACL without
+  waits out (``redisdask/store/busy.py``).  A Redis where INFO is refused (an ACL without
   ``+info``) is not refused: the process warns once and goes on.
 * **How full it is**: ``used_memory`` against ``maxmemory`` (0: no limit), for the
   messages that say why the cluster is stuck (``full_text``) and for the workers' inline

@@ -36,11 +36,11 @@ import fnmatch
 import re
 from collections.abc import Mapping
 
-from redisdask.schema import Keys
+from redisdask.store.keyspace import Keys
 
 ROLES = ("scheduler", "worker", "client", "monitor")
 
-# Every key family of a cluster, after its prefix ``rd:{c}:`` (``schema.Keys``);
+# Every key family of a cluster, after its prefix ``rd:{c}:`` (``keyspace.Keys``);
 # tests/test_acl.py checks that each name ``Keys`` makes matches one of them.
 FAMILIES = {
     "meta": "meta", "secret": "secret", "lease": "lease", "lease-token": "lease-token",

@@ -2,7 +2,7 @@
 ``Client.who_has()`` and ``Client.has_what()`` report for the whole cluster (as
 distributed's scheduler answers them from its task states).
 
-A record's ``who_has`` may name ``schema.REDIS_COPY``: the result is small and lives in
+A record's ``who_has`` may name ``keyspace.REDIS_COPY``: the result is small and lives in
 the record itself too.  That is no worker, so these answers never name it (code that
 iterates ``who_has`` takes every name for a worker address, as in Dask);
 ``redisdask inspect task`` says where a result lives, Redis included.
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from redisdask.schema import REDIS_COPY, Keys
-from redisdask.task_record import TaskRecord
+from redisdask.store.keyspace import REDIS_COPY, Keys
+from redisdask.store.task_record import TaskRecord
 
 PAGE = 1000  # task keys read per SSCAN page and per pipeline
 

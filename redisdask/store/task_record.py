@@ -14,7 +14,7 @@ msgpack; ``who_has``, ``workers`` and ``queued_on`` as space-separated words (an
 worker name or host never contains a space); ``resources`` as ``NAME=AMOUNT`` words
 (``placement.format_resources``); ``spec``, ``exception``, ``traceback`` and ``killed``
 as opaque bytes; ``rejected``, ``loose`` and ``sticky`` as ``1`` or empty.  The ``CLAIM``
-script in ``schema.py`` reads ``spec``, ``deps``, ``state``, ``queued_on``, ``resources``,
+script in ``store/scripts.py`` reads ``spec``, ``deps``, ``state``, ``queued_on``, ``resources``,
 ``sticky``, ``who_has`` and ``nbytes`` in the same formats (a test checks that it names
 only fields of this record).
 
@@ -41,24 +41,16 @@ from typing import Any
 
 import redis
 
-from redisdask import schema
 from redisdask.errors import RecordError
 from redisdask.placement import format_resources, split_resources
+from redisdask.store import codecs
+from redisdask.store.codecs import evidence
 
 Raw = bytes | None  # a field as redis-py returns it (None: absent)
 
 # the states a task record may be in (the scheduler's states but ``forgotten``, whose
 # record is deleted)
 STATES = frozenset(("released", "waiting", "queued", "processing", "memory", "erred", "no-worker"))
-EVIDENCE = 80  # characters of a malformed value quoted in its error
-
-
-def evidence(raw: Any, limit: int = EVIDENCE) -> str:
-    """A bounded ``repr`` of a malformed value, for an error or a log line."""
-    text = repr(raw)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(raw)} bytes)"
-
-
 # --------------------------------------------------------------------------- field codecs
 
 
@@ -102,7 +94,7 @@ def _float(raw: Raw) -> float:
 def _packed(value: Any) -> bytes:
     if isinstance(value, str | bytes):  # would be stored packed twice
         raise TypeError(f"a decoded value, not the stored form {value!r}")
-    return schema.pack(value)
+    return codecs.pack(value)
 
 
 def _flag(value: Any) -> int | bytes:
@@ -188,7 +180,7 @@ class TaskRecord:
     killed: bytes | None = None  # msgpack {task, deaths}: passed on to clients as it is
     replicas: int = 1
     rejected: bool = False
-    # memory: the result itself, pickled, when small enough (who_has names schema.REDIS_COPY)
+    # memory: the result itself, pickled, when small enough (who_has names keyspace.REDIS_COPY)
     value: bytes | None = None
 
     # ------------------------------------------------------------------ writing
@@ -277,11 +269,11 @@ class TaskRecord:
 
 
 def _strs(raw: bytes) -> list[str]:
-    return [d for d in schema.unpack_or(raw, [], list) if isinstance(d, str)]
+    return [d for d in codecs.unpack_or(raw, [], list) if isinstance(d, str)]
 
 
 def _maps(raw: bytes) -> list[dict[str, Any]]:
-    return [d for d in schema.unpack_or(raw, [], list) if isinstance(d, dict)]
+    return [d for d in codecs.unpack_or(raw, [], list) if isinstance(d, dict)]
 
 
 def _bytes_or_none(raw: bytes) -> bytes | None:
@@ -316,7 +308,7 @@ _DECODERS: dict[bytes, tuple[str, Callable[[bytes], Any]]] = {
         "chain": _strs,
         "notify": lambda raw: {
             k: v
-            for k, v in schema.unpack_or(raw, {}, dict).items()
+            for k, v in codecs.unpack_or(raw, {}, dict).items()
             if isinstance(k, str) and isinstance(v, int)
         },
         "exception": _bytes_or_none,
@@ -358,7 +350,7 @@ def _checked_int(raw: bytes) -> int:
 
 def _checked_list(raw: bytes, kind: type, what: str) -> list[Any]:
     try:
-        value = schema.unpack(raw)
+        value = codecs.unpack(raw)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"is not msgpack ({exc or type(exc).__name__})") from None
     if not isinstance(value, list) or not all(isinstance(x, kind) for x in value):

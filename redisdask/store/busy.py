@@ -33,7 +33,7 @@ whole) asks for the refusal instead: ``with raised(): ...``.
   replies take their places.  Such commands may then run after commands that followed them
   in the pipeline; a pipeline whose order matters must be a transaction.
 
-``connect`` and ``connect_async`` (``redisdask/connection.py``) return these classes.
+``connect`` and ``connect_async`` (``redisdask/store/connection.py``) return these classes.
 """
 
 from __future__ import annotations
