@@ -7,7 +7,10 @@ import importlib.metadata
 # one source: pyproject.toml's [project] version, as installed
 __version__ = importlib.metadata.version("redisdask")
 
-from redisdask.client import Client, Future, as_completed, default_client, futures_of, wait
+from redisdask.client.client import Client, Future, as_completed, default_client, futures_of, wait
+from redisdask.client.diagnostics import progress
+from redisdask.client.performance_report import performance_report
+from redisdask.client.task_stream import get_task_stream
 from redisdask.coordination import (
     Event,
     Lock,
@@ -18,7 +21,6 @@ from redisdask.coordination import (
     fire_and_forget,
 )
 from redisdask.deploy.cluster import LocalCluster
-from redisdask.diagnostics import progress
 from redisdask.errors import (
     ClusterConnectionError,
     FutureCancelledError,
@@ -30,11 +32,9 @@ from redisdask.errors import (
     WorkerStartTimeoutError,
     WorkerUnresponsiveError,
 )
-from redisdask.performance_report import performance_report
 from redisdask.plugins import WorkerPlugin
 from redisdask.security import Security
 from redisdask.task_context import get_client, get_worker, rejoin, secede, worker_client
-from redisdask.task_stream import get_task_stream
 
 __all__ = [
     "Client",

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from redisdask.config import parse_duration
 
 if TYPE_CHECKING:
-    from redisdask.client import Client
+    from redisdask.client.client import Client
 
 
 class TaskHost(Protocol):
@@ -144,7 +144,7 @@ def get_client(
     host = _thread.host
     if host is not None and (not address or address == host.redis_url):
         return host.task_client(seconds)
-    from redisdask.client import Client, default_client
+    from redisdask.client.client import Client, default_client
 
     try:
         client: Client | None = default_client()

@@ -22,7 +22,7 @@ from redisdask import (
     TaskInterrupted,
     wait,
 )
-from redisdask.client import MAX_SPEC_BYTES
+from redisdask.client.client import MAX_SPEC_BYTES
 from redisdask.deploy.embedded import EmbeddedRedis
 from redisdask.errors import ClusterConnectionError
 from redisdask.store.keyspace import Keys
@@ -225,7 +225,7 @@ def test_without_dask_dict_graphs_and_scatter_tokens_still_work(
 ) -> None:
     """The paths taken on a machine without dask: old-style tuple graphs (futures inside)
     and scatter keys from a hash over every frame."""
-    import redisdask.client as client_module
+    import redisdask.client.client as client_module
 
     monkeypatch.setattr(client_module, "_dask_installed", lambda: False)
     x = client.submit(inc, 1)

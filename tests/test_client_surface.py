@@ -24,7 +24,7 @@ from redisdask import (
     performance_report,
     wait,
 )
-from redisdask.performance_report import report_text
+from redisdask.client.performance_report import report_text
 from redisdask.store.keyspace import Keys
 
 pytestmark = pytest.mark.timeout(120)

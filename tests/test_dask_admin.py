@@ -25,7 +25,7 @@ import redis
 from polling import poll
 
 from redisdask import Client, LocalCluster, wait
-from redisdask.futures import Future
+from redisdask.client.futures import Future
 from redisdask.observe.inspect import read_task
 from redisdask.store.bootstrap import ensure_cluster
 from redisdask.store.keyspace import Keys

@@ -29,8 +29,8 @@ from redisdask import (
     WorkerPlugin,
     WorkerStartTimeoutError,
     WorkerUnresponsiveError,
-    worker_calls,
 )
+from redisdask.client import worker_calls
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -2,7 +2,7 @@
 (``redisdask.comm``), besides data: ``run`` a function (``client.run``) and
 ``sync-plugins`` (``register_plugin``, ``unregister_worker_plugin``, ``upload_file``:
 the worker re-reads the cluster's plugins and uploads from Redis and applies what
-changed).  The client side is ``redisdask/worker_calls.py``.
+changed).  The client side is ``redisdask/client/worker_calls.py``.
 
 Replies are ``{"status": "OK"}`` (for ``run`` with the pickled result as frames) or
 ``{"status": "error", "exception_text", "traceback_text"}`` with two frames: the

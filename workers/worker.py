@@ -570,7 +570,7 @@ class Worker:
             if self._client is None or self._client.status != "running":
                 if self.status != "running":
                     raise RuntimeError(f"worker {self.address} is {self.status}: no new client")
-                from redisdask.client import Client
+                from redisdask.client.client import Client
 
                 self._client = Client(
                     self.redis_url,
@@ -1480,7 +1480,7 @@ def main(redis_url: str, cluster: str, **kwargs: Any) -> None:
         # this process is the worker's own: dask's scheduler here is the cluster inside a
         # task (as distributed's get_client() is dask's fallback there), dask's threads
         # elsewhere; in-thread workers leave the user's process's dask config alone
-        from redisdask.client import _make_dask_default
+        from redisdask.client.client import _make_dask_default
 
         _make_dask_default(task_context.dask_get)
         worker = Worker(redis_url, cluster, **kwargs)

@@ -65,7 +65,7 @@ def run_demo(redis_url: str | None = None, n_workers: int = 2, only_dask: bool =
 
 
 def futures_demo(client: Any, console: Console) -> bool:
-    from redisdask.diagnostics import progress
+    from redisdask.client.diagnostics import progress
 
     start = time.perf_counter()
     chunks = client.map(make_chunk, range(N_CHUNKS))

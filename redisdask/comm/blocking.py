@@ -1,5 +1,5 @@
 """Blocking client connections, for callers on plain threads without an event loop
-(``client.run`` calls every worker from a thread pool, ``worker_calls.py``): the same
+(``client.run`` calls every worker from a thread pool, ``client/worker_calls.py``): the same
 framing, handshake and TLS as the asyncio side, over a plain socket or an
 ``ssl.SSLSocket``.
 """

@@ -52,17 +52,17 @@ import msgpack
 import redis
 
 from redisdask import spec
+from redisdask.client.futures import Future, _FutureState
+from redisdask.client.loop import running_loop
 from redisdask.config import parse_duration
 from redisdask.coordination.scripts import CoordinationScripts
 from redisdask.errors import ClientClosedError, ClusterConnectionError
-from redisdask.futures import Future, _FutureState
-from redisdask.loop import running_loop
 from redisdask.store import keyspace
 from redisdask.store.keyspace import Keys
 from redisdask.store.task_record import TaskRecord
 
 if TYPE_CHECKING:
-    from redisdask.client import Client
+    from redisdask.client.client import Client
 
 logger = logging.getLogger("redisdask.coordination")
 
@@ -112,7 +112,7 @@ _backends_lock = threading.Lock()
 def backend_of(client: Client | None, what: str) -> Backend:
     """The backend of ``client``, or of the default client (in a task: its worker's)."""
     if client is None:
-        from redisdask.client import default_client
+        from redisdask.client.client import default_client
 
         try:
             client = default_client()
@@ -167,7 +167,7 @@ class Bound:
             return self._backend.client
         if self._client is not None:
             return self._client
-        from redisdask.client import default_client
+        from redisdask.client.client import default_client
 
         try:
             return default_client()
@@ -423,7 +423,7 @@ def learn_states(backend: Backend, futures: list[Future]) -> None:
     pending = [f for f in futures if f._state.status == "pending"]
     if not pending:
         return
-    from redisdask.client_channel import _load_error
+    from redisdask.client.channel import _load_error
     from redisdask.protocol import KeyErred
 
     pipe = backend.redis.pipeline(transaction=False)

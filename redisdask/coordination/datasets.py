@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from redisdask.client.loop import offloaded
 from redisdask.coordination.backend import (
     Backend,
     backend_of,
@@ -28,19 +29,18 @@ from redisdask.coordination.backend import (
     script_error,
     unpack_record,
 )
-from redisdask.loop import offloaded
 from redisdask.store import keyspace
 from redisdask.utils import pickling
 
 if TYPE_CHECKING:
-    from redisdask.client import Client
+    from redisdask.client.client import Client
 
 _NO_DEFAULT = object()
 
 
 def _field(name: Hashable) -> str:
     """A dataset's name in Redis: the cluster's string form of the dask key."""
-    from redisdask.client import _check_key
+    from redisdask.client.client import _check_key
 
     return _check_key(name)
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from redisdask.coordination.backend import Attempt, Backend, Bound, seconds
 
 if TYPE_CHECKING:
-    from redisdask.client import Client
+    from redisdask.client.client import Client
 
 
 class Event(Bound):

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from redisdask.client.futures import futures_of
 from redisdask.errors import ClientClosedError
-from redisdask.futures import futures_of
 from redisdask.protocol import ClientDesiresKeys
 from redisdask.store import keyspace
 
 if TYPE_CHECKING:
-    from redisdask.client import Client
+    from redisdask.client.client import Client
 
 
 def fire_and_forget(obj: Any) -> None:

@@ -15,7 +15,7 @@ from redisdask.coordination.backend import seconds
 from redisdask.coordination.semaphore import Semaphore
 
 if TYPE_CHECKING:
-    from redisdask.client import Client
+    from redisdask.client.client import Client
 
 
 class Lock(Semaphore):

@@ -37,7 +37,7 @@ from redisdask.coordination.semaphore import renewer
 from redisdask.errors import LeaseNotHeldError
 
 if TYPE_CHECKING:
-    from redisdask.client import Client
+    from redisdask.client.client import Client
 
 logger = logging.getLogger("redisdask.coordination")
 

@@ -34,7 +34,7 @@ from redisdask.coordination.backend import (
 )
 
 if TYPE_CHECKING:
-    from redisdask.client import Client
+    from redisdask.client.client import Client
 
 
 class Queue(Bound):

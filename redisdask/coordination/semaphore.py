@@ -30,7 +30,7 @@ from redisdask.coordination.backend import Attempt, Backend, Bound, script_error
 from redisdask.errors import LeaseNotHeldError, RedisDaskError
 
 if TYPE_CHECKING:
-    from redisdask.client import Client
+    from redisdask.client.client import Client
 
 logger = logging.getLogger("redisdask.coordination")
 

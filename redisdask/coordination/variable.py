@@ -27,7 +27,7 @@ from redisdask.coordination.backend import (
 from redisdask.store import codecs
 
 if TYPE_CHECKING:
-    from redisdask.client import Client
+    from redisdask.client.client import Client
 
 
 class Variable(Bound):

@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from redisdask import comm
 from redisdask import spec as specs
+from redisdask.client.loop import awaitable_on, running_loop, wake
+from redisdask.client.tracebacks import shorten_traceback
 from redisdask.config import parse_duration
 from redisdask.errors import FutureCancelledError, FuturesCancelledError
-from redisdask.loop import awaitable_on, running_loop, wake
-from redisdask.tracebacks import shorten_traceback
 from redisdask.typenames import resolve_type
 
 if TYPE_CHECKING:
-    from redisdask.client import Client
+    from redisdask.client.client import Client
 
 logger = logging.getLogger("redisdask.client")  # the client's log: futures are its side
 
@@ -279,7 +279,7 @@ def rebind_future(key: str, dask_key: Hashable) -> Future:
     which then wants its key for as long as the future lives, as if it had submitted it.
     A key the scheduler no longer knows makes the future err with
     ``DataUnavailableError`` (its submitter let it go before it was unpickled here)."""
-    from redisdask.client import default_client
+    from redisdask.client.client import default_client
     from redisdask.protocol import ClientDesiresKeys
 
     client = default_client()

@@ -15,13 +15,13 @@ from concurrent.futures import TimeoutError as FuturesTimeoutError
 from numbers import Number
 from typing import TYPE_CHECKING, Any
 
-from redisdask.futures import _FutureState, _seconds, futures_of
-from redisdask.loop import offloaded
+from redisdask.client.futures import _FutureState, _seconds, futures_of
+from redisdask.client.loop import offloaded
+from redisdask.client.task_stream import read_task_stream, when
 from redisdask.protocol import Rebalance, Replicate, Restart, RetireWorkers
 from redisdask.store import codecs, holdings
 from redisdask.store.codecs import RebalanceRecord
 from redisdask.store.urls import redact
-from redisdask.task_stream import read_task_stream, when
 from redisdask.versions import VersionMismatchError, mismatches, process_versions, table
 
 if TYPE_CHECKING:
@@ -341,7 +341,7 @@ class ClusterAdmin:
     ) -> list[dict[str, Any]]:
         """When and where tasks ran, from the workers' stories in Redis (as distributed:
         ``start``/``stop`` are epoch seconds or a duration before now such as ``"60s"``;
-        ``count`` the last that many).  See ``redisdask.task_stream``."""
+        ``count`` the last that many).  See ``redisdask.client.task_stream``."""
         if plot:
             raise NotImplementedError(
                 "get_task_stream(plot=True): redisdask draws no bokeh plots; use the list "

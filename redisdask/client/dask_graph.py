@@ -31,7 +31,7 @@ from dask._task_spec import DataNode, GraphNode, convert_legacy_graph
 from dask.order import order
 
 from redisdask import spec as specs
-from redisdask.annotations import ANNOTATIONS, as_task_options, merged, resolved
+from redisdask.client.annotations import ANNOTATIONS, as_task_options, merged, resolved
 
 Key = Hashable  # a dask key: str, or a tuple like ("x-1a2b", 0, 1)
 
@@ -89,7 +89,7 @@ def to_graph(
 
     ``options`` are the call's own (``priority``, ``retries``, ``workers``, ...), merged
     over the ``dask.annotate`` blocks active now and overridden by the annotations of
-    single keys, as in distributed (see ``redisdask.annotations``).  ``future_key(obj)``
+    single keys, as in distributed (see ``redisdask.client.annotations``).  ``future_key(obj)``
     is the key of a future of this client (``None`` for anything else); ``known(key)``
     says whether a key outside the graph is one that this client holds a live future
     of."""

@@ -30,7 +30,7 @@ def progress(
 
     Raises ``TimeoutError`` when ``timeout`` seconds pass first; errors are counted, not
     raised: call ``future.result()`` to get one."""
-    from redisdask.futures import futures_of
+    from redisdask.client.futures import futures_of
 
     fs = futures_of(futures)
     console = console or Console(file=sys.stderr)

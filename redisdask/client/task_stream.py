@@ -20,7 +20,7 @@ from redisdask.store import codecs
 if TYPE_CHECKING:
     import redis
 
-    from redisdask.client import Client
+    from redisdask.client.client import Client
     from redisdask.store.keyspace import Keys
 
 _RUNNING = ("executing", "long-running")
@@ -127,7 +127,7 @@ class get_task_stream:
                 "(ts.data) or `redisdask monitor`"
             )
         if client is None:
-            from redisdask.client import default_client
+            from redisdask.client.client import default_client
 
             client = default_client()
         self.client = client

@@ -1,7 +1,7 @@
 """The client's line to the scheduler through Redis: ``SchedulerChannel``, a mixin of
 ``Client``.
 
-Two tasks run on the client's loop (``redisdask.loop``).  The sender writes what
+Two tasks run on the client's loop (``redisdask.client.loop``).  The sender writes what
 ``_send`` queued to the clients stream, in order, everything queued at a time in one
 pipeline, with the releases of keys whose last future went placed where they belong
 (``_with_releases``).  The reader reads the scheduler's messages on this client's events
@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 import redis
 
+from redisdask.client.futures import _FutureState
+from redisdask.client.loop import running_loop, wake
 from redisdask.errors import (
     ClusterConnectionError,
     ClusterNotRunningError,
@@ -53,8 +55,6 @@ from redisdask.errors import (
     RedisRefusedError,
     TaskInterrupted,
 )
-from redisdask.futures import _FutureState
-from redisdask.loop import running_loop, wake
 from redisdask.protocol import (
     SCHEDULER_TO_CLIENT,
     CancelledKeys,

@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn
 import cloudpickle
 
 from redisdask import comm
+from redisdask.client.loop import offloaded
 from redisdask.config import parse_duration
 from redisdask.errors import RedisDaskError, WorkerStartTimeoutError, WorkerUnresponsiveError
-from redisdask.loop import offloaded
 from redisdask.plugins import UPLOAD_SUFFIXES, check_worker_plugin, plugin_name
 from redisdask.store import codecs
 from redisdask.typenames import function_name

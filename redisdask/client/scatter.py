@@ -29,8 +29,8 @@ import cloudpickle
 
 from redisdask import comm
 from redisdask import spec as specs
+from redisdask.client.futures import Future, _seconds
 from redisdask.errors import RedisDaskError
-from redisdask.futures import Future, _seconds
 from redisdask.protocol import UpdateData
 from redisdask.store import codecs
 from redisdask.typenames import type_name
@@ -187,7 +187,7 @@ class ScatterMethods:
 
 def _item_key(name: Hashable | None, value: Any, hash: bool) -> str:
     if name is not None:
-        from redisdask.client import _check_key  # (client imports this module)
+        from redisdask.client.client import _check_key  # (client imports this module
 
         return _check_key(name)
     tok = value_token(value) if hash else uuid.uuid4().hex
@@ -198,7 +198,7 @@ def value_token(value: Any) -> str:
     """A token of the whole value: ``dask.tokenize`` (deterministic for numpy, pandas and
     friends) with dask installed, else a hash over every pickled frame, out-of-band
     buffers included."""
-    from redisdask.client import _dask_installed  # (client imports this module)
+    from redisdask.client.client import _dask_installed  # (client imports this module
 
     if _dask_installed():
         from dask.base import tokenize

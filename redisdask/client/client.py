@@ -1,5 +1,5 @@
 """The user's entry point: ``Client`` (``Future``, ``wait`` and ``as_completed`` live in
-``redisdask.futures`` and are re-exported here).
+``redisdask.client.futures`` and are re-exported here).
 
 The client talks to the scheduler only through Redis: submissions go on the clients
 stream (batched: ``map`` of 100,000 items is a few pipelined XADDs), and the scheduler
@@ -8,7 +8,7 @@ fetched straight from the workers that hold them, over authenticated TCP
 (``redisdask.comm``); they never pass through Redis.  The I/O is coroutines, run on the
 caller's loop (``asynchronous=True``) or on the blocking client's own loop thread.
 
-Futures of one key share a ``_FutureState`` (``redisdask.futures``); the client counts
+Futures of one key share a ``_FutureState`` (``redisdask.client.futures``); the client counts
 references per key and tells the scheduler to release a key when its last future is
 garbage-collected.
 """
@@ -46,20 +46,11 @@ import redis
 
 from redisdask import comm, task_context
 from redisdask import spec as specs
-from redisdask.annotations import call_options
-from redisdask.client_channel import SchedulerChannel, _Outgoing
-from redisdask.cluster_admin import ClusterAdmin
-from redisdask.completed import as_completed
-from redisdask.config import load_config
-from redisdask.coordination.datasets import DatasetMethods
-from redisdask.deploy.cluster import LocalCluster
-from redisdask.errors import (
-    ClusterConnectionError,
-    ClusterNotRunningError,
-    DataUnavailableError,
-    RedisDaskError,
-)
-from redisdask.futures import (
+from redisdask.client.admin import ClusterAdmin
+from redisdask.client.annotations import call_options
+from redisdask.client.channel import SchedulerChannel, _Outgoing
+from redisdask.client.completed import as_completed
+from redisdask.client.futures import (
     DoneAndNotDoneFutures,
     Future,
     _flatten,
@@ -69,13 +60,25 @@ from redisdask.futures import (
     inline_value,
     wait,
 )
-from redisdask.loop import (
+from redisdask.client.loop import (
     LoopThread,
     awaitable_on,
     offloaded,
     run_blocking,
     running_loop,
     wake,
+)
+from redisdask.client.scatter import ScatterMethods
+from redisdask.client.tracebacks import shorten_traceback
+from redisdask.client.worker_calls import WorkerCalls
+from redisdask.config import load_config
+from redisdask.coordination.datasets import DatasetMethods
+from redisdask.deploy.cluster import LocalCluster
+from redisdask.errors import (
+    ClusterConnectionError,
+    ClusterNotRunningError,
+    DataUnavailableError,
+    RedisDaskError,
 )
 from redisdask.placement import task_options as _options
 from redisdask.protocol import (
@@ -88,19 +91,16 @@ from redisdask.protocol import (
     Stimulus,
     UpdateGraph,
 )
-from redisdask.scatter import ScatterMethods
 from redisdask.security import Security
 from redisdask.store import bootstrap, busy, codecs, redis_memory, scripts
 from redisdask.store.connection import check_async, connect, connect_async
 from redisdask.store.keyspace import REDIS_COPY, Keys
 from redisdask.store.task_record import TaskRecord
 from redisdask.store.urls import redact
-from redisdask.tracebacks import shorten_traceback
 from redisdask.utils import logs
 from redisdask.utils.backoff import Backoff
 from redisdask.utils.sizes import format_bytes
 from redisdask.versions import versions
-from redisdask.worker_calls import WorkerCalls
 
 __all__ = [
     "Client",
@@ -147,7 +147,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
 
     With ``asynchronous=True`` (made in a coroutine) its calls return awaitables on the
     caller's loop; a blocking client runs the same coroutines on a loop thread of its own
-    (``redisdask.loop``; docs/design.md, "One client, blocking or asynchronous").
+    (``redisdask.client.loop``; docs/design.md, "One client, blocking or asynchronous").
 
     Sending to the scheduler and reading its messages come from ``SchedulerChannel``
     (``client_channel.py``); the cluster-wide operations (``restart``,
@@ -699,7 +699,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
         call = {"workers": workers, "retries": retries, "priority": priority,
                 "allow_other_workers": allow_other_workers, "resources": resources}  # fmt: skip
         if _dask_installed():
-            from redisdask import dask_graph
+            from redisdask.client import dask_graph
 
             graph = dask_graph.to_graph(dsk, call, self._future_key, self._has_live_future)
             tasks = graph.tasks

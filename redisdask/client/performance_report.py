@@ -20,13 +20,13 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from redisdask.client.task_stream import read_task_stream
 from redisdask.observe.inspect import read_deaths
 from redisdask.spec import key_prefix
 from redisdask.store.urls import redact
-from redisdask.task_stream import read_task_stream
 
 if TYPE_CHECKING:
-    from redisdask.client import Client
+    from redisdask.client.client import Client
 
 TOP_PREFIXES = 20
 
@@ -55,7 +55,7 @@ class performance_report:
 
     def _the_client(self) -> Client:
         if self._client is None:
-            from redisdask.client import default_client
+            from redisdask.client.client import default_client
 
             self._client = default_client()
         return self._client

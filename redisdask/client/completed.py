@@ -27,12 +27,12 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from redisdask.client.futures import Future, _await_checking, _seconds
+from redisdask.client.loop import awaitable_on, wake
 from redisdask.errors import FutureCancelledError
-from redisdask.futures import Future, _await_checking, _seconds
-from redisdask.loop import awaitable_on, wake
 
 if TYPE_CHECKING:
-    from redisdask.client import Client
+    from redisdask.client.client import Client
 
 
 class as_completed:

@@ -1,0 +1,17 @@
+"""The client side: what a user's program runs.  ``Client`` (``client.py``) talks to the
+scheduler through Redis streams (``channel.py``), holds ``Future``s (``futures.py``),
+administers the cluster (``admin.py``), calls workers directly (``worker_calls.py``,
+``scatter.py``), turns dask collections into tasks (``dask_graph.py``, ``annotations.py``)
+and runs its I/O on one event loop (``loop.py``); ``as_completed``, ``progress``,
+``get_task_stream`` and ``performance_report`` are built on it."""
+
+from redisdask.client.client import (
+    Client,
+    Future,
+    as_completed,
+    default_client,
+    futures_of,
+    wait,
+)
+
+__all__ = ["Client", "Future", "as_completed", "default_client", "futures_of", "wait"]
