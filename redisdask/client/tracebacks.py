@@ -22,7 +22,7 @@ from types import TracebackType
 PATTERNS = (
     r"concurrent[\\/]futures[\\/]",
     r"asyncio[\\/]",
-    r"redisdask[\\/](client|client_channel|futures|loop|dask_graph)\.py",
+    r"redisdask[\\/]client[\\/](client|channel|futures|loop|dask_graph)\.py",
 )
 # dask's default admin.traceback.shorten, where dask is not installed
 DASK_PATTERNS = (
