@@ -11,6 +11,8 @@ from redisdask.client.client import Client, Future, as_completed, default_client
 from redisdask.client.diagnostics import progress
 from redisdask.client.performance_report import performance_report
 from redisdask.client.task_stream import get_task_stream
+from redisdask.client.worker_client import get_client, worker_client
+from redisdask.context import get_worker, rejoin, secede
 from redisdask.coordination import (
     Event,
     Lock,
@@ -34,7 +36,6 @@ from redisdask.errors import (
 )
 from redisdask.plugins import WorkerPlugin
 from redisdask.security import Security
-from redisdask.task_context import get_client, get_worker, rejoin, secede, worker_client
 
 __all__ = [
     "Client",

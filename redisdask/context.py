@@ -1,21 +1,21 @@
-"""Tasks that submit tasks: ``get_worker``, ``get_client``, ``worker_client``, ``secede``
-and ``rejoin``, with distributed's names, arguments and behaviour.
+"""What a task's thread knows: the worker it belongs to, the task it runs, and the default
+client (distributed's ``get_worker``, ``secede``, ``rejoin``, ``default_client``).
 
 A worker binds every thread of its pool, and its event loop's thread, to itself
 (``bind_thread``), and marks the task a pool thread runs (``start_task``/``end_task``).
 The functions here read that binding, so they answer per thread: the in-thread workers of
 one process (``LocalCluster(processes=False)``) each see their own, and the user's
-threads see none.  The worker is a ``TaskHost`` here: ``redisdask`` does not import
-``redisdask.workers``.
+threads see none.  The worker is a ``TaskHost`` here: the kernel imports neither
+``redisdask.workers`` nor the client; ``get_client`` and ``worker_client``, which make
+clients, are the client side's (``client/worker_client.py``).
 
-* ``get_client()`` inside a task: the worker's client, one per worker, made on first use
-  with the worker's Redis URL and cluster name (``TaskHost.task_client``); it is also
-  what ``redisdask.client.default_client()`` answers in that thread.  Outside a task: the
-  default client, else ``ValueError``, as in distributed.
+* ``default_client()``: in a worker's threads the worker's own client, one per worker,
+  made on first use (``TaskHost.task_client``); elsewhere the client last made with
+  ``set_as_default`` (``set_default``), else ``ValueError``.
 * ``secede()``: the task leaves the worker's thread pool.  Its thread goes on (and may
   wait on other tasks) but no longer counts against ``nthreads``: the worker may claim
   and run another task.  ``rejoin()`` blocks until a slot is free again; the task then
-  counts again.  ``worker_client()`` secedes for its duration and rejoins at its end.
+  counts again.
 """
 
 from __future__ import annotations
@@ -24,10 +24,8 @@ import ast
 import contextlib
 import contextvars
 import threading
-from collections.abc import Coroutine, Hashable, Iterator, MutableMapping
+from collections.abc import Coroutine, Hashable, MutableMapping
 from typing import TYPE_CHECKING, Any, Protocol
-
-from redisdask.config import parse_duration
 
 if TYPE_CHECKING:
     from redisdask.client.client import Client
@@ -86,6 +84,12 @@ def end_task() -> None:
     _thread.key, _thread.seceded = None, False
 
 
+def thread_key() -> str | None:
+    """The key of the task the calling pool thread runs (None on the event loop, where
+    ``async def`` tasks run: ``current_key`` names theirs)."""
+    return _thread.key
+
+
 def current_key() -> str | None:
     """The key of the task the calling thread (or ``async def`` task) runs, if any."""
     return _thread.key if _thread.key is not None else _async_key.get()
@@ -132,36 +136,19 @@ def get_worker() -> TaskHost:
     return host
 
 
-def get_client(
-    address: str | None = None, timeout: float | str | None = None, resolve_address: bool = True
-) -> Client:
-    """A client while within a task (``distributed.get_client``): the worker's own,
-    connected to the worker's cluster.  Outside a task, the default client; with an
-    ``address`` (a Redis URL) of another cluster, a new client of it.  ``timeout``:
-    for connecting (seconds, or a string such as ``"10s"``).  ``resolve_address`` is
-    accepted for distributed's sake (a Redis URL needs no resolving)."""
-    seconds = None if timeout is None else parse_duration(timeout)
-    host = _thread.host
-    if host is not None and (not address or address == host.redis_url):
-        return host.task_client(seconds)
-    from redisdask.client.client import Client, default_client
-
-    try:
-        client: Client | None = default_client()
-    except ValueError:
-        client = None
-    if client is not None and (not address or client.redis_url == address):
-        return client
-    if address:
-        return Client(address, timeout=seconds)
-    raise ValueError(
-        "No global client found and no address provided: get_client() was called outside "
-        "of a task with no Client running; create one with Client(...) first, or pass "
-        "the cluster's Redis URL"
-    )
+def current_host() -> TaskHost | None:
+    """The worker the calling thread belongs to, if any."""
+    return _thread.host
 
 
-def _running_task(what: str) -> tuple[TaskHost, str]:
+def seceded() -> bool:
+    """Whether the task the calling thread runs left its worker's thread pool."""
+    return _thread.seceded
+
+
+def running_task(what: str) -> tuple[TaskHost, str]:
+    """The calling thread's worker and task, or ``ValueError`` naming ``what`` was
+    called outside a task."""
     host, key = _thread.host, _thread.key
     if host is None or key is None:
         raise ValueError(
@@ -179,7 +166,7 @@ def secede() -> None:
     tasks (``client.gather`` of the futures a task submitted), so that they can run
     even where every thread is taken by such waiting tasks.  Once is enough: a second
     call does nothing.  ``rejoin()`` makes the task count again."""
-    host, key = _running_task("secede")
+    host, key = running_task("secede")
     if not _thread.seceded:
         _thread.seceded = True
         host.secede_task(key)
@@ -189,44 +176,31 @@ def rejoin() -> None:
     """Have a seceded task count against its worker's ``nthreads`` again
     (``distributed.rejoin``): blocks until a slot is free.  Does nothing in a task that
     has not seceded."""
-    host, key = _running_task("rejoin")
+    host, key = running_task("rejoin")
     if _thread.seceded:
         host.rejoin_task(key)
         _thread.seceded = False
 
 
-@contextlib.contextmanager
-def worker_client(
-    timeout: float | str | None = None, separate_thread: bool = True
-) -> Iterator[Client]:
-    """The worker's client, for a task to submit tasks and wait for them
-    (``distributed.worker_client``)::
+# --------------------------------------------------------------------------- the default client
 
-        def total(paths):
-            with worker_client() as client:
-                return sum(client.gather(client.map(load, paths)))
-
-    With ``separate_thread`` (the default) the task secedes for the duration of the
-    block (unless it already had) and rejoins at its end, so tasks waiting on the tasks
-    they submitted never hold every thread of a cluster: recursion cannot deadlock."""
-    _running_task("worker_client")
-    client = get_client(timeout=timeout)
-    leave = separate_thread and not _thread.seceded
-    if leave:
-        secede()
-    try:
-        yield client
-    finally:
-        if leave:
-            rejoin()
+_default: list[Client | None] = [None]
 
 
-def dask_get(dsk: Any, keys: Any, **kwargs: Any) -> Any:
-    """dask's scheduler in a worker's own process (``Worker.install_dask_scheduler``):
-    inside a task, the cluster, through the worker's client (what distributed's
-    ``get_client()`` gives dask there); elsewhere, dask's threads."""
-    if _thread.key is None:
-        import dask.threaded
+def set_default(client: Client) -> None:
+    """Make ``client`` the default outside tasks (``Client(set_as_default=True)``)."""
+    _default[0] = client
 
-        return dask.threaded.get(dsk, keys, **kwargs)
-    return get_client().get(dsk, keys, **kwargs)
+
+def clear_default(client: Client) -> None:
+    """``client`` closed: it is the default no more (another one stays)."""
+    if _default[0] is client:
+        _default[0] = None
+
+
+def default_client() -> Client:
+    """In a worker's threads its own client (``get_client``), else the default one."""
+    client = task_client() or _default[0]
+    if client is None:
+        raise ValueError("no Client is running: create one with Client(...)")
+    return client

@@ -1,6 +1,6 @@
 """The redisdask worker: task state machine, executor, data store and peer data server."""
 
-from redisdask.task_context import get_worker
+from redisdask.context import get_worker
 from redisdask.workers.worker import Worker
 
 __all__ = ["Worker", "get_worker"]

@@ -17,7 +17,7 @@ import concurrent.futures
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from redisdask import task_context
+from redisdask import context
 
 POLL = 0.5  # seconds between checks that the worker still runs, while a coroutine does
 
@@ -32,7 +32,7 @@ class _Interrupted(Exception):
 
 async def _guarded(key: str, coro: Coroutine[Any, Any, Any]) -> Any:
     try:
-        return await task_context.run_as_task(key, coro)
+        return await context.run_as_task(key, coro)
     except (KeyboardInterrupt, SystemExit) as exc:  # asyncio would re-raise these
         raise _Interrupted(exc) from None
     except asyncio.CancelledError as exc:

@@ -37,14 +37,16 @@ MAX_ERROR_LENGTH = 10_000  # distributed.admin.max-error-length's default
 _DYNAMIC = "<dynamic-code>"  # cloudpickle's co_filename for code pickled by value
 # the frames at the head of a task's traceback that are not the user's: asyncio's task
 # steps and the pool thread's future, the worker and run_spec (redisdask/workers, which
-# is workers/ in a source checkout; redisdask/spec.py), an async task's wrapper, the dask graph's (redisdask/client/dask_graph.py)
+# is workers/ in a source checkout; redisdask/spec.py), an async task's wrapper
+# (context.py), dask's scheduler in a task and its graph's nodes (client/)
 _PACKAGE = os.path.dirname(redisdask.__file__)
 _MACHINERY = (
     os.path.join(os.path.dirname(asyncio.__file__), ""),
     os.path.join(os.path.dirname(concurrent.futures.__file__), ""),
     os.path.join(os.path.dirname(__file__), ""),
     os.path.join(_PACKAGE, "spec.py"),
-    os.path.join(_PACKAGE, "task_context.py"),
+    os.path.join(_PACKAGE, "context.py"),
+    os.path.join(_PACKAGE, "client", "worker_client.py"),
     os.path.join(_PACKAGE, "client", "dask_graph.py"),
 )
 _TASK_SPEC = os.path.join("dask", "_task_spec")  # dask's node calling the function

@@ -46,7 +46,7 @@ from typing import Any, Literal
 import psutil
 import redis
 
-from redisdask import comm, nanny_contract, task_context
+from redisdask import comm, context, nanny_contract
 from redisdask.errors import ProtocolError
 from redisdask.nanny_contract import GRACEFUL_TIMEOUT
 from redisdask.placement import format_resources, parse_resources, split_resources
@@ -208,7 +208,7 @@ class Worker:
         self.executor = ThreadPoolExecutor(
             nthreads + MAX_SECEDED,
             thread_name_prefix="rd-task",
-            initializer=task_context.bind_thread,
+            initializer=context.bind_thread,
             initargs=(self,),
         )
         self._client: Any = None  # redisdask.Client for its tasks (task_client)
@@ -256,7 +256,7 @@ class Worker:
 
     async def start(self) -> Worker:
         self._loop = asyncio.get_running_loop()
-        task_context.bind_thread(self)  # a future unpickled here binds to task_client
+        context.bind_thread(self)  # a future unpickled here binds to task_client
         secret = await asyncio.to_thread(self._ensure_cluster)
         self.server = comm.DataServer(
             secret,
@@ -597,7 +597,7 @@ class Worker:
 
     def get_current_task(self) -> Hashable:
         """The key of the task calling this (distributed's ``Worker.get_current_task``)."""
-        return task_context.current_task()
+        return context.current_task()
 
     def secede_task(self, key: str) -> None:
         """Called in ``key``'s thread by ``secede()``: it no longer counts (returns at
@@ -662,7 +662,7 @@ class Worker:
         """Runs in a pool thread: the task, then the checks its result must pass."""
         start = self._run_began[key] = time.time()
         sid = f"execute-{start:.6f}-{next(_STIMULI)}"  # new: no chain of every run before
-        task_context.start_task(key)
+        context.start_task(key)
         try:
             value = run_spec(spec, deps, self.functions)
             if inspect.iscoroutine(value):  # an async def task: on the event loop
@@ -678,7 +678,7 @@ class Worker:
         except BaseException as exc:
             return failure_event(key, exc, start, time.time(), sid, self.max_error_length)
         finally:
-            task_context.end_task()
+            context.end_task()
             self._run_ended.add(key)
         return ws.ExecuteSuccessEvent(
             key, value, nbytes, type_name(type(value)), start, time.time(), sid, inline=inline
@@ -1481,8 +1481,9 @@ def main(redis_url: str, cluster: str, **kwargs: Any) -> None:
         # task (as distributed's get_client() is dask's fallback there), dask's threads
         # elsewhere; in-thread workers leave the user's process's dask config alone
         from redisdask.client.client import _make_dask_default
+        from redisdask.client.worker_client import dask_get
 
-        _make_dask_default(task_context.dask_get)
+        _make_dask_default(dask_get)
         worker = Worker(redis_url, cluster, **kwargs)
         await worker.start()
         logs.set_name(worker.name or worker.address)  # its address, if it had no name

@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 
 import redis
 
-from redisdask import comm, task_context
+from redisdask import comm, context
 from redisdask import spec as specs
 from redisdask.client.admin import ClusterAdmin
 from redisdask.client.annotations import call_options
@@ -72,6 +72,7 @@ from redisdask.client.scatter import ScatterMethods
 from redisdask.client.tracebacks import shorten_traceback
 from redisdask.client.worker_calls import WorkerCalls
 from redisdask.config import load_config
+from redisdask.context import default_client
 from redisdask.coordination.datasets import DatasetMethods
 from redisdask.deploy.cluster import LocalCluster
 from redisdask.errors import (
@@ -301,7 +302,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
         ]
         self.status = "running"
         if self._set_as_default:
-            _set_default(self)
+            context.set_default(self)
             self._dask_config = _make_dask_default(self)
 
     async def _afind_cluster(self) -> bytes:
@@ -1178,8 +1179,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
         self.status = "closed"
         if self.cluster is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.cluster.close)
-        if _default_client[0] is self:
-            _default_client[0] = None
+        context.clear_default(self)
         if self._dask_config is not None:  # dask's scheduler as it was before this client
             self._dask_config.__exit__(None, None, None)
             self._dask_config = None
@@ -1364,7 +1364,6 @@ def _pack_like(template: Any, leaf: Callable[[Any], Any]) -> Any:
     return leaf(template)
 
 
-_default_client: list[Client | None] = [None]
 _open_clients: weakref.WeakSet[Client] = weakref.WeakSet()  # the blocking ones, for atexit
 EXIT_CLOSE_TIMEOUT = 5.0  # seconds a process's exit waits for its clients' goodbyes
 
@@ -1388,10 +1387,6 @@ def _close_at_exit() -> None:
         closer.join(max(0.0, deadline - time.monotonic()))
 
 
-def _set_default(client: Client) -> None:
-    _default_client[0] = client
-
-
 def _make_dask_default(client: Any) -> Any:
     """With dask installed, make ``client`` dask's scheduler (``x.compute()``,
     ``dask.compute``, ``dask.persist`` run on the cluster), as distributed's default
@@ -1406,11 +1401,3 @@ def _make_dask_default(client: Any) -> Any:
         if dask.config.get(name, None) is None:  # the user's choice stands
             wanted[name] = "tasks"
     return dask.config.set(wanted)
-
-
-def default_client() -> Client:
-    """In a worker's threads its own client (``get_client``), else the default one."""
-    client = task_context.task_client() or _default_client[0]
-    if client is None:
-        raise ValueError("no Client is running: create one with Client(...)")
-    return client
