@@ -23,7 +23,9 @@ import contextvars
 import graphlib
 import hashlib
 import heapq
+import importlib.util
 import re
+import sys
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
@@ -296,6 +298,30 @@ def toposort(
 def stringify(key: Hashable) -> str:
     """Dask keys are str or tuples like ('x', 0); Redis keys are strings."""
     return key if isinstance(key, str) else repr(key)
+
+
+def is_dask_key(key: Any) -> bool:
+    """A key dask accepts: str, bytes, int, float, or a tuple of those (nested)."""
+    if isinstance(key, str | bytes | int | float):
+        return True
+    return isinstance(key, tuple) and all(is_dask_key(k) for k in key)
+
+
+def check_key(key: Hashable) -> str:
+    """The cluster's string form of a dask key; ``TypeError`` for anything dask refuses."""
+    if not is_dask_key(key):
+        raise TypeError(
+            f"unexpected key type {type(key).__name__} ({key!r}): a key is a str, bytes, "
+            "int, float or a tuple of those, as in dask"
+        )
+    return stringify(key)
+
+
+def dask_installed() -> bool:
+    """Whether dask can be imported here (without importing it)."""
+    if "dask" in sys.modules:
+        return True
+    return importlib.util.find_spec("dask") is not None
 
 
 def is_task(obj: Any) -> bool:

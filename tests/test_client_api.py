@@ -225,9 +225,9 @@ def test_without_dask_dict_graphs_and_scatter_tokens_still_work(
 ) -> None:
     """The paths taken on a machine without dask: old-style tuple graphs (futures inside)
     and scatter keys from a hash over every frame."""
-    import redisdask.client.client as client_module
+    from redisdask import spec
 
-    monkeypatch.setattr(client_module, "_dask_installed", lambda: False)
+    monkeypatch.setattr(spec, "dask_installed", lambda: False)
     x = client.submit(inc, 1)
     graph = {"y": (inc, "z"), "z": (sum, [x, 10]), ("t", 0): (inc, "y")}
     assert client.get(graph, [("t", 0), "y"]) == [14, 13]

@@ -20,10 +20,8 @@ import atexit
 import concurrent.futures
 import contextlib
 import functools
-import importlib.util
 import inspect
 import logging
-import sys
 import threading
 import time
 import uuid
@@ -390,7 +388,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
             raise ValueError("Only use allow_other_workers= if using workers=")
         function_bytes = specs.dumps_function(func)
         options = call_options(retries, priority, workers, allow_other_workers, resources)
-        task_key = None if key is None else _check_key(key)
+        task_key = None if key is None else specs.check_key(key)
         task = self._make_task(func, function_bytes, args, kwargs, task_key, pure)
         task.update(options(task["key"] if key is None else key))
         future = Future(task["key"], self, dask_key=key, _state=self._state_for(task["key"], True))
@@ -443,7 +441,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
         options = call_options(retries, priority, workers, allow_other_workers, resources)
         tasks = []
         for args, task_key in zip(items, keys, strict=True):
-            name = None if task_key is None else _check_key(task_key)
+            name = None if task_key is None else specs.check_key(task_key)
             task = self._make_task(func, function_bytes, args, kwargs, name, pure, prefix)
             task.update(options(task["key"] if task_key is None else task_key))
             tasks.append(task)
@@ -696,10 +694,10 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
         resources: dict[str, float] | None = None,
     ) -> dict[Hashable, Future]:
         """Send a dask graph (see ``get``); a future for each of ``keys``."""
-        wanted = [_check_key(k) for k in keys]
+        wanted = [specs.check_key(k) for k in keys]
         call = {"workers": workers, "retries": retries, "priority": priority,
                 "allow_other_workers": allow_other_workers, "resources": resources}  # fmt: skip
-        if _dask_installed():
+        if specs.dask_installed():
             from redisdask.client import dask_graph
 
             graph = dask_graph.to_graph(dsk, call, self._future_key, self._has_live_future)
@@ -753,7 +751,9 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
             deps: set[str] = set()
             args = specs.replace_refs(args, to_ref, deps)
             spec = specs.dumps_spec(specs.dumps_function(func), args, {}, func)
-            tasks.append({"key": _check_key(key), "deps": sorted(deps), "spec": spec, **options})
+            tasks.append(
+                {"key": specs.check_key(key), "deps": sorted(deps), "spec": spec, **options}
+            )
         return tasks
 
     # ------------------------------------------------------------------ results
@@ -1300,34 +1300,11 @@ def _refuse_unsupported(actor: bool) -> None:
         raise NotImplementedError("actors are not supported by redisdask")
 
 
-def _is_dask_key(key: Any) -> bool:
-    """A key dask accepts: str, bytes, int, float, or a tuple of those (nested)."""
-    if isinstance(key, str | bytes | int | float):
-        return True
-    return isinstance(key, tuple) and all(_is_dask_key(k) for k in key)
-
-
-def _check_key(key: Hashable) -> str:
-    """The cluster's string form of a dask key; ``TypeError`` for anything dask refuses."""
-    if not _is_dask_key(key):
-        raise TypeError(
-            f"unexpected key type {type(key).__name__} ({key!r}): a key is a str, bytes, "
-            "int, float or a tuple of those, as in dask"
-        )
-    return specs.stringify(key)
-
-
 _FAILED = ("error", "cancelled")
 _SKIPPED = object()  # gather(errors="skip"): the place of a failed future, dropped
 
 
 _DASK_MISSING = "{what} needs dask, which is not installed here: pip install 'redisdask[dask]'"
-
-
-def _dask_installed() -> bool:
-    if "dask" in sys.modules:
-        return True
-    return importlib.util.find_spec("dask") is not None
 
 
 def _import_dask(what: str) -> Any:
@@ -1392,7 +1369,7 @@ def _make_dask_default(client: Any) -> Any:
     ``dask.compute``, ``dask.persist`` run on the cluster), as distributed's default
     client is, with the shuffle and rechunk methods that work on any cluster; returns
     what restores dask's config as it was (``__exit__``)."""
-    if not _dask_installed():
+    if not specs.dask_installed():
         return None
     import dask
 

@@ -26,6 +26,7 @@ from redisdask import spec as specs
 from redisdask.client.loop import awaitable_on, running_loop, wake
 from redisdask.client.tracebacks import shorten_traceback
 from redisdask.config import parse_duration
+from redisdask.context import default_client
 from redisdask.errors import FutureCancelledError, FuturesCancelledError
 from redisdask.typenames import resolve_type
 
@@ -279,7 +280,6 @@ def rebind_future(key: str, dask_key: Hashable) -> Future:
     which then wants its key for as long as the future lives, as if it had submitted it.
     A key the scheduler no longer knows makes the future err with
     ``DataUnavailableError`` (its submitter let it go before it was unpickled here)."""
-    from redisdask.client.client import default_client
     from redisdask.protocol import ClientDesiresKeys
 
     client = default_client()

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from redisdask.client.task_stream import read_task_stream
+from redisdask.context import default_client
 from redisdask.observe.inspect import read_deaths
 from redisdask.spec import key_prefix
 from redisdask.store.urls import redact
@@ -55,8 +56,6 @@ class performance_report:
 
     def _the_client(self) -> Client:
         if self._client is None:
-            from redisdask.client.client import default_client
-
             self._client = default_client()
         return self._client
 

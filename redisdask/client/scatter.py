@@ -187,9 +187,7 @@ class ScatterMethods:
 
 def _item_key(name: Hashable | None, value: Any, hash: bool) -> str:
     if name is not None:
-        from redisdask.client.client import _check_key  # (client imports this module
-
-        return _check_key(name)
+        return specs.check_key(name)
     tok = value_token(value) if hash else uuid.uuid4().hex
     return f"{type(value).__name__}-{tok}"
 
@@ -198,9 +196,7 @@ def value_token(value: Any) -> str:
     """A token of the whole value: ``dask.tokenize`` (deterministic for numpy, pandas and
     friends) with dask installed, else a hash over every pickled frame, out-of-band
     buffers included."""
-    from redisdask.client.client import _dask_installed  # (client imports this module
-
-    if _dask_installed():
+    if specs.dask_installed():
         from dask.base import tokenize
 
         return tokenize(value, ensure_deterministic=False)

@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from redisdask.config import parse_duration
+from redisdask.context import default_client
 from redisdask.store import codecs
 
 if TYPE_CHECKING:
@@ -127,8 +128,6 @@ class get_task_stream:
                 "(ts.data) or `redisdask monitor`"
             )
         if client is None:
-            from redisdask.client.client import default_client
-
             client = default_client()
         self.client = client
         self.start: float | None = None

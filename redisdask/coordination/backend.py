@@ -55,6 +55,7 @@ from redisdask import spec
 from redisdask.client.futures import Future, _FutureState
 from redisdask.client.loop import running_loop
 from redisdask.config import parse_duration
+from redisdask.context import default_client
 from redisdask.coordination.scripts import CoordinationScripts
 from redisdask.errors import ClientClosedError, ClusterConnectionError
 from redisdask.store import keyspace
@@ -112,8 +113,6 @@ _backends_lock = threading.Lock()
 def backend_of(client: Client | None, what: str) -> Backend:
     """The backend of ``client``, or of the default client (in a task: its worker's)."""
     if client is None:
-        from redisdask.client.client import default_client
-
         try:
             client = default_client()
         except ValueError:
@@ -167,8 +166,6 @@ class Bound:
             return self._backend.client
         if self._client is not None:
             return self._client
-        from redisdask.client.client import default_client
-
         try:
             return default_client()
         except ValueError:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from redisdask import spec as specs
 from redisdask.client.loop import offloaded
 from redisdask.coordination.backend import (
     Backend,
@@ -40,9 +41,7 @@ _NO_DEFAULT = object()
 
 def _field(name: Hashable) -> str:
     """A dataset's name in Redis: the cluster's string form of the dask key."""
-    from redisdask.client.client import _check_key
-
-    return _check_key(name)
+    return specs.check_key(name)
 
 
 class DatasetMethods:
