@@ -22,7 +22,7 @@ import redis as redis_lib
 import yaml
 from polling import poll
 
-from redisdask.cli.commands import build_parser
+from redisdask.cli.parser import build_parser
 from redisdask.deploy.embedded import EmbeddedRedis
 
 pytestmark = pytest.mark.timeout(30)

@@ -294,3 +294,34 @@ def test_the_docs_tables_name_every_wire_field() -> None:
 
 def test_the_docs_name_protocol_py_as_the_definition() -> None:
     assert "redisdask/protocol.py" in SCHEMA_DOC.read_text()
+
+
+def test_the_client_handles_every_message_the_scheduler_may_send_it() -> None:
+    """A message class added to the client's channel without a handler would fail
+    the client's event reader at its first arrival: the dispatch table covers it."""
+    from redisdask.client import channel
+    from redisdask.protocol import SCHEDULER_TO_CLIENT
+
+    assert set(channel._HANDLERS) == set(SCHEDULER_TO_CLIENT.values())
+
+
+def test_the_worker_driver_carries_out_every_instruction_and_reads_every_inbox_message() -> None:
+    """The worker's dispatch tables cover what its state machine emits and what the
+    scheduler writes to its inbox (ComputeTask and the driver's commands are read apart)."""
+    import typing
+
+    from redisdask.protocol import (
+        SCHEDULER_TO_WORKER,
+        CloseWorker,
+        ComputeTask,
+        RestartWorker,
+        RetireWorker,
+    )
+    from redisdask.workers import state as ws
+    from redisdask.workers import worker
+
+    emitted = set(ws.Instruction.__subclasses__()) | set(typing.get_args(ws.Report))
+    assert set(worker._CARRY_OUT) == emitted
+    apart = {ComputeTask, RestartWorker, RetireWorker, CloseWorker}
+    assert set(worker._INBOX_EVENTS) | apart == set(SCHEDULER_TO_WORKER.values())
+    assert not set(worker._INBOX_EVENTS) & apart

@@ -37,7 +37,8 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Hashable, Sequence
+import typing
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,8 @@ from redisdask.protocol import (
     Message,
     MissingData,
     RemoveWorker,
+    RestartWorker,
+    RetireWorker,
     RetireWorkers,
     StealRequest,
     WhoHas,
@@ -522,23 +525,18 @@ class Worker:
         instructions = self.state.handle_stimulus(*events)
         self.plugin_host.transitions(self.state)
         for ins in instructions:
-            if isinstance(ins, ws.Execute):
-                self._execute(ins.key)
-            elif isinstance(ins, ws.GatherDep) and ins.worker == keyspace.REDIS_COPY:
-                came = self._claimed_values
-                claimed = {k: came[k] for k in ins.keys if k in came}
-                self._spawn(self._gather_from_redis(sorted(ins.keys), claimed))
-            elif isinstance(ins, ws.GatherDep):
-                self._spawn(self._gather(ins.worker, sorted(ins.keys)))
-            elif isinstance(ins, ws.Report):
-                self._report(ins)
-            elif isinstance(ins, ws.Rejoin):
-                self._rejoined(ins.key)
-            else:  # pragma: no cover
-                raise TypeError(f"worker driver cannot carry out {ins!r}")
+            _CARRY_OUT[type(ins)](self, ins)
         self._wake.set()
         if self._outbox:
             self._schedule_flush()
+
+    def _gather_dep(self, ins: ws.GatherDep) -> None:
+        if ins.worker == keyspace.REDIS_COPY:  # small results, from their records
+            came = self._claimed_values
+            claimed = {k: came[k] for k in ins.keys if k in came}
+            self._spawn(self._gather_from_redis(sorted(ins.keys), claimed))
+        else:
+            self._spawn(self._gather(ins.worker, sorted(ins.keys)))
 
     def _schedule_flush(self) -> None:
         """Send reports at once when this worker has nothing else running (a dependent may
@@ -901,14 +899,18 @@ class Worker:
             self._chained.add(key)
 
     def _command(self, command: _Command) -> None:
-        if command.op == "restart":  # drop everything held or running, as it is now
-            self.handle(ws.FreeKeysEvent(list(self.state.tasks), command.stimulus_id, force=True))
-            if self.nanny_pid is not None and self.status == "running":
-                self._exit_reason = "restart"  # its nanny starts a fresh process
-                self._closing = asyncio.ensure_future(self.close("restart"))
-        elif command.op == "retire":
-            self.retire()
-        elif command.op == "close" and self.status == "running":
+        _COMMANDS[command.op](self, command)
+
+    def _restart(self, command: _Command) -> None:
+        """Drop everything held or running, as it is now; under a nanny, exit for it to
+        start a fresh process."""
+        self.handle(ws.FreeKeysEvent(list(self.state.tasks), command.stimulus_id, force=True))
+        if self.nanny_pid is not None and self.status == "running":
+            self._exit_reason = "restart"  # its nanny starts a fresh process
+            self._closing = asyncio.ensure_future(self.close("restart"))
+
+    def _close_command(self, command: _Command) -> None:
+        if self.status == "running":
             self._closing = asyncio.ensure_future(self.close(command.reason))
 
     def retire(self, force: bool = False) -> None:
@@ -1354,6 +1356,33 @@ def _pushed(msg: ComputeTask, fields: dict[bytes, bytes], sid: str) -> _Pushed |
     return _Pushed(event, msg.chain)
 
 
+# how the driver carries out each instruction of its state machine
+_CARRY_OUT: dict[type, Callable[[Worker, Any], None]] = {
+    ws.Execute: lambda worker, ins: worker._execute(ins.key),
+    ws.GatherDep: Worker._gather_dep,
+    **dict.fromkeys(typing.get_args(ws.Report), Worker._report),
+    ws.Rejoin: lambda worker, ins: worker._rejoined(ins.key),
+}
+
+# what the driver does with each command of its inbox (``RestartWorker``, ``RetireWorker``,
+# ``CloseWorker``, by their op)
+_COMMANDS: dict[str, Callable[[Worker, _Command], None]] = {
+    RestartWorker.op: Worker._restart,
+    RetireWorker.op: lambda worker, command: worker.retire(),
+    CloseWorker.op: Worker._close_command,
+}
+
+# the state machine's event for each scheduler message of the inbox (``ComputeTask`` and
+# the commands for the driver are read apart: ``_inbox_events``)
+_INBOX_EVENTS: dict[type, Callable[[Any, str], ws.StateMachineEvent]] = {
+    FreeKeys: lambda msg, sid: ws.FreeKeysEvent(msg.keys, sid),
+    KeysRecorded: lambda msg, sid: ws.KeysRecordedEvent(msg.keys, sid),
+    WhoHas: lambda msg, sid: ws.UpdateWhoHasEvent(msg.who_has, sid),
+    AcquireReplicas: lambda msg, sid: ws.AcquireReplicasEvent(msg.who_has, sid),
+    StealRequest: lambda msg, sid: ws.StealRequestEvent(msg.keys, msg.thief, sid),
+}
+
+
 def _inbox_events(
     entry_id: str, fields: dict[bytes, bytes], started: float
 ) -> list[ws.StateMachineEvent | _Command | _Pushed]:
@@ -1371,16 +1400,8 @@ def _inbox_events(
             pushed = _pushed(msg, fields, sid) if msg.started == started else None
             if pushed is not None:  # (not one for a process gone from this address)
                 events.append(pushed)
-        elif isinstance(msg, FreeKeys):
-            events.append(ws.FreeKeysEvent(msg.keys, sid))
-        elif isinstance(msg, KeysRecorded):
-            events.append(ws.KeysRecordedEvent(msg.keys, sid))
-        elif isinstance(msg, WhoHas):
-            events.append(ws.UpdateWhoHasEvent(msg.who_has, sid))
-        elif isinstance(msg, AcquireReplicas):
-            events.append(ws.AcquireReplicasEvent(msg.who_has, sid))
-        elif isinstance(msg, StealRequest):
-            events.append(ws.StealRequestEvent(msg.keys, msg.thief, sid))
+        elif type(msg) in _INBOX_EVENTS:
+            events.append(_INBOX_EVENTS[type(msg)](msg, sid))
         else:  # restart, retire, close: for the driver
             reason = msg.reason if isinstance(msg, CloseWorker) else msg.op
             events.append(_Command(msg.op, sid, reason))

@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import TYPE_CHECKING, Any
@@ -717,31 +717,50 @@ class SchedulerChannel:
                 logger.warning("client %s: ignoring a scheduler message: %s", self.id, exc)
                 continue
             with self._lock:
-                if isinstance(msg, KeyInMemory):
-                    state = self._states.get(msg.key)
-                    if state is not None and _about_this_run(msg.seen, state):
-                        state.finish(msg.who_has, msg.type, msg.value)
-                elif isinstance(msg, KeyErred):
-                    state = self._states.get(msg.key)
-                    if state is not None and _about_this_run(msg.seen, state):
-                        exc, tb = _load_error(msg)
-                        state.set_error(exc, tb)
-                elif isinstance(msg, RetireRefused):
-                    for address in msg.workers:
-                        self._retire_refused[address] = msg.reason
-                elif isinstance(msg, Restarted):
-                    for state in list(self._states.values()):
-                        state.cancel("the cluster was restarted")
-                    self._restarted.set()
-                elif isinstance(msg, CancelledKeys):
-                    for key in msg.keys:
-                        state = self._states.get(key)
-                        if state is not None and state.generation <= msg.generation:
-                            state.cancel()
-                elif isinstance(msg, TaskRetried):
-                    state = self._states.get(msg.key)
-                    if state is not None and state.status == "error":
-                        state.reset()  # pending again: the task runs again
+                _HANDLERS[type(msg)](self, msg)
+
+    def _key_in_memory(self, msg: KeyInMemory) -> None:
+        state = self._states.get(msg.key)
+        if state is not None and _about_this_run(msg.seen, state):
+            state.finish(msg.who_has, msg.type, msg.value)
+
+    def _key_erred(self, msg: KeyErred) -> None:
+        state = self._states.get(msg.key)
+        if state is not None and _about_this_run(msg.seen, state):
+            exc, tb = _load_error(msg)
+            state.set_error(exc, tb)
+
+    def _retire_was_refused(self, msg: RetireRefused) -> None:
+        for address in msg.workers:
+            self._retire_refused[address] = msg.reason
+
+    def _was_restarted(self, msg: Restarted) -> None:
+        for state in list(self._states.values()):
+            state.cancel("the cluster was restarted")
+        self._restarted.set()
+
+    def _keys_cancelled(self, msg: CancelledKeys) -> None:
+        for key in msg.keys:
+            state = self._states.get(key)
+            if state is not None and state.generation <= msg.generation:
+                state.cancel()
+
+    def _task_retried(self, msg: TaskRetried) -> None:
+        state = self._states.get(msg.key)
+        if state is not None and state.status == "error":
+            state.reset()  # pending again: the task runs again
+
+
+# what the client does with each message of its events stream (``SCHEDULER_TO_CLIENT``),
+# under its lock
+_HANDLERS: dict[type, Callable[[SchedulerChannel, Any], None]] = {
+    KeyInMemory: SchedulerChannel._key_in_memory,
+    KeyErred: SchedulerChannel._key_erred,
+    RetireRefused: SchedulerChannel._retire_was_refused,
+    Restarted: SchedulerChannel._was_restarted,
+    CancelledKeys: SchedulerChannel._keys_cancelled,
+    TaskRetried: SchedulerChannel._task_retried,
+}
 
 
 # --------------------------------------------------------------------------- helpers
