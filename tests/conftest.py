@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import cloudpickle
 import psutil
@@ -52,6 +53,29 @@ def cluster(redis_url: str, cluster_name: str) -> Iterator[LocalCluster]:
         yield cluster
         pids = [p.pid for p in cluster.subprocesses]
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+
+
+ClusterFactory = Callable[..., LocalCluster]
+
+
+@pytest.fixture
+def make_cluster(redis_url: str, cluster_name: str) -> Iterator[ClusterFactory]:
+    """``LocalCluster(**options)`` on the session's Redis under the test's cluster name
+    (options may name others); at the test's end, every process each one started must be
+    gone, whatever the test did to them."""
+    made: list[LocalCluster] = []
+
+    def make(**options: Any) -> LocalCluster:
+        options = {"redis_url": redis_url, "cluster_name": cluster_name, **options}
+        cluster = LocalCluster(**options)
+        made.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in made:
+        cluster.close()  # (closed already by its with-block, where it had one: a no-op)
+        left = [p.pid for p in cluster.subprocesses if p.poll() is None]
+        assert not left, f"processes of cluster {cluster.cluster_name!r} left running: {left}"
 
 
 @pytest.fixture

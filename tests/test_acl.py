@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 import redis
+from conftest import ClusterFactory
 from polling import poll
 
-from redisdask import Client, Event, LocalCluster, Lock, Queue, Variable, comm, get_client, secede
+from redisdask import Client, Event, Lock, Queue, Variable, comm, get_client, secede
 from redisdask.scheduler.driver import Scheduler
 from redisdask.store.acl import (
     FAMILIES,
@@ -454,7 +455,10 @@ def test_a_refused_wait_counts_as_unreplicated_and_the_scheduler_goes_on(
 
 
 def test_a_client_user_without_info_is_warned_once_and_works(
-    redis_url: str, cluster_name: str, caplog: pytest.LogCaptureFixture
+    redis_url: str,
+    cluster_name: str,
+    caplog: pytest.LogCaptureFixture,
+    make_cluster: ClusterFactory,
 ) -> None:
     """A client user from before clients read INFO (its server's run id, for the news
     of a failed-over Redis): one warning naming the fix, and the work goes on."""
@@ -467,7 +471,7 @@ def test_a_client_user_without_info_is_warned_once_and_works(
     admin.execute_command("ACL", "SETUSER", user, "-info")
     try:
         with (
-            LocalCluster(nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name),
+            make_cluster(nanny=False, n_workers=1),
             Client(redis_url, cluster_name, redis={"username": user, "password": password}) as c,
         ):
             assert c.submit(inc, 1).result(timeout=30) == 2

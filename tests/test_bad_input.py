@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from conftest import ClusterFactory
 from polling import poll
 
 from redisdask import Client, ClusterConnectionError, Future, LocalCluster, SchedulerRejectedError
@@ -228,7 +229,6 @@ def test_a_worker_that_cannot_claim_leaves_instead_of_lingering(
 def test_the_redis_password_is_not_on_any_command_line(cluster_name: str) -> None:
     import psutil
 
-    from redisdask import LocalCluster
     from redisdask.deploy.embedded import EmbeddedRedis
 
     with EmbeddedRedis() as server:
@@ -294,12 +294,12 @@ def test_sentinels_that_cannot_be_reached_are_a_clear_connection_error() -> None
 
 
 def test_a_local_cluster_under_a_running_clusters_name_is_refused(
-    redis_url: str, cluster_name: str
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
 ) -> None:
     """``Client(redis_url=...)`` with no address starts a LocalCluster: under the name of
     a cluster that runs there, it would add a second scheduler and more workers to it.
     It is refused, and the message says how to connect instead."""
-    with LocalCluster(n_workers=1, nanny=False, redis_url=redis_url, cluster_name=cluster_name):
+    with make_cluster(n_workers=1, nanny=False):
         with pytest.raises(ClusterRunningError, match=r"connect with Client\('redis://"):
             Client(redis_url=redis_url, cluster_name=cluster_name)
         r = redis.Redis.from_url(redis_url)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from conftest import ClusterFactory
 
 from redisdask import Client, LocalCluster
 from redisdask.store.codecs import unpack
@@ -95,19 +96,17 @@ def test_a_link_that_raises_mid_chain_errs_every_link_after_it(client: Client) -
 
 
 def test_a_chain_survives_a_scheduler_kill_and_runs_on_without_one(
-    redis_url: str, cluster_name: str, tmp_path: Path
+    redis_url: str, cluster_name: str, tmp_path: Path, make_cluster: ClusterFactory
 ) -> None:
     """The scheduler is killed (-9) while a link runs; the chain goes on without any
     scheduler (its links are claimed by FINISH), and a new scheduler reads what happened
     meanwhile: the results are right, and no link ran twice."""
     log, first, middle = tmp_path / "runs", tmp_path / "first", tmp_path / "middle"
     with (
-        LocalCluster(
+        make_cluster(
             nanny=False,
             n_workers=2,
             threads_per_worker=1,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
         ) as cluster,
         Client(cluster) as client,
     ):

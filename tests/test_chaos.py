@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import redis
+from conftest import ClusterFactory
 
-from redisdask import Client, LocalCluster
+from redisdask import Client
 from redisdask.store.keyspace import Keys
 
 pytestmark = pytest.mark.timeout(120)
@@ -96,17 +97,15 @@ def _diagnose(redis_url: str, cluster_name: str) -> str:
 
 
 def test_chaos_kills_workers_and_the_scheduler(
-    redis_url: str, cluster_name: str, tmp_path: Path
+    redis_url: str, cluster_name: str, tmp_path: Path, make_cluster: ClusterFactory
 ) -> None:
     seed = int(os.environ.get("REDISDASK_CHAOS_SEED", random.randrange(2**32)))
     rng = random.Random(seed)
     started = time.monotonic()
     with (
-        LocalCluster(
+        make_cluster(
             nanny=False,
             n_workers=3,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
             scheduler_options={"lease_ttl": 1, "allowed_failures": 20},
         ) as cluster,
         Client(cluster) as client,

@@ -13,6 +13,7 @@ import numpy as np
 import psutil
 import pytest
 import redis
+from conftest import ClusterFactory
 from polling import poll
 
 from redisdask import Client, FutureCancelledError, LocalCluster, as_completed, wait
@@ -271,16 +272,13 @@ def test_map_of_100000_is_sent_in_a_few_batched_entries(redis_url: str, cluster_
         assert calls <= 100_000 // batch + 2  # (+ a heartbeat-time release, at most)
 
 
-def test_local_cluster_with_workers_in_threads(redis_url: str, cluster_name: str) -> None:
-    from redisdask import LocalCluster
+def test_local_cluster_with_workers_in_threads(make_cluster: ClusterFactory) -> None:
 
     with (
-        LocalCluster(
+        make_cluster(
             nanny=False,
             n_workers=2,
             processes=False,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
         ) as cluster,
         Client(cluster) as client,
     ):
@@ -357,17 +355,14 @@ def test_large_arguments_go_in_several_entries(client: Client) -> None:
     assert client.gather(client.map(len, blobs)) == [2_000_000] * 20
 
 
-def test_released_results_leave_the_workers_memory(redis_url: str, cluster_name: str) -> None:
+def test_released_results_leave_the_workers_memory(make_cluster: ClusterFactory) -> None:
     """free-keys reaches the workers whichever way it comes (listener or claim)."""
-    from redisdask import LocalCluster
 
     with (
-        LocalCluster(
+        make_cluster(
             nanny=False,
             n_workers=2,
             processes=False,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
         ) as cluster,
         Client(cluster) as client,
     ):

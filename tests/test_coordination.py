@@ -20,6 +20,7 @@ from typing import Any
 import msgpack
 import pytest
 import redis
+from conftest import ClusterFactory
 from polling import poll
 
 from redisdask import Client, Event, LocalCluster, Lock, Queue, Semaphore, Variable, fire_and_forget
@@ -529,10 +530,10 @@ def test_datasets_across_clients(
 
 
 def test_a_restart_leaves_stored_futures_cancelled_with_the_reason(
-    redis_url: str, cluster_name: str
+    make_cluster: ClusterFactory,
 ) -> None:
     with (
-        LocalCluster(n_workers=1, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        make_cluster(n_workers=1) as cluster,
         Client(cluster) as client,
     ):
         name = unique("ds")

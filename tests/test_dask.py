@@ -18,6 +18,7 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import ClusterFactory
 from dask import delayed
 from polling import poll
 
@@ -158,11 +159,9 @@ def test_a_default_client_computes_on_the_workers_not_here(dask_client: Client) 
     assert pid == workers[address]["pid"]
 
 
-def test_closing_the_client_restores_dasks_scheduler(redis_url: str, cluster_name: str) -> None:
+def test_closing_the_client_restores_dasks_scheduler(make_cluster: ClusterFactory) -> None:
     before = dask.config.get("scheduler", None)
-    with LocalCluster(
-        nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name
-    ) as cluster:
+    with make_cluster(nanny=False, n_workers=1) as cluster:
         client = Client(cluster)
         assert dask.config.get("scheduler") is client
         assert dask.config.get("dataframe.shuffle.method") == "tasks"
@@ -218,7 +217,7 @@ def test_get_honours_retries_workers_and_annotations(dask_client: Client, tmp_pa
 
 
 def test_killing_a_worker_in_the_middle_of_a_shuffle_gives_the_right_result(
-    redis_url: str, cluster_name: str, tmp_path: Path
+    tmp_path: Path, make_cluster: ClusterFactory
 ) -> None:
     go = tmp_path / "go"
 
@@ -238,12 +237,10 @@ def test_killing_a_worker_in_the_middle_of_a_shuffle_gives_the_right_result(
     shuffled = ddf.shuffle("a", shuffle_method="tasks").groupby("a").agg({"b": "sum", "c": "min"})
     expected = PDF.groupby("a").agg({"b": "sum", "c": "min"})
     with (
-        LocalCluster(
+        make_cluster(
             nanny=False,
             n_workers=3,
             threads_per_worker=2,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
         ) as cluster,
         Client(cluster) as client,
     ):

@@ -18,10 +18,11 @@ from typing import Any
 import psutil
 import pytest
 import redis
+from conftest import ClusterFactory
 from polling import poll
 from prometheus_client.parser import text_string_to_metric_families
 
-from redisdask import Client, LocalCluster
+from redisdask import Client
 from redisdask.deploy.embedded import EmbeddedRedis
 from redisdask.store.bootstrap import ensure_cluster
 from redisdask.store.keyspace import Keys
@@ -102,16 +103,14 @@ def exporter(url: str, cluster: str) -> Iterator[Exporter]:
 
 
 def test_the_figures_follow_the_work_read_only(
-    redis_url: str, read_only_url: str, cluster_name: str
+    read_only_url: str, cluster_name: str, make_cluster: ClusterFactory
 ) -> None:
     password = read_only_url.split(":")[2].split("@")[0]
     with (
-        LocalCluster(
+        make_cluster(
             nanny=False,
             n_workers=2,
             threads_per_worker=1,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
         ) as cluster,
         Client(cluster) as client,
         exporter(read_only_url, cluster_name) as metrics,
@@ -247,13 +246,10 @@ def healthcheck(url: str, cluster: str, *args: str) -> subprocess.CompletedProce
 
 
 def test_the_compose_healthchecks_on_a_running_and_an_absent_cluster(
-    redis_url: str, read_only_url: str, cluster_name: str
+    redis_url: str, read_only_url: str, cluster_name: str, make_cluster: ClusterFactory
 ) -> None:
     with (
-        LocalCluster(
-            nanny=False, n_workers=1, threads_per_worker=1, redis_url=redis_url,
-            cluster_name=cluster_name,
-        ),
+        make_cluster(nanny=False, n_workers=1, threads_per_worker=1),
         exporter(read_only_url, cluster_name) as metrics,
     ):  # fmt: skip
         for role in ("scheduler", "worker"):  # read-only, as the monitor

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 import redis
+from conftest import ClusterFactory
 from mixed_state import CLIENT, build
 from polling import poll
 from tasklib import wait_for_file
 
-from redisdask import Client, LocalCluster
+from redisdask import Client
 from redisdask.errors import SchedulerRejectedError
 from redisdask.observe.snapshot import read_snapshot
 from redisdask.scheduler.quarantine import Quarantined
@@ -118,18 +119,16 @@ def test_load_state_skips_each_malformed_record_and_says_what_was_wrong(
 
 
 def test_a_restarted_scheduler_skips_malformed_records_and_the_good_work_finishes(
-    redis_url: str, cluster_name: str, tmp_path: Path
+    redis_url: str, cluster_name: str, tmp_path: Path, make_cluster: ClusterFactory
 ) -> None:
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cluster_name)
     gate = tmp_path / "gate"
     with (
-        LocalCluster(
+        make_cluster(
             nanny=False,
             n_workers=2,
             threads_per_worker=2,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
             log_directory=tmp_path / "logs",
         ) as cluster,
         Client(cluster) as client,
@@ -268,16 +267,13 @@ def test_load_state_quarantines_records_of_the_wrong_type(
 
 
 def test_a_scheduler_starts_over_a_wants_set_of_the_wrong_type_and_the_client_gets_its_result(
-    redis_url: str, cluster_name: str, tmp_path: Path
+    redis_url: str, cluster_name: str, tmp_path: Path, make_cluster: ClusterFactory
 ) -> None:
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cluster_name)
     gate = tmp_path / "gate"
     with (
-        LocalCluster(
-            nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name,
-            log_directory=tmp_path / "logs",
-        ) as cluster,
+        make_cluster(nanny=False, n_workers=1, log_directory=tmp_path / "logs") as cluster,
         Client(cluster) as client,
     ):  # fmt: skip
         blocked = client.submit(wait_for_file, str(gate), key="blocked")

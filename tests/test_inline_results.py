@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from conftest import ClusterFactory
 from polling import poll
 
 from redisdask import Client, LocalCluster, wait
@@ -103,13 +104,11 @@ def test_large_results_stay_on_their_workers(client: Client, cluster: LocalClust
 
 
 def test_inline_results_can_be_turned_off(
-    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch
+    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch, make_cluster: ClusterFactory
 ) -> None:
     monkeypatch.setenv("REDISDASK__WORKER__INLINE_RESULT_BYTES", "0")
     with (
-        LocalCluster(
-            nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name
-        ) as cluster,
+        make_cluster(nanny=False, n_workers=1) as cluster,
         Client(cluster) as client,
     ):
         x = client.submit(inc, 1)

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 import redis
+from conftest import ClusterFactory
 from polling import poll
 from tasklib import allocate_forever
 
-from redisdask import Client, KilledWorker, LocalCluster
+from redisdask import Client, KilledWorker
 from redisdask.observe.inspect import read_deaths
 from redisdask.store.keyspace import Keys
 
@@ -43,14 +44,16 @@ def inspect(redis_url: str, *args: str, after: int = 1) -> subprocess.CompletedP
 
 
 def test_inspect_deaths_names_a_memory_death_with_its_figures_and_writes_nothing(
-    redis_url: str, read_only_url: str, cluster_name: str, tmp_path: Path
+    redis_url: str,
+    read_only_url: str,
+    cluster_name: str,
+    tmp_path: Path,
+    make_cluster: ClusterFactory,
 ) -> None:
     with (
-        LocalCluster(
+        make_cluster(
             n_workers=1,
             nanny=True,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
             worker_options={"memory_limit": "300MB"},
             scheduler_options={"allowed_failures": 0},
         ) as cluster,

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import redis
+from conftest import ClusterFactory
 
 from redisdask import Client, LocalCluster
 from redisdask.deploy.embedded import EmbeddedRedis
@@ -105,14 +106,11 @@ with Client(sys.argv[1], cluster_name=sys.argv[2]) as client:
 
 
 def test_a_clients_program_writes_json_lines_with_the_exception_text(
-    redis_url: str, cluster_name: str, tmp_path: Path
+    redis_url: str, cluster_name: str, tmp_path: Path, make_cluster: ClusterFactory
 ) -> None:
     program = tmp_path / "program.py"
     program.write_text(CLIENT_PROGRAM)
-    with LocalCluster(
-        nanny=False, n_workers=1, threads_per_worker=1, redis_url=redis_url,
-        cluster_name=cluster_name,
-    ):  # fmt: skip
+    with make_cluster(nanny=False, n_workers=1, threads_per_worker=1):  # fmt: skip
         done = subprocess.run(
             [sys.executable, str(program), redis_url, cluster_name],
             env={**os.environ, "REDISDASK__LOGGING__FORMAT": "json"},

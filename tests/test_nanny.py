@@ -16,10 +16,11 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
+from conftest import ClusterFactory
 from polling import poll
 from tasklib import allocate_forever
 
-from redisdask import Client, KilledWorker, LocalCluster
+from redisdask import Client, KilledWorker
 from redisdask.nanny.deaths import WorkerExit, classify
 from redisdask.store.codecs import unpack
 from redisdask.store.keyspace import Keys
@@ -101,14 +102,12 @@ def test_each_kind_of_death_is_named_with_its_evidence() -> None:
 
 
 def test_crashes_are_recorded_with_exit_code_or_signal_and_the_worker_comes_back(
-    redis_url: str, cluster_name: str
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
 ) -> None:
     with (
-        LocalCluster(
+        make_cluster(
             n_workers=1,
             nanny=True,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
             scheduler_options={"allowed_failures": 0},
         ) as cluster,
         Client(cluster) as client,
@@ -135,14 +134,12 @@ def test_crashes_are_recorded_with_exit_code_or_signal_and_the_worker_comes_back
 
 
 def test_a_task_past_the_memory_limit_is_killed_by_the_nanny_and_named_in_killed_worker(
-    redis_url: str, cluster_name: str
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
 ) -> None:
     with (
-        LocalCluster(
+        make_cluster(
             n_workers=1,
             nanny=True,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
             worker_options={"memory_limit": "300MB"},
             scheduler_options={"allowed_failures": 1},
         ) as cluster,
@@ -167,14 +164,12 @@ def test_a_task_past_the_memory_limit_is_killed_by_the_nanny_and_named_in_killed
 
 
 def test_results_past_target_spill_to_disk_and_come_back(
-    redis_url: str, cluster_name: str, tmp_path: Path
+    redis_url: str, cluster_name: str, tmp_path: Path, make_cluster: ClusterFactory
 ) -> None:
     with (
-        LocalCluster(
+        make_cluster(
             nanny=False,
             n_workers=1,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
             worker_options={"memory_limit": "400MB", "local_directory": str(tmp_path)},
         ) as cluster,
         Client(cluster) as client,
@@ -195,15 +190,13 @@ def test_results_past_target_spill_to_disk_and_come_back(
 
 
 def test_memory_pressure_pauses_the_thread_pool_until_it_passes(
-    redis_url: str, cluster_name: str
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
 ) -> None:
     with (
-        LocalCluster(
+        make_cluster(
             nanny=False,
             n_workers=1,
             threads_per_worker=2,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
             worker_options={"memory_limit": "400MB"},
         ) as cluster,
         Client(cluster) as client,
@@ -221,13 +214,11 @@ def test_memory_pressure_pauses_the_thread_pool_until_it_passes(
 
 
 def test_sigterm_stops_nanny_and_worker_gracefully_with_no_orphan(
-    redis_url: str, cluster_name: str, tmp_path: Path
+    redis_url: str, cluster_name: str, tmp_path: Path, make_cluster: ClusterFactory
 ) -> None:
-    cluster = LocalCluster(
+    cluster = make_cluster(
         n_workers=2,
         nanny=True,
-        redis_url=redis_url,
-        cluster_name=cluster_name,
         log_directory=tmp_path,
     )
     try:
@@ -264,15 +255,13 @@ def counted_inc(x: int, url: str, counter: str) -> int:
 
 
 def test_a_worker_reaching_its_lifetime_is_replaced_without_losing_a_result(
-    redis_url: str, cluster_name: str
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
 ) -> None:
     env = dict(os.environ, REDISDASK__REDIS__URL=redis_url, REDISDASK__LOGGING__LEVEL="WARNING")
     with (
-        LocalCluster(
+        make_cluster(
             n_workers=1,
             nanny=True,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
             worker_options={"lifetime": "4s", "lifetime_restart": True},
         ) as cluster,
         Client(cluster) as client,
@@ -332,10 +321,10 @@ def test_a_worker_that_cannot_start_is_given_up_on_with_a_clear_message(
 
 
 def test_restart_replaces_the_worker_processes_under_nannies(
-    redis_url: str, cluster_name: str
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
 ) -> None:
     with (
-        LocalCluster(n_workers=2, nanny=True, redis_url=redis_url, cluster_name=cluster_name),
+        make_cluster(n_workers=2, nanny=True),
         Client(redis_url, cluster_name=cluster_name) as client,
     ):
         future = client.submit(inc, 1)
@@ -352,11 +341,11 @@ def test_restart_replaces_the_worker_processes_under_nannies(
 
 
 def test_a_hung_worker_is_killed_and_restarted_by_its_nanny(
-    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch
+    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch, make_cluster: ClusterFactory
 ) -> None:
     monkeypatch.setenv("REDISDASK__WORKER__HANG_TIMEOUT", "2")
     with (
-        LocalCluster(n_workers=1, nanny=True, redis_url=redis_url, cluster_name=cluster_name),
+        make_cluster(n_workers=1, nanny=True),
         Client(redis_url, cluster_name=cluster_name) as client,
     ):
         [info] = workers_of(redis_url, cluster_name).values()
@@ -391,7 +380,7 @@ def dask_setup(worker):
 
 
 def test_a_worker_killed_just_after_it_registered_is_named_to_the_scheduler(
-    redis_url: str, cluster_name: str, tmp_path: Path
+    redis_url: str, cluster_name: str, tmp_path: Path, make_cluster: ClusterFactory
 ) -> None:
     """Killed between its registration and the rest of its start: its nanny names it to
     the scheduler, which removes it with the death's record.  Before, the worker told its
@@ -403,11 +392,9 @@ def test_a_worker_killed_just_after_it_registered_is_named_to_the_scheduler(
     preload = tmp_path / "stall_preload.py"
     preload.write_text(STALL_PRELOAD.format(flag=str(flag)))
     with (
-        LocalCluster(
+        make_cluster(
             n_workers=1,
             nanny=True,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
             worker_options={"preload": [str(preload)]},
             scheduler_options={"allowed_failures": 0},
         ) as cluster,

@@ -12,13 +12,13 @@ import time
 
 import pytest
 import redis
+from conftest import ClusterFactory
 from polling import poll
 from test_nanny import deaths, workers_of
 
 from redisdask import (
     Client,
     KilledWorker,
-    LocalCluster,
     Semaphore,
     get_client,
     get_worker,
@@ -49,14 +49,12 @@ def test_exit_code_0_is_graceful_only_with_the_reason_the_worker_wrote() -> None
 
 
 def test_a_task_calling_os_exit_0_ends_in_killed_worker_and_every_worker_stays(
-    redis_url: str, cluster_name: str
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
 ) -> None:
     with (
-        LocalCluster(
+        make_cluster(
             n_workers=2,
             nanny=True,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
             scheduler_options={"allowed_failures": 1},
         ),
         Client(redis_url, cluster_name=cluster_name) as client,
@@ -77,9 +75,11 @@ def test_a_task_calling_os_exit_0_ends_in_killed_worker_and_every_worker_stays(
         assert client.submit(inc, 1).result(timeout=30) == 2
 
 
-def test_a_worker_retired_by_the_client_is_not_replaced(redis_url: str, cluster_name: str) -> None:
+def test_a_worker_retired_by_the_client_is_not_replaced(
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
+) -> None:
     with (
-        LocalCluster(n_workers=2, nanny=True, redis_url=redis_url, cluster_name=cluster_name),
+        make_cluster(n_workers=2, nanny=True),
         Client(redis_url, cluster_name=cluster_name) as client,
     ):
         leaving, staying = sorted(workers_of(redis_url, cluster_name))
@@ -92,13 +92,11 @@ def test_a_worker_retired_by_the_client_is_not_replaced(redis_url: str, cluster_
 
 
 def test_a_worker_at_the_end_of_its_lifetime_is_not_replaced(
-    redis_url: str, cluster_name: str
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
 ) -> None:
-    with LocalCluster(
+    with make_cluster(
         n_workers=1,
         nanny=True,
-        redis_url=redis_url,
-        cluster_name=cluster_name,
         worker_options={"lifetime": "1s"},
     ) as cluster:
         poll(lambda: deaths(redis_url, cluster_name), timeout=30)
@@ -123,15 +121,13 @@ def guarded(i: int, name: str) -> int:
 
 @pytest.mark.parametrize("run", range(3))
 def test_a_worker_stopped_with_sigterm_under_running_tasks_loses_no_result(
-    redis_url: str, cluster_name: str, run: int
+    redis_url: str, cluster_name: str, run: int, make_cluster: ClusterFactory
 ) -> None:
     with (
-        LocalCluster(
+        make_cluster(
             n_workers=2,
             threads_per_worker=2,
             nanny=True,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
         ),
         Client(redis_url, cluster_name=cluster_name) as client,
     ):

@@ -16,6 +16,7 @@ import time
 import psutil
 import pytest
 import redis
+from conftest import ClusterFactory
 
 from redisdask import Client, KilledWorker, LocalCluster, as_completed, wait
 from redisdask.errors import ClusterNotRunningError
@@ -32,7 +33,10 @@ def inc(x: int) -> int:
 
 
 def test_no_scheduler_is_said_at_connect_and_raised_then_the_future_goes_on(
-    redis_url: str, cluster_name: str, caplog: pytest.LogCaptureFixture
+    redis_url: str,
+    cluster_name: str,
+    caplog: pytest.LogCaptureFixture,
+    make_cluster: ClusterFactory,
 ) -> None:
     ensure_cluster(redis.Redis.from_url(redis_url), Keys(cluster_name))  # its scheduler died
     with (
@@ -58,13 +62,15 @@ def test_no_scheduler_is_said_at_connect_and_raised_then_the_future_goes_on(
             next(as_completed([future]))
         with pytest.raises(ClusterNotRunningError):
             future.exception()
-        with LocalCluster(n_workers=1, redis_url=redis_url, cluster_name=cluster_name):
+        with make_cluster(n_workers=1):
             assert future.result(timeout=30) == 2  # kept, and run once the cluster runs
 
 
-def test_a_scheduler_without_workers_is_said_too(redis_url: str, cluster_name: str) -> None:
+def test_a_scheduler_without_workers_is_said_too(
+    cluster_name: str, make_cluster: ClusterFactory
+) -> None:
     with (
-        LocalCluster(n_workers=0, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        make_cluster(n_workers=0) as cluster,
         Client(
             cluster.redis_url, cluster_name=cluster_name, set_as_default=False, **QUICK
         ) as client,
@@ -107,7 +113,7 @@ def test_a_mistyped_cluster_name_creates_no_keys_and_names_the_clusters_there(
 
 
 def test_a_client_started_before_its_cluster_waits_for_it(
-    redis_url: str, cluster_name: str
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
 ) -> None:
     clients: list[Client] = []
     connecting = threading.Thread(
@@ -121,7 +127,7 @@ def test_a_client_started_before_its_cluster_waits_for_it(
         )
     )
     connecting.start()
-    with LocalCluster(n_workers=1, redis_url=redis_url, cluster_name=cluster_name):
+    with make_cluster(n_workers=1):
         connecting.join(timeout=60)
         assert clients, "the client did not connect once the cluster existed"
         with clients[0] as client:
@@ -149,13 +155,13 @@ def segfault() -> None:
 
 
 def test_a_segfaulting_task_ends_in_killed_worker_on_a_default_local_cluster(
-    redis_url: str, cluster_name: str
+    make_cluster: ClusterFactory,
 ) -> None:
     """Workers run under nannies by default: they come back after each crash, so the task
     is blamed after allowed-failures deaths instead of leaving no worker and a client
     waiting forever."""
     with (
-        LocalCluster(n_workers=2, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        make_cluster(n_workers=2) as cluster,
         Client(cluster, set_as_default=False) as client,
     ):
         assert cluster.nanny

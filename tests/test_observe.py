@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
+from conftest import ClusterFactory
 from polling import poll
 from rich.console import Console
 from tasklib import wait_for_file
@@ -48,16 +49,17 @@ def render(renderable: object, width: int) -> str:
 
 
 def test_status_and_monitor_frames_show_workers_memory_progress_and_a_death(
-    redis_url: str, read_only_url: str, cluster_name: str, tmp_path: Path
+    read_only_url: str,
+    cluster_name: str,
+    tmp_path: Path,
+    make_cluster: ClusterFactory,
 ) -> None:
     release = str(tmp_path / "release")
     with (
-        LocalCluster(
+        make_cluster(
             nanny=False,
             n_workers=3,
             threads_per_worker=2,  # one stays free while a task waits for the file
-            redis_url=redis_url,
-            cluster_name=cluster_name,
             worker_options={"memory_limit": "1GB"},
         ) as cluster,
         Client(cluster) as client,
@@ -262,15 +264,13 @@ def test_monitor_waits_for_a_cluster_and_quits_on_ctrl_c(
 
 
 def test_event_and_story_streams_stay_within_their_caps(
-    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch
+    cluster_name: str, monkeypatch: pytest.MonkeyPatch, make_cluster: ClusterFactory
 ) -> None:
     for key, value in {"EVENTS": "4", "DEATHS": "1", "STORY": "3", "WORKER_STORY": "2"}.items():
         monkeypatch.setenv(f"REDISDASK__RETENTION__{key}", value)
     keys = Keys(cluster_name)
     with (
-        LocalCluster(
-            nanny=False, n_workers=3, redis_url=redis_url, cluster_name=cluster_name
-        ) as cluster,
+        make_cluster(nanny=False, n_workers=3) as cluster,
         Client(cluster) as client,
     ):
         for i in range(20):  # many batches: many story entries
@@ -329,12 +329,12 @@ LOG_LINE = re.compile(
 
 
 def test_every_process_logs_one_format_with_its_role_and_name(
-    redis_url: str, cluster_name: str, tmp_path: Path
+    tmp_path: Path, make_cluster: ClusterFactory
 ) -> None:
     with (
-        LocalCluster(
-            n_workers=1, nanny=True, redis_url=redis_url, cluster_name=cluster_name,
-            log_directory=tmp_path, worker_options={"local_directory": str(tmp_path)},
+        make_cluster(
+            n_workers=1, nanny=True, log_directory=tmp_path,
+            worker_options={"local_directory": str(tmp_path)},
         ) as cluster,
         Client(cluster) as client,
     ):  # fmt: skip

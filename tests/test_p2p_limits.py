@@ -9,9 +9,10 @@ the Redis path scales the same way."""
 from __future__ import annotations
 
 import pytest
+from conftest import ClusterFactory
 from polling import poll
 
-from redisdask import Client, LocalCluster
+from redisdask import Client
 
 N = 30_000
 
@@ -27,13 +28,13 @@ def total(values: list[int]) -> int:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("inline", [0, 65_536], ids=["peer-to-peer", "kept-in-redis"])
 def test_thirty_thousand_results_of_one_worker(
-    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch, inline: int
+    monkeypatch: pytest.MonkeyPatch,
+    inline: int,
+    make_cluster: ClusterFactory,
 ) -> None:
     monkeypatch.setenv("REDISDASK__WORKER__INLINE_RESULT_BYTES", str(inline))
     with (
-        LocalCluster(
-            nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name
-        ) as cluster,
+        make_cluster(nanny=False, n_workers=2) as cluster,
         Client(cluster) as client,
     ):
         holder, other = sorted(client.scheduler_info()["workers"])

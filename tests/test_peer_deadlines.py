@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 import psutil
 import pytest
+from conftest import ClusterFactory
 from polling import poll
 
-from redisdask import Client, LocalCluster, comm, wait
+from redisdask import Client, comm, wait
 from redisdask.comm import (
     BlockingConnection,
     Buffer,
@@ -326,22 +327,19 @@ def stopped_holder_env(monkeypatch: pytest.MonkeyPatch) -> None:
     ids=["registered", "declared-dead-first"],
 )
 def test_a_dependent_of_a_stopped_holder_finishes_through_a_recompute(
-    redis_url: str,
-    cluster_name: str,
     monkeypatch: pytest.MonkeyPatch,
     stopped_holder_env: None,
     tmp_path: Path,
     worker_ttl: str,
     dead_after: float,
+    make_cluster: ClusterFactory,
 ) -> None:
     monkeypatch.setenv("REDISDASK__SCHEDULER__WORKER_TTL", worker_ttl)
     monkeypatch.setenv("REDISDASK__COMM__TIMEOUTS__TCP", str(dead_after))
     with (
-        LocalCluster(
+        make_cluster(
             nanny=False,
             n_workers=2,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
             log_directory=tmp_path,
         ) as cluster,
         Client(cluster) as client,
@@ -370,12 +368,10 @@ def test_a_dependent_of_a_stopped_holder_finishes_through_a_recompute(
 
 @pytest.mark.timeout(90)
 def test_the_client_does_not_wait_for_ever_on_a_stopped_holder(
-    redis_url: str, cluster_name: str, stopped_holder_env: None
+    stopped_holder_env: None, make_cluster: ClusterFactory
 ) -> None:
     with (
-        LocalCluster(
-            nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name
-        ) as cluster,
+        make_cluster(nanny=False, n_workers=2) as cluster,
         Client(cluster) as client,
         a_stopped_holder(client) as (x, _other),
     ):
@@ -386,18 +382,15 @@ def test_the_client_does_not_wait_for_ever_on_a_stopped_holder(
 
 @pytest.mark.timeout(90)
 def test_a_client_that_cannot_reach_the_only_holder_has_the_key_recomputed(
-    redis_url: str,
-    cluster_name: str,
     monkeypatch: pytest.MonkeyPatch,
     stopped_holder_env: None,
+    make_cluster: ClusterFactory,
 ) -> None:
     """The holder stays registered (only the link is cut): the client's word, not a
     heartbeat's lapse, makes the scheduler drop it and compute the key again."""
     monkeypatch.setenv("REDISDASK__SCHEDULER__WORKER_TTL", "120")
     with (
-        LocalCluster(
-            nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name
-        ) as cluster,
+        make_cluster(nanny=False, n_workers=2) as cluster,
         Client(cluster) as client,
         a_stopped_holder(client) as (x, other),
     ):
@@ -410,7 +403,7 @@ def test_a_client_that_cannot_reach_the_only_holder_has_the_key_recomputed(
 
 @pytest.mark.timeout(90)
 def test_a_client_that_reaches_no_worker_gives_up_after_a_few_recomputes(
-    redis_url: str, cluster_name: str, stopped_holder_env: None
+    stopped_holder_env: None, make_cluster: ClusterFactory
 ) -> None:
     """Every worker refuses this client's connections (its pool carries a wrong secret:
     the workers are there, the client cannot get to them, as behind a firewall). Each
@@ -420,9 +413,7 @@ def test_a_client_that_reaches_no_worker_gives_up_after_a_few_recomputes(
     from redisdask.errors import DataUnavailableError
 
     with (
-        LocalCluster(
-            nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name
-        ) as cluster,
+        make_cluster(nanny=False, n_workers=1) as cluster,
         Client(cluster) as client,
     ):
         x = client.submit(inc, 41)
@@ -438,7 +429,7 @@ def test_a_client_that_reaches_no_worker_gives_up_after_a_few_recomputes(
 
 @pytest.mark.timeout(90)
 def test_a_client_waits_for_a_busy_scheduler_to_read_its_report_of_a_silent_holder(
-    redis_url: str, cluster_name: str, stopped_holder_env: None
+    stopped_holder_env: None, make_cluster: ClusterFactory
 ) -> None:
     """The scheduler is busy (here: stopped) when the client reports the holder that did
     not answer: the client waits for it to read the report and have the key computed
@@ -446,9 +437,7 @@ def test_a_client_waits_for_a_busy_scheduler_to_read_its_report_of_a_silent_hold
     ``DataUnavailableError`` (a 100,000-task map's batches, seconds long on a loaded
     machine, made CI's gather fail so)."""
     with (
-        LocalCluster(
-            nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name
-        ) as cluster,
+        make_cluster(nanny=False, n_workers=2) as cluster,
         Client(cluster) as client,
         a_stopped_holder(client) as (x, _other),
     ):

@@ -11,9 +11,10 @@ import signal
 
 import pytest
 import redis
+from conftest import ClusterFactory
 from polling import poll
 
-from redisdask import Client, LocalCluster
+from redisdask import Client
 from redisdask.observe.inspect import task_story
 from redisdask.store.keyspace import Keys
 from redisdask.store.task_record import TaskRecord
@@ -43,12 +44,12 @@ def pid_of(client: Client, address: str) -> int:
 
 
 def test_a_task_submitted_to_a_free_worker_runs_there_without_a_claim(
-    redis_url: str, cluster_name: str
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
 ) -> None:
     keys = Keys(cluster_name)
     r = redis.Redis.from_url(redis_url)
     with (
-        LocalCluster(nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name),
+        make_cluster(nanny=False, n_workers=2),
         Client(redis_url, cluster_name=cluster_name) as client,
     ):
         assert client.submit(counted, 0, redis_url, "warm").result(timeout=30) == 1
@@ -68,7 +69,7 @@ def test_a_task_submitted_to_a_free_worker_runs_there_without_a_claim(
 
 
 def test_a_pushed_task_whose_worker_dies_before_reading_it_runs_elsewhere_once(
-    redis_url: str, cluster_name: str
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
 ) -> None:
     """Both workers stopped: the push lands in one's inbox, unread; that one is killed
     with -9, the other resumes: the task runs there, once."""
@@ -76,7 +77,7 @@ def test_a_pushed_task_whose_worker_dies_before_reading_it_runs_elsewhere_once(
     r = redis.Redis.from_url(redis_url)
     runs = f"{cluster_name}-runs"
     with (
-        LocalCluster(nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name),
+        make_cluster(nanny=False, n_workers=2),
         Client(redis_url, cluster_name=cluster_name) as client,
     ):
         assert client.submit(counted, -1, redis_url, "warm").result(timeout=30) == 0
@@ -106,7 +107,7 @@ def gated(i: int, url: str, gate: str) -> int:
 
 
 def test_a_pushed_tasks_result_reaches_its_client_with_the_scheduler_stopped(
-    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch
+    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch, make_cluster: ClusterFactory
 ) -> None:
     """The worker's report sends a small result of a pushed task to the client that
     wanted it (FINISH, the record's ``notify``): the client has it while the scheduler
@@ -117,9 +118,7 @@ def test_a_pushed_tasks_result_reaches_its_client_with_the_scheduler_stopped(
     r = redis.Redis.from_url(redis_url)
     gate = f"{cluster_name}-gate"
     with (
-        LocalCluster(
-            nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name
-        ) as cluster,
+        make_cluster(nanny=False, n_workers=1) as cluster,
         Client(redis_url, cluster_name=cluster_name) as client,
     ):
         future = client.submit(gated, 1, redis_url, gate)

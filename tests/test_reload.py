@@ -17,11 +17,12 @@ from typing import Any
 
 import pytest
 import redis
+from conftest import ClusterFactory
 from mixed_state import build
 from polling import poll
 from test_scheduler_roundtrip import carried, differences
 
-from redisdask import Client, LocalCluster, wait
+from redisdask import Client, wait
 from redisdask.scheduler.translator import LOAD_PAGE, load_state
 from redisdask.store.keyspace import REDIS_COPY, Keys
 
@@ -116,12 +117,11 @@ def state_bytes(r: redis.Redis, keys: Keys) -> dict[str, int]:
 
 
 def test_redis_returns_to_its_baseline_once_a_map_is_released(
-    redis_url: str, cluster_name: str
+    redis_url: str, make_cluster: ClusterFactory
 ) -> None:
     n = 20_000
     with (
-        LocalCluster(nanny=False, n_workers=2, threads_per_worker=1, redis_url=redis_url,
-                     cluster_name=cluster_name) as cluster,
+        make_cluster(nanny=False, n_workers=2, threads_per_worker=1) as cluster,
         Client(cluster) as client,
     ):  # fmt: skip
         r = redis.Redis.from_url(redis_url)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from conftest import ClusterFactory
 from polling import poll
 
 from redisdask import Client, KilledWorker, LocalCluster
@@ -57,12 +58,10 @@ def deaths(r: redis.Redis, keys: Keys) -> list[dict]:
 
 
 def test_a_killed_worker_is_noticed_at_once_and_its_work_is_redone(
-    redis_url: str, cluster_name: str
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
 ) -> None:
     with (
-        LocalCluster(
-            nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name
-        ) as cluster,
+        make_cluster(nanny=False, n_workers=2) as cluster,
         Client(cluster) as client,
     ):
         r = redis.Redis.from_url(redis_url)
@@ -86,14 +85,12 @@ def test_a_killed_worker_is_noticed_at_once_and_its_work_is_redone(
 
 
 def test_a_task_that_kills_its_workers_errs_with_killed_worker(
-    redis_url: str, cluster_name: str
+    make_cluster: ClusterFactory,
 ) -> None:
     with (
-        LocalCluster(
+        make_cluster(
             nanny=False,
             n_workers=3,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
             scheduler_options={"allowed_failures": 1},
         ) as cluster,
         Client(cluster) as client,
@@ -121,13 +118,11 @@ def test_a_task_that_kills_its_workers_errs_with_killed_worker(
 
 
 def test_a_hung_worker_is_removed_when_its_heartbeat_expires(
-    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch
+    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch, make_cluster: ClusterFactory
 ) -> None:
     monkeypatch.setenv("REDISDASK__SCHEDULER__WORKER_TTL", "1")
     with (
-        LocalCluster(
-            nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name
-        ) as cluster,
+        make_cluster(nanny=False, n_workers=2) as cluster,
         Client(cluster) as client,
     ):
         r = redis.Redis.from_url(redis_url)
@@ -149,7 +144,11 @@ def test_a_hung_worker_is_removed_when_its_heartbeat_expires(
 
 
 def test_a_worker_removed_while_stopped_leaves_when_it_wakes_and_does_not_come_back(
-    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    redis_url: str,
+    cluster_name: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    make_cluster: ClusterFactory,
 ) -> None:
     """distributed's worker closes when the scheduler removed it (its nanny starts a fresh
     one).  Ours came back instead: stopped past its Redis reads' timeout (5 s), it woke
@@ -157,10 +156,7 @@ def test_a_worker_removed_while_stopped_leaves_when_it_wakes_and_does_not_come_b
     state; stopped less long and idle, it lingered unknown until work was queued."""
     monkeypatch.setenv("REDISDASK__SCHEDULER__WORKER_TTL", "1")
     with (
-        LocalCluster(
-            nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name,
-            log_directory=tmp_path,
-        ) as cluster,
+        make_cluster(nanny=False, n_workers=2, log_directory=tmp_path) as cluster,
         Client(cluster) as client,
     ):  # fmt: skip
         r = redis.Redis.from_url(redis_url)
@@ -185,14 +181,12 @@ def test_a_worker_removed_while_stopped_leaves_when_it_wakes_and_does_not_come_b
 
 
 def test_a_result_lost_with_its_worker_is_recomputed(
-    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch, make_cluster: ClusterFactory
 ) -> None:
     # (a small result is kept in Redis too, and never lost: tests/test_inline_results.py)
     monkeypatch.setenv("REDISDASK__WORKER__INLINE_RESULT_BYTES", "0")
     with (
-        LocalCluster(
-            nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name
-        ) as cluster,
+        make_cluster(nanny=False, n_workers=2) as cluster,
         Client(cluster) as client,
     ):
         a, b = sorted(client.scheduler_info()["workers"])
@@ -208,12 +202,10 @@ def test_a_result_lost_with_its_worker_is_recomputed(
 
 
 def test_scattered_data_lost_with_its_only_worker_fails_dependents_clearly(
-    redis_url: str, cluster_name: str
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
 ) -> None:
     with (
-        LocalCluster(
-            nanny=False, n_workers=2, redis_url=redis_url, cluster_name=cluster_name
-        ) as cluster,
+        make_cluster(nanny=False, n_workers=2) as cluster,
         Client(cluster) as client,
     ):
         a, _ = sorted(client.scheduler_info()["workers"])
@@ -231,14 +223,12 @@ def test_scattered_data_lost_with_its_only_worker_fails_dependents_clearly(
 
 
 def test_a_paused_scheduler_is_fenced_out_by_the_standby_that_took_over(
-    redis_url: str, cluster_name: str
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
 ) -> None:
     with (
-        LocalCluster(
+        make_cluster(
             nanny=False,
             n_workers=2,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
             scheduler_options={"lease_ttl": 1},
         ) as cluster,
         Client(cluster) as client,
@@ -358,7 +348,7 @@ def test_a_restarted_redis_under_a_running_computation(tmp_path, cluster_name: s
 
 
 def test_a_claim_whose_reply_never_reached_its_worker_is_queued_again(
-    redis_url: str, cluster_name: str
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
 ) -> None:
     """As when Redis dies after running a claim script and before answering it: Redis
     and the scheduler say the task is processing on a live worker that knows nothing of
@@ -367,9 +357,7 @@ def test_a_claim_whose_reply_never_reached_its_worker_is_queued_again(
     keys = Keys(cluster_name)
     gate = f"gate-{cluster_name}"
     with (
-        LocalCluster(
-            nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name
-        ) as cluster,
+        make_cluster(nanny=False, n_workers=1) as cluster,
         Client(cluster) as client,
     ):
         [worker] = client.scheduler_info()["workers"]
@@ -537,7 +525,7 @@ def test_a_client_waits_for_redis_then_says_so_and_keeps_its_futures(
 
 
 def test_a_vanished_clients_keys_are_released_after_its_ttl(
-    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch
+    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch, make_cluster: ClusterFactory
 ) -> None:
     import subprocess
     import sys
@@ -545,9 +533,7 @@ def test_a_vanished_clients_keys_are_released_after_its_ttl(
     monkeypatch.setenv("REDISDASK__SCHEDULER__CLIENT_TTL", "1")
     monkeypatch.setenv("REDISDASK__CLIENT__HEARTBEAT_INTERVAL", "0.2")
     with (
-        LocalCluster(
-            nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name
-        ) as cluster,
+        make_cluster(nanny=False, n_workers=1) as cluster,
         Client(cluster) as alive,
     ):
         kept = alive.submit(pow, 3, 100)
@@ -576,12 +562,10 @@ def test_a_vanished_clients_keys_are_released_after_its_ttl(
 
 
 def test_replicated_scattered_data_survives_the_loss_of_a_holder(
-    redis_url: str, cluster_name: str
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
 ) -> None:
     with (
-        LocalCluster(
-            nanny=False, n_workers=3, redis_url=redis_url, cluster_name=cluster_name
-        ) as cluster,
+        make_cluster(nanny=False, n_workers=3) as cluster,
         Client(cluster) as client,
     ):
         workers = client.scheduler_info()["workers"]
@@ -623,12 +607,10 @@ def counted_inc(x: int, url: str, counter: str) -> int:
 
 
 def test_retire_workers_moves_their_data_so_nothing_is_lost_or_recomputed(
-    redis_url: str, cluster_name: str
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
 ) -> None:
     with (
-        LocalCluster(
-            nanny=False, n_workers=3, redis_url=redis_url, cluster_name=cluster_name
-        ) as cluster,
+        make_cluster(nanny=False, n_workers=3) as cluster,
         Client(cluster) as client,
     ):
         r = redis.Redis.from_url(redis_url)
@@ -655,11 +637,9 @@ def test_retire_workers_moves_their_data_so_nothing_is_lost_or_recomputed(
         assert client.submit(inc, 1).result() == 2  # the others keep working
 
 
-def test_retiring_the_last_worker_holding_data_is_refused(redis_url: str, cluster_name: str):
+def test_retiring_the_last_worker_holding_data_is_refused(make_cluster: ClusterFactory):
     with (
-        LocalCluster(
-            nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name
-        ) as cluster,
+        make_cluster(nanny=False, n_workers=1) as cluster,
         Client(cluster) as client,
     ):
         future = client.submit(inc, 1)
@@ -679,15 +659,13 @@ def slow_counted_inc(x: int, url: str, counter: str) -> int:
 
 
 def test_a_worker_retired_mid_computation_hands_back_what_it_had_not_started(
-    redis_url: str, cluster_name: str
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
 ) -> None:
     with (
-        LocalCluster(
+        make_cluster(
             nanny=False,
             n_workers=3,
             threads_per_worker=2,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
         ) as cluster,
         Client(cluster) as client,
     ):

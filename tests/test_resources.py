@@ -18,6 +18,7 @@ from typing import Any
 import dask
 import pytest
 import redis
+from conftest import ClusterFactory
 from dask import delayed
 from polling import poll
 from rich.console import Console
@@ -146,11 +147,9 @@ def test_the_claim_script_takes_only_what_fits_what_the_worker_has_free(
 
 
 def test_tasks_needing_a_resource_run_only_where_it_is_and_wait_when_none_has_enough(
-    redis_url: str, cluster_name: str
+    make_cluster: ClusterFactory,
 ) -> None:
-    with LocalCluster(
-        n_workers=1, threads_per_worker=2, redis_url=redis_url, cluster_name=cluster_name
-    ) as cluster:
+    with make_cluster(n_workers=1, threads_per_worker=2) as cluster:
         cluster.start_worker(name="gpu", resources="GPU=1")
         cluster.wait_for_workers(2)
         with Client(cluster) as client:
@@ -259,12 +258,10 @@ def test_resource_counts_stay_right_across_a_disruption_in_the_middle(
 
 
 def test_names_hosts_and_preferences_place_tasks_as_dask_does_and_a_name_survives_a_restart(
-    redis_url: str, cluster_name: str
+    make_cluster: ClusterFactory,
 ) -> None:
     with (
-        LocalCluster(
-            n_workers=1, nanny=True, resources=GPU, redis_url=redis_url, cluster_name=cluster_name
-        ) as cluster,
+        make_cluster(n_workers=1, nanny=True, resources=GPU) as cluster,
         Client(cluster) as client,
     ):
         r, keys = cluster.redis, cluster.keys
@@ -293,7 +290,7 @@ def test_names_hosts_and_preferences_place_tasks_as_dask_does_and_a_name_survive
 
 
 def test_bad_resources_are_refused_at_start_with_what_to_write(
-    redis_url: str, cluster_name: str
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
 ) -> None:
     for flag, said in (
         ("GPU=-1", "the amount of 'GPU' is -1; it must be 0 or more"),
@@ -310,11 +307,11 @@ def test_bad_resources_are_refused_at_start_with_what_to_write(
         assert "from command-line flag --resources" in done.stderr
         assert "Traceback" not in done.stderr
     with pytest.raises(TypeError, match="the amount of 'GPU' must be a number"):
-        LocalCluster(resources={"GPU": "1"}, redis_url=redis_url, cluster_name=cluster_name)
+        make_cluster(resources={"GPU": "1"})
     r = redis.Redis.from_url(redis_url)
     assert not r.exists(Keys(cluster_name).workers)  # nothing started, nothing written
     with (
-        LocalCluster(n_workers=1, redis_url=redis_url, cluster_name=cluster_name) as cluster,
+        make_cluster(n_workers=1) as cluster,
         Client(cluster) as client,
     ):
         with pytest.raises(ValueError, match="the amount of 'GPU' is -1"):

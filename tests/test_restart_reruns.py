@@ -10,6 +10,7 @@ from collections import Counter
 
 import pytest
 import redis
+from conftest import ClusterFactory
 from polling import poll
 
 from redisdask import Client, LocalCluster
@@ -31,16 +32,16 @@ def twice(r: redis.Redis, runs: str) -> list[int]:
     return sorted(i for i, n in counts.items() if n > 1)
 
 
-def test_a_scheduler_killed_twice_redoes_no_finished_task(redis_url: str, cluster_name: str):
+def test_a_scheduler_killed_twice_redoes_no_finished_task(
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
+):
     r = redis.Redis.from_url(redis_url)
     runs = f"runs-{cluster_name}"
     with (
-        LocalCluster(
+        make_cluster(
             nanny=False,
             n_workers=2,
             threads_per_worker=1,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
             scheduler_options={"lease_ttl": 1},
         ) as cluster,
         Client(cluster) as client,

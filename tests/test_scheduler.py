@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 import redis
+from conftest import ClusterFactory
 from polling import poll
 
-from redisdask import Client, LocalCluster
+from redisdask import Client
 from redisdask.errors import FencedError
 from redisdask.protocol import FreeKeys, KeysRecorded
 from redisdask.scheduler.driver import Scheduler, decode_reply
@@ -169,14 +170,12 @@ def test_a_fenced_scheduler_cannot_write(redis_url: str, cluster_name: str) -> N
 
 
 def test_killed_scheduler_is_restarted_and_every_computation_finishes(
-    redis_url: str, cluster_name: str
+    make_cluster: ClusterFactory,
 ) -> None:
     with (
-        LocalCluster(
+        make_cluster(
             nanny=False,
             n_workers=2,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
             scheduler_options={"lease_ttl": 1},
         ) as cluster,
         Client(cluster) as client,
@@ -195,13 +194,13 @@ def test_killed_scheduler_is_restarted_and_every_computation_finishes(
         assert client.gather(futures) == list(range(1, 501))
 
 
-def test_standby_takes_over_when_the_lease_expires(redis_url: str, cluster_name: str) -> None:
+def test_standby_takes_over_when_the_lease_expires(
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
+) -> None:
     with (
-        LocalCluster(
+        make_cluster(
             nanny=False,
             n_workers=1,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
             scheduler_options={"lease_ttl": 1},
         ) as cluster,
         Client(cluster) as client,
@@ -220,13 +219,11 @@ def test_standby_takes_over_when_the_lease_expires(redis_url: str, cluster_name:
 
 
 def test_a_second_scheduler_without_standby_refuses_to_start(
-    redis_url: str, cluster_name: str
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
 ) -> None:
-    with LocalCluster(
+    with make_cluster(
         nanny=False,
         n_workers=1,
-        redis_url=redis_url,
-        cluster_name=cluster_name,
         scheduler_options={"lease_ttl": 1},
     ):
         result = subprocess.run(
@@ -341,11 +338,9 @@ def test_state_reloaded_from_redis_keeps_restrictions_retries_and_priorities(
 
 
 def test_a_stopped_scheduler_hands_the_lease_over_at_once(
-    redis_url: str, cluster_name: str
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
 ) -> None:
-    with LocalCluster(
-        nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name
-    ) as cluster:
+    with make_cluster(nanny=False, n_workers=1) as cluster:
         r = redis.Redis.from_url(redis_url)
         keys = Keys(cluster_name)
         poll(lambda: r.get(keys.lease) is not None)
@@ -430,15 +425,12 @@ def test_a_client_that_said_goodbye_is_logged_as_closed_not_as_silent(
 
 
 def test_a_script_that_ends_without_close_says_goodbye(
-    redis_url: str, cluster_name: str, tmp_path: Path
+    redis_url: str, cluster_name: str, tmp_path: Path, make_cluster: ClusterFactory
 ) -> None:
     """As distributed closes its client at exit: a script that never calls ``close()``
     says goodbye as it ends, so its keys are released at once (not after the 30 s client
     TTL) and the scheduler does not log it as a client that stopped heartbeating."""
-    with LocalCluster(
-        nanny=False, n_workers=1, redis_url=redis_url, cluster_name=cluster_name,
-        log_directory=tmp_path,
-    ):  # fmt: skip
+    with make_cluster(nanny=False, n_workers=1, log_directory=tmp_path):  # fmt: skip
         code = (
             "from redisdask import Client\n"
             f"c = Client({redis_url!r}, {cluster_name!r})\n"

@@ -18,11 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
+from conftest import ClusterFactory
 from polling import poll
 from rich.console import Console
 from tasklib import allocate_forever
 
-from redisdask import Client, KilledWorker, LocalCluster, wait
+from redisdask import Client, KilledWorker, wait
 from redisdask.nanny.deaths import WorkerExit, classify
 from redisdask.observe.snapshot import read_snapshot
 from redisdask.observe.views import status_view
@@ -123,15 +124,14 @@ def test_a_worker_that_cannot_spill_says_so_and_its_claimed_tasks_run_elsewhere(
     tmp_path: Path,
     low_marks: None,
     caplog: pytest.LogCaptureFixture,
+    make_cluster: ClusterFactory,
 ) -> None:
     local, error = failing_disk
     caplog.set_level(logging.WARNING, logger="redisdask.client")
     with (
-        LocalCluster(
+        make_cluster(
             nanny=False,
             n_workers=1,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
             worker_options={"memory_limit": "200MB", "local_directory": str(local)},
         ) as cluster,
         Client(cluster) as client,
@@ -167,16 +167,18 @@ def test_a_worker_that_cannot_spill_says_so_and_its_claimed_tasks_run_elsewhere(
 
 
 def test_under_a_nanny_the_death_names_the_full_disk_and_the_next_worker_starts_clean(
-    redis_url: str, cluster_name: str, small_disk: Path, low_marks: None
+    redis_url: str,
+    cluster_name: str,
+    small_disk: Path,
+    low_marks: None,
+    make_cluster: ClusterFactory,
 ) -> None:
     start = small_disk / "leak-now"
     with (
-        LocalCluster(
+        make_cluster(
             nanny=True,
             n_workers=1,
             threads_per_worker=2,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
             worker_options={"memory_limit": "200MB", "local_directory": str(small_disk)},
             scheduler_options={"allowed_failures": 0},
         ) as cluster,

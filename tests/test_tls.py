@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 import trustme
+from conftest import ClusterFactory
 from polling import poll
 
-from redisdask import Client, LocalCluster, Security
+from redisdask import Client, Security
 from redisdask.comm import (
     BlockingConnection,
     Buffer,
@@ -245,14 +246,11 @@ def _total(a: Any, b: Any) -> float:
     return float(a.sum() + b.sum())
 
 
-def test_local_cluster_over_tls(redis_url: str, cluster_name: str, security: Security) -> None:
+def test_local_cluster_over_tls(security: Security, make_cluster: ClusterFactory) -> None:
     """Workers serve tls:// addresses, move dependencies to each other and hand a client a
     big array over TLS; a plaintext stranger is dropped and the worker stays healthy."""
     with (
-        LocalCluster(
-            n_workers=2, nanny=False, redis_url=redis_url, cluster_name=cluster_name,
-            security=security,
-        ) as cluster,
+        make_cluster(n_workers=2, nanny=False, security=security) as cluster,
         Client(cluster) as client,
     ):  # fmt: skip
         workers = sorted(client.scheduler_info()["workers"])

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import redis
+from conftest import ClusterFactory
 from polling import poll
 
 from redisdask import (
@@ -467,21 +468,18 @@ def preloaded(dask_worker: Any = None) -> str:
 
 @pytest.mark.parametrize("nanny", [False, True])
 def test_preload_runs_dask_setup_at_start_and_dask_teardown_at_close(
-    redis_url: str,
-    cluster_name: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     nanny: bool,
+    make_cluster: ClusterFactory,
 ) -> None:
     name = f"rdpreload_{uuid.uuid4().hex[:8]}"
     (tmp_path / f"{name}.py").write_text(PRELOAD.format(directory=str(tmp_path)))
     monkeypatch.syspath_prepend(str(tmp_path))  # the workers import what this process can
     with (
-        LocalCluster(
+        make_cluster(
             n_workers=1,
             nanny=nanny,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
             worker_options={"preload": [name] if nanny else name},  # (a list: repeated)
         ) as cluster,
         Client(cluster, set_as_default=False) as client,

@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 import psutil
 import pytest
+from conftest import ClusterFactory
 from polling import poll
 
-from redisdask import Client, LocalCluster, nanny_contract, wait
+from redisdask import Client, nanny_contract, wait
 from redisdask.workers import memory as memory_module
 from redisdask.workers.memory import WorkerMemoryManager
 from redisdask.workers.spill import SpillBuffer
@@ -220,19 +221,17 @@ def test_values_are_sized_as_dask_sizes_them_once_dask_is_loaded() -> None:
 
 
 def test_a_worker_process_gives_back_the_memory_of_its_released_results(
-    redis_url: str, cluster_name: str
+    make_cluster: ClusterFactory,
 ) -> None:
     """Results made and released in rounds, one of each kept: the worker process holds
     what it keeps, not what glibc kept of what it released (``keep_large_blocks_apart``).
     Before, it held three times as much, and a worker past its pause mark after spilling
     stayed paused for good."""
     with (
-        LocalCluster(
+        make_cluster(
             nanny=False,
             n_workers=1,
             threads_per_worker=2,
-            redis_url=redis_url,
-            cluster_name=cluster_name,
         ) as cluster,
         Client(cluster) as client,
     ):
