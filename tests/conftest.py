@@ -61,8 +61,8 @@ ClusterFactory = Callable[..., LocalCluster]
 @pytest.fixture
 def make_cluster(redis_url: str, cluster_name: str) -> Iterator[ClusterFactory]:
     """``LocalCluster(**options)`` on the session's Redis under the test's cluster name
-    (options may name others); at the test's end, every process each one started must be
-    gone, whatever the test did to them."""
+    (options may name others), for a ``with`` block; at the test's end, every process
+    each one started must be gone."""
     made: list[LocalCluster] = []
 
     def make(**options: Any) -> LocalCluster:
@@ -72,10 +72,13 @@ def make_cluster(redis_url: str, cluster_name: str) -> Iterator[ClusterFactory]:
         return cluster
 
     yield make
+    left = {}  # what a closed cluster left running: closed here, so no other test meets it
     for cluster in made:
-        cluster.close()  # (closed already by its with-block, where it had one: a no-op)
-        left = [p.pid for p in cluster.subprocesses if p.poll() is None]
-        assert not left, f"processes of cluster {cluster.cluster_name!r} left running: {left}"
+        running = [p for p in cluster.subprocesses if p.poll() is None]
+        if running:
+            left[cluster.cluster_name] = [p.pid for p in running]
+            cluster.close()
+    assert not left, f"processes left running after the test (cluster: pids): {left}"
 
 
 @pytest.fixture

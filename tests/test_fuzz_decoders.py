@@ -1,6 +1,6 @@
 """Fuzzing every decoder of what a stranger can write (hypothesis, 10,000 cases each):
 stream entries and messages (``protocol``, ``scheduler.translator.decode_entry``), task
-records (``task_record``), workers entries and msgpack (``schema``), and the frames of a
+records (``task_record``), workers entries and msgpack (``store.codecs``), and the frames of a
 peer connection (``comm.MessageReader``).
 
 Each decoder lets only its documented error escape (``ProtocolError``, ``RecordError``,

@@ -1,4 +1,5 @@
-"""The ``redisdask`` command: its parser and subcommands (``commands``) and the demo.
+"""The ``redisdask`` command: its parser (``parser``), what each command runs
+(``commands``) and the demo.
 
 ``main`` is the console script's entry point (``redisdask = "redisdask.cli:main"``) and
 ``python -m redisdask``'s."""

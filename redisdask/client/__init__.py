@@ -7,6 +7,7 @@ and runs its I/O on one event loop (``loop.py``); ``as_completed``, ``progress``
 
 from redisdask.client.client import (
     Client,
+    DoneAndNotDoneFutures,
     Future,
     as_completed,
     default_client,
@@ -14,4 +15,12 @@ from redisdask.client.client import (
     wait,
 )
 
-__all__ = ["Client", "Future", "as_completed", "default_client", "futures_of", "wait"]
+__all__ = [
+    "Client",
+    "DoneAndNotDoneFutures",
+    "Future",
+    "as_completed",
+    "default_client",
+    "futures_of",
+    "wait",
+]

@@ -584,7 +584,7 @@ class SchedulerChannel:
 
     def _warn_of_cluster_news(self, reply: Any) -> None:
         """Log as warnings the cluster events written since this client's first
-        heartbeat that may explain why its futures wait (``events.WARN_CLIENTS``: a worker
+        heartbeat that may explain why its futures wait (``eventlog.WARN_CLIENTS``: a worker
         that cannot spill)."""
         if self._cluster_news_id is None:
             self._cluster_news_id = reply[0][0] if reply else b"0-0"

@@ -3,7 +3,7 @@
 
 The client talks to the scheduler only through Redis: submissions go on the clients
 stream (batched: ``map`` of 100,000 items is a few pipelined XADDs), and the scheduler
-answers on this client's own events stream (both in ``client_channel.py``).  Results are
+answers on this client's own events stream (both in ``channel.py``).  Results are
 fetched straight from the workers that hold them, over authenticated TCP
 (``redisdask.comm``); they never pass through Redis.  The I/O is coroutines, run on the
 caller's loop (``asynchronous=True``) or on the blocking client's own loop thread.
@@ -149,8 +149,8 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
     (``redisdask.client.loop``; docs/design.md, "One client, blocking or asynchronous").
 
     Sending to the scheduler and reading its messages come from ``SchedulerChannel``
-    (``client_channel.py``); the cluster-wide operations (``restart``,
-    ``retire_workers``, ``scheduler_info``…) from ``ClusterAdmin`` (``cluster_admin.py``);
+    (``channel.py``); the cluster-wide operations (``restart``,
+    ``retire_workers``, ``scheduler_info``…) from ``ClusterAdmin`` (``admin.py``);
     ``run``, ``upload_file`` and plugins from ``WorkerCalls`` (``worker_calls.py``);
     ``scatter`` from ``ScatterMethods`` (``scatter.py``).  ``publish_dataset``,
     ``get_dataset``, ``list_datasets``, ``unpublish_dataset`` and ``datasets`` come from

@@ -1,4 +1,5 @@
-"""Opening Redis connections with errors that say what to do, and URLs safe to log.
+"""Opening Redis connections with errors that say what to do (the URLs they take, and
+their redaction for logs: ``urls.py``).
 
 Every connection waits out a Redis busy running a script (``BUSY``: ``busy.py``).
 ``connect(url, cluster_errors=True)`` (the client's connections) gives a ``ClusterRedis``:

@@ -34,7 +34,7 @@ spill-failed         worker, name, error (``No space left on device``),         
 ==================== =========================================================== ===========
 
 ``WARN_CLIENTS`` are the kinds a client logs as warnings when they happen while it runs
-(``client_channel``): news that explains why its futures may wait.
+(``client/channel.py``): news that explains why its futures may wait.
 
 The stream is trimmed to ``retention.events`` entries on every append.  Readers must
 accept kinds and fields they do not know: the log is for people, and a newer process may
