@@ -7,7 +7,7 @@ import importlib.metadata
 # one source: pyproject.toml's [project] version, as installed
 __version__ = importlib.metadata.version("redisdask")
 
-from redisdask.client.client import Client, Future, as_completed, default_client, futures_of, wait
+from redisdask.client import Client, Future, as_completed, default_client, futures_of, wait
 from redisdask.client.diagnostics import progress
 from redisdask.client.performance_report import performance_report
 from redisdask.client.task_stream import get_task_stream

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import cloudpickle
-import psutil
 import pytest
 
 from redisdask import Client, LocalCluster
@@ -38,21 +37,6 @@ def cluster_name(request: pytest.FixtureRequest) -> str:
     """A cluster name unique to this test, e.g. ``t-test_submit-1a2b3c4d``."""
     slug = re.sub(r"[^A-Za-z0-9_-]+", "-", request.node.name).strip("-")[:40]
     return f"t-{slug}-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def cluster(redis_url: str, cluster_name: str) -> Iterator[LocalCluster]:
-    """Two worker processes with one thread each, a scheduler, on the session's Redis."""
-    with LocalCluster(
-        nanny=False,
-        n_workers=2,
-        threads_per_worker=1,
-        redis_url=redis_url,
-        cluster_name=cluster_name,
-    ) as cluster:
-        yield cluster
-        pids = [p.pid for p in cluster.subprocesses]
-    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
 
 
 ClusterFactory = Callable[..., LocalCluster]
@@ -79,6 +63,13 @@ def make_cluster(redis_url: str, cluster_name: str) -> Iterator[ClusterFactory]:
             left[cluster.cluster_name] = [p.pid for p in running]
             cluster.close()
     assert not left, f"processes left running after the test (cluster: pids): {left}"
+
+
+@pytest.fixture
+def cluster(make_cluster: ClusterFactory) -> Iterator[LocalCluster]:
+    """Two worker processes with one thread each, a scheduler, on the session's Redis."""
+    with make_cluster(nanny=False, n_workers=2, threads_per_worker=1) as cluster:
+        yield cluster
 
 
 @pytest.fixture

@@ -64,7 +64,9 @@ def _redis_version(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _add_common(parser: argparse.ArgumentParser, default_url: str, default_cluster: str) -> None:
+def _add_common(parser: argparse.ArgumentParser, config: Config) -> None:
+    """The Redis URL and ``--cluster`` of every command that talks to a cluster."""
+    default_url, default_cluster = config.redis.address, config.cluster.name
     from redisdask.store.urls import redact
 
     parser.add_argument(
@@ -84,9 +86,8 @@ def _add_common(parser: argparse.ArgumentParser, default_url: str, default_clust
 
 def _scheduler_command(sub: Subparsers, config: Config) -> None:
     """``redisdask scheduler``."""
-    url, cluster = config.redis.address, config.cluster.name
     p = sub.add_parser("scheduler", help="run the scheduler (one holds the lease; others stand by)")
-    _add_common(p, url, cluster)
+    _add_common(p, config)
     p.add_argument(
         "--standby",
         action="store_true",
@@ -113,9 +114,8 @@ def _scheduler_command(sub: Subparsers, config: Config) -> None:
 
 def _worker_command(sub: Subparsers, config: Config) -> None:
     """``redisdask worker``."""
-    url, cluster = config.redis.address, config.cluster.name
     p = sub.add_parser("worker", help="run a worker")
-    _add_common(p, url, cluster)
+    _add_common(p, config)
     p.add_argument(
         "--nthreads",
         help="threads per worker process "
@@ -188,43 +188,40 @@ def _worker_command(sub: Subparsers, config: Config) -> None:
 
 def _status_command(sub: Subparsers, config: Config) -> None:
     """``redisdask status``."""
-    url, cluster = config.redis.address, config.cluster.name
     p = sub.add_parser("status", help="a one-shot summary of a cluster (read-only)")
-    _add_common(p, url, cluster)
+    _add_common(p, config)
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def _monitor_command(sub: Subparsers, config: Config) -> None:
     """``redisdask monitor``."""
-    url, cluster = config.redis.address, config.cluster.name
     p = sub.add_parser("monitor", help="a live dashboard of a cluster (read-only; q quits)")
-    _add_common(p, url, cluster)
+    _add_common(p, config)
     p.add_argument("--interval", type=_positive_seconds, default=0.5, help="seconds between frames")
 
 
 def _inspect_command(sub: Subparsers, config: Config) -> None:
     """``redisdask inspect``."""
-    url, cluster = config.redis.address, config.cluster.name
     p = sub.add_parser("inspect", help="read-only answers from Redis about a cluster")
     what = p.add_subparsers(dest="what", required=True)
     q = what.add_parser("deaths", help="every recorded worker death, newest first: why it died")
-    _add_common(q, url, cluster)
+    _add_common(q, config)
     q.add_argument("--worker", help="only this worker (address or name)")
     q.add_argument("--since", help="only this recent, e.g. '1h', '30 minutes'")
     q.add_argument("--json", action="store_true", help="machine-readable output")
     q = what.add_parser("task", help="a task's state, error, dependencies and story")
     q.add_argument("key", help="the task's key (a future's .key)")
-    _add_common(q, url, cluster)
+    _add_common(q, config)
     q.add_argument("--json", action="store_true", help="machine-readable output")
     q = what.add_parser("worker", help="a live or dead worker: info, story, data")
     q.add_argument("worker", help="its address or name")
-    _add_common(q, url, cluster)
+    _add_common(q, config)
     q.add_argument("--json", action="store_true", help="machine-readable output")
     q = what.add_parser("keys", help="the cluster's keys in Redis by kind, with memory")
-    _add_common(q, url, cluster)
+    _add_common(q, config)
     q.add_argument("--json", action="store_true", help="machine-readable output")
     q = what.add_parser("events", help="the cluster event log (--follow: tail -f)")
-    _add_common(q, url, cluster)
+    _add_common(q, config)
     q.add_argument("--follow", "-f", action="store_true", help="print new events as they come")
     q.add_argument(
         "-n", "--count", type=_int_at_least(0), default=50, help="how many recent events"
@@ -234,11 +231,10 @@ def _inspect_command(sub: Subparsers, config: Config) -> None:
 
 def _exporter_command(sub: Subparsers, config: Config) -> None:
     """``redisdask exporter``."""
-    url, cluster = config.redis.address, config.cluster.name
     p = sub.add_parser(
         "exporter", help="serve the cluster's figures to Prometheus on /metrics (read-only)"
     )
-    _add_common(p, url, cluster)
+    _add_common(p, config)
     p.add_argument(
         "--port",
         type=_int_at_least(0, 65535),

@@ -5,15 +5,10 @@ administers the cluster (``admin.py``), calls workers directly (``worker_calls.p
 and runs its I/O on one event loop (``loop.py``); ``as_completed``, ``progress``,
 ``get_task_stream`` and ``performance_report`` are built on it."""
 
-from redisdask.client.client import (
-    Client,
-    DoneAndNotDoneFutures,
-    Future,
-    as_completed,
-    default_client,
-    futures_of,
-    wait,
-)
+from redisdask.client.client import Client
+from redisdask.client.completed import as_completed
+from redisdask.client.futures import DoneAndNotDoneFutures, Future, futures_of, wait
+from redisdask.context import default_client
 
 __all__ = [
     "Client",

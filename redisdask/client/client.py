@@ -1,5 +1,5 @@
-"""The user's entry point: ``Client`` (``Future``, ``wait`` and ``as_completed`` live in
-``redisdask.client.futures`` and are re-exported here).
+"""The user's entry point: ``Client`` (``Future`` and ``wait`` live in ``futures.py``,
+``as_completed`` in ``completed.py``; the package ``redisdask.client`` exports them all).
 
 The client talks to the scheduler only through Redis: submissions go on the clients
 stream (batched: ``map`` of 100,000 items is a few pipelined XADDs), and the scheduler
@@ -47,16 +47,13 @@ from redisdask import spec as specs
 from redisdask.client.admin import ClusterAdmin
 from redisdask.client.annotations import call_options
 from redisdask.client.channel import SchedulerChannel, _Outgoing
-from redisdask.client.completed import as_completed
 from redisdask.client.futures import (
-    DoneAndNotDoneFutures,
     Future,
     _flatten,
     _FutureState,
     _seconds,
     futures_of,
     inline_value,
-    wait,
 )
 from redisdask.client.loop import (
     LoopThread,
@@ -70,7 +67,6 @@ from redisdask.client.scatter import ScatterMethods
 from redisdask.client.tracebacks import shorten_traceback
 from redisdask.client.worker_calls import WorkerCalls
 from redisdask.config import load_config
-from redisdask.context import default_client
 from redisdask.coordination.datasets import DatasetMethods
 from redisdask.deploy.cluster import LocalCluster
 from redisdask.errors import (
@@ -100,16 +96,6 @@ from redisdask.utils import logs
 from redisdask.utils.backoff import Backoff
 from redisdask.utils.sizes import format_bytes
 from redisdask.versions import versions
-
-__all__ = [
-    "Client",
-    "DoneAndNotDoneFutures",
-    "Future",
-    "as_completed",
-    "default_client",
-    "futures_of",
-    "wait",
-]
 
 logger = logging.getLogger("redisdask.client")
 
