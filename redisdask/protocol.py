@@ -603,6 +603,15 @@ class RetireWorker(InboxMessage):
 
 
 @dataclass(slots=True)
+class RetireAborted(InboxMessage):
+    """Stop retiring and work on: the workers that were to take this one's results left
+    meanwhile (as distributed keeps a worker whose data has nowhere to go)."""
+
+    op: ClassVar[str] = "retire-aborted"
+    reason: str = ""
+
+
+@dataclass(slots=True)
 class CloseWorker(InboxMessage):
     """Close now (the data is safe elsewhere, or the whole cluster stops)."""
 
@@ -748,6 +757,7 @@ SCHEDULER_TO_WORKER: dict[str, type[InboxMessage]] = registry(
     AcquireReplicas,
     RestartWorker,
     RetireWorker,
+    RetireAborted,
     CloseWorker,
     StealRequest,
     ComputeTask,

@@ -68,6 +68,7 @@ def samples() -> list[wire.Message]:
         wire.AcquireReplicas({"x": [W1, W2]}),
         wire.RestartWorker(),
         wire.RetireWorker(),
+        wire.RetireAborted("the workers that were to take its 3 results left"),
         wire.CloseWorker("the cluster is closing"),
         wire.StealRequest(["x"], thief=W2),
         wire.ComputeTask("x", 1.5, 1700000000.25, estimate=0.01, chain=True),
@@ -315,6 +316,7 @@ def test_the_worker_driver_carries_out_every_instruction_and_reads_every_inbox_m
         CloseWorker,
         ComputeTask,
         RestartWorker,
+        RetireAborted,
         RetireWorker,
     )
     from redisdask.workers import state as ws
@@ -325,6 +327,6 @@ def test_the_worker_driver_carries_out_every_instruction_and_reads_every_inbox_m
     instructions = {c for c in ws.Instruction.__subclasses__() if getattr(ws, c.__name__) is c}
     emitted = instructions | set(typing.get_args(ws.Report))
     assert set(worker._CARRY_OUT) == emitted
-    apart = {ComputeTask, RestartWorker, RetireWorker, CloseWorker}
+    apart = {ComputeTask, RestartWorker, RetireWorker, RetireAborted, CloseWorker}
     assert set(worker._INBOX_EVENTS) | apart == set(SCHEDULER_TO_WORKER.values())
     assert not set(worker._INBOX_EVENTS) & apart

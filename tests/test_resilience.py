@@ -143,6 +143,71 @@ def test_a_hung_worker_is_removed_when_its_heartbeat_expires(
         assert hung.wait(timeout=20) == 1  # it wakes up unknown to the cluster and leaves
 
 
+async def stall_the_loop(seconds: float) -> int:
+    """Run on the worker's event loop (``client.run`` of an ``async def``): holds it as a
+    sort of 30,000 keys or a full collection of a large heap did."""
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def test_a_worker_whose_event_loop_stalls_past_the_ttl_is_not_declared_dead(
+    redis_url: str,
+    cluster_name: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    make_cluster: ClusterFactory,
+) -> None:
+    """A stall of the loop longer than scheduler.worker-ttl had a live worker declared
+    dead, and what it held recomputed (on a loaded 2-core machine, while it fetched 30,000
+    results); the worker's LoopWatch thread keeps its heartbeat through the stall."""
+    monkeypatch.setenv("REDISDASK__SCHEDULER__WORKER_TTL", "1")
+    monkeypatch.setenv("REDISDASK__WORKER__HEARTBEAT_INTERVAL", "0.25")
+    monkeypatch.setenv("REDISDASK__WORKER__INLINE_RESULT_BYTES", "0")  # held there only
+    with (
+        make_cluster(nanny=False, n_workers=1, log_directory=tmp_path) as cluster,
+        Client(cluster) as client,
+    ):
+        r = redis.Redis.from_url(redis_url)
+        keys = Keys(cluster_name)
+        [address] = client.scheduler_info()["workers"]
+        x = client.submit(inc, 1)
+        assert x.result(timeout=20) == 2
+        assert client.run(stall_the_loop, 4) == {address: cluster.worker_processes[0].pid}
+        assert client.submit(inc, x).result(timeout=20) == 3
+        assert r.hexists(keys.workers, address) and deaths(r, keys) == []
+        assert client.who_has(x)[x.key] == [address]  # not recomputed: never lost
+        log = (tmp_path / "worker-0.log").read_text()
+        assert "has not run for" in log and "stall_the_loop" in log  # where it stood
+
+
+def test_a_worker_whose_event_loop_hangs_past_the_hang_timeout_is_declared_dead(
+    redis_url: str,
+    cluster_name: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    make_cluster: ClusterFactory,
+) -> None:
+    monkeypatch.setenv("REDISDASK__SCHEDULER__WORKER_TTL", "1")
+    monkeypatch.setenv("REDISDASK__WORKER__HANG_TIMEOUT", "2")
+    with (
+        make_cluster(nanny=False, n_workers=2, log_directory=tmp_path) as cluster,
+        Client(cluster) as client,
+    ):
+        r = redis.Redis.from_url(redis_url)
+        keys = Keys(cluster_name)
+        hung = cluster.worker_processes[0]
+        address = next(
+            a for a, w in client.scheduler_info()["workers"].items() if w["pid"] == hung.pid
+        )
+        client.run(stall_the_loop, 8, workers=[address], wait=False)
+        poll(lambda: not r.hexists(keys.workers, address), timeout=20)
+        [record] = deaths(r, keys)
+        assert record["how"] == "heartbeat"
+        assert hung.wait(timeout=30) == 1  # it wakes up unknown to the cluster and leaves
+        assert "no longer keeping its heartbeat" in (tmp_path / "worker-0.log").read_text()
+        assert client.submit(inc, 1).result(timeout=20) == 2
+
+
 def test_a_worker_removed_while_stopped_leaves_when_it_wakes_and_does_not_come_back(
     redis_url: str,
     cluster_name: str,
@@ -651,6 +716,42 @@ def test_retiring_the_last_worker_holding_data_is_refused(make_cluster: ClusterF
         with pytest.raises(ValueError, match="no worker with address or name"):
             client.retire_workers(["nobody"])
         assert cluster.worker_processes[0].poll() is None
+
+
+def test_a_retirement_whose_recipients_all_die_is_stopped_and_the_worker_works_on(
+    redis_url: str,
+    cluster_name: str,
+    monkeypatch: pytest.MonkeyPatch,
+    make_cluster: ClusterFactory,
+) -> None:
+    """The only worker that was to take a retiring worker's results died: the retirement
+    waited for a recipient for ever, the client for its whole timeout, and the retiring
+    worker claimed nothing meanwhile, so the cluster stood still (distributed keeps such
+    a worker running)."""
+    monkeypatch.setenv("REDISDASK__SCHEDULER__WORKER_TTL", "1")
+    monkeypatch.setenv("REDISDASK__WORKER__INLINE_RESULT_BYTES", "0")  # held there only
+    with (
+        make_cluster(nanny=False, n_workers=2) as cluster,
+        Client(cluster) as client,
+    ):
+        r = redis.Redis.from_url(redis_url)
+        keys = Keys(cluster_name)
+        workers = client.scheduler_info()["workers"]
+        holder, other = sorted(workers)
+        x = client.submit(inc, 1, workers=[holder])
+        assert x.result(timeout=20) == 2
+        stopped = next(p for p in cluster.worker_processes if p.pid == workers[other]["pid"])
+        stopped.send_signal(signal.SIGSTOP)  # the recipient: silent, then declared dead
+        try:
+            start = time.monotonic()
+            assert client.retire_workers([holder], timeout=30) == {}
+            assert time.monotonic() - start < 20  # told, not timed out
+            assert not r.hexists(keys.workers, other)
+            assert list(client.scheduler_info()["workers"]) == [holder]
+            assert client.submit(inc, x).result(timeout=20) == 3  # it holds and claims
+        finally:
+            stopped.send_signal(signal.SIGCONT)
+        assert stopped.wait(timeout=20) == 1  # removed while stopped: it leaves
 
 
 def slow_counted_inc(x: int, url: str, counter: str) -> int:

@@ -1849,6 +1849,10 @@ def closes(out: list[Instruction]) -> set[str]:
     return {i.worker for i in of(out, WorkerMsg) if i.msg.op == "close"}
 
 
+def aborts(out: list[Instruction]) -> set[str]:
+    return {i.worker for i in of(out, WorkerMsg) if i.msg.op == "retire-aborted"}
+
+
 def test_retiring_a_worker_copies_its_unique_data_then_tells_it_to_close():
     s = make(W1, W2, W3)
     submit(s, "c", [task("x"), task("y"), task("z"), task("slow")], ["x", "y", "z", "slow"])
@@ -1904,13 +1908,20 @@ def test_a_retiring_worker_is_no_target_for_copies_and_a_lost_target_is_replaced
     out = s.handle_stimulus(
         RemoveWorker(worker=W3, how="connection", reason="killed", stimulus_id="rm")
     )
-    assert not acquire_asks(out) and not closes(out)
-    out = s.handle_stimulus(
-        RetireWorkers(workers=[W1], stimulus_id="self")
-    )  # its repeat, not forced
-    assert not closes(out)  # nobody stays: a client's retirement waits, it loses nothing
+    # nobody stays to take x: the retirement stops (as distributed's), the worker works
+    # on, the client is told at once (it waited for its timeout, and with every worker
+    # retiring nothing claimed work meanwhile)
+    [refused] = client_msgs(out, "retire-refused", "c")
+    assert refused["workers"] == [W1] and "results left" in refused["reason"]
+    assert aborts(out) == {W1} and not acquire_asks(out) and not closes(out)
+    assert not s.workers[W1].retiring and s.workers[W2].retiring  # (W2 holds nothing)
+    # its own repeat, not forced, that crossed the abort: stopped again, told once
+    out = s.handle_stimulus(RetireWorkers(workers=[W1], stimulus_id="self"))
+    assert aborts(out) == {W1} and not client_msgs(out, "retire-refused") and not closes(out)
     out = s.handle_stimulus(AddWorker(worker=W3, info={"started": 2.0}, stimulus_id="add"))
-    assert acquire_asks(out) == {W3: {"x": [W1]}}  # a worker joined: the copy is made there
+    assert not acquire_asks(out)
+    out = s.handle_stimulus(RetireWorkers(client="c", workers=[W1], stimulus_id="rw2"))
+    assert acquire_asks(out) == {W3: {"x": [W1]}}  # asked again: the copy is made there
     # a copy that did not come (the target failed to fetch) is asked for again; the
     # retiring holder keeps its copy: it is alive, the failure taken for a passing one
     out = s.handle_stimulus(MissingData(worker=W3, keys=["x"], errant_worker=W1, stimulus_id="md"))

@@ -204,16 +204,13 @@ def test_prefers_holder_on_same_host() -> None:
 
 def test_network_failure_retries_other_holder() -> None:
     ws = make()
-    out = ws.handle_stimulus(compute("z", {"a": ([A, B], 1), "b": ([A], 1)}))
-    first = of(out, GatherDep)[0].worker
-    other = B if first == A else A
+    out = ws.handle_stimulus(compute("z", {"a": ([A, B], 1)}))
+    [gather] = of(out, GatherDep)
+    first, other = gather.worker, B if gather.worker == A else A
     out = ws.handle_stimulus(GatherDepNetworkFailureEvent(first, ["a"], "refused", "nf"))
     assert first not in ws.tasks["a"].who_has
     assert not ws.has_what.get(first)
-    if first == A:  # b had no other holder
-        assert of(out, MissingData) == [MissingData(SELF, ["b"], errant_worker=A, stimulus_id="nf")]
-    assert of(out, GatherDep)[0].worker == other
-    assert "a" in of(out, GatherDep)[0].keys
+    assert out == [GatherDep(other, {"a"}, 1, "nf")]
 
 
 def test_no_holder_left_then_update_who_has() -> None:
@@ -1277,6 +1274,19 @@ def test_a_claim_deferred_behind_a_transfer_holds_its_resources() -> None:
     ws2.handle_stimulus(compute("y", {"x": ([A], 8)}), gpu_task("x"))
     ws2.handle_stimulus(GatherDepSuccessEvent(A, {"x": 1}, {"x": 8}, "got"))
     assert ws2.tasks["x"].state == "memory" and ws2.free_resources() == {"GPU": 1.0}
+
+
+def test_a_claim_resumed_in_flight_that_does_not_fit_is_handed_back() -> None:
+    """A key freed in flight (cancelled) and claimed again resumes its transfer with the
+    claim deferred behind it, holding the claim's resources: one that did not fit what
+    was free was taken all the same (3 GPUs held of 1; found by the random sequences)."""
+    ws = make(nthreads=2, resources={"GPU": 1})
+    ws.handle_stimulus(compute("y", {"x": ([A], 8)}), gpu_task("g"))
+    ws.handle_stimulus(FreeKeysEvent(["y"], "free"))
+    assert ws.tasks["x"].state == "cancelled" and ws.free_resources() == {"GPU": 0.0}
+    out = ws.handle_stimulus(gpu_task("x"))
+    assert of(out, ReleasedKeys) == [ReleasedKeys(SELF, ["x"], [0.0], stimulus_id="compute-x")]
+    assert ws.free_resources() == {"GPU": 0.0}
 
 
 def test_validate_state_catches_resources_that_do_not_add_up() -> None:

@@ -317,6 +317,14 @@ class UnpauseEvent(StateMachineEvent):
 
 
 @dataclass(slots=True)
+class RetireAbortedEvent(StateMachineEvent):
+    """The scheduler stopped this worker's retirement (no worker stayed to take its
+    results): claim again."""
+
+    stimulus_id: str
+
+
+@dataclass(slots=True)
 class RetireEvent(StateMachineEvent):
     """This worker is leaving gracefully: claim nothing more and hand back the claimed
     tasks that have not started; the running ones finish and their results stay here
@@ -512,6 +520,9 @@ class WorkerState:
         self.rejoining: deque[TaskState] = deque()  # seceded, waiting for a slot to rejoin
         self.in_flight_workers: dict[str, set[str]] = {}  # peer -> keys requested
         self.has_what: defaultdict[str, set[str]] = defaultdict(set)  # peer -> keys
+        # peer -> heap of (priority, key, seq, task) to fetch from it; entries that are
+        # no longer live (_fetchable) are dropped when they come up
+        self._needed: defaultdict[str, list[tuple[Any, ...]]] = defaultdict(list)
         self.story: deque[StoryEntry] = deque(maxlen=story_limit)
         self.story_total = 0  # entries ever appended (the driver ships the new ones)
         # the events themselves, for replay (opt-in: they hold task results alive)
@@ -855,6 +866,9 @@ class WorkerState:
         self.retiring = True
         self._hand_back_unstarted(ev.stimulus_id)
 
+    def _handle_retire_aborted(self, ev: RetireAbortedEvent) -> None:
+        self.retiring = False
+
     def _hand_back_unstarted(self, stimulus_id: str) -> None:
         """Give the scheduler back the tasks claimed here that have not started, so that
         other workers run them (queued again, without suspicion)."""
@@ -976,6 +990,7 @@ class WorkerState:
         PauseEvent: _handle_pause,
         UnpauseEvent: _handle_unpause,
         RetireEvent: _handle_retire,
+        RetireAbortedEvent: _handle_retire_aborted,
         SecedeEvent: _handle_secede,
         RejoinEvent: _handle_rejoin,
         StealRequestEvent: _handle_steal_request,
@@ -1003,46 +1018,75 @@ class WorkerState:
                 self._transition(ts, "executing", stimulus_id=sid)
 
     def _ensure_communicating(self, sid: str) -> None:
-        """Start GatherDeps, highest priority first, batched per peer."""
-        fetch = self.by_state["fetch"]
+        """Start GatherDeps, batched per peer: the free peers ranked by the priority of
+        the first task each holds (a copy kept in Redis first: one read, often answered
+        already; then peers on this host; ties broken at random), each batch the holder's
+        tasks in priority order.  Cost: the peers and the tasks batched, never every task
+        in ``fetch`` (a sort of those at each stimulus stalled the event loop for seconds
+        when 30,000 results were to be fetched from one peer)."""
         in_flight = self.in_flight_workers
-        if not fetch or len(in_flight) >= self.transfer_concurrency:
+        if not self.by_state["fetch"]:
+            self._needed.clear()  # (only stale entries are left)
             return
-        # (most calls find every holder busy answering, whose answer calls this again:
-        # a tree of tiny tasks made ~150 such waits sorted at nearly every stimulus)
-        if all(w in in_flight for ts in fetch for w in ts.who_has):
+        if len(in_flight) >= self.transfer_concurrency:
             return
-        queue = sorted(fetch, key=lambda t: (t.priority or (), t.key))
-        for ts in queue:
-            if len(self.in_flight_workers) >= self.transfer_concurrency:
+        ranked = []
+        for peer, heap in sorted(self._needed.items()):  # (sorted: the same draws each run)
+            if peer in in_flight:
+                continue
+            while heap and not self._fetchable(heap[0][3], peer):
+                heapq.heappop(heap)
+            if not heap:
+                del self._needed[peer]
+                continue
+            local = peer == REDIS_COPY or _host(peer) == self.host
+            ranked.append((peer != REDIS_COPY, heap[0][:2], not local, self.rng.random(), peer))
+        for *_, peer in sorted(ranked):
+            if len(in_flight) >= self.transfer_concurrency:
                 break
-            if ts.state != "fetch":
-                continue  # already batched in this round
-            holders = [w for w in ts.who_has if w not in self.in_flight_workers]
-            if not holders:
-                continue  # all holders busy: wait for one to answer
-            if REDIS_COPY in holders:  # small: one read of Redis, often answered already
-                peer = REDIS_COPY
-            else:
-                local = [w for w in holders if _host(w) == self.host]
-                peer = self.rng.choice(sorted(local or holders))
-            batch: list[TaskState] = []
-            total = 0
-            for other in queue:
-                if other.state != "fetch" or peer not in other.who_has:
-                    continue
-                nbytes = other.nbytes or 0
-                if batch and (
-                    total + nbytes > self.transfer_batch_bytes
-                    or len(batch) >= self.transfer_batch_keys
-                ):
-                    break
-                batch.append(other)
-                total += nbytes
-            self.in_flight_workers[peer] = {t.key for t in batch}
-            for other in batch:
-                self._transition(other, "flight", worker=peer, stimulus_id=sid)
-            self._emit(GatherDep(peer, {t.key for t in batch}, total, sid))
+            batch, total = self._take_batch(peer)
+            if not batch:  # (all taken by the batches of peers ranked before it)
+                continue
+            in_flight[peer] = set(batch)
+            for ts in batch.values():
+                self._transition(ts, "flight", worker=peer, stimulus_id=sid)
+            self._emit(GatherDep(peer, set(batch), total, sid))
+
+    def _take_batch(self, peer: str) -> tuple[dict[str, TaskState], int]:
+        """The tasks to ask ``peer`` for, highest priority first, up to the batch's
+        bytes and keys; popped from its heap."""
+        heap = self._needed[peer]
+        batch: dict[str, TaskState] = {}
+        total = 0
+        while heap:
+            ts = heap[0][3]
+            if not self._fetchable(ts, peer) or ts.key in batch:
+                heapq.heappop(heap)
+                continue
+            nbytes = ts.nbytes or 0
+            if batch and (
+                total + nbytes > self.transfer_batch_bytes or len(batch) >= self.transfer_batch_keys
+            ):
+                break
+            heapq.heappop(heap)
+            batch[ts.key] = ts
+            total += nbytes
+        return batch, total
+
+    def _fetchable(self, ts: TaskState, peer: str) -> bool:
+        """Whether a heap entry is live: the task is still to be fetched, and ``peer``
+        still holds it (entries are left behind when either changes)."""
+        return ts.state == "fetch" and peer in ts.who_has and self.tasks.get(ts.key) is ts
+
+    def _need_from(self, ts: TaskState, peer: str) -> None:
+        """``ts`` is to be fetched and ``peer`` holds it: an entry in its heap."""
+        heap = self._needed[peer]
+        if len(heap) > 2 * len(self.by_state["fetch"]) + 64:  # mostly stale: compact
+            live = {e[1]: e for e in heap if self._fetchable(e[3], peer)}  # (one per key)
+            heap[:] = live.values()
+            heapq.heapify(heap)
+        self._seq += 1
+        heapq.heappush(heap, (ts.priority or (), ts.key, self._seq, ts))
 
     # -- transitions -----------------------------------------------------------------
 
@@ -1061,6 +1105,9 @@ class WorkerState:
         ts.state = finish
         if finish != "released":
             self.by_state[finish].add(ts)
+        if finish == "fetch":
+            for worker in ts.who_has:
+                self._need_from(ts, worker)
         if ts.resources or ts.held is not None:
             self._sync_resources(ts)
 
@@ -1076,7 +1123,11 @@ class WorkerState:
         key holds what it needs already (a duplicate claim, a run resumed)."""
         if not need or (known is not None and known.held is not None):
             return True
-        starts = known is None or known.state in ("fetch", "missing", "error", "flight")
+        starts = (
+            known is None
+            or known.state in ("fetch", "missing", "error", "flight")
+            or (known.state == "cancelled" and known.previous == "flight")  # (resumed)
+        )
         return not starts or fits(need, self.available_resources)
 
     @staticmethod
@@ -1454,9 +1505,11 @@ class WorkerState:
 
     def _add_who_has(self, ts: TaskState, workers: Iterable[str]) -> None:
         for worker in workers:
-            if worker != self.address:
+            if worker != self.address and worker not in ts.who_has:
                 ts.who_has.add(worker)
                 self.has_what[worker].add(ts.key)
+                if ts.state == "fetch":
+                    self._need_from(ts, worker)
 
     def _forget_holder(self, ts: TaskState, worker: str) -> None:
         ts.who_has.discard(worker)
@@ -1511,6 +1564,7 @@ class WorkerState:
             if not cond:
                 raise InvalidTaskState(msg)
 
+        needed = {peer: {entry[3] for entry in heap} for peer, heap in self._needed.items()}
         for key, ts in self.tasks.items():
             check(ts.key == key, f"{ts} stored under {key!r}")
             check(ts.state in STATES and ts.state != "released", f"{ts} at rest")
@@ -1548,6 +1602,8 @@ class WorkerState:
                     check(dep.state == "memory", f"{ts} has {dep} not in memory")
             elif ts.state == "fetch":
                 check(ts.who_has, f"{ts} without holders")
+                for worker in ts.who_has:
+                    check(ts in needed.get(worker, ()), f"{ts} not in {worker}'s fetch heap")
             elif ts.state == "missing":
                 check(not ts.who_has, f"{ts} has holders {ts.who_has}")
             elif ts.state == "error":

@@ -65,6 +65,7 @@ from redisdask.protocol import (
     MissingData,
     RemoveWorker,
     RestartWorker,
+    RetireAborted,
     RetireWorker,
     RetireWorkers,
     StealRequest,
@@ -89,6 +90,7 @@ from redisdask.workers import calls
 from redisdask.workers import state as ws
 from redisdask.workers.coroutines import run_coroutine
 from redisdask.workers.failures import MAX_ERROR_LENGTH, failure_event
+from redisdask.workers.liveness import LoopWatch
 from redisdask.workers.memory import WorkerMemoryManager, keep_large_blocks_apart
 from redisdask.workers.plugins import PluginHost
 from redisdask.workers.sizeof import sizeof
@@ -133,6 +135,7 @@ class Worker:
         memory_limit: int = 0,
         heartbeat_interval: float = 0.5,
         worker_ttl: float = 3.0,
+        hang_timeout: float = 10.0,
         claim_horizon: float = 0.02,
         connection_limit: int = 50,
         peer_timeout: float = comm.DEFAULT_DEAD_AFTER,
@@ -170,6 +173,15 @@ class Worker:
         self.memory_limit = memory_limit
         self.heartbeat_interval = heartbeat_interval
         self.worker_ttl = worker_ttl
+        self.hang_timeout = hang_timeout
+        self.loop_watch = LoopWatch(
+            name or "",
+            self._renew_alive,
+            interval=heartbeat_interval,
+            warn_after=worker_ttl,
+            hang_timeout=hang_timeout,
+        )
+        self._watch_redis: redis.Redis | None = None  # (the LoopWatch thread's)
         self.claim_horizon = claim_horizon
         self.connection_limit = connection_limit
         self.security = security or Security()  # TLS between peers (redisdask/security.py)
@@ -317,6 +329,7 @@ class Worker:
         if isinstance(self.data, SpillBuffer):  # weigh what is stored by the size measured
             self.data.known = self._known_nbytes
         self.scripts = scripts.Scripts(self.redis, self.keys)  # type: ignore[arg-type]
+        self.loop_watch.name = self.name or self.address
         await self.plugin_host.start(self)  # preloads, uploads, plugins: before any claim
         if self._address_file:  # for its nanny: which worker.  Before registering: a death
             # after the registration, and the nanny could not name it to the scheduler,
@@ -327,13 +340,14 @@ class Worker:
         await self.plugin_host.sync(self)  # those registered while this one registered
         self.status = "running"
         loops = [self._claim_loop, self._listen_loop, self._heartbeat_loop, self._flush_loop]
-        loops.append(self._holding_loop)
+        loops += [self._holding_loop, self.loop_watch.tick]
         if self.memory.monitoring:
             loops.append(self.memory.monitor)
         if self.lifetime is not None:
             loops.append(self._lifetime_loop)
         for loop in loops:
             self._spawn(self._keep_running(loop))
+        self.loop_watch.start()
         logger.info(
             "Start worker %s (name %s) with %d threads on cluster %r",
             self.address,
@@ -457,6 +471,9 @@ class Worker:
             return
         self.status = "closing"
         logger.info("Closing worker %s (%s)", self.address, reason)
+        await asyncio.to_thread(self.loop_watch.stop)  # before the goodbye: see LoopWatch
+        if self._watch_redis is not None:
+            self._watch_redis.close()
         for task in list(self._background):
             task.cancel()
         if self._background:
@@ -913,6 +930,14 @@ class Worker:
         if self.status == "running":
             self._closing = asyncio.ensure_future(self.close(command.reason))
 
+    def _retire_aborted(self, command: _Command) -> None:
+        """The scheduler stopped the retirement (``RetireAborted``): work on."""
+        if not self.state.retiring or self._retire_force:  # (a forced one always leaves)
+            return
+        logger.warning("Worker %s is not retiring any more: %s", self.address, command.reason)
+        self.handle(ws.RetireAbortedEvent(command.stimulus_id))
+        self._claim_again()
+
     def retire(self, force: bool = False) -> None:
         """Leave gracefully: claim nothing more, hand back the tasks claimed but not
         started, finish the running ones, and close when the scheduler says that every
@@ -927,10 +952,10 @@ class Worker:
         self._spawn(self._keep_running(self._retire_loop))
 
     async def _retire_loop(self) -> None:
-        """Ask the scheduler to retire this worker until it answers ``close``.  Asking
-        again re-asks for copies that did not come, and tells a scheduler restarted
-        meanwhile."""
-        while self.status == "running":
+        """Ask the scheduler to retire this worker until it answers ``close`` (or stops
+        the retirement: ``RetireAborted``).  Asking again re-asks for copies that did not
+        come, and tells a scheduler restarted meanwhile."""
+        while self.status == "running" and self.state.retiring:
             self._report(RetireWorkers(workers=[self.address], force=self._retire_force))
             self._flush_wanted.set()
             await asyncio.sleep(RETIRE_REPEAT)
@@ -1082,6 +1107,19 @@ class Worker:
                 return
             self._beat.set()  # (_holding_loop)
             await asyncio.sleep(self.heartbeat_interval)  # a heartbeat is a timer by nature
+
+    def _renew_alive(self) -> None:
+        """(``LoopWatch``'s thread, while the loop is stalled) ``alive`` renewed, through
+        a full Redis, on a connection of the thread's own."""
+        if self._watch_redis is None:
+            name = self.keys.worker_connection(self.address)
+            self._watch_redis = connect(
+                self.redis_url, timeout=self.connect_timeout, name=name, check=False
+            )
+        alive = self.keys.worker_alive(self.address)
+        scripts.Scripts(self._watch_redis, self.keys).through(
+            key=alive, ttl_ms=int(self.worker_ttl * 1000), commands=[]
+        )
 
     async def _removed(self) -> bool:
         """Whether the scheduler removed this worker: its entry is gone from the Redis
@@ -1299,7 +1337,8 @@ def script_entries(raw: list[Any]) -> list[tuple[bytes, dict[bytes, bytes]]]:
 @dataclass(slots=True)
 class _Command:
     """An inbox message for the driver rather than the state machine: ``restart`` (drop
-    everything), ``retire`` (leave gracefully), ``close`` (leave now)."""
+    everything), ``retire`` (leave gracefully), ``retire-aborted`` (work on), ``close``
+    (leave now)."""
 
     op: str
     stimulus_id: str
@@ -1365,10 +1404,11 @@ _CARRY_OUT: dict[type, Callable[[Worker, Any], None]] = {
 }
 
 # what the driver does with each command of its inbox (``RestartWorker``, ``RetireWorker``,
-# ``CloseWorker``, by their op)
+# ``RetireAborted``, ``CloseWorker``, by their op)
 _COMMANDS: dict[str, Callable[[Worker, _Command], None]] = {
     RestartWorker.op: Worker._restart,
     RetireWorker.op: lambda worker, command: worker.retire(),
+    RetireAborted.op: Worker._retire_aborted,
     CloseWorker.op: Worker._close_command,
 }
 
@@ -1402,8 +1442,8 @@ def _inbox_events(
                 events.append(pushed)
         elif type(msg) in _INBOX_EVENTS:
             events.append(_INBOX_EVENTS[type(msg)](msg, sid))
-        else:  # restart, retire, close: for the driver
-            reason = msg.reason if isinstance(msg, CloseWorker) else msg.op
+        else:  # restart, retire, retire-aborted, close: for the driver
+            reason = msg.reason if isinstance(msg, CloseWorker | RetireAborted) else msg.op
             events.append(_Command(msg.op, sid, reason))
     return events
 
@@ -1418,6 +1458,7 @@ def options_from_config(config: Any) -> dict[str, Any]:
         "story_maxlen": config.retention.worker_story,
         "events_maxlen": config.retention.events,
         "worker_ttl": config.scheduler.worker_ttl,
+        "hang_timeout": config.worker.hang_timeout,
         "claim_horizon": config.worker.claim_horizon,
         "connection_limit": config.worker.connection_limit,
         "peer_timeout": config.comm.timeouts.tcp,

@@ -76,6 +76,7 @@ from redisdask.protocol import (
     Restart,
     Restarted,
     RestartWorker,
+    RetireAborted,
     RetireRefused,
     RetireWorker,
     RetireWorkers,
@@ -992,6 +993,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 ws.retiring = True
                 ws.to_move = set(ws.has_what)
             if ev.client:
+                ws.retire_clients.add(ev.client)
                 continue
             # the worker's own word: it claims no more; repeated every second, it
             # re-asks for the copies that have not arrived and for the close it missed
@@ -1022,6 +1024,9 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             if not ws.to_move and not ws.processing and ws.retire_heard:
                 self._tell_to_close(ws, "retired", stimulus_id=stimulus_id)
                 continue
+            if ws.to_move and not staying:
+                self._abort_retirement(ws, stimulus_id=stimulus_id)
+                continue
             for ts in sorted(ws.to_move, key=lambda t: t.score):
                 ts.replicating &= staying
                 if ts.replicating or not staying:
@@ -1034,6 +1039,23 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 requests.setdefault(target, {})[ts.key] = sorted(ts.who_has)
         for target, who_has in requests.items():
             self._emit(WorkerMsg(sid, target, AcquireReplicas(who_has)))
+
+    def _abort_retirement(self, ws: WorkerInfo, *, stimulus_id: str) -> None:
+        """No worker stays to take what only ``ws`` holds (they left after it began to
+        retire): it works on, as distributed keeps such a worker, and the clients that
+        asked are told at once (they waited out their timeout, and the worker claimed
+        nothing meanwhile: with no other worker, the cluster stood still)."""
+        reason = (
+            f"the workers that were to take its {len(ws.to_move)} results left; it keeps "
+            "running: start more workers, then retire it again"
+        )
+        ws.retiring = ws.retire_heard = False
+        ws.to_move = set()
+        sid = "retire-" + stimulus_id
+        self._emit(WorkerMsg(sid, ws.address, RetireAborted(reason)))
+        for client in sorted(ws.retire_clients):
+            self._emit(ClientMsg(sid, client, RetireRefused([ws.address], reason=reason)))
+        ws.retire_clients.clear()
 
     def _tell_to_close(self, ws: WorkerInfo, reason: str, *, stimulus_id: str) -> None:
         ws.told_to_close = True

@@ -165,6 +165,7 @@ class WorkerInfo:
     retiring: bool = False  # handing its data to others before it closes
     retire_heard: bool = False  # it said itself that it retires: it claims no more
     to_move: set[TaskState] = field(default_factory=set)  # results to copy elsewhere
+    retire_clients: set[str] = field(default_factory=set)  # who asked: told if it is stopped
     told_to_close: bool = False  # retired: its data is safe elsewhere
     announced: bool = False  # its worker-joined event was logged
     holding_reports: int = 0  # its holding reports read (since this scheduler loaded)
