@@ -6,7 +6,8 @@ event loop in one process.  Each nanny:
 * starts ``redisdask worker --no-nanny`` as a child in a session of its own (a Ctrl-C in
   the terminal reaches the nanny, which stops its worker gracefully), with its stderr
   piped: every line goes on to the nanny's stderr, into a rotating log file in the local
-  directory, and into a tail of the last ``LOG_TAIL`` lines kept for the death record;
+  directory, and into a tail of the last ``LOG_TAIL`` lines kept for the death record
+  (``CRASH_DUMP`` more once a crash dump begins, so its head is kept with every stack);
 * every ``worker.memory.monitor-interval`` reads the worker's memory (psutil) and kills
   it past ``worker.memory.terminate`` of its limit ("Worker exceeded 95% memory budget.
   Restarting...");
@@ -65,6 +66,7 @@ from redisdask.utils.sizes import format_bytes, oom_kills
 logger = logging.getLogger("redisdask.nanny")
 
 LOG_TAIL = 50  # lines of the worker's log kept for its death record
+CRASH_DUMP = 300  # more lines kept from a "Fatal Python error" on (every thread's stack)
 LOG_FILE_BYTES = 10_000_000  # rotated at this size, two old files kept
 QUICK_DEATH = 10.0  # seconds: a worker dying sooner after its start backs off
 MAX_START_FAILURES = 3  # deaths in a row before registering: give up
@@ -237,7 +239,7 @@ class Nanny:
             stagger = random.uniform(-self.lifetime_stagger, self.lifetime_stagger)
             args += ["--lifetime", str(max(1.0, self.lifetime + stagger))]
         watch = _Watch(oom_kills_before=oom_kills())
-        self.tail.clear()
+        self.tail = collections.deque(maxlen=LOG_TAIL)
         self.process = process = await asyncio.create_subprocess_exec(
             *args,
             stdout=asyncio.subprocess.PIPE,
@@ -322,6 +324,10 @@ class Nanny:
 
     def _log_line(self, line: bytes) -> None:
         text = line.decode(errors="replace")
+        if text.startswith("Fatal Python error:") and self.tail.maxlen == LOG_TAIL:
+            # faulthandler's dump: what crashed and where come first, then each other
+            # thread's stack, which pushed them out of a tail that has no room for them
+            self.tail = collections.deque(self.tail, maxlen=LOG_TAIL + CRASH_DUMP)
         self.tail.append(text)
         self._file_log.info(text)
         with contextlib.suppress(OSError):  # our own stderr closed: the file still has it

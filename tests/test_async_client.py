@@ -207,7 +207,7 @@ def test_a_release_never_overtakes_a_graph_queued_before_it(client: Client) -> N
     DataUnavailableError (found by the chaos test)."""
     a = client.submit(inc, 1)
     assert a.result(timeout=30) == 2  # its graph is in
-    with client._send_lock:  # the sender waits: the next sends pile up in its outbox
+    with client._channel.send_lock:  # the sender waits: the next sends pile up in its outbox
         b = client.submit(inc, a)
         del a  # its release is queued after b, which depends on it
         gc.collect()
@@ -221,9 +221,9 @@ def test_a_release_waits_for_a_graph_queued_while_the_sender_was_writing(client:
     the scheduler forgot the key and the dependent erred with DataUnavailableError)."""
     a = client.submit(inc, 1)
     assert a.result(timeout=30) == 2
-    with client._send_lock:  # the sender takes the next send, then waits to write it
+    with client._channel.send_lock:  # the sender takes the next send, then waits to write it
         other = client.submit(inc, 100)
-        poll(lambda: client._writing and not client._outbox, timeout=10)
+        poll(lambda: client._channel._writing and not client._channel._outbox, timeout=10)
         b = client.submit(inc, a)  # queued behind the write under way
         del a  # released after b, which depends on it
         gc.collect()
@@ -236,7 +236,7 @@ def test_a_key_released_then_submitted_again_in_one_write_is_computed_anew(
 ) -> None:
     y = client.get({"y": (inc, 1)}, "y", sync=False)
     assert y.result(timeout=30) == 2
-    with client._send_lock:  # its release and the new graph go in one pipeline
+    with client._channel.send_lock:  # its release and the new graph go in one pipeline
         del y
         gc.collect()
         y = client.get({"y": (inc, 10)}, "y", sync=False)
@@ -253,7 +253,7 @@ def test_a_release_sent_with_a_refused_graph_is_sent_again(redis_url: str) -> No
             a = c.submit(inc, 1)
             assert a.result(timeout=30) == 2
             task = c.keys.task(a._key)
-            with c._send_lock:  # the refused graph and then a's release go in one write
+            with c._channel.send_lock:  # the refused graph and then a's release go in one write
                 big = c.submit(len, b"x" * (2 << 20))
                 del a
                 gc.collect()

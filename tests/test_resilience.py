@@ -53,6 +53,11 @@ def suicide() -> None:
     os._exit(1)
 
 
+def address_of(client: Client, pid: int) -> str:
+    """The address of the worker process ``pid``."""
+    return next(a for a, w in client.scheduler_info()["workers"].items() if w["pid"] == pid)
+
+
 def deaths(r: redis.Redis, keys: Keys) -> list[dict]:
     return [unpack(f[b"m"]) for _id, f in r.xrange(keys.deaths)]
 
@@ -69,9 +74,7 @@ def test_a_killed_worker_is_noticed_at_once_and_its_work_is_redone(
         futures = client.map(slow_inc, range(200))
         poll(lambda: sum(f.done() for f in futures) >= 20)
         victim = cluster.worker_processes[0]
-        address = next(
-            a for a, w in client.scheduler_info()["workers"].items() if w["pid"] == victim.pid
-        )
+        address = address_of(client, victim.pid)
         killed_at = time.monotonic()
         victim.send_signal(signal.SIGKILL)
         poll(lambda: not r.hexists(keys.workers, address))
@@ -128,9 +131,7 @@ def test_a_hung_worker_is_removed_when_its_heartbeat_expires(
         r = redis.Redis.from_url(redis_url)
         keys = Keys(cluster_name)
         hung = cluster.worker_processes[0]
-        address = next(
-            a for a, w in client.scheduler_info()["workers"].items() if w["pid"] == hung.pid
-        )
+        address = address_of(client, hung.pid)
         hung.send_signal(signal.SIGSTOP)  # alive, connections open, silent
         try:
             futures = client.map(slow_inc, range(50))
@@ -196,9 +197,7 @@ def test_a_worker_whose_event_loop_hangs_past_the_hang_timeout_is_declared_dead(
         r = redis.Redis.from_url(redis_url)
         keys = Keys(cluster_name)
         hung = cluster.worker_processes[0]
-        address = next(
-            a for a, w in client.scheduler_info()["workers"].items() if w["pid"] == hung.pid
-        )
+        address = address_of(client, hung.pid)
         client.run(stall_the_loop, 8, workers=[address], wait=False)
         poll(lambda: not r.hexists(keys.workers, address), timeout=20)
         [record] = deaths(r, keys)
@@ -227,9 +226,7 @@ def test_a_worker_removed_while_stopped_leaves_when_it_wakes_and_does_not_come_b
         r = redis.Redis.from_url(redis_url)
         keys = Keys(cluster_name)
         stopped = cluster.worker_processes[0]
-        address = next(
-            a for a, w in client.scheduler_info()["workers"].items() if w["pid"] == stopped.pid
-        )
+        address = address_of(client, stopped.pid)
         x = client.submit(inc, 1, workers=[address])
         assert x.result(timeout=20) == 2
         stopped.send_signal(signal.SIGSTOP)

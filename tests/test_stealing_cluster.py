@@ -137,7 +137,9 @@ def test_an_idle_worker_takes_its_share_of_a_busy_workers_claims_and_none_runs_t
         assert later.count(thief) >= 0.3 * len(later), (later, joined)
         keys = Keys(cluster_name)
         stolen = [e for e in read_events(r, keys, count=1000) if e["kind"] == "stolen"]
-        assert stolen and {(e["victim"], e["thief"]) for e in stolen} == {(first, thief)}
+        # (the first worker may steal some back at the end, once it ran out before the
+        # thief did: a machine loaded by other tests slows either)
+        assert stolen and (stolen[0]["victim"], stolen[0]["thief"]) == (first, thief)
         # the story of a stolen task: queued by the victim's stolen-keys, claimed by the thief
         key = stolen[0]["keys"][0]
         story = [(s["state"], s["cause"], s["origin"]) for s in task_story(r, keys, key)]

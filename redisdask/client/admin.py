@@ -27,6 +27,7 @@ from redisdask.versions import VersionMismatchError, mismatches, process_version
 if TYPE_CHECKING:
     import redis
 
+    from redisdask.client.channel import SchedulerChannel
     from redisdask.store.keyspace import Keys
 
 logger = logging.getLogger("redisdask.client")
@@ -34,7 +35,7 @@ logger = logging.getLogger("redisdask.client")
 
 class ClusterAdmin:
     """The cluster-wide half of ``Client``: a mixin, whose attributes (below) and helper
-    methods (``_check_running``, ``_send``, ``_results``, ``who_has``, and ``run`` and
+    methods (``_check_running``, ``_results``, ``who_has``, and ``run`` and
     ``_workers_named`` from ``WorkerCalls``) are the client's.  It declares no stubs of
     them: a stub here would come before the real method in ``Client``'s MRO."""
 
@@ -44,9 +45,7 @@ class ClusterAdmin:
     keys: Keys
     _lock: threading.RLock
     _states: dict[str, _FutureState]
-    _pending_release: dict[str, int]
-    _restarted: threading.Event
-    _retire_refused: dict[str, str]
+    _channel: SchedulerChannel
 
     @offloaded
     def restart(self, timeout: float | str = 30.0, wait_for_workers: bool = True) -> None:
@@ -61,13 +60,13 @@ class ClusterAdmin:
             for a, v in self.redis.hgetall(self.keys.workers).items()
         }
         deadline = time.monotonic() + timeout
-        self._restarted.clear()
+        self._channel.restarted.clear()
         with self._lock:
             for state in list(self._states.values()):
                 state.cancel()
-            self._pending_release.clear()
-        self._send([Restart(self.id)])
-        if not self._restarted.wait(timeout):
+            self._channel.forget_releases()
+        self._channel.send([Restart(self.id)])
+        if not self._channel.restarted.wait(timeout):
             raise FuturesTimeoutError(
                 f"the scheduler did not restart the cluster within "
                 f"{timeout} s (is a scheduler running?)"
@@ -115,7 +114,7 @@ class ClusterAdmin:
             )
         self._results(flat, timeout)  # in memory first
         keys = [f._key for f in flat]
-        self._send([Replicate(self.id, keys, want)])
+        self._channel.send([Replicate(self.id, keys, want)])
         deadline = None if timeout is None else time.monotonic() + timeout
         while not all(len(h) == want for h in self._block(self._awho_has, keys).values()):
             if deadline is not None and time.monotonic() > deadline:
@@ -160,7 +159,7 @@ class ClusterAdmin:
             if not addresses:
                 return
         request = uuid.uuid4().hex
-        self._send([Rebalance(self.id, request, keys=keys, workers=addresses)])
+        self._channel.send([Rebalance(self.id, request, keys=keys, workers=addresses)])
         record = self._rebalance_done(request, deadline, timeout)
         if keys is not None:
             self._block(self._arefresh_who_has, keys)  # where the values are now
@@ -225,15 +224,14 @@ class ClusterAdmin:
             return {}
         with self._lock:
             for address in addresses:
-                self._retire_refused.pop(address, None)
-        self._send([RetireWorkers(self.id, addresses)])
+                self._channel.retire_refused.pop(address, None)
+        self._channel.send([RetireWorkers(self.id, addresses)])
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             present = set(self.redis.hkeys(self.keys.workers))
             with self._lock:
-                refused = {
-                    a: self._retire_refused[a] for a in addresses if a in self._retire_refused
-                }
+                said = self._channel.retire_refused
+                refused = {a: said[a] for a in addresses if a in said}
             pending = [a for a in addresses if a.encode() in present and a not in refused]
             if not pending:
                 break

@@ -1,8 +1,8 @@
-"""The client's line to the scheduler through Redis: ``SchedulerChannel``, a mixin of
-``Client``.
+"""The client's line to the scheduler through Redis: ``SchedulerChannel``, which a
+``Client`` holds (``client._channel``).
 
 Two tasks run on the client's loop (``redisdask.client.loop``).  The sender writes what
-``_send`` queued to the clients stream, in order, everything queued at a time in one
+``send`` queued to the clients stream, in order, everything queued at a time in one
 pipeline, with the releases of keys whose last future went placed where they belong
 (``_with_releases``).  The reader reads the scheduler's messages on this client's events
 stream, updates the futures' states, and heartbeats: the client's ``alive`` key and
@@ -59,6 +59,7 @@ from redisdask.protocol import (
     SCHEDULER_TO_CLIENT,
     CancelledKeys,
     ClientReleasesKeys,
+    CloseClient,
     KeyErred,
     KeyInMemory,
     Restarted,
@@ -68,11 +69,12 @@ from redisdask.protocol import (
     dicts,
     parse,
 )
-from redisdask.store import busy, codecs, redis_memory
+from redisdask.store import busy, codecs, redis_memory, scripts
 from redisdask.store.eventlog import WARN_CLIENTS, describe
 from redisdask.store.urls import redact
 from redisdask.utils.backoff import Backoff
 from redisdask.utils.sizes import format_bytes
+from redisdask.versions import versions
 
 if TYPE_CHECKING:
     from redisdask.config import Config
@@ -86,49 +88,119 @@ KEEP_WRITTEN = 10.0  # s a send is kept after it was written (and its keys settl
 
 
 class SchedulerChannel:
-    """The sending and reading half of ``Client``: a mixin, whose attributes (below) and
-    ``_check_running`` are the client's.  It declares no stubs of the client's methods:
-    a stub here would come before the real method in ``Client``'s MRO."""
+    """Sends the client's messages to the scheduler and reads its answers.
 
-    id: str
-    config: Config
-    keys: Keys
-    redis_url: str
-    status: str
-    loop: asyncio.AbstractEventLoop
-    _aredis: Any
-    _events_redis: Any
-    _lock: threading.RLock
-    _send_lock: threading.RLock
-    _states: dict[str, _FutureState]
-    _refcount: dict[str, int]
-    _pending_release: dict[str, int]
-    _queued: int
-    _outbox: deque[_Outgoing]
-    _outbox_ready: asyncio.Event
-    _writing: bool
-    _restarted: threading.Event
-    _retire_refused: dict[str, str]
-    _versions: dict[str, Any]
-    _down_since: float | None
-    _refused_since: float | None
-    _missing_since: dict[str, float]
-    _written: int
-    _write_entries: Any
-    _through: Any
-    _kept: deque[_Outgoing]
-    _lost_seen: bool
-    _replay: deque[tuple[dict[str, bytes], _Outgoing]]
-    _run_id: str | None
-    _read_ids: set[bytes]  # news ids read since the last trim
-    _read_before: set[bytes]  # ... and between the trim before it and that one
-    _trimmed_at: bytes | str  # the last trim's id
-    _trimmed_below: bytes | str  # the trim's before it: news below was read
-    _cluster_news_id: bytes | None = None  # the cluster event last read (None: not yet)
+    The client owns its futures' book and passes it in: ``states`` (key -> the state its
+    futures share), which news from the scheduler settles, and ``refcount`` (key -> live
+    futures), which says whether a key whose last future went has futures again; both
+    under ``lock``.  ``check_running`` is the client's: a send from a client that is not
+    running raises its error.  Everything else here is the channel's own."""
+
+    def __init__(
+        self,
+        *,
+        client_id: str,
+        config: Config,
+        keys: Keys,
+        redis_url: str,
+        aredis: Any,
+        events_redis: Any,
+        lock: threading.RLock,
+        states: dict[str, _FutureState],
+        refcount: dict[str, int],
+        check_running: Callable[[], None],
+    ) -> None:
+        self.id = client_id
+        self.config = config
+        self.keys = keys
+        self.redis_url = redis_url
+        self._aredis = aredis
+        self._events_redis = events_redis  # (its own connection: the reader blocks on it)
+        self._lock = lock
+        self._states = states
+        self._refcount = refcount
+        self._check_running = check_running
+        self.loop = asyncio.get_running_loop()  # (made on the client's loop)
+        self.closing = False  # the client closes: nothing more is read or sent from here
+        self._write_entries = aredis.register_script(scripts.WRITE_ENTRIES)
+        self._through = scripts.Scripts(aredis, keys).through
+        # key whose last future went -> how many sends were queued by then: its release
+        # goes after those (they may depend on it), with the next write
+        self._pending_release: dict[str, int] = {}
+        self._queued = 0  # sends ever queued: the next one's sequence number
+        self._outbox: deque[_Outgoing] = deque()  # for the sender task, in order
+        self._outbox_ready = asyncio.Event()
+        self._writing = False  # the sender is writing what it took from the outbox
+        # held by the sender from popping releases to writing them, and by coordination
+        # scripts that send wants (``coordination.backend``): neither lands in the other
+        # (reentrant: a primitive used on an asynchronous client's loop cannot deadlock)
+        self.send_lock = threading.RLock()
+        self.restarted = threading.Event()  # the scheduler said the cluster restarted
+        self.retire_refused: dict[str, str] = {}  # worker -> why the scheduler refused
+        self._versions = versions()
+        self._down_since: float | None = None  # when Redis was found unreachable
+        self._refused_since: float | None = None  # when Redis began refusing a send
+        # since when (monotonic) each heartbeat found no leading scheduler / no worker
+        self.missing_since: dict[str, float] = {}
+        self._written = 0  # entries written to the clients stream that Redis holds
+        self._kept: deque[_Outgoing] = deque()  # sends written, kept a while
+        self._lost_seen = False  # a heartbeat found Redis holds fewer: write them again
+        # lost entries, written again before the rest
+        self._replay: deque[tuple[dict[str, bytes], _Outgoing]] = deque()
+        self._run_id: str | None = ""  # of the Redis server (None: may not be known)
+        self._read_ids: set[bytes] = set()  # news ids read since the last trim
+        self._read_before: set[bytes] = set()  # ... and since the trim before it
+        self._trimmed_at: bytes | str = "0-0"  # the last trim's id
+        self._trimmed_below: bytes | str = "0-0"  # the one before: news below was read
+        self._cluster_news_id: bytes | None = None  # the cluster event last read (None: not yet)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        """Start the reader and the sender, on the client's loop."""
+        self._tasks = [
+            asyncio.ensure_future(self._aevent_loop()),
+            asyncio.ensure_future(self._asender()),
+        ]
+
+    def release_later(self, key: str) -> None:
+        """The last future of ``key`` went: release it with a later write, after every
+        send queued so far (under the client's lock)."""
+        self._pending_release[key] = self._queued
+
+    def forget_releases(self) -> None:
+        """The cluster restarts: the releases due are moot."""
+        self._pending_release.clear()
+
+    async def close(self, timeout: float) -> None:
+        """Say goodbye, then stop the reader and the sender.  The goodbye goes through
+        a full Redis (the scheduler then frees this client's keys); a Redis refusing
+        writes (MISCONF, READONLY) is not waited for: the scheduler notices this client
+        gone when its alive key expires."""
+        self.closing = True
+        try:
+            # (the scheduler deletes our events stream when it handles close-client)
+            alive, goodbye = self.keys.client_alive(self.id), CloseClient(self.id).to_dict()
+            with busy.raised():
+                await self._through(
+                    key=alive,
+                    ttl_ms=int(self.config.scheduler.client_ttl * 1000),
+                    commands=[
+                        ["XADD", self.keys.client_stream, "*", "m", codecs.pack([goodbye])],
+                        ["DEL", alive, self.keys.client_written(self.id)],
+                    ],
+                )
+        except (redis.RedisError, ClusterConnectionError) as exc:
+            logger.warning("client %s could not say goodbye to Redis: %s", self.id, exc)
+        # the reader ends when its blocking read fails: cut its connection
+        await self._events_redis.connection_pool.disconnect(inuse_connections=True)
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=timeout)
 
     # ------------------------------------------------------------------ sending
 
-    def _send(
+    def send(
         self,
         *batches: list[Stimulus],
         resubmitted: Iterable[str] = (),
@@ -160,21 +232,21 @@ class SchedulerChannel:
         awaitable.add_done_callback(_retrieved)
         return awaitable
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         """Wait until everything queued so far is written: a barrier for writes made
         outside the sender (a coordination script sending wants of futures just made).
         Free when nothing is queued, being written or waiting to be written again (the
         outbox is read first: the sender marks itself writing before it empties it)."""
         busy = self._outbox or self._writing or self._replay or self._lost_seen
         if busy and running_loop() is not self.loop:
-            self._send()
+            self.send()
 
-    async def _asend(self, *batches: list[Stimulus], resubmitted: Iterable[str] = ()) -> None:
-        """``_send`` from a coroutine on the client's loop: waits until written."""
-        await self._send(*batches, resubmitted=resubmitted)  # type: ignore[misc]
+    async def asend(self, *batches: list[Stimulus], resubmitted: Iterable[str] = ()) -> None:
+        """``send`` from a coroutine on the client's loop: waits until written."""
+        await self.send(*batches, resubmitted=resubmitted)  # type: ignore[misc]
 
     async def _asender(self) -> None:
-        """Write what ``_send`` queued: everything queued at a time in one write, with
+        """Write what ``send`` queued: everything queued at a time in one write, with
         the pending releases where ``_with_releases`` places them.  One writer orders
         every send of this client.  When a write of several sends fails, each is tried
         alone, so the error goes to the send that caused it."""
@@ -235,7 +307,7 @@ class SchedulerChannel:
         for up to ``redis.down-deadline``); the releases of a write that fails go with a
         later one.  What is written is kept a while (``_kept``), for a Redis that
         loses it."""
-        with self._send_lock:
+        with self.send_lock:
             for item in items:  # (a send of nothing carries releases alone, if any)
                 item.frees = item.frees or not item.batches
             batches, owners, released = self._with_releases(items)
@@ -348,7 +420,7 @@ class SchedulerChannel:
             self._replay.extendleft(reversed(chunk[:replayed]))
             own.extendleft(reversed(chunk[replayed:]))
             if held < expected:
-                if self.status != "running":  # (the goodbye cleared the count)
+                if self.closing:  # (the goodbye cleared the count)
                     raise RedisDaskError(f"client {self.id} closed before sending")
                 self._replay.extendleft(reversed(self._lost_since(held, writing)))
             elif held > expected:  # a write it gave up on had landed: this one goes again
@@ -448,7 +520,7 @@ class SchedulerChannel:
         self, items: list[_Outgoing]
     ) -> tuple[list[list[Stimulus]], list[_Outgoing | None], dict[str, int]]:
         """The items' batches in order, with the release of every key whose last future
-        went (``_dec_ref``) placed after every send queued before it went (a graph queued
+        went (``release_later``) placed after every send queued before it went (a graph queued
         earlier may depend on the key) and before the items queued after.  A release due
         after a send that is not among ``items`` (queued since they were taken) waits.
 
@@ -549,7 +621,7 @@ class SchedulerChannel:
 
     # ------------------------------------------------------------------ the reader task
 
-    async def _aheartbeat(self) -> bool:
+    async def aheartbeat(self) -> bool:
         """Say this client is alive, look at the cluster and at what Redis holds of this
         client's writes (fewer than it wrote: the sender writes them again), and return
         whether Redis is a new server since the previous heartbeat (``_anew_server``)."""
@@ -606,12 +678,12 @@ class SchedulerChannel:
         now = time.monotonic()
         for what, present in (("scheduler", leads), ("workers", workers)):
             if present:
-                self._missing_since.pop(what, None)
+                self.missing_since.pop(what, None)
             else:
-                self._missing_since.setdefault(what, now)
+                self.missing_since.setdefault(what, now)
         return replies
 
-    def _missing_text(self, what: str, waited: float | None) -> str:
+    def missing_text(self, what: str, waited: float | None) -> str:
         """What a client found missing, for how long, and what to do about it."""
         url, name = redact(self.redis_url), self.keys.cluster
         if what == "scheduler":
@@ -628,7 +700,7 @@ class SchedulerChannel:
             f"{start}, or check the cluster name; the futures are kept and go on once it runs"
         )
 
-    async def _acheck_waiting(self) -> None:
+    async def acheck_waiting(self) -> None:
         """What every wait on this client's futures calls between its slices: raise once
         waiting longer is pointless (Redis away, or the cluster not running, too long)."""
         await self._acheck_redis()
@@ -638,12 +710,12 @@ class SchedulerChannel:
         """Raise once the cluster has had no leading scheduler, or no worker, for longer
         than ``client.no-scheduler-timeout`` (each heartbeat looks)."""
         now, limit = time.monotonic(), self.config.client.no_scheduler_timeout
-        if not any(now - since > limit for since in self._missing_since.values()):
+        if not any(now - since > limit for since in self.missing_since.values()):
             return
         await self._alook_for_cluster(self._aredis.pipeline(transaction=False))  # gone since?
-        for what, since in dict(self._missing_since).items():
+        for what, since in dict(self.missing_since).items():
             if now - since > limit:
-                raise ClusterNotRunningError(self._missing_text(what, waited=now - since))
+                raise ClusterNotRunningError(self.missing_text(what, waited=now - since))
 
     async def _aevent_loop(self) -> None:
         """Read the scheduler's messages to this client; heartbeat between reads."""
@@ -651,7 +723,7 @@ class SchedulerChannel:
         last_id = "0"
         interval = self.config.client.heartbeat_interval
         next_beat = time.monotonic() + interval
-        while self.status == "running":
+        while not self.closing:
             try:
                 block = max(1, int((next_beat - time.monotonic()) * 1000))
                 reply = await self._events_redis.xread({stream: last_id}, block=block, count=1000)
@@ -664,7 +736,7 @@ class SchedulerChannel:
                         self._handle_entry(fields)
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + interval
-                    if await self._aheartbeat():
+                    if await self.aheartbeat():
                         # a new primary may hold news written after the failover with
                         # ids below what was read here (its clock behind the old one's):
                         # read its stream from the start, less the news read already
@@ -676,12 +748,12 @@ class SchedulerChannel:
                         self._read_before, self._read_ids = self._read_ids, {last_id}
                     with self._lock:
                         self._prune_kept()
-                    if self._pending_release and self.status == "running":
-                        self._send()
+                    if self._pending_release and not self.closing:
+                        self.send()
                 self._redis_back()
             except Exception as exc:
-                if self.status != "running":
-                    return  # closing: ``_aclose`` cut the connection
+                if self.closing:
+                    return  # ``close`` cut the connection
                 # (its own reads raise redis-py's errors, the heartbeat ours)
                 if isinstance(
                     exc, redis.ConnectionError | redis.TimeoutError | ClusterConnectionError
@@ -732,12 +804,12 @@ class SchedulerChannel:
 
     def _retire_was_refused(self, msg: RetireRefused) -> None:
         for address in msg.workers:
-            self._retire_refused[address] = msg.reason
+            self.retire_refused[address] = msg.reason
 
     def _was_restarted(self, msg: Restarted) -> None:
         for state in list(self._states.values()):
             state.cancel("the cluster was restarted")
-        self._restarted.set()
+        self.restarted.set()
 
     def _keys_cancelled(self, msg: CancelledKeys) -> None:
         for key in msg.keys:
@@ -774,7 +846,7 @@ class _Outgoing:
     resubmitted: tuple[str, ...]  # the keys of a graph (a failed send errs their futures)
     written: concurrent.futures.Future[None]
     waited: bool  # a thread blocks on ``written`` (else a failure errs the futures)
-    seq: int = 0  # its place among the client's sends (``Client._with_releases``)
+    seq: int = 0  # its place among the client's sends (``_with_releases``)
     entries: list[dict[str, bytes]] = field(default_factory=list)  # as written (packed)
     numbers: list[int] = field(default_factory=list)  # theirs among the client's entries
     written_at: float = 0.0  # when its last entry was written (monotonic)

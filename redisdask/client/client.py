@@ -40,13 +40,11 @@ from collections.abc import (
 from concurrent.futures import TimeoutError as FuturesTimeoutError
 from typing import Any, TypeVar
 
-import redis
-
 from redisdask import comm, context
 from redisdask import spec as specs
 from redisdask.client.admin import ClusterAdmin
 from redisdask.client.annotations import call_options
-from redisdask.client.channel import SchedulerChannel, _Outgoing
+from redisdask.client.channel import SchedulerChannel
 from redisdask.client.futures import (
     Future,
     _flatten,
@@ -70,7 +68,6 @@ from redisdask.config import load_config
 from redisdask.coordination.datasets import DatasetMethods
 from redisdask.deploy.cluster import LocalCluster
 from redisdask.errors import (
-    ClusterConnectionError,
     ClusterNotRunningError,
     DataUnavailableError,
     RedisDaskError,
@@ -81,13 +78,12 @@ from redisdask.protocol import (
     ClientDesiresKeys,
     ClientMissingData,
     ClientReleasesKeys,
-    CloseClient,
     RetryKeys,
     Stimulus,
     UpdateGraph,
 )
 from redisdask.security import Security
-from redisdask.store import bootstrap, busy, codecs, redis_memory, scripts
+from redisdask.store import bootstrap, redis_memory
 from redisdask.store.connection import check_async, connect, connect_async
 from redisdask.store.keyspace import REDIS_COPY, Keys
 from redisdask.store.task_record import TaskRecord
@@ -95,7 +91,6 @@ from redisdask.store.urls import redact
 from redisdask.utils import logs
 from redisdask.utils.backoff import Backoff
 from redisdask.utils.sizes import format_bytes
-from redisdask.versions import versions
 
 logger = logging.getLogger("redisdask.client")
 
@@ -116,7 +111,7 @@ T = TypeVar("T")
 # --------------------------------------------------------------------------- client
 
 
-class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods):
+class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods):
     """Connects to a cluster through Redis.
 
     ``address`` is a ``LocalCluster``, a Redis URL (``redis://``, ``redis+sentinel://``),
@@ -134,8 +129,8 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
     caller's loop; a blocking client runs the same coroutines on a loop thread of its own
     (``redisdask.client.loop``; docs/design.md, "One client, blocking or asynchronous").
 
-    Sending to the scheduler and reading its messages come from ``SchedulerChannel``
-    (``channel.py``); the cluster-wide operations (``restart``,
+    Sending to the scheduler and reading its messages is the work of the
+    ``SchedulerChannel`` it holds (``channel.py``); the cluster-wide operations (``restart``,
     ``retire_workers``, ``scheduler_info``…) from ``ClusterAdmin`` (``admin.py``);
     ``run``, ``upload_file`` and plugins from ``WorkerCalls`` (``worker_calls.py``);
     ``scatter`` from ``ScatterMethods`` (``scatter.py``).  ``publish_dataset``,
@@ -187,37 +182,10 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
         self.status = "connecting"
         self.asynchronous = asynchronous  # dask asks before using a client as its scheduler
         self._lock = threading.RLock()
-        self._states: dict[str, _FutureState] = {}
-        self._refcount: dict[str, int] = defaultdict(int)
-        # key whose last future went -> how many sends were queued by then: its release
-        # goes after those (they may depend on it), with the next write
-        self._pending_release: dict[str, int] = {}
-        self._queued = 0  # sends ever queued: the next one's sequence number
-        self._outbox: deque[_Outgoing] = deque()  # for the sender task, in order
-        self._writing = False  # the sender is writing what it took from the outbox
-        # held by the sender from popping releases to writing them, and by coordination
-        # scripts that send wants (``coordination.backend``): neither lands in the other
-        # (reentrant: a primitive used on an asynchronous client's loop cannot deadlock)
-        self._send_lock = threading.RLock()
-        self._restarted = threading.Event()
-        self._retire_refused: dict[str, str] = {}  # worker -> why the scheduler refused
-        self._versions = versions()
-        self._down_since: float | None = None  # when Redis was found unreachable
-        self._refused_since: float | None = None  # when Redis began refusing a send
-        # since when (monotonic) each heartbeat found no leading scheduler / no worker
-        self._missing_since: dict[str, float] = {}
-        self._written = 0  # entries written to the clients stream that Redis holds
-        self._kept: deque[_Outgoing] = deque()  # sends written, kept a while
-        self._lost_seen = False  # a heartbeat found Redis holds fewer: write them again
-        self._replay: deque[Any] = deque()  # lost entries, written again before the rest
-        self._run_id: str | None = ""  # of the Redis server (None: may not be known)
-        self._read_ids: set[bytes] = set()  # news ids read since the last trim
-        self._read_before: set[bytes] = set()  # ... and since the trim before it
-        self._trimmed_at: bytes | str = "0-0"  # the last trim's id
-        self._trimmed_below: bytes | str = "0-0"  # the one before: news below was read
+        self._states: dict[str, _FutureState] = {}  # key -> what its futures share
+        self._refcount: dict[str, int] = defaultdict(int)  # key -> its live futures
         self._generation = 0
         self._callbacks: concurrent.futures.ThreadPoolExecutor | None = None
-        self._tasks: list[asyncio.Task[None]] = []
         self._dask_config: Any = None
         self._set_as_default = set_as_default
         self._loop_thread: LoopThread | None = None
@@ -250,12 +218,22 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
         login = self.config.redis  # the ACL user: redis.username, redis.password
         self._aredis = connect_async(self.redis_url, timeout=self.timeout, name=name,
                                      cluster_errors=True, config=login)  # fmt: skip
-        self._write_entries = self._aredis.register_script(scripts.WRITE_ENTRIES)
-        self._through = scripts.Scripts(self._aredis, self.keys).through  # type: ignore[arg-type]
         self.redis = connect(self.redis_url, timeout=self.timeout, name=name,
                              cluster_errors=True, check=False, config=login)  # fmt: skip
         self._events_redis = connect_async(
             self.redis_url, timeout=self.timeout, name=f"{name}-events", config=login
+        )
+        self._channel = SchedulerChannel(
+            client_id=self.id,
+            config=self.config,
+            keys=self.keys,
+            redis_url=self.redis_url,
+            aredis=self._aredis,
+            events_redis=self._events_redis,
+            lock=self._lock,
+            states=self._states,
+            refcount=self._refcount,
+            check_running=self._check_running,
         )
         try:
             await check_async(self._aredis, self.redis_url, self.timeout)
@@ -263,15 +241,15 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
             if memory is not None:  # (INFO refused: the heartbeat warns, once)
                 redis_memory.check_policy(memory, f"client {self.id}")
             self.secret = await self._afind_cluster()
-            await self._aheartbeat()
+            await self._channel.aheartbeat()
         except BaseException:
             await self._disconnect()
             if self.cluster is not None:
                 await loop.run_in_executor(None, self.cluster.close)
             self.status = "failed"
             raise
-        for what in self._missing_since:
-            logger.warning("%s", self._missing_text(what, waited=None))
+        for what in self._channel.missing_since:
+            logger.warning("%s", self._channel.missing_text(what, waited=None))
         self._peers = comm.ConnectionPool(
             self.secret,
             timeout=self.timeout,
@@ -279,11 +257,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
             dead_after=self.config.comm.timeouts.tcp,
         )
         self._missing_reports: Counter[str] = Counter()  # key -> client-missing-data sent
-        self._outbox_ready = asyncio.Event()
-        self._tasks = [
-            asyncio.ensure_future(self._aevent_loop()),
-            asyncio.ensure_future(self._asender()),
-        ]
+        self._channel.start()
         self.status = "running"
         if self._set_as_default:
             context.set_default(self)
@@ -509,7 +483,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
         chunks = _chunks(tasks, self.config.client.submit_batch, SUBMIT_BATCH_BYTES)
         if len(chunks) == 1:
             graph = UpdateGraph(self.id, tasks, wanted, generation)
-            self._send([graph], resubmitted=submitted, wait=False)
+            self._channel.send([graph], resubmitted=submitted, wait=False)
             return
         # A graph sent in several entries: a chunk's tasks that later chunks depend on are
         # wanted until the whole graph is in (else the scheduler would forget them as
@@ -539,7 +513,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
         bridge_keys = [k for bridge in bridges for k in bridge]
         if bridge_keys:
             entries.append([ClientReleasesKeys(self.id, bridge_keys)])
-        self._send(*entries, resubmitted=submitted, wait=False)
+        self._channel.send(*entries, resubmitted=submitted, wait=False)
 
     def get(
         self,
@@ -845,7 +819,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
                 raise FuturesTimeoutError(
                     f"{undone} of {len(futures)} futures did not finish within the timeout"
                 )
-            await self._acheck_waiting()
+            await self._channel.acheck_waiting()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(woken.wait(), 0.25 if left is None else min(left, 0.25))
 
@@ -923,7 +897,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
             raise tries.unreachable(given_up, MAX_MISSING_REPORTS)
         if report:
             self._missing_reports.update(report.keys())
-            await self._asend([ClientMissingData(self.id, report)])
+            await self._channel.asend([ClientMissingData(self.id, report)])
         same_holders = False
         for key, state in (await self._arefresh_who_has(keys)).items():
             news = self._state_for(key)
@@ -1007,7 +981,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
             )
         dep_futures = [Future(k, self) for k in dep_keys]  # hold them while we need them
         if dep_keys:
-            self._send([ClientDesiresKeys(self.id, dep_keys)])
+            self._channel.send([ClientDesiresKeys(self.id, dep_keys)])
         values = self._results(dep_futures, None)
         specs.run_spec(record.spec, values, specs.FunctionCache())
 
@@ -1035,7 +1009,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
             generation = self._generation
         # the scheduler answers with every key it cancelled (dependents too), echoing the
         # generation so that keys submitted again since are not cancelled by the answer
-        return self._send([CancelKeys(self.id, keys, generation)])
+        return self._channel.send([CancelKeys(self.id, keys, generation)])
 
     def retry(self, futures: Any, asynchronous: bool | None = None) -> Awaitable[None] | None:
         """Run erred futures' tasks again (with the erred tasks they depend on), as
@@ -1044,7 +1018,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
         with self._lock:
             for key in keys:
                 self._state_for(key).reset()
-        return self._send([RetryKeys(self.id, keys)]) if keys else self._sync(_nothing)
+        return self._channel.send([RetryKeys(self.id, keys)]) if keys else self._sync(_nothing)
 
     # ------------------------------------------------------------------ reference counting
 
@@ -1083,7 +1057,7 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
             if self._refcount[key] <= 0:
                 del self._refcount[key]
                 self._states.pop(key, None)
-                self._pending_release[key] = self._queued
+                self._channel.release_later(key)
 
     def _run_callback(self, callback: Callable[[], Any]) -> None:
         """Run a user's done callback in a thread of its own (as distributed does), so
@@ -1132,32 +1106,12 @@ class Client(SchedulerChannel, ClusterAdmin, WorkerCalls, ScatterMethods, Datase
             for state in list(self._states.values()):
                 state.cancel(f"its client {self.id} closed")
         # what was queued goes first (e.g. fire_and_forget's message), for a while at most
-        flushed = self._send()
+        flushed = self._channel.send()
         self.status = "closing"
+        self._channel.closing = True
         with contextlib.suppress(Exception):
             await asyncio.wait_for(flushed, self.timeout)  # type: ignore[arg-type]
-        try:
-            # (the scheduler deletes our events stream when it handles close-client);
-            # through a full Redis: the scheduler then frees this client's keys
-            # a Redis refusing writes (MISCONF, READONLY) is not waited for: the
-            # scheduler notices this client gone when its alive key expires
-            alive, goodbye = self.keys.client_alive(self.id), CloseClient(self.id).to_dict()
-            with busy.raised():
-                await self._through(
-                    key=alive,
-                    ttl_ms=int(self.config.scheduler.client_ttl * 1000),
-                    commands=[
-                        ["XADD", self.keys.client_stream, "*", "m", codecs.pack([goodbye])],
-                        ["DEL", alive, self.keys.client_written(self.id)],
-                    ],
-                )
-        except (redis.RedisError, ClusterConnectionError) as exc:
-            logger.warning("client %s could not say goodbye to Redis: %s", self.id, exc)
-        # the reader ends when its blocking read fails: cut its connection
-        await self._events_redis.connection_pool.disconnect(inuse_connections=True)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.wait(self._tasks, timeout=self.timeout)
+        await self._channel.close(self.timeout)
         await self._peers.close()
         await self._disconnect()
         if self._callbacks is not None:

@@ -287,7 +287,7 @@ def rebind_future(key: str, dask_key: Hashable) -> Future:
         wanted = client._refcount.get(key, 0) > 0  # it has futures of the key already
         future = Future(key, client, dask_key=None if dask_key == key else dask_key)
     if not wanted:
-        client._send([ClientDesiresKeys(client.id, [key])])
+        client._channel.send([ClientDesiresKeys(client.id, [key])])
     return future
 
 
@@ -375,7 +375,7 @@ async def _await_checking(
         if left is not None and left <= 0:
             return False
         for client in clients:
-            await awaitable_on(client.loop, client._acheck_waiting)
+            await awaitable_on(client.loop, client._channel.acheck_waiting)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), 0.25 if left is None else min(left, 0.25))
             return True

@@ -151,7 +151,7 @@ class ScatterMethods:
             for key in keyed:
                 self._state_for(key).finish(who_has[key], types[key])
         futures = {k: Future(k, self) for k in keyed}
-        await self._asend([UpdateData(self.id, dict(who_has), nbytes, types)])
+        await self._channel.asend([UpdateData(self.id, dict(who_has), nbytes, types)])
         return shape([futures[key] for key in item_keys])
 
     async def _scatter_targets(self, workers: Any, timeout: float) -> list[str]:

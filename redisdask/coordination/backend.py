@@ -102,8 +102,8 @@ class Backend:
         futures it hands over): no send of the client's own can interleave (a release of
         the same key popped before, landing after), and its reader task cannot hear of
         those keys before their futures exist."""
-        self.client._flush()  # a graph just submitted is in Redis before its wants
-        with self.client._send_lock, self.client._lock:
+        self.client._channel.flush()  # a graph just submitted is in Redis before its wants
+        with self.client._channel.send_lock, self.client._lock:
             yield
 
 

@@ -33,4 +33,6 @@ def fire_and_forget(obj: Any) -> None:
                 f"fire_and_forget(): the futures' client {client.id} is {client.status}, so "
                 "its tasks were cancelled already; submit them with a running client"
             )
-        client._send([ClientDesiresKeys(keyspace.FIRE_AND_FORGET, list(dict.fromkeys(keys)))])
+        client._channel.send(
+            [ClientDesiresKeys(keyspace.FIRE_AND_FORGET, list(dict.fromkeys(keys)))]
+        )
