@@ -213,6 +213,19 @@ def test_network_failure_retries_other_holder() -> None:
     assert out == [GatherDep(other, {"a"}, 1, "nf")]
 
 
+def test_a_dependency_claimed_again_with_a_higher_priority_is_fetched_sooner() -> None:
+    """Each peer's tasks to fetch are a heap by priority, taken in batches: one whose
+    priority rose (a more urgent dependent was claimed) comes up at its new rank."""
+    ws = make(transfer_batch_keys=1)
+    out = ws.handle_stimulus(compute("a", {"d0": ([A], 1)}, priority=(0,)))
+    assert of(out, GatherDep) == [GatherDep(A, {"d0"}, 1, "compute-a")]
+    ws.handle_stimulus(compute("b", {"x": ([A], 1)}, priority=(5,)))
+    ws.handle_stimulus(compute("c", {"y": ([A], 1)}, priority=(3,)))
+    ws.handle_stimulus(compute("e", {"x": ([A], 1)}, priority=(1,)))
+    out = ws.handle_stimulus(GatherDepSuccessEvent(A, {"d0": 0}, {"d0": 1}, "got"))
+    assert of(out, GatherDep) == [GatherDep(A, {"x"}, 1, "got")]
+
+
 def test_no_holder_left_then_update_who_has() -> None:
     ws = make()
     ws.handle_stimulus(compute("z", {"a": ([A], 1)}))

@@ -467,6 +467,12 @@ def _elapsed(ts: TaskState, now: float | None) -> float:
     return 0.0 if now is None or ts.began is None else max(now - ts.began, 0.0)
 
 
+def _check(cond: object, msg: str) -> None:
+    """An invariant of ``validate_state``."""
+    if not cond:
+        raise InvalidTaskState(msg)
+
+
 def _host(address: str) -> str:
     rest = address.split("://", 1)[-1]
     return rest.rsplit(":", 1)[0] if ":" in rest else rest
@@ -627,17 +633,8 @@ class WorkerState:
         sid = ev.stimulus_id
         known = self.tasks.get(ev.key)
         if known is not None and ev.priority[:1] != (known.priority or ())[:1]:
-            # a claim of another run of the key than the one here (the key released, then
-            # submitted again: perhaps another computation under the same key; or the
-            # claim of this run taken back as stale).  This run must not answer it.
-            if known.state in ("waiting", "ready", *_RUNNING):
-                known.wanted = False  # dropped (a running one once its thread returns)
-                self._release_if_unneeded(known, sid)
-            if known.state == "cancelled" and known.previous in _RUNNING:
-                known.deferred = ev  # set up once the thread returns (``_rerun``)
-                return
-            if known.state == "memory" and not known.dependents:
-                self._transition(known, "released", stimulus_id=sid)  # computed anew
+            if self._drop_other_run(known, ev):
+                return  # deferred until its thread returns
             known = self.tasks.get(ev.key)
         leaving = (self.retiring or self.paused) and (
             known is None or known.state in ("fetch", "missing")
@@ -681,12 +678,38 @@ class WorkerState:
             self._transition(ts, ts.previous or "executing", stimulus_id=sid)
             return
         ts.resources = ev.resources or None  # held from here until the run leaves
+        self._link_dependencies(ts, ev)
+        self._transition(ts, "waiting" if ts.waiting_for_data else "ready", stimulus_id=sid)
+
+    def _drop_other_run(self, known: TaskState, ev: ComputeTaskEvent) -> bool:
+        """A claim of another run of the key than the one here (the key released, then
+        submitted again: perhaps another computation under the same key; or the claim of
+        this run taken back as stale): this run must not answer it.  Returns whether the
+        claim waits for this run's thread to return (``_rerun`` sets it up then)."""
+        sid = ev.stimulus_id
+        if known.state in ("waiting", "ready", *_RUNNING):
+            known.wanted = False  # dropped (a running one once its thread returns)
+            self._release_if_unneeded(known, sid)
+        if known.state == "cancelled" and known.previous in _RUNNING:
+            known.deferred = ev
+            return True
+        if known.state == "memory" and not known.dependents:
+            self._transition(known, "released", stimulus_id=sid)  # computed anew
+        return False
+
+    def _link_dependencies(self, ts: TaskState, ev: ComputeTaskEvent) -> None:
+        """The claimed task's dependencies: each known, linked, and fetched unless here;
+        those not here are what it waits for."""
+        sid = ev.stimulus_id
         for dep_key, (who_has, nbytes) in ev.dependencies.items():
             dep = self._ensure_task(dep_key)
             ts.dependencies.add(dep)
             dep.dependents.add(ts)
             if dep.priority is None or ev.priority < dep.priority:
                 dep.priority = ev.priority
+                if dep.state == "fetch":  # (the heaps hold the priority it had)
+                    for worker in dep.who_has:
+                        self._need_from(dep, worker)
             if dep.nbytes is None:
                 dep.nbytes = nbytes
             if dep.state == "error":
@@ -703,7 +726,6 @@ class WorkerState:
                 self._transition(dep, "flight", stimulus_id=sid)
             if dep.state != "memory":
                 ts.waiting_for_data.add(dep)
-        self._transition(ts, "waiting" if ts.waiting_for_data else "ready", stimulus_id=sid)
 
     def _handle_execute_success(self, ev: ExecuteSuccessEvent) -> None:
         ts = self._finished_execution(ev.key, ev.start, ev.stop, "memory", ev.stimulus_id)
@@ -1559,65 +1581,11 @@ class WorkerState:
 
     def validate_state(self) -> None:
         """Check every invariant; raise ``InvalidTaskState`` on the first broken one."""
-
-        def check(cond: object, msg: str) -> None:
-            if not cond:
-                raise InvalidTaskState(msg)
-
+        check = _check
         needed = {peer: {entry[3] for entry in heap} for peer, heap in self._needed.items()}
         for key, ts in self.tasks.items():
             check(ts.key == key, f"{ts} stored under {key!r}")
-            check(ts.state in STATES and ts.state != "released", f"{ts} at rest")
-            check(ts in self.by_state[ts.state], f"{ts} not indexed by state")
-            check(
-                ts.wanted or ts.replica or ts.dependents or ts.state == "cancelled",
-                f"{ts} unneeded",
-            )
-            for dep in ts.dependencies:
-                check(ts in dep.dependents, f"{ts} -> {dep} not symmetric")
-                check(self.tasks.get(dep.key) is dep, f"{dep} (dep of {ts}) forgotten")
-            for dependent in ts.dependents:
-                check(ts in dependent.dependencies, f"{dependent} -> {ts} not symmetric")
-                check(self.tasks.get(dependent.key) is dependent, f"{dependent} forgotten")
-            check(ts.waiting_for_data <= ts.dependencies, f"{ts} waits for a non-dependency")
-            check((ts.key in self.data) == (ts.state == "memory"), f"{ts} vs data")
-            check(self.address not in ts.who_has, f"{ts} fetched from self")
-            for worker in ts.who_has:
-                check(ts.key in self.has_what.get(worker, ()), f"{ts} not in has_what")
-            check(
-                ts.coming_from is None or ts.state in ("flight", "cancelled"),
-                f"{ts} coming from {ts.coming_from}",
-            )
-            was = ts.previous if ts.state == "cancelled" else ts.state
-            check((ts in self.executing) == (was == "executing"), f"{ts} vs executing")
-            check((ts in self.long_running) == (was == "long-running"), f"{ts} vs long_running")
-            if ts.state == "waiting":
-                check(ts.waiting_for_data, f"{ts} waits for nothing")
-                for dep in ts.waiting_for_data:
-                    check(dep.state != "memory", f"{ts} waits for {dep} in memory")
-                for dep in ts.dependencies - ts.waiting_for_data:
-                    check(dep.state == "memory", f"{ts} does not wait for {dep}")
-            elif ts.state in ("ready", "executing", "long-running"):
-                for dep in ts.dependencies:
-                    check(dep.state == "memory", f"{ts} has {dep} not in memory")
-            elif ts.state == "fetch":
-                check(ts.who_has, f"{ts} without holders")
-                for worker in ts.who_has:
-                    check(ts in needed.get(worker, ()), f"{ts} not in {worker}'s fetch heap")
-            elif ts.state == "missing":
-                check(not ts.who_has, f"{ts} has holders {ts.who_has}")
-            elif ts.state == "error":
-                check(ts.error is not None, f"{ts} without error")
-            check(ts.unrecorded == 0 or ts.state == "memory", f"{ts} put, not in memory")
-            if ts.state == "flight" or (ts.state == "cancelled" and ts.previous == "flight"):
-                peer = ts.coming_from
-                check(peer is not None, f"{ts} in flight from nowhere")
-                check(ts.key in self.in_flight_workers.get(peer or "", ()), f"{ts} no peer record")
-            if ts.state == "cancelled":
-                check(
-                    ts.previous in ("executing", "long-running", "flight"),
-                    f"{ts} previous={ts.previous}",
-                )
+            self._validate_task(ts, needed)
         for state, members in self.by_state.items():
             for ts in members:
                 check(self.tasks.get(ts.key) is ts and ts.state == state, f"{ts} in by_state")
@@ -1651,3 +1619,58 @@ class WorkerState:
         in_heap = {id(entry[2]) for entry in self._ready_heap}
         for ts in self.by_state["ready"]:
             check(id(ts) in in_heap, f"{ts} not in ready heap")
+
+    def _validate_task(self, ts: TaskState, needed: dict[str, set[TaskState]]) -> None:
+        """``validate_state``'s checks of one task (``needed``: each peer's fetch heap)."""
+        check = _check
+        check(ts.state in STATES and ts.state != "released", f"{ts} at rest")
+        check(ts in self.by_state[ts.state], f"{ts} not indexed by state")
+        check(
+            ts.wanted or ts.replica or ts.dependents or ts.state == "cancelled",
+            f"{ts} unneeded",
+        )
+        for dep in ts.dependencies:
+            check(ts in dep.dependents, f"{ts} -> {dep} not symmetric")
+            check(self.tasks.get(dep.key) is dep, f"{dep} (dep of {ts}) forgotten")
+        for dependent in ts.dependents:
+            check(ts in dependent.dependencies, f"{dependent} -> {ts} not symmetric")
+            check(self.tasks.get(dependent.key) is dependent, f"{dependent} forgotten")
+        check(ts.waiting_for_data <= ts.dependencies, f"{ts} waits for a non-dependency")
+        check((ts.key in self.data) == (ts.state == "memory"), f"{ts} vs data")
+        check(self.address not in ts.who_has, f"{ts} fetched from self")
+        for worker in ts.who_has:
+            check(ts.key in self.has_what.get(worker, ()), f"{ts} not in has_what")
+        check(
+            ts.coming_from is None or ts.state in ("flight", "cancelled"),
+            f"{ts} coming from {ts.coming_from}",
+        )
+        was = ts.previous if ts.state == "cancelled" else ts.state
+        check((ts in self.executing) == (was == "executing"), f"{ts} vs executing")
+        check((ts in self.long_running) == (was == "long-running"), f"{ts} vs long_running")
+        if ts.state == "waiting":
+            check(ts.waiting_for_data, f"{ts} waits for nothing")
+            for dep in ts.waiting_for_data:
+                check(dep.state != "memory", f"{ts} waits for {dep} in memory")
+            for dep in ts.dependencies - ts.waiting_for_data:
+                check(dep.state == "memory", f"{ts} does not wait for {dep}")
+        elif ts.state in ("ready", "executing", "long-running"):
+            for dep in ts.dependencies:
+                check(dep.state == "memory", f"{ts} has {dep} not in memory")
+        elif ts.state == "fetch":
+            check(ts.who_has, f"{ts} without holders")
+            for worker in ts.who_has:
+                check(ts in needed.get(worker, ()), f"{ts} not in {worker}'s fetch heap")
+        elif ts.state == "missing":
+            check(not ts.who_has, f"{ts} has holders {ts.who_has}")
+        elif ts.state == "error":
+            check(ts.error is not None, f"{ts} without error")
+        check(ts.unrecorded == 0 or ts.state == "memory", f"{ts} put, not in memory")
+        if ts.state == "flight" or (ts.state == "cancelled" and ts.previous == "flight"):
+            peer = ts.coming_from
+            check(peer is not None, f"{ts} in flight from nowhere")
+            check(ts.key in self.in_flight_workers.get(peer or "", ()), f"{ts} no peer record")
+        if ts.state == "cancelled":
+            check(
+                ts.previous in ("executing", "long-running", "flight"),
+                f"{ts} previous={ts.previous}",
+            )

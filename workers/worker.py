@@ -174,14 +174,6 @@ class Worker:
         self.heartbeat_interval = heartbeat_interval
         self.worker_ttl = worker_ttl
         self.hang_timeout = hang_timeout
-        self.loop_watch = LoopWatch(
-            name or "",
-            self._renew_alive,
-            interval=heartbeat_interval,
-            warn_after=worker_ttl,
-            hang_timeout=hang_timeout,
-        )
-        self._watch_redis: redis.Redis | None = None  # (the LoopWatch thread's)
         self.claim_horizon = claim_horizon
         self.connection_limit = connection_limit
         self.security = security or Security()  # TLS between peers (redisdask/security.py)
@@ -189,10 +181,6 @@ class Worker:
         self.inline_result_bytes = inline_result_bytes
         self.inline_results_redis_fraction = inline_results_redis_fraction
         self.inline_results_redis_bytes = inline_results_redis_bytes
-        self._inline_allowed = True  # Redis within the budget (_inline_budget)
-        # small results of dependencies that came with a claim, for its GatherDeps
-        self._claimed_values: dict[str, bytes] = {}
-        self.transfers = TransferCounts()  # dependencies fetched, for the heartbeat
         self.connect_timeout = connect_timeout
         # comm.timeouts.tcp, .connect, .idle, comm.max-connections
         self.peer_timeout, self.idle_timeout = peer_timeout, idle_timeout
@@ -212,20 +200,38 @@ class Worker:
         self.lifetime = lifetime
         self.story_maxlen = story_maxlen
         self.events_maxlen = events_maxlen
-        self._events: list[list[Any]] = []  # cluster events for the next heartbeat to write
-        self._story_sent = 0  # state.story_total when the story was last shipped to Redis
-        self._notes: list[list[Any]] = []  # the driver's own story lines: pauses, spills
+        self._init_driver_state()
+
+    def _init_driver_state(self) -> None:
+        """The driver's own bookkeeping: its pool of task threads and the runs they began
+        and ended, its task client, reports and claims in flight, its loops' signals, and
+        what its nanny told it (through the environment)."""
         self.address = ""
         self.status = "init"
         self.functions = FunctionCache()
         # the state machine bounds how many tasks compute (nthreads); the pool also holds
         # the threads of seceded tasks, so it may grow beyond that
         self.executor = ThreadPoolExecutor(
-            nthreads + MAX_SECEDED,
+            self.nthreads + MAX_SECEDED,
             thread_name_prefix="rd-task",
             initializer=context.bind_thread,
             initargs=(self,),
         )
+        self.loop_watch = LoopWatch(
+            self.name or "",
+            self._renew_alive,
+            interval=self.heartbeat_interval,
+            warn_after=self.worker_ttl,
+            hang_timeout=self.hang_timeout,
+        )
+        self._watch_redis: redis.Redis | None = None  # (the LoopWatch thread's)
+        self._inline_allowed = True  # Redis within the budget (_inline_budget)
+        # small results of dependencies that came with a claim, for its GatherDeps
+        self._claimed_values: dict[str, bytes] = {}
+        self.transfers = TransferCounts()  # dependencies fetched, for the heartbeat
+        self._events: list[list[Any]] = []  # cluster events for the next heartbeat to write
+        self._story_sent = 0  # state.story_total when the story was last shipped to Redis
+        self._notes: list[list[Any]] = []  # the driver's own story lines: pauses, spills
         self._client: Any = None  # redisdask.Client for its tasks (task_client)
         self._client_lock = threading.Lock()
         self._rejoin_waiters: dict[str, threading.Event] = {}  # rejoin() waits per key
@@ -295,28 +301,7 @@ class Worker:
             tls=self.security.client_context(),
             dead_after=self.peer_timeout,
         )
-        self.memory = WorkerMemoryManager(
-            memory_limit=self.memory_limit,
-            target=self.memory_target,
-            spill=self.memory_spill,
-            pause=self.memory_pause,
-            monitor_interval=self.memory_monitor_interval,
-            local_directory=self.local_directory,
-            label=self.address,
-            on_pause=self._on_pause,
-            on_unpause=self._on_unpause,
-            note=self._note,
-            in_memory_bytes=self._bytes_in_memory,
-            on_spill_failed=self._on_spill_failed,
-        )
-        self.data = self.memory.data
-        if self._address_file and self.memory.spill_directory is not None:
-            # for its nanny, which removes it if this process dies
-            where = nanny_contract.spill_directory_file(self._address_file)
-            try:
-                where.write_text(str(self.memory.spill_directory))
-            except OSError as exc:
-                logger.warning("could not tell the nanny where this worker spills: %s", exc)
+        self._start_memory()
         self.state = ws.WorkerState(
             address=self.address,
             nthreads=self.nthreads,
@@ -339,6 +324,44 @@ class Worker:
         self._run_id = (await self.redis.info("server")).get("run_id")  # see _removed
         await self.plugin_host.sync(self)  # those registered while this one registered
         self.status = "running"
+        self._start_loops()
+        logger.info(
+            "Start worker %s (name %s) with %d threads on cluster %r",
+            self.address,
+            self.name,
+            self.nthreads,
+            self.keys.cluster,
+        )
+        return self
+
+    def _start_memory(self) -> None:
+        """The memory manager and the store it spills from (``self.data``)."""
+        self.memory = WorkerMemoryManager(
+            memory_limit=self.memory_limit,
+            target=self.memory_target,
+            spill=self.memory_spill,
+            pause=self.memory_pause,
+            monitor_interval=self.memory_monitor_interval,
+            local_directory=self.local_directory,
+            label=self.address,
+            on_pause=self._on_pause,
+            on_unpause=self._on_unpause,
+            note=self._note,
+            in_memory_bytes=self._bytes_in_memory,
+            on_spill_failed=self._on_spill_failed,
+        )
+        self.data = self.memory.data
+        if self._address_file and self.memory.spill_directory is not None:
+            # for its nanny, which removes it if this process dies
+            where = nanny_contract.spill_directory_file(self._address_file)
+            try:
+                where.write_text(str(self.memory.spill_directory))
+            except OSError as exc:
+                logger.warning("could not tell the nanny where this worker spills: %s", exc)
+
+    def _start_loops(self) -> None:
+        """The worker's loops, each restarted if it fails (``_keep_running``), and the
+        thread that keeps the heartbeat through a stalled loop."""
         loops = [self._claim_loop, self._listen_loop, self._heartbeat_loop, self._flush_loop]
         loops += [self._holding_loop, self.loop_watch.tick]
         if self.memory.monitoring:
@@ -348,14 +371,6 @@ class Worker:
         for loop in loops:
             self._spawn(self._keep_running(loop))
         self.loop_watch.start()
-        logger.info(
-            "Start worker %s (name %s) with %d threads on cluster %r",
-            self.address,
-            self.name,
-            self.nthreads,
-            self.keys.cluster,
-        )
-        return self
 
     def _ensure_cluster(self) -> bytes:
         """Create or join the cluster; refuse to join one whose pickles we cannot read."""

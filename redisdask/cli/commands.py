@@ -120,52 +120,17 @@ def _worker(args: argparse.Namespace, config: Config) -> int:
     if args.no_nanny:
         if args.nworkers > 1:
             raise ConfigError("--nworkers > 1 needs nannies: drop --no-nanny")
-        from redisdask.workers.worker import main as worker_main
-        from redisdask.workers.worker import options_from_config
-
         if lifetime is not None:
             lifetime = max(1.0, lifetime + random.uniform(-stagger, stagger))
-        options = options_from_config(config)
-        if local_directory:
-            options["local_directory"] = local_directory
-        worker_main(
-            args.redis_url,
-            args.cluster,
-            **options,
-            nthreads=nthreads,
-            name=args.name,
-            host=args.host,
-            port=args.port,
-            memory_limit=memory_limit,
-            lifetime=lifetime,
-            preload=args.preload,
-        )
+        _bare_worker(args, config, nthreads, memory_limit, lifetime)
         return 0
     from redisdask.nanny.nanny import Nanny, run_nannies
-    from redisdask.security import Security
     from redisdask.store.connection import connect
 
-    # unreadable TLS files are the same for every restart too: refuse them now
-    security = Security.from_config(config)
-
+    worker_args = _nanny_worker_args(args, config, nthreads)
     # a wrong URL or a Redis that is down is the same for every restart: say so once
     connect(args.redis_url, timeout=config.redis.connect_timeout).close()
-
     _check_preloads(args.preload)  # here, before nannies start workers that cannot
-    worker_args = ["--nthreads", str(nthreads), "--host", args.host]
-    for name in args.preload:
-        worker_args += ["--preload", name]
-    if config.worker.resources:
-        worker_args += ["--resources", format_resources(config.worker.resources)]
-    if args.port and args.nworkers == 1:
-        worker_args += ["--port", str(args.port)]
-    for flag, path in (
-        ("--tls-ca-file", security.tls_ca_file),
-        ("--tls-cert", security.tls_cert),
-        ("--tls-key", security.tls_key),
-    ):
-        if path:
-            worker_args += [flag, path]
     nannies = [
         Nanny(
             args.redis_url,
@@ -189,6 +154,57 @@ def _worker(args: argparse.Namespace, config: Config) -> int:
         for i in range(args.nworkers)
     ]
     return run_nannies(nannies)
+
+
+def _bare_worker(
+    args: argparse.Namespace,
+    config: Config,
+    nthreads: int,
+    memory_limit: int,
+    lifetime: float | None,
+) -> None:
+    """``--no-nanny``: one worker in this process, until it is told to stop."""
+    from redisdask.workers.worker import main as worker_main
+    from redisdask.workers.worker import options_from_config
+
+    options = options_from_config(config)
+    if config.worker.local_directory:
+        options["local_directory"] = config.worker.local_directory
+    worker_main(
+        args.redis_url,
+        args.cluster,
+        **options,
+        nthreads=nthreads,
+        name=args.name,
+        host=args.host,
+        port=args.port,
+        memory_limit=memory_limit,
+        lifetime=lifetime,
+        preload=args.preload,
+    )
+
+
+def _nanny_worker_args(args: argparse.Namespace, config: Config, nthreads: int) -> list[str]:
+    """The command-line arguments each nanny gives its ``redisdask worker --no-nanny``."""
+    from redisdask.security import Security
+
+    # unreadable TLS files are the same for every restart too: refuse them now
+    security = Security.from_config(config)
+    worker_args = ["--nthreads", str(nthreads), "--host", args.host]
+    for name in args.preload:
+        worker_args += ["--preload", name]
+    if config.worker.resources:
+        worker_args += ["--resources", format_resources(config.worker.resources)]
+    if args.port and args.nworkers == 1:
+        worker_args += ["--port", str(args.port)]
+    for flag, path in (
+        ("--tls-ca-file", security.tls_ca_file),
+        ("--tls-cert", security.tls_cert),
+        ("--tls-key", security.tls_key),
+    ):
+        if path:
+            worker_args += [flag, path]
+    return worker_args
 
 
 def _check_preloads(names: list[str]) -> None:

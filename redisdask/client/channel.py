@@ -336,100 +336,128 @@ class SchedulerChannel:
         lost some (a failover, an AOF's last second): they go to ``_replay``
         (``_lost_since``), which every write empties first, in order.  With no entries,
         it looks for lost ones and writes what ``_replay`` holds."""
-        backoff = Backoff(base=0.05, cap=1.0)
-        refused = 0  # failures while Redis itself answers: the write is the problem
-        own = deque(entries)
-        writing: list[_Outgoing] = []  # the sends of this write, as their entries land
-        look = not own
-        token = ""  # of a call tried again after a dropped connection: it may have landed
-        while self._replay or own or look:
-            look = False
-            chunk: list[tuple[dict[str, bytes], _Outgoing]] = []
-            replayed = 0  # the first entries of ``chunk`` came from ``_replay``
-            size = 0
-            # at most WRITE_BYTES per round trip: a 1,000,000-task graph is 175 MiB,
-            # which a busy Redis on a shared machine may take longer to read than the
-            # socket timeout; what was written is not written again
-            for source in (self._replay, own):
-                while source and not (size and size + len(source[0][0]["m"]) > WRITE_BYTES):
-                    chunk.append(source.popleft())
-                    size += len(chunk[-1][0]["m"])
-                if source is self._replay:
-                    replayed = len(chunk)
+        w = _Write(own=deque(entries), look=not entries)
+        while self._replay or w.own or w.look:
+            w.look = False
+            chunk, replayed, size = self._next_chunk(w.own)
             expected = self._written
-            token = token or secrets.token_hex(8)
-            keys = [self.keys.client_stream, self.keys.client_written(self.id)]
-            if all(owner.frees for _, owner in chunk):  # through a full Redis
-                keys.append(self.keys.client_stream)
+            w.token = w.token or secrets.token_hex(8)
             try:
                 with busy.raised():  # (waited out here, up to redis.down-deadline)
-                    held, wrote = map(
-                        int,
-                        await self._write_entries(
-                            keys=keys, args=[expected, token, *(e["m"] for e, _ in chunk)]
-                        ),
-                    )
-                refused = 0
+                    held, wrote = await self._write_chunk(chunk, expected, w.token)
+                w.refused = 0
                 self._redis_back()
                 self._refused_since = None
             except BaseException as exc:
-                self._replay.extendleft(reversed(chunk[:replayed]))  # (never dropped)
-                own.extendleft(reversed(chunk[replayed:]))
-                if busy.refusal(exc):
-                    await self._arefused(exc, size)
-                    await asyncio.sleep(backoff.next())  # backoff while Redis refuses
-                    continue
-                if isinstance(exc, redis.ResponseError):
-                    why = str(exc).rpartition("caused error: ")[2]  # (not the command's bytes)
-                    raise RedisDaskError(
-                        f"Redis at {redact(self.redis_url)} refused a write of "
-                        f"{format_bytes(size)} to the clients stream: {why}; a write that "
-                        "large may pass Redis's limits (proto-max-bulk-len, "
-                        "client-query-buffer-limit): send large data with client.scatter"
-                    ) from exc
-                if not isinstance(exc, ClusterConnectionError):
-                    raise
-                look = not (own or self._replay)
-                if await self._redis_answers():
-                    refused += 1
-                    if refused >= SEND_ATTEMPTS:
-                        raise ClusterConnectionError(
-                            f"Redis at {redact(self.redis_url)} answers but dropped the "
-                            f"connection on each of {refused} attempts to write "
-                            f"{format_bytes(size)} to the clients stream ({exc}); a "
-                            "write that large may pass Redis's limits "
-                            "(proto-max-bulk-len, client-query-buffer-limit): send large "
-                            "data with client.scatter"
-                        ) from exc
-                else:
-                    self._redis_lost(exc)
-                    await self._acheck_redis()
-                await asyncio.sleep(backoff.next())  # backoff while Redis is away
+                self._put_back(chunk, replayed, w.own)
+                await self._after_failed_write(exc, w, size)  # (raises when it gives up)
+                await asyncio.sleep(w.backoff.next())  # backoff while Redis is away
                 continue
-            token = ""
+            w.token = ""
             if wrote:  # now, or by a try of this call whose reply was lost
-                now = time.monotonic()
-                for number, (entry, owner) in enumerate(chunk, start=expected):
-                    if not owner.entries:
-                        writing.append(owner)
-                    owner.entries.append(entry)
-                    owner.numbers.append(number)
-                    owner.written_at = now
-                self._written = held
-                continue
-            self._replay.extendleft(reversed(chunk[:replayed]))
-            own.extendleft(reversed(chunk[replayed:]))
-            if held < expected:
-                if self.closing:  # (the goodbye cleared the count)
-                    raise RedisDaskError(f"client {self.id} closed before sending")
-                self._replay.extendleft(reversed(self._lost_since(held, writing)))
-            elif held > expected:  # a write it gave up on had landed: this one goes again
-                logger.warning(
-                    "client %s: Redis holds %d of its entries where it counted %d (a "
-                    "write it gave up on had landed); counting on from there",
-                    self.id, held, expected,
-                )  # fmt: skip
+                self._landed(chunk, expected, w.writing)
+            else:
+                self._put_back(chunk, replayed, w.own)
+                self._recount(held, expected, w.writing)
             self._written = held
+
+    def _next_chunk(
+        self, own: deque[tuple[dict[str, bytes], _Outgoing]]
+    ) -> tuple[list[tuple[dict[str, bytes], _Outgoing]], int, int]:
+        """The next round trip's entries, lost ones first, at most WRITE_BYTES (but one):
+        a 1,000,000-task graph is 175 MiB, which a busy Redis on a shared machine may
+        take longer to read than the socket timeout; what was written is not written
+        again.  Returns them, how many came from ``_replay``, and their bytes."""
+        chunk: list[tuple[dict[str, bytes], _Outgoing]] = []
+        replayed = size = 0
+        for source in (self._replay, own):
+            while source and not (size and size + len(source[0][0]["m"]) > WRITE_BYTES):
+                chunk.append(source.popleft())
+                size += len(chunk[-1][0]["m"])
+            if source is self._replay:
+                replayed = len(chunk)
+        return chunk, replayed, size
+
+    async def _write_chunk(
+        self, chunk: list[tuple[dict[str, bytes], _Outgoing]], expected: int, token: str
+    ) -> tuple[int, int]:
+        """One ``WRITE_ENTRIES`` call: (entries Redis holds, whether these were written)."""
+        keys = [self.keys.client_stream, self.keys.client_written(self.id)]
+        if all(owner.frees for _, owner in chunk):  # through a full Redis
+            keys.append(self.keys.client_stream)
+        args = [expected, token, *(entry["m"] for entry, _ in chunk)]
+        held, wrote = map(int, await self._write_entries(keys=keys, args=args))
+        return held, wrote
+
+    def _put_back(
+        self,
+        chunk: list[tuple[dict[str, bytes], _Outgoing]],
+        replayed: int,
+        own: deque[tuple[dict[str, bytes], _Outgoing]],
+    ) -> None:
+        """Not written: the chunk's entries go back where they came from (never dropped)."""
+        self._replay.extendleft(reversed(chunk[:replayed]))
+        own.extendleft(reversed(chunk[replayed:]))
+
+    async def _after_failed_write(self, exc: BaseException, w: _Write, size: int) -> None:
+        """A round trip failed: return to try again (Redis refusing or away), or raise
+        what the sender reports (a write Redis will never take, or Redis gone too long)."""
+        if busy.refusal(exc):
+            await self._arefused(exc, size)
+            return
+        if isinstance(exc, redis.ResponseError):
+            why = str(exc).rpartition("caused error: ")[2]  # (not the command's bytes)
+            raise RedisDaskError(
+                f"Redis at {redact(self.redis_url)} refused a write of "
+                f"{format_bytes(size)} to the clients stream: {why}; a write that "
+                "large may pass Redis's limits (proto-max-bulk-len, "
+                "client-query-buffer-limit): send large data with client.scatter"
+            ) from exc
+        if not isinstance(exc, ClusterConnectionError):
+            raise exc
+        w.look = not (w.own or self._replay)
+        if not await self._redis_answers():
+            self._redis_lost(exc)
+            await self._acheck_redis()
+            return
+        w.refused += 1
+        if w.refused >= SEND_ATTEMPTS:
+            raise ClusterConnectionError(
+                f"Redis at {redact(self.redis_url)} answers but dropped the "
+                f"connection on each of {w.refused} attempts to write "
+                f"{format_bytes(size)} to the clients stream ({exc}); a "
+                "write that large may pass Redis's limits "
+                "(proto-max-bulk-len, client-query-buffer-limit): send large "
+                "data with client.scatter"
+            ) from exc
+
+    def _landed(
+        self, chunk: list[tuple[dict[str, bytes], _Outgoing]], first: int, writing: list[_Outgoing]
+    ) -> None:
+        """The chunk's entries were written, numbered from ``first``: each send keeps its
+        own, for a Redis that loses them (``writing``: the sends of this write)."""
+        now = time.monotonic()
+        for number, (entry, owner) in enumerate(chunk, start=first):
+            if not owner.entries:
+                writing.append(owner)
+            owner.entries.append(entry)
+            owner.numbers.append(number)
+            owner.written_at = now
+
+    def _recount(self, held: int, expected: int, writing: list[_Outgoing]) -> None:
+        """Redis holds ``held`` of this client's entries where it counted ``expected``:
+        fewer, it lost some, to be written again first; more, a write it gave up on had
+        landed, and counting goes on from there."""
+        if held < expected:
+            if self.closing:  # (the goodbye cleared the count)
+                raise RedisDaskError(f"client {self.id} closed before sending")
+            self._replay.extendleft(reversed(self._lost_since(held, writing)))
+        elif held > expected:
+            logger.warning(
+                "client %s: Redis holds %d of its entries where it counted %d (a "
+                "write it gave up on had landed); counting on from there",
+                self.id, held, expected,
+            )  # fmt: skip
 
     def _lost_since(
         self, held: int, writing: list[_Outgoing]
@@ -856,6 +884,18 @@ class _Outgoing:
     @property
     def size(self) -> int:
         return sum(len(batch) for batch in self.batches)
+
+
+@dataclass(slots=True)
+class _Write:
+    """One ``_awrite_entries``: what is left of its own entries, and its tries."""
+
+    own: deque[tuple[dict[str, bytes], _Outgoing]]
+    look: bool  # look for lost entries (and write them) though none are queued
+    writing: list[_Outgoing] = field(default_factory=list)  # its sends, as they land
+    refused: int = 0  # failures while Redis itself answers: the write is the problem
+    token: str = ""  # of a call tried again after a dropped connection: it may have landed
+    backoff: Backoff = field(default_factory=lambda: Backoff(base=0.05, cap=1.0))
 
 
 def _entry_id(entry_id: bytes | str) -> tuple[int, int]:

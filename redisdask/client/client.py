@@ -1071,6 +1071,18 @@ class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods):
 
     # ------------------------------------------------------------------ lifecycle
 
+    @contextlib.contextmanager
+    def sending(self) -> Iterator[None]:
+        """Around a write that sends wants for this client outside its sender (a
+        coordination script: a dataset, a variable, a queue) and the making of the
+        futures it hands over: what was queued is written first (a graph just submitted
+        is in Redis before its wants), no send of the client's own can interleave (a
+        release of the same key popped before, landing after), and the client's reader
+        cannot hear of those keys before their futures exist."""
+        self._channel.flush()
+        with self._channel.send_lock, self._lock:
+            yield
+
     def _check_running(self) -> None:
         if self.status == "running":
             return

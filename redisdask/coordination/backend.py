@@ -96,16 +96,6 @@ class Backend:
                 "and make the primitive with client= it (or after it, as the default client)"
             )
 
-    @contextlib.contextmanager
-    def sending(self) -> Iterator[None]:
-        """Around a script that sends wants for the client (and the creation of the
-        futures it hands over): no send of the client's own can interleave (a release of
-        the same key popped before, landing after), and its reader task cannot hear of
-        those keys before their futures exist."""
-        self.client._channel.flush()  # a graph just submitted is in Redis before its wants
-        with self.client._channel.send_lock, self.client._lock:
-            yield
-
 
 _backends_lock = threading.Lock()
 

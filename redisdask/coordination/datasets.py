@@ -91,7 +91,7 @@ class DatasetMethods:
         for n, f, value in zip(names, fields, data, strict=True):
             packed, keys = encode(value, f"{what} of {f!r}")
             records.append((f, keyspace.holder("dataset", f), keys, packed, pickling.dumps(n)))
-        with b.sending():
+        with b.client.sending():
             try:
                 b.scripts.publish(datasets=records, override=override)
             except redis.ResponseError as exc:
@@ -110,7 +110,7 @@ class DatasetMethods:
         client: Client = self  # type: ignore[assignment]
         b = backend_of(client, "unpublish_dataset()")
         fields = [_field(n) for n in (name if isinstance(name, list) else [name])]
-        with b.sending():
+        with b.client.sending():
             b.scripts.unpublish(datasets=[(f, keyspace.holder("dataset", f)) for f in fields])
 
     @offloaded
@@ -134,7 +134,7 @@ class DatasetMethods:
         names = name if isinstance(name, list) else [name]
         fields = [_field(n) for n in names]
         found = []
-        with b.sending():
+        with b.client.sending():
             current, *raws = b.scripts.get_datasets(client=b.client_id, names=fields)
             for raw in raws:
                 if raw is None:

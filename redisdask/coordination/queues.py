@@ -62,7 +62,7 @@ class Queue(Bound):
 
         def attempt(b: Backend) -> Attempt:
             def once(waiter: str, wait_ms: int) -> tuple[bool, Any, str, float | None]:
-                with b.sending():
+                with b.client.sending():
                     reply = b.scripts.queue_put(
                         name=self._name, holder=self._holder, waiter=waiter, wait_ms=wait_ms,
                         data=data, keys=keys, maxsize=self.maxsize,
@@ -121,7 +121,7 @@ class Queue(Bound):
 
         def attempt(b: Backend) -> Attempt:
             def once(waiter: str, wait_ms: int) -> tuple[bool, Any, str, float | None]:
-                with b.sending():
+                with b.client.sending():
                     reply = b.scripts.queue_get(
                         name=self._name, holder=self._holder, waiter=waiter, wait_ms=wait_ms,
                         client=b.client_id, count=count,

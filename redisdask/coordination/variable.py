@@ -50,7 +50,7 @@ class Variable(Bound):
         data, keys = encode(value, what, cancelled=TimeoutError)
 
         def run(b: Backend) -> None:
-            with b.sending():
+            with b.client.sending():
                 b.scripts.variable_set(name=self._name, holder=self._holder, data=data, keys=keys)
 
         return self._call("set()", run)
@@ -63,7 +63,7 @@ class Variable(Bound):
 
         def attempt(b: Backend) -> Attempt:
             def once(waiter: str, wait_ms: int) -> tuple[bool, Any, str, float | None]:
-                with b.sending():
+                with b.client.sending():
                     reply = b.scripts.variable_get(
                         name=self._name, waiter=waiter, wait_ms=wait_ms, client=b.client_id
                     )
@@ -88,7 +88,7 @@ class Variable(Bound):
         """Delete the variable (for every client): the futures it held are let go."""
 
         def run(b: Backend) -> None:
-            with b.sending():
+            with b.client.sending():
                 b.scripts.variable_delete(name=self._name, holder=self._holder)
 
         return self._call("delete()", run)

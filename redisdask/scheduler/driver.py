@@ -814,8 +814,11 @@ class WorkerWatch:
                     "partitioned, or killed while Redis was away)",
                 )
         self.run_id = run_id
-        if not dead:
-            return []
+        return self._removals(r, dead) if dead else []
+
+    def _removals(self, r: redis.Redis, dead: dict[str, tuple[str, str]]) -> list[Stimulus]:
+        """A ``RemoveWorker`` for each dead worker (address -> how, why), with its last
+        heartbeat as the evidence."""
         pipe = r.pipeline(transaction=False)
         for address in dead:
             pipe.hget(self.keys.heartbeats, address)
