@@ -38,6 +38,7 @@ import logging
 import logging.handlers
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -54,7 +55,7 @@ from redisdask.config import RetentionConfig
 from redisdask.nanny import deaths
 from redisdask.nanny_contract import GRACEFUL_TIMEOUT, spill_directory_file, worker_environment
 from redisdask.protocol import RemoveWorker
-from redisdask.store import codecs, scripts
+from redisdask.store import codecs, logship, scripts
 from redisdask.store.connection import connect_async
 from redisdask.store.eventlog import death_fields
 from redisdask.store.keyspace import Keys
@@ -66,6 +67,8 @@ from redisdask.utils.sizes import format_bytes, oom_kills
 logger = logging.getLogger("redisdask.nanny")
 
 LOG_TAIL = 50  # lines of the worker's log kept for its death record
+# a line that is a log record (``utils.logs``: text or JSON), which the worker ships itself
+_RECORD = re.compile(r'\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} |\{"time": ')
 CRASH_DUMP = 300  # more lines kept from a "Fatal Python error" on (every thread's stack)
 LOG_FILE_BYTES = 10_000_000  # rotated at this size, two old files kept
 QUICK_DEATH = 10.0  # seconds: a worker dying sooner after its start backs off
@@ -240,6 +243,11 @@ class Nanny:
             args += ["--lifetime", str(max(1.0, self.lifetime + stagger))]
         watch = _Watch(oom_kills_before=oom_kills())
         self.tail = collections.deque(maxlen=LOG_TAIL)
+        # what the worker prints that is no log record, to its log stream in Redis once
+        # its address is known (its records it ships itself)
+        self.output = logship.RedisLogHandler(
+            self.redis_url, maxlen=self.retention.logs, ttl=self.retention.logs_ttl
+        )
         self.process = process = await asyncio.create_subprocess_exec(
             *args,
             stdout=asyncio.subprocess.PIPE,
@@ -261,6 +269,9 @@ class Nanny:
             pump.cancel()
         exit_reason = _read(self.exit_reason_path)
         watch.address = watch.address or _read(self.address_path)
+        if watch.address is not None:
+            self.output.set_stream(self.keys.worker_logs(watch.address))
+        await asyncio.to_thread(self.output.close)
         self._remove_spill_directory()
         watch.exit = deaths.WorkerExit(
             returncode=returncode,
@@ -324,6 +335,8 @@ class Nanny:
 
     def _log_line(self, line: bytes) -> None:
         text = line.decode(errors="replace")
+        if not _RECORD.match(text) and self.process is not None:
+            self.output.add_line(text, process=f"worker {self.label}", pid=self.process.pid)
         if text.startswith("Fatal Python error:") and self.tail.maxlen == LOG_TAIL:
             # faulthandler's dump: what crashed and where come first, then each other
             # thread's stack, which pushed them out of a tail that has no room for them
@@ -396,6 +409,8 @@ class Nanny:
     ) -> None:
         if watch.address is None:
             watch.address = _read(self.address_path)
+            if watch.address is not None:
+                self.output.set_stream(self.keys.worker_logs(watch.address))
             watch.heard_at = time.monotonic()
             return  # not about to register yet, or just now
         busy = proc.cpu_percent(None) >= BUSY_CPU_PERCENT and status not in (

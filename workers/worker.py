@@ -74,7 +74,7 @@ from redisdask.protocol import (
 )
 from redisdask.security import Security
 from redisdask.spec import FunctionCache, run_spec
-from redisdask.store import bootstrap, codecs, keyspace, redis_memory, scripts
+from redisdask.store import bootstrap, codecs, keyspace, logship, redis_memory, scripts
 from redisdask.store.connection import connect, connect_async
 from redisdask.store.eventlog import event_command
 from redisdask.store.keyspace import Keys
@@ -1564,6 +1564,7 @@ def main(redis_url: str, cluster: str, **kwargs: Any) -> None:
         worker = Worker(redis_url, cluster, **kwargs)
         await worker.start()
         logs.set_name(worker.name or worker.address)  # its address, if it had no name
+        logship.set_stream(worker.keys.worker_logs(worker.address))
         loop = asyncio.get_running_loop()
         closing: set[asyncio.Task[None]] = set()  # the loop holds tasks weakly: keep them
         first_signal: list[float] = []

@@ -14,8 +14,10 @@ import contextlib
 import importlib.util
 import os
 import random
+import socket
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import yaml
 
@@ -207,6 +209,18 @@ def _nanny_worker_args(args: argparse.Namespace, config: Config, nthreads: int) 
     return worker_args
 
 
+def _logs(r: Any, keys: Any, args: argparse.Namespace, since: float | None) -> int:
+    from redisdask.observe.logs import logs_command, stream_of
+
+    try:
+        stream = stream_of(r, keys, args.process, args.nanny)
+    except LookupError as exc:
+        print(f"redisdask logs: {exc.args[0]}", file=sys.stderr)
+        return 1
+    logs_command(r, stream, count=args.count, since=since, follow=args.follow, as_json=args.json)
+    return 0
+
+
 def _check_preloads(names: list[str]) -> None:
     """A ``--preload`` that cannot be found, said at once (its import runs in the workers:
     only whether it can be found is checked here, nothing of it runs)."""
@@ -244,6 +258,8 @@ def _read_only(args: argparse.Namespace, config: Config) -> int:
             raise ConfigError(f"--since: {exc}") from None
     r = connect(args.redis_url, timeout=config.redis.connect_timeout)
     try:
+        if args.command == "logs":
+            return _logs(r, keys, args, since)
         if args.command == "monitor":
             from redisdask.observe.monitor import run_monitor
 
@@ -308,6 +324,10 @@ def _read_only(args: argparse.Namespace, config: Config) -> int:
 
 def _run_scheduler(args: argparse.Namespace, config: Config) -> int:
     logs.setup(config.logging.level, "scheduler", log_format=config.logging.format)
+    from redisdask.store import logship
+    from redisdask.store.keyspace import Keys
+
+    logship.install(args.redis_url, config, Keys(args.cluster).scheduler_logs)
     from redisdask.scheduler.driver import main as scheduler_main
 
     scheduler_main(
@@ -332,6 +352,12 @@ def _run_scheduler(args: argparse.Namespace, config: Config) -> int:
 def _run_worker(args: argparse.Namespace, config: Config) -> int:
     role = "worker" if args.no_nanny else "nanny"
     logs.setup(config.logging.level, role, args.name, config.logging.format)
+    from redisdask.store import logship
+    from redisdask.store.keyspace import Keys
+
+    # a worker's stream is named by its address, once it listens (``Worker.start``)
+    nanny = Keys(args.cluster).nanny_logs(f"{socket.gethostname()}-{os.getpid()}")
+    logship.install(args.redis_url, config, None if args.no_nanny else nanny)
     return _worker(args, config)
 
 
@@ -371,6 +397,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace, Config], int]] = {
     "status": _read_only,
     "monitor": _read_only,
     "inspect": _read_only,
+    "logs": _read_only,
     "exporter": _run_exporter,
     "demo": _run_demo,
     "config": _run_config,

@@ -229,6 +229,24 @@ def _inspect_command(sub: Subparsers, config: Config) -> None:
     q.add_argument("--json", action="store_true", help="JSON (one object per line with -f)")
 
 
+def _logs_command(sub: Subparsers, config: Config) -> None:
+    """``redisdask logs``."""
+    p = sub.add_parser(
+        "logs", help="a process's log records from Redis: the scheduler's, or a worker's, "
+        "alive or dead"
+    )  # fmt: skip
+    p.add_argument("process", help="'scheduler', or a worker's address or name (alive or dead)")
+    _add_common(p, config)
+    p.add_argument(
+        "-n", "--count", type=_int_at_least(0), default=100,
+        help="how many recent records (0: every one kept; default: 100)",
+    )  # fmt: skip
+    p.add_argument("--since", help="only this recent, e.g. '10m', '1h'")
+    p.add_argument("--follow", "-f", action="store_true", help="print new records as they come")
+    p.add_argument("--json", action="store_true", help="one JSON object per record")
+    p.add_argument("--nanny", action="store_true", help="the worker's nanny's records instead")
+
+
 def _exporter_command(sub: Subparsers, config: Config) -> None:
     """``redisdask exporter``."""
     p = sub.add_parser(
@@ -297,6 +315,7 @@ COMMANDS: tuple[Callable[[Subparsers, Config], None], ...] = (
     _status_command,
     _monitor_command,
     _inspect_command,
+    _logs_command,
     _exporter_command,
     _demo_command,
     _config_command,

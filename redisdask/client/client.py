@@ -53,6 +53,7 @@ from redisdask.client.futures import (
     futures_of,
     inline_value,
 )
+from redisdask.client.logs import LogMethods
 from redisdask.client.loop import (
     LoopThread,
     awaitable_on,
@@ -111,7 +112,7 @@ T = TypeVar("T")
 # --------------------------------------------------------------------------- client
 
 
-class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods):
+class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods, LogMethods):
     """Connects to a cluster through Redis.
 
     ``address`` is a ``LocalCluster``, a Redis URL (``redis://``, ``redis+sentinel://``),
@@ -135,7 +136,8 @@ class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods):
     ``run``, ``upload_file`` and plugins from ``WorkerCalls`` (``worker_calls.py``);
     ``scatter`` from ``ScatterMethods`` (``scatter.py``).  ``publish_dataset``,
     ``get_dataset``, ``list_datasets``, ``unpublish_dataset`` and ``datasets`` come from
-    ``DatasetMethods`` (``redisdask.coordination.datasets``).
+    ``DatasetMethods`` (``redisdask.coordination.datasets``); ``get_worker_logs`` and
+    ``get_scheduler_logs`` from ``LogMethods`` (``logs.py``).
     """
 
     def __init__(

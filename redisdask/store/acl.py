@@ -57,6 +57,7 @@ FAMILIES = {
     "queue": "queue:*", "queue-refs": "queue-refs:*", "datasets": "datasets",
     "waiters": "waiters:*", "signal": "signal:*", "multilock": "multilock:*",
     "multilock-requests": "multilock-requests", "multilock-leases": "multilock-leases",
+    "logs": "logs:*",
 }  # fmt: skip
 
 _SCHEDULER_ONLY = {"lease", "lease-token", "applying"}
@@ -76,7 +77,7 @@ READ_ONLY: Mapping[str, Mapping[str, tuple[str, ...]]] = {
     "client": {
         "worker": (), "client": ("client:*:alive", "client:*:written"), "task": (),
         "workers": (), "heartbeats": (), "scheduler": (), "events": (), "deaths": (),
-        "summary": (), "secret": (), "leader": (),
+        "summary": (), "secret": (), "leader": (), "logs": (),
     },
 }  # fmt: skip
 # ... and the commands it runs there all the same, in a selector of their own (Redis 7.0

@@ -236,6 +236,19 @@ class Keys:
     def worker_story(self, address: str) -> str:
         return f"{self.prefix}worker:{address}:story"
 
+    def worker_logs(self, address: str) -> str:
+        """A worker's log records (``store.logship``)."""
+        return f"{self.prefix}worker:{address}:logs"
+
+    @property
+    def scheduler_logs(self) -> str:
+        """The log records of every scheduler process of the cluster."""
+        return self.prefix + "logs:scheduler"
+
+    def nanny_logs(self, name: str) -> str:
+        """A nanny process's own log records (``name``: its worker's, or host:pid)."""
+        return f"{self.prefix}logs:nanny:{name}"
+
     @property
     def clients(self) -> str:
         return self.prefix + "clients"
