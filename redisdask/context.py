@@ -56,6 +56,10 @@ class TaskHost(Protocol):
         """Block until ``key``'s thread may count against ``nthreads`` again."""
         ...
 
+    def log_event(self, topic: str | list[str], msg: Any) -> None:
+        """Log ``msg`` under ``topic`` (``client.log_event``'s, from a task)."""
+        ...
+
 
 class _ThreadState(threading.local):
     host: TaskHost | None = None  # the worker this thread belongs to

@@ -74,7 +74,7 @@ from redisdask.protocol import (
 )
 from redisdask.security import Security
 from redisdask.spec import FunctionCache, run_spec
-from redisdask.store import bootstrap, codecs, keyspace, logship, redis_memory, scripts
+from redisdask.store import bootstrap, codecs, keyspace, logship, redis_memory, scripts, topics
 from redisdask.store.connection import connect, connect_async
 from redisdask.store.eventlog import event_command
 from redisdask.store.keyspace import Keys
@@ -628,6 +628,13 @@ class Worker:
     def get_current_task(self) -> Hashable:
         """The key of the task calling this (distributed's ``Worker.get_current_task``)."""
         return context.current_task()
+
+    def log_event(self, topic: str | list[str], msg: Any) -> None:
+        """Log ``msg`` (plain data) under ``topic`` (or each of a list), as distributed's
+        ``Worker.log_event``; written with the next heartbeat (within
+        ``heartbeat-interval``).  Callable from a task's thread."""
+        writes = topics.commands(self.keys, topic, msg, self.events_maxlen)  # (checks msg)
+        self._loop.call_soon_threadsafe(self._events.extend, writes)  # (the loop's list)
 
     def secede_task(self, key: str) -> None:
         """Called in ``key``'s thread by ``secede()``: it no longer counts (returns at

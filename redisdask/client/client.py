@@ -45,6 +45,7 @@ from redisdask import spec as specs
 from redisdask.client.admin import ClusterAdmin
 from redisdask.client.annotations import call_options
 from redisdask.client.channel import SchedulerChannel
+from redisdask.client.events import EventMethods, Subscriptions
 from redisdask.client.futures import (
     Future,
     _flatten,
@@ -112,7 +113,7 @@ T = TypeVar("T")
 # --------------------------------------------------------------------------- client
 
 
-class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods, LogMethods):
+class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods, LogMethods, EventMethods):
     """Connects to a cluster through Redis.
 
     ``address`` is a ``LocalCluster``, a Redis URL (``redis://``, ``redis+sentinel://``),
@@ -137,7 +138,8 @@ class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods, LogMetho
     ``scatter`` from ``ScatterMethods`` (``scatter.py``).  ``publish_dataset``,
     ``get_dataset``, ``list_datasets``, ``unpublish_dataset`` and ``datasets`` come from
     ``DatasetMethods`` (``redisdask.coordination.datasets``); ``get_worker_logs`` and
-    ``get_scheduler_logs`` from ``LogMethods`` (``logs.py``).
+    ``get_scheduler_logs`` from ``LogMethods`` (``logs.py``); ``log_event``,
+    ``get_events`` and ``subscribe_topic`` from ``EventMethods`` (``events.py``).
     """
 
     def __init__(
@@ -260,6 +262,7 @@ class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods, LogMetho
         )
         self._missing_reports: Counter[str] = Counter()  # key -> client-missing-data sent
         self._channel.start()
+        self._subscriptions = Subscriptions(self.redis_url, self.keys, self.config, self.timeout)
         self.status = "running"
         if self._set_as_default:
             context.set_default(self)
@@ -1126,6 +1129,7 @@ class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods, LogMetho
         with contextlib.suppress(Exception):
             await asyncio.wait_for(flushed, self.timeout)  # type: ignore[arg-type]
         await self._channel.close(self.timeout)
+        await self._subscriptions.close()
         await self._peers.close()
         await self._disconnect()
         if self._callbacks is not None:

@@ -57,7 +57,7 @@ FAMILIES = {
     "queue": "queue:*", "queue-refs": "queue-refs:*", "datasets": "datasets",
     "waiters": "waiters:*", "signal": "signal:*", "multilock": "multilock:*",
     "multilock-requests": "multilock-requests", "multilock-leases": "multilock-leases",
-    "logs": "logs:*",
+    "logs": "logs:*", "topic": "topic:*", "topics": "topics",
 }  # fmt: skip
 
 _SCHEDULER_ONLY = {"lease", "lease-token", "applying"}

@@ -240,6 +240,15 @@ class Keys:
         """A worker's log records (``store.logship``)."""
         return f"{self.prefix}worker:{address}:logs"
 
+    def topic(self, name: str) -> str:
+        """The events logged under a topic (``store.topics``)."""
+        return f"{self.prefix}topic:{name}"
+
+    @property
+    def topics(self) -> str:
+        """The names of the topics ever logged."""
+        return self.prefix + "topics"
+
     @property
     def scheduler_logs(self) -> str:
         """The log records of every scheduler process of the cluster."""
