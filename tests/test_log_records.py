@@ -84,6 +84,21 @@ def test_a_killed_workers_logs_are_read_by_its_name_from_the_client_and_the_cli(
             client.get_worker_logs(workers=["worker-9"])
 
 
+def test_inspect_task_shows_the_lines_its_run_logged(
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
+) -> None:
+    with make_cluster(nanny=False, n_workers=1) as cluster, Client(cluster) as client:
+        mine, other = client.submit(shout, "mine"), client.submit(shout, "not mine")
+        assert client.gather([mine, other]) == ["mine", "not mine"]
+        poll(lambda: sum("mine " in x for x in lines_of(client)) == 2, timeout=20)
+        out = run_cli("inspect", "task", mine.key, redis_url, "--cluster", cluster_name, "--json")
+        assert out.returncode == 0, out.stderr
+        [record] = json.loads(out.stdout)["logs"]
+        assert record["message"] == "mine 0" and record["task"] == mine.key
+        out = run_cli("inspect", "task", mine.key, redis_url, "--cluster", cluster_name)
+        assert "logged by its runs" in out.stdout and "user.task: mine 0" in out.stdout
+
+
 def test_the_schedulers_records_are_read_back(make_cluster: ClusterFactory) -> None:
     with (
         make_cluster(nanny=False, n_workers=1, silence_logs="INFO") as cluster,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
 from typing import Any
 
 import redis
@@ -32,7 +33,7 @@ from rich.text import Text
 
 from redisdask.observe.views import clock
 from redisdask.placement import Placement, format_resources, worker_resources
-from redisdask.store import codecs, keyspace
+from redisdask.store import codecs, keyspace, logship
 from redisdask.store.eventlog import describe
 from redisdask.store.holdings import workers_only
 from redisdask.store.keyspace import REDIS_COPY, Keys
@@ -272,11 +273,25 @@ def read_task(r: redis.Redis, keys: Keys, key: str) -> dict[str, Any]:
     task["story"] = task_story(r, keys, key)
     holders = {task.get("worker"), task.get("erred_on"), *task["who_has"]}
     holders |= {str(row["origin"]) for row in task["story"] if str(row["origin"]).startswith("tcp")}
+    workers = sorted(h for h in holders if h)
     task["worker_story"] = sorted(
-        (row for w in sorted(h for h in holders if h) for row in worker_story(r, keys, w, key)),
+        (row for w in workers for row in worker_story(r, keys, w, key)),
         key=lambda row: row["time"] or 0,
     )
+    task["logs"] = run_logs(r, keys, workers, key)
     return task
+
+
+def run_logs(r: redis.Redis, keys: Keys, workers: list[str], key: str) -> list[dict[str, Any]]:
+    """The log records that the runs of ``key`` emitted (from the thread that ran it) on
+    ``workers``, oldest first, as far as their log streams still hold them."""
+    found = [
+        asdict(record)
+        for worker in workers
+        for record in logship.read(r, keys.worker_logs(worker))
+        if record.task == key
+    ]
+    return sorted(found, key=lambda record: record["time"])
 
 
 def render_task(task: dict[str, Any], console: Console) -> None:
@@ -319,6 +334,9 @@ def render_task(task: dict[str, Any], console: Console) -> None:
     console.print(story)
     if task["worker_story"]:
         console.print(_worker_story_table(task["worker_story"], "story (workers)"))
+    if task["logs"]:
+        lines = "\n".join(logship.LogRecord(**record).line for record in task["logs"])
+        console.print(Panel(Text(lines), title="logged by its runs", title_align="left"))
 
 
 def _in_redis(task: dict[str, Any]) -> str:
