@@ -7,6 +7,7 @@ Append further fixtures below.
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 import uuid
@@ -85,6 +86,18 @@ def _ship_test_functions_by_value(request: pytest.FixtureRequest) -> None:
         cloudpickle.register_pickle_by_value(request.module)
     if "tasklib" in sys.modules:  # tests/tasklib.py: task functions modules share
         cloudpickle.register_pickle_by_value(sys.modules["tasklib"])
+
+
+@pytest.fixture(autouse=True)
+def _redisdask_logger_as_it_was() -> Iterator[None]:
+    """A client made in this process with ``logging.format: json`` gives the ``redisdask``
+    logger a handler of its own and stops it propagating (``utils.logs.setup_client``):
+    left so, every later test of the process saw no ``redisdask`` record in ``caplog``."""
+    ours = logging.getLogger("redisdask")
+    handlers, propagate, level = list(ours.handlers), ours.propagate, ours.level
+    yield
+    ours.handlers[:], ours.propagate = handlers, propagate
+    ours.setLevel(level)
 
 
 @pytest.fixture

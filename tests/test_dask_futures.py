@@ -181,6 +181,27 @@ def test_cancel_collection(module_client: Client) -> None:
     assert all(f.cancelled() for f in L)
 
 
+def test_news_of_a_run_that_ended_before_its_cancellation_keeps_the_future_cancelled(
+    module_client: Client,
+) -> None:
+    """The run's news, written before the scheduler read the cancellation, reached the
+    client after it: the future turned finished again (test_cancel_collection failed so
+    on a loaded machine).  The news is the scheduler's own message, handled as read."""
+    from redisdask.protocol import KeyInMemory
+    from redisdask.store import codecs
+
+    c = module_client
+    [future] = c.map(double, [[1]])
+    assert future.result(timeout=20) == [1, 1]
+    [address] = c.who_has(future)[future.key]
+    c.cancel(future)
+    late = KeyInMemory(future.key, [address], nbytes=8, type="list")
+    c._channel._handle_entry({b"m": codecs.pack([late.to_dict()])})
+    assert future.cancelled()
+    again = c.submit(double, [2], key=future.key)  # submitted again: its news counts
+    assert again.result(timeout=20) == [2, 2]
+
+
 def test_futures_of_get(module_client: Client) -> None:
     """Port of distributed/tests/test_client.py::test_futures_of_get."""
     x, y, z = module_client.map(inc, [1, 2, 3])

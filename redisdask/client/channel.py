@@ -918,8 +918,11 @@ def _retrieved(future: asyncio.Future[None]) -> None:
 
 def _about_this_run(seen: int | None, state: _FutureState) -> bool:
     """Whether news of a key is about the run its future waits for: written after the
-    scheduler read the future's submission (``KeyInMemory.seen``)."""
-    return seen is None or seen >= state.generation
+    scheduler read the future's submission (``KeyInMemory.seen``), and not cancelled
+    since: a run that ended before the cancellation reached the scheduler sends its news
+    all the same, which turned a cancelled future back into a finished one (a cancelled
+    future is pending again only when submitted again, with a new generation)."""
+    return state.status != "cancelled" and (seen is None or seen >= state.generation)
 
 
 def _never_sent(exc: Exception) -> Exception:
