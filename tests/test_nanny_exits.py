@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -140,6 +141,45 @@ def test_a_worker_stopped_with_sigterm_under_running_tasks_loses_no_result(
         poll(lambda: any(d["worker"] == address for d in deaths(redis_url, cluster_name)))
         [record] = deaths(redis_url, cluster_name)
         assert record["reason"] == "closed: signal SIGTERM; not restarted"  # it retired
+
+
+SLOW_START_PRELOAD = """
+import asyncio
+from pathlib import Path
+
+FLAG = Path({flag!r})
+
+
+def dask_setup(worker):
+    register = worker._register
+
+    async def register_then_dawdle(*args, **kwargs):
+        await register(*args, **kwargs)
+        FLAG.write_text("registered")
+        while FLAG.read_text() != "signalled":  # (the test sent its SIGTERM)
+            await asyncio.sleep(0.05)
+
+    worker._register = register_then_dawdle
+"""
+
+
+def test_a_sigterm_just_after_registering_is_a_graceful_stop_once_started(
+    redis_url: str, cluster_name: str, tmp_path: Path, make_cluster: ClusterFactory
+) -> None:
+    """Registered, it is in the cluster (a test, or an operator, sees it and stops it)
+    before its start ends; the signal handlers came only after the start, so SIGTERM
+    killed it (the suite saw "killed by SIGTERM; restarted" where a retirement was due)."""
+    flag, preload = tmp_path / "flag", tmp_path / "slow_start.py"
+    flag.write_text("")
+    preload.write_text(SLOW_START_PRELOAD.format(flag=str(flag)))
+    with make_cluster(n_workers=1, nanny=True, worker_options={"preload": [str(preload)]}):
+        poll(lambda: flag.read_text() == "registered", timeout=30)
+        [(address, info)] = workers_of(redis_url, cluster_name).items()
+        os.kill(info["pid"], signal.SIGTERM)
+        flag.write_text("signalled")
+        poll(lambda: any(d["worker"] == address for d in deaths(redis_url, cluster_name)))
+        [record] = deaths(redis_url, cluster_name)
+        assert record["reason"] == "closed: signal SIGTERM; not restarted"
 
 
 def client_once_closing(url: str, mark: str) -> str:

@@ -1569,14 +1569,21 @@ def main(redis_url: str, cluster: str, **kwargs: Any) -> None:
 
         _make_dask_default(dask_get)
         worker = Worker(redis_url, cluster, **kwargs)
-        await worker.start()
-        logs.set_name(worker.name or worker.address)  # its address, if it had no name
-        logship.set_stream(worker.keys.worker_logs(worker.address))
         loop = asyncio.get_running_loop()
         closing: set[asyncio.Task[None]] = set()  # the loop holds tasks weakly: keep them
         first_signal: list[float] = []
+        early: list[signal.Signals] = []  # a signal while starting: acted on once started
 
         def on_signal(sig: signal.Signals) -> None:
+            # while starting (registered, perhaps, and its tasks claimed soon): leave
+            # gracefully once started; before, such a signal killed the process outright
+            # and what it had claimed was taken for a death's.  A second one: at once
+            if worker.status == "init":
+                if early:
+                    loop.remove_signal_handler(sig)
+                    signal.raise_signal(sig)
+                early.append(sig)
+                return
             # the first signal: hand the data over, then leave; a second one (not the
             # same stop sent to the whole process group and again by the nanny): now
             if first_signal and time.monotonic() - first_signal[0] < 2.0:
@@ -1589,6 +1596,11 @@ def main(redis_url: str, cluster: str, **kwargs: Any) -> None:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
+        await worker.start()
+        logs.set_name(worker.name or worker.address)  # its address, if it had no name
+        logship.set_stream(worker.keys.worker_logs(worker.address))
+        if early:
+            on_signal(early[0])
         # the process is ours (not an in-thread worker's host): keep the cycle collector
         # off the results it holds, whose full scans outlived the heartbeat's TTL (kept
         # apart from ``closing``, which says whether a signal already began the close)
