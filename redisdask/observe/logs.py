@@ -4,7 +4,6 @@ scheduler's, or a worker's, alive or dead, by address or name, or its nanny's.""
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
 from dataclasses import asdict
 
@@ -74,7 +73,6 @@ def _print(record: logship.LogRecord, as_json: bool) -> None:
         print(json.dumps(asdict(record)), flush=True)
     else:
         print(record.line, flush=True)
-    sys.stdout.flush()
 
 
 def _now(r: redis.Redis) -> float:
