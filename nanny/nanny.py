@@ -474,7 +474,12 @@ class Nanny:
             raw = await self.redis.hget(self.keys.heartbeats, watch.address)
             last = codecs.unpack_or(raw, {}, dict)  # (a stranger's: no evidence, no crash)
         evidence = deaths.evidence(watch.exit, kind, restarted, last)
-        evidence.update(pid=watch.pid, host=socket.gethostname(), name=self.name or self.label)
+        evidence.update(
+            pid=watch.pid,
+            host=socket.gethostname(),
+            name=self.name or self.label,
+            nanny_pid=os.getpid(),  # names its log stream (store/logship.py)
+        )
         if kind != "graceful" and watch.address is not None:
             message = RemoveWorker(watch.address, reason=reason, how="nanny", evidence=evidence)
             stream = self.keys.worker_stream  # through a full Redis: it frees the dead's work

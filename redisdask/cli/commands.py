@@ -375,6 +375,28 @@ def _run_exporter(args: argparse.Namespace, config: Config) -> int:
     )
 
 
+def _run_dashboard(args: argparse.Namespace, config: Config) -> int:
+    logs.setup(config.logging.level, "dashboard", args.cluster, config.logging.format)
+    _check_host("--host", args.host)
+    try:
+        from redisdask.dashboard.serve import run_dashboard
+    except ModuleNotFoundError as exc:
+        print(
+            f"redisdask dashboard needs {exc.name}: pip install 'redisdask[dashboard]'",
+            file=sys.stderr,
+        )
+        return 1
+    return run_dashboard(
+        args.redis_url,
+        args.cluster,
+        host=args.host,
+        port=args.port,
+        token=os.environ.get(args.token_env) or None,
+        interval=args.interval,
+        connect_timeout=config.redis.connect_timeout,
+    )
+
+
 def _run_demo(args: argparse.Namespace, config: Config) -> int:
     logs.setup("WARNING", "demo", log_format=config.logging.format)
     try:
@@ -399,6 +421,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace, Config], int]] = {
     "inspect": _read_only,
     "logs": _read_only,
     "exporter": _run_exporter,
+    "dashboard": _run_dashboard,
     "demo": _run_demo,
     "config": _run_config,
     "acl": _acl,

@@ -16,6 +16,8 @@ from redisdask.placement import format_resources
 from redisdask.store.acl import ROLES, parse_version
 
 DEFAULT_EXPORTER_PORT = 9649  # redisdask exporter's /metrics
+DEFAULT_DASHBOARD_PORT = 8787  # distributed's
+TOKEN_ENV = "REDISDASK_DASHBOARD_TOKEN"
 Subparsers = Any  # argparse's _SubParsersAction (private)
 
 
@@ -267,6 +269,40 @@ def _exporter_command(sub: Subparsers, config: Config) -> None:
     )
 
 
+def _dashboard_command(sub: Subparsers, config: Config) -> None:
+    """``redisdask dashboard``."""
+    p = sub.add_parser(
+        "dashboard", help="serve the web dashboard: status, task stream, workers, logs, deaths"
+    )
+    _add_common(p, config)
+    p.add_argument(
+        "--port",
+        type=_int_at_least(0, 65535),
+        default=DEFAULT_DASHBOARD_PORT,
+        help=f"port to serve on; 0: any free port (default: {DEFAULT_DASHBOARD_PORT})",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="interface to serve on; 0.0.0.0 to be reached from other machines (then set "
+        "a token) (default: 127.0.0.1)",
+    )
+    p.add_argument(
+        "--token-env",
+        metavar="VAR",
+        default=TOKEN_ENV,
+        help="the environment variable whose value, when set, every request must carry "
+        f"(?token= once, or Authorization: Bearer) (default: {TOKEN_ENV}); never a token on "
+        "the command line: ps shows it",
+    )
+    p.add_argument(
+        "--interval",
+        type=_positive_seconds,
+        default=1.0,
+        help="seconds between the live pages' updates (default: 1)",
+    )
+
+
 def _demo_command(sub: Subparsers, config: Config) -> None:
     """``redisdask demo``."""
     p = sub.add_parser("demo", help="run a small computation on a local cluster")
@@ -317,6 +353,7 @@ COMMANDS: tuple[Callable[[Subparsers, Config], None], ...] = (
     _inspect_command,
     _logs_command,
     _exporter_command,
+    _dashboard_command,
     _demo_command,
     _config_command,
     _acl_command,

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from redisdask.client.futures import _FutureState, _seconds, futures_of
 from redisdask.client.loop import offloaded
-from redisdask.client.task_stream import read_task_stream, when
+from redisdask.client.task_stream import when
+from redisdask.observe.task_stream import read_task_stream
 from redisdask.protocol import Rebalance, Replicate, Restart, RetireWorkers
 from redisdask.store import codecs, holdings
 from redisdask.store.codecs import RebalanceRecord

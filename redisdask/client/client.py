@@ -171,7 +171,9 @@ class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods, LogMetho
                 f"Client({address!r}) connects to a running cluster; {sorted(cluster_kwargs)} "
                 "are LocalCluster arguments, for Client() with no address"
             )
+        self._given_cluster: LocalCluster | None = None
         if address is not None and not isinstance(address, str):  # a LocalCluster
+            self._given_cluster = address
             cluster_name = cluster_name or address.cluster_name
             security = security or address.security
             address = address.redis_url
@@ -1024,6 +1026,14 @@ class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods, LogMetho
             for key in keys:
                 self._state_for(key).reset()
         return self._channel.send([RetryKeys(self.id, keys)]) if keys else self._sync(_nothing)
+
+    @property
+    def dashboard_link(self) -> str | None:
+        """The URL of the cluster's web dashboard, as in Dask: the one its
+        ``LocalCluster(dashboard_address=...)`` started; None when this client knows of
+        none (``redisdask dashboard`` serves one for any cluster)."""
+        cluster = self.cluster or self._given_cluster
+        return getattr(cluster, "dashboard_link", None)
 
     # ------------------------------------------------------------------ reference counting
 

@@ -20,9 +20,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from redisdask.client.task_stream import read_task_stream
 from redisdask.context import default_client
 from redisdask.observe.inspect import read_deaths
+from redisdask.observe.task_stream import read_task_stream
 from redisdask.spec import key_prefix
 from redisdask.store.urls import redact
 

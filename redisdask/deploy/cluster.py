@@ -4,8 +4,10 @@ subprocesses of this one, all stopped by ``close()``."""
 from __future__ import annotations
 
 import logging
+import socket
 import subprocess
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,10 @@ class LocalCluster:
     Dask; ``start_worker(resources=...)`` gives one worker its own.  ``security``
     (``Security(tls_ca_file=..., tls_cert=..., tls_key=...)``, default: the config's
     ``comm.tls``) gives every worker TLS between peers; ``Client(cluster)`` uses it too.
+    ``dashboard_address`` (``":8787"``, ``"0.0.0.0:8787"``; port 0: any free one) starts
+    ``redisdask dashboard`` too, on loopback unless a host is named, on another free port
+    (with a warning) when that one is taken, as Dask does; ``dashboard_link`` is its URL.
+    None (the default, unlike Dask's) starts none: a cluster costs one process less.
     """
 
     def __init__(
@@ -59,6 +65,7 @@ class LocalCluster:
         nanny: bool = True,
         resources: dict[str, float] | str | None = None,
         security: Security | None = None,
+        dashboard_address: str | None = None,
     ) -> None:
         # checked before anything starts: a mistake is one clear error, not dead workers
         self.resources = parse_resources(resources, "LocalCluster(resources=...)")
@@ -86,11 +93,17 @@ class LocalCluster:
         self.worker_processes: list[subprocess.Popen[bytes]] = []
         self.thread_workers: list[Any] = []  # workers.worker.ThreadWorker
         self._logs: list[Any] = []
+        self.dashboard_process: subprocess.Popen[bytes] | None = None
+        self.dashboard_link: str | None = None
         try:
             self.start_scheduler()
             for i in range(n_workers):
                 self.start_worker(name=f"worker-{i}")
+            if dashboard_address is not None:
+                self._start_dashboard(dashboard_address)
             self.wait_for_workers(n_workers, timeout=start_timeout)
+            if self.dashboard_link is not None:
+                self._wait_for_dashboard(self.dashboard_link, start_timeout)
         except BaseException:
             self.close()
             raise
@@ -187,6 +200,43 @@ class LocalCluster:
         self.worker_processes.append(proc)
         return proc
 
+    def _start_dashboard(self, address: str) -> None:
+        """``redisdask dashboard`` on ``address`` (``host:port``; no host: loopback)."""
+        host, _, port_text = address.rpartition(":")
+        host = host.strip("[]") or "127.0.0.1"
+        try:
+            port = int(port_text or 8787)
+        except ValueError:
+            raise ValueError(f"dashboard_address={address!r}: not host:port") from None
+        free = _free_port(host, port)
+        if port and free != port:
+            logger.warning(
+                "port %d is already in use: the dashboard is on port %d instead", port, free
+            )
+        args = ["dashboard", "--cluster", self.cluster_name, "--host", host, "--port", str(free)]
+        self.dashboard_process = self._spawn(args, "dashboard")
+        shown = f"[{host}]" if ":" in host else host
+        self.dashboard_link = f"http://{shown}:{free}/status"
+
+    def _wait_for_dashboard(self, link: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        health = link.rsplit("/", 1)[0] + "/health"
+        while True:
+            try:
+                with urllib.request.urlopen(health, timeout=2):
+                    return
+            except OSError as exc:
+                process = self.dashboard_process
+                if process is not None and process.poll() is not None:
+                    raise RedisDaskError(
+                        f"the dashboard exited with code {process.returncode} during "
+                        "start-up (is redisdask[dashboard] installed?); pass log_directory= "
+                        "to see why"
+                    ) from exc
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the dashboard did not answer within {timeout} s") from exc
+            time.sleep(0.05)  # start-up: poll a condition with a deadline
+
     def wait_for_workers(self, n: int, timeout: float = 30.0) -> None:
         """Until ``n`` workers registered and a scheduler holds the lease."""
         deadline = time.monotonic() + timeout
@@ -206,7 +256,8 @@ class LocalCluster:
 
     @property
     def subprocesses(self) -> list[subprocess.Popen[bytes]]:
-        return [p for p in [self.scheduler_process, *self.worker_processes] if p is not None]
+        processes = [self.scheduler_process, *self.worker_processes, self.dashboard_process]
+        return [p for p in processes if p is not None]
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop workers (gracefully), the scheduler and an embedded Redis; leave nothing."""
@@ -220,9 +271,10 @@ class LocalCluster:
             if proc.poll() is None:
                 proc.terminate()
         _wait_all(self.worker_processes, timeout)
-        if self.scheduler_process is not None and self.scheduler_process.poll() is None:
-            self.scheduler_process.terminate()
-            _wait_all([self.scheduler_process], timeout)
+        for proc in (self.scheduler_process, self.dashboard_process):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                _wait_all([proc], timeout)
         if getattr(self, "redis", None) is not None:
             self.redis.close()
         if self.embedded is not None:
@@ -255,6 +307,19 @@ class LocalCluster:
             f"LocalCluster({self.cluster_name!r}, workers={len(self.worker_processes)}, "
             f"redis={redact(self.redis_url)})"
         )
+
+
+def _free_port(host: str, port: int) -> int:
+    """``port`` if nothing listens on it on ``host``, else (or for 0) a free one."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    for wanted in (port, 0) if port else (0,):
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, wanted))
+            except OSError:
+                continue
+            return int(probe.getsockname()[1])
+    raise OSError(f"no free port on {host}")
 
 
 def _wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:

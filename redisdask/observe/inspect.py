@@ -234,9 +234,11 @@ def _scan_tasks(r: redis.Redis, keys: Keys, *fields: str) -> Iterator[tuple[str,
         yield from flush()
 
 
-def read_task(r: redis.Redis, keys: Keys, key: str) -> dict[str, Any]:
+def read_task(r: redis.Redis, keys: Keys, key: str, *, dependents: bool = True) -> dict[str, Any]:
     """Everything Redis knows of a task; ``state`` is ``unknown`` if it has no record
-    (never submitted, or forgotten: its story may still tell what became of it)."""
+    (never submitted, or forgotten: its story may still tell what became of it).
+    Its dependents are found by reading every task's dependencies: ``dependents=False``
+    (the dashboard) skips that, so the cost does not grow with the graph."""
     raw = r.hgetall(keys.task(key))
     record = TaskRecord.from_hash(raw)
     task: dict[str, Any] = {"key": key, "state": record.state or "unknown"}
@@ -262,14 +264,8 @@ def read_task(r: redis.Redis, keys: Keys, key: str) -> dict[str, Any]:
     task["dependencies"] = record.deps
     task["deaths"] = record.deaths
     task["spec_bytes"] = len(record.spec or b"")
-    dependents, scanned = [], 0
-    for other, values in _scan_tasks(r, keys, "deps"):
-        scanned += 1
-        deps = values[0]  # (cheap first: most tasks do not name the key)
-        if deps and key.encode() in deps and key in TaskRecord.from_hmget(["deps"], values).deps:
-            dependents.append(other)
-    task["dependents"] = sorted(dependents)
-    task["dependents_complete"] = scanned < SCAN_LIMIT
+    if dependents:
+        task["dependents"], task["dependents_complete"] = _dependents(r, keys, key)
     task["story"] = task_story(r, keys, key)
     holders = {task.get("worker"), task.get("erred_on"), *task["who_has"]}
     holders |= {str(row["origin"]) for row in task["story"] if str(row["origin"]).startswith("tcp")}
@@ -280,6 +276,17 @@ def read_task(r: redis.Redis, keys: Keys, key: str) -> dict[str, Any]:
     )
     task["logs"] = run_logs(r, keys, workers, key)
     return task
+
+
+def _dependents(r: redis.Redis, keys: Keys, key: str) -> tuple[list[str], bool]:
+    """The tasks that depend on ``key``, and whether every task was read to find them."""
+    found, scanned = [], 0
+    for other, values in _scan_tasks(r, keys, "deps"):
+        scanned += 1
+        deps = values[0]  # (cheap first: most tasks do not name the key)
+        if deps and key.encode() in deps and key in TaskRecord.from_hmget(["deps"], values).deps:
+            found.append(other)
+    return sorted(found), scanned < SCAN_LIMIT
 
 
 def run_logs(r: redis.Redis, keys: Keys, workers: list[str], key: str) -> list[dict[str, Any]]:
@@ -370,8 +377,12 @@ def _worker_story_table(rows: list[dict[str, Any]], title: str) -> Table:
 # --------------------------------------------------------------------------- workers
 
 
-def read_worker(r: redis.Redis, keys: Keys, who: str, story: int = 200) -> dict[str, Any] | None:
-    """A live worker by address or name; else the newest death record of one."""
+def read_worker(
+    r: redis.Redis, keys: Keys, who: str, story: int = 200, *, data: bool = True
+) -> dict[str, Any] | None:
+    """A live worker by address or name; else the newest death record of one.  The
+    results it holds are found by reading every task: ``data=False`` (the dashboard)
+    skips that."""
     workers = {
         a.decode(errors="replace"): codecs.worker_info_or_empty(i)
         for a, i in r.hgetall(keys.workers).items()
@@ -387,6 +398,20 @@ def read_worker(r: redis.Redis, keys: Keys, who: str, story: int = 200) -> dict[
     beat = codecs.unpack_or(r.hget(keys.heartbeats, address), {}, dict)
     if death is not None:
         beat = (death.get("evidence") or {}).get("last_heartbeat") or {}
+    return {
+        "address": address,
+        "alive": death is None,
+        "info": workers.get(address) or {k: (death or {}).get(k) for k in ("name", "host", "pid")},
+        "last_heartbeat": beat,
+        "processing": sorted(m.decode() for m in r.smembers(keys.worker_processing(address))),
+        "data": _held_by(r, keys, address) if data else [],
+        "death": death,
+        "story": worker_story(r, keys, address, limit=story),
+    }
+
+
+def _held_by(r: redis.Redis, keys: Keys, address: str) -> list[dict[str, Any]]:
+    """The results ``address`` holds, the largest first."""
     data = []
     needle, names = address.encode(), ("who_has", "nbytes", "type")
     for key, values in _scan_tasks(r, keys, *names):
@@ -394,16 +419,7 @@ def read_worker(r: redis.Redis, keys: Keys, who: str, story: int = 200) -> dict[
             record = TaskRecord.from_hmget(names, values)
             if address in record.who_has:
                 data.append({"key": key, "nbytes": record.nbytes, "type": record.type})
-    return {
-        "address": address,
-        "alive": death is None,
-        "info": workers.get(address) or {k: (death or {}).get(k) for k in ("name", "host", "pid")},
-        "last_heartbeat": beat,
-        "processing": sorted(m.decode() for m in r.smembers(keys.worker_processing(address))),
-        "data": sorted(data, key=lambda d: -d["nbytes"]),
-        "death": death,
-        "story": worker_story(r, keys, address, limit=story),
-    }
+    return sorted(data, key=lambda d: -d["nbytes"])
 
 
 def render_worker(worker: dict[str, Any], console: Console) -> None:

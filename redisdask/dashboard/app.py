@@ -1,0 +1,298 @@
+"""The dashboard's web application (Starlette): pages, their live fragments, and the rules
+that keep it safe to expose.
+
+A page is a frame around fragments (``templates/fragments/``).  The page renders each
+fragment once, so it reads well without scripts; then ``static/dashboard.js`` opens an
+``EventSource`` on ``/live/<fragment>`` and swaps in each new rendering, pushed only when
+it changed.  All viewers of one fragment share its reads: a rendering is cached for half
+the refresh interval, so ten open tabs cost Redis what one does.
+
+Safe by default:
+
+* only ``GET`` (and ``HEAD``) routes: no request can ask it to write anything, and the
+  Redis user it runs as can be the read-only ``monitor`` role (``redisdask acl monitor``);
+* every string from the cluster (task keys, exception text, log lines, worker names) is
+  escaped by Jinja2's autoescaping, and a Content-Security-Policy allows no script but
+  its own file, so even a missed escape would run nothing;
+* with a ``token``, every request must carry it (``?token=`` once, which sets a cookie,
+  or an ``Authorization: Bearer`` header); it is compared in constant time and never
+  logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlencode
+
+import redis
+from jinja2 import Environment, PackageLoader, select_autoescape
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import MutableHeaders
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import (
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from redisdask.dashboard import reads
+from redisdask.observe.views import ago, clock
+from redisdask.store.keyspace import Keys
+from redisdask.store.urls import redact
+from redisdask.utils.sizes import format_bytes
+
+logger = logging.getLogger("redisdask.dashboard")
+
+COOKIE = "redisdask_dashboard"
+# a fragment's parameters, the only query parameters a page passes on to it
+PARAMS = ("w", "key", "nanny")
+SECURITY_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+        "img-src 'self' data:; frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+
+@dataclass
+class Page:
+    title: str
+    fragments: tuple[str, ...]  # rendered in this order
+
+
+PAGES = {
+    "status": Page("Status", ("status",)),
+    "task-stream": Page("Task stream", ("task-stream",)),
+    "workers": Page("Workers", ("workers",)),
+    "worker": Page("Worker", ("worker", "logs")),
+    "logs": Page("Logs", ("logs",)),
+    "deaths": Page("Deaths", ("deaths",)),
+    "events": Page("Events", ("events",)),
+    "task": Page("Task", ("task",)),
+}
+NAVIGATION = ("status", "task-stream", "workers", "deaths", "events", "logs")
+
+
+@dataclass
+class Renderer:
+    """Renders fragments from Redis reads, caching each rendering for ``ttl`` seconds."""
+
+    r: redis.Redis
+    keys: Keys
+    url: str  # for the header, with its password hidden
+    ttl: float
+    env: Environment = field(init=False)
+    _cache: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[float, str]] = field(
+        default_factory=dict
+    )
+
+    def __post_init__(self) -> None:
+        self.env = Environment(
+            loader=PackageLoader("redisdask.dashboard", "templates"),
+            autoescape=select_autoescape(default=True, default_for_string=True),
+            trim_blocks=True,
+            lstrip_blocks=True,
+        )
+        self.env.filters.update(bytes=_bytes, clock=clock, ago=ago, pct=_pct, link=_link)
+        self.env.globals.update(navigation=NAVIGATION, pages=PAGES)
+
+    def fragment(self, name: str, params: reads.Params) -> str:
+        """The HTML of fragment ``name`` (cached); a Redis error renders as its message."""
+        cache_key = (name, tuple(sorted(params.items())))
+        now = time.monotonic()
+        cached = self._cache.get(cache_key)
+        if cached is not None and now - cached[0] < self.ttl:
+            return cached[1]
+        try:
+            context = reads.FRAGMENTS[name](self.r, self.keys, params)
+        except (redis.RedisError, OSError) as exc:
+            context = {"error": _redis_error(exc, self.url)}
+        template = self.env.get_template(f"fragments/{name}.html")
+        html = template.render(params=params, now=time.time(), **context)
+        if len(self._cache) > 1000:  # one entry per fragment and parameters viewed
+            self._cache.clear()
+        self._cache[cache_key] = (now, html)
+        return html
+
+    def page(self, name: str, params: reads.Params) -> str:
+        page = PAGES[name]
+        bodies = [(f, self.fragment(f, params)) for f in page.fragments]
+        query = urlencode(params)
+        return self.env.get_template("page.html").render(
+            name=name,
+            page=page,
+            bodies=bodies,
+            query=query,
+            params=params,
+            cluster=self.keys.cluster,
+            url=self.url,
+        )
+
+
+def _redis_error(exc: Exception, url: str) -> str:
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return (
+            f"Redis refused a read ({exc}): the dashboard's Redis user needs the monitor "
+            "role's rights (redisdask acl monitor)"
+        )
+    return f"Redis at {url} did not answer ({type(exc).__name__}: {exc}); retrying"
+
+
+def _bytes(n: Any) -> str:
+    return format_bytes(int(n)) if isinstance(n, int | float) and n == n else "-"
+
+
+def _pct(part: Any, whole: Any) -> float:
+    """``part`` as a percentage of ``whole``, within 0..100 (0 for no whole)."""
+    try:
+        value = 100.0 * float(part) / float(whole)
+    except (TypeError, ValueError, ZeroDivisionError):
+        return 0.0
+    return min(max(value, 0.0), 100.0) if value == value else 0.0
+
+
+def _link(value: Any, page: str, name: str = "w") -> str:
+    """The query of a link to ``page`` about ``value`` (url-encoded; the template's
+    autoescaping then escapes it for the attribute)."""
+    return f"/{page}?{urlencode({name: str(value)})}"
+
+
+def _params(request: Request) -> reads.Params:
+    return {k: request.query_params[k] for k in PARAMS if k in request.query_params}
+
+
+def build_app(
+    r: redis.Redis,
+    cluster: str,
+    url: str,
+    *,
+    token: str | None = None,
+    interval: float = 1.0,
+) -> Starlette:
+    """The dashboard of ``cluster``, reading through ``r`` (opened on ``url``)."""
+    renderer = Renderer(r, Keys(cluster), redact(url), ttl=interval / 2)
+
+    async def page(request: Request) -> Response:
+        name = request.path_params["page"]
+        if name not in PAGES:
+            return PlainTextResponse(f"no page {name!r}", status_code=404)
+        html = await run_in_threadpool(renderer.page, name, _params(request))
+        return HTMLResponse(html)
+
+    async def live(request: Request) -> Response:
+        name = request.path_params["fragment"]
+        if name not in reads.FRAGMENTS:
+            return PlainTextResponse(f"no fragment {name!r}", status_code=404)
+        render = _bound(renderer.fragment, name, _params(request))
+        return StreamingResponse(
+            _events(request, render, interval),
+            media_type="text/event-stream",
+            headers={"X-Accel-Buffering": "no"},
+        )
+
+    async def api(request: Request) -> Response:
+        name = request.path_params["fragment"]
+        if name not in reads.FRAGMENTS:
+            return PlainTextResponse(f"no fragment {name!r}", status_code=404)
+        read = reads.FRAGMENTS[name]
+        context = await run_in_threadpool(read, renderer.r, renderer.keys, _params(request))
+        return JSONResponse(reads.as_json(context))
+
+    routes = [
+        Route("/", lambda _: RedirectResponse("/status")),
+        Route("/health", lambda _: PlainTextResponse("ok")),
+        Route("/live/{fragment}", live),
+        Route("/api/{fragment}", api),
+        Mount("/static", StaticFiles(packages=[("redisdask.dashboard", "static")])),
+        Route("/{page}", page),
+    ]
+    middleware = [Middleware(_Guard, token=token)]
+    return Starlette(routes=routes, middleware=middleware)
+
+
+def _bound(render: Callable[[str, reads.Params], str], name: str, params: reads.Params) -> Any:
+    return lambda: render(name, params)
+
+
+async def _events(
+    request: Request, render: Callable[[], str], interval: float
+) -> AsyncIterator[str]:
+    """Server-sent events: the fragment's HTML each time it changes (and a comment every
+    15 s, so that proxies keep an idle stream open), until the viewer goes."""
+    last, quiet = None, 0.0
+    while not await request.is_disconnected():
+        html = await run_in_threadpool(render)
+        if html != last:
+            last, quiet = html, 0.0
+            yield "event: html\n" + "".join(f"data: {line}\n" for line in html.split("\n")) + "\n"
+        elif (quiet := quiet + interval) >= 15:
+            quiet = 0.0
+            yield ": idle\n\n"
+        await asyncio.sleep(interval)
+
+
+class _Guard:
+    """Only reads; the token, when one is set; the security headers on every answer.
+    (Plain ASGI: a streaming answer goes through untouched.)"""
+
+    def __init__(self, app: ASGIApp, token: str | None) -> None:
+        self.app = app
+        self.token = token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        given = request.query_params.get("token")
+        refusal = self._refusal(request, given)
+        remember = bool(self.token and given)  # a cookie, so links need not carry it
+
+        async def send_guarded(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in SECURITY_HEADERS.items():
+                    headers[name] = value
+                if remember and refusal is None:
+                    headers.append(
+                        "set-cookie", f"{COOKIE}={given}; Path=/; HttpOnly; SameSite=Strict"
+                    )
+            await send(message)
+
+        app = refusal or self.app
+        await app(scope, receive, send_guarded)
+
+    def _refusal(self, request: Request, given: str | None) -> Response | None:
+        if request.method not in ("GET", "HEAD"):
+            return PlainTextResponse(
+                "the dashboard is read-only: only GET", status_code=405, headers={"Allow": "GET"}
+            )
+        if self.token is None:
+            return None
+        offered = [given, request.cookies.get(COOKIE)]
+        header = request.headers.get("authorization", "")
+        if header.lower().startswith("bearer "):
+            offered.append(header[7:])
+        wanted = self.token.encode()
+        if any(o is not None and hmac.compare_digest(o.encode(), wanted) for o in offered):
+            return None
+        return PlainTextResponse(
+            "this dashboard needs its token: open it once with ?token=<token>", status_code=401
+        )

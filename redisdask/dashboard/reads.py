@@ -1,0 +1,176 @@
+"""What each part of the dashboard shows, read from Redis: one function per fragment.
+
+Every function here issues read commands only, a bounded number of them: none reads
+every task (the counts per task prefix come from the scheduler's ``summary`` hash, a
+worker's page does not look for the results it holds, a task's page does not look for its
+dependents), so a page costs Redis the same with ten tasks or a million.  Each returns
+the context of its template (``templates/fragments/<name>.html``); nothing is rendered
+here, and nothing is ever unpickled: a task's error is the text its worker recorded.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import redis
+
+from redisdask.observe import inspect
+from redisdask.observe.snapshot import Snapshot, read_snapshot
+from redisdask.observe.task_stream import read_task_stream
+from redisdask.spec import key_prefix
+from redisdask.store import codecs, logship
+from redisdask.store.eventlog import describe
+from redisdask.store.keyspace import Keys
+
+Params = dict[str, str]
+TASK_STREAM_WINDOW = 60.0  # seconds of runs on the task stream
+TASK_STREAM_RUNS = 2000  # the newest runs drawn, at most
+LOG_LINES = 200  # records on a logs fragment (the stream keeps up to retention.logs)
+STORY_ROWS = 100  # rows of a worker's story on its page
+DEATHS = 100  # death records on the deaths page
+EVENTS = 200  # events on the events page
+
+
+def status(r: redis.Redis, keys: Keys, params: Params) -> dict[str, Any]:
+    """Workers with their memory, CPU and processing bars; progress per task prefix;
+    tasks finished per second over the last minute (``read_snapshot``: 9 commands)."""
+    snap = read_snapshot(r, keys, events=1, deaths=1, others=False)
+    return {"snap": snap, "rate": _rate(snap.finished)}
+
+
+def _rate(per_second: list[int], seconds: int = 10) -> float:
+    """Tasks finished per second over the last ``seconds``."""
+    recent = per_second[-seconds:]
+    return sum(recent) / len(recent) if recent else 0.0
+
+
+def task_stream(r: redis.Redis, keys: Keys, params: Params) -> dict[str, Any]:
+    """Which worker ran what, when, over the last minute: one row per worker, one bar per
+    run (from the workers' stories: one pipeline of an XRANGE per registered worker)."""
+    now = time.time()
+    start = now - TASK_STREAM_WINDOW
+    names = {
+        a.decode(errors="replace"): str(codecs.worker_info_or_empty(i).get("name") or "")
+        for a, i in r.hgetall(keys.workers).items()
+    }
+    workers = sorted(names, key=lambda a: (names[a], a))
+    runs = read_task_stream(r, keys, start=start, workers=workers, count=TASK_STREAM_RUNS)
+    lanes = {w: i for i, w in enumerate(workers)}
+    bars = []
+    for run in runs:
+        for span in run["startstops"]:
+            lane = lanes.setdefault(run["worker"], len(lanes))
+            begin, end = max(span["start"], start), span["stop"]
+            bars.append(
+                {
+                    "key": run["key"],
+                    "prefix": key_prefix(run["key"]),
+                    "hue": zlib.crc32(key_prefix(run["key"]).encode()) % 360,
+                    "worker": run["worker"],
+                    "lane": lane,
+                    "x": (begin - start) / TASK_STREAM_WINDOW * 1000,
+                    "width": max((end - begin) / TASK_STREAM_WINDOW * 1000, 0.5),
+                    "action": span["action"],
+                    "status": run["status"],
+                    "seconds": span["stop"] - span["start"],
+                }
+            )
+    labels = [(a, names.get(a) or a) for a in lanes]
+    return {"lanes": labels, "bars": bars, "window": TASK_STREAM_WINDOW}
+
+
+def workers(r: redis.Redis, keys: Keys, params: Params) -> dict[str, Any]:
+    """The registered workers, and the recent deaths."""
+    snap = read_snapshot(r, keys, events=1, deaths=20, others=False)
+    return {"snap": snap}
+
+
+def worker(r: redis.Redis, keys: Keys, params: Params) -> dict[str, Any]:
+    """One worker, alive or dead (by address or name): its info, last heartbeat, the
+    tasks it was running, its story and, for a dead one, its death record."""
+    who = params.get("w", "")
+    found = inspect.read_worker(r, keys, who, story=STORY_ROWS, data=False)
+    return {"who": who, "worker": found}
+
+
+def logs(r: redis.Redis, keys: Keys, params: Params) -> dict[str, Any]:
+    """The newest records of a process: ``w`` is ``scheduler`` or a worker's address or
+    name (alive or dead); ``nanny`` set: its nanny's records."""
+    who = params.get("w", "scheduler")
+    nanny = params.get("nanny") == "1"
+    if who == "scheduler":
+        stream = keys.scheduler_logs
+    else:
+        address = logship.find_worker(logship.known_workers(r, keys), who)
+        if address is None:
+            return {"who": who, "records": None, "nanny": nanny}
+        stream = keys.worker_logs(address)
+        if nanny:
+            stream = _nanny_stream(r, keys, address)
+    records = logship.read(r, stream, n=LOG_LINES) if stream else []
+    return {"who": who, "records": records, "nanny": nanny}
+
+
+def _nanny_stream(r: redis.Redis, keys: Keys, address: str) -> str | None:
+    """The log stream of the nanny of ``address``: from its registration, else from the
+    newest death record of it (which names the nanny's host and pid)."""
+    info = codecs.worker_info_or_empty(r.hget(keys.workers, address))
+    if info.get("nanny"):
+        return keys.nanny_logs(f"{info.get('host')}-{info.get('nanny')}")
+    for death in inspect.read_deaths(r, keys, worker=address, limit=1000):
+        nanny = (death.get("evidence") or {}).get("nanny_pid")
+        if nanny:
+            return keys.nanny_logs(f"{death.get('host')}-{nanny}")
+    return None
+
+
+def deaths(r: redis.Redis, keys: Keys, params: Params) -> dict[str, Any]:
+    """The newest death records, with their reasons, memory and running tasks."""
+    return {"deaths": inspect.read_deaths(r, keys, limit=DEATHS)}
+
+
+def events(r: redis.Redis, keys: Keys, params: Params) -> dict[str, Any]:
+    """The cluster's event log, newest first, one line each."""
+    found = inspect.read_events(r, keys, count=EVENTS)
+    return {"events": [(event, describe(event)) for event in found]}
+
+
+def task(r: redis.Redis, keys: Keys, params: Params) -> dict[str, Any]:
+    """One task: state, error and traceback, dependencies, story, its runs' log lines."""
+    key = params.get("key", "")
+    return {"task": inspect.read_task(r, keys, key, dependents=False) if key else None}
+
+
+FRAGMENTS: dict[str, Callable[[redis.Redis, Keys, Params], dict[str, Any]]] = {
+    "status": status,
+    "task-stream": task_stream,
+    "workers": workers,
+    "worker": worker,
+    "logs": logs,
+    "deaths": deaths,
+    "events": events,
+    "task": task,
+}
+
+
+def as_json(context: dict[str, Any]) -> Any:
+    """A fragment's context as plain data (for ``/api/<fragment>``)."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, Snapshot):
+            return value.to_dict()
+        if isinstance(value, logship.LogRecord):
+            return asdict(value)
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [plain(v) for v in value]
+        if isinstance(value, bytes):
+            return value.decode(errors="replace")
+        return value
+
+    return plain(context)

@@ -1,0 +1,69 @@
+"""``redisdask dashboard``: the web application on a socket, served by uvicorn until
+SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import uvicorn
+
+from redisdask.dashboard.app import build_app
+from redisdask.store.connection import connect
+from redisdask.store.urls import redact
+
+logger = logging.getLogger("redisdask.dashboard")
+
+
+def run_dashboard(
+    url: str,
+    cluster: str,
+    *,
+    host: str,
+    port: int,
+    token: str | None,
+    interval: float,
+    connect_timeout: float,
+) -> int:
+    """Serve the dashboard of ``cluster`` on ``host:port`` (0: a free port, which the
+    log line names); 0 when stopped, 1 when it cannot listen there."""
+    try:
+        sock = _listen(host, port)
+    except OSError as exc:
+        logger.error(
+            "cannot serve the dashboard on %s:%d (%s): pass a free --port or another --host",
+            host, port, exc,
+        )  # fmt: skip
+        return 1
+    r = connect(url, timeout=connect_timeout, name=f"rd-{cluster}-dashboard", check=False)
+    app = build_app(r, cluster, url, token=token, interval=interval)
+    bound = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    logger.info(
+        "serving the dashboard of cluster %r at %s on http://%s:%d/status%s",
+        cluster, redact(url), shown, bound, " (token required)" if token else "",
+    )  # fmt: skip
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        lifespan="off",
+        timeout_graceful_shutdown=2,  # live pages hold their streams open
+    )
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        r.close()
+    return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
