@@ -119,6 +119,11 @@ def test_a_nannys_records_tell_of_its_workers_death(
         poll(lambda: any("killed by SIGKILL" in x for x in lines_of(client, nanny=True)), 20)
         out = run_cli("logs", "worker-0", redis_url, "--cluster", cluster_name, "--nanny")
         assert out.returncode == 0 and "killed by SIGKILL" in out.stdout, out.stderr
+        # the dead worker's nanny, by the death record (it is no longer registered)
+        dead = lines_of(client, workers=[address], nanny=True)
+        assert any("killed by SIGKILL" in line for line in dead)
+        out = run_cli("logs", address, redis_url, "--cluster", cluster_name, "--nanny")
+        assert out.returncode == 0 and "killed by SIGKILL" in out.stdout, out.stderr
 
 
 def say_and_crash() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from redisdask.client.loop import offloaded
-from redisdask.store import codecs, logship
+from redisdask.store import logship
 
 if TYPE_CHECKING:
     import redis
@@ -35,11 +35,11 @@ class LogMethods:
         """The last ``n`` log records (every one kept: None) of each worker, as
         ``{address: [(level, line), ...]}``, oldest first.  ``workers``: addresses or
         names, of registered workers or of dead ones whose records Redis still keeps
-        (all registered workers: None); ``nanny``: their nannies' records instead (of
-        registered workers only)."""
+        (all registered workers: None); ``nanny``: their nannies' records instead (a dead
+        worker's: the nanny its death record names)."""
         targets = self._log_targets(workers)
         if nanny:
-            streams = {a: self._nanny_stream(a) for a in targets}
+            streams = {a: logship.nanny_stream(self.redis, self.keys, a) for a in targets}
         else:
             streams = {a: self.keys.worker_logs(a) for a in targets}
         return {
@@ -72,10 +72,3 @@ class LogMethods:
                 f"registered or among its recorded deaths; it knows of {sorted(known.values())}"
             )
         return [address for address in found.values() if address is not None]
-
-    def _nanny_stream(self, address: str) -> str | None:
-        """The log stream of the nanny of the registered worker at ``address``."""
-        info = codecs.worker_info_or_empty(self.redis.hget(self.keys.workers, address))
-        if not info.get("nanny"):
-            return None
-        return self.keys.nanny_logs(f"{info.get('host')}-{info.get('nanny')}")

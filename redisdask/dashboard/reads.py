@@ -110,22 +110,9 @@ def logs(r: redis.Redis, keys: Keys, params: Params) -> dict[str, Any]:
             return {"who": who, "records": None, "nanny": nanny}
         stream = keys.worker_logs(address)
         if nanny:
-            stream = _nanny_stream(r, keys, address)
+            stream = logship.nanny_stream(r, keys, address)
     records = logship.read(r, stream, n=LOG_LINES) if stream else []
     return {"who": who, "records": records, "nanny": nanny}
-
-
-def _nanny_stream(r: redis.Redis, keys: Keys, address: str) -> str | None:
-    """The log stream of the nanny of ``address``: from its registration, else from the
-    newest death record of it (which names the nanny's host and pid)."""
-    info = codecs.worker_info_or_empty(r.hget(keys.workers, address))
-    if info.get("nanny"):
-        return keys.nanny_logs(f"{info.get('host')}-{info.get('nanny')}")
-    for death in inspect.read_deaths(r, keys, worker=address, limit=1000):
-        nanny = (death.get("evidence") or {}).get("nanny_pid")
-        if nanny:
-            return keys.nanny_logs(f"{death.get('host')}-{nanny}")
-    return None
 
 
 def deaths(r: redis.Redis, keys: Keys, params: Params) -> dict[str, Any]:

@@ -29,12 +29,10 @@ def stream_of(r: redis.Redis, keys: Keys, process: str, nanny: bool) -> str:
         )
     if not nanny:
         return keys.worker_logs(address)
-    from redisdask.store import codecs
-
-    info = codecs.worker_info_or_empty(r.hget(keys.workers, address))
-    if not info.get("nanny"):
-        raise LookupError(f"worker {process!r} is not registered with a nanny")
-    return keys.nanny_logs(f"{info.get('host')}-{info.get('nanny')}")
+    stream = logship.nanny_stream(r, keys, address)
+    if stream is None:
+        raise LookupError(f"worker {process!r} ran without a nanny")
+    return stream
 
 
 def logs_command(

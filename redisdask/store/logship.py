@@ -282,3 +282,20 @@ def find_worker(known: dict[str, str], who: str) -> str | None:
     if who in known:
         return who
     return next((address for address, name in known.items() if name == who), None)
+
+
+def nanny_stream(r: redis.Redis, keys: Keys, address: str) -> str | None:
+    """The log stream of the nanny of the worker at ``address``: the registered worker's
+    nanny, else the one the newest of the last 1,000 death records of it names (its
+    ``evidence.nanny_pid``); None for a bare worker."""
+    info = codecs.worker_info_or_empty(r.hget(keys.workers, address))
+    if info.get("nanny"):
+        return keys.nanny_logs(f"{info.get('host')}-{info.get('nanny')}")
+    for _id, fields in r.xrevrange(keys.deaths, count=1000):
+        death = codecs.unpack_or(fields.get(b"m"), {}, dict)
+        evidence = death.get("evidence")
+        if death.get("worker") == address and isinstance(evidence, dict):
+            pid = evidence.get("nanny_pid")
+            if isinstance(pid, int):
+                return keys.nanny_logs(f"{death.get('host')}-{pid}")
+    return None
