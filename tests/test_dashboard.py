@@ -26,11 +26,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from conftest import ClusterFactory
 from polling import poll
 from tasklib import allocate_forever
 
 from redisdask import Client, KilledWorker, LocalCluster
+from redisdask.deploy.embedded import EmbeddedRedis
+from redisdask.store.bootstrap import ensure_cluster
+from redisdask.store.keyspace import Keys
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -293,6 +297,28 @@ def test_it_reads_as_the_monitor_user_refuses_writes_and_wants_its_token(
         api = json.loads(board.get("/api/status", **bearer)[1])
         assert len(api["snap"]["workers"]) == 1
     assert not any(token in line for line in board.lines)  # never logged
+
+
+def test_a_redis_that_goes_away_is_said_on_the_open_page_which_recovers_with_it(
+    cluster_name: str, page: Any
+) -> None:
+    with EmbeddedRedis() as server:
+        ensure_cluster(redis.Redis.from_url(server.url), Keys(cluster_name))
+        with dashboard(server.url, cluster_name) as board:
+            page.goto(board.base + "/status")
+            page.wait_for_selector("text=no workers")
+            server.kill()  # the data dir stays for the start below
+            page.wait_for_selector("p.error", timeout=15_000)
+            assert "did not answer" in page.locator("p.error").inner_text()
+            assert board.process.poll() is None
+            server.start()  # the same port
+            page.wait_for_selector("text=no workers", timeout=30_000)
+            assert page.locator("p.error").count() == 0
+        messages = [json.loads(line) for line in board.lines]
+        [down] = [m for m in messages if m["level"] == "WARNING"]  # once, not per rendering
+        assert down["message"].startswith(f"cannot read cluster {cluster_name!r}")
+        assert any(m["message"].startswith("reading cluster") for m in messages)
+        assert not [m for m in messages if m["level"] == "ERROR"]  # a clean stop, page open
 
 
 def test_local_cluster_starts_a_dashboard_and_the_client_links_to_it(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -102,6 +103,7 @@ class Renderer:
     _cache: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[float, str]] = field(
         default_factory=dict
     )
+    _down: str | None = None  # why Redis cannot be read, while it cannot
 
     def __post_init__(self) -> None:
         self.env = Environment(
@@ -124,6 +126,13 @@ class Renderer:
             context = reads.FRAGMENTS[name](self.r, self.keys, params)
         except (redis.RedisError, OSError) as exc:
             context = {"error": _redis_error(exc, self.url)}
+            if self._down is None:  # once per outage, not at every rendering
+                logger.warning("cannot read cluster %r: %s", self.keys.cluster, context["error"])
+            self._down = context["error"]
+        else:
+            if self._down is not None:
+                logger.info("reading cluster %r again", self.keys.cluster)
+            self._down = None
         template = self.env.get_template(f"fragments/{name}.html")
         html = template.render(params=params, now=time.time(), **context)
         if len(self._cache) > 1000:  # one entry per fragment and parameters viewed
@@ -185,8 +194,11 @@ def build_app(
     *,
     token: str | None = None,
     interval: float = 1.0,
+    stopping: threading.Event | None = None,
 ) -> Starlette:
-    """The dashboard of ``cluster``, reading through ``r`` (opened on ``url``)."""
+    """The dashboard of ``cluster``, reading through ``r`` (opened on ``url``); its live
+    streams end once ``stopping`` is set (the server's shutdown)."""
+    stopping = stopping or threading.Event()
     renderer = Renderer(r, Keys(cluster), redact(url), ttl=interval / 2)
 
     async def page(request: Request) -> Response:
@@ -202,7 +214,7 @@ def build_app(
             return PlainTextResponse(f"no fragment {name!r}", status_code=404)
         render = _bound(renderer.fragment, name, _params(request))
         return StreamingResponse(
-            _events(request, render, interval),
+            _events(request, render, interval, stopping),
             media_type="text/event-stream",
             headers={"X-Accel-Buffering": "no"},
         )
@@ -232,12 +244,13 @@ def _bound(render: Callable[[str, reads.Params], str], name: str, params: reads.
 
 
 async def _events(
-    request: Request, render: Callable[[], str], interval: float
+    request: Request, render: Callable[[], str], interval: float, stopping: threading.Event
 ) -> AsyncIterator[str]:
     """Server-sent events: the fragment's HTML each time it changes (and a comment every
-    15 s, so that proxies keep an idle stream open), until the viewer goes."""
+    15 s, so that proxies keep an idle stream open), until the viewer or the server goes
+    (the browser then reconnects by itself)."""
     last, quiet = None, 0.0
-    while not await request.is_disconnected():
+    while not stopping.is_set() and not await request.is_disconnected():
         html = await run_in_threadpool(render)
         if html != last:
             last, quiet = html, 0.0

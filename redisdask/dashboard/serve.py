@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
+from types import FrameType
 
 import uvicorn
 
@@ -36,7 +38,8 @@ def run_dashboard(
         )  # fmt: skip
         return 1
     r = connect(url, timeout=connect_timeout, name=f"rd-{cluster}-dashboard", check=False)
-    app = build_app(r, cluster, url, token=token, interval=interval)
+    stopping = threading.Event()
+    app = build_app(r, cluster, url, token=token, interval=interval, stopping=stopping)
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     logger.info(
@@ -45,15 +48,29 @@ def run_dashboard(
     )  # fmt: skip
     config = uvicorn.Config(
         app,
+        log_config=None,  # its records go through this process's logging, in its format
         log_level="warning",
         lifespan="off",
-        timeout_graceful_shutdown=2,  # live pages hold their streams open
+        timeout_graceful_shutdown=5,
     )
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        _Server(config, stopping).run(sockets=[sock])
     finally:
         r.close()
     return 0
+
+
+class _Server(uvicorn.Server):
+    """Ends the live pages' streams on SIGTERM or SIGINT, so the shutdown need not wait
+    for their viewers to leave."""
+
+    def __init__(self, config: uvicorn.Config, stopping: threading.Event) -> None:
+        super().__init__(config)
+        self.stopping = stopping
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.stopping.set()
+        super().handle_exit(sig, frame)
 
 
 def _listen(host: str, port: int) -> socket.socket:
