@@ -38,7 +38,6 @@ import logging
 import logging.handlers
 import os
 import random
-import re
 import shutil
 import signal
 import socket
@@ -53,6 +52,7 @@ import redis
 
 from redisdask.config import RetentionConfig
 from redisdask.nanny import deaths
+from redisdask.nanny.output import OutputLines
 from redisdask.nanny_contract import GRACEFUL_TIMEOUT, spill_directory_file, worker_environment
 from redisdask.protocol import RemoveWorker
 from redisdask.store import codecs, logship, scripts
@@ -67,8 +67,6 @@ from redisdask.utils.sizes import format_bytes, oom_kills
 logger = logging.getLogger("redisdask.nanny")
 
 LOG_TAIL = 50  # lines of the worker's log kept for its death record
-# a line that is a log record (``utils.logs``: text or JSON), which the worker ships itself
-_RECORD = re.compile(r'\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} |\{"time": ')
 CRASH_DUMP = 300  # more lines kept from a "Fatal Python error" on (every thread's stack)
 LOG_FILE_BYTES = 10_000_000  # rotated at this size, two old files kept
 QUICK_DEATH = 10.0  # seconds: a worker dying sooner after its start backs off
@@ -245,6 +243,7 @@ class Nanny:
         self.tail = collections.deque(maxlen=LOG_TAIL)
         # what the worker prints that is no log record, to its log stream in Redis once
         # its address is known (its records it ships itself)
+        self.output_lines = OutputLines()
         self.output = logship.RedisLogHandler(
             self.redis_url, maxlen=self.retention.logs, ttl=self.retention.logs_ttl
         )
@@ -335,7 +334,7 @@ class Nanny:
 
     def _log_line(self, line: bytes) -> None:
         text = line.decode(errors="replace")
-        if not _RECORD.match(text) and self.process is not None:
+        if self.output_lines.is_output(text) and self.process is not None:
             self.output.add_line(text, process=f"worker {self.label}", pid=self.process.pid)
         if text.startswith("Fatal Python error:") and self.tail.maxlen == LOG_TAIL:
             # faulthandler's dump: what crashed and where come first, then each other

@@ -13,11 +13,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
 from conftest import ClusterFactory
 from polling import poll
+from tasklib import wait_for_file
 
 from redisdask import Client
 from redisdask.deploy.embedded import EmbeddedRedis
@@ -126,21 +128,29 @@ def test_a_nannys_records_tell_of_its_workers_death(
         assert out.returncode == 0 and "killed by SIGKILL" in out.stdout, out.stderr
 
 
-def say_and_crash() -> None:
+def say_and_crash(go: str) -> None:
+    try:
+        raise KeyError("logged with its traceback")
+    except KeyError:
+        logging.getLogger("user.task").exception("caught")
     print("printed by the task", flush=True)
+    wait_for_file(go)  # until its record is in Redis (a crash loses the unshipped ones)
     import ctypes
 
     ctypes.string_at(0)  # a segfault: faulthandler dumps every thread's stack
 
 
 def test_what_a_worker_prints_and_its_crash_dump_reach_its_stream_through_its_nanny(
-    redis_url: str, cluster_name: str, make_cluster: ClusterFactory
+    redis_url: str, cluster_name: str, make_cluster: ClusterFactory, tmp_path: Path
 ) -> None:
     with make_cluster(nanny=True, n_workers=1) as cluster, Client(cluster) as client:
         [address] = client.scheduler_info()["workers"]
-        crash = client.submit(say_and_crash)  # (held: a future dropped is released)
+        go = tmp_path / "go"
+        crash = client.submit(say_and_crash, str(go))  # (held: a future dropped is released)
         r = redis.Redis.from_url(redis_url)
         stream = Keys(cluster_name).worker_logs(address)
+        poll(lambda: any(rec.message.startswith("caught") for rec in logship.read(r, stream)))
+        go.touch()
 
         def output() -> list[logship.LogRecord]:
             return [rec for rec in logship.read(r, stream) if rec.level == "OUTPUT"]
@@ -150,6 +160,10 @@ def test_what_a_worker_prints_and_its_crash_dump_reach_its_stream_through_its_na
         assert "printed by the task" in messages
         assert "Fatal Python error: Segmentation fault" in messages
         assert all(rec.process == "worker worker-0" for rec in output())
+        # the logged traceback is in its record, and not shipped again as output
+        [caught] = [rec for rec in logship.read(r, stream) if rec.message.startswith("caught")]
+        assert "KeyError: 'logged with its traceback'" in caught.message
+        assert not [m for m in messages if "logged with its traceback" in m or "Traceback" in m]
         crash.cancel()  # (it would kill its next workers too)
 
 

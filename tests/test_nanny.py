@@ -22,6 +22,7 @@ from tasklib import allocate_forever
 
 from redisdask import Client, KilledWorker
 from redisdask.nanny.deaths import WorkerExit, classify
+from redisdask.nanny.output import OutputLines
 from redisdask.store.codecs import unpack
 from redisdask.store.keyspace import Keys
 
@@ -417,3 +418,26 @@ def test_a_worker_killed_just_after_it_registered_is_named_to_the_scheduler(
         assert stalled not in workers_of(redis_url, cluster_name)  # removed with its death
         assert client.submit(inc, 1).result(timeout=30) == 2  # not pushed to the dead one
         assert first != stalled and cluster.worker_processes[0].poll() is None
+
+
+def test_the_lines_of_a_logged_traceback_belong_to_its_record_not_to_the_output() -> None:
+    lines = OutputLines()
+    worker_output = [
+        ("2026-11-28 12:00:00,000 ERROR   worker w[1] user: caught", False),
+        ("Traceback (most recent call last):", False),
+        ('  File "t.py", line 1, in f', False),
+        ("    raise KeyError(1)", False),
+        ("KeyError: 1", False),
+        ("", False),
+        ("During handling of the above exception, another exception occurred:", False),
+        ("", False),
+        ("Traceback (most recent call last):", False),
+        ('  File "t.py", line 3, in f', False),
+        ("ValueError: 2", False),
+        ("printed by a task", True),
+        ("Traceback (most recent call last):", True),  # printed, not logged: output
+        ('  File "t.py", line 1, in g', True),
+        ('{"time": "2026-11-28T12:00:00", "level": "INFO"}', False),
+        ("Fatal Python error: Segmentation fault", True),
+    ]
+    assert [lines.is_output(line) for line, _ in worker_output] == [o for _, o in worker_output]
