@@ -245,7 +245,10 @@ class Nanny:
         # its address is known (its records it ships itself)
         self.output_lines = OutputLines()
         self.output = logship.RedisLogHandler(
-            self.redis_url, maxlen=self.retention.logs, ttl=self.retention.logs_ttl
+            self.redis_url,
+            maxlen=self.retention.logs,
+            ttl=self.retention.logs_ttl,
+            max_bytes=self.retention.logs_bytes,
         )
         self.process = process = await asyncio.create_subprocess_exec(
             *args,

@@ -375,7 +375,8 @@ class RetentionConfig(Section):
     story: Annotated[int, Field(gt=0)] = 5_000  # scheduler story entries (<= 100 transitions)
     worker_story: Annotated[int, Field(gt=0)] = 500  # per worker, entries of <= 100 lines
     worker_story_ttl: Seconds = 3600.0  # how long a departed worker's story is kept
-    logs: Annotated[int, Field(gt=0)] = 10_000  # log records per process stream
+    logs: Annotated[int, Field(ge=0)] = 10_000  # log records per process stream; 0: none
+    logs_bytes: Annotated[int, Field(gt=0)] = 4_000_000  # and their bytes, at most (about)
     logs_ttl: Seconds = 86_400.0  # how long a process's logs are kept after its last record
 
 

@@ -183,6 +183,35 @@ def test_a_stream_keeps_its_last_records_and_expires_after_its_last_write(
         assert len(client.get_worker_logs()[address]) == 50
 
 
+def chatter(n: int, size: int) -> int:
+    for i in range(n):
+        logging.getLogger("user.task").warning("%d %s", i, "x" * size)
+    return n
+
+
+def test_a_chatty_task_keeps_its_stream_within_the_bytes_cap_and_0_ships_nothing(
+    redis_url: str, cluster_name: str, monkeypatch: pytest.MonkeyPatch, make_cluster: ClusterFactory
+) -> None:
+    monkeypatch.setenv("REDISDASK__RETENTION__LOGS_BYTES", "1000000")
+    r = redis.Redis.from_url(redis_url)
+    with make_cluster(nanny=False, n_workers=1) as cluster, Client(cluster) as client:
+        [address] = client.scheduler_info()["workers"]
+        stream = Keys(cluster_name).worker_logs(address)
+        client.submit(chatter, 2000, 8000).result(timeout=30)  # 16 MB of lines
+        poll(lambda: any(line.split()[-2:-1] == ["1999"] for line in lines_of(client, n=1)))
+        assert 100 <= r.xlen(stream) < 10_000  # fewer than retention.logs: the bytes cap
+        assert r.memory_usage(stream) < 1_300_000, r.memory_usage(stream)
+    monkeypatch.setenv("REDISDASK__RETENTION__LOGS", "0")
+    with make_cluster(nanny=False, n_workers=1) as cluster, Client(cluster) as client:
+        [address] = client.scheduler_info()["workers"]
+        assert client.submit(chatter, 10, 10).result(timeout=30) == 10
+        shippers = client.run(lambda: [h.maxlen for h in logging.getLogger().handlers
+                                       if isinstance(h, logship.RedisLogHandler)])  # fmt: skip
+        assert shippers == {address: [0]}  # inert: it ships nothing, runs no thread
+        assert client.get_worker_logs()[address] == []
+        assert not r.exists(Keys(cluster_name).worker_logs(address))
+
+
 @pytest.fixture
 def own_redis() -> Iterator[EmbeddedRedis]:
     with EmbeddedRedis() as server:

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 FLUSH_INTERVAL = 0.5  # seconds between writes of the buffer
 BUFFER = 10_000  # records waiting to be written, at most (the oldest go first)
 MAX_MESSAGE = 16_384  # bytes of one record's text (and traceback), at most
+ENTRY_OVERHEAD = 32  # bytes of a stream entry besides its message (id, field name, listpack)
 CLOSE_WAIT = 2.0  # seconds a process's exit waits for its last records to be written
 _PASSWORD = re.compile(r"(://[^/\s:@]*:)[^@\s/]+@")
 
@@ -92,6 +93,7 @@ class RedisLogHandler(logging.Handler):
         *,
         maxlen: int,
         ttl: float,
+        max_bytes: int = 4_000_000,
         stream: str | None = None,
         login: RedisConfig | None = None,
     ) -> None:
@@ -100,6 +102,8 @@ class RedisLogHandler(logging.Handler):
         self.login = login  # the ACL user: redis.username, redis.password
         self.stream = stream
         self.maxlen = maxlen
+        self.max_bytes = max_bytes
+        self._entry_bytes = 256.0  # the mean size of an entry written (a moving average)
         self.ttl_ms = int(ttl * 1000)
         self._buffer: collections.deque[dict[str, Any]] = collections.deque(maxlen=BUFFER)
         self._dropped = 0  # records Redis refused or the full buffer pushed out
@@ -107,7 +111,8 @@ class RedisLogHandler(logging.Handler):
         self._stopped = threading.Event()
         self._redis: redis.Redis | None = None
         self._thread = threading.Thread(target=self._run, name="rd-log-ship", daemon=True)
-        self._thread.start()
+        if maxlen:  # 0 (``retention.logs``): nothing shipped
+            self._thread.start()
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.name.startswith("redis.") or record.name == __name__:
@@ -140,6 +145,8 @@ class RedisLogHandler(logging.Handler):
         self._append({**entry, "m": redact_text(text)[:MAX_MESSAGE]})
 
     def _append(self, entry: dict[str, Any]) -> None:
+        if not self.maxlen:
+            return
         if len(self._buffer) == self._buffer.maxlen:
             self._dropped += 1
         self._buffer.append(entry)
@@ -153,7 +160,8 @@ class RedisLogHandler(logging.Handler):
         whose Redis is gone still exits at once), then stop."""
         self._stopped.set()
         self._wake.set()
-        self._thread.join(timeout=CLOSE_WAIT)
+        if self._thread.is_alive():
+            self._thread.join(timeout=CLOSE_WAIT)
         if self._redis is not None:
             self._redis.close()
         super().close()
@@ -178,8 +186,8 @@ class RedisLogHandler(logging.Handler):
                 self._redis = redis.Redis(connection_pool=pool.connection_pool)
             pipe = self._redis.pipeline(transaction=False)
             for entry in (*notes, *batch):
-                fields = {"m": codecs.pack(entry)}
-                pipe.xadd(self.stream, fields, maxlen=self.maxlen, approximate=False)
+                packed = codecs.pack(entry)
+                pipe.xadd(self.stream, {"m": packed}, maxlen=self._cap(packed), approximate=False)
             pipe.pexpire(self.stream, self.ttl_ms)
             pipe.execute()
         except Exception as exc:
@@ -189,6 +197,14 @@ class RedisLogHandler(logging.Handler):
                 self._buffer.extendleft(reversed(batch))
             return
         self._dropped = 0
+
+    def _cap(self, packed: bytes) -> int:
+        """How many entries the stream may keep: ``maxlen``, fewer when its entries are
+        big, so that it holds about ``max_bytes`` at most (by the mean size of what this
+        process wrote lately: a chatty task's long lines shorten the history, not
+        Redis's room).  At least 100, so that the newest lines are always there."""
+        self._entry_bytes += (len(packed) + ENTRY_OVERHEAD - self._entry_bytes) / 64
+        return max(min(self.maxlen, int(self.max_bytes / self._entry_bytes)), 100)
 
     def _note_of_drops(self) -> dict[str, Any]:
         return {
@@ -204,11 +220,13 @@ class RedisLogHandler(logging.Handler):
 
 def install(redis_url: str, config: Config, stream: str | None = None) -> None:
     """Ship this process's records (the root logger's) to ``stream`` from now on, as
-    ``config`` says (``retention.logs``, ``retention.logs-ttl``, the Redis login)."""
+    ``config`` says (``retention.logs``, ``-bytes``, ``-ttl``, the Redis login); with
+    ``retention.logs`` 0, nothing."""
     handler = RedisLogHandler(
         redis_url,
         maxlen=config.retention.logs,
         ttl=config.retention.logs_ttl,
+        max_bytes=config.retention.logs_bytes,
         stream=stream,
         login=config.redis,
     )
