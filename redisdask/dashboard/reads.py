@@ -29,6 +29,7 @@ from redisdask.store.keyspace import Keys
 Params = dict[str, str]
 TASK_STREAM_WINDOW = 60.0  # seconds of runs on the task stream
 TASK_STREAM_RUNS = 2000  # the newest runs drawn, at most
+STORY_ENTRIES = 20  # story entries read per worker for it (<= 100 rows each)
 LOG_LINES = 200  # records on a logs fragment (the stream keeps up to retention.logs)
 STORY_ROWS = 100  # rows of a worker's story on its page
 DEATHS = 100  # death records on the deaths page
@@ -58,7 +59,9 @@ def task_stream(r: redis.Redis, keys: Keys, params: Params) -> dict[str, Any]:
         for a, i in r.hgetall(keys.workers).items()
     }
     workers = sorted(names, key=lambda a: (names[a], a))
-    runs = read_task_stream(r, keys, start=start, workers=workers, count=TASK_STREAM_RUNS)
+    runs = read_task_stream(
+        r, keys, start=start, workers=workers, count=TASK_STREAM_RUNS, entries=STORY_ENTRIES
+    )
     lanes = {w: i for i, w in enumerate(workers)}
     bars = []
     for run in runs:

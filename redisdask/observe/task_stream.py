@@ -29,21 +29,27 @@ def read_task_stream(
     stop: float | None = None,
     count: int | None = None,
     workers: Iterable[str] | None = None,
+    entries: int | None = None,
 ) -> list[dict[str, Any]]:
     """The tasks that finished running between ``start`` and ``stop`` (epoch seconds;
     None: unbounded), oldest first, at most the last ``count``.  Each is a dict as in
     distributed: ``key``, ``worker``, ``status`` (``"OK"`` or ``"error"``) and
     ``startstops``, a tuple of ``{"action": "compute" | "transfer", "start", "stop"}``.
-    ``workers``: only theirs (one round trip), else every story Redis holds (a SCAN)."""
+    ``workers``: only theirs (one round trip), else every story Redis holds (a SCAN);
+    ``entries``: only the newest that many story entries of each (100 rows each, at most),
+    so that the read stays small however fast the workers go."""
     low = "-" if start is None else str(int(start * 1000))
     if workers is None:
         workers = _story_owners(r, keys)
     pipe = r.pipeline(transaction=False)
     for worker in workers:
-        pipe.xrange(keys.worker_story(worker), min=low)
+        if entries is None:
+            pipe.xrange(keys.worker_story(worker), min=low)
+        else:
+            pipe.xrevrange(keys.worker_story(worker), min=low, count=entries)
     tasks: list[dict[str, Any]] = []
-    for worker, entries in zip(workers, pipe.execute(), strict=True):
-        tasks.extend(_runs(worker, [row for _id, fields in entries for row in _rows(fields)]))
+    for worker, story in zip(workers, pipe.execute(), strict=True):
+        tasks.extend(_runs(worker, [row for _id, fields in story for row in _rows(fields)]))
     tasks = [
         t
         for t in tasks

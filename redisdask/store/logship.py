@@ -50,6 +50,7 @@ FLUSH_INTERVAL = 0.5  # seconds between writes of the buffer
 BUFFER = 10_000  # records waiting to be written, at most (the oldest go first)
 MAX_MESSAGE = 16_384  # bytes of one record's text (and traceback), at most
 ENTRY_OVERHEAD = 32  # bytes of a stream entry besides its message (id, field name, listpack)
+LISTPACK_BYTES = 4096  # Redis's stream-node-max-bytes: a longer entry gets a node of its own
 CLOSE_WAIT = 2.0  # seconds a process's exit waits for its last records to be written
 _PASSWORD = re.compile(r"(://[^/\s:@]*:)[^@\s/]+@")
 
@@ -203,8 +204,11 @@ class RedisLogHandler(logging.Handler):
         big, so that it holds about ``max_bytes`` at most (by the mean size of what this
         process wrote lately: a chatty task's long lines shorten the history, not
         Redis's room).  At least 100, so that the newest lines are always there."""
-        self._entry_bytes += (len(packed) + ENTRY_OVERHEAD - self._entry_bytes) / 64
-        return max(min(self.maxlen, int(self.max_bytes / self._entry_bytes)), 100)
+        size = len(packed) + ENTRY_OVERHEAD
+        if len(packed) > LISTPACK_BYTES:  # a node of its own, rounded up by the allocator
+            size = size * 5 // 4
+        self._entry_bytes += (size - self._entry_bytes) / 64
+        return min(self.maxlen, max(int(self.max_bytes / self._entry_bytes), 100))
 
     def _note_of_drops(self) -> dict[str, Any]:
         return {
