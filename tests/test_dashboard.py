@@ -182,6 +182,9 @@ def test_the_status_page_shows_the_workers_and_moves_with_a_map_without_reloadin
         ran = {bar.get_attribute("data-worker") for bar in page.locator("rect.run").all()}
         assert ran == set(lanes)  # both ran some of the map
         page.screenshot(path=str(shots / "task-stream.png"), full_page=True)
+        page.goto(board.base + "/workers")
+        assert page.locator("tr.worker").count() == 2
+        page.screenshot(path=str(shots / "workers.png"), full_page=True)
         assert "did not answer" not in page.content() and "refused" not in page.content()
 
 
