@@ -34,6 +34,7 @@ from tasklib import allocate_forever
 from redisdask import Client, KilledWorker, LocalCluster
 from redisdask.deploy.embedded import EmbeddedRedis
 from redisdask.store.bootstrap import ensure_cluster
+from redisdask.store.codecs import pack
 from redisdask.store.keyspace import Keys
 
 pytestmark = pytest.mark.timeout(150)
@@ -322,6 +323,42 @@ def test_a_redis_that_goes_away_is_said_on_the_open_page_which_recovers_with_it(
         assert down["message"].startswith(f"cannot read cluster {cluster_name!r}")
         assert any(m["message"].startswith("reading cluster") for m in messages)
         assert not [m for m in messages if m["level"] == "ERROR"]  # a clean stop, page open
+
+
+def test_malformed_records_are_said_on_their_part_and_the_pages_go_on(
+    redis_url: str, cluster_name: str
+) -> None:
+    """Records of the wrong shape (a stranger's, an older version's) in every place a
+    page reads: each page answers, the part that cannot show a record says why."""
+    keys, r = Keys(cluster_name), redis.Redis.from_url(redis_url)
+    ensure_cluster(r, keys)
+    odd = {"worker": "tcp://x:9", "name": ["n"], "time": "noon", "executing": 5,
+           "processing": {"a": 1}, "evidence": "none", "kind": ["memory"],
+           "reason": {"x": 1}}  # fmt: skip
+    r.hset(keys.workers, mapping={"tcp://x:1": pack({"name": 5, "nthreads": "many"}),
+                                  "tcp://y:2": b"\xc1 not msgpack"})  # fmt: skip
+    r.hset(keys.heartbeats, "tcp://x:1", pack({"time": "then", "executing": 7, "rss": "big"}))
+    r.hset(keys.summary, mapping={"prefixes": pack({"inc": "lots"}), "finished": b"\xc1"})
+    well = {"worker": "tcp://ok:1", "name": "fine", "kind": "memory", "reason": "too big"}
+    for stream, entry in (
+        (keys.deaths, pack(well)),
+        (keys.deaths, pack(odd)),
+        (keys.deaths, b"\xc1"),
+        (keys.events, pack({"kind": 5, "time": None})),
+        (keys.worker_logs("tcp://x:9"), pack({"t": "x", "l": 1})),
+        (keys.worker_story("tcp://x:1"), pack([[1, 2, 3], "row"])),
+    ):
+        r.xadd(stream, {"m": entry})
+    r.hset(keys.task("k"), mapping={"state": "5", "deps": b"\xc1", "who_has": b"\xc1"})
+    with dashboard(redis_url, cluster_name) as board:
+        for path in ("/status", "/task-stream", "/workers", "/deaths", "/events",
+                     "/worker?w=tcp://x:9", "/worker?w=tcp://x:1", "/task?key=k",
+                     "/logs?w=tcp://x:9", "/api/deaths", "/api/worker?w=tcp://x:9"):  # fmt: skip
+            status, body, _ = board.get(path)
+            assert status == 200, (path, body)
+            assert "Redis is malformed" not in body, (path, body)  # odd fields left out
+        assert "too big" in board.get("/deaths")[1]  # beside the odd record
+        assert board.process.poll() is None
 
 
 def test_local_cluster_starts_a_dashboard_and_the_client_links_to_it(

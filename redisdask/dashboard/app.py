@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -59,6 +60,8 @@ from redisdask.utils.sizes import format_bytes
 logger = logging.getLogger("redisdask.dashboard")
 
 COOKIE = "redisdask_dashboard"
+# what reading or showing a record of an unexpected shape raises
+MALFORMED = (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError)
 # a fragment's parameters, the only query parameters a page passes on to it
 PARAMS = ("w", "key", "nanny")
 SECURITY_HEADERS = {
@@ -124,6 +127,8 @@ class Renderer:
             return cached[1]
         try:
             context = reads.FRAGMENTS[name](self.r, self.keys, params)
+        except MALFORMED as exc:
+            context = {"error": _malformed(name, params, exc)}
         except (redis.RedisError, OSError) as exc:
             context = {"error": _redis_error(exc, self.url)}
             if self._down is None:  # once per outage, not at every rendering
@@ -133,12 +138,19 @@ class Renderer:
             if self._down is not None:
                 logger.info("reading cluster %r again", self.keys.cluster)
             self._down = None
-        template = self.env.get_template(f"fragments/{name}.html")
-        html = template.render(params=params, now=time.time(), **context)
+        html = self._render(name, params, context)
         if len(self._cache) > 1000:  # one entry per fragment and parameters viewed
             self._cache.clear()
         self._cache[cache_key] = (now, html)
         return html
+
+    def _render(self, name: str, params: reads.Params, context: dict[str, Any]) -> str:
+        template = self.env.get_template(f"fragments/{name}.html")
+        try:
+            return template.render(params=params, now=time.time(), **context)
+        except MALFORMED as exc:
+            error = _malformed(name, params, exc)
+            return self.env.get_template("fragments/error.html").render(error=error)
 
     def page(self, name: str, params: reads.Params) -> str:
         page = PAGES[name]
@@ -155,6 +167,13 @@ class Renderer:
         )
 
 
+def _malformed(name: str, params: reads.Params, exc: Exception) -> str:
+    """A record a stranger (or another version) wrote, of a shape this part cannot show:
+    the part says so, the rest of the page and the dashboard go on."""
+    logger.warning("cannot show %s %s: a malformed record in Redis (%r)", name, params, exc)
+    return f"cannot show this: a record in Redis is malformed ({exc!r})"
+
+
 def _redis_error(exc: Exception, url: str) -> str:
     if isinstance(exc, redis.exceptions.NoPermissionError):
         return (
@@ -165,7 +184,8 @@ def _redis_error(exc: Exception, url: str) -> str:
 
 
 def _bytes(n: Any) -> str:
-    return format_bytes(int(n)) if isinstance(n, int | float) and n == n else "-"
+    ok = isinstance(n, int | float) and not isinstance(n, bool) and math.isfinite(n)
+    return format_bytes(int(n)) if ok else "-"
 
 
 def _pct(part: Any, whole: Any) -> float:

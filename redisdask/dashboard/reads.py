@@ -97,6 +97,10 @@ def worker(r: redis.Redis, keys: Keys, params: Params) -> dict[str, Any]:
     tasks it was running, its story and, for a dead one, its death record."""
     who = params.get("w", "")
     found = inspect.read_worker(r, keys, who, story=STORY_ROWS, data=False)
+    if found is not None:
+        found["death"] = _death(found["death"]) if found["death"] else None
+        found["last_heartbeat"] = _shaped(found["last_heartbeat"], BEAT)
+        found["info"] = found["info"] if isinstance(found["info"], dict) else {}
     return {"who": who, "worker": found}
 
 
@@ -120,7 +124,7 @@ def logs(r: redis.Redis, keys: Keys, params: Params) -> dict[str, Any]:
 
 def deaths(r: redis.Redis, keys: Keys, params: Params) -> dict[str, Any]:
     """The newest death records, with their reasons, memory and running tasks."""
-    return {"deaths": inspect.read_deaths(r, keys, limit=DEATHS)}
+    return {"deaths": [_death(d) for d in inspect.read_deaths(r, keys, limit=DEATHS)]}
 
 
 def events(r: redis.Redis, keys: Keys, params: Params) -> dict[str, Any]:
@@ -133,6 +137,36 @@ def task(r: redis.Redis, keys: Keys, params: Params) -> dict[str, Any]:
     """One task: state, error and traceback, dependencies, story, its runs' log lines."""
     key = params.get("key", "")
     return {"task": inspect.read_task(r, keys, key, dependents=False) if key else None}
+
+
+# the fields a page shows of a death record and of a heartbeat, and their types: a value
+# of another type (a stranger's record, another version's) is shown as missing
+Number = (int, float)
+DEATH = {"time": Number, "worker": str, "name": str, "how": str, "kind": str, "reason": str,
+         "executing": list, "processing": list, "evidence": dict}  # fmt: skip
+EVIDENCE = {"rss": Number, "memory_limit": Number, "exit_code": int, "signal": str,
+            "traceback": str, "log_tail": list, "last_heartbeat": dict}  # fmt: skip
+BEAT = {"time": Number, "status": str, "executing": list, "n_executing": int, "ready": int,
+        "in_memory": int, "rss": Number, "managed": Number, "unmanaged": Number,
+        "spilled": Number, "memory_limit": Number}  # fmt: skip
+
+
+def _shaped(record: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    """``record`` (a dict, else empty) without the listed fields of the wrong type."""
+    if not isinstance(record, dict):
+        return {}
+    return {
+        k: v
+        for k, v in record.items()
+        if k not in fields or (isinstance(v, fields[k]) and not isinstance(v, bool))
+    }
+
+
+def _death(record: dict[str, Any]) -> dict[str, Any]:
+    death = _shaped(record, DEATH)
+    death["evidence"] = evidence = _shaped(death.get("evidence"), EVIDENCE)
+    evidence["last_heartbeat"] = _shaped(evidence.get("last_heartbeat"), BEAT)
+    return death
 
 
 FRAGMENTS: dict[str, Callable[[redis.Redis, Keys, Params], dict[str, Any]]] = {

@@ -396,8 +396,10 @@ def read_worker(
         death = found[0]
         address = str(death.get("worker"))
     beat = codecs.unpack_or(r.hget(keys.heartbeats, address), {}, dict)
-    if death is not None:
-        beat = (death.get("evidence") or {}).get("last_heartbeat") or {}
+    if death is not None:  # (a stranger's record may hold anything)
+        evidence = death.get("evidence")
+        beat = evidence.get("last_heartbeat") if isinstance(evidence, dict) else None
+        beat = beat if isinstance(beat, dict) else {}
     return {
         "address": address,
         "alive": death is None,
