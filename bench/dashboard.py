@@ -14,9 +14,17 @@ server-sent-event readers of ``/live/<fragment>``, as an open browser tab is:
    death record in Redis, and to the deaths page's stream showing it (median of
    ``--deaths`` kills);
 4. ``log-cap``: Redis bytes of one worker's log stream at its caps (``MEMORY USAGE``):
-   10,000 records of a typical line, and a chatty task's 16 KiB lines at the 4 MB cap.
+   10,000 records of a typical line, and a chatty task's 16 KiB lines at the 4 MB cap;
+5. ``shipping``: tasks/s of a 10,000-task map whose every task logs a warning, with the
+   records shipped to Redis and with ``retention.logs: 0`` (none shipped), alternating,
+   2 workers, fresh clusters (median of ``--repeats``);
+6. ``scale``: seconds to read and render each page's parts (median of 5, no cache) on a
+   cluster written into Redis as 100 workers (their heartbeats and stories), 100 task
+   prefixes and then 1,000,000 task records: a page must cost the same with and without
+   them (no process runs: the records are what a page reads).
 
-    python bench/dashboard.py [--workers 8] [--seconds 10] [--deaths 5] [--json out.json]
+    python bench/dashboard.py [--workers 8] [--seconds 10] [--deaths 5] [--repeats 3]
+                              [--only NAME ...] [--json out.json]
 
 Needs ``pip install -e '.[dashboard]'``.  The machine is shared and noisy: quote medians.
 Log shipping's cost on throughput is measured by ``bench/throughput.py`` run with
@@ -41,9 +49,10 @@ import redis
 import uvicorn
 
 from redisdask import Client, LocalCluster
-from redisdask.dashboard.app import build_app
+from redisdask.dashboard.app import Renderer, build_app
 from redisdask.deploy.embedded import EmbeddedRedis
 from redisdask.store import logship
+from redisdask.store.codecs import pack
 from redisdask.store.keyspace import Keys
 
 PAGES = ("status", "task-stream", "workers", "deaths", "events", "logs")
@@ -209,19 +218,120 @@ def log_cap_bytes(url: str) -> dict[str, Any]:
     return out
 
 
+def log_inc(x: int) -> int:
+    logging.getLogger("bench.task").warning("task %d ran", x)
+    return x + 1
+
+
+def shipping_cost(url: str, repeats: int) -> dict[str, Any]:
+    rates: dict[str, list[float]] = {"shipped": [], "not shipped": []}
+    for _ in range(repeats):
+        for mode in rates:
+            os.environ["REDISDASK__RETENTION__LOGS"] = "0" if mode == "not shipped" else "10000"
+            with (
+                LocalCluster(n_workers=2, nanny=False, redis_url=url) as cluster,
+                Client(cluster) as client,
+            ):
+                client.gather(client.map(log_inc, range(1000), pure=False))  # warm-up
+                start = time.perf_counter()
+                client.gather(client.map(log_inc, range(10_000), pure=False))
+                rates[mode].append(10_000 / (time.perf_counter() - start))
+            print(f"map of 10,000 logging tasks, records {mode}: {rates[mode][-1]:.0f} tasks/s")
+    os.environ.pop("REDISDASK__RETENTION__LOGS")
+    out = {mode: round(statistics.median(v)) for mode, v in rates.items()}
+    out["ratio"] = round(out["shipped"] / out["not shipped"], 3)
+    return out
+
+
+def synthetic_cluster(r: redis.Redis, keys: Keys, workers: int, prefixes: int) -> None:
+    """Workers, heartbeats, stories and a summary as a running cluster writes them."""
+    now = time.time()
+    pipe = r.pipeline(transaction=False)
+    for i in range(workers):
+        address = f"tcp://10.0.{i // 250}.{i % 250}:40000"
+        info = {"address": address, "name": f"worker-{i}", "host": "h", "pid": i,
+                "nthreads": 4, "memory_limit": 8e9, "nanny": 1, "restarts": 0}  # fmt: skip
+        beat = {"time": now, "executing": [f"inc-{i}"], "n_executing": 4, "ready": 10,
+                "in_memory": 5000, "cpu": 350.0, "managed": 2e9, "spilled": 0,
+                "rss": 3e9, "unmanaged": 1e9, "memory_limit": 8e9, "status": "running"}  # fmt: skip
+        pipe.hset(keys.workers, address, pack(info))
+        pipe.hset(keys.heartbeats, address, pack(beat))
+        for entry in range(20):
+            rows = [[now - 30 + entry + k / 100, f"p{k % prefixes}-{i}-{entry}-{k}",
+                     "ready" if k % 2 == 0 else "executing",
+                     "executing" if k % 2 == 0 else "memory", "s"] for k in range(100)]  # fmt: skip
+            pipe.xadd(keys.worker_story(address), {"m": pack(rows)})
+    counts = {
+        f"p{k}": {"memory": 10_000, "processing": 50, "queued": 1000} for k in range(prefixes)
+    }
+    pipe.hset(keys.summary, mapping={"prefixes": pack(counts), "time": now})
+    pipe.execute()
+
+
+def million_tasks(r: redis.Redis, keys: Keys, n: int) -> None:
+    for start in range(0, n, 20_000):
+        pipe = r.pipeline(transaction=False)
+        batch = [f"p{i % 100}-{i}" for i in range(start, min(start + 20_000, n))]
+        for key in batch:
+            pipe.hset(keys.task(key), mapping={"state": "memory", "deps": b"", "nbytes": 8})
+        pipe.sadd(keys.tasks, *batch)
+        pipe.execute()
+
+
+def render_times(url: str, cluster: str) -> dict[str, float]:
+    renderer = Renderer(redis.Redis.from_url(url), Keys(cluster), url, ttl=0.0)
+    parts: dict[str, dict[str, str]] = {
+        "status": {}, "task-stream": {}, "workers": {}, "deaths": {}, "events": {},
+        "worker": {"w": "worker-7"}, "logs": {"w": "worker-7"}, "task": {"key": "p7-7"},
+    }  # fmt: skip
+    out = {}
+    for name, params in parts.items():
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            html = renderer.fragment(name, params)
+            times.append(time.perf_counter() - start)
+        assert "did not answer" not in html and "malformed" not in html, html[:300]
+        out[name] = round(statistics.median(times), 4)
+    return out
+
+
+def scale(url: str) -> dict[str, Any]:
+    r = redis.Redis.from_url(url)
+    keys = Keys("scale")
+    r.hset(keys.meta, "schema_version", 1)
+    synthetic_cluster(r, keys, workers=100, prefixes=100)
+    before = render_times(url, "scale")
+    print(f"100 workers, no tasks: seconds per part {before}", flush=True)
+    million_tasks(r, keys, 1_000_000)
+    after = render_times(url, "scale")
+    print(f"100 workers, 1,000,000 tasks: seconds per part {after}", flush=True)
+    return {"no tasks": before, "1,000,000 tasks": after}
+
+
+SCENARIOS = ("commands", "death", "log-cap", "shipping", "scale")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--deaths", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", nargs="+", choices=SCENARIOS, default=SCENARIOS)
     parser.add_argument("--json")
     args = parser.parse_args()
-    with EmbeddedRedis() as server:
-        results = {
-            "commands": command_rates(server.url, args.workers, args.seconds),
-            "death": death_times(server.url, args.deaths),
-            "log_cap": log_cap_bytes(server.url),
-        }
+    runs = {
+        "commands": lambda url: command_rates(url, args.workers, args.seconds),
+        "death": lambda url: death_times(url, args.deaths),
+        "log-cap": log_cap_bytes,
+        "shipping": lambda url: shipping_cost(url, args.repeats),
+        "scale": scale,
+    }
+    results = {}
+    for name in args.only:
+        with EmbeddedRedis() as server:  # a Redis of its own each: nothing left over
+            results[name] = runs[name](server.url)
     print(json.dumps(results, indent=2))
     if args.json:
         with open(args.json, "w") as f:
