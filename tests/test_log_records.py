@@ -245,3 +245,32 @@ def test_a_full_redis_costs_the_records_never_the_process_and_says_how_many(
     finally:
         log.removeHandler(handler)
         handler.close()
+
+
+def test_records_logged_while_redis_is_away_wait_and_arrive_when_it_is_back(
+    own_redis: EmbeddedRedis,
+) -> None:
+    """A Redis that is away costs no record (up to the buffer's 10,000) and never holds
+    up the logging call; the local log (stderr) is another handler, untouched."""
+    r = own_redis.client()
+    handler = logship.RedisLogHandler(own_redis.url, maxlen=1000, ttl=60, stream="s")
+    log = logging.getLogger("test.away")
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        log.warning("before")
+        poll(lambda: r.xlen("s") == 1, timeout=10)
+        own_redis.kill()  # the data dir stays for the start below
+        start = time.monotonic()
+        for i in range(50):
+            log.warning("while away %d", i)
+        assert time.monotonic() - start < 1.0  # (emit only buffers)
+        own_redis.start()  # the same port
+        r = own_redis.client()
+        poll(lambda: r.xlen("s") == 51, timeout=20)
+        messages = [record.message for record in logship.read(r, "s")]
+        assert messages == ["before"] + [f"while away {i}" for i in range(50)]
+        assert handler._dropped == 0
+    finally:
+        log.removeHandler(handler)
+        handler.close()
