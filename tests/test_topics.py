@@ -4,15 +4,24 @@ client and from a task's worker, ``get_events``, ``subscribe_topic`` /
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import signal
 import threading
+import time
+from collections.abc import Callable
 
 import pytest
 from conftest import ClusterFactory
 from polling import poll
 
 from redisdask import Client, get_worker
+from redisdask.client.events import Subscriptions
+from redisdask.config import load_config
+from redisdask.deploy.embedded import EmbeddedRedis
+from redisdask.store import topics
+from redisdask.store.keyspace import Keys
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -80,3 +89,42 @@ def test_a_workers_death_is_an_event_of_the_cluster_topic_with_its_reason(
         [died] = [d for d in deaths if d.get("kind") == "worker-died"]
         assert died["worker"] == address and died["reason"]
         assert any(e[1].get("kind") == "worker-died" for e in client.get_events("cluster"))
+
+
+def test_a_subscription_outlives_a_redis_that_goes_away_and_says_so_once(
+    cluster_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The reader of the subscribed topics waits out a Redis that went away, saying so
+    once, and hands over what is logged once it is back."""
+    caplog.set_level(logging.INFO, logger="redisdask")
+    with EmbeddedRedis() as server:
+        keys = Keys(cluster_name)
+        got: list[object] = []
+
+        async def run() -> None:
+            subscriptions = Subscriptions(server.url, keys, load_config(), timeout=5.0)
+            subscriptions.add("t", lambda event: got.append(event[1]), "0-0")
+            r = server.client()
+            for command in topics.commands(keys, "t", {"n": 1}, maxlen=100):
+                r.execute_command(*command)
+            await wait_for(lambda: got == [{"n": 1}])
+            server.kill()  # the data dir stays for the start below
+            await wait_for(lambda: "reading the subscribed topics failed" in caplog.text)
+            await asyncio.sleep(1.5)  # not a synchronisation: 3 failed reads, one warning
+            server.start()  # the same port
+            r = server.client()
+            for command in topics.commands(keys, "t", {"n": 2}, maxlen=100):
+                r.execute_command(*command)
+            await wait_for(lambda: got == [{"n": 1}, {"n": 2}])
+            await subscriptions.close()
+
+        asyncio.run(run())
+    assert caplog.text.count("reading the subscribed topics failed") == 1
+    assert "reading the subscribed topics again" in caplog.text
+
+
+async def wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"condition not met within {timeout} s"
+        await asyncio.sleep(0.01)

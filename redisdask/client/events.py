@@ -65,15 +65,21 @@ class Subscriptions:
             self._redis = connect_async(
                 self.redis_url, timeout=self.timeout, config=self.config.redis
             )
+        away = False
         while self.handlers:
             by_stream = {topics.stream(self.keys, t): t for t in self.handlers}
             ids = {s: self.last[t] for s, t in by_stream.items()}
             try:
                 reply = await self._redis.xread(ids, block=BLOCK_MS, count=100)
-            except Exception as exc:  # Redis away: say so, wait, read on
-                logger.warning("reading the subscribed topics failed: %s; trying again", exc)
+            except Exception as exc:  # Redis away: say so once, wait, read on
+                if not away:
+                    logger.warning("reading the subscribed topics failed: %s; retrying", exc)
+                away = True
                 await asyncio.sleep(0.5)
                 continue
+            if away:
+                logger.info("reading the subscribed topics again")
+                away = False
             for name, entries in reply or []:
                 topic = by_stream.get(name.decode() if isinstance(name, bytes) else name)
                 if topic is None or topic not in self.handlers:
