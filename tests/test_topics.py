@@ -91,6 +91,27 @@ def test_a_workers_death_is_an_event_of_the_cluster_topic_with_its_reason(
         assert any(e[1].get("kind") == "worker-died" for e in client.get_events("cluster"))
 
 
+def fail(x: int) -> int:
+    raise ValueError(f"no {x}")
+
+
+def test_a_task_that_raised_is_an_event_of_the_cluster_topic(
+    make_cluster: ClusterFactory,
+) -> None:
+    with make_cluster(nanny=False, n_workers=1) as cluster, Client(cluster) as client:
+        erred: list[dict] = []
+        client.subscribe_topic("cluster", lambda e: erred.append(e[1]))
+        [address] = client.scheduler_info()["workers"]
+        future = client.submit(fail, 7)
+        dependent = client.submit(str, future)
+        with pytest.raises(ValueError):
+            dependent.result(timeout=20)
+        poll(lambda: any(d.get("kind") == "task-erred" for d in erred), timeout=20)
+        [event] = [e[1] for e in client.get_events("cluster") if e[1]["kind"] == "task-erred"]
+        assert event["key"] == future.key and event["worker"] == address  # not its dependent
+        assert event["exception"] == "ValueError: no 7"
+
+
 def test_a_subscription_outlives_a_redis_that_goes_away_and_says_so_once(
     cluster_name: str, caplog: pytest.LogCaptureFixture
 ) -> None:

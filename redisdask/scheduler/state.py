@@ -894,6 +894,8 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         ts.exception_text, ts.traceback_text = ev.exception_text, ev.traceback_text
         ts.erred_on = ev.worker
         self._transition(ts, "erred", stimulus_id=ev.stimulus_id)
+        fields = {"key": ts.key, "worker": ev.worker, "exception": ev.exception_text[:500]}
+        self._emit(LogEvent(ev.stimulus_id, "task-erred", fields))
 
     def _handle_missing_data(self, ev: MissingData) -> None:
         for key in ev.keys:

@@ -18,6 +18,9 @@ worker-left          worker, name, reason (it closed or retired on its own)     
 worker-died          worker, name, how, cause (the death's kind: memory, signal,  scheduler,
                      ...), reason, rss, memory_limit, restarted (the full        nanny
                      record is on ``rd:{c}:deaths``)
+task-erred           key, worker, exception (its text, at most 500 characters):  scheduler
+                     a task that raised on a worker (not the dependents that
+                     inherit its error, nor a retried run)
 killed-worker        key, workers (the task erred with KilledWorker)             scheduler
 lost-claim           key, worker (processing there, but the worker does not      scheduler
                      have it: its claim's reply was lost; queued again)
@@ -87,6 +90,8 @@ def describe(event: dict[str, Any]) -> str:
         )
     if kind == "spill-failed":
         return spill_failed(event)
+    if kind == "task-erred":
+        return f"{event.get('key')} erred on {who}: {event.get('exception')}"
     if kind == "killed-worker":
         workers = event.get("workers") or []
         return f"KilledWorker: {event.get('key')} was running on {len(workers)} workers that died"
