@@ -232,6 +232,7 @@ def test_a_worker_killed_by_a_memory_bomb_shows_on_the_deaths_page_with_its_logs
         page.screenshot(path=str(shots / "worker-dead.png"), full_page=True)
         page.goto(board.base + "/events")
         page.wait_for_selector("tr.event.worker-died")
+        assert page.locator("tr.event.worker-died a", has_text="view logs").count() == 1
         page.screenshot(path=str(shots / "events.png"), full_page=True)
     # the death reached the page within a few seconds of the client's KilledWorker
     assert shown_after < 5, shown_after
