@@ -315,6 +315,8 @@ def test_a_redis_that_goes_away_is_said_on_the_open_page_which_recovers_with_it(
             server.kill()  # the data dir stays for the start below
             page.wait_for_selector("p.error", timeout=15_000)
             assert "did not answer" in page.locator("p.error").inner_text()
+            status, body, _ = board.get("/api/status")
+            assert status == 503 and "did not answer" in json.loads(body)["error"]
             assert board.process.poll() is None
             server.start()  # the same port
             page.wait_for_selector("text=no workers", timeout=30_000)

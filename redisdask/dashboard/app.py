@@ -22,6 +22,7 @@ Safe by default:
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import math
@@ -125,24 +126,29 @@ class Renderer:
         cached = self._cache.get(cache_key)
         if cached is not None and now - cached[0] < self.ttl:
             return cached[1]
-        try:
-            context = reads.FRAGMENTS[name](self.r, self.keys, params)
-        except MALFORMED as exc:
-            context = {"error": _malformed(name, params, exc)}
-        except (redis.RedisError, OSError) as exc:
-            context = {"error": _redis_error(exc, self.url)}
-            if self._down is None:  # once per outage, not at every rendering
-                logger.warning("cannot read cluster %r: %s", self.keys.cluster, context["error"])
-            self._down = context["error"]
-        else:
-            if self._down is not None:
-                logger.info("reading cluster %r again", self.keys.cluster)
-            self._down = None
-        html = self._render(name, params, context)
+        html = self._render(name, params, self.context(name, params))
         if len(self._cache) > 1000:  # one entry per fragment and parameters viewed
             self._cache.clear()
         self._cache[cache_key] = (now, html)
         return html
+
+    def context(self, name: str, params: reads.Params) -> dict[str, Any]:
+        """What fragment ``name`` shows (``reads``), or ``{"error": why}`` when Redis
+        cannot be read or holds a record this part cannot show."""
+        try:
+            context = reads.FRAGMENTS[name](self.r, self.keys, params)
+        except MALFORMED as exc:
+            return {"error": _malformed(name, params, exc)}
+        except (redis.RedisError, OSError) as exc:
+            error = _redis_error(exc, self.url)
+            if self._down is None:  # once per outage, not at every rendering
+                logger.warning("cannot read cluster %r: %s", self.keys.cluster, error)
+            self._down = error
+            return {"error": error}
+        if self._down is not None:
+            logger.info("reading cluster %r again", self.keys.cluster)
+        self._down = None
+        return context
 
     def _render(self, name: str, params: reads.Params, context: dict[str, Any]) -> str:
         template = self.env.get_template(f"fragments/{name}.html")
@@ -232,7 +238,7 @@ def build_app(
         name = request.path_params["fragment"]
         if name not in reads.FRAGMENTS:
             return PlainTextResponse(f"no fragment {name!r}", status_code=404)
-        render = _bound(renderer.fragment, name, _params(request))
+        render = functools.partial(renderer.fragment, name, _params(request))
         return StreamingResponse(
             _events(request, render, interval, stopping),
             media_type="text/event-stream",
@@ -243,9 +249,9 @@ def build_app(
         name = request.path_params["fragment"]
         if name not in reads.FRAGMENTS:
             return PlainTextResponse(f"no fragment {name!r}", status_code=404)
-        read = reads.FRAGMENTS[name]
-        context = await run_in_threadpool(read, renderer.r, renderer.keys, _params(request))
-        return JSONResponse(reads.as_json(context))
+        context = await run_in_threadpool(renderer.context, name, _params(request))
+        status = 503 if "error" in context else 200
+        return JSONResponse(reads.as_json(context), status_code=status)
 
     routes = [
         Route("/", lambda _: RedirectResponse("/status")),
@@ -257,10 +263,6 @@ def build_app(
     ]
     middleware = [Middleware(_Guard, token=token)]
     return Starlette(routes=routes, middleware=middleware)
-
-
-def _bound(render: Callable[[str, reads.Params], str], name: str, params: reads.Params) -> Any:
-    return lambda: render(name, params)
 
 
 async def _events(
