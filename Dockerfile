@@ -6,7 +6,7 @@ COPY pyproject.toml README.md ./
 COPY redisdask ./redisdask
 COPY workers ./workers
 COPY nanny ./nanny
-RUN pip install --no-cache-dir . \
+RUN pip install --no-cache-dir '.[dashboard]' \
     && useradd --create-home --uid 1000 redisdask \
     && mkdir -p /scratch && chown redisdask /scratch
 USER redisdask

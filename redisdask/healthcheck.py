@@ -6,7 +6,8 @@ Exit 0 when healthy, 1 (with the reason on stderr) when not:
   while the cluster is led, by it or by the other);
 * ``worker``: a worker on this host (``socket.gethostname()``: the container) has sent a
   heartbeat within ``scheduler.worker-ttl``;
-* ``exporter [PORT]``: the exporter on this host answers ``/metrics`` (default port 9649).
+* ``exporter [PORT]``: the exporter on this host answers ``/metrics`` (default port 9649);
+* ``dashboard [PORT]``: the dashboard on this host answers ``/health`` (default 8787).
 
 The Redis URL and cluster name come from the config and its environment variables
 (``REDISDASK__REDIS__URL``, ``REDISDASK__CLUSTER__NAME``), as for the processes checked.
@@ -26,7 +27,7 @@ from redisdask.store.connection import connect
 from redisdask.store.keyspace import Keys
 from redisdask.store.urls import redact
 
-EXPORTER_PORT = 9649
+HTTP_CHECKS = {"exporter": (9649, "/metrics"), "dashboard": (8787, "/health")}
 
 
 def check(role: str, snap: Snapshot, host: str, worker_ttl: float) -> str | None:
@@ -43,15 +44,16 @@ def check(role: str, snap: Snapshot, host: str, worker_ttl: float) -> str | None
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] not in ("scheduler", "worker", "exporter"):
-        print("usage: python -m redisdask.healthcheck scheduler|worker|exporter [PORT]",
-              file=sys.stderr)  # fmt: skip
+    if not args or args[0] not in ("scheduler", "worker", *HTTP_CHECKS):
+        print("usage: python -m redisdask.healthcheck scheduler|worker|exporter|dashboard "
+              "[PORT]", file=sys.stderr)  # fmt: skip
         return 2
     role = args[0]
     try:
-        if role == "exporter":
-            port = int(args[1]) if len(args) > 1 else EXPORTER_PORT
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+        if role in HTTP_CHECKS:
+            default, path = HTTP_CHECKS[role]
+            port = int(args[1]) if len(args) > 1 else default
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as answer:
                 return 0 if answer.status == 200 else 1
         config = load_config()
         r = connect(config.redis.address, timeout=config.redis.connect_timeout)

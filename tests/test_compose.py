@@ -41,10 +41,12 @@ def test_every_service_command_is_a_valid_redisdask_command() -> None:
         for name, s in services().items()
         if s.get("image", "").startswith("redisdask")
     }
-    assert set(commands) == {"scheduler", "scheduler-standby", "worker", "monitor", "exporter"}
+    assert set(commands) == {
+        "scheduler", "scheduler-standby", "worker", "monitor", "exporter", "dashboard"
+    }  # fmt: skip
     for name, command in commands.items():
         args = parser.parse_args(command)  # exits (SystemExit) on an unknown flag
-        assert args.command in ("scheduler", "worker", "monitor", "exporter"), name
+        assert args.command in ("scheduler", "worker", "monitor", "exporter", "dashboard"), name
         # the URL (with its password) comes from the environment, never the command line
         assert not [part for part in command if "redis://" in part], name
     monitor = services()["monitor"]
@@ -98,7 +100,7 @@ def test_hardened_redis_unpublished_healthchecks_init_and_an_exporter() -> None:
         assert check, name
         if name != "monitor":
             assert check["test"][0] in ("CMD", "CMD-SHELL"), name
-    for name in ("scheduler", "scheduler-standby", "worker", "exporter"):
+    for name in ("scheduler", "scheduler-standby", "worker", "exporter", "dashboard"):
         test = document["services"][name]["healthcheck"]["test"]
         assert test[1:4] == ["python", "-m", "redisdask.healthcheck"], name
     env = document["services"]["exporter"]["environment"]
@@ -106,6 +108,11 @@ def test_hardened_redis_unpublished_healthchecks_init_and_an_exporter() -> None:
     [published] = document["services"]["exporter"]["ports"]
     command = build_parser().parse_args(document["services"]["exporter"]["command"])
     assert published == f"127.0.0.1:{command.port}:{command.port}" and command.host == "0.0.0.0"
+    [published] = document["services"]["dashboard"]["ports"]
+    command = build_parser().parse_args(document["services"]["dashboard"]["command"])
+    assert published == f"127.0.0.1:{command.port}:{command.port}" and command.host == "0.0.0.0"
+    assert document["services"]["dashboard"]["healthcheck"]["test"][-1] == str(command.port)
+    assert "'.[dashboard]'" in (ROOT / "Dockerfile").read_text()
 
 
 def _unescaped(text: str) -> str:

@@ -301,6 +301,9 @@ def test_it_reads_as_the_monitor_user_refuses_writes_and_wants_its_token(
         assert refused.value.code == 405
         api = json.loads(board.get("/api/status", **bearer)[1])
         assert len(api["snap"]["workers"]) == 1
+        check = [sys.executable, "-m", "redisdask.healthcheck", "dashboard", str(board.port)]
+        assert subprocess.run(check, timeout=30).returncode == 0  # (no token: /health)
+    assert subprocess.run(check, timeout=30, capture_output=True).returncode == 1  # stopped
     assert not any(token in line for line in board.lines)  # never logged
 
 
