@@ -4,15 +4,20 @@ those).  Sans-I/O: lines in, a verdict out.
 
 A record in the text format may run over several lines: ``logger.exception`` appends
 the traceback.  Those lines belong to the record, which already carries its traceback,
-so they are not shipped a second time as output.
+so they are not shipped a second time as output.  Text cannot tell them from a traceback
+that a task prints itself (``traceback.print_exc()``) right after a record of the text
+format: that one is taken for the record's (the nanny's log file and the death record's
+tail still have it).  The JSON format has no such doubt.
 """
 
 from __future__ import annotations
 
 import re
 
-# a line that begins a log record (``utils.logs``: text or JSON)
-RECORD = re.compile(r'\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} |\{"time": ')
+# a line that begins a log record (``utils.logs``): in the text format, whose traceback
+# follows on the next lines, or a JSON line, which holds its own
+TEXT_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
+JSON_RECORD = re.compile(r'\{"time": ')
 _CHAINED = ("During handling of the above exception", "The above exception was the direct")
 
 
@@ -25,8 +30,11 @@ class OutputLines:
         self.state = "free"
 
     def is_output(self, line: str) -> bool:
-        if RECORD.match(line):
+        if TEXT_RECORD.match(line):
             self.state = "record"
+            return False
+        if JSON_RECORD.match(line):
+            self.state = "free"
             return False
         if self.state == "free":
             return True

@@ -253,3 +253,22 @@ def test_sentinels_without_a_service_are_refused_naming_both_keys() -> None:
             {"redis.url": "rediss://h:6380/0", "redis.sentinels": ["h:26379"],
              "redis.sentinel-service": "m"}, environ={},
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://u:hunter2@h:6379/0", "redis://u:***@h:6379/0"),
+        ("redis://:hunter2@h/0", "redis://:***@h/0"),
+        ("redis://h:6379/0?password=hunter2&db=1", "redis://h:6379/0?password=***&db=1"),
+        (
+            "redis://h/0?socket_timeout=5&Password=hunter2",
+            "redis://h/0?socket_timeout=5&Password=***",
+        ),
+        ("redis://h:6379/0", "redis://h:6379/0"),
+    ],
+)
+def test_redact_hides_a_password_in_the_address_or_the_query(url: str, shown: str) -> None:
+    from redisdask.store.urls import redact
+
+    assert redact(url) == shown

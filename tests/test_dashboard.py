@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -287,7 +288,10 @@ def test_it_reads_as_the_monitor_user_refuses_writes_and_wants_its_token(
         assert board.get("/status?token=wrong")[0] == 401
         status, body, headers = board.get("/status?token=" + token)
         assert status == 200 and 'tr class="worker"' in body
-        assert "HttpOnly" in headers["set-cookie"]
+        assert "HttpOnly" in headers["set-cookie"] and token in headers["set-cookie"]
+        cookie = {"Cookie": f"redisdask_dashboard={token}"}
+        status, _, headers = board.get("/status?token=wrong", **cookie)
+        assert status == 200 and "set-cookie" not in headers  # a wrong ?token= is not kept
         assert "script-src 'self'" in headers["content-security-policy"]
         bearer = {"Authorization": f"Bearer {token}"}
         for path in ("/workers", "/deaths", "/events", "/task-stream", "/logs?w=scheduler",
@@ -344,10 +348,14 @@ def test_malformed_records_are_said_on_their_part_and_the_pages_go_on(
     r.hset(keys.workers, mapping={"tcp://x:1": pack({"name": 5, "nthreads": "many"}),
                                   "tcp://y:2": b"\xc1 not msgpack"})  # fmt: skip
     r.hset(keys.heartbeats, "tcp://x:1", pack({"time": "then", "executing": 7, "rss": "big"}))
-    r.hset(keys.summary, mapping={"prefixes": pack({"inc": "lots"}), "finished": b"\xc1"})
+    r.hset(keys.heartbeats, "tcp://x:2", pack({"time": 1e18, "rss": float("nan")}))
+    prefixes = {"inc": "lots", "p\revent: boom\rretry: 99999": {"memory": 1}}  # a CR in a key
+    r.hset(keys.summary, mapping={"prefixes": pack(prefixes), "finished": b"\xc1"})
     well = {"worker": "tcp://ok:1", "name": "fine", "kind": "memory", "reason": "too big"}
+    far = {"worker": "tcp://x:2", "time": 1e18, "kind": "signal", "reason": "far"}
     for stream, entry in (
         (keys.deaths, pack(well)),
+        (keys.deaths, pack(far)),
         (keys.deaths, pack(odd)),
         (keys.deaths, b"\xc1"),
         (keys.events, pack({"kind": 5, "time": None})),
@@ -359,11 +367,22 @@ def test_malformed_records_are_said_on_their_part_and_the_pages_go_on(
     with dashboard(redis_url, cluster_name) as board:
         for path in ("/status", "/task-stream", "/workers", "/deaths", "/events",
                      "/worker?w=tcp://x:9", "/worker?w=tcp://x:1", "/task?key=k",
-                     "/logs?w=tcp://x:9", "/api/deaths", "/api/worker?w=tcp://x:9"):  # fmt: skip
+                     "/logs?w=tcp://x:9", "/api/deaths", "/api/worker?w=tcp://x:9",
+                     "/api/worker?w=tcp://x:2", "/api/status"):  # fmt: skip
             status, body, _ = board.get(path)
             assert status == 200, (path, body)
             assert "Redis is malformed" not in body, (path, body)  # odd fields left out
         assert "too big" in board.get("/deaths")[1]  # beside the odd record
+        # the live stream: a CR in the HTML starts no field of its own (only data lines)
+        with urllib.request.urlopen(board.base + "/live/status", timeout=10) as stream:
+            event = b""
+            while not event.endswith(b"\n\n"):
+                event += stream.read(1)
+        fields = re.split(r"\r\n|\r|\n", event.decode())[:-2]
+        assert fields[0] == "event: html" and fields[1:], fields[:3]
+        assert all(f.startswith("data: ") for f in fields[1:]), [
+            f for f in fields if not f.startswith("data: ")
+        ]
         assert board.process.poll() is None
 
 

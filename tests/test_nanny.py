@@ -438,6 +438,7 @@ def test_the_lines_of_a_logged_traceback_belong_to_its_record_not_to_the_output(
         ("Traceback (most recent call last):", True),  # printed, not logged: output
         ('  File "t.py", line 1, in g', True),
         ('{"time": "2026-11-28T12:00:00", "level": "INFO"}', False),
+        ("Traceback (most recent call last):", True),  # a JSON record holds its own
         ("Fatal Python error: Segmentation fault", True),
     ]
     assert [lines.is_output(line) for line, _ in worker_output] == [o for _, o in worker_output]

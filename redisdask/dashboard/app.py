@@ -5,7 +5,7 @@ A page is a frame around fragments (``templates/fragments/``).  The page renders
 fragment once, so it reads well without scripts; then ``static/dashboard.js`` opens an
 ``EventSource`` on ``/live/<fragment>`` and swaps in each new rendering, pushed only when
 it changed.  All viewers of one fragment share its reads: a rendering is cached for half
-the refresh interval, so ten open tabs cost Redis what one does.
+the refresh interval, so ten open tabs cost Redis at most twice what one does.
 
 Safe by default:
 
@@ -26,6 +26,7 @@ import functools
 import hmac
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -61,8 +62,9 @@ from redisdask.utils.sizes import format_bytes
 logger = logging.getLogger("redisdask.dashboard")
 
 COOKIE = "redisdask_dashboard"
+_LINE_BREAKS = re.compile(r"\r\n|\r|\n")  # what ends a line of an event stream
 # what reading or showing a record of an unexpected shape raises
-MALFORMED = (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError)
+MALFORMED = (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, OSError)
 # a fragment's parameters, the only query parameters a page passes on to it
 PARAMS = ("w", "key", "nanny")
 SECURITY_HEADERS = {
@@ -108,6 +110,7 @@ class Renderer:
         default_factory=dict
     )
     _down: str | None = None  # why Redis cannot be read, while it cannot
+    _warned: set[tuple[str, str]] = field(default_factory=set)  # malformed records said
 
     def __post_init__(self) -> None:
         self.env = Environment(
@@ -137,14 +140,14 @@ class Renderer:
         cannot be read or holds a record this part cannot show."""
         try:
             context = reads.FRAGMENTS[name](self.r, self.keys, params)
-        except MALFORMED as exc:
-            return {"error": _malformed(name, params, exc)}
-        except (redis.RedisError, OSError) as exc:
+        except (redis.RedisError, OSError) as exc:  # (before MALFORMED, which has OSError)
             error = _redis_error(exc, self.url)
             if self._down is None:  # once per outage, not at every rendering
                 logger.warning("cannot read cluster %r: %s", self.keys.cluster, error)
             self._down = error
             return {"error": error}
+        except MALFORMED as exc:
+            return {"error": self._malformed(name, params, exc)}
         if self._down is not None:
             logger.info("reading cluster %r again", self.keys.cluster)
         self._down = None
@@ -155,8 +158,19 @@ class Renderer:
         try:
             return template.render(params=params, now=time.time(), **context)
         except MALFORMED as exc:
-            error = _malformed(name, params, exc)
+            error = self._malformed(name, params, exc)
             return self.env.get_template("fragments/error.html").render(error=error)
+
+    def _malformed(self, name: str, params: reads.Params, exc: Exception) -> str:
+        """A record a stranger (or another version) wrote, of a shape this part cannot
+        show: the part says so (logged once per part and error), the rest goes on."""
+        seen = (name, repr(exc))
+        if seen not in self._warned:
+            if len(self._warned) > 1000:
+                self._warned.clear()
+            self._warned.add(seen)
+            logger.warning("cannot show %s %s: a malformed record in Redis (%r)", name, params, exc)
+        return f"cannot show this: a record in Redis is malformed ({exc!r})"
 
     def page(self, name: str, params: reads.Params) -> str:
         page = PAGES[name]
@@ -171,13 +185,6 @@ class Renderer:
             cluster=self.keys.cluster,
             url=self.url,
         )
-
-
-def _malformed(name: str, params: reads.Params, exc: Exception) -> str:
-    """A record a stranger (or another version) wrote, of a shape this part cannot show:
-    the part says so, the rest of the page and the dashboard go on."""
-    logger.warning("cannot show %s %s: a malformed record in Redis (%r)", name, params, exc)
-    return f"cannot show this: a record in Redis is malformed ({exc!r})"
 
 
 def _redis_error(exc: Exception, url: str) -> str:
@@ -276,7 +283,8 @@ async def _events(
         html = await run_in_threadpool(render)
         if html != last:
             last, quiet = html, 0.0
-            yield "event: html\n" + "".join(f"data: {line}\n" for line in html.split("\n")) + "\n"
+            lines = _LINE_BREAKS.split(html)  # each ends a field of the event stream
+            yield "event: html\n" + "".join(f"data: {line}\n" for line in lines) + "\n"
         elif (quiet := quiet + interval) >= 15:
             quiet = 0.0
             yield ": idle\n\n"
@@ -298,7 +306,8 @@ class _Guard:
         request = Request(scope)
         given = request.query_params.get("token")
         refusal = self._refusal(request, given)
-        remember = bool(self.token and given)  # a cookie, so links need not carry it
+        # a right ?token= is remembered in a cookie, so that links need not carry it
+        remember = self.token is not None and given is not None and self._matches(given)
 
         async def send_guarded(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -307,7 +316,7 @@ class _Guard:
                     headers[name] = value
                 if remember and refusal is None:
                     headers.append(
-                        "set-cookie", f"{COOKIE}={given}; Path=/; HttpOnly; SameSite=Strict"
+                        "set-cookie", f"{COOKIE}={self.token}; Path=/; HttpOnly; SameSite=Strict"
                     )
             await send(message)
 
@@ -325,9 +334,13 @@ class _Guard:
         header = request.headers.get("authorization", "")
         if header.lower().startswith("bearer "):
             offered.append(header[7:])
-        wanted = self.token.encode()
-        if any(o is not None and hmac.compare_digest(o.encode(), wanted) for o in offered):
+        if any(o is not None and self._matches(o) for o in offered):
             return None
         return PlainTextResponse(
             "this dashboard needs its token: open it once with ?token=<token>", status_code=401
         )
+
+    def _matches(self, offered: str) -> bool:
+        """In constant time (``hmac.compare_digest``)."""
+        assert self.token is not None
+        return hmac.compare_digest(offered.encode(errors="replace"), self.token.encode())

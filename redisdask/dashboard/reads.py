@@ -10,6 +10,7 @@ here, and nothing is ever unpickled: a task's error is the text its worker recor
 
 from __future__ import annotations
 
+import math
 import time
 import zlib
 from collections.abc import Callable
@@ -34,6 +35,8 @@ LOG_LINES = 200  # records on a logs fragment (the stream keeps up to retention.
 STORY_ROWS = 100  # rows of a worker's story on its page
 DEATHS = 100  # death records on the deaths page
 EVENTS = 200  # events on the events page
+STORY_SCAN = 1000  # newest entries of the scheduler's story searched for a task's page
+MALFORMED_EVENT = (TypeError, ValueError, KeyError, AttributeError, OverflowError)
 
 
 def status(r: redis.Redis, keys: Keys, params: Params) -> dict[str, Any]:
@@ -129,14 +132,23 @@ def deaths(r: redis.Redis, keys: Keys, params: Params) -> dict[str, Any]:
 
 def events(r: redis.Redis, keys: Keys, params: Params) -> dict[str, Any]:
     """The cluster's event log, newest first, one line each."""
-    found = inspect.read_events(r, keys, count=EVENTS)
-    return {"events": [(event, describe(event)) for event in found]}
+    newest_first = reversed(inspect.read_events(r, keys, count=EVENTS))
+    return {"events": [(event, _describe(event)) for event in newest_first]}
+
+
+def _describe(event: dict[str, Any]) -> str:
+    try:
+        return describe(event)
+    except MALFORMED_EVENT as exc:  # one stranger's event, not the whole list
+        return f"(an event this version cannot describe: {exc!r})"
 
 
 def task(r: redis.Redis, keys: Keys, params: Params) -> dict[str, Any]:
     """One task: state, error and traceback, dependencies, story, its runs' log lines."""
     key = params.get("key", "")
-    return {"task": inspect.read_task(r, keys, key, dependents=False) if key else None}
+    if not key:
+        return {"task": None}
+    return {"task": inspect.read_task(r, keys, key, dependents=False, newest=STORY_SCAN)}
 
 
 # the fields a page shows of a death record and of a heartbeat, and their types: a value
@@ -186,7 +198,7 @@ def as_json(context: dict[str, Any]) -> Any:
 
     def plain(value: Any) -> Any:
         if isinstance(value, Snapshot):
-            return value.to_dict()
+            return plain(value.to_dict())
         if isinstance(value, logship.LogRecord):
             return asdict(value)
         if isinstance(value, dict):
@@ -195,6 +207,10 @@ def as_json(context: dict[str, Any]) -> Any:
             return [plain(v) for v in value]
         if isinstance(value, bytes):
             return value.decode(errors="replace")
-        return value
+        if isinstance(value, float) and not math.isfinite(value):
+            return None  # (JSON has no nan nor infinity)
+        if value is None or isinstance(value, str | int | float):
+            return value
+        return str(value)  # what msgpack decodes to besides (a Timestamp, ...)
 
     return plain(context)

@@ -69,6 +69,7 @@ class LocalCluster:
     ) -> None:
         # checked before anything starts: a mistake is one clear error, not dead workers
         self.resources = parse_resources(resources, "LocalCluster(resources=...)")
+        dashboard = None if dashboard_address is None else _host_port(dashboard_address)
         self.security = security or Security.from_config()
         self.cluster_name = cluster_name or f"local-{uuid.uuid4().hex[:8]}"
         self.keys = Keys(self.cluster_name)
@@ -99,8 +100,8 @@ class LocalCluster:
             self.start_scheduler()
             for i in range(n_workers):
                 self.start_worker(name=f"worker-{i}")
-            if dashboard_address is not None:
-                self._start_dashboard(dashboard_address)
+            if dashboard is not None:
+                self._start_dashboard(*dashboard)
             self.wait_for_workers(n_workers, timeout=start_timeout)
             if self.dashboard_link is not None:
                 self._wait_for_dashboard(self.dashboard_link, start_timeout)
@@ -200,14 +201,8 @@ class LocalCluster:
         self.worker_processes.append(proc)
         return proc
 
-    def _start_dashboard(self, address: str) -> None:
-        """``redisdask dashboard`` on ``address`` (``host:port``; no host: loopback)."""
-        host, _, port_text = address.rpartition(":")
-        host = host.strip("[]") or "127.0.0.1"
-        try:
-            port = int(port_text or 8787)
-        except ValueError:
-            raise ValueError(f"dashboard_address={address!r}: not host:port") from None
+    def _start_dashboard(self, host: str, port: int) -> None:
+        """``redisdask dashboard`` on ``host:port``, or another free port."""
         free = _free_port(host, port)
         if port and free != port:
             logger.warning(
@@ -230,8 +225,8 @@ class LocalCluster:
                 if process is not None and process.poll() is not None:
                     raise RedisDaskError(
                         f"the dashboard exited with code {process.returncode} during "
-                        "start-up (is redisdask[dashboard] installed?); pass log_directory= "
-                        "to see why"
+                        "start-up (is redisdask[dashboard] installed? was its port taken "
+                        "meanwhile?); pass log_directory= to see why"
                     ) from exc
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the dashboard did not answer within {timeout} s") from exc
@@ -309,11 +304,25 @@ class LocalCluster:
         )
 
 
+def _host_port(address: str) -> tuple[str, int]:
+    """``(host, port)`` of a ``dashboard_address`` (``":8787"``: loopback)."""
+    host, _, port_text = address.rpartition(":")
+    try:
+        port = int(port_text or 8787)
+    except ValueError:
+        raise ValueError(f"dashboard_address={address!r}: not host:port") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"dashboard_address={address!r}: no port {port}")
+    return host.strip("[]") or "127.0.0.1", port
+
+
 def _free_port(host: str, port: int) -> int:
-    """``port`` if nothing listens on it on ``host``, else (or for 0) a free one."""
+    """``port`` if nothing listens on it on ``host``, else (or for 0) a free one.  As
+    the dashboard binds (``SO_REUSEADDR``): a port left in TIME_WAIT is free."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     for wanted in (port, 0) if port else (0,):
         with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind((host, wanted))
             except OSError:

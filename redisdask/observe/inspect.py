@@ -141,9 +141,18 @@ def print_json(console: Console, data: Any) -> None:
 # --------------------------------------------------------------------------- stories
 
 
-def _read_stream_matching(r: redis.Redis, stream: str, needle: bytes) -> Iterator[Any]:
+def _read_stream_matching(
+    r: redis.Redis, stream: str, needle: bytes, newest: int | None = None
+) -> Iterator[Any]:
     """The unpacked entries of ``stream`` (oldest first) whose payload contains ``needle``:
-    a substring test on the raw bytes skips most entries without unpacking them."""
+    a substring test on the raw bytes skips most entries without unpacking them.
+    ``newest``: search only the newest that many entries (one read)."""
+    if newest is not None:
+        for _, fields in reversed(r.xrevrange(stream, count=newest)):
+            raw = fields.get(b"m", b"")
+            if needle in raw and (entry := codecs.unpack_or(raw, None)) is not None:
+                yield entry
+        return
     low = "-"
     while True:
         entries = r.xrange(stream, low, "+", count=PAGE)
@@ -156,11 +165,14 @@ def _read_stream_matching(r: redis.Redis, stream: str, needle: bytes) -> Iterato
         low = "(" + entries[-1][0].decode()
 
 
-def task_story(r: redis.Redis, keys: Keys, key: str) -> list[dict[str, Any]]:
+def task_story(
+    r: redis.Redis, keys: Keys, key: str, newest: int | None = None
+) -> list[dict[str, Any]]:
     """The scheduler's transitions of ``key``, oldest first: time, state, the stimulus and
-    what caused it (op and origin: a worker address, a client id, or the scheduler)."""
+    what caused it (op and origin: a worker address, a client id, or the scheduler);
+    ``newest``: from the newest that many entries of the story only."""
     story = []
-    for entry in _read_stream_matching(r, keys.story, key.encode()):
+    for entry in _read_stream_matching(r, keys.story, key.encode(), newest):
         if not isinstance(entry, dict):
             continue  # not the scheduler's: a stranger's entry is skipped
         causes = entry.get("causes") if isinstance(entry.get("causes"), dict) else {}
@@ -182,13 +194,19 @@ def task_story(r: redis.Redis, keys: Keys, key: str) -> list[dict[str, Any]]:
 
 
 def worker_story(
-    r: redis.Redis, keys: Keys, address: str, key: str | None = None, limit: int = 200
+    r: redis.Redis,
+    keys: Keys,
+    address: str,
+    key: str | None = None,
+    limit: int = 200,
+    newest: int | None = None,
 ) -> list[dict[str, Any]]:
-    """A worker's own story (``key``: only about that task), oldest first."""
+    """A worker's own story (``key``: only about that task, searched in the ``newest``
+    entries only, if given), oldest first."""
     rows: list[dict[str, Any]] = []
     stream = keys.worker_story(address)
     if key is not None:
-        entries = list(_read_stream_matching(r, stream, key.encode()))
+        entries = list(_read_stream_matching(r, stream, key.encode(), newest))
     else:
         newest_first = r.xrevrange(stream, count=limit)
         entries = [codecs.unpack_or(f.get(b"m"), None) for _, f in reversed(newest_first)]
@@ -234,11 +252,14 @@ def _scan_tasks(r: redis.Redis, keys: Keys, *fields: str) -> Iterator[tuple[str,
         yield from flush()
 
 
-def read_task(r: redis.Redis, keys: Keys, key: str, *, dependents: bool = True) -> dict[str, Any]:
+def read_task(
+    r: redis.Redis, keys: Keys, key: str, *, dependents: bool = True, newest: int | None = None
+) -> dict[str, Any]:
     """Everything Redis knows of a task; ``state`` is ``unknown`` if it has no record
     (never submitted, or forgotten: its story may still tell what became of it).
     Its dependents are found by reading every task's dependencies: ``dependents=False``
-    (the dashboard) skips that, so the cost does not grow with the graph."""
+    (the dashboard) skips that, so the cost does not grow with the graph; ``newest``
+    bounds the stories and logs searched to their newest that many entries."""
     raw = r.hgetall(keys.task(key))
     record = TaskRecord.from_hash(raw)
     task: dict[str, Any] = {"key": key, "state": record.state or "unknown"}
@@ -266,15 +287,15 @@ def read_task(r: redis.Redis, keys: Keys, key: str, *, dependents: bool = True) 
     task["spec_bytes"] = len(record.spec or b"")
     if dependents:
         task["dependents"], task["dependents_complete"] = _dependents(r, keys, key)
-    task["story"] = task_story(r, keys, key)
+    task["story"] = task_story(r, keys, key, newest)
     holders = {task.get("worker"), task.get("erred_on"), *task["who_has"]}
     holders |= {str(row["origin"]) for row in task["story"] if str(row["origin"]).startswith("tcp")}
     workers = sorted(h for h in holders if h)
     task["worker_story"] = sorted(
-        (row for w in workers for row in worker_story(r, keys, w, key)),
+        (row for w in workers for row in worker_story(r, keys, w, key, newest=newest)),
         key=lambda row: row["time"] or 0,
     )
-    task["logs"] = run_logs(r, keys, workers, key)
+    task["logs"] = run_logs(r, keys, workers, key, newest)
     return task
 
 
@@ -289,13 +310,16 @@ def _dependents(r: redis.Redis, keys: Keys, key: str) -> tuple[list[str], bool]:
     return sorted(found), scanned < SCAN_LIMIT
 
 
-def run_logs(r: redis.Redis, keys: Keys, workers: list[str], key: str) -> list[dict[str, Any]]:
+def run_logs(
+    r: redis.Redis, keys: Keys, workers: list[str], key: str, newest: int | None = None
+) -> list[dict[str, Any]]:
     """The log records that the runs of ``key`` emitted (from the thread that ran it) on
-    ``workers``, oldest first, as far as their log streams still hold them."""
+    ``workers``, oldest first, as far as their log streams (their ``newest`` records, if
+    given) still hold them."""
     found = [
         asdict(record)
         for worker in workers
-        for record in logship.read(r, keys.worker_logs(worker))
+        for record in logship.read(r, keys.worker_logs(worker), n=newest)
         if record.task == key
     ]
     return sorted(found, key=lambda record: record["time"])

@@ -40,7 +40,10 @@ def clock(t: Any, millis: bool = False) -> str:
     """``HH:MM:SS`` (``.mmm``) of a recorded time; a stranger's non-number shows dashes."""
     if not isinstance(t, int | float) or isinstance(t, bool) or not t:
         return "--:--:--"
-    text = time.strftime("%H:%M:%S", time.localtime(t))
+    try:
+        text = time.strftime("%H:%M:%S", time.localtime(t))
+    except (OverflowError, OSError, ValueError):  # a time no clock shows (1e18, nan)
+        return "--:--:--"
     return text + f".{int(t * 1000) % 1000:03d}" if millis else text
 
 

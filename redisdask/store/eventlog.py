@@ -105,6 +105,16 @@ def describe(event: dict[str, Any]) -> str:
             f"{event.get('n')} tasks claimed by {event.get('victim')} not started: "
             f"given to {event.get('thief')} (work stealing)"
         )
+    told = _describe_cluster(kind, event)
+    if told is not None:
+        return told
+    rest = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("kind", "time"))
+    return f"{kind}: {rest}"
+
+
+def _describe_cluster(kind: str, event: dict[str, Any]) -> str | None:
+    """``describe`` of the kinds about the cluster itself (rebalancing, the scheduler,
+    Redis); None for another kind."""
     if kind == "rebalance":
         size = event.get("bytes")
         shown = f" ({format_bytes(int(size))})" if _number(size) else ""
@@ -132,8 +142,7 @@ def describe(event: dict[str, Any]) -> str:
         away = event.get("away")
         after = f" after {away:.1f} s" if _number(away) else ""
         return f"{event.get('process')} reconnected to Redis{after}"
-    rest = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("kind", "time"))
-    return f"{kind}: {rest}"
+    return None
 
 
 def spill_failed(event: dict[str, Any]) -> str:

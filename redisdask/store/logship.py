@@ -225,7 +225,9 @@ class RedisLogHandler(logging.Handler):
 def install(redis_url: str, config: Config, stream: str | None = None) -> None:
     """Ship this process's records (the root logger's) to ``stream`` from now on, as
     ``config`` says (``retention.logs``, ``-bytes``, ``-ttl``, the Redis login); with
-    ``retention.logs`` 0, nothing."""
+    ``retention.logs`` 0, nothing (no handler: records cost nothing more)."""
+    if not config.retention.logs:
+        return
     handler = RedisLogHandler(
         redis_url,
         maxlen=config.retention.logs,

@@ -5,18 +5,26 @@ Redis Sentinels and a service instead of one server (``parse_sentinel_url``,
 from __future__ import annotations
 
 import functools
+import re
 import urllib.parse
 from dataclasses import dataclass
 
 
 def redact(url: str) -> str:
-    """The URL without its password, for logs and error messages."""
+    """The URL without its password (in its address, or a ``password=`` of its query,
+    which redis-py takes too), for logs, pages and error messages."""
     parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
+    query = _QUERY_PASSWORD.sub(r"\1***", parts.query)
+    if parts.password is None and query == parts.query:
         return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urllib.parse.urlunsplit(parts._replace(netloc=user + netloc))
+    netloc = parts.netloc
+    if parts.password is not None:
+        user = f"{parts.username}:***@" if parts.username else ":***@"
+        netloc = user + netloc.rsplit("@", 1)[1]
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+_QUERY_PASSWORD = re.compile(r"((?:^|&)password=)[^&]*", re.IGNORECASE)
 
 
 SENTINEL_SCHEME = "redis+sentinel"
