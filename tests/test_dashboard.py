@@ -316,9 +316,14 @@ def test_a_redis_that_goes_away_is_said_on_the_open_page_which_recovers_with_it(
 ) -> None:
     with EmbeddedRedis() as server:
         ensure_cluster(redis.Redis.from_url(server.url), Keys(cluster_name))
+        with dashboard(server.url, cluster_name + "-typo") as wrong:
+            assert "no cluster named" in wrong.get("/status")[1]
+        said = [json.loads(line)["message"] for line in wrong.lines]
+        assert any(f"holds ['{cluster_name}']" in m for m in said), said
         with dashboard(server.url, cluster_name) as board:
             page.goto(board.base + "/status")
             page.wait_for_selector("text=no workers")
+            assert "no cluster named" not in page.content()
             server.kill()  # the data dir stays for the start below
             page.wait_for_selector("p.error", timeout=15_000)
             assert "did not answer" in page.locator("p.error").inner_text()

@@ -8,10 +8,13 @@ import socket
 import threading
 from types import FrameType
 
+import redis
 import uvicorn
 
 from redisdask.dashboard.app import build_app
+from redisdask.store.bootstrap import known_clusters
 from redisdask.store.connection import connect
+from redisdask.store.keyspace import Keys
 from redisdask.store.urls import redact
 
 logger = logging.getLogger("redisdask.dashboard")
@@ -38,6 +41,7 @@ def run_dashboard(
         )  # fmt: skip
         return 1
     r = connect(url, timeout=connect_timeout, name=f"rd-{cluster}-dashboard", check=False)
+    _say_if_unknown(r, cluster)
     stopping = threading.Event()
     app = build_app(r, cluster, url, token=token, interval=interval, stopping=stopping)
     bound = sock.getsockname()[1]
@@ -58,6 +62,19 @@ def run_dashboard(
     finally:
         r.close()
     return 0
+
+
+def _say_if_unknown(r: redis.Redis, cluster: str) -> None:
+    """A mistyped ``--cluster`` shows an empty cluster: say which ones this Redis holds."""
+    try:
+        if r.exists(Keys(cluster).meta):
+            return
+        others = known_clusters(r)
+    except (redis.RedisError, OSError):
+        return  # (the pages say why Redis cannot be read)
+    logger.warning(
+        "no cluster named %r in this Redis (yet); it holds %s", cluster, others or "none"
+    )
 
 
 class _Server(uvicorn.Server):
