@@ -412,3 +412,34 @@ def test_local_cluster_starts_a_dashboard_and_the_client_links_to_it(
         process = cluster.dashboard_process
         assert process is not None
     assert process.poll() is not None  # stopped with the cluster
+
+
+def test_a_port_in_use_is_said_by_the_cli_and_avoided_by_local_cluster(
+    redis_url: str, cluster_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with dashboard(redis_url, cluster_name) as first:
+        env = dict(os.environ, REDISDASK__REDIS__URL=redis_url)
+        argv = ["dashboard", "--cluster", cluster_name, "--port", str(first.port)]
+        done = subprocess.run(
+            [sys.executable, "-m", "redisdask", *argv],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert done.returncode == 1
+        assert f"cannot serve the dashboard on 127.0.0.1:{first.port}" in done.stderr
+        with LocalCluster(
+            n_workers=1,
+            nanny=False,
+            redis_url=redis_url,
+            cluster_name=f"{cluster_name}-2",
+            dashboard_address=f":{first.port}",
+        ) as cluster:
+            link = cluster.dashboard_link
+            assert link is not None and f":{first.port}/" not in link
+            with urllib.request.urlopen(link, timeout=10) as response:
+                assert response.status == 200
+        assert f"port {first.port} is already in use" in caplog.text
+    with pytest.raises(ValueError, match="not host:port"):
+        LocalCluster(redis_url=redis_url, cluster_name=cluster_name, dashboard_address="x:y")
