@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from redisdask.config import RebalanceConfig
 from redisdask.protocol import AcquireReplicas, Rebalance, Replicate
 from redisdask.scheduler.instructions import LogEvent, RecordRebalance, SetState, WorkerMsg
+from redisdask.scheduler.tasks import added
 from redisdask.store import codecs
 from redisdask.store.codecs import MOVE_FIELD, RebalanceRecord
 
@@ -227,7 +228,7 @@ class DataMoves:
             key=lambda ws: (len(ws.has_what), ws.address),
         )
         for ws in candidates[:missing]:
-            ts.replicating.add(ws.address)
+            ts.replicating = added(ts.replicating, ws.address)
             who_has = {ts.key: ts.holders()}
             self._emit(WorkerMsg(stimulus_id, ws.address, AcquireReplicas(who_has)))
 

@@ -117,12 +117,15 @@ from redisdask.scheduler.moves import DataMoves, RebalanceConfig
 from redisdask.scheduler.push import push_target, pushable
 from redisdask.scheduler.stealing import WorkStealing
 from redisdask.scheduler.tasks import (
+    EMPTY,
     BadRecord,
     RejectedGraph,
     StoryEntry,
     StreamPosition,
     TaskState,
     WorkerInfo,
+    added,
+    discarded,
     other_run,
     priority_score,
     worker_stream_position,
@@ -273,8 +276,8 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 if dep not in ts.dependencies:
                     if not grown or grown[-1] is not ts:
                         grown.append(ts)
-                    ts.dependencies.add(dep)
-                    dep.dependents.add(ts)
+                    ts.dependencies = added(ts.dependencies, dep)
+                    dep.dependents = added(dep.dependents, ts)
         refused = self._cut_cycles(grown, {self.tasks[key] for key in stores})
         for ts in refused:
             if ts.key in stores:
@@ -320,8 +323,8 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             text = cycle_text(members)
             for ts in sorted(cut.intersection(members), key=lambda t: t.key):
                 for dep in ts.dependencies:
-                    dep.dependents.discard(ts)
-                ts.dependencies.clear()
+                    discarded(dep.dependents, ts)
+                ts.dependencies = EMPTY
                 refused[ts] = text
         return refused
 
@@ -392,7 +395,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                     self._transition(ts, "waiting", stimulus_id=stimulus_id)
             for dep in ts.dependencies:
                 if ts.state in HOLDS_DEPENDENCIES:
-                    dep.waiters.add(ts)
+                    dep.waiters = added(dep.waiters, ts)
 
     def _err_lost(self, ts: TaskState, *, stimulus_id: str) -> None:
         if ts.lost_on:
@@ -415,7 +418,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         """The last copy of a task in memory is gone: its dependents wait for it again,
         and it is recomputed (or, without a task to recompute it, errs) if still needed."""
         self._set_state(ts, "released", stimulus_id=stimulus_id)
-        ts.replicating.clear()
+        ts.replicating = EMPTY
         self._cancel_move(ts, stimulus_id=stimulus_id)
         self._emit(SetState(stimulus_id, ts.key, "released", {"who_has": []}))
         for dependent in sorted(ts.waiters, key=lambda t: t.score):
@@ -423,7 +426,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 # a worker that claimed it cannot get the data now: take the task back
                 self._transition(dependent, "waiting", stimulus_id=stimulus_id)
             elif dependent.state == "waiting":
-                dependent.waiting_on.add(ts)
+                dependent.waiting_on = added(dependent.waiting_on, ts)
         if ts.who_wants or ts.waiters:
             self._make_needed(ts, stimulus_id=stimulus_id)
         else:
@@ -741,7 +744,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             self._emit(Unclaim(ev.stimulus_id, ws.address, ts.key))
             if died:
                 ts.suspicious += 1
-                ts.deaths.append(record)
+                ts.deaths = (*ts.deaths, record)
             if died and ts.suspicious > self.allowed_failures:
                 self._kill(ts, stimulus_id=ev.stimulus_id)
             else:
@@ -903,7 +906,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             if ts is None:
                 continue
             if ev.worker in ts.replicating:  # a copy that did not come: ask again
-                ts.replicating.discard(ev.worker)
+                discarded(ts.replicating, ev.worker)
                 self._holders_changed = True
             errant = self.workers.get(ev.errant_worker)
             # a retiring holder is alive and keeps its data until it is told to close, and
@@ -970,7 +973,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         for key in ev.keys:
             ts = self.tasks.get(key)
             if ts is not None:
-                ts.replicating.discard(ev.worker)
+                discarded(ts.replicating, ev.worker)
             if ts is not None and ts.state == "memory" and ev.worker in self.workers:
                 self._add_replica(ts, ev.worker)
                 self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
@@ -1001,7 +1004,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             # re-asks for the copies that have not arrived and for the close it missed
             ws.retire_heard, ws.told_to_close = True, False
             for ts in ws.to_move:
-                ts.replicating.clear()
+                ts.replicating = EMPTY
             if ev.force and not staying:
                 self._tell_to_close(
                     ws, "retired; no worker stayed to take its data", stimulus_id=ev.stimulus_id
@@ -1037,7 +1040,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                     load = {a: sum(t.nbytes for t in self.workers[a].has_what) for a in staying}
                 target = min(load, key=lambda a: (load[a], a))
                 load[target] += ts.nbytes
-                ts.replicating.add(target)
+                ts.replicating = added(ts.replicating, target)
                 requests.setdefault(target, {})[ts.key] = sorted(ts.who_has)
         for target, who_has in requests.items():
             self._emit(WorkerMsg(sid, target, AcquireReplicas(who_has)))
@@ -1150,9 +1153,9 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
 
     def _transition_released_waiting(self, ts: TaskState, *, stimulus_id: str) -> None:
         self._set_state(ts, "waiting", stimulus_id=stimulus_id)
-        ts.waiting_on = {d for d in ts.dependencies if d.state != "memory"}
+        ts.waiting_on = {d for d in ts.dependencies if d.state != "memory"} or EMPTY
         for dep in ts.dependencies:
-            dep.waiters.add(ts)
+            dep.waiters = added(dep.waiters, ts)
         erred = next((d for d in ts.dependencies if d.state == "erred"), None)
         if erred is not None:
             self._inherit_error(ts, erred)
@@ -1268,7 +1271,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
 
     def _wait_again(self, ts: TaskState, *, stimulus_id: str) -> None:
         self._set_state(ts, "waiting", stimulus_id=stimulus_id)
-        ts.waiting_on = {d for d in ts.dependencies if d.state != "memory"}
+        ts.waiting_on = {d for d in ts.dependencies if d.state != "memory"} or EMPTY
         self._emit(SetState(stimulus_id, ts.key, "waiting"))
         self._mark_chain(ts, stimulus_id=stimulus_id)
 
@@ -1325,7 +1328,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         self._fired_done(ts, stimulus_id=stimulus_id)
         self._wake_waiters(ts, stimulus_id=stimulus_id)
         for dep in ts.dependencies:
-            dep.waiters.discard(ts)
+            discarded(dep.waiters, ts)
             self._maybe_release(dep)
         self._maybe_release(ts)
 
@@ -1335,7 +1338,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
 
     def _wake_waiters(self, ts: TaskState, *, stimulus_id: str) -> None:
         for dependent in sorted(ts.waiters, key=lambda t: t.score):
-            dependent.waiting_on.discard(ts)
+            discarded(dependent.waiting_on, ts)
             if dependent.state == "waiting" and not dependent.waiting_on:
                 self._transition(dependent, "queued", stimulus_id=stimulus_id)
             elif dependent.state == "waiting":
@@ -1363,7 +1366,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             ts = todo.pop()
             self._set_state(ts, "erred", stimulus_id=stimulus_id)
             self.n_erred += 1
-            ts.waiting_on.clear()
+            ts.waiting_on = EMPTY
             self._emit(SetState(stimulus_id, ts.key, "erred", self._erred_fields(ts)))
             for client in ts.who_wants:
                 self._emit(ClientMsg(stimulus_id, client, self._erred_msg(ts)))
@@ -1372,9 +1375,9 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 if dependent.state == "waiting":
                     self._inherit_error(dependent, ts)
                     todo.append(dependent)
-            ts.waiters.clear()
+            ts.waiters = EMPTY
             for dep in ts.dependencies:
-                dep.waiters.discard(ts)
+                discarded(dep.waiters, ts)
                 self._maybe_release(dep)
 
     def _transition_released_erred(self, ts: TaskState, *, stimulus_id: str) -> None:
@@ -1392,7 +1395,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
 
     def _transition_waiting_released(self, ts: TaskState, *, stimulus_id: str) -> None:
         self._set_state(ts, "released", stimulus_id=stimulus_id)
-        ts.waiting_on.clear()
+        ts.waiting_on = EMPTY
         self._emit(SetState(stimulus_id, ts.key, "released"))
         self._release_dependencies(ts)
 
@@ -1407,7 +1410,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
     def _transition_memory_released(self, ts: TaskState, *, stimulus_id: str) -> None:
         for worker in ts.replicating - ts.who_has:  # fetching a copy nobody needs now
             self._free(worker, ts.key, stimulus_id=stimulus_id)
-        ts.replicating.clear()
+        ts.replicating = EMPTY
         self._cancel_move(ts, stimulus_id=stimulus_id)
         for worker in ts.who_has:
             ws = self.workers.get(worker)
@@ -1431,7 +1434,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         ts.exception = ts.traceback = None
         ts.exception_text = ts.traceback_text = ""
         ts.exception_blame = ts.erred_on = ts.killed = None
-        ts.suspicious, ts.deaths, ts.rejected = 0, [], False
+        ts.suspicious, ts.deaths, ts.rejected = 0, (), False
         self._emit(
             SetState(
                 stimulus_id,
@@ -1459,12 +1462,12 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         del self.tasks[ts.key]
         self._emit(Forget(stimulus_id, ts.key))
         for dep in ts.dependencies:
-            dep.dependents.discard(ts)
-            dep.waiters.discard(ts)
+            discarded(dep.dependents, ts)
+            discarded(dep.waiters, ts)
             if dep.state == "released":
                 self._maybe_release(dep)
         for dependent in ts.dependents:
-            dependent.dependencies.discard(ts)
+            discarded(dependent.dependencies, ts)
 
     # Every legal move.  Two more state changes bypass the table, on purpose: a lost last
     # copy goes memory -> released without freeing anything or releasing its dependencies
@@ -1499,7 +1502,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
 
     def _release_dependencies(self, ts: TaskState) -> None:
         for dep in ts.dependencies:
-            dep.waiters.discard(ts)
+            discarded(dep.waiters, ts)
             self._maybe_release(dep)
         self._maybe_release(ts)
 

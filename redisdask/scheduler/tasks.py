@@ -7,8 +7,9 @@ translator, data moves, diagnostics) need not import the machine.
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from redisdask.protocol import Stimulus
 from redisdask.spec import key_prefix
@@ -16,6 +17,7 @@ from redisdask.store import keyspace
 
 PRIORITY_SCALE = 2**40  # submission sequence numbers stay below this
 
+T = TypeVar("T")
 StreamPosition = tuple[int, int]  # a workers stream entry id, ``<ms>-<seq>``, as numbers
 
 
@@ -88,6 +90,24 @@ class BadRecord(Stimulus):
 # --------------------------------------------------------------------------- state
 
 
+EMPTY: frozenset[Any] = frozenset()  # the one empty set of every task that has none
+
+
+def added(items: AbstractSet[T], item: T) -> set[T]:
+    """``items`` with ``item``: the same set, or a new one in place of ``EMPTY``
+    (``ts.waiters = added(ts.waiters, dependent)``)."""
+    if isinstance(items, set):
+        items.add(item)
+        return items
+    return {*items, item}
+
+
+def discarded(items: AbstractSet[T], item: T) -> None:
+    """Take ``item`` out of ``items`` (``EMPTY`` holds none)."""
+    if isinstance(items, set):
+        items.discard(item)
+
+
 @dataclass(slots=True, eq=False)
 class TaskState:
     key: str
@@ -95,10 +115,12 @@ class TaskState:
     prefix: str = field(init=False)  # key_prefix(key): its row in the monitor
     score: float = 0.0
     has_spec: bool = True
-    dependencies: set[TaskState] = field(default_factory=set)
-    dependents: set[TaskState] = field(default_factory=set)
-    waiting_on: set[TaskState] = field(default_factory=set)  # deps not yet in memory
-    waiters: set[TaskState] = field(default_factory=set)  # dependents that still need us
+    # the sets most tasks leave empty start as the shared ``EMPTY`` (grown by ``added``):
+    # fewer objects for the garbage collector to walk, which is most of what it costs
+    dependencies: AbstractSet[TaskState] = EMPTY
+    dependents: AbstractSet[TaskState] = EMPTY
+    waiting_on: AbstractSet[TaskState] = EMPTY  # deps not yet in memory
+    waiters: AbstractSet[TaskState] = EMPTY  # dependents that still need us
     who_wants: set[str] = field(default_factory=set)
     who_has: set[str] = field(default_factory=set)
     inline: bool = False  # memory: the result is in its record too (outlives every worker)
@@ -123,14 +145,14 @@ class TaskState:
     # may still be on its way, and what was written since has overwritten it in Redis
     dequeued: bool = False
     suspicious: int = 0  # workers that died while it was processing there
-    deaths: list[dict[str, Any]] = field(default_factory=list)  # their death records
+    deaths: tuple[dict[str, Any], ...] = ()  # their death records
     lost_on: str | None = None  # the worker whose death lost its only copy
     # lost because this worker could not fetch it (``missing-data``: the holder may be
     # alive behind a network cut): its recompute is offered there first (not persisted)
     missed_by: str | None = None
     killed: bytes | None = None  # msgpack {task, deaths} when erred with KilledWorker
     replicas: int = 1  # copies wanted on distinct workers (client.replicate)
-    replicating: set[str] = field(default_factory=set)  # workers asked for a copy
+    replicating: AbstractSet[str] = EMPTY  # workers asked for a copy
     exception: bytes | None = None
     traceback: bytes | None = None
     exception_text: str = ""

@@ -55,7 +55,7 @@ from redisdask.scheduler.instructions import (
 from redisdask.scheduler.moves import RebalanceConfig
 from redisdask.scheduler.quarantine import REBALANCE_RECORD_TTL_MS, Quarantined, record_copy
 from redisdask.scheduler.state import HOLDS_DEPENDENCIES, SchedulerState
-from redisdask.scheduler.tasks import RejectedGraph, TaskState, stream_position
+from redisdask.scheduler.tasks import EMPTY, RejectedGraph, TaskState, added, stream_position
 from redisdask.store import codecs, keyspace, scripts
 from redisdask.store.codecs import RebalanceRecord, evidence
 from redisdask.store.eventlog import death_fields, event_command
@@ -771,13 +771,13 @@ def _load_tasks(r: redis.Redis, keys: Keys, state: SchedulerState, bad: list[Qua
     for key, dep_keys in deps.items():
         ts = tasks[key]
         for dep in filter(None, map(tasks.get, dep_keys)):
-            ts.dependencies.add(dep)
-            dep.dependents.add(ts)
+            ts.dependencies = added(ts.dependencies, dep)
+            dep.dependents = added(dep.dependents, ts)
     for ts in tasks.values():
         if ts.state in HOLDS_DEPENDENCIES:
-            ts.waiting_on = {d for d in ts.dependencies if d.state != "memory"}
+            ts.waiting_on = {d for d in ts.dependencies if d.state != "memory"} or EMPTY
             for dep in ts.dependencies:
-                dep.waiters.add(ts)
+                dep.waiters = added(dep.waiters, ts)
         if ts.processing_on and ts.processing_on in state.workers:
             state.workers[ts.processing_on].processing.add(ts)
         for w in ts.who_has:
@@ -823,7 +823,7 @@ def _task_state(key: str, rec: TaskRecord, state: SchedulerState) -> TaskState:
     ts.chain = tuple(rec.chain)  # (a hint: FINISH and the scheduler check each use)
     ts.erred_on = rec.erred_on or None
     ts.suspicious, ts.replicas = rec.suspicious, rec.replicas
-    ts.deaths, ts.killed = rec.deaths, rec.killed
+    ts.deaths, ts.killed = tuple(rec.deaths), rec.killed
     ts.exception_blame = rec.exception_blame or None
     ts.rejected = rec.rejected
     if ts.state == "no-worker":
