@@ -427,3 +427,31 @@ def test_a_key_that_erred_and_was_released_runs_again_when_submitted_again(
         g = second.submit(fail_the_first_time, marker)
         assert g.key == key
         assert g.result(timeout=10) == "the second run worked"
+
+
+def test_a_future_collected_while_another_thread_holds_the_clients_lock_does_not_wait(
+    cluster: LocalCluster,
+) -> None:
+    """``Future.__del__`` runs in whatever thread the garbage collector starts in, at any
+    instant.  It took the client's lock, so a thread that held the lock and waited for
+    that one deadlocked: a CI run hung in ``Client.close``, whose loop thread, holding
+    the lock, waited for a new callback thread to start while that thread, collecting
+    cycles in its bootstrap, ran a future's ``__del__`` and waited for the lock."""
+    with Client(cluster) as client:
+        future = client.submit(inc, 1)
+        assert future.result(timeout=20) == 2
+        key, holder, dropped = future.key, [future], threading.Event()
+        del future
+
+        def drop() -> None:
+            holder.clear()  # the last reference: ``__del__`` runs here
+            dropped.set()
+
+        with client._lock:  # as the loop thread holds it while it waits
+            thread = threading.Thread(target=drop)
+            thread.start()
+            assert dropped.wait(10), "Future.__del__ waited for the client's lock"
+        thread.join(timeout=10)
+        assert key not in client.refcount  # counted down at the next look
+        # and released: the scheduler forgets it (the client's heartbeat sends it)
+        poll(lambda: not cluster.redis.exists(cluster.keys.task(key)), timeout=20)

@@ -94,7 +94,9 @@ class SchedulerChannel:
     futures share), which news from the scheduler settles, and ``refcount`` (key -> live
     futures), which says whether a key whose last future went has futures again; both
     under ``lock``.  ``check_running`` is the client's: a send from a client that is not
-    running raises its error.  Everything else here is the channel's own."""
+    running raises its error; ``drain`` (under ``lock``) counts down the futures the
+    garbage collector took, before the book is read for releases.  Everything else here
+    is the channel's own."""
 
     def __init__(
         self,
@@ -109,6 +111,7 @@ class SchedulerChannel:
         states: dict[str, _FutureState],
         refcount: dict[str, int],
         check_running: Callable[[], None],
+        drain: Callable[[], None],
     ) -> None:
         self.id = client_id
         self.config = config
@@ -120,6 +123,7 @@ class SchedulerChannel:
         self._states = states
         self._refcount = refcount
         self._check_running = check_running
+        self._drain = drain
         self.loop = asyncio.get_running_loop()  # (made on the client's loop)
         self.closing = False  # the client closes: nothing more is read or sent from here
         self._write_entries = aredis.register_script(scripts.WRITE_ENTRIES)
@@ -562,6 +566,7 @@ class SchedulerChannel:
         owners: list[_Outgoing | None] = []
         released: dict[str, int] = {}
         with self._lock:
+            self._drain()
             pending = self._pending_release
             for item in items:
                 again = set(item.resubmitted)
@@ -775,6 +780,7 @@ class SchedulerChannel:
                         self._trimmed_below, self._trimmed_at = self._trimmed_at, last_id
                         self._read_before, self._read_ids = self._read_ids, {last_id}
                     with self._lock:
+                        self._drain()  # (futures the garbage collector took)
                         self._prune_kept()
                     if self._pending_release and not self.closing:
                         self.send()

@@ -22,6 +22,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import queue
 import threading
 import time
 import uuid
@@ -190,6 +191,9 @@ class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods, LogMetho
         self._lock = threading.RLock()
         self._states: dict[str, _FutureState] = {}  # key -> what its futures share
         self._refcount: dict[str, int] = defaultdict(int)  # key -> its live futures
+        # keys of futures the garbage collector took, counted down at the next look at the
+        # counts (``_drain_dropped``): a ``__del__`` never waits for the lock
+        self._dropped: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._generation = 0
         self._callbacks: concurrent.futures.ThreadPoolExecutor | None = None
         self._dask_config: Any = None
@@ -240,6 +244,7 @@ class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods, LogMetho
             states=self._states,
             refcount=self._refcount,
             check_running=self._check_running,
+            drain=self._drain_dropped,
         )
         try:
             await check_async(self._aredis, self.redis_url, self.timeout)
@@ -1041,12 +1046,14 @@ class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods, LogMetho
     def futures(self) -> dict[str, _FutureState]:
         """Key -> the state its futures share, for every key this client has futures of."""
         with self._lock:
+            self._drain_dropped()
             return dict(self._states)
 
     @property
     def refcount(self) -> dict[str, int]:
         """Key -> how many live futures this client holds for it."""
         with self._lock:
+            self._drain_dropped()
             return dict(self._refcount)
 
     def _state_for(self, key: str, submitting: bool = False) -> _FutureState:
@@ -1055,6 +1062,7 @@ class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods, LogMetho
         (``KeyInMemory.seen``): such news is about an earlier run of the key, perhaps of
         another computation, whose release the submission follows."""
         with self._lock:
+            self._drain_dropped()
             state = self._states.get(key)
             if state is None:
                 state = self._states[key] = _FutureState()
@@ -1064,15 +1072,35 @@ class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods, LogMetho
 
     def _inc_ref(self, key: str) -> None:
         with self._lock:
+            self._drain_dropped()
             self._refcount[key] += 1
 
     def _dec_ref(self, key: str) -> None:
         with self._lock:
-            self._refcount[key] -= 1
-            if self._refcount[key] <= 0:
-                del self._refcount[key]
-                self._states.pop(key, None)
-                self._channel.release_later(key)
+            self._drain_dropped()
+            self._count_down(key)
+
+    def _dropped_future(self, key: str) -> None:
+        """A future of ``key`` went with the garbage collector (``Future.__del__``),
+        which may run in any thread at any instant, that one holding the lock or waited
+        for by the thread that does: counted down later, without waiting for anything."""
+        self._dropped.put(key)
+
+    def _drain_dropped(self) -> None:
+        """(Under the lock) count down the futures the garbage collector took."""
+        while True:
+            try:
+                key = self._dropped.get_nowait()
+            except queue.Empty:
+                return
+            self._count_down(key)
+
+    def _count_down(self, key: str) -> None:
+        self._refcount[key] -= 1
+        if self._refcount[key] <= 0:
+            del self._refcount[key]
+            self._states.pop(key, None)
+            self._channel.release_later(key)
 
     def _run_callback(self, callback: Callable[[], Any]) -> None:
         """Run a user's done callback in a thread of its own (as distributed does), so

@@ -260,8 +260,12 @@ class Future:
             self.client._dec_ref(self._key)
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # at interpreter shutdown anything goes
-            self.release()
+        # never ``release``: it takes the client's lock, which the thread this one runs
+        # in (a collection can start in any thread) may hold, or may be waiting for
+        if not self._released:
+            self._released = True
+            with contextlib.suppress(Exception):  # at interpreter shutdown anything goes
+                self.client._dropped_future(self._key)
 
     def __reduce__(self) -> Any:
         return specs.reduce_future(self, self._key) or (rebind_future, (self._key, self.key))

@@ -36,6 +36,7 @@ STORY_ROWS = 100  # rows of a worker's story on its page
 DEATHS = 100  # death records on the deaths page
 EVENTS = 200  # events on the events page
 STORY_SCAN = 1000  # newest entries of the scheduler's story searched for a task's page
+DEATH_SCAN = 1000  # newest death records searched for a dead worker's page
 MALFORMED_EVENT = (TypeError, ValueError, KeyError, AttributeError, OverflowError)
 
 
@@ -99,7 +100,7 @@ def worker(r: redis.Redis, keys: Keys, params: Params) -> dict[str, Any]:
     """One worker, alive or dead (by address or name): its info, last heartbeat, the
     tasks it was running, its story and, for a dead one, its death record."""
     who = params.get("w", "")
-    found = inspect.read_worker(r, keys, who, story=STORY_ROWS, data=False)
+    found = inspect.read_worker(r, keys, who, story=STORY_ROWS, data=False, deaths=DEATH_SCAN)
     if found is not None:
         found["death"] = _death(found["death"]) if found["death"] else None
         found["last_heartbeat"] = _shaped(found["last_heartbeat"], BEAT)

@@ -402,11 +402,17 @@ def _worker_story_table(rows: list[dict[str, Any]], title: str) -> Table:
 
 
 def read_worker(
-    r: redis.Redis, keys: Keys, who: str, story: int = 200, *, data: bool = True
+    r: redis.Redis,
+    keys: Keys,
+    who: str,
+    story: int = 200,
+    *,
+    data: bool = True,
+    deaths: int = 100_000,
 ) -> dict[str, Any] | None:
-    """A live worker by address or name; else the newest death record of one.  The
-    results it holds are found by reading every task: ``data=False`` (the dashboard)
-    skips that."""
+    """A live worker by address or name; else the newest death record of one, among the
+    newest ``deaths`` records.  The results it holds are found by reading every task:
+    ``data=False`` (the dashboard) skips that."""
     workers = {
         a.decode(errors="replace"): codecs.worker_info_or_empty(i)
         for a, i in r.hgetall(keys.workers).items()
@@ -414,7 +420,7 @@ def read_worker(
     address = next((a for a, i in workers.items() if who in (a, i.get("name"))), None)
     death = None
     if address is None:
-        found = read_deaths(r, keys, worker=who, limit=100_000)
+        found = read_deaths(r, keys, worker=who, limit=deaths)
         if not found:
             return None
         death = found[0]
