@@ -288,6 +288,7 @@ def rebind_future(key: str, dask_key: Hashable) -> Future:
 
     client = default_client()
     with client._lock:
+        client._drain_dropped()  # (the collector's takings counted first)
         wanted = client._refcount.get(key, 0) > 0  # it has futures of the key already
         future = Future(key, client, dask_key=None if dask_key == key else dask_key)
     if not wanted:
