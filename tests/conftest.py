@@ -8,7 +8,9 @@ Append further fixtures below.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import subprocess
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -139,3 +141,20 @@ def module_client(module_cluster: LocalCluster) -> Iterator[Client]:
     """A fresh client of the module's shared cluster; what a test leaves is released with it."""
     with Client(module_cluster) as client:
         yield client
+
+
+def run_cli(
+    *args: str, redis_url: str | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """``python -m redisdask ARGS``, its output captured; ``redis_url`` goes in its
+    environment (``REDISDASK__REDIS__URL``), as a password must, not on its command line."""
+    env = dict(os.environ)
+    if redis_url is not None:
+        env["REDISDASK__REDIS__URL"] = redis_url
+    return subprocess.run(
+        [sys.executable, "-m", "redisdask", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -26,9 +26,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import redis
-from conftest import ClusterFactory
+from conftest import ClusterFactory, run_cli
 from polling import poll
 from tasklib import allocate_forever
 
@@ -418,15 +419,8 @@ def test_a_port_in_use_is_said_by_the_cli_and_avoided_by_local_cluster(
     redis_url: str, cluster_name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     with dashboard(redis_url, cluster_name) as first:
-        env = dict(os.environ, REDISDASK__REDIS__URL=redis_url)
         argv = ["dashboard", "--cluster", cluster_name, "--port", str(first.port)]
-        done = subprocess.run(
-            [sys.executable, "-m", "redisdask", *argv],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        done = run_cli(*argv, redis_url=redis_url, timeout=30)
         assert done.returncode == 1
         assert f"cannot serve the dashboard on 127.0.0.1:{first.port}" in done.stderr
         with LocalCluster(
@@ -441,5 +435,9 @@ def test_a_port_in_use_is_said_by_the_cli_and_avoided_by_local_cluster(
             with urllib.request.urlopen(link, timeout=10) as response:
                 assert response.status == 200
         assert f"port {first.port} is already in use" in caplog.text
-    with pytest.raises(ValueError, match="not host:port"):
-        LocalCluster(redis_url=redis_url, cluster_name=cluster_name, dashboard_address="x:y")
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    for address, why in (("x:y", "not host:port"), ("192.0.2.1:8787", "cannot listen on")):
+        with pytest.raises(ValueError, match=why):
+            LocalCluster(redis_url=redis_url, cluster_name=cluster_name, dashboard_address=address)
+    # refused before anything started
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= children

@@ -166,8 +166,10 @@ def test_port_race_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
         squatter.listen()
         taken = squatter.getsockname()[1]
         ports = iter([taken])
-        real = embedded._free_port
-        monkeypatch.setattr(embedded, "_free_port", lambda: next(ports, None) or real())
+        real = embedded.free_port
+        monkeypatch.setattr(
+            embedded, "free_port", lambda host, wanted=0: next(ports, None) or real(host, wanted)
+        )
         with EmbeddedRedis() as server:
             assert server.port != taken
             assert server.client().ping()

@@ -18,7 +18,7 @@ from typing import Any
 import psutil
 import pytest
 import redis
-from conftest import ClusterFactory
+from conftest import ClusterFactory, run_cli
 from polling import poll
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -219,15 +219,8 @@ def test_a_redis_that_goes_away_is_up_0_and_the_exporter_keeps_serving(
 
 def test_a_port_in_use_is_said_and_exits_1(redis_url: str, cluster_name: str) -> None:
     with exporter(redis_url, cluster_name) as first:
-        env = dict(os.environ, REDISDASK__REDIS__URL=redis_url)
         argv = ["exporter", "--cluster", cluster_name, "--port", str(first.port)]
-        done = subprocess.run(
-            [sys.executable, "-m", "redisdask", *argv],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        done = run_cli(*argv, redis_url=redis_url, timeout=30)
         assert done.returncode == 1
         assert f"cannot serve metrics on 127.0.0.1:{first.port}" in done.stderr
         assert "free --port" in done.stderr

@@ -9,15 +9,13 @@ import json
 import logging
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
-from conftest import ClusterFactory
+from conftest import ClusterFactory, run_cli
 from polling import poll
 from tasklib import wait_for_file
 
@@ -33,12 +31,6 @@ def shout(text: str, times: int = 1) -> str:
     for i in range(times):
         logging.getLogger("user.task").warning("%s %d", text, i)
     return text
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "redisdask", *args], capture_output=True, text=True, timeout=60
-    )
 
 
 def lines_of(client: Client, **kwargs: object) -> list[str]:

@@ -249,24 +249,28 @@ def _logs_command(sub: Subparsers, config: Config) -> None:
     p.add_argument("--nanny", action="store_true", help="the worker's nanny's records instead")
 
 
+def _add_listen(parser: argparse.ArgumentParser, port: int, remote: str) -> None:
+    """``--port`` and ``--host`` of a command that serves HTTP (loopback by default)."""
+    parser.add_argument(
+        "--port",
+        type=_int_at_least(0, 65535),
+        default=port,
+        help=f"port to serve on; 0: any free port (default: {port})",
+    )
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help=f"interface to serve on; 0.0.0.0 for {remote} (default: 127.0.0.1)",
+    )
+
+
 def _exporter_command(sub: Subparsers, config: Config) -> None:
     """``redisdask exporter``."""
     p = sub.add_parser(
         "exporter", help="serve the cluster's figures to Prometheus on /metrics (read-only)"
     )
     _add_common(p, config)
-    p.add_argument(
-        "--port",
-        type=_int_at_least(0, 65535),
-        default=DEFAULT_EXPORTER_PORT,
-        help=f"port of the metrics endpoint; 0: any free port (default: {DEFAULT_EXPORTER_PORT})",
-    )
-    p.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="interface to serve on; 0.0.0.0 for a Prometheus on another machine "
-        "(default: 127.0.0.1)",
-    )
+    _add_listen(p, DEFAULT_EXPORTER_PORT, "a Prometheus on another machine")
 
 
 def _dashboard_command(sub: Subparsers, config: Config) -> None:
@@ -275,18 +279,7 @@ def _dashboard_command(sub: Subparsers, config: Config) -> None:
         "dashboard", help="serve the web dashboard: status, task stream, workers, logs, deaths"
     )
     _add_common(p, config)
-    p.add_argument(
-        "--port",
-        type=_int_at_least(0, 65535),
-        default=DEFAULT_DASHBOARD_PORT,
-        help=f"port to serve on; 0: any free port (default: {DEFAULT_DASHBOARD_PORT})",
-    )
-    p.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="interface to serve on; 0.0.0.0 to be reached from other machines (then set "
-        "a token) (default: 127.0.0.1)",
-    )
+    _add_listen(p, DEFAULT_DASHBOARD_PORT, "browsers on other machines (then set a token)")
     p.add_argument(
         "--token-env",
         metavar="VAR",

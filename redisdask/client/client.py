@@ -1087,13 +1087,10 @@ class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods, LogMetho
         self._dropped.put(key)
 
     def _drain_dropped(self) -> None:
-        """(Under the lock) count down the futures the garbage collector took."""
-        while True:
-            try:
-                key = self._dropped.get_nowait()
-            except queue.Empty:
-                return
-            self._count_down(key)
+        """(Under the lock, so the only taker) count down the futures the garbage
+        collector took; at every future made or released: no exception raised for none."""
+        while not self._dropped.empty():
+            self._count_down(self._dropped.get_nowait())
 
     def _count_down(self, key: str) -> None:
         self._refcount[key] -= 1

@@ -38,6 +38,7 @@ class Subscriptions:
         self.handlers: dict[str, Handler] = {}
         self.last: dict[str, str] = {}  # topic -> the id of the last event handed over
         self._task: asyncio.Task[None] | None = None
+        self.failed_reads = 0  # in a row, while Redis is away (0: reading)
         self._redis: Any = None
 
     def add(self, topic: str, handler: Handler, last_id: str) -> None:
@@ -65,21 +66,23 @@ class Subscriptions:
             self._redis = connect_async(
                 self.redis_url, timeout=self.timeout, config=self.config.redis
             )
-        away = False
         while self.handlers:
             by_stream = {topics.stream(self.keys, t): t for t in self.handlers}
             ids = {s: self.last[t] for s, t in by_stream.items()}
             try:
                 reply = await self._redis.xread(ids, block=BLOCK_MS, count=100)
             except Exception as exc:  # Redis away: say so once, wait, read on
-                if not away:
+                if not self.failed_reads:
                     logger.warning("reading the subscribed topics failed: %s; retrying", exc)
-                away = True
+                self.failed_reads += 1
                 await asyncio.sleep(0.5)
                 continue
-            if away:
-                logger.info("reading the subscribed topics again")
-                away = False
+            if self.failed_reads:
+                logger.info(
+                    "reading the subscribed topics again, after %d failed reads",
+                    self.failed_reads,
+                )
+                self.failed_reads = 0
             for name, entries in reply or []:
                 topic = by_stream.get(name.decode() if isinstance(name, bytes) else name)
                 if topic is None or topic not in self.handlers:

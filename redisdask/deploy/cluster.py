@@ -4,7 +4,6 @@ subprocesses of this one, all stopped by ``close()``."""
 from __future__ import annotations
 
 import logging
-import socket
 import subprocess
 import time
 import urllib.request
@@ -25,6 +24,7 @@ from redisdask.store.connection import connect
 from redisdask.store.keyspace import Keys
 from redisdask.store.urls import redact
 from redisdask.utils import spawn
+from redisdask.utils.ports import free_port
 
 logger = logging.getLogger("redisdask.deploy.cluster")
 
@@ -201,13 +201,8 @@ class LocalCluster:
         self.worker_processes.append(proc)
         return proc
 
-    def _start_dashboard(self, host: str, port: int) -> None:
-        """``redisdask dashboard`` on ``host:port``, or another free port."""
-        free = _free_port(host, port)
-        if port and free != port:
-            logger.warning(
-                "port %d is already in use: the dashboard is on port %d instead", port, free
-            )
+    def _start_dashboard(self, host: str, free: int) -> None:
+        """``redisdask dashboard`` on ``host:free``."""
         args = ["dashboard", "--cluster", self.cluster_name, "--host", host, "--port", str(free)]
         self.dashboard_process = self._spawn(args, "dashboard")
         shown = f"[{host}]" if ":" in host else host
@@ -305,30 +300,26 @@ class LocalCluster:
 
 
 def _host_port(address: str) -> tuple[str, int]:
-    """``(host, port)`` of a ``dashboard_address`` (``":8787"``: loopback)."""
+    """``(host, port)`` for a ``dashboard_address`` (``":8787"``: loopback): its port if
+    free, else another (said), checked before anything starts."""
     host, _, port_text = address.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
     try:
         port = int(port_text or 8787)
     except ValueError:
         raise ValueError(f"dashboard_address={address!r}: not host:port") from None
     if not 0 <= port <= 65535:
         raise ValueError(f"dashboard_address={address!r}: no port {port}")
-    return host.strip("[]") or "127.0.0.1", port
-
-
-def _free_port(host: str, port: int) -> int:
-    """``port`` if nothing listens on it on ``host``, else (or for 0) a free one.  As
-    the dashboard binds (``SO_REUSEADDR``): a port left in TIME_WAIT is free."""
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    for wanted in (port, 0) if port else (0,):
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((host, wanted))
-            except OSError:
-                continue
-            return int(probe.getsockname()[1])
-    raise OSError(f"no free port on {host}")
+    try:
+        free = free_port(host, port)
+    except OSError as exc:
+        raise ValueError(
+            f"dashboard_address={address!r}: cannot listen on {host} ({exc}); give an "
+            "address of this machine, e.g. 127.0.0.1 or 0.0.0.0"
+        ) from None
+    if port and free != port:
+        logger.warning("port %d is already in use: the dashboard is on port %d instead", port, free)
+    return host, free
 
 
 def _wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:

@@ -25,7 +25,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -39,6 +38,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from redisdask.errors import EmbeddedRedisError, RedisServerNotFound  # importable here too
+from redisdask.utils.ports import free_port
 
 __all__ = [
     "EmbeddedRedis",
@@ -128,13 +128,6 @@ def version(binary: str | os.PathLike[str]) -> str:
     if match is None:
         raise EmbeddedRedisError(f"cannot parse version of {binary}: {out.strip()!r}")
     return match.group(1)
-
-
-def _free_port() -> int:
-    """A currently free loopback port (the OS picks it; a race is handled by retrying)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 def _reap(proc: subprocess.Popen[bytes], timeout: float) -> None:
@@ -301,7 +294,7 @@ class EmbeddedRedis:
             self._launch(self._command(binary, self._port), self._port, may_retry=False)
             return
         for _ in range(_PORT_ATTEMPTS):
-            port = _free_port()
+            port = free_port(HOST)
             try:
                 self._launch(self._command(binary, port), port, may_retry=True)
                 return
