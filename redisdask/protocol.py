@@ -393,8 +393,9 @@ class RetireWorkers(Stimulus):
 @dataclass(slots=True)
 class AddWorker(Stimulus):
     """A worker (re)joins.  After losing Redis it sends ``resync``: the keys it holds
-    ``{"keys": {key: nbytes}}`` and the claimed tasks it still has
-    ``{"processing": [key]}``, so the scheduler can reconcile what Redis forgot."""
+    ``{"keys": {key: nbytes}}``, the run each computed one answers ``{"scores": {key:
+    score}}`` and the claimed tasks it still has ``{"processing": [key]}``, so the
+    scheduler can reconcile what Redis forgot."""
 
     op: ClassVar[str] = "add-worker"
     optional: ClassVar[frozenset[str]] = frozenset({"resync"})

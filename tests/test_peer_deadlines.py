@@ -401,6 +401,37 @@ def test_a_client_that_cannot_reach_the_only_holder_has_the_key_recomputed(
         assert took < DEAD_AFTER + 10, took
 
 
+@pytest.mark.timeout(60)
+def test_a_holder_that_answers_without_the_key_has_it_recomputed(
+    stopped_holder_env: None, make_cluster: ClusterFactory
+) -> None:
+    """The record names a holder that dropped the key behind the scheduler's back (as a
+    stray free-keys read after the worker answered a claim from its copy once did, when
+    Redis had lost writes).  Its answer without the key is reported like a failed fetch
+    and the key computed again; the gather gave up with ``DataUnavailableError``."""
+    from redisdask.protocol import FreeKeys
+    from redisdask.store import codecs
+    from redisdask.store.bootstrap import ensure_cluster
+
+    with (
+        make_cluster(nanny=False, n_workers=2) as cluster,
+        Client(cluster) as client,
+    ):
+        x = client.submit(inc, 41)
+        wait([x], timeout=20)
+        holder, _pid, _other = holder_of(client, x.key)
+        inbox = cluster.keys.worker_inbox(holder)
+        cluster.redis.xadd(inbox, codecs.entry([FreeKeys([x.key]).to_dict()]))
+        pool = comm.BlockingPool(ensure_cluster(cluster.redis, cluster.keys), timeout=5)
+        try:
+            poll(lambda: x.key not in pool.rpc(holder, {"op": "inspect"})[0]["tasks"], 20)
+        finally:
+            pool.close()
+        assert client.who_has()[x.key] == [holder]  # the record still says it holds x
+        assert x.result(timeout=30) == 42
+        assert x.key in client.who_has()
+
+
 @pytest.mark.timeout(90)
 def test_a_client_that_reaches_no_worker_gives_up_after_a_few_recomputes(
     stopped_holder_env: None, make_cluster: ClusterFactory

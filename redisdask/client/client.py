@@ -840,8 +840,9 @@ class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods, LogMetho
         once).  Returns the values and the keys whose task the scheduler no longer has
         in memory (or that finished again meanwhile: the caller waits for their news).
 
-        A key whose every recorded holder failed to answer (a peer deadline, a refused
-        or broken connection) is reported to the scheduler (``client-missing-data``),
+        A key whose every recorded holder failed to give it (a peer deadline, a refused
+        or broken connection, an answer without it) is reported to the scheduler
+        (``client-missing-data``),
         which stops counting those holders and recomputes the key if no copy is left:
         the key's record then leaves ``memory`` and its future waits again (distributed's
         client resets its future too, but its scheduler recomputes nothing: see
@@ -890,6 +891,10 @@ class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods, LogMetho
                 if errs:
                     raise next(iter(errs.values()))
                 values.update(got)
+                if cause is None and address != REDIS_COPY:
+                    # it does not hold what the scheduler's record says it holds: its
+                    # word about itself wins, and the scheduler is told so
+                    cause = "it answered without the key"
                 for key in wkeys:
                     if key in got:
                         remaining.discard(key)
@@ -900,9 +905,8 @@ class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods, LogMetho
     async def _anew_holders(self, keys: list[str], tries: _Tries, stale: set[str]) -> bool:
         """Report the holders of ``keys`` that failed (once each), then read the
         scheduler's records again: a key no longer in memory, or finished again, goes
-        to ``stale``.  Holders that failed are not asked again (the report drops them);
-        those that answered without the key are.  Whether some key still names only
-        holders tried already."""
+        to ``stale``.  Holders that failed are not asked again (the report drops them).
+        Whether some key still names only holders tried already."""
         report = tries.to_report(keys)
         given_up = [k for k in report if self._missing_reports[k] >= MAX_MISSING_REPORTS]
         if given_up:

@@ -661,6 +661,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         a report, a claim, a release).  The worker's word wins about itself."""
         held = {str(k): int(n) for k, n in dict(report.get("keys", {})).items()}
         running = {str(k) for k in report.get("processing", [])}
+        scores = {str(k): v for k, v in dict(report.get("scores", {})).items()}
         written = worker_stream_position(stimulus_id)
         for ts in sorted(ws.processing, key=lambda t: t.score):
             if ts.key in held:  # it finished; the report was lost
@@ -668,6 +669,10 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 self._transition(ts, "memory", worker=ws, stimulus_id=stimulus_id)
             elif ts.key not in running and not _before_claim(ts, written):
                 self._queue_again(ws, ts, stimulus_id=stimulus_id)  # it does not know it
+        for ts in sorted(ws.has_what, key=lambda t: t.score):
+            if ts.key not in held and ts.state == "memory":  # its copy is gone
+                self._drop_holder(ts, ws.address, stimulus_id=stimulus_id)
+                self._copies_dropped(ts, [ws.address], stimulus_id=stimulus_id)
         stray = []
         for key in held:
             ts = self.tasks.get(key)
@@ -675,14 +680,31 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 if ws.address not in ts.who_has:
                     self._add_replica(ts, ws.address)
                     self._emit(SetState(stimulus_id, key, "memory", self._memory_fields(ts)))
+            elif ts is not None and self._reclaim(ws, ts, scores.get(key), stimulus_id):
+                ts.nbytes = held[key]
+                self._transition(ts, "memory", worker=ws, stimulus_id=stimulus_id)
             elif ts is None or ts.processing_on != ws.address:
                 stray.append(key)
         for key in running:
             ts = self.tasks.get(key)
+            if ts is not None and self._reclaim(ws, ts, scores.get(key), stimulus_id):
+                continue
             if ts is None or ts.processing_on != ws.address:
                 stray.append(key)  # claimed in a Redis that forgot it: someone else's now
         if stray:
             self._emit(WorkerMsg(stimulus_id, ws.address, FreeKeys(sorted(set(stray)))))
+
+    def _reclaim(self, ws: WorkerInfo, ts: TaskState, score: Any, stimulus_id: str) -> bool:
+        """Give a worker back its claim of a task queued again (a claim Redis forgot, or
+        one taken back as lost) when it holds or runs the task's current run
+        (``score``).  Freeing its result instead could lose it: the worker may claim the
+        key again before it reads the free-keys, answer that claim from its copy, then
+        drop it, leaving a holder on record that holds nothing."""
+        if ts.state != "queued" or not isinstance(score, (int, float)) or score != ts.score:
+            return False
+        self._dequeue(ts, stimulus_id=stimulus_id)
+        self._transition(ts, "processing", worker=ws, stimulus_id=stimulus_id)
+        return True
 
     def _handle_holding(self, ev: Holding) -> None:
         ws = self.workers.get(ev.worker)
@@ -850,9 +872,12 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                     ts.claimed_before = ws.holding_reports
                 continue
             if ts is None or ts.state != "queued" or ws is None:
-                # released while the claim was in flight: tell the worker to drop it
+                # released while the claim was in flight: tell the worker to drop it,
+                # unless what it has is the copy on record (a result it held before
+                # the claim, given back to it by a resync: it answers with it)
                 self._emit(Unclaim(ev.stimulus_id, ev.worker, key))
-                self._free(ev.worker, key, stimulus_id=ev.stimulus_id)
+                if ts is None or ev.worker not in ts.who_has:
+                    self._free(ev.worker, key, stimulus_id=ev.stimulus_id)
                 if ts is not None and ts.state == "queued":
                     # claimed by a worker removed meanwhile: the claim popped it from the
                     # ready set and marked it processing in Redis; put it back
@@ -866,6 +891,8 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         ws = self.workers.get(ev.worker)
         if ts is not None and other_run(ev.score, ts):
             return  # a result of an earlier run of this key, reported late: not this run's
+        if ts is not None and ws is not None:
+            self._reclaim(ws, ts, ev.score, ev.stimulus_id)  # its claim taken back: it ran
         if ts is None or ws is None or ts.state != "processing" or ts.processing_on != ws.address:
             # a result nobody asked this worker for: a run of an earlier incarnation of the
             # key (cancelled, released, submitted again) or of a claim taken back.  Counting
@@ -946,8 +973,9 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         return True
 
     def _handle_client_missing_data(self, ev: ClientMissingData) -> None:
-        """A client could not fetch keys from the holders it names (a peer deadline or a
-        connection error), though their heartbeats may go on (only a link is cut).  Only
+        """A client could not fetch keys from the holders it names (a peer deadline, a
+        connection error: their heartbeats may go on, only a link is cut; or an answer
+        without the key).  Only
         holders still recorded are dropped, so a late or repeated report of a copy already
         replaced costs nothing; a retiring holder keeps its copy until it hands it on."""
         for key, failed in ev.who_failed.items():
@@ -960,13 +988,17 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 if not (address in self.workers and self.workers[address].retiring)
                 and self._drop_holder(ts, address, stimulus_id=ev.stimulus_id)
             ]
-            if not dropped:
-                continue
-            if ts.who_has or ts.inline:
-                self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
-            else:
-                ts.lost_on = ", ".join(dropped)
-                self._lost_data(ts, stimulus_id=ev.stimulus_id)
+            if dropped:
+                self._copies_dropped(ts, dropped, stimulus_id=ev.stimulus_id)
+
+    def _copies_dropped(self, ts: TaskState, dropped: list[str], *, stimulus_id: str) -> None:
+        """Record who holds ``ts`` now that ``dropped`` no longer count as holders;
+        with no copy left, it is lost (and recomputed if needed)."""
+        if ts.who_has or ts.inline:
+            self._emit(SetState(stimulus_id, ts.key, "memory", self._memory_fields(ts)))
+        else:
+            ts.lost_on = ", ".join(dropped)
+            self._lost_data(ts, stimulus_id=stimulus_id)
 
     def _handle_add_keys(self, ev: AddKeys) -> None:
         self._holders_changed = True
