@@ -781,10 +781,9 @@ def test_a_resync_gives_back_the_claims_redis_forgot_of_tasks_queued_again():
     )
     assert not freed(out) and s.tasks["done"].who_has == {W1}
     # another worker's claim of it, popped before the resync took it, is dropped there
-    out = s.handle_stimulus(
-        TaskClaimed(worker=W2, keys=["done", "runs"], scores=[score["done"], score["runs"]],
-                    stimulus_id="c2")  # fmt: skip
-    )
+    both = ["done", "runs"]
+    claim = TaskClaimed(worker=W2, keys=both, scores=[score[k] for k in both], stimulus_id="c2")
+    out = s.handle_stimulus(claim)
     assert freed(out, W2) == {"done", "runs"} and s.tasks["runs"].processing_on == W1
 
 
