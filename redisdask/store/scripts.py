@@ -213,9 +213,8 @@ local function fetch(key)
   if taken[key] then f[3] = 'processing' end
   return f
 end
-local function take(key, score, f, e)
+local function take(key, score, f, e)  -- (into the processing set at the end, in one SADD)
   taken[key] = true
-  redis.call('SADD', KEYS[3], key)
   local set = ':ready'
   if f[5] and f[5] ~= '' then set = ':constrained' end
   if f[4] and f[4] ~= '' then
@@ -389,6 +388,7 @@ if (full or #claimed >= want) and redis.call('EXISTS', KEYS[6]) == 1
   last_id = redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[9], '*', 'n', 0)
 end
 if #claimed > 0 then
+  redis.call('SADD', KEYS[3], unpack(claimed))
   local id = redis.call('XADD', KEYS[4], '*', 'm',
     cmsgpack.pack({{op = 'claimed', worker = ARGV[1], keys = claimed, scores = scores}}))
   for _, key in ipairs(claimed) do
