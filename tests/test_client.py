@@ -455,3 +455,20 @@ def test_a_future_collected_while_another_thread_holds_the_clients_lock_does_not
         assert key not in client.refcount  # counted down at the next look
         # and released: the scheduler forgets it (the client's heartbeat sends it)
         poll(lambda: not cluster.redis.exists(cluster.keys.task(key)), timeout=20)
+
+
+def test_a_gather_reports_only_the_holders_on_record_that_answered_without_the_key():
+    """A holder named by news older than a move (a rebalance, a retirement) answers
+    without the key, and that is no fault: only a holder the record still names is
+    reported (once), and such reports are not the unreachable holders that make a
+    client give up."""
+    from redisdask.client.client import _Tries
+    from redisdask.store.keyspace import REDIS_COPY
+
+    tries = _Tries({"x": 1})
+    for holder in ("tcp://moved-from:1", "tcp://dropped-it:1", REDIS_COPY):
+        tries.missed("x", holder, None)
+    recorded = ["tcp://dropped-it:1", "tcp://other:1", REDIS_COPY]
+    assert tries.to_report_absent("x", recorded) == ["tcp://dropped-it:1"]
+    assert tries.to_report_absent("x", recorded) == []
+    assert tries.to_report(["x"]) == {}  # (the unreachable ones: none)

@@ -787,43 +787,6 @@ def test_a_resync_gives_back_the_claims_redis_forgot_of_tasks_queued_again():
     assert freed(out, W2) == {"done", "runs"} and s.tasks["runs"].processing_on == W1
 
 
-def test_a_resync_that_lacks_a_recorded_copy_drops_that_holder():
-    """The worker's word wins about itself: a result on record as held there that its
-    resync does not list is gone, and is computed again (it stayed a holder, and every
-    fetch from it failed until someone reported it missing)."""
-    s = make(W1, W2)
-    submit(s, "c", [task("x"), task("y")], ["x", "y"])
-    run(s, "x", W1)
-    run(s, "y", W1)
-    s.handle_stimulus(AddKeys(worker=W2, keys=["y"], stimulus_id="replica"))
-    out = s.handle_stimulus(
-        AddWorker(worker=W1, resync={"keys": {}, "processing": []}, stimulus_id="back")
-    )
-    assert states(s) == {"x": "queued", "y": "memory"}
-    assert s.tasks["y"].who_has == {W2} and not s.workers[W1].has_what
-    assert freed(out, W1) == {"x", "y"}
-
-
-def test_the_result_of_a_claim_taken_back_is_taken_not_freed():
-    """A claim taken back as lost (its worker's reports did not list it) whose run ends
-    after all: the result is the current run's, so it is taken, and not freed (the
-    worker could have claimed the key again meanwhile and answered from that copy)."""
-    s = reloaded_with_x_claimed_at("1000-0")
-    for entry in ("1003-0", "1004-0", "1005-0"):
-        s.handle_stimulus(Holding(worker=W1, keys=[], stimulus_id=f"workers:{entry}/0"))
-    assert s.tasks["x"].state == "queued"
-    score = s.tasks["x"].score
-    out = s.handle_stimulus(
-        TaskFinished(worker=W1, key="x", score=score, nbytes=8, stimulus_id="workers:1006-0/0")
-    )
-    assert s.tasks["x"].state == "memory" and s.tasks["x"].who_has == {W1}
-    assert not freed(out) and [i.key for i in of(out, Dequeue)] == ["x"]
-    # a late result of another run still is not
-    submit(s, "c", [task("y")], ["y"])
-    out = s.handle_stimulus(TaskFinished(worker=W1, key="y", score=score, stimulus_id="f"))
-    assert s.tasks["y"].state == "queued" and not freed(out)
-
-
 # --------------------------------------------------------------------------- clients
 
 

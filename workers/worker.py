@@ -430,7 +430,9 @@ class Worker:
         async with self._claim_lock:
             if resync:  # what Redis may have forgotten: the scheduler reconciles with it
                 tasks = self.state.tasks.values()
-                held = [ts for ts in tasks if ts.state == "memory"]
+                # (not a dependency fetched for a run here: no holder on record, it
+                # goes when its dependents are done, and nobody is told)
+                held = [ts for ts in tasks if ts.state == "memory" and ts.wanted]
                 runs = [
                     ts
                     for ts in tasks

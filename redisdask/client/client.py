@@ -840,9 +840,8 @@ class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods, LogMetho
         once).  Returns the values and the keys whose task the scheduler no longer has
         in memory (or that finished again meanwhile: the caller waits for their news).
 
-        A key whose every recorded holder failed to give it (a peer deadline, a refused
-        or broken connection, an answer without it) is reported to the scheduler
-        (``client-missing-data``),
+        A key whose every recorded holder failed to answer (a peer deadline, a refused
+        or broken connection) is reported to the scheduler (``client-missing-data``),
         which stops counting those holders and recomputes the key if no copy is left:
         the key's record then leaves ``memory`` and its future waits again (distributed's
         client resets its future too, but its scheduler recomputes nothing: see
@@ -891,10 +890,6 @@ class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods, LogMetho
                 if errs:
                     raise next(iter(errs.values()))
                 values.update(got)
-                if cause is None and address != REDIS_COPY:
-                    # it does not hold what the scheduler's record says it holds: its
-                    # word about itself wins, and the scheduler is told so
-                    cause = "it answered without the key"
                 for key in wkeys:
                     if key in got:
                         remaining.discard(key)
@@ -905,23 +900,34 @@ class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods, LogMetho
     async def _anew_holders(self, keys: list[str], tries: _Tries, stale: set[str]) -> bool:
         """Report the holders of ``keys`` that failed (once each), then read the
         scheduler's records again: a key no longer in memory, or finished again, goes
-        to ``stale``.  Holders that failed are not asked again (the report drops them).
-        Whether some key still names only holders tried already."""
+        to ``stale``.  Holders that failed are not asked again (the report drops them);
+        those that answered without the key are, and are reported too if the record
+        still names them (below).  Whether some key still names only holders tried
+        already."""
         report = tries.to_report(keys)
         given_up = [k for k in report if self._missing_reports[k] >= MAX_MISSING_REPORTS]
         if given_up:
             raise tries.unreachable(given_up, MAX_MISSING_REPORTS)
         if report:
             self._missing_reports.update(report.keys())
-            await self._channel.asend([ClientMissingData(self.id, report)])
         same_holders = False
         for key, state in (await self._arefresh_who_has(keys)).items():
             news = self._state_for(key)
             if (state is not None and state != "memory") or news.finishes != tries.finishes[key]:
                 stale.add(key)
-            elif set(news.who_has) <= tries.tried[key]:
+                continue
+            # the record names a holder that answered without the key: its word about
+            # itself wins (a copy dropped behind the scheduler's back is computed again).
+            # Not counted against MAX_MISSING_REPORTS: that limit is for unreachable
+            # holders, and this report is no sign of a network this client cannot cross
+            absent = tries.to_report_absent(key, news.who_has)
+            if absent:
+                report[key] = sorted({*report.get(key, ()), *absent})
+            if set(news.who_has) <= tries.tried[key]:
                 same_holders = True
             tries.tried[key] = set(tries.failed[key])
+        if report:
+            await self._channel.asend([ClientMissingData(self.id, report)])
         return same_holders
 
     async def _fetch(
@@ -1224,12 +1230,15 @@ class _Tries:
         self.finishes = finishes  # each key's news count when the gather began
         self.tried: dict[str, set[str]] = defaultdict(set)
         self.failed: dict[str, dict[str, str]] = defaultdict(dict)
+        self.absent: dict[str, set[str]] = defaultdict(set)  # answered without the key
         self._reported: set[tuple[str, str]] = set()
 
     def missed(self, key: str, address: str, cause: str | None) -> None:
         self.tried[key].add(address)
         if cause is not None:
             self.failed[key][address] = cause
+        elif address != REDIS_COPY:
+            self.absent[key].add(address)
 
     def to_report(self, keys: list[str]) -> dict[str, list[str]]:
         """``{key: [holders]}`` that failed and were not reported yet."""
@@ -1240,6 +1249,13 @@ class _Tries:
                 report[key] = new
                 self._reported.update((key, a) for a in new)
         return report
+
+    def to_report_absent(self, key: str, recorded: Iterable[str]) -> list[str]:
+        """The holders of ``key`` still on record that answered without it and were
+        not reported yet."""
+        new = sorted(a for a in self.absent[key] & set(recorded) if (key, a) not in self._reported)
+        self._reported.update((key, a) for a in new)
+        return new
 
     def unreachable(self, keys: list[str], reports: int) -> DataUnavailableError:
         causes = "; ".join(f"{a}: {c}" for k in keys for a, c in sorted(self.failed[k].items()))

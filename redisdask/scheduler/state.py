@@ -669,10 +669,6 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 self._transition(ts, "memory", worker=ws, stimulus_id=stimulus_id)
             elif ts.key not in running and not _before_claim(ts, written):
                 self._queue_again(ws, ts, stimulus_id=stimulus_id)  # it does not know it
-        for ts in sorted(ws.has_what, key=lambda t: t.score):
-            if ts.key not in held and ts.state == "memory":  # its copy is gone
-                self._drop_holder(ts, ws.address, stimulus_id=stimulus_id)
-                self._copies_dropped(ts, [ws.address], stimulus_id=stimulus_id)
         stray = []
         for key in held:
             ts = self.tasks.get(key)
@@ -695,11 +691,11 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             self._emit(WorkerMsg(stimulus_id, ws.address, FreeKeys(sorted(set(stray)))))
 
     def _reclaim(self, ws: WorkerInfo, ts: TaskState, score: Any, stimulus_id: str) -> bool:
-        """Give a worker back its claim of a task queued again (a claim Redis forgot, or
-        one taken back as lost) when it holds or runs the task's current run
-        (``score``).  Freeing its result instead could lose it: the worker may claim the
-        key again before it reads the free-keys, answer that claim from its copy, then
-        drop it, leaving a holder on record that holds nothing."""
+        """Give a worker back the claim Redis forgot of a task queued again, when what it
+        holds or runs is the task's current run (``score``).  Freeing it instead could
+        lose the result: the worker may claim the key again before it reads the
+        free-keys, answer that claim from its copy, then drop it, leaving a holder on
+        record that holds nothing."""
         if ts.state != "queued" or not isinstance(score, (int, float)) or score != ts.score:
             return False
         self._dequeue(ts, stimulus_id=stimulus_id)
@@ -891,8 +887,6 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         ws = self.workers.get(ev.worker)
         if ts is not None and other_run(ev.score, ts):
             return  # a result of an earlier run of this key, reported late: not this run's
-        if ts is not None and ws is not None:
-            self._reclaim(ws, ts, ev.score, ev.stimulus_id)  # its claim taken back: it ran
         if ts is None or ws is None or ts.state != "processing" or ts.processing_on != ws.address:
             # a result nobody asked this worker for: a run of an earlier incarnation of the
             # key (cancelled, released, submitted again) or of a claim taken back.  Counting

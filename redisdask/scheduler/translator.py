@@ -261,6 +261,7 @@ class Translator:
             # (and ``claim``: the entry of this claim, which a later one may have written over)
             entry = ins.stimulus_id.partition(":")[2].partition("/")[0]
             b.fields(ins.key).update(state="processing", worker=ins.worker, claim=entry)
+            b.pushes[ins.worker].append(ins.key)  # into its processing set (again: no-op)
 
     def _mark_chain(self, ins: MarkChain, b: _Batch) -> None:
         b.fields(ins.key).update(TaskRecord.encode({"chain": ins.chain}))
