@@ -967,11 +967,11 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         return True
 
     def _handle_client_missing_data(self, ev: ClientMissingData) -> None:
-        """A client could not fetch keys from the holders it names (a peer deadline, a
-        connection error: their heartbeats may go on, only a link is cut; or an answer
-        without the key).  Only
-        holders still recorded are dropped, so a late or repeated report of a copy already
-        replaced costs nothing; a retiring holder keeps its copy until it hands it on."""
+        """A client could not fetch keys from the holders it names: a peer deadline or a
+        connection error, though their heartbeats may go on (only a link is cut), or an
+        answer without the key.  Only holders still recorded are dropped, so a late or
+        repeated report of a copy already replaced costs nothing; a retiring holder
+        keeps its copy until it hands it on."""
         for key, failed in ev.who_failed.items():
             ts = self.tasks.get(key)
             if ts is None or ts.state != "memory":
@@ -982,17 +982,13 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 if not (address in self.workers and self.workers[address].retiring)
                 and self._drop_holder(ts, address, stimulus_id=ev.stimulus_id)
             ]
-            if dropped:
-                self._copies_dropped(ts, dropped, stimulus_id=ev.stimulus_id)
-
-    def _copies_dropped(self, ts: TaskState, dropped: list[str], *, stimulus_id: str) -> None:
-        """Record who holds ``ts`` now that ``dropped`` no longer count as holders;
-        with no copy left, it is lost (and recomputed if needed)."""
-        if ts.who_has or ts.inline:
-            self._emit(SetState(stimulus_id, ts.key, "memory", self._memory_fields(ts)))
-        else:
-            ts.lost_on = ", ".join(dropped)
-            self._lost_data(ts, stimulus_id=stimulus_id)
+            if not dropped:
+                continue
+            if ts.who_has or ts.inline:
+                self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
+            else:
+                ts.lost_on = ", ".join(dropped)
+                self._lost_data(ts, stimulus_id=ev.stimulus_id)
 
     def _handle_add_keys(self, ev: AddKeys) -> None:
         self._holders_changed = True
