@@ -268,6 +268,23 @@ def test_free_keys_of_executing_task_cancels_it() -> None:
     assert "x" not in ws.data and "x" not in ws.tasks
 
 
+def test_a_resync_lists_what_is_held_for_the_cluster_and_what_runs_with_their_runs() -> None:
+    """A dependency fetched for a run here is no holder on record: listed, the scheduler
+    counted a copy the worker drops without a word once its dependents are done."""
+    ws = make(nthreads=2)
+    ws.handle_stimulus(compute("x", priority=(5.0,)))
+    ws.handle_stimulus(success("x"))
+    ws.handle_stimulus(compute("z", {"a": ([A], 10)}, priority=(7.0,)))
+    ws.handle_stimulus(GatherDepSuccessEvent(A, {"a": 1}, {"a": 10}, "g"))
+    ws.handle_stimulus(PutDataEvent({"s": 1}, {"s": 8}, "put"))
+    assert ws.tasks["a"].state == "memory" and ws.tasks["z"].state == "executing"
+    assert ws.resync_report() == {
+        "keys": {"x": 28, "s": 8},
+        "processing": ["z"],
+        "scores": {"x": 5.0, "z": 7.0},  # (none for a copy put here: no run of it)
+    }
+
+
 def test_strays_freed_after_a_resync_are_all_dropped() -> None:
     """The scheduler's answer to a resync that reported tasks not this worker's: one
     running, one waiting for the thread, one held. None is reported to it afterwards."""

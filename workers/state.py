@@ -574,6 +574,28 @@ class WorkerState:
                 self.validate_state()
         return out
 
+    def resync_report(self) -> dict[str, Any]:
+        """What this worker tells a scheduler after Redis was away (``AddWorker.resync``):
+        the results it holds for the cluster (not a dependency fetched for a run here:
+        no holder on record, it goes when its dependents are done, and nobody is told),
+        the claims it still has, and the run of each it ran or runs (its score), so that
+        the scheduler may give back a claim Redis forgot."""
+        held = [ts for ts in self.tasks.values() if ts.state == "memory" and ts.wanted]
+        runs = [
+            ts
+            for ts in self.tasks.values()
+            if ts.wanted and ts.state not in ("memory", "released", "error")
+        ]
+        return {
+            "keys": {ts.key: ts.nbytes or 0 for ts in held},
+            "processing": [ts.key for ts in runs],
+            "scores": {
+                ts.key: ts.priority[0]
+                for ts in (*held, *runs)
+                if ts.run_spec is not None and ts.priority
+            },
+        }
+
     def claim_budget(self, horizon: float = 0.02, now: float | None = None) -> list[float]:
         """When each thread may start a task claimed now, in seconds from ``now`` (the
         driver's clock), for the threads that start one within ``horizon``; empty: claim

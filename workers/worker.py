@@ -429,26 +429,7 @@ class Worker:
         # claim loop ran meanwhile was missing from it, and the scheduler took it back)
         async with self._claim_lock:
             if resync:  # what Redis may have forgotten: the scheduler reconciles with it
-                tasks = self.state.tasks.values()
-                # (not a dependency fetched for a run here: no holder on record, it
-                # goes when its dependents are done, and nobody is told)
-                held = [ts for ts in tasks if ts.state == "memory" and ts.wanted]
-                runs = [
-                    ts
-                    for ts in tasks
-                    if ts.wanted and ts.state not in ("memory", "released", "error")
-                ]
-                message.resync = {
-                    "keys": {ts.key: ts.nbytes or 0 for ts in held},
-                    "processing": [ts.key for ts in runs],
-                    # the run of each claim it ran or runs (its score), so that the
-                    # scheduler may take one back whose claim Redis forgot
-                    "scores": {
-                        ts.key: ts.priority[0]
-                        for ts in (*held, *runs)
-                        if ts.run_spec is not None and ts.priority
-                    },
-                }
+                message.resync = self.state.resync_report()
             pipe.xadd(self.keys.worker_stream, codecs.entry([message.to_dict()]))
             await pipe.execute()
 
