@@ -393,9 +393,8 @@ class RetireWorkers(Stimulus):
 @dataclass(slots=True)
 class AddWorker(Stimulus):
     """A worker (re)joins.  After losing Redis it sends ``resync``: the keys it holds
-    ``{"keys": {key: nbytes}}``, the run each computed one answers ``{"scores": {key:
-    score}}`` and the claimed tasks it still has ``{"processing": [key]}``, so the
-    scheduler can reconcile what Redis forgot."""
+    ``{"keys": {key: nbytes}}`` and the claimed tasks it still has
+    ``{"processing": [key]}``, so the scheduler can reconcile what Redis forgot."""
 
     op: ClassVar[str] = "add-worker"
     optional: ClassVar[frozenset[str]] = frozenset({"resync"})
@@ -559,10 +558,15 @@ class InboxMessage(Message):
 
 @dataclass(slots=True)
 class FreeKeys(InboxMessage):
-    """The scheduler no longer needs ``keys`` on this worker."""
+    """The scheduler no longer needs ``keys`` on this worker.  ``seen``: the workers
+    stream entry up to which it had read every claim when it decided (empty: unknown);
+    a key this worker claimed in a later entry is kept (the scheduler answers that claim
+    when it reads it)."""
 
     op: ClassVar[str] = "free-keys"
+    optional: ClassVar[frozenset[str]] = frozenset({"seen"})
     keys: list[str]
+    seen: str = ""
 
 
 @dataclass(slots=True)

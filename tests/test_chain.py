@@ -171,7 +171,7 @@ def test_finish_claims_deeper_links_only_within_the_claim_horizon(
             r.hset(keys.durations, mapping={"y": estimate, "z": estimate})
 
     def claimed(horizon: float) -> list[str]:
-        tasks, _ = scripts.finish(worker=me, ttl_ms=3000, reports=[pack({"op": "x"})],
+        tasks, *_ = scripts.finish(worker=me, ttl_ms=3000, reports=[pack({"op": "x"})],
                                   finished=["x-1"], chain=1, last_inbox_id="0-0",
                                   deeper=16, horizon=horizon)  # fmt: skip
         return [t[0].decode() for t in tasks]

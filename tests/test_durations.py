@@ -88,7 +88,7 @@ def test_a_claim_takes_only_what_starts_within_the_horizon(r: tuple[redis.Redis,
     queue(conn, keys, *names)
 
     def claim(*starts: float) -> tuple[list[str], list[bytes], int]:
-        tasks, _, _, flags = scripts.claim(
+        tasks, _, _, flags, _ = scripts.claim(
             worker=W, count=1000, last_inbox_id="0-0", horizon=0.02, starts=starts
         )
         return [t[0].decode() for t in tasks], [t[5] for t in tasks], flags

@@ -432,6 +432,45 @@ def test_a_holder_that_answers_without_the_key_has_it_recomputed(
         assert x.key in client.who_has()
 
 
+@pytest.mark.timeout(60)
+def test_a_worker_keeps_a_copy_it_claimed_after_what_a_free_keys_was_decided_on(
+    make_cluster: ClusterFactory,
+) -> None:
+    """A free-keys names the last workers stream entry the scheduler had read: a copy
+    the worker claimed in a later entry (here: one claimed and answered before the
+    worker read a free-keys sent about an older copy) stays, and one decided after the
+    claim is obeyed; both come through a real inbox, in order."""
+    from redisdask.protocol import FreeKeys
+    from redisdask.store import codecs
+    from redisdask.store.bootstrap import ensure_cluster
+
+    with (
+        make_cluster(nanny=False, n_workers=1) as cluster,
+        Client(cluster) as client,
+    ):
+        futures = client.map(inc, range(6))  # one worker, one thread: most are claimed
+        wait(futures, timeout=20)
+        r, keys = cluster.redis, cluster.keys
+        claims = {f.key: r.hget(keys.task(f.key), "claim") for f in futures}
+        [kept, dropped] = [k for k, claim in claims.items() if claim][:2]
+        [worker] = client.scheduler_info()["workers"]
+
+        def before(claim: bytes) -> str:
+            ms, seq = map(int, claim.decode().split("-"))
+            return f"{ms - 1}-{seq}"
+
+        stale = FreeKeys([kept], seen=before(claims[kept])).to_dict()
+        current = FreeKeys([dropped], seen=claims[dropped].decode()).to_dict()
+        r.xadd(keys.worker_inbox(worker), codecs.entry([stale, current]))
+        pool = comm.BlockingPool(ensure_cluster(r, keys), timeout=5)
+        try:
+            held = lambda: pool.rpc(worker, {"op": "inspect"})[0]["tasks"]  # noqa: E731
+            poll(lambda: dropped not in held(), 20)  # (read after the stale one)
+            assert held()[kept] == "memory"
+        finally:
+            pool.close()
+
+
 @pytest.mark.timeout(90)
 def test_a_client_that_reaches_no_worker_gives_up_after_a_few_recomputes(
     stopped_holder_env: None, make_cluster: ClusterFactory

@@ -129,7 +129,7 @@ def test_the_claim_script_takes_only_what_fits_what_the_worker_has_free(
         )
         r.zadd(keys.worker_constrained(me), {key: score})
         r.zadd(keys.worker_constrained(other), {key: score})  # fmt: skip
-    tasks, _, _, blocked = scripts.claim(worker=me, count=4, last_inbox_id="0-0", free="GPU=2")
+    tasks, _, _, blocked, _ = scripts.claim(worker=me, count=4, last_inbox_id="0-0", free="GPU=2")
     # a (1 of 2), not b (2 > 1 left), not c (its MEM is not there), d (0.5 of 1)
     assert [(t[0], t[4]) for t in tasks] == [(b"a", b"GPU=1"), (b"d", b"GPU=0.5")]
     assert blocked == 1  # tasks left for lack of resources: claim again when some free
@@ -137,10 +137,10 @@ def test_the_claim_script_takes_only_what_fits_what_the_worker_has_free(
     assert r.zrange(keys.worker_constrained(other), 0, -1) == [b"b", b"c"]  # taken out there
     assert r.hget(keys.task("a"), "state") == b"processing"
     assert r.hget(keys.task("b"), "state") == b"queued"
-    tasks, _, _, blocked = scripts.claim(worker=me, count=4, last_inbox_id="0-0", free="")
+    tasks, _, _, blocked, _ = scripts.claim(worker=me, count=4, last_inbox_id="0-0", free="")
     assert (tasks, blocked) == ([], 1)  # nothing free: nothing claimed
     free = "GPU=3 MEM=1"
-    tasks, _, _, blocked = scripts.claim(worker=me, count=4, last_inbox_id="0-0", free=free)
+    tasks, _, _, blocked, _ = scripts.claim(worker=me, count=4, last_inbox_id="0-0", free=free)
     assert ([t[0] for t in tasks], blocked) == ([b"b", b"c"], 0)
     for name in r.scan_iter(match=keys.prefix.replace("{", "[{]") + "*"):
         r.delete(name)

@@ -543,7 +543,7 @@ def test_a_sticky_task_waits_for_its_busy_worker_a_plain_one_does_not(
         scheduler.process(decode_reply(r.xreadgroup(SCHEDULER_GROUP, "scheduler", streams)))
 
     def claim(worker: str, count: int = 5) -> tuple[list[bytes], int]:
-        claimed, _, _, flags = scheduler.scripts.claim(
+        claimed, _, _, flags, _ = scheduler.scripts.claim(
             worker=worker, count=count, last_inbox_id="0-0"
         )
         return [t[0] for t in claimed], flags

@@ -751,40 +751,27 @@ def test_a_resync_after_redis_lost_writes_trusts_the_worker_about_itself():
     assert freed(out, W1) == {"gone", "theirs"} and not freed(out, W2)
 
 
-def test_a_resync_gives_back_the_claims_redis_forgot_of_tasks_queued_again():
-    """Redis lost a worker's claims, so the reloaded scheduler has their tasks queued
-    again; the worker still holds or runs them.  Freeing its result was a lost result:
-    the worker could claim the key again before it read the free-keys, answer the claim
-    from its copy, then drop it, and the record named a holder that held nothing (a
-    client's gather then failed with DataUnavailableError).  The claims are its again."""
+def test_a_free_keys_says_up_to_which_claim_the_scheduler_had_read():
+    """A stray of a resync is freed while its key is queued again, and its worker may
+    claim the key before it reads that free-keys: the free-keys names the last workers
+    stream entry read (the resync's), so the worker keeps a copy it claimed after it.
+    Unstamped, the worker answered the claim from its copy, then dropped it, and the
+    record named a holder that held nothing (CI's DataUnavailableError)."""
     s = make(W1, W2)
-    submit(s, "c", [task(k) for k in ("done", "runs", "old")], ["done", "runs", "old"])
-    score = {k: s.tasks[k].score for k in ("done", "runs", "old")}
-    report = {
-        "keys": {"done": 8, "old": 4},
-        "processing": ["runs"],
-        # "old" is a copy of an earlier run of its key: not the answer to this one
-        "scores": {"done": score["done"], "runs": score["runs"], "old": score["old"] + 1},
-    }
-    out = s.handle_stimulus(AddWorker(worker=W1, resync=report, stimulus_id="workers:9-0/0"))
-    assert states(s) == {"done": "memory", "runs": "processing", "old": "queued"}
-    assert s.tasks["done"].who_has == {W1} and s.tasks["runs"].processing_on == W1
-    assert {i.key for i in of(out, Dequeue)} == {"done", "runs"}
-    assert freed(out, W1) == {"old"}
-    assert client_msgs(out, "key-in-memory", "c")[0]["key"] == "done"
-    # its claim of "done", made before the resync was read, is answered from that copy
-    out = s.handle_stimulus(
-        TaskClaimed(worker=W1, keys=["done"], scores=[score["done"]], stimulus_id="c1")
-    )
-    out += s.handle_stimulus(
-        TaskFinished(worker=W1, key="done", score=score["done"], nbytes=8, stimulus_id="f1")
-    )
-    assert not freed(out) and s.tasks["done"].who_has == {W1}
-    # another worker's claim of it, popped before the resync took it, is dropped there
-    both = ["done", "runs"]
-    claim = TaskClaimed(worker=W2, keys=both, scores=[score[k] for k in both], stimulus_id="c2")
-    out = s.handle_stimulus(claim)
-    assert freed(out, W2) == {"done", "runs"} and s.tasks["runs"].processing_on == W1
+    submit(s, "c", [task("x"), task("y")], ["x", "y"])
+    report = {"keys": {"x": 8}, "processing": []}  # its claim of x went with Redis
+    out = s.handle_stimulus(AddWorker(worker=W1, resync=report, stimulus_id="workers:9-1/0"))
+    [free] = [i.msg for i in of(out, WorkerMsg) if i.msg.op == "free-keys"]
+    assert (free.keys, free.seen) == (["x"], "9-1")
+    # from the clients stream: still what it had read of the workers stream
+    out = s.handle_stimulus(ClientReleasesKeys(client="c", keys=["x"], stimulus_id="clients:5-0/0"))
+    s.handle_stimulus(TaskClaimed(worker=W1, keys=["y"], stimulus_id="workers:12-0/0"))
+    out = s.handle_stimulus(CancelKeys(client="c", keys=["y"], stimulus_id="clients:6-0/0"))
+    assert {i.msg.seen for i in of(out, WorkerMsg) if i.msg.op == "free-keys"} == {"12-0"}
+    # reloaded: every claim up to the entry written last before the records were read
+    s.seen_floor = (20, 0)
+    s.handle_stimulus(TaskClaimed(worker=W1, keys=["nothing"], stimulus_id="workers:15-0/0"))
+    assert s._seen() == "20-0"
 
 
 # --------------------------------------------------------------------------- clients

@@ -27,10 +27,11 @@ def test_a_claim_returns_the_inbox_written_before_it_in_a_decodable_form(
     second = r.xadd(keys.worker_inbox(worker), entry([{"op": "free-keys", "keys": ["x"]}]))
     r.hset(keys.task("x"), mapping={"state": "queued", "spec": b"s", "deps": pack([])})
     r.zadd(keys.ready, {"x": 1.0})
-    claimed, _signal, inbox, _blocked = Scripts(r, keys).claim(
+    claimed, _signal, inbox, _blocked, claim = Scripts(r, keys).claim(
         worker=worker, count=5, last_inbox_id=first.decode()
     )
     assert [c[0] for c in claimed] == [b"x"]
+    assert claim == r.hget(keys.task("x"), "claim")  # its entry, for free-keys to name
     [(entry_id, fields)] = script_entries(inbox)  # only what came after `first`
     assert entry_id == second
     [event] = _inbox_events(entry_id.decode(), fields, 0.0)

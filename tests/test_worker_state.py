@@ -268,7 +268,7 @@ def test_free_keys_of_executing_task_cancels_it() -> None:
     assert "x" not in ws.data and "x" not in ws.tasks
 
 
-def test_a_resync_lists_what_is_held_for_the_cluster_and_what_runs_with_their_runs() -> None:
+def test_a_resync_lists_what_is_held_for_the_cluster_and_what_runs() -> None:
     """A dependency fetched for a run here is no holder on record: listed, the scheduler
     counted a copy the worker drops without a word once its dependents are done."""
     ws = make(nthreads=2)
@@ -278,11 +278,26 @@ def test_a_resync_lists_what_is_held_for_the_cluster_and_what_runs_with_their_ru
     ws.handle_stimulus(GatherDepSuccessEvent(A, {"a": 1}, {"a": 10}, "g"))
     ws.handle_stimulus(PutDataEvent({"s": 1}, {"s": 8}, "put"))
     assert ws.tasks["a"].state == "memory" and ws.tasks["z"].state == "executing"
-    assert ws.resync_report() == {
-        "keys": {"x": 28, "s": 8},
-        "processing": ["z"],
-        "scores": {"x": 5.0, "z": 7.0},  # (none for a copy put here: no run of it)
-    }
+    assert ws.resync_report() == {"keys": {"x": 28, "s": 8}, "processing": ["z"]}
+
+
+def test_a_free_keys_decided_before_the_scheduler_read_a_claim_keeps_that_claim() -> None:
+    """The scheduler freed a copy (here: a stray of a resync, its key queued again)
+    before it read this worker's claim of the key again, made before the worker read
+    the free-keys; the claim was answered from the copy, which must stay."""
+    ws = make()
+    ws.handle_stimulus(compute("x"), success("x"))
+    claim = ComputeTaskEvent("x", b"run-spec", (0,), {}, "claim-x", claim=(1000, 2))
+    [answer] = ws.handle_stimulus(claim)  # claimed again: answered from memory
+    assert isinstance(answer, TaskFinished) and answer.key == "x"
+    ws.handle_stimulus(FreeKeysEvent(["x"], "free-1", seen=(1000, 1)))
+    assert ws.tasks["x"].state == "memory" and ws.data == {"x": 1}
+    # one decided after it had read that claim drops it; so does one that says nothing
+    ws.handle_stimulus(FreeKeysEvent(["x"], "free-2", seen=(1000, 2)))
+    assert "x" not in ws.tasks
+    ws.handle_stimulus(compute("y"), success("y"))
+    ws.handle_stimulus(FreeKeysEvent(["y"], "free-3"))
+    assert not ws.data
 
 
 def test_strays_freed_after_a_resync_are_all_dropped() -> None:

@@ -206,6 +206,7 @@ class ComputeTaskEvent(StateMachineEvent):
     stimulus_id: str
     resources: dict[str, float] = field(default_factory=dict)  # what a run holds here
     estimate: float | None = None  # its prefix's duration average (None: none yet)
+    claim: tuple[int, int] | None = None  # the claim's workers stream entry (see FreeKeys)
 
     @classmethod
     def _coerce(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -271,11 +272,14 @@ class UpdateWhoHasEvent(StateMachineEvent):
 @dataclass(slots=True)
 class FreeKeysEvent(StateMachineEvent):
     """Drop ``keys``; ``force`` (a cluster restart) drops also copies put here that the
-    scheduler has not recorded yet."""
+    scheduler has not recorded yet.  ``seen``: the workers stream entry up to which the
+    scheduler had read every claim when it decided; a key claimed here in a later entry
+    is kept (the scheduler answers that claim when it reads it)."""
 
     keys: list[str]
     stimulus_id: str
     force: bool = False
+    seen: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -445,9 +449,17 @@ class TaskState:
     began: float | None = None  # when its run took a thread (the driver's clock)
     resources: dict[str, float] | None = None  # what a run needs (from its claim)
     held: dict[str, float] | None = None  # what it holds of this worker's resources now
+    claim: tuple[int, int] | None = None  # the workers stream entry of its latest claim
 
     def __repr__(self) -> str:
         return f"<TaskState {self.key!r} {self.state}>"
+
+
+def _claimed_after(ts: TaskState, ev: FreeKeysEvent) -> bool:
+    """Whether ``ts`` was claimed here after what the scheduler had read when it sent
+    ``ev``: a claim made before the worker read a free-keys about the copy it held (a
+    claim answered from that copy, or run anew) must not lose its answer to it."""
+    return ts.claim is not None and ev.seen is not None and ts.claim > ev.seen
 
 
 def _run_score(ts: TaskState) -> float:
@@ -577,23 +589,16 @@ class WorkerState:
     def resync_report(self) -> dict[str, Any]:
         """What this worker tells a scheduler after Redis was away (``AddWorker.resync``):
         the results it holds for the cluster (not a dependency fetched for a run here:
-        no holder on record, it goes when its dependents are done, and nobody is told),
-        the claims it still has, and the run of each it ran or runs (its score), so that
-        the scheduler may give back a claim Redis forgot."""
-        held = [ts for ts in self.tasks.values() if ts.state == "memory" and ts.wanted]
-        runs = [
-            ts
-            for ts in self.tasks.values()
-            if ts.wanted and ts.state not in ("memory", "released", "error")
-        ]
+        no holder on record, it goes when its dependents are done, and nobody is told)
+        and the claims it still has."""
+        tasks = self.tasks.values()
         return {
-            "keys": {ts.key: ts.nbytes or 0 for ts in held},
-            "processing": [ts.key for ts in runs],
-            "scores": {
-                ts.key: ts.priority[0]
-                for ts in (*held, *runs)
-                if ts.run_spec is not None and ts.priority
-            },
+            "keys": {ts.key: ts.nbytes or 0 for ts in tasks if ts.state == "memory" and ts.wanted},
+            "processing": [
+                ts.key
+                for ts in tasks
+                if ts.wanted and ts.state not in ("memory", "released", "error")
+            ],
         }
 
     def claim_budget(self, horizon: float = 0.02, now: float | None = None) -> list[float]:
@@ -674,6 +679,8 @@ class WorkerState:
         ts = self._ensure_task(ev.key)
         ts.wanted = True
         ts.run_spec, ts.priority, ts.estimate = ev.run_spec, ev.priority, ev.estimate
+        if ev.claim is not None:  # (a pushed task comes through the inbox: in order)
+            ts.claim = ev.claim
         if ts.state == "memory":  # claimed again: repeat the answer
             self._emit_finished(ts, sid)
             return
@@ -851,6 +858,8 @@ class WorkerState:
             ts = self.tasks.get(key)
             if ts is not None and ts.unrecorded and not ev.force:
                 continue  # sent for an older copy: the scheduler has not recorded this one
+            if ts is not None and _claimed_after(ts, ev):
+                continue  # sent for an older copy: the scheduler had not read this claim
             if ts is not None:
                 ts.unrecorded = 0
                 ts.wanted = ts.replica = False

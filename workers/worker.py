@@ -773,7 +773,7 @@ class Worker:
             if starts and self._may_have_work():
                 async with self._claim_lock:
                     try:
-                        claimed, last_id, inbox, flags = await self._claim(starts)
+                        claimed, last_id, inbox, flags, claim = await self._claim(starts)
                     except redis.ResponseError as exc:
                         if "UNKNOWN_WORKER" not in str(exc):
                             raise
@@ -790,7 +790,9 @@ class Worker:
                     self._handle_inbox(script_entries(inbox))
                     if claimed:
                         self._note_chains(claimed)
-                        events = [self._compute_event(c, self._claimed_values) for c in claimed]
+                        events = [
+                            self._compute_event(c, self._claimed_values, claim) for c in claimed
+                        ]
                         for ev in events:
                             self._claimed_before[ev.key] = self._holding_reports
                         self.handle(*events)
@@ -852,9 +854,11 @@ class Worker:
         )
 
     @staticmethod
-    def _compute_event(claimed: list[Any], values: dict[str, bytes]) -> ws.ComputeTaskEvent:
-        """A claimed task; the small results of its dependencies that came with it go
-        into ``values``."""
+    def _compute_event(
+        claimed: list[Any], values: dict[str, bytes], claim: bytes | str
+    ) -> ws.ComputeTaskEvent:
+        """A claimed task (``claim``: its claim's entry on the workers stream); the small
+        results of its dependencies that came with it go into ``values``."""
         key, spec, score, deps, needs, estimate, *_ = claimed
         key = key.decode()
         dependencies = {}
@@ -870,6 +874,7 @@ class Worker:
             f"claim-{key}",
             split_resources(needs),
             float(estimate) if estimate else None,
+            _parse_id(claim) if claim else None,
         )
 
     async def _listen_loop(self) -> None:
@@ -1018,7 +1023,7 @@ class Worker:
             room = len(self.state.claim_budget(self.claim_horizon, time.time()))
         holding_before, inbox_id = self._holding_reports, self._inbox_id
         early = early_news(batch, self._pushed, self.address)
-        tasks, inbox = await self.scripts.finish(
+        tasks, inbox, claim = await self.scripts.finish(
             worker=self.address,
             ttl_ms=int(self.worker_ttl * 1000),
             reports=[codecs.pack(m) for m in batch],
@@ -1034,7 +1039,7 @@ class Worker:
             return
         self._handle_inbox(script_entries(inbox))  # (older than the claim: first)
         self._note_chains(tasks)
-        events = [self._compute_event(c, self._claimed_values) for c in tasks]
+        events = [self._compute_event(c, self._claimed_values, claim) for c in tasks]
         for ev in events:
             self._claimed_before[ev.key] = holding_before
         self.handle(*events)
@@ -1429,7 +1434,9 @@ _COMMANDS: dict[str, Callable[[Worker, _Command], None]] = {
 # the state machine's event for each scheduler message of the inbox (``ComputeTask`` and
 # the commands for the driver are read apart: ``_inbox_events``)
 _INBOX_EVENTS: dict[type, Callable[[Any, str], ws.StateMachineEvent]] = {
-    FreeKeys: lambda msg, sid: ws.FreeKeysEvent(msg.keys, sid),
+    FreeKeys: lambda msg, sid: ws.FreeKeysEvent(
+        msg.keys, sid, seen=_parse_id(msg.seen) if msg.seen else None
+    ),
     KeysRecorded: lambda msg, sid: ws.KeysRecordedEvent(msg.keys, sid),
     WhoHas: lambda msg, sid: ws.UpdateWhoHasEvent(msg.who_has, sid),
     AcquireReplicas: lambda msg, sid: ws.AcquireReplicasEvent(msg.who_has, sid),

@@ -176,6 +176,11 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         self._instructions: list[Instruction] = []
         self._candidates: deque[TaskState] = deque()
         self._pushing = False  # root tasks queued now may go to a free thread (scheduler/push.py)
+        # the newest workers stream entry handled, and the one up to which a reload's
+        # records hold every claim (``_seen``)
+        self._read: StreamPosition | None = None
+        self.seen_floor: StreamPosition | None = None
+        self._seen_text = ""  # (``_seen``, made when first asked after a change)
         self._holders_changed = False  # something a retirement or a rebalance waits for
         self._init_moves(rebalance)
         self._init_stealing()
@@ -196,6 +201,10 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         stimulus_id = ""
         for event in events:
             stimulus_id = event.stimulus_id
+            if stimulus_id.startswith("workers:"):
+                read = worker_stream_position(stimulus_id)
+                if read is not None and (self._read is None or read > self._read):
+                    self._read, self._seen_text = read, ""
             self._pushing = type(event) is UpdateGraph  # (redisdask.scheduler.push)
             self._HANDLERS[type(event)](self, event)
             self._drain(stimulus_id=stimulus_id)
@@ -661,7 +670,6 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         a report, a claim, a release).  The worker's word wins about itself."""
         held = {str(k): int(n) for k, n in dict(report.get("keys", {})).items()}
         running = {str(k) for k in report.get("processing", [])}
-        scores = {str(k): v for k, v in dict(report.get("scores", {})).items()}
         written = worker_stream_position(stimulus_id)
         for ts in sorted(ws.processing, key=lambda t: t.score):
             if ts.key in held:  # it finished; the report was lost
@@ -676,31 +684,15 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 if ws.address not in ts.who_has:
                     self._add_replica(ts, ws.address)
                     self._emit(SetState(stimulus_id, key, "memory", self._memory_fields(ts)))
-            elif ts is not None and self._reclaim(ws, ts, scores.get(key), stimulus_id):
-                ts.nbytes = held[key]
-                self._transition(ts, "memory", worker=ws, stimulus_id=stimulus_id)
             elif ts is None or ts.processing_on != ws.address:
                 stray.append(key)
         for key in running:
             ts = self.tasks.get(key)
-            if ts is not None and self._reclaim(ws, ts, scores.get(key), stimulus_id):
-                continue
             if ts is None or ts.processing_on != ws.address:
                 stray.append(key)  # claimed in a Redis that forgot it: someone else's now
         if stray:
-            self._emit(WorkerMsg(stimulus_id, ws.address, FreeKeys(sorted(set(stray)))))
-
-    def _reclaim(self, ws: WorkerInfo, ts: TaskState, score: Any, stimulus_id: str) -> bool:
-        """Give a worker back the claim Redis forgot of a task queued again, when what it
-        holds or runs is the task's current run (``score``).  Freeing it instead could
-        lose the result: the worker may claim the key again before it reads the
-        free-keys, answer that claim from its copy, then drop it, leaving a holder on
-        record that holds nothing."""
-        if ts.state != "queued" or not isinstance(score, (int, float)) or score != ts.score:
-            return False
-        self._dequeue(ts, stimulus_id=stimulus_id)
-        self._transition(ts, "processing", worker=ws, stimulus_id=stimulus_id)
-        return True
+            free = FreeKeys(sorted(set(stray)), seen=self._seen())
+            self._emit(WorkerMsg(stimulus_id, ws.address, free))
 
     def _handle_holding(self, ev: Holding) -> None:
         ws = self.workers.get(ev.worker)
@@ -868,12 +860,9 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                     ts.claimed_before = ws.holding_reports
                 continue
             if ts is None or ts.state != "queued" or ws is None:
-                # released while the claim was in flight: tell the worker to drop it,
-                # unless what it has is the copy on record (a result it held before
-                # the claim, given back to it by a resync: it answers with it)
+                # released while the claim was in flight: tell the worker to drop it
                 self._emit(Unclaim(ev.stimulus_id, ev.worker, key))
-                if ts is None or ev.worker not in ts.who_has:
-                    self._free(ev.worker, key, stimulus_id=ev.stimulus_id)
+                self._free(ev.worker, key, stimulus_id=ev.stimulus_id)
                 if ts is not None and ts.state == "queued":
                     # claimed by a worker removed meanwhile: the claim popped it from the
                     # ready set and marked it processing in Redis; put it back
@@ -1356,7 +1345,19 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
 
     def _free(self, worker: str, key: str, *, stimulus_id: str) -> None:
         """Tell a worker to drop what it holds of ``key`` (a result, a failed run)."""
-        self._emit(WorkerMsg(stimulus_id, worker, FreeKeys([key])))
+        self._emit(WorkerMsg(stimulus_id, worker, FreeKeys([key], seen=self._seen())))
+
+    def _seen(self) -> str:
+        """The workers stream entry up to which this state has read every claim: a
+        ``free-keys`` says so, and its worker keeps a copy it claimed after that entry
+        (this state decided without knowing that claim, and answers it when it reads
+        it).  Without it a worker that claimed a key again before reading a
+        ``free-keys`` about its older copy answered the claim from that copy, then
+        dropped it, and the record named a holder that held nothing."""
+        if not self._seen_text:
+            seen = max((p for p in (self._read, self.seen_floor) if p is not None), default=None)
+            self._seen_text = "" if seen is None else f"{seen[0]}-{seen[1]}"
+        return self._seen_text
 
     def _wake_waiters(self, ts: TaskState, *, stimulus_id: str) -> None:
         for dependent in sorted(ts.waiters, key=lambda t: t.score):

@@ -55,7 +55,14 @@ from redisdask.scheduler.instructions import (
 from redisdask.scheduler.moves import RebalanceConfig
 from redisdask.scheduler.quarantine import REBALANCE_RECORD_TTL_MS, Quarantined, record_copy
 from redisdask.scheduler.state import HOLDS_DEPENDENCIES, SchedulerState
-from redisdask.scheduler.tasks import EMPTY, RejectedGraph, TaskState, added, stream_position
+from redisdask.scheduler.tasks import (
+    EMPTY,
+    RejectedGraph,
+    StreamPosition,
+    TaskState,
+    added,
+    stream_position,
+)
 from redisdask.store import codecs, keyspace, scripts
 from redisdask.store.codecs import RebalanceRecord, evidence
 from redisdask.store.eventlog import death_fields, event_command
@@ -93,7 +100,10 @@ class _Batch:
     dequeue_on: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     client_msgs: defaultdict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
     worker_msgs: defaultdict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
-    free_keys: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    # worker -> {seen: keys}: a worker's free-keys of one batch, one message per ``seen``
+    free_keys: defaultdict[str, dict[str, list[str]]] = field(
+        default_factory=lambda: defaultdict(dict)
+    )
     unclaims: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     pushes: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     exists: dict[str, bool] = field(default_factory=dict)  # stored (True) or forgotten, last wins
@@ -136,8 +146,8 @@ class _Batch:
             cmds.extend(_chunked(["ZREM", zset], keys))
         for worker, keys in self.unclaims.items():
             cmds.extend(_chunked(["SREM", k.worker_processing(worker)], keys))
-        for worker, keys in self.free_keys.items():
-            self.worker_msgs[worker].append(FreeKeys(keys).to_dict())
+        for worker, by_seen in self.free_keys.items():
+            self.worker_msgs[worker].extend(_frees(by_seen))
         for worker, keys in self.pushes.items():
             cmds.extend(_chunked(["SADD", k.worker_processing(worker)], keys))
         for worker, msgs in self.worker_msgs.items():
@@ -261,7 +271,6 @@ class Translator:
             # (and ``claim``: the entry of this claim, which a later one may have written over)
             entry = ins.stimulus_id.partition(":")[2].partition("/")[0]
             b.fields(ins.key).update(state="processing", worker=ins.worker, claim=entry)
-            b.pushes[ins.worker].append(ins.key)  # into its processing set (again: no-op)
 
     def _mark_chain(self, ins: MarkChain, b: _Batch) -> None:
         b.fields(ins.key).update(TaskRecord.encode({"chain": ins.chain}))
@@ -272,13 +281,13 @@ class Translator:
 
     def _worker_msg(self, ins: WorkerMsg, b: _Batch) -> None:
         if isinstance(ins.msg, FreeKeys):
-            b.free_keys[ins.worker].extend(ins.msg.keys)
+            b.free_keys[ins.worker].setdefault(ins.msg.seen, []).extend(ins.msg.keys)
             return
         # the worker reads its messages in the order they were made: free-keys made
         # before this one go before it (keys-recorded must follow them)
         merged = b.free_keys.pop(ins.worker, None)
         if merged:
-            b.worker_msgs[ins.worker].append(FreeKeys(merged).to_dict())
+            b.worker_msgs[ins.worker].extend(_frees(merged))
         b.worker_msgs[ins.worker].append(ins.msg.to_dict())
 
     def _push(self, ins: Push, b: _Batch) -> None:
@@ -579,6 +588,22 @@ def no_worker_reasons(state: SchedulerState) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- recovery
 
 
+def _frees(by_seen: dict[str, list[str]]) -> list[dict[str, Any]]:
+    """One worker's free-keys of a batch, one message per ``seen`` (in the order made:
+    what the state read grows within a batch)."""
+    return [FreeKeys(keys, seen=seen).to_dict() for seen, keys in by_seen.items()]
+
+
+def _last_entry(r: redis.Redis, stream: str) -> StreamPosition | None:
+    """The id of the last entry ever added to ``stream`` (deleted or not), or None."""
+    try:
+        info = r.xinfo_stream(stream)
+    except redis.ResponseError:  # (no such stream yet)
+        return None
+    last = info.get("last-generated-id")
+    return stream_position(last.decode() if isinstance(last, bytes) else str(last))
+
+
 def load_state(
     r: redis.Redis,
     keys: Keys,
@@ -607,12 +632,16 @@ def load_state(
             keys.meta, evidence(seq),
         )  # fmt: skip
         first_seq = 0
+    # first: every claim written up to this entry is in the records read below (a claim
+    # writes its record and its entry in one script)
+    floor = _last_entry(r, keys.worker_stream)
     state = SchedulerState(
         validate=validate,
         seq=first_seq,
         allowed_failures=allowed_failures,
         rebalance=rebalance,
     )
+    state.seen_floor = floor
     for raw_address, raw_info in r.hgetall(keys.workers).items():
         address, info = _worker_entry(keys, raw_address, raw_info, bad)
         if address is not None:

@@ -133,7 +133,8 @@ return token
 # the other workers' sets that hold it: the addresses in its hash's ``queued_on`` field
 # (the scheduler writes it as it queues the task; ``workers`` holds the restriction as
 # given, which may name hosts or names).  Returns {tasks, last ready-signal id, inbox
-# entries after ARGV[5], flags (1: blocked for resources, 2: full)}; each task is {key,
+# entries after ARGV[5], flags (1: blocked for resources, 2: full), the id of the claim's
+# entry on the workers stream ('' without a claim)}; each task is {key,
 # spec, score, {{dep, who_has, nbytes[, value]}...}, resources, estimate ('' if none),
 # '1' if its record has a ``chain`` (FINISH looks it up when the task finishes) else ''}:
 # ``value``, a dependency's result kept in its record, for up to 4 MiB of them per claim
@@ -387,9 +388,10 @@ if (full or #claimed >= want) and redis.call('EXISTS', KEYS[6]) == 1
     and redis.call('EXISTS', KEYS[10]) == 1 then
   last_id = redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[9], '*', 'n', 0)
 end
+local id = ''
 if #claimed > 0 then
   redis.call('SADD', KEYS[3], unpack(claimed))
-  local id = redis.call('XADD', KEYS[4], '*', 'm',
+  id = redis.call('XADD', KEYS[4], '*', 'm',
     cmsgpack.pack({{op = 'claimed', worker = ARGV[1], keys = claimed, scores = scores}}))
   for _, key in ipairs(claimed) do
     redis.call('HSET', ARGV[3] .. key, 'state', 'processing', 'worker', ARGV[1], 'claim', id)
@@ -397,7 +399,7 @@ if #claimed > 0 then
 end
 if full then blocked = blocked + 2 end
 if passed_over then blocked = blocked + 4 end
-return {out, last_id, redis.call('XRANGE', KEYS[7], '(' .. ARGV[5], '+'), blocked}
+return {out, last_id, redis.call('XRANGE', KEYS[7], '(' .. ARGV[5], '+'), blocked, id}
 """
 )
 
@@ -439,7 +441,8 @@ return {out, last_id, redis.call('XRANGE', KEYS[7], '(' .. ARGV[5], '+'), blocke
 # one batch, the claim first (it accepts a chained claim only from the worker the
 # unfinished dependencies are processing on, and takes back the links chained on a task
 # that does not finish there).  Returns {tasks (as CLAIM's), inbox entries after ARGV[4] (only
-# with a claim: the worker applies them first, as CLAIM's)}.
+# with a claim: the worker applies them first, as CLAIM's), the entry's id ('' without a
+# claim)}.
 FINISH = (
     KEY_PREFIX_LUA
     + """
@@ -555,9 +558,9 @@ else
                        math.floor(n / 256) % 256, n % 256)
 end
 local id = redis.call('XADD', KEYS[2], '*', 'm', header .. body)
-if #claimed == 0 then return {out, {}} end
+if #claimed == 0 then return {out, {}, ''} end
 for _, key in ipairs(claimed) do redis.call('HSET', prefix .. key, 'claim', id) end
-return {out, redis.call('XRANGE', KEYS[4], '(' .. ARGV[4], '+')}
+return {out, redis.call('XRANGE', KEYS[4], '(' .. ARGV[4], '+'), id}
 """
 )
 
@@ -734,7 +737,8 @@ class Scripts:
         within ``free`` (``placement.format_resources`` of what the worker has free), and
         with a ``horizon``, only those that start within it on the threads free at
         ``starts`` (``durations.start_times``); returns ``[tasks, last ready-signal id,
-        the inbox entries after last_inbox_id, flags]`` (see ``CLAIM``)."""
+        the inbox entries after last_inbox_id, flags, the claim's entry id]`` (see
+        ``CLAIM``)."""
         k = self.keys
         budget = ["", ""] if horizon is None else [repr(horizon), " ".join(map(repr, starts))]
         return self._claim(
@@ -764,7 +768,7 @@ class Scripts:
         claim for ``worker`` up to ``chain`` dependents that the ``finished`` tasks free,
         and up to ``deeper`` links that wait on those alone, of known estimates that add
         up to at most ``horizon`` seconds (see ``FINISH``); returns
-        ``[tasks, inbox entries]`` (as ``claim``'s)."""
+        ``[tasks, inbox entries, the claim's entry id]`` (as ``claim``'s)."""
         k = self.keys
         return self._finish(
             keys=[k.worker_alive(worker), k.worker_stream, k.worker_processing(worker),
