@@ -561,12 +561,13 @@ class FreeKeys(InboxMessage):
     """The scheduler no longer needs ``keys`` on this worker.  ``seen``: the workers
     stream entry up to which it had read every claim when it decided (empty: unknown);
     a key this worker claimed in a later entry is kept (the scheduler answers that claim
-    when it reads it)."""
+    when it reads it).  ``run``: only a copy of that run (a score) goes."""
 
     op: ClassVar[str] = "free-keys"
-    optional: ClassVar[frozenset[str]] = frozenset({"seen"})
+    optional: ClassVar[frozenset[str]] = frozenset({"seen", "run"})
     keys: list[str]
     seen: str = ""
+    run: float = NO_SCORE
 
 
 @dataclass(slots=True)

@@ -774,6 +774,19 @@ def test_a_free_keys_says_up_to_which_claim_the_scheduler_had_read():
     assert s._seen() == "20-0"
 
 
+def test_a_claim_read_after_its_key_was_scattered_there_leaves_the_copy_on_record():
+    """Queued x is scattered to W1 (recorded: in memory there) and claimed by W1 in the
+    same moment; the claim, read after the update-data, must not free the copy on
+    record: W1 holds it, and the record names it."""
+    s = make(W1, W2)
+    submit(s, "c", [task("x")], ["x"])
+    s.handle_stimulus(UpdateData(client="c", who_has={"x": [W1]}, nbytes={"x": 8}, stimulus_id="u"))
+    assert s.tasks["x"].state == "memory" and s.tasks["x"].who_has == {W1}
+    score = s.tasks["x"].score
+    out = s.handle_stimulus(TaskClaimed(worker=W1, keys=["x"], scores=[score], stimulus_id="c"))
+    assert not freed(out) and s.tasks["x"].who_has == {W1}
+
+
 # --------------------------------------------------------------------------- clients
 
 
@@ -1855,7 +1868,10 @@ def test_a_late_claim_or_result_of_an_earlier_run_of_a_key_is_not_this_runs():
     submit(s, "c", [task("x")], ["x"])
     assert s.tasks["x"].score != old
     out = s.handle_stimulus(TaskClaimed(worker=W1, keys=["x"], scores=[old], stimulus_id="late"))
-    assert s.tasks["x"].state == "queued" and not freed(out)  # the new run is untouched
+    assert s.tasks["x"].state == "queued"  # the new run is untouched
+    # W1 drops that run's copy, not one of the new run it may have by then
+    [free] = [i.msg for i in of(out, WorkerMsg) if i.msg.op == "free-keys"]
+    assert (free.keys, free.run) == (["x"], old)
     s.handle_stimulus(TaskFinished(worker=W1, key="x", nbytes=1, score=old, stimulus_id="late"))
     assert s.tasks["x"].state == "queued"
     new = s.tasks["x"].score

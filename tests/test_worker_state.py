@@ -300,6 +300,17 @@ def test_a_free_keys_decided_before_the_scheduler_read_a_claim_keeps_that_claim(
     assert not ws.data
 
 
+def test_a_free_keys_about_another_run_leaves_this_runs_copy() -> None:
+    """A stale claim's free-keys names its run: a copy of the current run, claimed or
+    pushed here since, stays; a copy of that run goes."""
+    ws = make()
+    ws.handle_stimulus(compute("x", priority=(7.0,)), success("x"))
+    ws.handle_stimulus(FreeKeysEvent(["x"], "stale", run=3.0))
+    assert ws.tasks["x"].state == "memory"
+    ws.handle_stimulus(FreeKeysEvent(["x"], "mine", run=7.0))
+    assert "x" not in ws.tasks
+
+
 def test_strays_freed_after_a_resync_are_all_dropped() -> None:
     """The scheduler's answer to a resync that reported tasks not this worker's: one
     running, one waiting for the thread, one held. None is reported to it afterwards."""

@@ -274,12 +274,14 @@ class FreeKeysEvent(StateMachineEvent):
     """Drop ``keys``; ``force`` (a cluster restart) drops also copies put here that the
     scheduler has not recorded yet.  ``seen``: the workers stream entry up to which the
     scheduler had read every claim when it decided; a key claimed here in a later entry
-    is kept (the scheduler answers that claim when it reads it)."""
+    is kept (the scheduler answers that claim when it reads it).  ``run``: only a copy
+    of that run goes (a stale claim's)."""
 
     keys: list[str]
     stimulus_id: str
     force: bool = False
     seen: tuple[int, int] | None = None
+    run: float | None = None  # only a copy of this run (a score) goes
 
 
 @dataclass(slots=True)
@@ -679,8 +681,7 @@ class WorkerState:
         ts = self._ensure_task(ev.key)
         ts.wanted = True
         ts.run_spec, ts.priority, ts.estimate = ev.run_spec, ev.priority, ev.estimate
-        if ev.claim is not None:  # (a pushed task comes through the inbox: in order)
-            ts.claim = ev.claim
+        ts.claim = ev.claim  # (none for a pushed task: it comes in order with free-keys)
         if ts.state == "memory":  # claimed again: repeat the answer
             self._emit_finished(ts, sid)
             return
@@ -860,6 +861,8 @@ class WorkerState:
                 continue  # sent for an older copy: the scheduler has not recorded this one
             if ts is not None and _claimed_after(ts, ev):
                 continue  # sent for an older copy: the scheduler had not read this claim
+            if ts is not None and ev.run is not None and _run_score(ts) != ev.run:
+                continue  # about another run's copy than this one
             if ts is not None:
                 ts.unrecorded = 0
                 ts.wanted = ts.replica = False

@@ -30,6 +30,7 @@ import faulthandler
 import inspect
 import itertools
 import logging
+import math
 import os
 import pickle
 import signal
@@ -1435,7 +1436,10 @@ _COMMANDS: dict[str, Callable[[Worker, _Command], None]] = {
 # the commands for the driver are read apart: ``_inbox_events``)
 _INBOX_EVENTS: dict[type, Callable[[Any, str], ws.StateMachineEvent]] = {
     FreeKeys: lambda msg, sid: ws.FreeKeysEvent(
-        msg.keys, sid, seen=_parse_id(msg.seen) if msg.seen else None
+        msg.keys,
+        sid,
+        seen=_parse_id(msg.seen) if msg.seen else None,
+        run=None if math.isnan(msg.run) else float(msg.run),
     ),
     KeysRecorded: lambda msg, sid: ws.KeysRecordedEvent(msg.keys, sid),
     WhoHas: lambda msg, sid: ws.UpdateWhoHasEvent(msg.who_has, sid),

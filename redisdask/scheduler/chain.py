@@ -90,6 +90,8 @@ class Chains:
             return  # forgotten: the scheduler's DEL of its record wins
         if not other_run(score, ts):
             self._free(worker, key, stimulus_id=stimulus_id)  # type: ignore[attr-defined]
+        else:  # (only that run's copy: the worker may have the current one by then)
+            self._free(worker, key, stimulus_id=stimulus_id, run=float(score))  # type: ignore[attr-defined]
         if ts.state == "processing":
             fields = {"worker": ts.processing_on or ""}
             self._emit(SetState(stimulus_id, key, "processing", fields))  # type: ignore[attr-defined]

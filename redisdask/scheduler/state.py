@@ -848,10 +848,11 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             except (TypeError, ValueError):
                 stale = False
             if stale:
-                # an earlier run of the key, popped just before it was cancelled.  No
-                # free-keys: the worker may hold or run the current run of the key by the
-                # time it reads it, and a free-keys cannot say which run it means
+                # an earlier run of the key, popped just before it was cancelled: its
+                # copy goes, not one of the current run the worker may have by the time
+                # it reads the free-keys (which says the run)
                 self._emit(Unclaim(ev.stimulus_id, ev.worker, key))
+                self._free(ev.worker, key, stimulus_id=ev.stimulus_id, run=float(score))
                 continue
             if ts is not None and ts.state == "processing" and ts.processing_on == ev.worker:
                 # state reloaded from Redis after the claim: already known (and from
@@ -860,9 +861,11 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                     ts.claimed_before = ws.holding_reports
                 continue
             if ts is None or ts.state != "queued" or ws is None:
-                # released while the claim was in flight: tell the worker to drop it
+                # released while the claim was in flight: tell the worker to drop it,
+                # unless its copy is on record (put there and recorded meanwhile)
                 self._emit(Unclaim(ev.stimulus_id, ev.worker, key))
-                self._free(ev.worker, key, stimulus_id=ev.stimulus_id)
+                if ts is None or ev.worker not in ts.who_has:
+                    self._free(ev.worker, key, stimulus_id=ev.stimulus_id)
                 if ts is not None and ts.state == "queued":
                     # claimed by a worker removed meanwhile: the claim popped it from the
                     # ready set and marked it processing in Redis; put it back
@@ -1343,9 +1346,11 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             self._maybe_release(dep)
         self._maybe_release(ts)
 
-    def _free(self, worker: str, key: str, *, stimulus_id: str) -> None:
-        """Tell a worker to drop what it holds of ``key`` (a result, a failed run)."""
-        self._emit(WorkerMsg(stimulus_id, worker, FreeKeys([key], seen=self._seen())))
+    def _free(self, worker: str, key: str, *, stimulus_id: str, run: float = NO_SCORE) -> None:
+        """Tell a worker to drop what it holds of ``key`` (a result, a failed run; with
+        ``run``, only a copy of that run)."""
+        free = FreeKeys([key], seen=self._seen(), run=run)
+        self._emit(WorkerMsg(stimulus_id, worker, free))
 
     def _seen(self) -> str:
         """The workers stream entry up to which this state has read every claim: a

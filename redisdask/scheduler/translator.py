@@ -29,7 +29,15 @@ import redis
 from redisdask.config import RetentionConfig
 from redisdask.durations import Durations
 from redisdask.errors import ProtocolError, RecordError
-from redisdask.protocol import SCHEDULER_EVENTS, AddWorker, ComputeTask, FreeKeys, Stimulus, parse
+from redisdask.protocol import (
+    NO_SCORE,
+    SCHEDULER_EVENTS,
+    AddWorker,
+    ComputeTask,
+    FreeKeys,
+    Stimulus,
+    parse,
+)
 from redisdask.scheduler.instructions import (
     ClaimAccepted,
     ClientMsg,
@@ -100,8 +108,8 @@ class _Batch:
     dequeue_on: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     client_msgs: defaultdict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
     worker_msgs: defaultdict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
-    # worker -> {seen: keys}: a worker's free-keys of one batch, one message per ``seen``
-    free_keys: defaultdict[str, dict[str, list[str]]] = field(
+    # worker -> {(seen, run): keys}: a worker's free-keys of one batch, one message each
+    free_keys: defaultdict[str, dict[tuple[str, float | None], list[str]]] = field(
         default_factory=lambda: defaultdict(dict)
     )
     unclaims: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
@@ -281,7 +289,8 @@ class Translator:
 
     def _worker_msg(self, ins: WorkerMsg, b: _Batch) -> None:
         if isinstance(ins.msg, FreeKeys):
-            b.free_keys[ins.worker].setdefault(ins.msg.seen, []).extend(ins.msg.keys)
+            run = ins.msg.run if ins.msg.run == ins.msg.run else None  # (NaN: any run)
+            b.free_keys[ins.worker].setdefault((ins.msg.seen, run), []).extend(ins.msg.keys)
             return
         # the worker reads its messages in the order they were made: free-keys made
         # before this one go before it (keys-recorded must follow them)
@@ -588,10 +597,13 @@ def no_worker_reasons(state: SchedulerState) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- recovery
 
 
-def _frees(by_seen: dict[str, list[str]]) -> list[dict[str, Any]]:
-    """One worker's free-keys of a batch, one message per ``seen`` (in the order made:
-    what the state read grows within a batch)."""
-    return [FreeKeys(keys, seen=seen).to_dict() for seen, keys in by_seen.items()]
+def _frees(made: dict[tuple[str, float | None], list[str]]) -> list[dict[str, Any]]:
+    """One worker's free-keys of a batch, one message per ``seen`` and ``run`` (in the
+    order made: what the state read grows within a batch)."""
+    return [
+        FreeKeys(keys, seen=seen, run=NO_SCORE if run is None else run).to_dict()
+        for (seen, run), keys in made.items()
+    ]
 
 
 def _last_entry(r: redis.Redis, stream: str) -> StreamPosition | None:
