@@ -153,3 +153,30 @@ def test_redis_returns_to_its_baseline_once_a_map_is_released(
             now = state_bytes(r, keys)
             grown = {k: (base.get(k), v) for k, v in now.items() if v > base.get(k, 0) + 1000}
             raise AssertionError(f"keys grown or new since the baseline: {grown}") from None
+
+
+def test_a_reloaded_state_has_read_every_claim_written_before_it(
+    redis_url: str, cluster_name: str
+) -> None:
+    """Its free-keys name at least the last entry of the workers stream written before
+    it read the records (the records hold every claim up to it), even when the applied
+    entries are deleted: a worker then obeys a free-keys about a copy it claimed then."""
+    from redisdask.scheduler.state import AddWorker, UpdateGraph
+    from redisdask.store.bootstrap import ensure_cluster
+
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ensure_cluster(r, keys)
+    entries = [r.xadd(keys.worker_stream, {"m": b"x"}) for _ in range(3)]
+    r.xdel(keys.worker_stream, *entries)  # (as the writes that apply them do)
+    loaded = load_state(r, keys)
+    last = entries[-1].decode()
+    worker = "tcp://10.0.0.1:1"
+    loaded.handle_stimulus(AddWorker(worker=worker, stimulus_id="add"))
+    task = {"key": "x", "spec": b"s", "deps": [], "priority": 0, "retries": 0}
+    loaded.handle_stimulus(UpdateGraph(client="c", tasks=[task], wanted=["x"], stimulus_id="g"))
+    report = {"keys": {"x": 8}, "processing": []}  # a stray: x is queued
+    out = loaded.handle_stimulus(AddWorker(worker=worker, resync=report, stimulus_id="back"))
+    assert [i.msg.seen for i in out if getattr(i, "msg", None) and i.msg.op == "free-keys"] == [
+        last
+    ]

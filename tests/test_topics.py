@@ -78,16 +78,27 @@ def test_a_subscriber_gets_each_new_event_until_it_unsubscribes(
         assert got == ["first", "second"]
 
 
+def cluster_events(client: Client) -> list[dict]:
+    """The events of the ``cluster`` topic from now on, as a subscription delivers them."""
+    events: list[dict] = []
+    client.subscribe_topic("cluster", lambda e: events.append(e[1]))
+    return events
+
+
+def first_of(kind: str, events: list[dict]) -> dict:
+    """The first event of ``kind``, once a subscription delivered it."""
+    poll(lambda: any(e.get("kind") == kind for e in events), timeout=20)
+    return next(e for e in events if e.get("kind") == kind)
+
+
 def test_a_workers_death_is_an_event_of_the_cluster_topic_with_its_reason(
     make_cluster: ClusterFactory,
 ) -> None:
     with make_cluster(nanny=False, n_workers=2) as cluster, Client(cluster) as client:
-        deaths: list[dict] = []
-        client.subscribe_topic("cluster", lambda e: deaths.append(e[1]))
+        events = cluster_events(client)
         [(address, info), _] = client.scheduler_info()["workers"].items()
         os.kill(info["pid"], signal.SIGKILL)
-        poll(lambda: any(d.get("kind") == "worker-died" for d in deaths), timeout=20)
-        [died] = [d for d in deaths if d.get("kind") == "worker-died"]
+        died = first_of("worker-died", events)
         assert died["worker"] == address and died["reason"]
         assert any(e[1].get("kind") == "worker-died" for e in client.get_events("cluster"))
 
@@ -100,14 +111,13 @@ def test_a_task_that_raised_is_an_event_of_the_cluster_topic(
     make_cluster: ClusterFactory,
 ) -> None:
     with make_cluster(nanny=False, n_workers=1) as cluster, Client(cluster) as client:
-        erred: list[dict] = []
-        client.subscribe_topic("cluster", lambda e: erred.append(e[1]))
+        events = cluster_events(client)
         [address] = client.scheduler_info()["workers"]
         future = client.submit(fail, 7)
         dependent = client.submit(str, future)
         with pytest.raises(ValueError):
             dependent.result(timeout=20)
-        poll(lambda: any(d.get("kind") == "task-erred" for d in erred), timeout=20)
+        first_of("task-erred", events)
         [event] = [e[1] for e in client.get_events("cluster") if e[1]["kind"] == "task-erred"]
         assert event["key"] == future.key and event["worker"] == address  # not its dependent
         assert event["exception"] == "ValueError: no 7"
