@@ -161,6 +161,7 @@ def test_a_reloaded_state_has_read_every_claim_written_before_it(
     """Its free-keys name at least the last entry of the workers stream written before
     it read the records (the records hold every claim up to it), even when the applied
     entries are deleted: a worker then obeys a free-keys about a copy it claimed then."""
+    from redisdask.scheduler.instructions import WorkerMsg
     from redisdask.scheduler.state import AddWorker, UpdateGraph
     from redisdask.store.bootstrap import ensure_cluster
 
@@ -177,6 +178,5 @@ def test_a_reloaded_state_has_read_every_claim_written_before_it(
     loaded.handle_stimulus(UpdateGraph(client="c", tasks=[task], wanted=["x"], stimulus_id="g"))
     report = {"keys": {"x": 8}, "processing": []}  # a stray: x is queued
     out = loaded.handle_stimulus(AddWorker(worker=worker, resync=report, stimulus_id="back"))
-    assert [i.msg.seen for i in out if getattr(i, "msg", None) and i.msg.op == "free-keys"] == [
-        last
-    ]
+    frees = [i.msg for i in out if isinstance(i, WorkerMsg) and i.msg.op == "free-keys"]
+    assert [f.seen for f in frees] == [last]
