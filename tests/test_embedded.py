@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+from polling import poll
 
 from redisdask.deploy.embedded import (
     EmbeddedRedis,
@@ -44,6 +48,67 @@ def test_start_ping_stop_leaves_no_process() -> None:
     assert _gone(pid)
     assert not data_dir.exists(), "temp data dir should be removed on stop"
     assert not server.running
+
+
+def _script_processes(start: str, end: str, tmp_path: Path) -> tuple[int, str, list[int]]:
+    """Run a script that starts a cluster (``start``), computes, notes the processes it
+    started and ends (``end``): its exit code, its output and those processes.  (Its
+    output goes to a file: a process it leaves behind would hold a pipe open.)"""
+    pids = tmp_path / "pids"
+    code = (
+        "import os, signal, psutil\n"
+        "from redisdask import Client, LocalCluster\n"
+        f"{start}\n"
+        "print(c.submit(sum, [1, 2]).result(timeout=30) if c else 3)\n"
+        "children = psutil.Process().children(recursive=True)\n"
+        f"open({str(pids)!r}, 'w').write(' '.join(str(p.pid) for p in children))\n"
+        f"{end}\n"
+    )
+    with open(tmp_path / "out", "w+") as out:
+        done = subprocess.run([sys.executable, "-c", code], stdout=out, stderr=out, timeout=60)
+        out.seek(0)
+        return done.returncode, out.read(), [int(pid) for pid in pids.read_text().split()]
+
+
+def _all_end(started: list[int]) -> None:
+    """Every process in ``started`` ends within 20 s (else it is killed, and this fails)."""
+    assert len(started) >= 3, started  # Redis, the scheduler, a worker
+    try:
+        poll(lambda: all(_gone(pid) for pid in started), timeout=20)
+    finally:  # what the old code left running: stopped first, so no nanny restarts a worker
+        left = [psutil.Process(pid) for pid in started if not _gone(pid)]
+        for signal_them in (psutil.Process.suspend, psutil.Process.kill):
+            for proc in left:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    signal_them(proc)
+
+
+@pytest.mark.parametrize(
+    "start",
+    ["c = Client(n_workers=2)",
+     "cluster = LocalCluster(n_workers=1, nanny=False)\nc = Client(cluster)",
+     "cluster = LocalCluster(n_workers=1)\nc = None"],
+    ids=["Client()", "Client(LocalCluster())", "LocalCluster()"],
+)  # fmt: skip
+def test_a_script_that_never_closes_its_cluster_leaves_no_process(
+    start: str, tmp_path: Path
+) -> None:
+    """As distributed closes its clusters at exit: a script that ends without ``close()``
+    stops its scheduler, nannies, workers and embedded Redis.  They ran on, retrying a
+    Redis that weakref.finalize's exit hook had stopped first (``deploy.embedded``,
+    ``_stop_at_exit``), and the client's exit handler skipped a client with a cluster."""
+    code, output, started = _script_processes(start, "", tmp_path)
+    assert code == 0 and output.startswith("3"), output
+    _all_end(started)
+
+
+def test_a_cluster_ends_with_the_process_that_started_it_killed(tmp_path: Path) -> None:
+    """A script killed with -9 runs no exit handler: its scheduler, nannies, workers and
+    embedded Redis notice it gone (``redisdask/utils/owner.py``) and end, not run on."""
+    end = "os.kill(os.getpid(), signal.SIGKILL)"
+    code, output, started = _script_processes("c = Client(n_workers=2)", end, tmp_path)
+    assert code == -9 and output.startswith("3"), output
+    _all_end(started)
 
 
 def test_context_manager_and_explicit_dir_kept(tmp_path: Path) -> None:

