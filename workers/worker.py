@@ -86,6 +86,7 @@ from redisdask.utils import logs, pickling
 from redisdask.utils.backoff import redis_away
 from redisdask.utils.heap import Heap
 from redisdask.utils.sizes import format_bytes
+from redisdask.utils.threads import in_thread
 from redisdask.versions import VersionMismatchError, pickle_breaking, versions
 from redisdask.workers import calls
 from redisdask.workers import state as ws
@@ -479,7 +480,7 @@ class Worker:
             return
         self.status = "closing"
         logger.info("Closing worker %s (%s)", self.address, reason)
-        await asyncio.to_thread(self.loop_watch.stop)  # before the goodbye: see LoopWatch
+        await in_thread(self.loop_watch.stop)  # before the goodbye: see LoopWatch (at exit too)
         if self._watch_redis is not None:
             self._watch_redis.close()
         for task in list(self._background):
@@ -614,7 +615,7 @@ class Worker:
             if client is not None:
                 client.close()
 
-        await asyncio.to_thread(close)
+        await in_thread(close)  # (not the default executor: closed at exit)
         for waiter in list(self._rejoin_waiters.values()):
             waiter.set()
 

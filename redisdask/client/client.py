@@ -1364,19 +1364,28 @@ EXIT_CLOSE_TIMEOUT = 5.0  # seconds a process's exit waits for its clients' good
 def _close_at_exit() -> None:
     """A script that ends without ``close()`` says goodbye all the same, as distributed
     closes its global client at exit: the scheduler releases its keys at once and logs a
-    close, not a client that "stopped heartbeating" (after ``scheduler.client-ttl``); a
-    client that started its own cluster closes it too.  At most ``EXIT_CLOSE_TIMEOUT`` in
-    all (a Redis that is away is not waited for): a cluster not closed by then is closed
-    by ``deploy.cluster``'s exit handler, which runs after this one."""
+    close, not a client that "stopped heartbeating" (after ``scheduler.client-ttl``).  At
+    most ``EXIT_CLOSE_TIMEOUT`` in all (a Redis that is away is not waited for).  Then the
+    clusters the clients started are closed, as their ``close()`` would: once every
+    goodbye is said, as the cluster's Redis may go with it."""
+    clients = list(_open_clients)
+    owned = [client.cluster for client in clients if client.cluster is not None]
+    for client in clients:
+        client.cluster = None  # (closed below)
     closers = [
         threading.Thread(target=client.close, daemon=True, name=f"{client.id}-exit")
-        for client in list(_open_clients)
+        for client in clients
     ]
     deadline = time.monotonic() + EXIT_CLOSE_TIMEOUT
     for closer in closers:
         closer.start()
     for closer in closers:
         closer.join(max(0.0, deadline - time.monotonic()))
+    for cluster in owned:
+        try:
+            cluster.close()
+        except Exception:
+            logger.exception("closing %r at exit failed", cluster)
 
 
 def _make_dask_default(client: Any) -> Any:

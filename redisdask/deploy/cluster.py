@@ -4,13 +4,13 @@ subprocesses of this one, all stopped by ``close()``."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import subprocess
 import threading
 import time
 import urllib.request
 import uuid
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +27,14 @@ from redisdask.store.connection import connect
 from redisdask.store.keyspace import Keys
 from redisdask.store.urls import redact
 from redisdask.utils import spawn
-from redisdask.utils.owner import OWNED_REDIS_ENV, Ownership
+from redisdask.utils.owner import Ownership, owned_redis
 from redisdask.utils.ports import free_port
 
 logger = logging.getLogger("redisdask.deploy.cluster")
 
 
-_open: weakref.WeakSet[LocalCluster] = weakref.WeakSet()  # the clusters not closed yet
+# the clusters not closed yet (kept: one nobody holds any more is still closed at exit)
+_open: set[LocalCluster] = set()
 EXIT_CLOSE_TIMEOUT = 10.0  # seconds each process of a cluster gets to stop at exit
 
 
@@ -44,7 +45,10 @@ def _close_at_exit() -> None:
     handler is registered later, so it runs first), before an embedded Redis stops
     (``deploy.embedded``, registered earlier)."""
     for cluster in list(_open):
-        cluster.close(EXIT_CLOSE_TIMEOUT)
+        try:
+            cluster.close(EXIT_CLOSE_TIMEOUT)
+        except Exception:
+            logger.exception("closing %r at exit failed", cluster)
 
 
 class LocalCluster:
@@ -145,6 +149,8 @@ class LocalCluster:
             )
 
     def _spawn(self, args: list[str], label: str, **extra_env: str) -> subprocess.Popen[bytes]:
+        if self.closed:
+            raise RedisDaskError(f"{self!r} is closed: start a new LocalCluster")
         out: Any = subprocess.DEVNULL
         if self.log_directory is not None:
             self.log_directory.mkdir(parents=True, exist_ok=True)
@@ -176,7 +182,8 @@ class LocalCluster:
         for option, value in self.scheduler_options.items():
             args += [f"--{option.replace('_', '-')}", str(value)]
         # (killed with this process, it stops an embedded Redis too: utils/owner.py)
-        owned = {OWNED_REDIS_ENV: str(self.embedded.pid)} if self.embedded else {}
+        pid = self.embedded.pid if self.embedded else None
+        owned = owned_redis(pid) if pid is not None else {}
         self.scheduler_process = self._spawn(args, "scheduler", **owned)
         return self.scheduler_process
 
@@ -365,7 +372,8 @@ def _wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
             proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             logger.warning("process %d did not stop in %g s; killing it", proc.pid, timeout)
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
+            with contextlib.suppress(psutil.NoSuchProcess):  # (it ended just now)
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    child.kill()
             proc.kill()
             proc.wait()

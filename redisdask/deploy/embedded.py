@@ -153,8 +153,7 @@ def _finalize(proc: subprocess.Popen[bytes], log: IO[bytes], tmpdir: Path | None
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-# the cleanups of the servers running, for the interpreter's exit (``_stop_at_exit``)
-_running: set[weakref.finalize] = set()
+_running: weakref.WeakSet[EmbeddedRedis] = weakref.WeakSet()  # (``_stop_at_exit``)
 
 
 @atexit.register
@@ -165,8 +164,9 @@ def _stop_at_exit() -> None:
     registered first).  weakref.finalize's own exit hook, registered when the first server
     starts, ran first: the scheduler and workers of a script that never closed its cluster
     ran on, retrying a Redis that was gone."""
-    for cleanup in list(_running):
-        cleanup()
+    for server in list(_running):
+        with contextlib.suppress(Exception):
+            server.stop()
 
 
 class EmbeddedRedis:
@@ -336,7 +336,7 @@ class EmbeddedRedis:
         tmp = self.data_dir if self._owns_dir else None
         self._finalizer = weakref.finalize(self, _finalize, proc, log, tmp)
         self._finalizer.atexit = False  # (``_stop_at_exit`` does it, in its turn)
-        _running.add(self._finalizer)
+        _running.add(self)
         try:
             self._wait_ready(proc, port, may_retry)
         except BaseException:
@@ -392,8 +392,8 @@ class EmbeddedRedis:
 
     def _terminate(self, graceful: bool) -> None:
         proc, self._proc = self._proc, None
+        _running.discard(self)
         if self._finalizer is not None:
-            _running.discard(self._finalizer)
             self._finalizer.detach()
             self._finalizer = None
         if proc is not None:

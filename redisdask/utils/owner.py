@@ -22,7 +22,14 @@ import psutil
 logger = logging.getLogger("redisdask.owner")
 
 OWNER_FD_ENV = "REDISDASK_OWNER_FD"  # the pipe's read end, inherited (``pass_fds``)
-OWNED_REDIS_ENV = "REDISDASK_OWNED_REDIS_PID"  # the owner's embedded redis-server
+# the owner's embedded redis-server: "<pid> <create time>" (a pid alone may name another
+# process by then; one restarted since is not known to the scheduler, and is left)
+OWNED_REDIS_ENV = "REDISDASK_OWNED_REDIS"
+
+
+def owned_redis(pid: int) -> dict[str, str]:
+    """The environment that tells a scheduler to stop redis-server ``pid`` with it."""
+    return {OWNED_REDIS_ENV: f"{pid} {psutil.Process(pid).create_time()!r}"}
 
 
 class Ownership:
@@ -50,6 +57,7 @@ def watch_owner() -> None:
     text = os.environ.pop(OWNER_FD_ENV, "")
     if not text.isdigit():
         return
+    os.set_inheritable(int(text), False)  # (not to a task's subprocess)
     threading.Thread(target=_wait, args=(int(text),), daemon=True, name="owner-watch").start()
 
 
@@ -69,10 +77,10 @@ def _end() -> None:
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
             child.kill()
-    redis_pid = os.environ.get(OWNED_REDIS_ENV, "")
-    if redis_pid.isdigit():
-        with contextlib.suppress(psutil.Error):
-            server = psutil.Process(int(redis_pid))
-            if "redis-server" in server.name():  # (not another process given its pid since)
+    pid, _, created = os.environ.get(OWNED_REDIS_ENV, "").partition(" ")
+    if pid.isdigit():
+        with contextlib.suppress(psutil.Error, ValueError):
+            server = psutil.Process(int(pid))
+            if server.create_time() == float(created):  # (that process, not its pid's heir)
                 server.terminate()
     os._exit(1)
