@@ -774,6 +774,16 @@ def test_a_free_keys_says_up_to_which_claim_the_scheduler_had_read():
     assert s._seen() == "20-0"
 
 
+def test_the_entry_read_is_the_newest_of_a_batch_whose_entries_hold_several_messages():
+    """``handle_stimulus`` parses an entry's id once for all its messages: the newest
+    entry of a batch still counts, the next one's id sharing the last one's digits too."""
+    s = make(W1)
+    claims = [("workers:21-0/0", ["a"]), ("workers:21-0/1", ["b"]), ("workers:21-1/0", ["c"]),
+              ("workers:210-0/0", ["d"]), ("workers:210-0/1", ["e"])]  # fmt: skip
+    s.handle_stimulus(*(TaskClaimed(worker=W1, keys=k, stimulus_id=sid) for sid, k in claims))
+    assert s._seen() == "210-0"
+
+
 def test_a_claim_read_after_its_key_was_scattered_there_leaves_the_copy_on_record():
     """Queued x is scattered to W1 (recorded: in memory there) and claimed by W1 in the
     same moment; the claim, read after the update-data, must not free the copy on

@@ -198,10 +198,12 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
 
     def handle_stimulus(self, *events: Stimulus) -> list[Instruction]:
         """Apply events in order; return the instructions for the driver to carry out."""
-        stimulus_id = ""
+        stimulus_id, entry = "", None
         for event in events:
             stimulus_id = event.stimulus_id
-            if stimulus_id.startswith("workers:"):
+            # (the messages of one entry share its id: ``workers:<entry id>/<i>``)
+            if stimulus_id.startswith("workers:") and not (entry and stimulus_id.startswith(entry)):
+                entry = stimulus_id.partition("/")[0] + "/"
                 read = worker_stream_position(stimulus_id)
                 if read is not None and (self._read is None or read > self._read):
                     self._read, self._seen_text = read, ""

@@ -22,6 +22,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import redis
@@ -147,7 +148,7 @@ class _Batch:
         for key, fields in self.task_fields.items():
             if fields.get("state", "processing") != "processing":
                 fields["worker"] = ""  # only a claim names the worker of a processing task
-            cmds.append(["HSET", k.task(key), *[x for kv in fields.items() for x in kv]])
+            cmds.append(["HSET", k.task(key), *chain.from_iterable(fields.items())])
         if self.dequeue:
             cmds.extend(_chunked(["ZREM", k.ready], self.dequeue))
         for zset, keys in self.dequeue_on.items():
@@ -388,15 +389,16 @@ class Translator:
         transitions: list[list[str]] = []
         causes: dict[str, list[str]] = {}
         for ins in instructions:
-            if isinstance(ins, ClaimAccepted):
+            kind = type(ins)  # (by type, not isinstance: a map's batch has 100,000 of them)
+            if kind is SetState or kind is StoreTask:
+                transitions.append([ins.key, ins.state, ins.stimulus_id])
+            elif kind is ClaimAccepted:
                 transitions.append([ins.key, "processing", ins.stimulus_id])
-            elif isinstance(ins, Push):  # its own cause: the worker it went to
+            elif kind is Push:  # its own cause: the worker it went to
                 pushed = f"{ins.stimulus_id}/push-{ins.worker}"
                 transitions.append([ins.msg.key, "processing", pushed])
                 causes[pushed] = ["pushed", ins.worker]
-            elif isinstance(ins, SetState | StoreTask):
-                transitions.append([ins.key, ins.state, ins.stimulus_id])
-            elif isinstance(ins, Forget):
+            elif kind is Forget:
                 transitions.append([ins.key, "forgotten", ins.stimulus_id])
         if not transitions:
             return []
