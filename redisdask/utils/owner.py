@@ -57,7 +57,11 @@ def watch_owner() -> None:
     text = os.environ.pop(OWNER_FD_ENV, "")
     if not text.isdigit():
         return
-    os.set_inheritable(int(text), False)  # (not to a task's subprocess)
+    try:
+        os.set_inheritable(int(text), False)  # (not to a task's subprocess)
+    except OSError as exc:  # (a variable copied into an environment, not inherited)
+        logger.warning("%s=%s names no open file here (%s): not watched", OWNER_FD_ENV, text, exc)
+        return
     threading.Thread(target=_wait, args=(int(text),), daemon=True, name="owner-watch").start()
 
 
@@ -68,8 +72,8 @@ def _wait(fd: int) -> None:
     except OSError as exc:
         logger.warning("cannot watch the process that started this one (fd %d): %s", fd, exc)
         return
-    logger.error("the process that started this one is gone without closing its cluster: "
-                 "stopping")  # fmt: skip
+    logger.error("the process that started this one (its LocalCluster's) is gone, or closed "
+                 "that cluster without stopping this process: stopping")  # fmt: skip
     _end()
 
 
