@@ -75,13 +75,18 @@ def _all_end(started: list[int]) -> None:
     try:
         poll(lambda: all(_gone(pid) for pid in started), timeout=20)
     finally:  # what the old code left running: stopped first, so no nanny restarts a worker
-        left = [psutil.Process(pid) for pid in started if not _gone(pid)]
+        left = []
+        for pid in started:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if not _gone(pid):
+                    left.append(psutil.Process(pid))
         for signal_them in (psutil.Process.suspend, psutil.Process.kill):
             for proc in left:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     signal_them(proc)
 
 
+@pytest.mark.timeout(120)  # (the script's 60 s, then 20 s for its processes to end)
 @pytest.mark.parametrize(
     ("start", "processes"),
     [("c = Client(n_workers=2)", 6),  # Redis, the scheduler, 2 nannies and their workers
@@ -107,6 +112,7 @@ def test_a_script_that_never_closes_its_cluster_leaves_no_process(
     _all_end(started)
 
 
+@pytest.mark.timeout(120)
 def test_a_cluster_ends_with_the_process_that_started_it_killed(tmp_path: Path) -> None:
     """A script killed with -9 runs no exit handler: its scheduler, nannies, workers and
     embedded Redis notice it gone (``redisdask/utils/owner.py``) and end, not run on."""
