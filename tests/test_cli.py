@@ -39,6 +39,15 @@ def test_config_show_prints_the_effective_config() -> None:
     assert "allowed-failures: 7" in result.stdout
 
 
+def test_an_owner_pipe_that_names_no_open_file_is_said_and_not_watched() -> None:
+    """``REDISDASK_OWNER_FD`` (``redisdask/utils/owner.py``) copied into an environment
+    instead of handed on with its pipe: the command says so and runs, unwatched."""
+    result = run("config", "show", env={"REDISDASK_OWNER_FD": "987"})
+    assert result.returncode == 0, result.stderr
+    assert "REDISDASK_OWNER_FD=987 names no open file here" in result.stderr
+    assert "allowed-failures" in result.stdout
+
+
 def test_invalid_config_exits_2_naming_the_key() -> None:
     result = run("config", "show", env={"REDISDASK__SCHEDULER__WORKER_TTL": "-1"})
     assert result.returncode == 2

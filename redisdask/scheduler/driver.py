@@ -393,9 +393,7 @@ class Scheduler:
         entries waiting now are applied first, all of them (a goodbye behind a batch's
         worth of others counts too): one that left is not also recorded dead."""
         self._blind_spell()
-        dead = self.watch.check(self.redis, self.state.workers)
-        self._blind_spell()  # (that look may have waited out a busy Redis, and the clients)
-        dead += self._gone_clients()
+        dead = self.watch.check(self.redis, self.state.workers) + self._gone_clients()
         if not dead:
             return
         self._collect()
@@ -450,10 +448,7 @@ class Scheduler:
         half a TTL, each kind of heartbeat is trusted again one TTL later."""
         now = time.monotonic()
         gap, self.looked_at = now - self.looked_at, now
-        if gap > self.worker_ttl / 2:
-            self.watch.trust_heartbeats_at = max(
-                self.watch.trust_heartbeats_at, now + self.worker_ttl
-            )
+        self.watch.lapsed(gap, now)
         if gap > self.client_ttl / 2:
             self.trust_clients_at = max(self.trust_clients_at, now + self.client_ttl)
 
@@ -468,11 +463,9 @@ class Scheduler:
         pipe = self.redis.pipeline(transaction=False)
         for client in clients:
             pipe.exists(self.keys.client_alive(client))
-        asked = time.monotonic()
         alive = pipe.execute()
-        now = time.monotonic()
-        if now - asked > self.client_ttl / 2:  # (stale: see ``WorkerWatch.check``)
-            self.trust_clients_at = max(self.trust_clients_at, now + self.client_ttl)
+        self._blind_spell()  # (this look may have waited out a busy Redis: stale, then)
+        if time.monotonic() < self.trust_clients_at:
             return []
         gone = [c for c, is_alive in zip(clients, alive, strict=True) if not is_alive]
         return [CloseClient(client=client, stimulus_id=f"client-ttl-{client}") for client in gone]
@@ -769,6 +762,13 @@ class WorkerWatch:
         self.run_id = ""  # of the Redis server at the previous look
         self.warned = False
 
+    def lapsed(self, gap: float, now: float) -> None:
+        """Nobody could look, or a look's reads waited, for ``gap`` seconds until ``now``:
+        after half a TTL the heartbeats that lapsed meanwhile say nothing until every
+        live worker had a TTL to renew its own (``Scheduler._blind_spell``)."""
+        if gap > self.worker_ttl / 2:
+            self.trust_heartbeats_at = max(self.trust_heartbeats_at, now + self.worker_ttl)
+
     def check(self, r: redis.Redis, workers: dict[str, Any]) -> list[Stimulus]:
         if not workers:
             return []
@@ -781,10 +781,9 @@ class WorkerWatch:
         asked = time.monotonic()
         connections, server, *alive = pipe.execute(raise_on_error=False)
         now = time.monotonic()
-        if now - asked > self.worker_ttl / 2:
-            # these reads waited (Redis busy running a script, most likely), and so did
-            # the workers' heartbeats: the keys that lapsed meanwhile say nothing yet
-            self.trust_heartbeats_at = max(self.trust_heartbeats_at, now + self.worker_ttl)
+        # (these reads may have waited, for Redis busy running a script, and so did the
+        # workers' heartbeats: a blind spell too)
+        self.lapsed(now - asked, now)
         if isinstance(connections, Exception):  # e.g. an ACL without CLIENT: heartbeats only
             if not self.warned:
                 logger.warning(
