@@ -130,3 +130,70 @@ def test_a_refused_write_in_flight_is_written_again_before_the_next(
     scheduler._collect()
     assert r.hget(keys.task("x"), "state") == r.hget(keys.task("y"), "state") == b"queued"
     assert pending_ids(r, keys) == [] and set(scheduler.state.tasks) == {"x", "y"}
+
+
+def one_entry_read(redis_url: str, cluster_name: str) -> tuple[redis.Redis, Keys, Scheduler]:
+    """A leading scheduler that has read the entry of task x, and nothing more."""
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(cluster_name)
+    ensure_cluster(r, keys)
+    scheduler = Scheduler(redis_url, cluster_name, validate=True)
+    scheduler.acquire_lease()
+    scheduler.state = scheduler._load()
+    submit(r, keys, "x")
+    assert scheduler._read(pending=False, block_ms=100)
+    return r, keys, scheduler
+
+
+def blocked_reader(r: redis.Redis, scheduler: Scheduler) -> bool:
+    """Whether the connection of the scheduler's write pipe is blocked in XREADGROUP."""
+    port = scheduler.pipe.connection._sock.getsockname()[1]
+    return any(
+        c["addr"].endswith(f":{port}") and c["cmd"] == "xreadgroup" and "b" in c["flags"]
+        for c in r.client_list()
+    )
+
+
+def test_with_nothing_left_to_compute_the_wait_for_the_next_entry_goes_behind_the_write(
+    redis_url: str, cluster_name: str
+) -> None:
+    """One entry at a time (a sequential ``submit().result()``): the blocking read the
+    loop sends next goes behind the batch's write, on its connection, in one packet.  The
+    write lands while the read waits, and an entry that comes meanwhile is read at once,
+    not at the read's timeout."""
+    r, keys, scheduler = one_entry_read(redis_url, cluster_name)
+    scheduler.process(scheduler.ahead.popleft(), ahead=False, wait_ms=20_000)
+    assert scheduler.pipe.waiting
+    poll(lambda: r.hget(keys.task("x"), "state") == b"queued", timeout=10)
+    poll(lambda: blocked_reader(r, scheduler), timeout=10)
+    assert scheduler.pipe.waiting  # (the driver has collected nothing yet)
+    y_id = submit(r, keys, "y")
+    scheduler._collect()  # returns with y: the test's own timeout is far below 20 s
+    assert [e.id for batch in scheduler.ahead for e in batch] == [y_id]
+    assert not scheduler.pipe.in_flight and pending_ids(r, keys) == [y_id]
+
+
+def test_a_write_fenced_while_the_read_behind_it_waits_stops_the_scheduler_losing_nothing(
+    redis_url: str, cluster_name: str
+) -> None:
+    """A standby took over before batch x's write ran, and the read behind that write
+    waits: the write is refused (FENCED), the entry y the read delivered is not computed
+    by the fenced scheduler, and the new leader applies x and y from the pending entries."""
+    r, keys, old = one_entry_read(redis_url, cluster_name)
+    r.delete(keys.lease)
+    standby = Scheduler(redis_url, cluster_name, validate=True)
+    standby.acquire_lease()
+    old.process(old.ahead.popleft(), ahead=False, wait_ms=20_000)
+    poll(lambda: blocked_reader(r, old), timeout=10)
+    submit(r, keys, "y")
+    with pytest.raises(FencedError):
+        old._collect()
+    assert not old.ahead and not old.pipe.in_flight
+    assert not r.exists(keys.task("x")) and not r.exists(keys.task("y"))
+    assert len(pending_ids(r, keys)) == 2  # both delivered to the old leader, neither acked
+    standby.state = standby._load()
+    assert standby._read(pending=True, block_ms=100)
+    while standby.ahead:
+        standby.process(standby.ahead.popleft())
+    assert r.hget(keys.task("x"), "state") == r.hget(keys.task("y"), "state") == b"queued"
+    assert pending_ids(r, keys) == []

@@ -7,7 +7,8 @@
         ->  one EVALSHA of APPLY_FENCED (checks our lease token, renews it; a big write
             goes as several, in one MULTI/EXEC), sent without waiting for its reply, with
             a non-blocking XREADGROUP behind it: the next batch is computed while Redis
-            writes this one (``scheduler/pipe.py``; docs/design.md, "Writes in flight")
+            writes this one; with nothing left to compute, the blocking XREADGROUP goes
+            behind it instead (``scheduler/pipe.py``; docs/design.md, "Writes in flight")
 
 Delivery semantics: a batch's effects and its acknowledgement land in one atomic script,
 so a crash before the write leaves the batch pending for the next scheduler (it re-reads
@@ -268,7 +269,11 @@ class Scheduler:
         self.ahead.clear()  # (after Redis was away: those entries are pending, re-read)
         while not self._stopping:
             if not self.ahead:
+                waited = self.pipe.waiting
                 self._collect()  # the write in flight, and the entries read behind it
+                if waited and not self.ahead:  # nothing came while that read waited
+                    self._idle()
+                    continue
             if not self.ahead and time.monotonic() >= next_check:
                 next_check = time.monotonic() + CHECK_INTERVAL
                 self.look_at_redis_memory()
@@ -295,8 +300,14 @@ class Scheduler:
             if ahead and not self.pipe.in_flight:
                 self._send(None, read=True)
             ahead = ahead and len(self.ahead) <= 1
+            batch = self.ahead.popleft()
+            # nothing more to compute and nothing due: the read that waits for the next
+            # entries goes behind this batch's write (WritePipe: one packet, one wake-up)
+            wait = not (ahead or self.ahead or pending) and time.monotonic() < min(
+                next_check, next_balance
+            )
             with self.lease.kept():
-                self.process(self.ahead.popleft(), ahead=ahead)
+                self.process(batch, ahead=ahead, wait_ms=block_ms if wait else None)
         self._collect()  # (stopped: the last write lands before the lease is released)
 
     def _read(self, pending: bool, block_ms: int) -> bool:
@@ -317,8 +328,12 @@ class Scheduler:
         if self.last_read:
             self.ahead.extend(_batches(decode_reply(reply)))
             return True
-        if pending:
-            return False
+        if not pending:
+            self._idle()
+        return False
+
+    def _idle(self) -> None:
+        """A read waited and nothing came: renew the lease or write the summary when due."""
         if self.summary.due():
             self.apply([self.summary.command(self.keys, self.state, self.id)])
         elif self.lease.due:
@@ -327,10 +342,13 @@ class Scheduler:
             self.heap.settle()  # (a full collection now and then, when idle)
         return False
 
-    def _send(self, commands: list[list[Any]] | None, read: bool) -> None:
+    def _send(
+        self, commands: list[list[Any]] | None, read: bool, block_ms: int | None = None
+    ) -> None:
         """Send a batch's write (``commands``, fenced) and/or a read of the next entries
-        without waiting (``WritePipe``), after collecting what was in flight.  A write
-        waited for by replicas, or cut in parts, goes synchronously (``apply``)."""
+        (one that waits up to ``block_ms``, if given) without waiting (``WritePipe``),
+        after collecting what was in flight.  A write waited for by replicas, or cut in
+        parts, goes synchronously (``apply``)."""
         if commands is not None and (
             self.wait_replicas or len(commands) > MAX_SCRIPT_COMMANDS or self.token is None
         ):
@@ -348,7 +366,7 @@ class Scheduler:
                 token=self.token, commands=commands, ttl_ms=self.lease.ttl_ms
             )
         try:
-            self.pipe.send(write, read)
+            self.pipe.send(write, read, block_ms)
         except redis.ResponseError:  # a new connection's handshake refused: nothing sent
             if commands is not None:
                 self.apply(commands)
@@ -536,12 +554,18 @@ class Scheduler:
         self._stopping = True
 
     def process(
-        self, entries: list[Entry], events: list[Stimulus] = (), *, ahead: bool | None = None
+        self,
+        entries: list[Entry],
+        events: list[Stimulus] = (),
+        *,
+        ahead: bool | None = None,
+        wait_ms: int | None = None,
     ) -> None:
         """Apply one batch of decoded stream entries: transition, write atomically.  The
         lead loop passes ``ahead``: the write is then left in flight, with a read of the
-        next entries behind it if ``ahead`` is true (see ``_send``); without it, the write
-        has landed when this returns.
+        next entries behind it if ``ahead`` is true, or one that waits up to ``wait_ms``
+        for them if that is given (see ``_send``); without either, the write has landed
+        when this returns.
 
         If the state machine raises on a batch (a bug, or a message that passed validation
         but makes no sense), the state is reloaded from Redis and the entries are retried
@@ -549,7 +573,7 @@ class Scheduler:
         never stop the cluster or crash every scheduler that reads it after a restart."""
         try:
             with self.lease.kept():
-                self._process(entries, list(events), bool(ahead))
+                self._process(entries, list(events), bool(ahead), wait_ms)
                 if ahead is None:
                     self._collect()
             self.heap.settle()
@@ -584,7 +608,13 @@ class Scheduler:
                 ]
             )
 
-    def _process(self, entries: list[Entry], events: list[Stimulus], ahead: bool = False) -> None:
+    def _process(
+        self,
+        entries: list[Entry],
+        events: list[Stimulus],
+        ahead: bool = False,
+        wait_ms: int | None = None,
+    ) -> None:
         commands: list[list[Any]] = []
         acks: dict[str, list[bytes]] = defaultdict(list)
         received: list[Stimulus] = []
@@ -613,7 +643,7 @@ class Scheduler:
             commands.append(["XDEL", stream, *ids])
         commands.append(["HSET", self.keys.meta, "seq", self.state.seq])
         times.append(time.monotonic())
-        self._send(commands, read=ahead)
+        self._send(commands, read=ahead or wait_ms is not None, block_ms=wait_ms)
         times.append(time.monotonic())
         if times[-1] - times[0] > SLOW_BATCH * self.lease.ttl_ms / 1000:
             logger.warning(

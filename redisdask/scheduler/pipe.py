@@ -7,7 +7,10 @@ and a batch costs two round trips.  ``WritePipe`` sends a batch's fenced write (
 connection, in one packet, and returns at once; the driver computes the batch it read
 ahead meanwhile, and collects both replies before it sends its next write.  So Redis runs
 batch N's write while the scheduler computes batch N+1, and each batch costs one round
-trip (docs/performance.md, "Where the scheduler waits").
+trip (docs/performance.md, "Where the scheduler waits").  When the scheduler has nothing
+more to compute (one entry at a time: a sequential ``submit().result()``), the read
+behind the write is the blocking read it would send next anyway: it goes in the same
+packet, so Redis serves the write and the wait for the next entry on one wake-up.
 
 Why it keeps the delivery semantics (docs/design.md, "Writes in flight"):
 
@@ -47,25 +50,36 @@ class WritePipe:
         self.sent: list[str] = []  # the commands whose replies are awaited, in order
         self.script_loaded = False  # APPLY_FENCED loaded since this connection was made
         self.read_sent = False  # whether the last send read too
+        self.read_waits = False  # whether that read blocks (``send``'s ``block_ms``)
 
     @property
     def in_flight(self) -> bool:
         return bool(self.sent)
 
-    def read_command(self) -> list[Any]:
-        """A non-blocking read of new entries from both input streams."""
+    @property
+    def waiting(self) -> bool:
+        """Whether a read that waits for new entries is in flight."""
+        return self.in_flight and self.read_waits
+
+    def read_command(self, block_ms: int | None = None) -> list[Any]:
+        """A read of new entries from both input streams, blocking up to ``block_ms``
+        if given."""
+        block = [] if block_ms is None else ["BLOCK", block_ms]
         return [
             "XREADGROUP", "GROUP", keyspace.SCHEDULER_GROUP, keyspace.SCHEDULER_CONSUMER,
-            "COUNT", self.count, "STREAMS", self.keys.worker_stream, self.keys.client_stream,
-            ">", ">",
+            "COUNT", self.count, *block,
+            "STREAMS", self.keys.worker_stream, self.keys.client_stream, ">", ">",
         ]  # fmt: skip
 
-    def send(self, write: list[Any] | None, read: bool) -> None:
+    def send(self, write: list[Any] | None, read: bool, block_ms: int | None = None) -> None:
         """Send ``write`` (a command, or None) and, behind it, a read of new entries if
-        ``read``, without waiting for the replies.  A connection error is raised (nothing
-        is in flight then: what was sent may or may not have run)."""
+        ``read`` (one that waits up to ``block_ms`` for them, if given), without waiting
+        for the replies.  A connection error is raised (nothing is in flight then: what
+        was sent may or may not have run)."""
         assert not self.sent, "one write in flight at most"
-        commands = ([write] if write is not None else []) + ([self.read_command()] if read else [])
+        commands = [write] if write is not None else []
+        if read:
+            commands.append(self.read_command(block_ms))
         if not commands:
             return
         if self.connection is None:
@@ -77,6 +91,7 @@ class WritePipe:
             raise
         self.sent = [str(c[0]) for c in commands]
         self.read_sent = read
+        self.read_waits = read and block_ms is not None
 
     def collect(self) -> tuple[Exception | None, Any]:
         """Wait for the replies of what ``send`` sent: (the write's error or None, the
