@@ -22,6 +22,7 @@ from redisdask.protocol import (
 from redisdask.state_machine import InvalidTransition, table_problems
 from redisdask.workers.state import (
     AcquireReplicasEvent,
+    ClaimsHandledEvent,
     ComputeTaskEvent,
     Execute,
     ExecuteFailureEvent,
@@ -134,9 +135,30 @@ def test_dependencies_on_two_peers() -> None:
     assert out == [Execute("z", "g2")]
     assert ws.data == {"a": 1, "b": 2}
     ws.handle_stimulus(success("z", value=3))
-    # z no longer needs its fetched dependencies: they are released
+    # z no longer needs its fetched dependencies: kept for the next claim, then released
+    assert ws.data == {"a": 1, "b": 2, "z": 3}
+    ws.handle_stimulus(ClaimsHandledEvent("claimed"))
     assert ws.data == {"z": 3}
     assert set(ws.tasks) == {"z"}
+
+
+def test_a_fetched_dependency_is_kept_for_a_sibling_the_next_claim_brings() -> None:
+    """``(x + x.T)`` on a one-thread worker: the tasks on blocks (i, j) and (j, i) were
+    placed here together, and the second is claimed only when the first has finished.
+    The block fetched for the first is still here for it: no second fetch."""
+    ws = make(nthreads=1)
+    ws.handle_stimulus(PutDataEvent({"xij": 1}, {"xij": 8}, "put"))
+    ws.handle_stimulus(compute("yij", {"xij": ([SELF], 8), "xji": ([A], 8)}))
+    ws.handle_stimulus(GatherDepSuccessEvent(A, {"xji": 2}, {"xji": 8}, "g"))
+    ws.handle_stimulus(success("yij", value=3))
+    assert ws.tasks["xji"].state == "memory" and ws.lingering == {ws.tasks["xji"]}
+    out = ws.handle_stimulus(
+        compute("yji", {"xji": ([A], 8), "xij": ([SELF], 8)}), ClaimsHandledEvent("claimed")
+    )
+    assert of(out, GatherDep) == [] and out == [Execute("yji", "compute-yji")]
+    assert not ws.lingering and ws.tasks["xji"].dependents == {ws.tasks["yji"]}
+    ws.handle_stimulus(success("yji", value=4), ClaimsHandledEvent("nothing-claimed"))
+    assert "xji" not in ws.tasks and "xji" not in ws.data  # its last task here is done
 
 
 def test_dependency_already_in_memory_goes_straight_to_ready() -> None:
@@ -600,7 +622,7 @@ def test_a_dependent_of_a_key_that_erred_here_fetches_the_result_held_elsewhere(
     assert [(g.worker, g.keys) for g in of(out, GatherDep)] == [(A, {"x"})]
     out = ws.handle_stimulus(GatherDepSuccessEvent(A, {"x": 1}, {"x": 8}, "g"))
     assert out == [Execute("y", "g")]  # no task-finished/erred for x: it is A's
-    out = ws.handle_stimulus(success("y"))
+    out = ws.handle_stimulus(success("y"), ClaimsHandledEvent("claimed"))
     assert [m.key for m in of(out, TaskFinished)] == ["y"] and set(ws.tasks) == {"y"}
     ws.handle_stimulus(compute("z"), failure("z"))
     out = ws.handle_stimulus(compute("w", {"z": ([], 8)}))  # no holder known yet
@@ -995,6 +1017,8 @@ class RandomDriver:
                 return RejoinEvent(key, sid)
             self.seceded.add(key)
             return SecedeEvent(key, sid)
+        if rng.random() < 0.1:  # the driver handled a claim's tasks, or will not claim
+            return ClaimsHandledEvent(sid)
         if choice < 0.25:
             pool = [f"t{rng.randint(0, 30)}", f"d{rng.randint(0, 15)}"]
             key = pool[0] if rng.random() < 0.9 else pool[1]

@@ -88,8 +88,12 @@ Task states and the transitions implemented here::
   issues; no event reaches them yet.
 
 Fetched dependencies are private replicas: they are not announced to the scheduler and
-are released as soon as no task here needs them (a task stops needing its dependencies
-when it finishes).
+are released once no task here needs them (a task stops needing its dependencies when it
+finishes) and the worker's next claim brought none that does (``lingers``, until
+``ClaimsHandledEvent``).  Tasks that share a dependency are placed together, but a
+one-thread worker claims the second only when the first has finished: ``(x + x.T)``'s
+task on blocks (j, i) and (i, j) came to the worker that had just fetched (i, j) for
+its sibling and dropped it, and fetched it again.
 """
 
 from __future__ import annotations
@@ -365,6 +369,14 @@ class RunsOverdueEvent(StateMachineEvent):
 
 
 @dataclass(slots=True)
+class ClaimsHandledEvent(StateMachineEvent):
+    """The driver handled the tasks its claim brought, or will not claim now: the
+    fetched dependencies kept for that claim (``lingers``) go unless a task needs them."""
+
+    stimulus_id: str
+
+
+@dataclass(slots=True)
 class SecedeEvent(StateMachineEvent):
     """The thread running ``key`` left the pool (``secede()``, ``worker_client``): it
     waits on other tasks and no longer counts against ``nthreads``."""
@@ -452,6 +464,8 @@ class TaskState:
     resources: dict[str, float] | None = None  # what a run needs (from its claim)
     held: dict[str, float] | None = None  # what it holds of this worker's resources now
     claim: tuple[int, int] | None = None  # the workers stream entry of its latest claim
+    # fetched, its last task here ended: kept for the next claim (``ClaimsHandledEvent``)
+    lingers: bool = False
 
     def __repr__(self) -> str:
         return f"<TaskState {self.key!r} {self.state}>"
@@ -537,6 +551,7 @@ class WorkerState:
         self.by_state: defaultdict[str, set[TaskState]] = defaultdict(set)
         self.executing: set[TaskState] = set()  # tasks holding a slot (incl. cancelled)
         self.long_running: set[TaskState] = set()  # seceded: a thread, no slot (incl. cancelled)
+        self.lingering: set[TaskState] = set()  # fetched, kept for the next claim (``lingers``)
         self.rejoining: deque[TaskState] = deque()  # seceded, waiting for a slot to rejoin
         self.in_flight_workers: dict[str, set[str]] = {}  # peer -> keys requested
         self.has_what: defaultdict[str, set[str]] = defaultdict(set)  # peer -> keys
@@ -866,6 +881,7 @@ class WorkerState:
             if ts is not None:
                 ts.unrecorded = 0
                 ts.wanted = ts.replica = False
+                self._stop_lingering(ts)
                 ts.deferred = None
                 self._release_if_unneeded(ts, ev.stimulus_id)
                 self._sync_resources(ts)  # a deferred claim gave its resources back
@@ -1002,6 +1018,12 @@ class WorkerState:
         sid = ev.stimulus_id
         self._emit(StolenKeys(self.address, ev.thief, stolen, scores, refused, stimulus_id=sid))
 
+    def _handle_claims_handled(self, ev: ClaimsHandledEvent) -> None:
+        lingering, self.lingering = self.lingering, set()
+        for ts in sorted(lingering, key=lambda t: t.key):
+            ts.lingers = False
+            self._release_if_unneeded(ts, ev.stimulus_id)
+
     def _handle_secede(self, ev: SecedeEvent) -> None:
         ts = self.tasks.get(ev.key)
         if ts is None:  # a stale message (its run was dropped): nothing to do
@@ -1051,6 +1073,7 @@ class WorkerState:
         RejoinEvent: _handle_rejoin,
         StealRequestEvent: _handle_steal_request,
         RunsOverdueEvent: _handle_runs_overdue,
+        ClaimsHandledEvent: _handle_claims_handled,
     }
 
     # -- scheduling policies ---------------------------------------------------------
@@ -1164,6 +1187,8 @@ class WorkerState:
         if finish == "fetch":
             for worker in ts.who_has:
                 self._need_from(ts, worker)
+        if ts.lingers and finish != "memory":
+            self._stop_lingering(ts)
         if ts.resources or ts.held is not None:
             self._sync_resources(ts)
 
@@ -1260,6 +1285,7 @@ class WorkerState:
     ) -> None:
         self._free_thread(ts)
         self._store(ts, value, nbytes, stimulus_id)
+        self._keep_for_siblings(ts)
         self._unlink_dependencies(ts, stimulus_id)
         if ts.wanted:
             self._emit_finished(ts, stimulus_id, inline)
@@ -1270,6 +1296,7 @@ class WorkerState:
         self._free_thread(ts)
         ts.error = error
         self._set_state(ts, "error", stimulus_id)
+        self._keep_for_siblings(ts)
         self._unlink_dependencies(ts, stimulus_id)
         if ts.wanted:
             self._emit_erred(ts, stimulus_id)
@@ -1587,7 +1614,7 @@ class WorkerState:
             self._transition(ts, "fetch" if ts.who_has else "missing", stimulus_id=sid)
 
     def _release_if_unneeded(self, ts: TaskState, sid: str) -> None:
-        if ts.wanted or ts.replica or ts.dependents or ts.state == "cancelled":
+        if ts.wanted or ts.replica or ts.dependents or ts.lingers or ts.state == "cancelled":
             return
         if ts.state in ("executing", "long-running", "flight"):
             self._transition(ts, "cancelled", stimulus_id=sid)
@@ -1601,6 +1628,18 @@ class WorkerState:
         for dep in sorted(deps, key=lambda t: t.key):
             dep.dependents.discard(ts)
             self._release_if_unneeded(dep, sid)
+
+    def _keep_for_siblings(self, ts: TaskState) -> None:
+        """``ts`` ran here: the fetched dependencies only it needed stay until the next
+        claim is handled (``lingers``), for a sibling placed here with it."""
+        for dep in ts.dependencies:
+            if dep.state == "memory" and dep.dependents == {ts} and not (dep.wanted or dep.replica):
+                dep.lingers = True
+                self.lingering.add(dep)
+
+    def _stop_lingering(self, ts: TaskState) -> None:
+        ts.lingers = False
+        self.lingering.discard(ts)
 
     def _forget(self, ts: TaskState, sid: str) -> None:
         """Enter `released` and drop the task (released -> forgotten)."""
@@ -1660,9 +1699,11 @@ class WorkerState:
         check(ts.state in STATES and ts.state != "released", f"{ts} at rest")
         check(ts in self.by_state[ts.state], f"{ts} not indexed by state")
         check(
-            ts.wanted or ts.replica or ts.dependents or ts.state == "cancelled",
+            ts.wanted or ts.replica or ts.dependents or ts.lingers or ts.state == "cancelled",
             f"{ts} unneeded",
         )
+        check(ts.lingers == (ts in self.lingering), f"{ts} vs lingering")
+        check(not ts.lingers or ts.state == "memory", f"{ts} lingers out of memory")
         for dep in ts.dependencies:
             check(ts in dep.dependents, f"{ts} -> {dep} not symmetric")
             check(self.tasks.get(dep.key) is dep, f"{dep} (dep of {ts}) forgotten")

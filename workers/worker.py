@@ -790,16 +790,16 @@ class Worker:
                             PLACED_PATIENCE_MS / 1000, self._claim_again
                         )
                     self._handle_inbox(script_entries(inbox))
-                    if claimed:
-                        self._note_chains(claimed)
-                        events = [
-                            self._compute_event(c, self._claimed_values, claim) for c in claimed
-                        ]
-                        for ev in events:
-                            self._claimed_before[ev.key] = self._holding_reports
-                        self.handle(*events)
-                        self._claimed_values.clear()  # (those not fetched were not needed)
+                    self._note_chains(claimed)
+                    events = [self._compute_event(c, self._claimed_values, claim) for c in claimed]
+                    for ev in events:
+                        self._claimed_before[ev.key] = self._holding_reports
+                    # (what was fetched for the tasks that ran, and none of these needs, goes)
+                    self.handle(*events, ws.ClaimsHandledEvent(f"claimed-{now:.3f}"))
+                    self._claimed_values.clear()  # (those not fetched were not needed)
                 continue
+            if self.state.lingering:  # no claim now: nothing waits for those
+                self.handle(ws.ClaimsHandledEvent(f"no-claim-{now:.3f}"))
             self._wake.clear()
             # look again when a thread comes within the horizon of its end (claim its next
             # task then), or when every thread's run is past any expectation (hand back
