@@ -197,3 +197,21 @@ def test_a_write_fenced_while_the_read_behind_it_waits_stops_the_scheduler_losin
         standby.process(standby.ahead.popleft())
     assert r.hget(keys.task("x"), "state") == r.hget(keys.task("y"), "state") == b"queued"
     assert pending_ids(r, keys) == []
+
+
+def test_a_fenced_write_is_said_though_the_read_behind_it_failed(
+    redis_url: str, cluster_name: str
+) -> None:
+    """The write behind which a read waits is refused (FENCED), and the read then fails
+    too (here: its stream deleted while it waited, which Redis answers with an error):
+    the scheduler learns that it was fenced, not only that a read failed."""
+    r, keys, old = one_entry_read(redis_url, cluster_name)
+    r.delete(keys.lease)
+    standby = Scheduler(redis_url, cluster_name, validate=True)
+    standby.acquire_lease()
+    old.process(old.ahead.popleft(), ahead=False, wait_ms=20_000)
+    poll(lambda: blocked_reader(r, old), timeout=10)
+    r.delete(keys.client_stream)
+    with pytest.raises(FencedError):
+        old._collect()
+    assert not r.exists(keys.task("x"))

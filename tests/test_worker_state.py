@@ -137,9 +137,14 @@ def test_dependencies_on_two_peers() -> None:
     ws.handle_stimulus(success("z", value=3))
     # z no longer needs its fetched dependencies: kept for the next claim, then released
     assert ws.data == {"a": 1, "b": 2, "z": 3}
-    ws.handle_stimulus(ClaimsHandledEvent("claimed"))
+    ws.handle_stimulus(claims_handled(ws))
     assert ws.data == {"z": 3}
     assert set(ws.tasks) == {"z"}
+
+
+def claims_handled(ws: WorkerState, sid: str = "claimed") -> ClaimsHandledEvent:
+    """What the driver says once a claim's tasks are handled: the keys kept for it."""
+    return ClaimsHandledEvent(sorted(ts.key for ts in ws.lingering), sid)
 
 
 def test_a_fetched_dependency_is_kept_for_a_sibling_the_next_claim_brings() -> None:
@@ -152,13 +157,40 @@ def test_a_fetched_dependency_is_kept_for_a_sibling_the_next_claim_brings() -> N
     ws.handle_stimulus(GatherDepSuccessEvent(A, {"xji": 2}, {"xji": 8}, "g"))
     ws.handle_stimulus(success("yij", value=3))
     assert ws.tasks["xji"].state == "memory" and ws.lingering == {ws.tasks["xji"]}
-    out = ws.handle_stimulus(
-        compute("yji", {"xji": ([A], 8), "xij": ([SELF], 8)}), ClaimsHandledEvent("claimed")
-    )
+    handled = claims_handled(ws)
+    out = ws.handle_stimulus(compute("yji", {"xji": ([A], 8), "xij": ([SELF], 8)}), handled)
     assert of(out, GatherDep) == [] and out == [Execute("yji", "compute-yji")]
     assert not ws.lingering and ws.tasks["xji"].dependents == {ws.tasks["yji"]}
-    ws.handle_stimulus(success("yji", value=4), ClaimsHandledEvent("nothing-claimed"))
+    ws.handle_stimulus(success("yji", value=4))
+    ws.handle_stimulus(claims_handled(ws, "nothing-claimed"))
     assert "xji" not in ws.tasks and "xji" not in ws.data  # its last task here is done
+
+
+def test_a_dependency_kept_while_a_claim_was_on_its_way_waits_for_the_next_claim() -> None:
+    """Two threads: a claim is sent for the free one while y1 runs on the other; y1 ends
+    before the claim's reply, which brings nothing.  What y1 fetched was not kept when
+    that claim was sent: it stays for the claim the freed thread makes next, which
+    brings y2, its sibling."""
+    ws = make(nthreads=2)
+    ws.handle_stimulus(compute("y1", {"d": ([A], 8)}))
+    ws.handle_stimulus(GatherDepSuccessEvent(A, {"d": 1}, {"d": 8}, "g"))
+    in_flight = claims_handled(ws)  # the claim is sent: nothing kept yet
+    ws.handle_stimulus(success("y1", value=2))
+    ws.handle_stimulus(in_flight)  # its reply: no task
+    assert ws.tasks["d"].state == "memory" and ws.lingering == {ws.tasks["d"]}
+    out = ws.handle_stimulus(compute("y2", {"d": ([A], 8)}), claims_handled(ws))
+    assert out == [Execute("y2", "compute-y2")] and not ws.lingering
+
+
+def test_only_what_was_fetched_from_a_peer_is_kept() -> None:
+    """A result computed here that the scheduler freed while its dependent ran goes
+    with that dependent: the scheduler dropped that copy (its key may be reused)."""
+    ws = make(nthreads=2)
+    ws.handle_stimulus(compute("x"), success("x", value=1))
+    ws.handle_stimulus(compute("z", {"x": ([SELF], 8)}), FreeKeysEvent(["x"], "free"))
+    assert ws.tasks["x"].state == "memory"  # z still needs it
+    ws.handle_stimulus(success("z", value=2))
+    assert "x" not in ws.tasks and not ws.lingering
 
 
 def test_dependency_already_in_memory_goes_straight_to_ready() -> None:
@@ -622,7 +654,8 @@ def test_a_dependent_of_a_key_that_erred_here_fetches_the_result_held_elsewhere(
     assert [(g.worker, g.keys) for g in of(out, GatherDep)] == [(A, {"x"})]
     out = ws.handle_stimulus(GatherDepSuccessEvent(A, {"x": 1}, {"x": 8}, "g"))
     assert out == [Execute("y", "g")]  # no task-finished/erred for x: it is A's
-    out = ws.handle_stimulus(success("y"), ClaimsHandledEvent("claimed"))
+    out = ws.handle_stimulus(success("y"))
+    ws.handle_stimulus(claims_handled(ws))
     assert [m.key for m in of(out, TaskFinished)] == ["y"] and set(ws.tasks) == {"y"}
     ws.handle_stimulus(compute("z"), failure("z"))
     out = ws.handle_stimulus(compute("w", {"z": ([], 8)}))  # no holder known yet
@@ -1018,7 +1051,8 @@ class RandomDriver:
             self.seceded.add(key)
             return SecedeEvent(key, sid)
         if rng.random() < 0.1:  # the driver handled a claim's tasks, or will not claim
-            return ClaimsHandledEvent(sid)
+            kept = sorted(ts.key for ts in ws.lingering)  # (some kept after it was sent)
+            return ClaimsHandledEvent([k for k in kept if rng.random() < 0.8], sid)
         if choice < 0.25:
             pool = [f"t{rng.randint(0, 30)}", f"d{rng.randint(0, 15)}"]
             key = pool[0] if rng.random() < 0.9 else pool[1]

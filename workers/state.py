@@ -371,8 +371,10 @@ class RunsOverdueEvent(StateMachineEvent):
 @dataclass(slots=True)
 class ClaimsHandledEvent(StateMachineEvent):
     """The driver handled the tasks its claim brought, or will not claim now: the
-    fetched dependencies kept for that claim (``lingers``) go unless a task needs them."""
+    fetched dependencies of ``keys``, those kept (``lingers``) when the claim was sent,
+    go unless a task needs them (one kept since then waits for the next claim)."""
 
+    keys: list[str]
     stimulus_id: str
 
 
@@ -464,6 +466,7 @@ class TaskState:
     resources: dict[str, float] | None = None  # what a run needs (from its claim)
     held: dict[str, float] | None = None  # what it holds of this worker's resources now
     claim: tuple[int, int] | None = None  # the workers stream entry of its latest claim
+    fetched: bool = False  # its value came from a peer, for tasks here (a private replica)
     # fetched, its last task here ended: kept for the next claim (``ClaimsHandledEvent``)
     lingers: bool = False
 
@@ -606,7 +609,8 @@ class WorkerState:
     def resync_report(self) -> dict[str, Any]:
         """What this worker tells a scheduler after Redis was away (``AddWorker.resync``):
         the results it holds for the cluster (not a dependency fetched for a run here:
-        no holder on record, it goes when its dependents are done, and nobody is told)
+        no holder on record, it goes when its dependents here are done and the next claim
+        brought none that needs it, and nobody is told)
         and the claims it still has."""
         tasks = self.tasks.values()
         return {
@@ -880,7 +884,7 @@ class WorkerState:
                 continue  # about another run's copy than this one
             if ts is not None:
                 ts.unrecorded = 0
-                ts.wanted = ts.replica = False
+                ts.wanted = ts.replica = ts.fetched = False
                 self._stop_lingering(ts)
                 ts.deferred = None
                 self._release_if_unneeded(ts, ev.stimulus_id)
@@ -1019,10 +1023,11 @@ class WorkerState:
         self._emit(StolenKeys(self.address, ev.thief, stolen, scores, refused, stimulus_id=sid))
 
     def _handle_claims_handled(self, ev: ClaimsHandledEvent) -> None:
-        lingering, self.lingering = self.lingering, set()
-        for ts in sorted(lingering, key=lambda t: t.key):
-            ts.lingers = False
-            self._release_if_unneeded(ts, ev.stimulus_id)
+        for key in ev.keys:
+            ts = self.tasks.get(key)
+            if ts is not None and ts.lingers:
+                self._stop_lingering(ts)
+                self._release_if_unneeded(ts, ev.stimulus_id)
 
     def _handle_secede(self, ev: SecedeEvent) -> None:
         ts = self.tasks.get(ev.key)
@@ -1386,6 +1391,7 @@ class WorkerState:
         ts.coming_from = None
         ts.deferred = None
         self._store(ts, value, nbytes, stimulus_id)
+        ts.fetched = not (ts.wanted or ts.replica)
         if ts.wanted:  # claimed while it was being fetched
             self._emit_finished(ts, stimulus_id)
         elif ts.replica:  # a copy asked for: keep it and say so
@@ -1633,7 +1639,8 @@ class WorkerState:
         """``ts`` ran here: the fetched dependencies only it needed stay until the next
         claim is handled (``lingers``), for a sibling placed here with it."""
         for dep in ts.dependencies:
-            if dep.state == "memory" and dep.dependents == {ts} and not (dep.wanted or dep.replica):
+            needed = dep.wanted or dep.replica or dep.dependents != {ts}
+            if dep.fetched and dep.state == "memory" and not needed:
                 dep.lingers = True
                 self.lingering.add(dep)
 

@@ -774,6 +774,7 @@ class Worker:
             starts = self.state.claim_budget(self.claim_horizon, now)
             if starts and self._may_have_work():
                 async with self._claim_lock:
+                    kept = sorted(ts.key for ts in self.state.lingering)  # (see ClaimsHandled)
                     try:
                         claimed, last_id, inbox, flags, claim = await self._claim(starts)
                     except redis.ResponseError as exc:
@@ -791,15 +792,20 @@ class Worker:
                         )
                     self._handle_inbox(script_entries(inbox))
                     self._note_chains(claimed)
-                    events = [self._compute_event(c, self._claimed_values, claim) for c in claimed]
+                    events: list[ws.StateMachineEvent] = [
+                        self._compute_event(c, self._claimed_values, claim) for c in claimed
+                    ]
                     for ev in events:
                         self._claimed_before[ev.key] = self._holding_reports
-                    # (what was fetched for the tasks that ran, and none of these needs, goes)
-                    self.handle(*events, ws.ClaimsHandledEvent(f"claimed-{now:.3f}"))
+                    if kept:  # what was kept for these claims, and none of them needs, goes
+                        events.append(ws.ClaimsHandledEvent(kept, f"claimed-{time.time():.3f}"))
+                    if events:
+                        self.handle(*events)
                     self._claimed_values.clear()  # (those not fetched were not needed)
                 continue
             if self.state.lingering:  # no claim now: nothing waits for those
-                self.handle(ws.ClaimsHandledEvent(f"no-claim-{now:.3f}"))
+                kept = sorted(ts.key for ts in self.state.lingering)
+                self.handle(ws.ClaimsHandledEvent(kept, f"no-claim-{now:.3f}"))
             self._wake.clear()
             # look again when a thread comes within the horizon of its end (claim its next
             # task then), or when every thread's run is past any expectation (hand back

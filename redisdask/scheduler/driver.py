@@ -340,7 +340,6 @@ class Scheduler:
             self.lease.renew()
         else:
             self.heap.settle()  # (a full collection now and then, when idle)
-        return False
 
     def _send(
         self, commands: list[list[Any]] | None, read: bool, block_ms: int | None = None

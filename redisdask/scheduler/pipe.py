@@ -95,32 +95,36 @@ class WritePipe:
 
     def collect(self) -> tuple[Exception | None, Any]:
         """Wait for the replies of what ``send`` sent: (the write's error or None, the
-        read's reply or None).  A read refused (BUSY) read nothing: None.  A connection
-        error is raised."""
+        read's reply or None).  A read refused (BUSY) read nothing: None; one that
+        failed otherwise is raised, unless the write failed too (its error comes back,
+        for the driver to stop, or write it again).  A connection error is raised."""
         sent, self.sent = self.sent, []
         write_error: Exception | None = None
+        read_error: Exception | None = None
         read: Any = None
         try:
             for name in sent:
                 try:
                     reply = self.redis.parse_response(self.connection, name)
                 except redis.ResponseError as exc:
-                    if name == "XREADGROUP":
-                        if busy.refusal(exc) is None:
-                            raise
-                        continue
-                    write_error = exc
+                    if name != "XREADGROUP":
+                        write_error = exc
+                    elif busy.refusal(exc) is None:
+                        read_error = exc
                     continue
                 if name == "XREADGROUP":
                     read = reply
         except (redis.ConnectionError, redis.TimeoutError):
             self._drop()
             raise
+        if read_error is not None and write_error is None:
+            raise read_error  # (a failed write says first what became of it: the read read nothing)
         return write_error, read
 
     def _drop(self) -> None:
         """Forget the connection after an error: its replies are out of step."""
         self.sent = []
+        self.read_waits = False
         self.script_loaded = False
         if self.connection is not None:
             self.connection.disconnect()
