@@ -38,6 +38,7 @@ from redisdask.workers.state import (
     Rejoin,
     RejoinEvent,
     Report,
+    RetireAbortedEvent,
     RetireEvent,
     RunsOverdueEvent,
     SecedeEvent,
@@ -1050,6 +1051,21 @@ class RandomDriver:
                 return RejoinEvent(key, sid)
             self.seceded.add(key)
             return SecedeEvent(key, sid)
+        extra = rng.random()
+        if extra < 0.04:  # the scheduler asks for some of them back (work stealing)
+            known = sorted(ws.tasks) or ["x"]
+            return StealRequestEvent(rng.sample(known, min(2, len(known))), B, sid)
+        if extra < 0.07:  # ... or for copies (replicate, a retiring worker's data)
+            keys = [f"d{rng.randint(0, 15)}" for _ in range(2)]
+            return AcquireReplicasEvent({k: self.holders() for k in keys}, sid)
+        if extra < 0.08:
+            return RunsOverdueEvent(0.02, 1e9, sid)
+        if extra < 0.09:
+            return RetireEvent(sid) if not ws.retiring else RetireAbortedEvent(sid)
+        if extra < 0.11 and ws.lingering:  # a claim of a key kept for the next claim
+            key = sorted(ts.key for ts in ws.lingering)[0]
+            deps = {d: (self.holders(), 3) for d in self.graph.setdefault(key, [])}
+            return ComputeTaskEvent(key, b"spec", (rng.randint(0, 5), self.n), deps, sid)
         if rng.random() < 0.1:  # the driver handled a claim's tasks, or will not claim
             kept = sorted(ts.key for ts in ws.lingering)  # (some kept after it was sent)
             return ClaimsHandledEvent([k for k in kept if rng.random() < 0.8], sid)
@@ -1120,6 +1136,8 @@ def test_random_event_sequences(seed: int) -> None:
             driver.feed(driver.next_event())
         # drain: answer every outstanding instruction, then free everything
         driver.feed(UnpauseEvent("drain"))
+        if driver.ws.retiring:
+            driver.feed(RetireAbortedEvent("drain-retire"))
         while driver.executing or driver.gathering:
             if driver.executing:
                 # a thread blocked in rejoin() must be let go once slots free up
@@ -1421,3 +1439,21 @@ def test_a_seceded_task_keeps_its_resources_until_it_leaves() -> None:
     assert ws.tasks["x"].state == "cancelled" and ws.free_resources() == {"GPU": 0.0}
     ws.handle_stimulus(success("x"))
     assert ws.free_resources() == {"GPU": 1.0}
+
+
+def test_a_claim_handed_back_after_a_failed_transfer_leaves_the_key_to_fetch() -> None:
+    """A copy of d is on its way from one holder when the scheduler asks this retiring
+    worker to compute d; the holder answers without it.  The claim is handed back (the
+    worker retires), and d, which another peer holds, is fetched from it: it is not left
+    ``missing`` with a holder, waiting for the scheduler to name holders it knows."""
+    ws = make(nthreads=1)
+    ws.handle_stimulus(AcquireReplicasEvent({"d": [A, B]}, "acq"))
+    peer = ws.tasks["d"].coming_from
+    assert ws.tasks["d"].state == "flight" and peer in (A, B)
+    ws.handle_stimulus(RetireEvent("retire"), compute("d"))
+    assert ws.tasks["d"].deferred is not None
+    out = ws.handle_stimulus(GatherDepSuccessEvent(peer, {}, {}, "without-d"))
+    assert [m.keys for m in of(out, ReleasedKeys)] == [["d"]]
+    other = ({A, B} - {peer}).pop()
+    assert ws.tasks["d"].state == "flight" and ws.tasks["d"].coming_from == other
+    assert [(g.worker, g.keys) for g in of(out, GatherDep)] == [(other, {"d"})]

@@ -1616,6 +1616,8 @@ class WorkerState:
             self._transition(ts, "missing", stimulus_id=sid)
             claim, ts.deferred = ts.deferred, None
             self._handle_compute(claim)
+            if ts.state == "missing" and ts.who_has:  # handed back (retiring, paused)
+                self._transition(ts, "fetch", stimulus_id=sid)
         else:
             self._transition(ts, "fetch" if ts.who_has else "missing", stimulus_id=sid)
 
