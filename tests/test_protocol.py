@@ -319,8 +319,8 @@ def test_the_worker_driver_carries_out_every_instruction_and_reads_every_inbox_m
         RetireAborted,
         RetireWorker,
     )
+    from redisdask.workers import inbox, worker
     from redisdask.workers import state as ws
-    from redisdask.workers import worker
 
     # (a slotted dataclass is a second class: the first stays among the subclasses until
     # it is collected, so only the classes the module names count)
@@ -328,5 +328,5 @@ def test_the_worker_driver_carries_out_every_instruction_and_reads_every_inbox_m
     emitted = instructions | set(typing.get_args(ws.Report))
     assert set(worker._CARRY_OUT) == emitted
     apart = {ComputeTask, RestartWorker, RetireWorker, RetireAborted, CloseWorker}
-    assert set(worker._INBOX_EVENTS) | apart == set(SCHEDULER_TO_WORKER.values())
-    assert not set(worker._INBOX_EVENTS) & apart
+    assert set(inbox.INBOX_EVENTS) | apart == set(SCHEDULER_TO_WORKER.values())
+    assert not set(inbox.INBOX_EVENTS) & apart

@@ -223,7 +223,7 @@ def test_a_worker_ignores_a_push_meant_for_another_process_or_without_its_spec()
     from redisdask.protocol import FreeKeys
     from redisdask.store import codecs, keyspace
     from redisdask.workers import state as ws
-    from redisdask.workers.worker import _inbox_events, _Pushed
+    from redisdask.workers.inbox import Pushed, inbox_events
 
     def entry(*msgs: Any, specs: dict[str, bytes] | None = None) -> dict[bytes, bytes]:
         fields = {b"m": codecs.pack([m.to_dict() for m in msgs])}
@@ -233,9 +233,9 @@ def test_a_worker_ignores_a_push_meant_for_another_process_or_without_its_spec()
 
     mine, gone = 1700000000.5, 1600000000.25
     push = ComputeTask("x", 1.5, mine, 0.01, True)
-    [pushed] = _inbox_events("1-0", entry(push, specs={"x": b"spec"}), mine)
-    assert isinstance(pushed, _Pushed) and pushed.chain
+    [pushed] = inbox_events("1-0", entry(push, specs={"x": b"spec"}), mine)
+    assert isinstance(pushed, Pushed) and pushed.chain
     assert (pushed.event.key, pushed.event.run_spec, pushed.event.estimate) == ("x", b"spec", 0.01)
-    assert _inbox_events("2-0", entry(push, specs={"x": b"spec"}), gone) == []
-    [freed] = _inbox_events("3-0", entry(push, FreeKeys(["y"])), mine)  # no spec for x
+    assert inbox_events("2-0", entry(push, specs={"x": b"spec"}), gone) == []
+    [freed] = inbox_events("3-0", entry(push, FreeKeys(["y"])), mine)  # no spec for x
     assert isinstance(freed, ws.FreeKeysEvent) and freed.keys == ["y"]

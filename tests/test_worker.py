@@ -10,7 +10,7 @@ from redisdask.store.bootstrap import ensure_cluster
 from redisdask.store.codecs import entry, pack, unpack
 from redisdask.store.keyspace import Keys
 from redisdask.store.scripts import Scripts
-from redisdask.workers.worker import _inbox_events, early_news, script_entries
+from redisdask.workers.inbox import early_news, inbox_events, script_entries
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -34,7 +34,7 @@ def test_a_claim_returns_the_inbox_written_before_it_in_a_decodable_form(
     assert claim == r.hget(keys.task("x"), "claim")  # its entry, for free-keys to name
     [(entry_id, fields)] = script_entries(inbox)  # only what came after `first`
     assert entry_id == second
-    [event] = _inbox_events(entry_id.decode(), fields, 0.0)
+    [event] = inbox_events(entry_id.decode(), fields, 0.0)
     assert event.keys == ["x"]
 
 

@@ -30,7 +30,6 @@ import faulthandler
 import inspect
 import itertools
 import logging
-import math
 import os
 import pickle
 import signal
@@ -41,7 +40,6 @@ import time
 import typing
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -53,15 +51,9 @@ from redisdask.errors import ProtocolError
 from redisdask.nanny_contract import GRACEFUL_TIMEOUT
 from redisdask.placement import format_resources, parse_resources, split_resources
 from redisdask.protocol import (
-    SCHEDULER_TO_WORKER,
-    AcquireReplicas,
     AddWorker,
     CloseWorker,
-    ComputeTask,
-    FreeKeys,
     Holding,
-    KeyInMemory,
-    KeysRecorded,
     Message,
     MissingData,
     RemoveWorker,
@@ -69,9 +61,6 @@ from redisdask.protocol import (
     RetireAborted,
     RetireWorker,
     RetireWorkers,
-    StealRequest,
-    WhoHas,
-    parse,
 )
 from redisdask.security import Security
 from redisdask.spec import FunctionCache, run_spec
@@ -92,6 +81,14 @@ from redisdask.workers import calls
 from redisdask.workers import state as ws
 from redisdask.workers.coroutines import run_coroutine
 from redisdask.workers.failures import MAX_ERROR_LENGTH, failure_event
+from redisdask.workers.inbox import (
+    Command,
+    Pushed,
+    early_news,
+    inbox_events,
+    parse_id,
+    script_entries,
+)
 from redisdask.workers.liveness import LoopWatch
 from redisdask.workers.memory import WorkerMemoryManager, keep_large_blocks_apart
 from redisdask.workers.plugins import PluginHost
@@ -116,12 +113,6 @@ HEAP_SETTLE_INTERVAL = 1.0  # seconds between freezes of what survived (``redisd
 
 
 _STIMULI = itertools.count()  # makes the worker's own stimulus ids unique (thread-safe)
-
-
-def _parse_id(entry_id: bytes | str) -> tuple[int, int]:
-    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    ms, _, seq = text.partition("-")
-    return int(ms), int(seq or 0)
 
 
 class Worker:
@@ -783,7 +774,7 @@ class Worker:
                         self._leave_removed(exc)
                         return
                     dry = len(claimed) < ws.MAX_CLAIM and not flags & CLAIM_FULL
-                    self._empty_at = _parse_id(last_id) if dry else None
+                    self._empty_at = parse_id(last_id) if dry else None
                     blocked = flags & CLAIM_BLOCKED
                     self._blocked_at = self.state.resources_freed if blocked else None
                     if flags & CLAIM_PASSED:  # look again once their worker's turn is over
@@ -882,7 +873,7 @@ class Worker:
             f"claim-{key}",
             split_resources(needs),
             float(estimate) if estimate else None,
-            _parse_id(claim) if claim else None,
+            parse_id(claim) if claim else None,
         )
 
     async def _listen_loop(self) -> None:
@@ -899,7 +890,7 @@ class Worker:
                 last = items[-1][0]
                 if stream.decode() == self.keys.ready_signal:
                     signal_id = last.decode()
-                    self._latest_signal = max(self._latest_signal, _parse_id(last))
+                    self._latest_signal = max(self._latest_signal, parse_id(last))
                     self._wake.set()
                 else:
                     self._handle_inbox(items)
@@ -907,21 +898,21 @@ class Worker:
     def _handle_inbox(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
         """Apply scheduler messages, each entry once (the listener and the claim script
         both deliver them), in order; a malformed message is logged and skipped."""
-        items: list[ws.StateMachineEvent | _Command] = []
+        items: list[ws.StateMachineEvent | Command] = []
         for entry_id, fields in entries:
-            if _parse_id(entry_id) <= _parse_id(self._inbox_id):
+            if parse_id(entry_id) <= parse_id(self._inbox_id):
                 continue
             self._inbox_id = entry_id.decode()
             try:
-                items.extend(_inbox_events(entry_id.decode(), fields, self.started))
+                items.extend(inbox_events(entry_id.decode(), fields, self.started))
             except (ProtocolError, KeyError, TypeError, ValueError) as exc:
                 logger.warning("ignoring malformed inbox entry %s: %s", entry_id.decode(), exc)
         batch: list[ws.StateMachineEvent] = []
         for item in items:
-            if isinstance(item, _Pushed):
+            if isinstance(item, Pushed):
                 self._note_pushed(item)
                 batch.append(item.event)
-            elif isinstance(item, _Command):
+            elif isinstance(item, Command):
                 if batch:
                     self.handle(*batch)
                     batch = []
@@ -931,7 +922,7 @@ class Worker:
         if batch:
             self.handle(*batch)
 
-    def _note_pushed(self, item: _Pushed) -> None:
+    def _note_pushed(self, item: Pushed) -> None:
         """A pushed task is a claimed one, as far as this worker's reports go; its report
         carries its client's news (``early_news``)."""
         key = item.event.key
@@ -942,10 +933,10 @@ class Worker:
         if item.chain:
             self._chained.add(key)
 
-    def _command(self, command: _Command) -> None:
+    def _command(self, command: Command) -> None:
         _COMMANDS[command.op](self, command)
 
-    def _restart(self, command: _Command) -> None:
+    def _restart(self, command: Command) -> None:
         """Drop everything held or running, as it is now; under a nanny, exit for it to
         start a fresh process."""
         self.handle(ws.FreeKeysEvent(list(self.state.tasks), command.stimulus_id, force=True))
@@ -953,11 +944,11 @@ class Worker:
             self._exit_reason = "restart"  # its nanny starts a fresh process
             self._closing = asyncio.ensure_future(self.close("restart"))
 
-    def _close_command(self, command: _Command) -> None:
+    def _close_command(self, command: Command) -> None:
         if self.status == "running":
             self._closing = asyncio.ensure_future(self.close(command.reason))
 
-    def _retire_aborted(self, command: _Command) -> None:
+    def _retire_aborted(self, command: Command) -> None:
         """The scheduler stopped the retirement (``RetireAborted``): work on."""
         if not self.state.retiring or self._retire_force:  # (a forced one always leaves)
             return
@@ -1105,7 +1096,7 @@ class Worker:
             # what the inbox listener read is trimmed here, off the task path: everything
             # up to and including the last entry read (MINID keeps the entry it names,
             # which kept a free-keys of 10,000 keys in Redis until the next message)
-            ms, seq = _parse_id(self._inbox_id)
+            ms, seq = parse_id(self._inbox_id)
             events, self._events = self._events, []
             commands: list[list[Any]] = [
                 ["SET", alive, 1, "PX", ttl],
@@ -1355,73 +1346,6 @@ class Worker:
         }
 
 
-def script_entries(raw: list[Any]) -> list[tuple[bytes, dict[bytes, bytes]]]:
-    """Stream entries as a Lua script returns them (``[id, [field, value, ...]]``) in the
-    shape redis-py gives XREAD's (``(id, {field: value})``)."""
-    return [(entry_id, dict(zip(flat[::2], flat[1::2], strict=True))) for entry_id, flat in raw]
-
-
-@dataclass(slots=True)
-class _Command:
-    """An inbox message for the driver rather than the state machine: ``restart`` (drop
-    everything), ``retire`` (leave gracefully), ``retire-aborted`` (work on), ``close``
-    (leave now)."""
-
-    op: str
-    stimulus_id: str
-    reason: str = ""
-
-
-def early_news(
-    batch: list[dict[str, Any]], pushed: set[str], address: str
-) -> list[tuple[str, float, bytes]]:
-    """The ``key-in-memory`` news of the pushed tasks whose small results the batch of
-    reports carries, for ``FINISH`` to send their clients at once (docs/design.md,
-    "Push"): (key, score, the message packed as a one-message list, but for its last
-    pair, ``seen``, which FINISH appends).  The reported keys leave ``pushed``."""
-    early = []
-    for m in batch:
-        if m.get("op") != "task-finished" or m["key"] not in pushed:
-            continue
-        pushed.discard(m["key"])
-        if m.get("value") is None or "score" not in m:
-            continue  # (a result too big for Redis, or a report of no known run:
-            # the scheduler tells its clients)
-        news = {
-            "op": KeyInMemory.op,
-            "key": m["key"],
-            "who_has": [address, keyspace.REDIS_COPY],
-            "nbytes": m.get("nbytes", 0),
-            "type": m.get("type", ""),
-            "value": m["value"],
-        }
-        opening = bytes([0x91, 0x80 + len(news) + 1])  # [{...news, seen}]: fixarray, fixmap
-        pairs = b"".join(codecs.pack(k) + codecs.pack(v) for k, v in news.items())
-        early.append((m["key"], m["score"], opening + pairs))
-    return early
-
-
-@dataclass(slots=True)
-class _Pushed:
-    """A task the scheduler gave this worker (``compute-task``, ``redisdask.scheduler.push``)."""
-
-    event: ws.ComputeTaskEvent
-    chain: bool
-
-
-def _pushed(msg: ComputeTask, fields: dict[bytes, bytes], sid: str) -> _Pushed | None:
-    """None for a push without its spec (the task was forgotten in the batch that pushed
-    it: the message after it frees it; else the scheduler queues it again once the
-    worker's holding reports go without it)."""
-    spec = fields.get(keyspace.push_spec_field(msg.key).encode())
-    if not spec:
-        logger.warning("ignoring compute-task %r: its spec did not come with it", msg.key)
-        return None
-    estimate = msg.estimate if msg.estimate >= 0 else None
-    event = ws.ComputeTaskEvent(msg.key, spec, (msg.score,), {}, sid, {}, estimate)
-    return _Pushed(event, msg.chain)
-
-
 # how the driver carries out each instruction of its state machine
 _CARRY_OUT: dict[type, Callable[[Worker, Any], None]] = {
     ws.Execute: lambda worker, ins: worker._execute(ins.key),
@@ -1432,53 +1356,12 @@ _CARRY_OUT: dict[type, Callable[[Worker, Any], None]] = {
 
 # what the driver does with each command of its inbox (``RestartWorker``, ``RetireWorker``,
 # ``RetireAborted``, ``CloseWorker``, by their op)
-_COMMANDS: dict[str, Callable[[Worker, _Command], None]] = {
+_COMMANDS: dict[str, Callable[[Worker, Command], None]] = {
     RestartWorker.op: Worker._restart,
     RetireWorker.op: lambda worker, command: worker.retire(),
     RetireAborted.op: Worker._retire_aborted,
     CloseWorker.op: Worker._close_command,
 }
-
-# the state machine's event for each scheduler message of the inbox (``ComputeTask`` and
-# the commands for the driver are read apart: ``_inbox_events``)
-_INBOX_EVENTS: dict[type, Callable[[Any, str], ws.StateMachineEvent]] = {
-    FreeKeys: lambda msg, sid: ws.FreeKeysEvent(
-        msg.keys,
-        sid,
-        seen=_parse_id(msg.seen) if msg.seen else None,
-        run=None if math.isnan(msg.run) else float(msg.run),
-    ),
-    KeysRecorded: lambda msg, sid: ws.KeysRecordedEvent(msg.keys, sid),
-    WhoHas: lambda msg, sid: ws.UpdateWhoHasEvent(msg.who_has, sid),
-    AcquireReplicas: lambda msg, sid: ws.AcquireReplicasEvent(msg.who_has, sid),
-    StealRequest: lambda msg, sid: ws.StealRequestEvent(msg.keys, msg.thief, sid),
-}
-
-
-def _inbox_events(
-    entry_id: str, fields: dict[bytes, bytes], started: float
-) -> list[ws.StateMachineEvent | _Command | _Pushed]:
-    """Events from one inbox entry (``protocol.SCHEDULER_TO_WORKER``) of the worker
-    process ``started`` then; ProtocolError (or KeyError, ValueError from a field that is
-    not msgpack) when it is malformed."""
-    messages = codecs.unpack(fields[b"m"])
-    if not isinstance(messages, list):
-        raise ProtocolError("field 'm' is not a list of messages")
-    events: list[ws.StateMachineEvent | _Command | _Pushed] = []
-    for i, raw in enumerate(messages):
-        sid = f"{entry_id}/{i}"
-        msg = parse(raw, SCHEDULER_TO_WORKER)
-        if isinstance(msg, ComputeTask):
-            pushed = _pushed(msg, fields, sid) if msg.started == started else None
-            if pushed is not None:  # (not one for a process gone from this address)
-                events.append(pushed)
-        elif type(msg) in _INBOX_EVENTS:
-            events.append(_INBOX_EVENTS[type(msg)](msg, sid))
-        else:  # restart, retire, retire-aborted, close: for the driver
-            reason = msg.reason if isinstance(msg, CloseWorker | RetireAborted) else msg.op
-            events.append(_Command(msg.op, sid, reason))
-    return events
-
 
 # --------------------------------------------------------------------------- process
 
