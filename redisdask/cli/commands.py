@@ -166,8 +166,8 @@ def _bare_worker(
     lifetime: float | None,
 ) -> None:
     """``--no-nanny``: one worker in this process, until it is told to stop."""
-    from redisdask.workers.worker import main as worker_main
-    from redisdask.workers.worker import options_from_config
+    from redisdask.workers.process import main as worker_main
+    from redisdask.workers.process import options_from_config
 
     options = options_from_config(config)
     if config.worker.local_directory:

@@ -114,7 +114,7 @@ class LocalCluster:
         self.log_level = "INFO" if self.log_directory else silence_logs
         self.scheduler_process: subprocess.Popen[bytes] | None = None
         self.worker_processes: list[subprocess.Popen[bytes]] = []
-        self.thread_workers: list[Any] = []  # workers.worker.ThreadWorker
+        self.thread_workers: list[Any] = []  # workers.process.ThreadWorker
         self._logs: list[Any] = []
         self.dashboard_process: subprocess.Popen[bytes] | None = None
         self.dashboard_link: str | None = None
@@ -194,7 +194,7 @@ class LocalCluster:
         the cluster's ``resources`` or, given, these."""
         given = self.resources if resources is None else parse_resources(resources)
         if not self.use_processes:
-            from redisdask.workers.worker import ThreadWorker, options_from_config
+            from redisdask.workers.process import ThreadWorker, options_from_config
 
             options = {**options_from_config(load_config()), **self.worker_options}
             options["security"] = self.security
