@@ -31,20 +31,51 @@ def pending_ids(r: redis.Redis, keys: Keys) -> list[bytes]:
     ]
 
 
-def two_entries_read(redis_url: str, cluster_name: str) -> tuple[redis.Redis, Keys, Scheduler]:
-    """A leading scheduler that has read the entry of task x (a blocking read) and,
-    ahead, the entry of task y (the read sent behind nothing, as the loop does)."""
+def entries_read(
+    redis_url: str, cluster_name: str, *tasks: str, batch_size: int = 100
+) -> tuple[redis.Redis, Keys, Scheduler]:
+    """A leading scheduler that has read (a blocking read) the entries submitting
+    ``tasks``, ``batch_size`` at most."""
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cluster_name)
     ensure_cluster(r, keys)
-    scheduler = Scheduler(redis_url, cluster_name, batch_size=1, validate=True)
+    scheduler = Scheduler(redis_url, cluster_name, batch_size=batch_size, validate=True)
     scheduler.acquire_lease()
     scheduler.state = scheduler._load()
-    submit(r, keys, "x")
-    submit(r, keys, "y")
+    for key in tasks:
+        submit(r, keys, key)
     assert scheduler._read(pending=False, block_ms=100)
+    return r, keys, scheduler
+
+
+def two_entries_read(redis_url: str, cluster_name: str) -> tuple[redis.Redis, Keys, Scheduler]:
+    """A leading scheduler that has read the entry of task x (a blocking read) and,
+    ahead, the entry of task y (the read sent behind nothing, as the loop does)."""
+    r, keys, scheduler = entries_read(redis_url, cluster_name, "x", "y", batch_size=1)
     scheduler._send(None, read=True)
     return r, keys, scheduler
+
+
+def one_entry_read(redis_url: str, cluster_name: str) -> tuple[redis.Redis, Keys, Scheduler]:
+    """A leading scheduler that has read the entry of task x, and nothing more."""
+    return entries_read(redis_url, cluster_name, "x")
+
+
+def taken_over(redis_url: str, cluster_name: str, r: redis.Redis, keys: Keys) -> Scheduler:
+    """A standby that took the lease (the leader's ran out, or it died)."""
+    r.delete(keys.lease)
+    standby = Scheduler(redis_url, cluster_name, validate=True)
+    standby.acquire_lease()
+    return standby
+
+
+def applies_what_is_pending(r: redis.Redis, keys: Keys, leader: Scheduler) -> None:
+    """The new leader loads the state, re-reads the pending entries and applies them."""
+    leader.state = leader._load()
+    assert leader._read(pending=True, block_ms=100)
+    while leader.ahead:
+        leader.process(leader.ahead.popleft())
+    assert pending_ids(r, keys) == []
 
 
 def test_a_scheduler_killed_with_a_write_in_flight_and_the_next_read_done_loses_nothing(
@@ -60,9 +91,7 @@ def test_a_scheduler_killed_with_a_write_in_flight_and_the_next_read_done_loses_
     y_id = pending_ids(r, keys)
     assert len(y_id) == 1  # x acknowledged by the write that applied it; y read, pending
     old.pipe.connection.disconnect()  # killed: never collected, y never computed
-    r.delete(keys.lease)  # its lease ran out
-    new = Scheduler(redis_url, cluster_name, validate=True)
-    new.acquire_lease()
+    new = taken_over(redis_url, cluster_name, r, keys)
     new.state = new._load()
     assert set(new.state.tasks) == {"x"}
     assert new._read(pending=True, block_ms=100)
@@ -81,9 +110,7 @@ def test_a_fenced_write_in_flight_stops_the_scheduler_before_the_next_batch_is_w
     while batch y is computed on the state that assumed it; y's write is never sent, and
     both entries stay pending for the new leader."""
     r, keys, old = two_entries_read(redis_url, cluster_name)
-    r.delete(keys.lease)
-    standby = Scheduler(redis_url, cluster_name, validate=True)
-    standby.acquire_lease()
+    standby = taken_over(redis_url, cluster_name, r, keys)
     old.process(old.ahead.popleft(), ahead=True)  # x's write in flight, to be refused
     assert len(old.ahead) == 1
     with pytest.raises(FencedError):
@@ -91,12 +118,8 @@ def test_a_fenced_write_in_flight_stops_the_scheduler_before_the_next_batch_is_w
     assert not old.pipe.in_flight
     assert not r.exists(keys.task("x")) and not r.exists(keys.task("y"))
     assert len(pending_ids(r, keys)) == 2
-    standby.state = standby._load()
-    assert standby._read(pending=True, block_ms=100)
-    while standby.ahead:
-        standby.process(standby.ahead.popleft())
+    applies_what_is_pending(r, keys, standby)
     assert r.hget(keys.task("x"), "state") == r.hget(keys.task("y"), "state") == b"queued"
-    assert pending_ids(r, keys) == []
 
 
 def test_a_write_in_flight_that_fails_reloads_the_state_without_the_batch_after_it(
@@ -130,19 +153,6 @@ def test_a_refused_write_in_flight_is_written_again_before_the_next(
     scheduler._collect()
     assert r.hget(keys.task("x"), "state") == r.hget(keys.task("y"), "state") == b"queued"
     assert pending_ids(r, keys) == [] and set(scheduler.state.tasks) == {"x", "y"}
-
-
-def one_entry_read(redis_url: str, cluster_name: str) -> tuple[redis.Redis, Keys, Scheduler]:
-    """A leading scheduler that has read the entry of task x, and nothing more."""
-    r = redis.Redis.from_url(redis_url)
-    keys = Keys(cluster_name)
-    ensure_cluster(r, keys)
-    scheduler = Scheduler(redis_url, cluster_name, validate=True)
-    scheduler.acquire_lease()
-    scheduler.state = scheduler._load()
-    submit(r, keys, "x")
-    assert scheduler._read(pending=False, block_ms=100)
-    return r, keys, scheduler
 
 
 def blocked_reader(r: redis.Redis, scheduler: Scheduler) -> bool:
@@ -180,9 +190,7 @@ def test_a_write_fenced_while_the_read_behind_it_waits_stops_the_scheduler_losin
     waits: the write is refused (FENCED), the entry y the read delivered is not computed
     by the fenced scheduler, and the new leader applies x and y from the pending entries."""
     r, keys, old = one_entry_read(redis_url, cluster_name)
-    r.delete(keys.lease)
-    standby = Scheduler(redis_url, cluster_name, validate=True)
-    standby.acquire_lease()
+    standby = taken_over(redis_url, cluster_name, r, keys)
     old.process(old.ahead.popleft(), ahead=False, wait_ms=20_000)
     poll(lambda: blocked_reader(r, old), timeout=10)
     submit(r, keys, "y")
@@ -191,12 +199,8 @@ def test_a_write_fenced_while_the_read_behind_it_waits_stops_the_scheduler_losin
     assert not old.ahead and not old.pipe.in_flight
     assert not r.exists(keys.task("x")) and not r.exists(keys.task("y"))
     assert len(pending_ids(r, keys)) == 2  # both delivered to the old leader, neither acked
-    standby.state = standby._load()
-    assert standby._read(pending=True, block_ms=100)
-    while standby.ahead:
-        standby.process(standby.ahead.popleft())
+    applies_what_is_pending(r, keys, standby)
     assert r.hget(keys.task("x"), "state") == r.hget(keys.task("y"), "state") == b"queued"
-    assert pending_ids(r, keys) == []
 
 
 def test_a_fenced_write_is_said_though_the_read_behind_it_failed(
@@ -206,12 +210,30 @@ def test_a_fenced_write_is_said_though_the_read_behind_it_failed(
     too (here: its stream deleted while it waited, which Redis answers with an error):
     the scheduler learns that it was fenced, not only that a read failed."""
     r, keys, old = one_entry_read(redis_url, cluster_name)
-    r.delete(keys.lease)
-    standby = Scheduler(redis_url, cluster_name, validate=True)
-    standby.acquire_lease()
+    taken_over(redis_url, cluster_name, r, keys)
     old.process(old.ahead.popleft(), ahead=False, wait_ms=20_000)
     poll(lambda: blocked_reader(r, old), timeout=10)
     r.delete(keys.client_stream)
     with pytest.raises(FencedError):
         old._collect()
     assert not r.exists(keys.task("x"))
+
+
+def test_a_scheduler_killed_while_the_read_behind_its_write_waits_loses_nothing(
+    redis_url: str, cluster_name: str
+) -> None:
+    """x's write landed and the read behind it took y's entry when the scheduler dies
+    (never collected): y is pending, and the next leader applies y, and only y."""
+    r, keys, old = one_entry_read(redis_url, cluster_name)
+    old.process(old.ahead.popleft(), ahead=False, wait_ms=20_000)
+    poll(lambda: blocked_reader(r, old), timeout=10)
+    y_id = submit(r, keys, "y")
+    poll(lambda: pending_ids(r, keys) == [y_id], timeout=10)  # delivered to the dead one
+    assert r.hget(keys.task("x"), "state") == b"queued"
+    old.pipe.connection.disconnect()  # killed: y never computed
+    new = taken_over(redis_url, cluster_name, r, keys)
+    new.state = new._load()
+    assert set(new.state.tasks) == {"x"}
+    applies_what_is_pending(r, keys, new)
+    assert set(new.state.tasks) == {"x", "y"} and r.hget(keys.task("y"), "state") == b"queued"
+    assert r.xlen(keys.client_stream) == 0

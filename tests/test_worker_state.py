@@ -145,7 +145,7 @@ def test_dependencies_on_two_peers() -> None:
 
 def claims_handled(ws: WorkerState, sid: str = "claimed") -> ClaimsHandledEvent:
     """What the driver says once a claim's tasks are handled: the keys kept for it."""
-    return ClaimsHandledEvent(sorted(ts.key for ts in ws.lingering), sid)
+    return ClaimsHandledEvent(ws.lingering_keys(), sid)
 
 
 def test_a_fetched_dependency_is_kept_for_a_sibling_the_next_claim_brings() -> None:
@@ -1063,11 +1063,11 @@ class RandomDriver:
         if extra < 0.09:
             return RetireEvent(sid) if not ws.retiring else RetireAbortedEvent(sid)
         if extra < 0.11 and ws.lingering:  # a claim of a key kept for the next claim
-            key = sorted(ts.key for ts in ws.lingering)[0]
+            key = ws.lingering_keys()[0]
             deps = {d: (self.holders(), 3) for d in self.graph.setdefault(key, [])}
             return ComputeTaskEvent(key, b"spec", (rng.randint(0, 5), self.n), deps, sid)
         if rng.random() < 0.1:  # the driver handled a claim's tasks, or will not claim
-            kept = sorted(ts.key for ts in ws.lingering)  # (some kept after it was sent)
+            kept = ws.lingering_keys()  # (some kept after it was sent)
             return ClaimsHandledEvent([k for k in kept if rng.random() < 0.8], sid)
         if choice < 0.25:
             pool = [f"t{rng.randint(0, 30)}", f"d{rng.randint(0, 15)}"]

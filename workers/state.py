@@ -757,6 +757,10 @@ class WorkerState:
         sid = ev.stimulus_id
         self._emit(StolenKeys(self.address, ev.thief, stolen, scores, refused, stimulus_id=sid))
 
+    def lingering_keys(self) -> list[str]:
+        """The keys kept for the next claim, as ``ClaimsHandledEvent`` names them."""
+        return sorted(ts.key for ts in self.lingering)
+
     def _handle_claims_handled(self, ev: ClaimsHandledEvent) -> None:
         for key in ev.keys:
             ts = self.tasks.get(key)

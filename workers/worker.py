@@ -761,7 +761,7 @@ class Worker:
             starts = self.state.claim_budget(self.claim_horizon, now)
             if starts and self._may_have_work():
                 async with self._claim_lock:
-                    kept = sorted(ts.key for ts in self.state.lingering)  # (see ClaimsHandled)
+                    kept = self.state.lingering_keys()  # (see ClaimsHandledEvent)
                     try:
                         claimed, last_id, inbox, flags, claim = await self._claim(starts)
                     except redis.ResponseError as exc:
@@ -791,7 +791,7 @@ class Worker:
                     self._claimed_values.clear()  # (those not fetched were not needed)
                 continue
             if self.state.lingering:  # no claim now: nothing waits for those
-                kept = sorted(ts.key for ts in self.state.lingering)
+                kept = self.state.lingering_keys()
                 self.handle(ws.ClaimsHandledEvent(kept, f"no-claim-{now:.3f}"))
             self._wake.clear()
             # look again when a thread comes within the horizon of its end (claim its next
