@@ -204,5 +204,5 @@ def test_a_dead_worker_s_chained_links_wait_for_their_dependency_again():
 def test_work_stealing_leaves_a_chain_claimed_together_alone():
     s = make(W1, W2)
     chain_of_three(s)  # y and z processing on W1, z waiting there for y
-    assert not s._may_steal(s.tasks["z"], W2)  # waits on a run chained with it
-    assert not s._may_steal(s.tasks["y"], W2)  # z waits for it on W1
+    assert not s.stealing.may_steal(s.tasks["z"], W2)  # waits on a run chained with it
+    assert not s.stealing.may_steal(s.tasks["y"], W2)  # z waits for it on W1

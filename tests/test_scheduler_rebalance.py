@@ -268,7 +268,7 @@ def test_the_senders_copy_is_dropped_only_once_the_recipient_holds_the_key():
     ):
         out = s.handle_stimulus(event)
         assert not freed(out, W1) and s.tasks[key].who_has == {W1}
-    assert key in s.moving
+    assert key in s.moves.moving
     out = arrives(s, recipient, key)
     assert freed(out, W1) == {key}  # dropped now, in the batch that records the recipient
     assert s.tasks[key].who_has == {W2} and s.tasks[key] not in s.workers[W1].has_what
@@ -278,7 +278,7 @@ def test_the_senders_copy_is_dropped_only_once_the_recipient_holds_the_key():
     assert rec["done"] and rec["status"] == "done" and rec["moved"] == 1
     assert rec["move:" + key] is None  # its field goes
     assert {i.kind for i in out if isinstance(i, LogEvent)} == {"rebalanced"}
-    assert not s.moving and not s.rebalances
+    assert not s.moves.moving and not s.moves.rebalances
     assert held(s) == {W1: 100, W2: 100}
 
 
@@ -289,7 +289,7 @@ def test_an_add_keys_from_another_worker_does_not_end_the_move():
     key, recipient = next((k, w) for w, keys in sent.items() for k in keys)
     other = ({W2, W3} - {recipient}).pop()
     out = arrives(s, other, key)  # a copy there (say, replicate's): an extra holder
-    assert key in s.moving and not freed(out, W1) and W1 in s.tasks[key].who_has
+    assert key in s.moves.moving and not freed(out, W1) and W1 in s.tasks[key].who_has
 
 
 def test_a_recipient_that_dies_mid_move_leaves_the_data_with_its_sender():
@@ -304,7 +304,7 @@ def test_a_recipient_that_dies_mid_move_leaves_the_data_with_its_sender():
     assert not freed(out, W1)
     rec = record(out)
     assert rec["done"] and rec["failed"] == msgpack.packb([key]) and "moved" not in rec
-    assert not s.moving and not s.rebalances
+    assert not s.moves.moving and not s.moves.rebalances
 
 
 def test_a_new_process_at_the_recipients_address_is_not_the_recipient():
@@ -315,7 +315,7 @@ def test_a_new_process_at_the_recipients_address_is_not_the_recipient():
     # W2 died and a new process took its port before anyone noticed: it was asked nothing
     out = s.handle_stimulus(AddWorker(worker=W2, info={"started": 2.0}, stimulus_id="again"))
     out += s.handle_stimulus(AddWorker(worker=W2, info={"started": 3.0}, stimulus_id="new"))
-    assert not s.moving and record(out)["done"]
+    assert not s.moves.moving and record(out)["done"]
     assert s.tasks[key].who_has == {W1} and not freed(out, W1)
 
 
@@ -357,7 +357,7 @@ def test_a_sender_that_dies_mid_move_loses_only_what_it_alone_held():
         RemoveWorker(worker=W1, how="connection", reason="killed", stimulus_id="rm")
     )
     assert freed(out, W2) == {key}  # the copy it was fetching has nowhere to come from
-    assert record(out)["done"] and not s.moving
+    assert record(out)["done"] and not s.moves.moving
     assert s.tasks[key].state in ("queued", "waiting")  # lost with W1: recomputed
 
 
@@ -368,7 +368,7 @@ def test_a_key_released_mid_move_is_dropped_by_its_recipient_too():
     [key] = keys
     out = s.handle_stimulus(ClientReleasesKeys(client="c", keys=[key], stimulus_id="rel"))
     assert freed(out, W2) == {key} and freed(out, W1) == {key}
-    assert record(out)["done"] and not s.moving
+    assert record(out)["done"] and not s.moves.moving
     out = arrives(s, recipient, key)  # its late answer records nothing
     assert key not in s.tasks and not freed(out, W1)
 
@@ -378,9 +378,9 @@ def test_a_recipient_that_starts_retiring_mid_move_gets_nothing():
     scatter(s, W1, {f"k{i}": 100 for i in range(6)})
     sent = asks(rebalance(s))
     out = s.handle_stimulus(RetireWorkers(client="c", workers=[W2], stimulus_id="ret"))
-    assert all(k not in s.moving for k in sent[W2])  # abandoned: W1 keeps those
+    assert all(k not in s.moves.moving for k in sent[W2])  # abandoned: W1 keeps those
     assert all(s.tasks[k].who_has == {W1} for k in sent[W2])
-    assert all(k in s.moving for k in sent[W3])
+    assert all(k in s.moves.moving for k in sent[W3])
     assert not freed(out, W1) and freed(out, W2) == set(sent[W2])  # W2 drops its fetches
 
 
@@ -418,7 +418,7 @@ def test_keys_not_in_memory_move_nothing_and_are_named():
     s = make(W1, W2)
     scatter(s, W1, {"a": 100, "b": 100})
     out = rebalance(s, keys=["a", "gone"])
-    assert not asks(out) and not s.moving
+    assert not asks(out) and not s.moves.moving
     rec = record(out)
     assert rec["done"] and msgpack.unpackb(rec["failed"]) == ["gone"] and rec["moves"] == 0
 
@@ -450,7 +450,7 @@ def test_a_second_rebalance_leaves_the_moves_in_flight_alone():
     first = asks(rebalance(s, "r1"))
     out = rebalance(s, "r2")
     assert not asks(out) and record(out, "r2")["done"]  # what is on its way counts
-    assert sum(len(k) for k in first.values()) == len(s.moving) == 4
+    assert sum(len(k) for k in first.values()) == len(s.moves.moving) == 4
 
 
 def test_a_restart_ends_every_rebalance():
@@ -458,7 +458,7 @@ def test_a_restart_ends_every_rebalance():
     scatter(s, W1, {"a": 100, "b": 100})
     rebalance(s)
     out = s.handle_stimulus(Restart(client="c", stimulus_id="restart"))
-    assert record(out)["done"] and not s.moving and not s.rebalances
+    assert record(out)["done"] and not s.moves.moving and not s.moves.rebalances
 
 
 def test_a_reloaded_rebalance_is_finished_by_the_new_scheduler():
@@ -467,14 +467,14 @@ def test_a_reloaded_rebalance_is_finished_by_the_new_scheduler():
     task that is gone ends as failed at the first batch."""
     s = make(W1, W2)
     scatter(s, W1, {"a": 100, "b": 100})
-    s.restore_rebalance(
+    s.moves.restore_rebalance(
         "r9",
         RebalanceRecord(
             client="c", status="running", moves=2, pending={"a": (W1, W2), "zz": (W1, W2)}
         ),
     )
     out = s.handle_stimulus(Holding(worker=W1, keys=[], stimulus_id="first"))
-    assert msgpack.unpackb(record(out, "r9")["failed"]) == ["zz"] and "a" in s.moving
+    assert msgpack.unpackb(record(out, "r9")["failed"]) == ["zz"] and "a" in s.moves.moving
     out = arrives(s, W2, "a")
     assert freed(out, W1) == {"a"} and record(out, "r9")["done"]
     assert s.tasks["a"].who_has == {W2}
@@ -488,7 +488,7 @@ def test_the_record_is_written_as_hash_fields_coalesced_per_batch():
     [hset] = [c for c in cmds if c[:2] == ["HSET", k.rebalance("r1")]]
     assert {"client", "status", "moves", "moved", "failed"} <= set(hset[2::2])
     assert ["SADD", k.rebalances, "r1"] in cmds
-    keys = sorted(s.moving)
+    keys = sorted(s.moves.moving)
     cmds = Translator(k).to_commands(arrives(s, W2, *keys))
     [hdel] = [c for c in cmds if c[0] == "HDEL"]
     assert sorted(hdel[2:]) == sorted("move:" + key for key in keys)

@@ -135,10 +135,10 @@ def carried(state: SchedulerState) -> dict[str, Any]:
             for a, ws in state.workers.items()
         },
         "clients": {c: keys(wanted) for c, wanted in state.clients.items()},
-        "moving": {k: (m.sender, m.recipient, m.request) for k, m in state.moving.items()},
+        "moving": {k: (m.sender, m.recipient, m.request) for k, m in state.moves.moving.items()},
         "rebalances": {
             name: (r.client, r.planned, r.moved, r.failed, sorted(r.pending))
-            for name, r in state.rebalances.items()
+            for name, r in state.moves.rebalances.items()
         },
         "durations": {"averages": state.durations.averages},
     }
@@ -409,16 +409,16 @@ class Run:
 
     def move_arrives(self) -> None:
         """A recipient of a rebalance holds the copy it was asked for."""
-        key = self.pick(self.state.moving)
+        key = self.pick(self.state.moves.moving)
         if key is not None:
-            worker, nbytes = self.state.moving[key].recipient, self.state.tasks[key].nbytes
+            worker, nbytes = self.state.moves.moving[key].recipient, self.state.tasks[key].nbytes
             self.apply(self.ev(AddKeys, worker=worker, keys=[key], nbytes={key: nbytes}))
 
     def move_fails(self) -> None:
         """A recipient of a rebalance could not fetch from its sender."""
-        key = self.pick(self.state.moving)
+        key = self.pick(self.state.moves.moving)
         if key is not None:
-            move = self.state.moving[key]
+            move = self.state.moves.moving[key]
             self.apply(
                 self.ev(MissingData, worker=move.recipient, keys=[key], errant_worker=move.sender)
             )

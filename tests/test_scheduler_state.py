@@ -2145,7 +2145,7 @@ def test_an_illegal_transition_raises_with_the_story_of_its_key():
     ]
     assert s.stories("x") == story
     with pytest.raises(InvalidTransition) as info:
-        s._transition(s.tasks["x"], "processing", worker=s.workers[W1], stimulus_id="bad")
+        s.transition(s.tasks["x"], "processing", worker=s.workers[W1], stimulus_id="bad")
     err = info.value
     assert (err.key, err.start, err.finish, err.stimulus_id) == ("x", "memory", "processing", "bad")
     assert err.story == story

@@ -106,7 +106,7 @@ def test_a_key_is_asked_for_once_until_answered_or_timed_out():
     s.handle_stimulus(TaskFinished(worker=V, key="a", nbytes=1, stimulus_id="w:3"))
     s.handle_stimulus(TaskFinished(worker=V, key="b", nbytes=1, stimulus_id="w:4"))
     tick(s, 201.0)
-    assert not s.steals  # (forgotten once it left the victim)
+    assert not s.stealing.steals  # (forgotten once it left the victim)
 
 
 def test_the_victims_answer_queues_the_task_for_the_thief_which_claims_it():
@@ -119,7 +119,7 @@ def test_the_victims_answer_queues_the_task_for_the_thief_which_claims_it():
     )
     ts = s.tasks["c"]
     assert ts.state == "queued" and ts.queued_on == (T,)
-    assert ts not in s.workers[V].processing and not s.steals
+    assert ts not in s.workers[V].processing and not s.stealing.steals
     assert [(u.worker, u.key) for u in out if isinstance(u, Unclaim)] == [(V, "c")]
     [enqueue] = [i for i in out if isinstance(i, Enqueue)]
     assert (enqueue.workers, enqueue.preferred) == ((T,), True)  # others take it if T is busy

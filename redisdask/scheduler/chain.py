@@ -22,16 +22,19 @@ wrote.  A chained claim is recorded and announced in one atomic step like any cl
 a scheduler killed at any point reloads it from Redis (``processing`` there) and reads
 its entry again: nothing runs twice, nothing is lost.
 
-A mixin of ``SchedulerState`` (pure: events in, instructions out), kept apart so that the
-state machine's own module stays readable; it declares the attributes it uses.
+``Chains`` is a part of ``SchedulerState`` (``state.chains``, pure: events in,
+instructions out) with no state of its own: the chains are the tasks' (``TaskState.chain``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from redisdask.scheduler.instructions import ClaimAccepted, MarkChain, SetState, Unclaim
-from redisdask.scheduler.tasks import TaskState, WorkerInfo, other_run, worker_stream_position
+from redisdask.scheduler.instructions import MarkChain, SetState, Unclaim
+from redisdask.scheduler.tasks import TaskState, WorkerInfo, other_run
+
+if TYPE_CHECKING:
+    from redisdask.scheduler.transitions import TransitionEngine
 
 # dependents named in one task's chain at most (a fan-out needs no more: the first ones
 # follow on its worker, the others are queued as usual when the scheduler reads the result)
@@ -39,28 +42,29 @@ CHAIN_MAX = 4
 
 
 class Chains:
-    """``SchedulerState``'s marking and acceptance of chained claims (see the module
-    docstring); the attributes below are the machine's."""
+    """The state machine's marking and acceptance of chained claims (see the module
+    docstring)."""
 
-    tasks: dict[str, TaskState]
-    workers: dict[str, WorkerInfo]
+    def __init__(self, machine: TransitionEngine) -> None:
+        self.machine = machine
 
-    def _mark_chain(self, ts: TaskState, *, stimulus_id: str) -> None:
+    def mark(self, ts: TaskState, *, stimulus_id: str) -> None:
         """``ts`` now waits: if on one task alone, and it may run anywhere, name it in
         that task's chain, so the worker that finishes it may claim ``ts`` at once."""
         if len(ts.waiting_on) != 1 or ts.restrict or ts.resources:
             return
+        m = self.machine
         (dep,) = ts.waiting_on
         if ts.key in dep.chain:
             return
         # (the dependents that no longer wait make room: a task run again, a fan-out)
-        live = [k for k in dep.chain if getattr(self.tasks.get(k), "state", "") == "waiting"]
+        live = [k for k in dep.chain if getattr(m.tasks.get(k), "state", "") == "waiting"]
         if len(live) >= CHAIN_MAX:
             return
         dep.chain = (*live, ts.key)
-        self._emit(MarkChain(stimulus_id, dep.key, list(dep.chain)))  # type: ignore[attr-defined]
+        m.emit(MarkChain(stimulus_id, dep.key, list(dep.chain)))
 
-    def _may_chain(self, ts: TaskState, ws: WorkerInfo) -> bool:
+    def may_chain(self, ts: TaskState, ws: WorkerInfo) -> bool:
         """Whether ``ws`` may take waiting ``ts`` on the results it is about to report:
         every dependency ``ts`` waits on is processing there."""
         return (
@@ -72,57 +76,47 @@ class Chains:
             )
         )
 
-    def _chained_claim(self, key: str, score: Any, worker: str, *, stimulus_id: str) -> None:
+    def claimed(self, key: str, score: Any, worker: str, *, stimulus_id: str) -> None:
         """One key of a chained claim (``TaskClaimed.chained``) by ``worker``: accepted,
         already known (state reloaded after it), or taken back, with the task's own state
         written over the script's ``processing``."""
-        ts = self.tasks.get(key)
-        ws = self.workers.get(worker)
+        m = self.machine
+        ts = m.tasks.get(key)
+        ws = m.workers.get(worker)
         if ts is not None and ws is not None and not other_run(score, ts):
             if ts.state == "processing" and ts.processing_on == worker:
                 ts.claimed_before = ws.holding_reports  # reloaded after the claim
                 return
-            if self._may_chain(ts, ws):
-                self._transition(ts, "processing", worker=ws, stimulus_id=stimulus_id)  # type: ignore[attr-defined]
+            if self.may_chain(ts, ws):
+                m.transition(ts, "processing", worker=ws, stimulus_id=stimulus_id)
                 return
-        self._emit(Unclaim(stimulus_id, worker, key))  # type: ignore[attr-defined]
+        m.emit(Unclaim(stimulus_id, worker, key))
         if ts is None:
             return  # forgotten: the scheduler's DEL of its record wins
         if not other_run(score, ts):
-            self._free(worker, key, stimulus_id=stimulus_id)  # type: ignore[attr-defined]
+            m.free(worker, key, stimulus_id=stimulus_id)
         else:  # (only that run's copy: the worker may have the current one by then)
-            self._free(worker, key, stimulus_id=stimulus_id, run=float(score))  # type: ignore[attr-defined]
+            m.free(worker, key, stimulus_id=stimulus_id, run=float(score))
         if ts.state == "processing":
             fields = {"worker": ts.processing_on or ""}
-            self._emit(SetState(stimulus_id, key, "processing", fields))  # type: ignore[attr-defined]
+            m.emit(SetState(stimulus_id, key, "processing", fields))
             return
-        self._emit(SetState(stimulus_id, key, ts.state))  # type: ignore[attr-defined]
+        m.emit(SetState(stimulus_id, key, ts.state))
         if ts.state == "queued":  # back into its ready sets (the claim took it out of none)
-            self._enqueue(ts, stimulus_id=stimulus_id)  # type: ignore[attr-defined]
+            m.enqueue(ts, stimulus_id=stimulus_id)
 
-    def _unchain(self, ts: TaskState, *, stimulus_id: str) -> None:
+    def unchain(self, ts: TaskState, *, stimulus_id: str) -> None:
         """``ts`` left ``processing`` for another state than ``memory``: its result will not
         come from where it was claimed.  The dependents chained on it (claimed by
         ``FINISH`` on its worker, waiting there for it) are taken back to ``waiting``, and
         err with it if it erred; theirs follow them (this runs for each move)."""
+        m = self.machine
         for d in sorted(ts.dependents, key=lambda t: t.score):
             if d.state != "processing" or ts not in d.waiting_on:
                 continue
-            if d.processing_on not in self.workers:  # removed: nobody to tell
+            if d.processing_on not in m.workers:  # removed: nobody to tell
                 d.processing_on = None
-            self._transition(d, "waiting", stimulus_id=stimulus_id)  # type: ignore[attr-defined]
+            m.transition(d, "waiting", stimulus_id=stimulus_id)
             if ts.state == "erred" and d.state == "waiting":
-                self._inherit_error(d, ts)  # type: ignore[attr-defined]
-                self._transition(d, "erred", stimulus_id=stimulus_id)  # type: ignore[attr-defined]
-
-    def _transition_waiting_processing(
-        self, ts: TaskState, worker: WorkerInfo, *, stimulus_id: str
-    ) -> None:
-        """A chained claim: ``ts`` runs on ``worker`` after the results it waits on, which
-        the same entry reports next (``waiting_on`` empties as they are read)."""
-        self._set_state(ts, "processing", stimulus_id=stimulus_id)  # type: ignore[attr-defined]
-        ts.claimed_before, ts.unlisted = worker.holding_reports, 0
-        ts.claimed_at = worker_stream_position(stimulus_id)
-        ts.processing_on = worker.address
-        worker.processing.add(ts)  # (the FINISH script wrote it)
-        self._emit(ClaimAccepted(stimulus_id, ts.key, worker.address))  # type: ignore[attr-defined]
+                m.inherit_error(d, ts)
+                m.transition(d, "erred", stimulus_id=stimulus_id)

@@ -1,8 +1,7 @@
 """The copies and moves of results that clients ask for: ``replicate`` (keep ``n`` copies
 of a key) and ``rebalance`` (even out the bytes the workers hold).  ``DataMoves`` is a
-mixin of ``SchedulerState`` (pure: events in, instructions out), kept apart so that the
-state machine's own module stays readable; it declares the attributes it uses and no
-stub of the machine's methods (``_emit``, ``_free``, ``_memory_fields``).
+part of ``SchedulerState`` (``state.moves``, pure: events in, instructions out) that owns
+the moves and rebalances under way.
 
 **Rebalancing**, as distributed's ``Scheduler.rebalance``:
 
@@ -54,6 +53,7 @@ from redisdask.store.codecs import MOVE_FIELD, RebalanceRecord
 
 if TYPE_CHECKING:
     from redisdask.scheduler.tasks import TaskState, WorkerInfo
+    from redisdask.scheduler.transitions import TransitionEngine
 
 
 @dataclass(slots=True, eq=False)
@@ -164,65 +164,62 @@ def find_moves(
 
 
 class DataMoves:
-    """``SchedulerState``'s handling of ``replicate`` and ``rebalance`` (see the module
-    docstring); the attributes below are the machine's."""
+    """The state machine's handling of ``replicate`` and ``rebalance`` (see the module
+    docstring)."""
 
-    tasks: dict[str, TaskState]
-    workers: dict[str, WorkerInfo]
-    _holders_changed: bool  # something a retirement or a rebalance waits for happened
-    rebalance_limits: RebalanceConfig
-    moving: dict[str, Move]  # task key -> its move in flight
-    rebalances: dict[str, RebalanceRequest]  # request -> the rebalance under way
-    _arrived: set[str]  # keys being moved that got a new holder since the last settling
-    _workers_seen: frozenset[tuple[str, int, bool]] | None  # as the last settling saw them
+    def __init__(self, machine: TransitionEngine, limits: RebalanceConfig | None) -> None:
+        self.machine = machine
+        self.limits = limits or RebalanceConfig()
+        self.moving: dict[str, Move] = {}  # task key -> its move in flight
+        self.rebalances: dict[str, RebalanceRequest] = {}  # request -> the rebalance under way
+        # keys being moved that got a new holder since the last settling
+        self._arrived: set[str] = set()
+        # the workers as the last settling saw them
+        self._workers_seen: frozenset[tuple[str, int, bool]] | None = None
 
-    def _init_moves(self, limits: RebalanceConfig | None) -> None:
-        self.rebalance_limits = limits or RebalanceConfig()
-        self.moving = {}
-        self.rebalances = {}
-        self._arrived = set()
-        self._workers_seen = None
-
-    def _new_holder(self, ts: TaskState) -> None:
+    def new_holder(self, ts: TaskState) -> None:
         """``ts`` has a new holder: if it is being moved, the move may be over."""
         if ts.key in self.moving:
             self._arrived.add(ts.key)
-            self._holders_changed = True
+            self.machine.holders_changed = True
 
     # ------------------------------------------------------------------ replicate
 
-    def _handle_replicate(self, ev: Replicate) -> None:
+    def handle_replicate(self, ev: Replicate) -> None:
+        m = self.machine
         for key in ev.keys:
-            ts = self.tasks.get(key)
+            ts = m.tasks.get(key)
             if ts is None or ts.state != "memory":
                 continue
             ts.replicas = max(1, int(ev.n))
-            self._emit(SetState(ev.stimulus_id, key, "memory", {"replicas": ts.replicas}))
+            m.emit(SetState(ev.stimulus_id, key, "memory", {"replicas": ts.replicas}))
             self._drop_surplus(ts, stimulus_id=ev.stimulus_id)
-            self._ensure_replicas(ts, stimulus_id=ev.stimulus_id)
+            self.ensure_replicas(ts, stimulus_id=ev.stimulus_id)
 
     def _drop_surplus(self, ts: TaskState, *, stimulus_id: str) -> None:
         """Fewer copies asked for than there are: the most loaded holders drop theirs (as
         distributed's ``replicate`` deletes the extra ones).  A key being moved keeps its
         copies until the move ends (the move drops the sender's)."""
+        m = self.machine
         surplus = len(ts.who_has) - ts.replicas
         if surplus <= 0 or ts.key in self.moving:
             return
-        load = {a: len(ws.has_what) for a, ws in self.workers.items()}
+        load = {a: len(ws.has_what) for a, ws in m.workers.items()}
         for address in sorted(ts.who_has, key=lambda a: (-load.get(a, 0), a))[:surplus]:
             self._drop_copy(ts, address, stimulus_id=stimulus_id)
 
-    def _ensure_replicas(self, ts: TaskState, *, stimulus_id: str) -> None:
+    def ensure_replicas(self, ts: TaskState, *, stimulus_id: str) -> None:
         """Ask workers without a copy to fetch one, until ``ts.replicas`` are (or will be)
         held; the least loaded workers first."""
-        ts.replicating &= set(self.workers)
+        m = self.machine
+        ts.replicating &= set(m.workers)
         missing = ts.replicas - len(ts.who_has) - len(ts.replicating)
         if missing <= 0 or not (ts.who_has or ts.inline):
             return
         candidates = sorted(
             (
                 ws
-                for a, ws in self.workers.items()
+                for a, ws in m.workers.items()
                 if a not in ts.who_has and a not in ts.replicating and not ws.retiring
             ),
             key=lambda ws: (len(ws.has_what), ws.address),
@@ -230,24 +227,23 @@ class DataMoves:
         for ws in candidates[:missing]:
             ts.replicating = added(ts.replicating, ws.address)
             who_has = {ts.key: ts.holders()}
-            self._emit(WorkerMsg(stimulus_id, ws.address, AcquireReplicas(who_has)))
+            m.emit(WorkerMsg(stimulus_id, ws.address, AcquireReplicas(who_has)))
 
     # ------------------------------------------------------------------ rebalance
 
-    def _handle_rebalance(self, ev: Rebalance) -> None:
+    def handle_rebalance(self, ev: Rebalance) -> None:
+        m = self.machine
         sid = ev.stimulus_id
         if ev.request in self.rebalances:
             return  # (the same request twice: the first one is under way)
         keys = None if ev.keys is None else set(ev.keys)
-        missing = sorted(
-            k for k in keys or () if k not in self.tasks or self.tasks[k].state != "memory"
-        )
+        missing = sorted(k for k in keys or () if k not in m.tasks or m.tasks[k].state != "memory")
         plan: list[tuple[WorkerInfo, WorkerInfo, TaskState]] = []
         if not missing:  # (as in distributed: a key not in memory, and nothing moves)
             allowed = None if ev.workers is None else set(ev.workers)
             workers = [
                 ws
-                for a, ws in sorted(self.workers.items())
+                for a, ws in sorted(m.workers.items())
                 if not ws.retiring and (allowed is None or a in allowed)
             ]
 
@@ -255,7 +251,7 @@ class DataMoves:
                 in_memory = ts.state == "memory" and ts.key not in self.moving
                 return in_memory and (keys is None or ts.key in keys)
 
-            plan = find_moves(workers, self.rebalance_limits, movable, self._bytes_in_flight())
+            plan = find_moves(workers, self.limits, movable, self._bytes_in_flight())
         fields: dict[str, Any] = {
             "client": ev.client,
             "status": "running" if plan else "done",
@@ -272,16 +268,16 @@ class DataMoves:
             asks.setdefault(rec.address, {})[ts.key] = [snd.address]
         if plan:
             self.rebalances[ev.request] = request
-        self._emit(RecordRebalance(sid, ev.request, fields, done=not plan))
+        m.emit(RecordRebalance(sid, ev.request, fields, done=not plan))
         for recipient, who_has in asks.items():
-            self._emit(WorkerMsg(sid, recipient, AcquireReplicas(who_has)))
+            m.emit(WorkerMsg(sid, recipient, AcquireReplicas(who_has)))
         logged = {"client": ev.client, "request": ev.request, "moves": len(plan),
                   "bytes": sum(ts.nbytes for _, _, ts in plan),
                   "senders": len({s.address for s, _, _ in plan}),
                   "recipients": len({r.address for _, r, _ in plan})}  # fmt: skip
         if missing:
             logged["missing"] = missing[:20]
-        self._emit(LogEvent(sid, "rebalance", logged))
+        m.emit(LogEvent(sid, "rebalance", logged))
 
     def _bytes_in_flight(self) -> dict[str, int]:
         """Bytes on their way per worker (negative: leaving it), for a second rebalance."""
@@ -291,20 +287,21 @@ class DataMoves:
             flight[move.recipient] = flight.get(move.recipient, 0) + move.ts.nbytes
         return flight
 
-    def _settle_moves(self, *, stimulus_id: str) -> None:
+    def settle(self, *, stimulus_id: str) -> None:
         """End the moves that can end: drop the sender's copy of each key its recipient
         is now a recorded holder of; abandon those whose key left memory or whose
         recipient left, was replaced or retires (the sender keeps its copy).  Runs after
         a batch in which holders changed (a copy arrived, a worker came or went...): it
         looks at the keys that got a holder, and at every move only when the workers
         changed (so a batch costs what it changed, not every move in flight)."""
+        m = self.machine
         for name, request in list(self.rebalances.items()):
             if request.stale or not request.pending:  # (as reloaded)
                 request.failed += request.stale
                 drop, request.stale = [MOVE_FIELD + k for k in request.stale], []
                 fields = {"failed": codecs.pack(request.failed)}
                 self._record(name, request, fields, drop, stimulus_id=stimulus_id)
-        seen = frozenset((a, id(ws), ws.retiring) for a, ws in self.workers.items())
+        seen = frozenset((a, id(ws), ws.retiring) for a, ws in m.workers.items())
         if seen != self._workers_seen:  # (a Move keeps its recipient: ids stay unique)
             self._workers_seen, keys = seen, list(self.moving)
         else:
@@ -315,11 +312,11 @@ class DataMoves:
             if move is None:
                 continue
             ts = move.ts
-            recipient = self.workers.get(move.recipient)
-            gone = self.tasks.get(ts.key) is not ts or ts.state != "memory"
+            recipient = m.workers.get(move.recipient)
+            gone = m.tasks.get(ts.key) is not ts or ts.state != "memory"
             if gone or recipient is None or recipient is not move.to or recipient.retiring:
                 if not gone and recipient is not None and move.recipient not in ts.who_has:
-                    self._free(move.recipient, key, stimulus_id=stimulus_id)  # (its fetch)
+                    m.free(move.recipient, key, stimulus_id=stimulus_id)  # (its fetch)
                 self._end_move(move, moved=False, stimulus_id=stimulus_id)
             elif move.recipient in ts.who_has:
                 # (never below the copies replicate asked for)
@@ -329,34 +326,37 @@ class DataMoves:
 
     def _drop_copy(self, ts: TaskState, worker: str, *, stimulus_id: str) -> None:
         """``worker`` holds ``ts`` no more (another holder has it): record it, tell it."""
+        m = self.machine
         ts.who_has.discard(worker)
-        ws = self.workers.get(worker)
+        ws = m.workers.get(worker)
         if ws is not None:
             ws.has_what.discard(ts)
-        self._emit(SetState(stimulus_id, ts.key, "memory", self._memory_fields(ts)))
-        self._free(worker, ts.key, stimulus_id=stimulus_id)
+        m.emit(SetState(stimulus_id, ts.key, "memory", m.memory_fields(ts)))
+        m.free(worker, ts.key, stimulus_id=stimulus_id)
 
-    def _cancel_move(self, ts: TaskState, *, stimulus_id: str) -> None:
+    def cancel(self, ts: TaskState, *, stimulus_id: str) -> None:
         """``ts`` leaves memory (released, or its last copy lost): its move is abandoned,
         and its recipient drops the copy it may be fetching."""
+        m = self.machine
         move = self.moving.get(ts.key)
         if move is None or move.ts is not ts:
             return
-        if move.recipient in self.workers and move.recipient not in ts.who_has:
-            self._free(move.recipient, ts.key, stimulus_id=stimulus_id)
+        if move.recipient in m.workers and move.recipient not in ts.who_has:
+            m.free(move.recipient, ts.key, stimulus_id=stimulus_id)
         self._end_move(move, moved=False, stimulus_id=stimulus_id)
 
-    def _move_failed(self, ts: TaskState, worker: str, errant: str, *, stimulus_id: str) -> bool:
+    def move_failed(self, ts: TaskState, worker: str, errant: str, *, stimulus_id: str) -> bool:
         """``worker`` could not fetch ``ts`` from ``errant``: if that was a move's
         recipient failing to fetch from its sender (registered still), the move is
         abandoned, the recipient drops the fetch, and the sender is trusted to keep its
         copy (True); a failed fetch proves no loss, and a move must lose nothing."""
+        m = self.machine
         move = self.moving.get(ts.key)
         if move is None or move.ts is not ts or (move.recipient, move.sender) != (worker, errant):
             return False
-        if errant not in self.workers:
+        if errant not in m.workers:
             return False  # gone: its removal said what it took with it
-        self._free(worker, ts.key, stimulus_id=stimulus_id)
+        m.free(worker, ts.key, stimulus_id=stimulus_id)
         self._end_move(move, moved=False, stimulus_id=stimulus_id)
         return True
 
@@ -386,15 +386,16 @@ class DataMoves:
         stimulus_id: str,
     ) -> None:
         """Write a rebalance's progress; once nothing of it is in flight, it is done."""
+        m = self.machine
         done = not request.pending and not request.stale
         if done:
             fields["status"] = "done"
             del self.rebalances[name]
             summary = {"request": name, "moved": request.moved, "failed": len(request.failed)}
-            self._emit(LogEvent(stimulus_id, "rebalanced", summary))
-        self._emit(RecordRebalance(stimulus_id, name, fields, drop, done=done))
+            m.emit(LogEvent(stimulus_id, "rebalanced", summary))
+        m.emit(RecordRebalance(stimulus_id, name, fields, drop, done=done))
 
-    def _forget_moves(self, *, stimulus_id: str) -> None:
+    def forget(self, *, stimulus_id: str) -> None:
         """The cluster restarted (every task is gone): every rebalance ends, unmoved."""
         for move in list(self.moving.values()):
             self._end_move(move, moved=False, stimulus_id=stimulus_id)
@@ -402,22 +403,24 @@ class DataMoves:
     def restore_rebalance(self, request: str, record: RebalanceRecord) -> None:
         """A rebalance under way as Redis recorded it (``load_state``); what the moves
         wait for is looked at again after the first batch."""
+        m = self.machine
         restored = RebalanceRequest(record.client, record.moves, record.moved, record.failed)
         for key, (sender, recipient) in sorted(record.pending.items()):
-            ts = self.tasks.get(key)
+            ts = m.tasks.get(key)
             if ts is None or key in self.moving:  # (only if Redis lost writes)
                 restored.stale.append(key)
             else:
-                self.moving[key] = Move(ts, sender, recipient, request, self.workers.get(recipient))
+                self.moving[key] = Move(ts, sender, recipient, request, m.workers.get(recipient))
                 restored.pending.add(key)
         self.rebalances[request] = restored
-        self._holders_changed = True
+        self.machine.holders_changed = True
         self._workers_seen = None  # the first settling looks at every move
 
-    def _validate_moves(self) -> None:
+    def validate(self) -> None:
+        m = self.machine
         for key, move in self.moving.items():
             # a key leaving memory ends its move in the same batch
-            assert self.tasks.get(key) is move.ts and move.ts.state == "memory", (key, move)
+            assert m.tasks.get(key) is move.ts and move.ts.state == "memory", (key, move)
             assert key in self.rebalances[move.request].pending, (key, move.request)
         for request, r in self.rebalances.items():
             assert r.pending and not r.stale, request  # one with nothing in flight is over

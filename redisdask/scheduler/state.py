@@ -6,34 +6,9 @@ claims and completions, ...) to an in-memory model of every task and returns ins
 turns them into one atomic, fenced Redis write together with the acknowledgement of the
 batch that caused them.
 
-Task states::
-
-                 +---------------- erred <------------+-------------+
-                 |                   ^                |             |
-    released -> waiting ------> queued ------> processing ------> memory
-        ^  \\                    (in Redis        (claimed by one
-        |   `------------------> ready zset)      worker)
-        |
-     forgotten  (released, nobody wants it, no dependent left: its history is deleted)
-
-* ``waiting``: some dependency is not in memory yet.
-* ``queued``: every dependency is in memory; the key sits in the Redis ready set where
-  workers claim it.  The scheduler never pushes: workers pull.
-* ``processing``: a worker claimed it (the claim script told us which).
-* ``memory``: a worker holds the result; ``who_has`` lists the holders.
-* ``erred``: the function raised (after ``retries``), a dependency erred, or the scheduler
-  refused to run it (its graph had a cycle).
-* ``released``: nobody needs the result now, but a dependent may still need the task's
-  graph history to recompute it, so the task (and its spec in Redis) is kept.
-* ``no-worker``: ready, but restricted (``workers=``) to workers none of which is alive,
-  or needing resources no live worker has (``redisdask.placement``); queued as soon as one
-  that may run it joins.  A restriction entry names a worker by its address, its name, or
-  its host (of its address, or the hostname it reported), as in Dask.  A queued task sits
-  in the own ready set of every live worker it may run on (its ``constrained`` set, for a
-  task with resources), including one that joins while it waits.
-
-Priorities: user ``priority=`` first (higher runs first), then submission order.  They
-become the score of the Redis ready set, which a worker pops smallest-first.
+What each event does is here (a handler per event type, ``_HANDLERS``); the tasks'
+states, the moves between them and the model they change are in
+``scheduler/transitions.py`` (``TransitionEngine``, which ``SchedulerState`` extends).
 
 Written in the idiom both state machines share (``redisdask.state_machine``): handlers
 chosen by event type (``_HANDLERS``), the legal moves in one table (``_TRANSITIONS``),
@@ -42,13 +17,9 @@ chosen by event type (``_HANDLERS``), the legal moves in one table (``_TRANSITIO
 
 from __future__ import annotations
 
-import logging
-from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
-from redisdask.durations import Durations
-from redisdask.placement import Placement
 from redisdask.protocol import (
     NO_SCORE,
     AcquireReplicas,
@@ -62,11 +33,9 @@ from redisdask.protocol import (
     ClientsTold,
     CloseClient,
     CloseWorker,
-    ComputeTask,
     FreeKeys,
     Holding,
     KeyErred,
-    KeyInMemory,
     KeysRecorded,
     MissingData,
     Rebalance,
@@ -82,6 +51,7 @@ from redisdask.protocol import (
     RetireWorkers,
     RetryKeys,
     Stimulus,
+    StolenKeys,
     TaskClaimed,
     TaskErred,
     TaskFinished,
@@ -90,20 +60,15 @@ from redisdask.protocol import (
     UpdateGraph,
     WhoHas,
 )
-from redisdask.scheduler.chain import Chains
 from redisdask.scheduler.cycles import cycle_text, find_cycles
-from redisdask.scheduler.decide import decide_worker, sticky
 from redisdask.scheduler.instructions import (
-    ClaimAccepted,
     ClientMsg,
     Dequeue,
     Enqueue,
-    Forget,
     ForgetClient,
     ForgetWorker,
     Instruction,
     LogEvent,
-    Push,
     RecordDeath,
     ResetCluster,
     SetDurations,
@@ -113,14 +78,11 @@ from redisdask.scheduler.instructions import (
     Unclaim,
     WorkerMsg,
 )
-from redisdask.scheduler.moves import DataMoves, RebalanceConfig
-from redisdask.scheduler.push import push_target, pushable
-from redisdask.scheduler.stealing import WorkStealing
+from redisdask.scheduler.stealing import StealTick
 from redisdask.scheduler.tasks import (
     EMPTY,
     BadRecord,
     RejectedGraph,
-    StoryEntry,
     StreamPosition,
     TaskState,
     WorkerInfo,
@@ -130,13 +92,8 @@ from redisdask.scheduler.tasks import (
     priority_score,
     worker_stream_position,
 )
-from redisdask.state_machine import InvalidTransition
+from redisdask.scheduler.transitions import HOLDS_DEPENDENCIES, TransitionEngine
 from redisdask.store import codecs, keyspace
-
-logger = logging.getLogger(__name__)
-
-# states in which a task keeps its dependencies from being released
-HOLDS_DEPENDENCIES = ("waiting", "queued", "processing", "no-worker")
 
 
 def _before_claim(ts: TaskState, written: StreamPosition | None) -> bool:
@@ -152,47 +109,9 @@ def _pack_deaths(ts: TaskState) -> bytes:
     return codecs.pack({"task": ts.key, "deaths": ts.deaths})
 
 
-class SchedulerState(DataMoves, WorkStealing, Chains):
-    """Every task, worker and client the scheduler knows, and the rules between them
-    (``DataMoves``: the copies and moves clients ask for; ``WorkStealing``: claims moved
-    from busy workers to idle ones)."""
-
-    def __init__(
-        self,
-        validate: bool = False,
-        seq: int = 0,
-        allowed_failures: int = 3,
-        story_limit: int = 100_000,
-        rebalance: RebalanceConfig | None = None,
-    ) -> None:
-        self.allowed_failures = allowed_failures
-        self.tasks: dict[str, TaskState] = {}
-        self.workers: dict[str, WorkerInfo] = {}
-        self.clients: dict[str, set[TaskState]] = {}  # client id -> tasks it wants
-        self.generations: dict[str, int] = {}  # client id -> its last graph's generation
-        self.unrunnable: set[TaskState] = set()  # state no-worker
-        self.seq = seq
-        self.validate = validate
-        self._instructions: list[Instruction] = []
-        self._candidates: deque[TaskState] = deque()
-        self._pushing = False  # root tasks queued now may go to a free thread (scheduler/push.py)
-        # the newest workers stream entry handled, and the one up to which a reload's
-        # records hold every claim (``_seen``)
-        self._read: StreamPosition | None = None
-        self.seen_floor: StreamPosition | None = None
-        self._seen_text = ""  # (``_seen``, made when first asked after a change)
-        self._holders_changed = False  # something a retirement or a rebalance waits for
-        self._init_moves(rebalance)
-        self._init_stealing()
-        self.placement = Placement(lambda: {a: ws.info for a, ws in self.workers.items()})
-        self.durations = Durations()  # per task prefix, from the results accepted
-        # results that came in and tasks that erred, since this state was built (metrics
-        # for the summary the monitor shows)
-        self.n_finished = 0
-        self.n_erred = 0
-        # the last transitions, newest last, for InvalidTransition (the scheduler writes
-        # its transitions to Redis from the instructions: see Translator.story)
-        self.story: deque[StoryEntry] = deque(maxlen=story_limit)
+class SchedulerState(TransitionEngine):
+    """The pure state machine: ``handle_stimulus(*events) -> instructions``, each event
+    applied by its handler in terms of ``TransitionEngine``'s moves."""
 
     # ------------------------------------------------------------------ entry point
 
@@ -211,30 +130,16 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             self._HANDLERS[type(event)](self, event)
             self._drain(stimulus_id=stimulus_id)
         self._pushing = False
-        if self._holders_changed:
-            self._holders_changed = False
+        if self.holders_changed:
+            self.holders_changed = False
             self._move_retiring_data(stimulus_id=stimulus_id)
-            self._settle_moves(stimulus_id=stimulus_id)
+            self.moves.settle(stimulus_id=stimulus_id)
         if changed := self.durations.take_changed():
-            self._emit(SetDurations(stimulus_id, changed))
+            self.emit(SetDurations(stimulus_id, changed))
         instructions, self._instructions = self._instructions, []
         if self.validate:
             self.validate_state()
         return instructions
-
-    def stories(self, *keys: str) -> list[StoryEntry]:
-        """The story entries about ``keys``: ``(key, start, finish, stimulus_id)``."""
-        wanted = set(keys)
-        return [entry for entry in self.story if entry[0] in wanted]
-
-    def _emit(self, instruction: Instruction) -> None:
-        if isinstance(instruction, ClientMsg):
-            # news of a key says which of the client's graphs had been read (``seen``);
-            # not a rejected graph's, whose generation is unknown
-            msg = instruction.msg
-            if isinstance(msg, KeyInMemory) or (isinstance(msg, KeyErred) and not msg.rejected):
-                msg.seen = self.generations.get(instruction.client)
-        self._instructions.append(instruction)
 
     # ------------------------------------------------------------------ client events
 
@@ -283,7 +188,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 if dep is None:
                     # a dependency nobody submitted: treat as lost data
                     dep = self.tasks[dep_key] = TaskState(dep_key, has_spec=False)
-                    self._emit(StoreTask(ev.stimulus_id, dep_key, None, [], 0.0, "released"))
+                    self.emit(StoreTask(ev.stimulus_id, dep_key, None, [], 0.0, "released"))
                 if dep not in ts.dependencies:
                     if not grown or grown[-1] is not ts:
                         grown.append(ts)
@@ -294,11 +199,11 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             if ts.key in stores:
                 stores[ts.key].deps = []  # what it kept: nothing
         for store in stores.values():
-            self._emit(store)
+            self.emit(store)
         for ts in grown:  # an older task given dependencies it did not have: record them
             if ts.key not in stores:
                 deps = sorted(d.key for d in ts.dependencies)
-                self._emit(SetState(ev.stimulus_id, ts.key, ts.state, {"deps": deps}))
+                self.emit(SetState(ev.stimulus_id, ts.key, ts.state, {"deps": deps}))
         for ts, text in refused.items():
             self._refuse(ts, text, stimulus_id=ev.stimulus_id)
         self._add_wants(ev.client, ev.wanted, stimulus_id=ev.stimulus_id)
@@ -345,7 +250,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         ts.exception_text, ts.traceback_text = text, ""
         ts.exception_blame = ts.erred_on = None
         ts.rejected = True
-        self._transition(ts, "erred", stimulus_id=stimulus_id)
+        self.transition(ts, "erred", stimulus_id=stimulus_id)
 
     def _handle_rejected_graph(self, ev: RejectedGraph) -> None:
         if keyspace.is_holder(ev.client):
@@ -361,7 +266,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 "the cluster's dead-letter stream; fix what wrote it and submit again"
             )
             msg = KeyErred(key, exception_text=text, rejected=True)
-            self._emit(ClientMsg(ev.stimulus_id, ev.client, msg))
+            self.emit(ClientMsg(ev.stimulus_id, ev.client, msg))
 
     def _handle_bad_record(self, ev: BadRecord) -> None:
         ts = self.tasks.get(ev.key)
@@ -370,7 +275,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         for dependent in sorted(ts.dependents, key=lambda t: t.score):
             if dependent.state in ("queued", "processing", "no-worker"):
                 # (the bad record was of a result: the dependent waits on it again, and errs)
-                self._transition(dependent, "waiting", stimulus_id=ev.stimulus_id)
+                self.transition(dependent, "waiting", stimulus_id=ev.stimulus_id)
         text = (
             f"SchedulerRejectedError: the record of task {ev.key!r} in Redis was malformed "
             f"({ev.reason}), so the scheduler cannot run or recompute it. The record was "
@@ -403,7 +308,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 if not ts.has_spec and not ts.who_has:
                     self._err_lost(ts, stimulus_id=stimulus_id)
                 else:
-                    self._transition(ts, "waiting", stimulus_id=stimulus_id)
+                    self.transition(ts, "waiting", stimulus_id=stimulus_id)
             for dep in ts.dependencies:
                 if ts.state in HOLDS_DEPENDENCIES:
                     dep.waiters = added(dep.waiters, ts)
@@ -423,19 +328,19 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 "has no task to recompute it (was it scattered by a client that is gone?)"
             )
         # like an error: tell who wants it, and err every dependent waiting on it
-        self._transition(ts, "erred", stimulus_id=stimulus_id)
+        self.transition(ts, "erred", stimulus_id=stimulus_id)
 
     def _lost_data(self, ts: TaskState, *, stimulus_id: str) -> None:
         """The last copy of a task in memory is gone: its dependents wait for it again,
         and it is recomputed (or, without a task to recompute it, errs) if still needed."""
-        self._set_state(ts, "released", stimulus_id=stimulus_id)
+        self.set_state(ts, "released", stimulus_id=stimulus_id)
         ts.replicating = EMPTY
-        self._cancel_move(ts, stimulus_id=stimulus_id)
-        self._emit(SetState(stimulus_id, ts.key, "released", {"who_has": []}))
+        self.moves.cancel(ts, stimulus_id=stimulus_id)
+        self.emit(SetState(stimulus_id, ts.key, "released", {"who_has": []}))
         for dependent in sorted(ts.waiters, key=lambda t: t.score):
             if dependent.state in ("queued", "processing", "no-worker"):
                 # a worker that claimed it cannot get the data now: take the task back
-                self._transition(dependent, "waiting", stimulus_id=stimulus_id)
+                self.transition(dependent, "waiting", stimulus_id=stimulus_id)
             elif dependent.state == "waiting":
                 dependent.waiting_on = added(dependent.waiting_on, ts)
         if ts.who_wants or ts.waiters:
@@ -460,16 +365,16 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             added.append(key)
             self._report_to(client, ts, stimulus_id=stimulus_id)
         if added:
-            self._emit(SetWants(stimulus_id, client, add=added))
+            self.emit(SetWants(stimulus_id, client, add=added))
         elif not wanted and keyspace.is_holder(client):
             del self.clients[client]  # a holder exists only while it wants something
 
     def _report_to(self, client: str, ts: TaskState, *, stimulus_id: str) -> None:
         """Tell a client about a finished task it just asked for."""
         if ts.state == "memory":
-            self._emit(ClientMsg(stimulus_id, client, self._memory_msg(ts)))
+            self.emit(ClientMsg(stimulus_id, client, self._memory_msg(ts)))
         elif ts.state == "erred":
-            self._emit(ClientMsg(stimulus_id, client, self._erred_msg(ts)))
+            self.emit(ClientMsg(stimulus_id, client, self._erred_msg(ts)))
 
     def _handle_client_desires_keys(self, ev: ClientDesiresKeys) -> None:
         self._add_wants(ev.client, ev.keys, stimulus_id=ev.stimulus_id)
@@ -483,34 +388,10 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                     "wanted it) before this future asked for it; keep a future of it alive "
                     "in the client that submitted it while others use it"
                 )
-                self._emit(ClientMsg(ev.stimulus_id, ev.client, KeyErred(key, exception_text=text)))
+                self.emit(ClientMsg(ev.stimulus_id, ev.client, KeyErred(key, exception_text=text)))
 
     def _handle_client_releases_keys(self, ev: ClientReleasesKeys) -> None:
         self._release_wants(ev.client, ev.keys, stimulus_id=ev.stimulus_id)
-
-    def _release_wants(self, client: str, keys: Iterable[str], *, stimulus_id: str) -> list[str]:
-        wanted = self.clients.get(client, set())
-        removed = []
-        for key in keys:
-            ts = self.tasks.get(key)
-            if ts is None or client not in ts.who_wants:
-                continue
-            ts.who_wants.discard(client)
-            wanted.discard(ts)
-            removed.append(key)
-            self._maybe_release(ts)
-        if removed:
-            self._emit(SetWants(stimulus_id, client, remove=removed))
-            if not wanted and keyspace.is_holder(client):
-                del self.clients[client]  # a holder exists only while it wants something
-                self._emit(ForgetClient(stimulus_id, client))
-        return removed
-
-    def _fired_done(self, ts: TaskState, *, stimulus_id: str) -> None:
-        """``fire_and_forget`` wanted ``ts`` until it ran (memory or erred), as in Dask:
-        its result is released after, unless somebody else wants it."""
-        if keyspace.FIRE_AND_FORGET in ts.who_wants:
-            self._release_wants(keyspace.FIRE_AND_FORGET, [ts.key], stimulus_id=stimulus_id)
 
     def _handle_cancel_keys(self, ev: CancelKeys) -> None:
         # cancelling a key cancels the client's dependents of it too, as in Dask
@@ -526,7 +407,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         # release dependents first so dependencies lose their waiters before they are looked at
         keys = sorted(cancelled, key=lambda k: -cancelled[k].score)
         self._release_wants(ev.client, keys, stimulus_id=ev.stimulus_id)
-        self._emit(
+        self.emit(
             ClientMsg(
                 ev.stimulus_id,
                 ev.client,
@@ -538,17 +419,17 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         keys = list(self.tasks)
         # (a client that submitted nothing is known only from its heartbeat: it hears too)
         clients = list(dict.fromkeys([*self.clients, ev.client, *ev.connected]))
-        self._emit(ResetCluster(ev.stimulus_id, keys, list(self.workers), clients))
+        self.emit(ResetCluster(ev.stimulus_id, keys, list(self.workers), clients))
         for ws in self.workers.values():
             ws.processing.clear()
             ws.has_what.clear()
-            self._emit(WorkerMsg(ev.stimulus_id, ws.address, RestartWorker()))
+            self.emit(WorkerMsg(ev.stimulus_id, ws.address, RestartWorker()))
         for client in clients:
-            self._emit(ClientMsg(ev.stimulus_id, client, Restarted(by=ev.client)))
+            self.emit(ClientMsg(ev.stimulus_id, client, Restarted(by=ev.client)))
         self.tasks.clear()
         self.unrunnable.clear()
         self._candidates.clear()
-        self._forget_moves(stimulus_id=ev.stimulus_id)
+        self.moves.forget(stimulus_id=ev.stimulus_id)
         # (the holders wanted only tasks: they go with them; a client that only heard
         # of the restart stays unknown until its first graph, as before it)
         self.clients = {c: set() for c in self.clients if not keyspace.is_holder(c)}
@@ -578,9 +459,9 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                     retried[dependent] = None
                     down.append(dependent)
         for ts in retried:
-            self._transition(ts, "released", stimulus_id=ev.stimulus_id)
+            self.transition(ts, "released", stimulus_id=ev.stimulus_id)
             for client in ts.who_wants:
-                self._emit(ClientMsg(ev.stimulus_id, client, TaskRetried(ts.key)))
+                self.emit(ClientMsg(ev.stimulus_id, client, TaskRetried(ts.key)))
         for ts in retried:
             if ts.who_wants:
                 self._make_needed(ts, stimulus_id=ev.stimulus_id)
@@ -590,7 +471,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         self._release_wants(ev.client, wanted, stimulus_id=ev.stimulus_id)
         self.generations.pop(ev.client, None)
         if self.clients.pop(ev.client, None) is not None or not keyspace.is_holder(ev.client):
-            self._emit(ForgetClient(ev.stimulus_id, ev.client))  # (a holder's went with its wants)
+            self.emit(ForgetClient(ev.stimulus_id, ev.client))  # (a holder's went with its wants)
 
     def _handle_update_data(self, ev: UpdateData) -> None:
         recorded: dict[str, list[str]] = {}  # worker -> keys it now holds for us
@@ -599,12 +480,12 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             if ts is None:
                 self.seq += 1
                 ts = self.tasks[key] = TaskState(key, has_spec=False)
-                self._emit(StoreTask(ev.stimulus_id, key, None, [], 0.0, "released"))
+                self.emit(StoreTask(ev.stimulus_id, key, None, [], 0.0, "released"))
             elif ts.state in ("waiting", "queued", "processing", "no-worker", "erred"):
                 if ts.erred_on in holders:  # the value put there replaced its failed run:
                     ts.erred_on = None  # no free-keys for it
                 # the scattered data replaces the task's run
-                self._transition(ts, "released", stimulus_id=ev.stimulus_id)
+                self.transition(ts, "released", stimulus_id=ev.stimulus_id)
             ts.nbytes = int(ev.nbytes.get(key, 0))
             ts.type = str(ev.types.get(key, ""))
             for worker in holders:
@@ -612,16 +493,16 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 if worker in self.workers:
                     recorded.setdefault(worker, []).append(key)
             # (also when it was in memory already: its new holders and size are recorded)
-            self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
+            self.emit(SetState(ev.stimulus_id, key, "memory", self.memory_fields(ts)))
             if ts.state != "memory":
-                self._set_state(ts, "memory", stimulus_id=ev.stimulus_id)
+                self.set_state(ts, "memory", stimulus_id=ev.stimulus_id)
                 self._wake_waiters(ts, stimulus_id=ev.stimulus_id)
                 self._fired_done(ts, stimulus_id=ev.stimulus_id)
         # the data reached the workers over TCP, before this message; a free-keys this
         # scheduler sent them earlier (for a released copy of the same key) may reach them
         # after it: this tells them which free-keys are about the new copies
         for worker, keys in recorded.items():
-            self._emit(WorkerMsg(ev.stimulus_id, worker, KeysRecorded(keys)))
+            self.emit(WorkerMsg(ev.stimulus_id, worker, KeysRecorded(keys)))
         self._add_wants(ev.client, list(ev.who_has), stimulus_id=ev.stimulus_id)
 
     # ------------------------------------------------------------------ worker events
@@ -652,19 +533,19 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             ws.announced = True
             shown = ("name", "host", "nthreads", "memory_limit", "restarts")
             fields = {k: ev.info[k] for k in shown if ev.info.get(k) is not None}
-            self._emit(LogEvent(ev.stimulus_id, "worker-joined", {"worker": ev.worker, **fields}))
-        self._holders_changed = True  # somewhere new to put a retiring worker's data
+            self.emit(LogEvent(ev.stimulus_id, "worker-joined", {"worker": ev.worker, **fields}))
+        self.holders_changed = True  # somewhere new to put a retiring worker's data
         if ev.resync:
             self._resync(self.workers[ev.worker], ev.resync, stimulus_id=ev.stimulus_id)
         for ts in sorted(self.unrunnable, key=lambda t: t.score):
-            if ev.worker in (self._targets(ts) or ()):
-                self._transition(ts, "queued", stimulus_id=ev.stimulus_id)
+            if ev.worker in (self.targets(ts) or ()):
+                self.transition(ts, "queued", stimulus_id=ev.stimulus_id)
         for ts in self.tasks.values():  # queued for others it matches too: for it as well
             if ts.state != "queued" or not ts.queued_on or ev.worker in ts.queued_on:
                 continue
-            if ev.worker in (self._targets(ts) or ()):
+            if ev.worker in (self.targets(ts) or ()):
                 ts.queued_on += (ev.worker,)
-                self._emit(Enqueue(ev.stimulus_id, ts.key, ts.score, (ev.worker,), ts.queued_on,
+                self.emit(Enqueue(ev.stimulus_id, ts.key, ts.score, (ev.worker,), ts.queued_on,
                                    constrained=bool(ts.resources), placed=True))  # fmt: skip
 
     def _resync(self, ws: WorkerInfo, report: dict[str, Any], *, stimulus_id: str) -> None:
@@ -676,7 +557,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         for ts in sorted(ws.processing, key=lambda t: t.score):
             if ts.key in held:  # it finished; the report was lost
                 ts.nbytes = held[ts.key]
-                self._transition(ts, "memory", worker=ws, stimulus_id=stimulus_id)
+                self.transition(ts, "memory", worker=ws, stimulus_id=stimulus_id)
             elif ts.key not in running and not _before_claim(ts, written):
                 self._queue_again(ws, ts, stimulus_id=stimulus_id)  # it does not know it
         stray = []
@@ -685,7 +566,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             if ts is not None and ts.state == "memory":
                 if ws.address not in ts.who_has:
                     self._add_replica(ts, ws.address)
-                    self._emit(SetState(stimulus_id, key, "memory", self._memory_fields(ts)))
+                    self.emit(SetState(stimulus_id, key, "memory", self.memory_fields(ts)))
             elif ts is None or ts.processing_on != ws.address:
                 stray.append(key)
         for key in running:
@@ -694,7 +575,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 stray.append(key)  # claimed in a Redis that forgot it: someone else's now
         if stray:
             free = FreeKeys(sorted(set(stray)), seen=self._seen())
-            self._emit(WorkerMsg(stimulus_id, ws.address, free))
+            self.emit(WorkerMsg(stimulus_id, ws.address, free))
 
     def _handle_holding(self, ev: Holding) -> None:
         ws = self.workers.get(ev.worker)
@@ -715,17 +596,15 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 if ts.unlisted >= 2:
                     lost.append(ts)
         for ts in sorted(lost, key=lambda t: t.score):
-            self._emit(
-                LogEvent(ev.stimulus_id, "lost-claim", {"key": ts.key, "worker": ws.address})
-            )
+            self.emit(LogEvent(ev.stimulus_id, "lost-claim", {"key": ts.key, "worker": ws.address}))
             self._queue_again(ws, ts, stimulus_id=ev.stimulus_id)
 
     def _queue_again(self, ws: WorkerInfo, ts: TaskState, *, stimulus_id: str) -> None:
         """A task processing on a worker that does not know it: queue it again."""
         ts.processing_on = None
         ws.processing.discard(ts)
-        self._emit(Unclaim(stimulus_id, ws.address, ts.key))
-        self._transition(ts, "queued", stimulus_id=stimulus_id)
+        self.emit(Unclaim(stimulus_id, ws.address, ts.key))
+        self.transition(ts, "queued", stimulus_id=stimulus_id)
 
     def _handle_remove_worker(self, ev: RemoveWorker) -> None:
         ws = self.workers.pop(ev.worker, None)
@@ -735,9 +614,9 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 # the nanny's word on why it ended is still the record worth keeping
                 known = ("name", "host", "pid")
                 gone = WorkerInfo(ev.worker, {k: ev.evidence.get(k) for k in known})
-                self._emit(RecordDeath(ev.stimulus_id, self._death_record(ev, gone, [])))
+                self.emit(RecordDeath(ev.stimulus_id, self._death_record(ev, gone, [])))
             return
-        self._holders_changed = True  # a copy it held or was fetching may be gone
+        self.holders_changed = True  # a copy it held or was fetching may be gone
         for other in self.workers.values():
             if other.retiring:
                 other.to_move |= ws.has_what & other.has_what
@@ -745,15 +624,15 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         processing = sorted(ws.processing, key=lambda t: t.score)
         if died:
             record = self._death_record(ev, ws, processing)
-            self._emit(RecordDeath(ev.stimulus_id, record))
+            self.emit(RecordDeath(ev.stimulus_id, record))
         else:
             fields = {"worker": ws.address, "name": ws.info.get("name"), "reason": ev.reason}
-            self._emit(LogEvent(ev.stimulus_id, "worker-left", fields))
+            self.emit(LogEvent(ev.stimulus_id, "worker-left", fields))
         for ts in processing:
             if ts.state != "processing":
-                continue  # chained on one of them, and taken back with it (_unchain)
+                continue  # chained on one of them, and taken back with it (Chains.unchain)
             ts.processing_on = None
-            self._emit(Unclaim(ev.stimulus_id, ws.address, ts.key))
+            self.emit(Unclaim(ev.stimulus_id, ws.address, ts.key))
             if died:
                 ts.suspicious += 1
                 ts.deaths = (*ts.deaths, record)
@@ -762,8 +641,8 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             else:
                 if died:
                     fields = {"suspicious": ts.suspicious, "deaths": list(ts.deaths)}
-                    self._emit(SetState(ev.stimulus_id, ts.key, "processing", fields))
-                self._transition(ts, "queued", stimulus_id=ev.stimulus_id)
+                    self.emit(SetState(ev.stimulus_id, ts.key, "processing", fields))
+                self.transition(ts, "queued", stimulus_id=ev.stimulus_id)
         for ts in list(ws.has_what):
             ts.who_has.discard(ws.address)
             if not (ts.who_has or ts.inline) and ts.state == "memory":
@@ -771,25 +650,25 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 ts.lost_on = ws.address
                 self._lost_data(ts, stimulus_id=ev.stimulus_id)
             elif ts.state == "memory":
-                self._emit(SetState(ev.stimulus_id, ts.key, "memory", self._memory_fields(ts)))
+                self.emit(SetState(ev.stimulus_id, ts.key, "memory", self.memory_fields(ts)))
                 if ts.replicas > 1:
                     # a copy survives: make up for the lost one
-                    self._ensure_replicas(ts, stimulus_id=ev.stimulus_id)
+                    self.moves.ensure_replicas(ts, stimulus_id=ev.stimulus_id)
         for ts in list(self.tasks.values()):
             if ts.state == "queued" and ws.address in ts.queued_on:
                 # out of its ready set (which a new process at the address would
                 # inherit): the task goes there again only if that one matches too
                 ts.queued_on = tuple(w for w in ts.queued_on if w != ws.address)
-                self._emit(Dequeue(ev.stimulus_id, ts.key, (ws.address,), bool(ts.resources),
+                self.emit(Dequeue(ev.stimulus_id, ts.key, (ws.address,), bool(ts.resources),
                                    ts.queued_on))  # fmt: skip
                 if ts.queued_on:
                     continue
-                if self._targets(ts) is None:
-                    self._transition(ts, "no-worker", stimulus_id=ev.stimulus_id)
+                if self.targets(ts) is None:
+                    self.transition(ts, "no-worker", stimulus_id=ev.stimulus_id)
                 else:  # a preference that no worker can honour now: anywhere it may run
-                    self._enqueue(ts, stimulus_id=ev.stimulus_id)
+                    self.enqueue(ts, stimulus_id=ev.stimulus_id)
         if ev.how != "replaced":  # else the keys are the new process's, at the same address
-            self._emit(ForgetWorker(ev.stimulus_id, ws.address))
+            self.emit(ForgetWorker(ev.stimulus_id, ws.address))
 
     def _death_record(
         self, ev: RemoveWorker, ws: WorkerInfo, processing: list[TaskState]
@@ -832,8 +711,8 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         ts.erred_on = ts.deaths[-1]["worker"] if ts.deaths else None
         ts.killed = _pack_deaths(ts)
         fields = {"key": ts.key, "workers": [d["worker"] for d in ts.deaths]}
-        self._emit(LogEvent(stimulus_id, "killed-worker", fields))
-        self._transition(ts, "erred", stimulus_id=stimulus_id)
+        self.emit(LogEvent(stimulus_id, "killed-worker", fields))
+        self.transition(ts, "erred", stimulus_id=stimulus_id)
 
     def _handle_claimed(self, ev: TaskClaimed) -> None:
         ws = self.workers.get(ev.worker)
@@ -842,7 +721,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         scores = list(ev.scores) + [NO_SCORE] * (len(ev.keys) - len(ev.scores))
         for key, score in zip(ev.keys, scores, strict=False):
             if ev.chained:  # claimed by FINISH while waiting (scheduler/chain.py)
-                self._chained_claim(key, score, ev.worker, stimulus_id=ev.stimulus_id)
+                self.chains.claimed(key, score, ev.worker, stimulus_id=ev.stimulus_id)
                 continue
             ts = self.tasks.get(key)
             try:
@@ -853,8 +732,8 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 # an earlier run of the key, popped just before it was cancelled: its
                 # copy goes, not one of the current run the worker may have by the time
                 # it reads the free-keys (which says the run)
-                self._emit(Unclaim(ev.stimulus_id, ev.worker, key))
-                self._free(ev.worker, key, stimulus_id=ev.stimulus_id, run=float(score))
+                self.emit(Unclaim(ev.stimulus_id, ev.worker, key))
+                self.free(ev.worker, key, stimulus_id=ev.stimulus_id, run=float(score))
                 continue
             if ts is not None and ts.state == "processing" and ts.processing_on == ev.worker:
                 # state reloaded from Redis after the claim: already known (and from
@@ -865,16 +744,16 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             if ts is None or ts.state != "queued" or ws is None:
                 # released while the claim was in flight: tell the worker to drop it,
                 # unless its copy is on record (put there and recorded meanwhile)
-                self._emit(Unclaim(ev.stimulus_id, ev.worker, key))
+                self.emit(Unclaim(ev.stimulus_id, ev.worker, key))
                 if ts is None or ev.worker not in ts.who_has:
-                    self._free(ev.worker, key, stimulus_id=ev.stimulus_id)
+                    self.free(ev.worker, key, stimulus_id=ev.stimulus_id)
                 if ts is not None and ts.state == "queued":
                     # claimed by a worker removed meanwhile: the claim popped it from the
                     # ready set and marked it processing in Redis; put it back
-                    self._emit(SetState(ev.stimulus_id, key, "queued"))
-                    self._enqueue(ts, stimulus_id=ev.stimulus_id)
+                    self.emit(SetState(ev.stimulus_id, key, "queued"))
+                    self.enqueue(ts, stimulus_id=ev.stimulus_id)
                 continue
-            self._transition(ts, "processing", worker=ws, stimulus_id=ev.stimulus_id)
+            self.transition(ts, "processing", worker=ws, stimulus_id=ev.stimulus_id)
 
     def _handle_task_finished(self, ev: TaskFinished) -> None:
         ts = self.tasks.get(ev.key)
@@ -886,12 +765,12 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             # key (cancelled, released, submitted again) or of a claim taken back.  Counting
             # it would name a holder that is about to drop it; let it drop it now.
             if ts is None or ev.worker not in ts.who_has:
-                self._free(ev.worker, ev.key, stimulus_id=ev.stimulus_id)
+                self.free(ev.worker, ev.key, stimulus_id=ev.stimulus_id)
             return
         ts.nbytes, ts.type = int(ev.nbytes), ev.type
         if not ev.seceded:  # a seceded run mostly waited: its time is not its cost
             self.durations.add(ts.prefix, ev.start, ev.stop)  # (its key_prefix, made once)
-        self._transition(ts, "memory", worker=ws, value=ev.value, stimulus_id=ev.stimulus_id)
+        self.transition(ts, "memory", worker=ws, value=ev.value, stimulus_id=ev.stimulus_id)
 
     def _handle_task_erred(self, ev: TaskErred) -> None:
         ts = self.tasks.get(ev.key)
@@ -899,21 +778,21 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             return
         if other_run(ev.score, ts):
             return
-        self._emit(Unclaim(ev.stimulus_id, ev.worker, ts.key))
+        self.emit(Unclaim(ev.stimulus_id, ev.worker, ts.key))
         if ts.retries > 0:
             ts.retries -= 1
-            self._emit(SetState(ev.stimulus_id, ts.key, ts.state, {"retries": ts.retries}))
+            self.emit(SetState(ev.stimulus_id, ts.key, ts.state, {"retries": ts.retries}))
             # the worker keeps the failed run until told: it must not answer the retry
             # with it (the free-keys reaches it before any claim of the retry)
-            self._free(ev.worker, ts.key, stimulus_id=ev.stimulus_id)
-            self._transition(ts, "queued", stimulus_id=ev.stimulus_id)
+            self.free(ev.worker, ts.key, stimulus_id=ev.stimulus_id)
+            self.transition(ts, "queued", stimulus_id=ev.stimulus_id)
             return
         ts.exception, ts.traceback = ev.exception, ev.traceback
         ts.exception_text, ts.traceback_text = ev.exception_text, ev.traceback_text
         ts.erred_on = ev.worker
-        self._transition(ts, "erred", stimulus_id=ev.stimulus_id)
+        self.transition(ts, "erred", stimulus_id=ev.stimulus_id)
         fields = {"key": ts.key, "worker": ev.worker, "exception": ev.exception_text[:500]}
-        self._emit(LogEvent(ev.stimulus_id, "task-erred", fields))
+        self.emit(LogEvent(ev.stimulus_id, "task-erred", fields))
 
     def _handle_missing_data(self, ev: MissingData) -> None:
         for key in ev.keys:
@@ -922,13 +801,13 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 continue
             if ev.worker in ts.replicating:  # a copy that did not come: ask again
                 discarded(ts.replicating, ev.worker)
-                self._holders_changed = True
+                self.holders_changed = True
             errant = self.workers.get(ev.errant_worker)
             # a retiring holder is alive and keeps its data until it is told to close, and
             # a rebalance's sender until its recipient has the copy: a failed fetch from
             # either is taken for a passing network failure (that move is abandoned)
             trusted = errant is not None and errant.retiring
-            trusted |= self._move_failed(
+            trusted |= self.moves.move_failed(
                 ts, ev.worker, ev.errant_worker, stimulus_id=ev.stimulus_id
             )
             if not trusted:
@@ -941,9 +820,9 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 if reporter is not None:
                     reporter.has_what.discard(ts)
             if ts.state == "memory" and (ts.who_has or ts.inline):
-                self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
+                self.emit(SetState(ev.stimulus_id, key, "memory", self.memory_fields(ts)))
                 who_has = {key: ts.holders()}
-                self._emit(WorkerMsg(ev.stimulus_id, ev.worker, WhoHas(who_has)))
+                self.emit(WorkerMsg(ev.stimulus_id, ev.worker, WhoHas(who_has)))
             elif ts.state == "memory":
                 ts.missed_by = ev.worker  # (decide_worker: the recompute goes there first)
                 self._lost_data(ts, stimulus_id=ev.stimulus_id)
@@ -957,7 +836,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         ws = self.workers.get(address)
         if ws is not None:
             ws.has_what.discard(ts)
-            self._free(ws.address, ts.key, stimulus_id=stimulus_id)
+            self.free(ws.address, ts.key, stimulus_id=stimulus_id)
         return True
 
     def _handle_client_missing_data(self, ev: ClientMissingData) -> None:
@@ -979,20 +858,20 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             if not dropped:
                 continue
             if ts.who_has or ts.inline:
-                self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
+                self.emit(SetState(ev.stimulus_id, key, "memory", self.memory_fields(ts)))
             else:
                 ts.lost_on = ", ".join(dropped)
                 self._lost_data(ts, stimulus_id=ev.stimulus_id)
 
     def _handle_add_keys(self, ev: AddKeys) -> None:
-        self._holders_changed = True
+        self.holders_changed = True
         for key in ev.keys:
             ts = self.tasks.get(key)
             if ts is not None:
                 discarded(ts.replicating, ev.worker)
             if ts is not None and ts.state == "memory" and ev.worker in self.workers:
                 self._add_replica(ts, ev.worker)
-                self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
+                self.emit(SetState(ev.stimulus_id, key, "memory", self.memory_fields(ts)))
 
     def _handle_retire_workers(self, ev: RetireWorkers) -> None:
         leaving = [self.workers[a] for a in dict.fromkeys(ev.workers) if a in self.workers]
@@ -1004,12 +883,12 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 "start more workers first, or retire fewer"
             )
             msg = RetireRefused([ws.address for ws in leaving], reason=reason)
-            self._emit(ClientMsg(ev.stimulus_id, ev.client, msg))
+            self.emit(ClientMsg(ev.stimulus_id, ev.client, msg))
             return
-        self._holders_changed = True
+        self.holders_changed = True
         for ws in leaving:
             if not ws.retiring and ev.client:
-                self._emit(WorkerMsg(ev.stimulus_id, ws.address, RetireWorker()))
+                self.emit(WorkerMsg(ev.stimulus_id, ws.address, RetireWorker()))
             if not ws.retiring:
                 ws.retiring = True
                 ws.to_move = set(ws.has_what)
@@ -1059,7 +938,7 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
                 ts.replicating = added(ts.replicating, target)
                 requests.setdefault(target, {})[ts.key] = sorted(ts.who_has)
         for target, who_has in requests.items():
-            self._emit(WorkerMsg(sid, target, AcquireReplicas(who_has)))
+            self.emit(WorkerMsg(sid, target, AcquireReplicas(who_has)))
 
     def _abort_retirement(self, ws: WorkerInfo, *, stimulus_id: str) -> None:
         """No worker stays to take what only ``ws`` holds (they left after it began to
@@ -1073,14 +952,14 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         ws.retiring = ws.retire_heard = False
         ws.to_move = set()
         sid = "retire-" + stimulus_id
-        self._emit(WorkerMsg(sid, ws.address, RetireAborted(reason)))
+        self.emit(WorkerMsg(sid, ws.address, RetireAborted(reason)))
         for client in sorted(ws.retire_clients):
-            self._emit(ClientMsg(sid, client, RetireRefused([ws.address], reason=reason)))
+            self.emit(ClientMsg(sid, client, RetireRefused([ws.address], reason=reason)))
         ws.retire_clients.clear()
 
     def _tell_to_close(self, ws: WorkerInfo, reason: str, *, stimulus_id: str) -> None:
         ws.told_to_close = True
-        self._emit(WorkerMsg("retire-" + stimulus_id, ws.address, CloseWorker(reason)))
+        self.emit(WorkerMsg("retire-" + stimulus_id, ws.address, CloseWorker(reason)))
 
     def _handle_told(self, ev: ClientsTold) -> None:
         """FINISH sent these pushed tasks' results to the clients in their ``notify``."""
@@ -1105,17 +984,30 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             if ts in ws.processing:
                 ws.processing.discard(ts)
                 ws.no_push = True  # paused or retiring, perhaps: push it nothing more
-                self._emit(Unclaim(ev.stimulus_id, ws.address, key))
+                self.emit(Unclaim(ev.stimulus_id, ws.address, key))
                 if ts.state == "processing":
                     ts.processing_on = None
-                    self._transition(ts, "queued", stimulus_id=ev.stimulus_id)
+                    self.transition(ts, "queued", stimulus_id=ev.stimulus_id)
             if ev.worker in ts.who_has:
                 ts.who_has.discard(ev.worker)
                 ws.has_what.discard(ts)
                 if ts.state == "memory" and not (ts.who_has or ts.inline):
                     self._lost_data(ts, stimulus_id=ev.stimulus_id)
                 elif ts.state == "memory":
-                    self._emit(SetState(ev.stimulus_id, key, "memory", self._memory_fields(ts)))
+                    self.emit(SetState(ev.stimulus_id, key, "memory", self.memory_fields(ts)))
+
+    # (the parts' events: each part handles its own)
+    def _handle_replicate(self, ev: Replicate) -> None:
+        self.moves.handle_replicate(ev)
+
+    def _handle_rebalance(self, ev: Rebalance) -> None:
+        self.moves.handle_rebalance(ev)
+
+    def _handle_steal_tick(self, ev: StealTick) -> None:
+        self.stealing.handle_steal_tick(ev)
+
+    def _handle_stolen_keys(self, ev: StolenKeys) -> None:
+        self.stealing.handle_stolen_keys(ev)
 
     # the handler of each event type (``handle_stimulus`` looks it up by ``type(event)``)
     _HANDLERS: ClassVar[dict[type[Stimulus], Callable[[SchedulerState, Any], None]]] = {
@@ -1139,409 +1031,13 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
         ClientMissingData: _handle_client_missing_data,
         AddKeys: _handle_add_keys,
         ReleasedKeys: _handle_released_keys,
-        Replicate: DataMoves._handle_replicate,
-        Rebalance: DataMoves._handle_rebalance,
+        Replicate: _handle_replicate,
+        Rebalance: _handle_rebalance,
         RetryKeys: _handle_retry_keys,
         RetireWorkers: _handle_retire_workers,
-        **WorkStealing._STEAL_HANDLERS,
+        StealTick: _handle_steal_tick,
+        StolenKeys: _handle_stolen_keys,
     }
-
-    # ------------------------------------------------------------------ transitions
-
-    def _transition(self, ts: TaskState, finish: str, *, stimulus_id: str, **kwargs: Any) -> None:
-        """Move ``ts`` to ``finish`` along its edge in ``_TRANSITIONS``; a move that is
-        not there raises ``InvalidTransition`` with the key's story."""
-        start = ts.state
-        if start == finish:
-            return
-        func = self._TRANSITIONS.get((start, finish))
-        if func is None:
-            story = self.stories(ts.key)
-            raise InvalidTransition(ts.key, start, finish, stimulus_id, story)
-        func(self, ts, stimulus_id=stimulus_id, **kwargs)
-        if finish not in ("processing", "memory") and ts.dependents:
-            self._unchain(ts, stimulus_id=stimulus_id)  # (scheduler/chain.py)
-
-    def _set_state(self, ts: TaskState, finish: str, *, stimulus_id: str) -> None:
-        """Every change of a task's state goes through here, which tells its story."""
-        self.story.append((ts.key, ts.state, finish, stimulus_id))
-        ts.state = finish
-
-    def _transition_released_waiting(self, ts: TaskState, *, stimulus_id: str) -> None:
-        self._set_state(ts, "waiting", stimulus_id=stimulus_id)
-        ts.waiting_on = {d for d in ts.dependencies if d.state != "memory"} or EMPTY
-        for dep in ts.dependencies:
-            dep.waiters = added(dep.waiters, ts)
-        erred = next((d for d in ts.dependencies if d.state == "erred"), None)
-        if erred is not None:
-            self._inherit_error(ts, erred)
-            self._transition(ts, "erred", stimulus_id=stimulus_id)
-            return
-        if ts.waiting_on:
-            self._emit(SetState(stimulus_id, ts.key, "waiting"))
-            self._mark_chain(ts, stimulus_id=stimulus_id)
-        else:
-            self._transition(ts, "queued", stimulus_id=stimulus_id)
-
-    def _transition_waiting_queued(self, ts: TaskState, *, stimulus_id: str) -> None:
-        if (ts.restrict or ts.resources) and self._targets(ts) is None:
-            self._transition_waiting_no_worker(ts, stimulus_id=stimulus_id)
-            return
-        self._set_state(ts, "queued", stimulus_id=stimulus_id)
-        self._emit(SetState(stimulus_id, ts.key, "queued"))
-        if self._pushing and pushable(ts) and self._push(ts, stimulus_id=stimulus_id):
-            return
-        self._enqueue(ts, stimulus_id=stimulus_id)
-
-    def _push(self, ts: TaskState, *, stimulus_id: str) -> bool:
-        """Give a root task of a submission to a worker with a free thread
-        (``redisdask.scheduler.push``); False when none has one (nor will, in this batch)."""
-        ws = push_target(self.workers)
-        if ws is None:
-            self._pushing = False  # (the rest of the submission is queued: no scan each)
-            return False
-        self._set_state(ts, "processing", stimulus_id=stimulus_id)
-        ts.queued_on, ts.dequeued = (), False
-        # the worker reads the push after its next holding report, perhaps: not before
-        # the one after that may a report's silence about it count (``_handle_holding``)
-        ts.claimed_before, ts.unlisted, ts.claimed_at = ws.holding_reports + 1, 0, None
-        ts.processing_on = ws.address
-        ws.processing.add(ts)
-        estimate = self.durations.averages.get(ts.prefix, -1.0)
-        started = float(ws.info["started"])
-        msg = ComputeTask(ts.key, ts.score, started, estimate, bool(ts.chain))
-        notify = {c: self.generations.get(c, 0) for c in ts.who_wants if not keyspace.is_holder(c)}
-        ts.notified, ts.told = notify, False
-        self._emit(Push(stimulus_id, ws.address, msg, notify))
-        return True
-
-    def _enqueue(self, ts: TaskState, *, stimulus_id: str) -> None:
-        """Into the own ready (``constrained``, for a task with resources) sets of the live
-        workers it may run on, the one of the worker holding most of its data (a
-        ``preferred`` one, ``redisdask.scheduler.decide``), or the shared ready set."""
-        placed = bool(ts.restrict or ts.resources)
-        best = None if placed else decide_worker(ts, self.workers)
-        ts.sticky = (
-            best is not None
-            and best != ts.missed_by
-            and sticky(ts, self.durations.averages.get(ts.prefix))
-        )
-        ts.missed_by = None
-        ts.queued_on = (self._targets(ts) or ()) if placed else (best,) if best else ()
-        self._emit(Enqueue(stimulus_id, ts.key, ts.score, ts.queued_on, ts.queued_on,
-                           constrained=bool(ts.resources), placed=placed or bool(best),
-                           preferred=bool(best), sticky=ts.sticky))  # fmt: skip
-
-    def _dequeue(self, ts: TaskState, *, stimulus_id: str) -> None:
-        self._emit(Dequeue(stimulus_id, ts.key, ts.queued_on, constrained=bool(ts.resources)))
-        ts.queued_on = ()
-        ts.sticky = False
-        ts.dequeued = True
-
-    def _targets(self, ts: TaskState) -> tuple[str, ...] | None:
-        """The live workers whose own sets a task goes into (``()``: the shared set;
-        ``None``: none may run it, ``no-worker``)."""
-        return self.placement.targets(ts.restrict, ts.resources, ts.loose)
-
-    def _transition_waiting_no_worker(self, ts: TaskState, *, stimulus_id: str) -> None:
-        self._set_state(ts, "no-worker", stimulus_id=stimulus_id)
-        self.unrunnable.add(ts)
-        self._emit(SetState(stimulus_id, ts.key, "no-worker"))
-
-    def _transition_no_worker_queued(self, ts: TaskState, *, stimulus_id: str) -> None:
-        self.unrunnable.discard(ts)
-        self._transition_waiting_queued(ts, stimulus_id=stimulus_id)
-
-    def _transition_queued_no_worker(self, ts: TaskState, *, stimulus_id: str) -> None:
-        self._dequeue(ts, stimulus_id=stimulus_id)
-        self._transition_waiting_no_worker(ts, stimulus_id=stimulus_id)
-
-    def _transition_no_worker_released(self, ts: TaskState, *, stimulus_id: str) -> None:
-        self.unrunnable.discard(ts)
-        self._transition_waiting_released(ts, stimulus_id=stimulus_id)
-
-    def _transition_queued_waiting(self, ts: TaskState, *, stimulus_id: str) -> None:
-        """A dependency of a queued task lost its data: wait for it again."""
-        self._dequeue(ts, stimulus_id=stimulus_id)
-        self._wait_again(ts, stimulus_id=stimulus_id)
-
-    def _transition_processing_waiting(self, ts: TaskState, *, stimulus_id: str) -> None:
-        """A dependency lost its data while a worker held the task: take it back."""
-        self._take_back(ts, stimulus_id=stimulus_id)
-        self._wait_again(ts, stimulus_id=stimulus_id)
-
-    def _take_back(self, ts: TaskState, *, stimulus_id: str) -> None:
-        """Withdraw a processing task from its worker (which drops it, if still there)."""
-        worker = ts.processing_on
-        if worker is not None:
-            ws = self.workers.get(worker)
-            if ws is not None:
-                ws.processing.discard(ts)
-            self._emit(Unclaim(stimulus_id, worker, ts.key))
-            self._free(worker, ts.key, stimulus_id=stimulus_id)
-        ts.processing_on = None
-
-    def _transition_no_worker_waiting(self, ts: TaskState, *, stimulus_id: str) -> None:
-        self.unrunnable.discard(ts)
-        self._wait_again(ts, stimulus_id=stimulus_id)
-
-    def _wait_again(self, ts: TaskState, *, stimulus_id: str) -> None:
-        self._set_state(ts, "waiting", stimulus_id=stimulus_id)
-        ts.waiting_on = {d for d in ts.dependencies if d.state != "memory"} or EMPTY
-        self._emit(SetState(stimulus_id, ts.key, "waiting"))
-        self._mark_chain(ts, stimulus_id=stimulus_id)
-
-    def _transition_processing_queued(self, ts: TaskState, *, stimulus_id: str) -> None:
-        if ts.processing_on is not None:
-            ws = self.workers.get(ts.processing_on)
-            if ws is not None:
-                ws.processing.discard(ts)
-            ts.processing_on = None
-        if any(d.state != "memory" for d in ts.dependencies):  # chained on a task not done
-            self._wait_again(ts, stimulus_id=stimulus_id)
-            return
-        self._transition_waiting_queued(ts, stimulus_id=stimulus_id)
-
-    def _transition_queued_processing(
-        self, ts: TaskState, worker: WorkerInfo, *, stimulus_id: str
-    ) -> None:
-        self._set_state(ts, "processing", stimulus_id=stimulus_id)
-        ts.queued_on = ()  # the claim took it out of every ready set
-        ts.sticky = False
-        ts.claimed_before, ts.unlisted = worker.holding_reports, 0
-        ts.claimed_at = worker_stream_position(stimulus_id)
-        ts.processing_on = worker.address
-        worker.processing.add(ts)  # the claim script wrote it, unless written over since
-        self._emit(ClaimAccepted(stimulus_id, ts.key, worker.address, rewrite=ts.dequeued))
-        ts.dequeued = False
-
-    def _transition_processing_memory(
-        self, ts: TaskState, worker: WorkerInfo, value: bytes | None = None, *, stimulus_id: str
-    ) -> None:
-        """The result of the claim holder, ``worker`` (the only one accepted); ``value``,
-        a small result itself, goes into the record and to the clients that want it."""
-        worker.processing.discard(ts)
-        self._emit(Unclaim(stimulus_id, worker.address, ts.key))
-        ts.processing_on = None
-        self._set_state(ts, "memory", stimulus_id=stimulus_id)
-        self.n_finished += 1
-        self._add_replica(ts, worker.address)
-        if worker.retiring:  # finished while its worker retires: to be copied elsewhere
-            worker.to_move.add(ts)
-            self._holders_changed = True
-        ts.inline = value is not None
-        fields = self._memory_fields(ts)
-        if value is not None:
-            fields["value"] = value
-        self._emit(SetState(stimulus_id, ts.key, "memory", fields))
-        told = ts.notified if ts.told else {}
-        ts.told = False
-        for client in ts.who_wants:
-            # FINISH told those its push named, unless one of them sent a graph since
-            # (the key again, perhaps: its client then takes news only as new as that)
-            if told.get(client, -1) != self.generations.get(client, 0):
-                self._emit(ClientMsg(stimulus_id, client, self._memory_msg(ts, value)))
-        self._fired_done(ts, stimulus_id=stimulus_id)
-        self._wake_waiters(ts, stimulus_id=stimulus_id)
-        for dep in ts.dependencies:
-            discarded(dep.waiters, ts)
-            self._maybe_release(dep)
-        self._maybe_release(ts)
-
-    def _free(self, worker: str, key: str, *, stimulus_id: str, run: float = NO_SCORE) -> None:
-        """Tell a worker to drop what it holds of ``key`` (a result, a failed run; with
-        ``run``, only a copy of that run)."""
-        free = FreeKeys([key], seen=self._seen(), run=run)
-        self._emit(WorkerMsg(stimulus_id, worker, free))
-
-    def _seen(self) -> str:
-        """The workers stream entry up to which this state has read every claim: a
-        ``free-keys`` says so, and its worker keeps a copy it claimed after that entry
-        (this state decided without knowing that claim, and answers it when it reads
-        it).  Without it a worker that claimed a key again before reading a
-        ``free-keys`` about its older copy answered the claim from that copy, then
-        dropped it, and the record named a holder that held nothing."""
-        if not self._seen_text:
-            seen = max((p for p in (self._read, self.seen_floor) if p is not None), default=None)
-            self._seen_text = "" if seen is None else f"{seen[0]}-{seen[1]}"
-        return self._seen_text
-
-    def _wake_waiters(self, ts: TaskState, *, stimulus_id: str) -> None:
-        for dependent in sorted(ts.waiters, key=lambda t: t.score):
-            discarded(dependent.waiting_on, ts)
-            if dependent.state == "waiting" and not dependent.waiting_on:
-                self._transition(dependent, "queued", stimulus_id=stimulus_id)
-            elif dependent.state == "waiting":
-                self._mark_chain(dependent, stimulus_id=stimulus_id)
-
-    def _add_replica(self, ts: TaskState, worker: str) -> None:
-        ts.who_has.add(worker)
-        ws = self.workers.get(worker)
-        if ws is not None:
-            ws.has_what.add(ts)
-        self._new_holder(ts)  # (a rebalance may wait for it)
-
-    def _transition_processing_erred(self, ts: TaskState, *, stimulus_id: str) -> None:
-        if ts.processing_on is not None:
-            ws = self.workers.get(ts.processing_on)
-            if ws is not None:
-                ws.processing.discard(ts)
-            ts.processing_on = None
-        self._transition_waiting_erred(ts, stimulus_id=stimulus_id)
-
-    def _transition_waiting_erred(self, root: TaskState, *, stimulus_id: str) -> None:
-        """Err ``root`` and, iteratively, every dependent waiting on it."""
-        todo = [root]
-        while todo:
-            ts = todo.pop()
-            self._set_state(ts, "erred", stimulus_id=stimulus_id)
-            self.n_erred += 1
-            ts.waiting_on = EMPTY
-            self._emit(SetState(stimulus_id, ts.key, "erred", self._erred_fields(ts)))
-            for client in ts.who_wants:
-                self._emit(ClientMsg(stimulus_id, client, self._erred_msg(ts)))
-            self._fired_done(ts, stimulus_id=stimulus_id)
-            for dependent in sorted(ts.waiters, key=lambda t: -t.score):
-                if dependent.state == "waiting":
-                    self._inherit_error(dependent, ts)
-                    todo.append(dependent)
-            ts.waiters = EMPTY
-            for dep in ts.dependencies:
-                discarded(dep.waiters, ts)
-                self._maybe_release(dep)
-
-    def _transition_released_erred(self, ts: TaskState, *, stimulus_id: str) -> None:
-        """A task that cannot run, its error set by the caller: its data is lost and
-        nothing can recompute it (``_err_lost``), or the scheduler refused it (a cycle)."""
-        self._transition_waiting_erred(ts, stimulus_id=stimulus_id)
-
-    def _inherit_error(self, ts: TaskState, source: TaskState) -> None:
-        ts.exception, ts.traceback = source.exception, source.traceback
-        ts.exception_text, ts.traceback_text = source.exception_text, source.traceback_text
-        ts.exception_blame = source.exception_blame or source.key
-        ts.erred_on = source.erred_on
-        ts.killed = source.killed
-        ts.rejected = source.rejected
-
-    def _transition_waiting_released(self, ts: TaskState, *, stimulus_id: str) -> None:
-        self._set_state(ts, "released", stimulus_id=stimulus_id)
-        ts.waiting_on = EMPTY
-        self._emit(SetState(stimulus_id, ts.key, "released"))
-        self._release_dependencies(ts)
-
-    def _transition_queued_released(self, ts: TaskState, *, stimulus_id: str) -> None:
-        self._dequeue(ts, stimulus_id=stimulus_id)
-        self._transition_waiting_released(ts, stimulus_id=stimulus_id)
-
-    def _transition_processing_released(self, ts: TaskState, *, stimulus_id: str) -> None:
-        self._take_back(ts, stimulus_id=stimulus_id)
-        self._transition_waiting_released(ts, stimulus_id=stimulus_id)
-
-    def _transition_memory_released(self, ts: TaskState, *, stimulus_id: str) -> None:
-        for worker in ts.replicating - ts.who_has:  # fetching a copy nobody needs now
-            self._free(worker, ts.key, stimulus_id=stimulus_id)
-        ts.replicating = EMPTY
-        self._cancel_move(ts, stimulus_id=stimulus_id)
-        for worker in ts.who_has:
-            ws = self.workers.get(worker)
-            if ws is not None:
-                ws.has_what.discard(ts)
-            self._free(worker, ts.key, stimulus_id=stimulus_id)
-        ts.who_has.clear()
-        self._set_state(ts, "released", stimulus_id=stimulus_id)
-        released: dict[str, Any] = {"who_has": []}
-        if ts.inline:
-            ts.inline, released["value"] = False, None
-        self._emit(SetState(stimulus_id, ts.key, "released", released))
-        self._release_dependencies(ts)
-        self._maybe_release(ts)
-
-    def _transition_erred_released(self, ts: TaskState, *, stimulus_id: str) -> None:
-        if ts.exception_blame is None and ts.killed is None and ts.erred_on in self.workers:
-            # it raised there: the worker keeps the error
-            self._free(ts.erred_on, ts.key, stimulus_id=stimulus_id)
-        self._set_state(ts, "released", stimulus_id=stimulus_id)
-        ts.exception = ts.traceback = None
-        ts.exception_text = ts.traceback_text = ""
-        ts.exception_blame = ts.erred_on = ts.killed = None
-        ts.suspicious, ts.deaths, ts.rejected = 0, (), False
-        self._emit(
-            SetState(
-                stimulus_id,
-                ts.key,
-                "released",
-                {
-                    "exception": b"",
-                    "traceback": b"",
-                    "exception_text": "",
-                    "traceback_text": "",
-                    "erred_on": "",
-                    "exception_blame": "",
-                    "killed": b"",
-                    "rejected": False,
-                    "suspicious": 0,
-                    "deaths": [],
-                },
-            )
-        )
-        self._release_dependencies(ts)
-        self._maybe_release(ts)
-
-    def _transition_released_forgotten(self, ts: TaskState, *, stimulus_id: str) -> None:
-        self._set_state(ts, "forgotten", stimulus_id=stimulus_id)
-        del self.tasks[ts.key]
-        self._emit(Forget(stimulus_id, ts.key))
-        for dep in ts.dependencies:
-            discarded(dep.dependents, ts)
-            discarded(dep.waiters, ts)
-            if dep.state == "released":
-                self._maybe_release(dep)
-        for dependent in ts.dependents:
-            discarded(dependent.dependencies, ts)
-
-    # Every legal move.  Two more state changes bypass the table, on purpose: a lost last
-    # copy goes memory -> released without freeing anything or releasing its dependencies
-    # (``_lost_data``: it is recomputed if still needed), and scattered data
-    # (``_handle_update_data``) sets a released task to memory.
-    _TRANSITIONS: ClassVar[dict[tuple[str, str], Callable[..., None]]] = {
-        ("released", "waiting"): _transition_released_waiting,
-        ("released", "erred"): _transition_released_erred,
-        ("released", "forgotten"): _transition_released_forgotten,
-        ("waiting", "queued"): _transition_waiting_queued,
-        ("waiting", "no-worker"): _transition_waiting_no_worker,
-        ("waiting", "erred"): _transition_waiting_erred,
-        ("waiting", "released"): _transition_waiting_released,
-        ("waiting", "processing"): Chains._transition_waiting_processing,
-        ("queued", "processing"): _transition_queued_processing,
-        ("queued", "waiting"): _transition_queued_waiting,
-        ("queued", "no-worker"): _transition_queued_no_worker,
-        ("queued", "released"): _transition_queued_released,
-        ("no-worker", "queued"): _transition_no_worker_queued,
-        ("no-worker", "waiting"): _transition_no_worker_waiting,
-        ("no-worker", "released"): _transition_no_worker_released,
-        ("processing", "memory"): _transition_processing_memory,
-        ("processing", "queued"): _transition_processing_queued,
-        ("processing", "waiting"): _transition_processing_waiting,
-        ("processing", "erred"): _transition_processing_erred,
-        ("processing", "released"): _transition_processing_released,
-        ("memory", "released"): _transition_memory_released,
-        ("erred", "released"): _transition_erred_released,
-    }
-
-    # ------------------------------------------------------------------ release rules
-
-    def _release_dependencies(self, ts: TaskState) -> None:
-        for dep in ts.dependencies:
-            discarded(dep.waiters, ts)
-            self._maybe_release(dep)
-        self._maybe_release(ts)
-
-    def _maybe_release(self, ts: TaskState) -> None:
-        """Release a task nobody needs any more (no client wants it, no dependent waits).
-
-        Releases and forgets go through a worklist drained by ``_drain`` instead of
-        recursing, so cancelling a 100,000-task chain cannot hit the recursion limit."""
-        self._candidates.append(ts)
 
     def _drain(self, *, stimulus_id: str) -> None:
         while self._candidates:
@@ -1549,99 +1045,6 @@ class SchedulerState(DataMoves, WorkStealing, Chains):
             if ts.who_wants or ts.waiters or ts.state == "forgotten":
                 continue
             if ts.state != "released":
-                self._transition(ts, "released", stimulus_id=stimulus_id)
+                self.transition(ts, "released", stimulus_id=stimulus_id)
             elif all(d.state == "forgotten" for d in ts.dependents):
-                self._transition(ts, "forgotten", stimulus_id=stimulus_id)
-
-    # ------------------------------------------------------------------ messages
-
-    def _memory_fields(self, ts: TaskState) -> dict[str, Any]:
-        return {"who_has": ts.holders(), "nbytes": ts.nbytes, "type": ts.type}
-
-    def _memory_msg(self, ts: TaskState, value: bytes | None = None) -> KeyInMemory:
-        return KeyInMemory(ts.key, ts.holders(), nbytes=ts.nbytes, type=ts.type, value=value)
-
-    def _erred_fields(self, ts: TaskState) -> dict[str, Any]:
-        fields = {
-            "exception": ts.exception or b"",
-            "traceback": ts.traceback or b"",
-            "exception_text": ts.exception_text,
-            "traceback_text": ts.traceback_text,
-            "erred_on": ts.erred_on or "",
-            "exception_blame": ts.exception_blame or "",
-        }
-        if ts.killed:
-            fields["killed"] = ts.killed
-            fields["suspicious"] = ts.suspicious
-            fields["deaths"] = list(ts.deaths)
-        if ts.rejected:
-            fields["rejected"] = 1
-        return fields
-
-    def _erred_msg(self, ts: TaskState) -> KeyErred:
-        msg = KeyErred(
-            ts.key,
-            exception=ts.exception or b"",
-            traceback=ts.traceback or b"",
-            exception_text=ts.exception_text,
-            traceback_text=ts.traceback_text,
-            erred_on=ts.erred_on or "",
-            exception_blame=ts.exception_blame or "",
-            rejected=ts.rejected,
-        )
-        if ts.killed:
-            msg.killed, msg.suspicious = ts.killed, ts.suspicious
-            msg.deaths = codecs.pack(ts.deaths)
-        return msg
-
-    # ------------------------------------------------------------------ validation
-
-    def validate_state(self) -> None:
-        for key, ts in self.tasks.items():
-            assert ts.key == key
-            assert ts.state != "forgotten", ts
-            for dep in ts.dependencies:
-                assert ts in dep.dependents, (ts, dep)
-                assert dep.key in self.tasks, (ts, dep)
-            for dependent in ts.dependents:
-                assert ts in dependent.dependencies, (ts, dependent)
-            if ts.state == "memory":
-                assert ts.who_has or ts.inline, ts
-                assert ts.processing_on is None, ts
-            if ts.state == "processing":
-                assert ts.processing_on is not None, ts
-                ws = self.workers.get(ts.processing_on)
-                assert ws is not None and ts in ws.processing, ts
-            if ts.state == "queued":
-                assert all(d.state == "memory" for d in ts.dependencies), ts
-                assert ts.processing_on is None, ts
-            if ts.state == "waiting":
-                assert ts.waiting_on == {d for d in ts.dependencies if d.state != "memory"}, ts
-                assert ts.waiting_on, ts
-            if ts.state in ("queued", "no-worker"):
-                assert all(d.state == "memory" for d in ts.dependencies), ts
-            # a queued restricted or resourced task sits in the sets of live workers only,
-            # one placed by data in one worker's set (and the placed set)
-            if ts.queued_on:
-                assert ts.state == "queued" and (ts.restrict or ts.resources or
-                                                 len(ts.queued_on) == 1), ts  # fmt: skip
-            elif ts.state == "queued":  # in the shared set: no resources, no strict restriction
-                assert not ts.resources and (ts.loose or not ts.restrict), ts
-            assert all(w in self.workers for w in ts.queued_on), (ts, ts.queued_on)
-            if ts.state in HOLDS_DEPENDENCIES:
-                for dep in ts.dependencies:
-                    assert ts in dep.waiters, (ts, dep)
-            for client in ts.who_wants:
-                assert ts in self.clients.get(client, set()), (ts, client)
-        for ws in self.workers.values():
-            assert ws.retiring or not (ws.told_to_close or ws.retire_heard), ws.address
-            for ts in ws.processing:
-                assert ts.processing_on == ws.address, (ts, ws.address)
-            for ts in ws.has_what:
-                assert ws.address in ts.who_has, (ts, ws.address)
-        self._validate_moves()
-        for client, wanted in self.clients.items():
-            assert wanted or not keyspace.is_holder(client), client  # gone when it wants nothing
-            for ts in wanted:
-                assert client in ts.who_wants, (client, ts)
-                assert self.tasks.get(ts.key) is ts, (client, ts)
+                self.transition(ts, "forgotten", stimulus_id=stimulus_id)

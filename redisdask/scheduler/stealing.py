@@ -1,8 +1,8 @@
 """Work stealing: a worker with nothing to run takes tasks another worker claimed and has
 not started (Dask's ``distributed/stealing.py``, much reduced).  ``WorkStealing`` is a
-mixin of ``SchedulerState`` (pure: events in, instructions out), as ``DataMoves`` is; it
-declares the attributes it uses and no stub of the machine's methods (``_emit``,
-``_transition``, ``_set_state``, ``_targets``).
+part of ``SchedulerState`` (``state.stealing``, pure: events in, instructions out) that
+owns the steal requests in flight, as Dask's ``WorkStealing`` extension owns its
+``in_flight``.
 
 Workers claim ahead only what they expect to start within the claim horizon
 (``redisdask.durations``), and a worker whose every thread runs a task past any
@@ -53,16 +53,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-from redisdask.durations import Durations
-from redisdask.placement import Placement
 from redisdask.protocol import StealRequest, Stimulus, StolenKeys
 from redisdask.scheduler.instructions import Enqueue, LogEvent, SetState, Unclaim, WorkerMsg
 from redisdask.scheduler.tasks import other_run
 
 if TYPE_CHECKING:
     from redisdask.scheduler.tasks import TaskState, WorkerInfo
+    from redisdask.scheduler.transitions import TransitionEngine
 
 STEAL_TIMEOUT = 2.0  # seconds a steal request may go unanswered before it is asked again
 BANDWIDTH = 100e6  # bytes/s assumed between workers (Dask's ``scheduler.bandwidth``)
@@ -194,45 +193,40 @@ def transfer_seconds(ts: TaskState, thief: str) -> float:
 
 
 class WorkStealing:
-    """``SchedulerState``'s work stealing (see the module docstring); the attributes
-    below are the machine's."""
+    """The state machine's work stealing (see the module docstring)."""
 
-    tasks: dict[str, TaskState]
-    workers: dict[str, WorkerInfo]
-    durations: Durations
-    placement: Placement
-    steals: dict[TaskState, Asked]  # steal requests in flight, per task
+    def __init__(self, machine: TransitionEngine) -> None:
+        self.machine = machine
+        self.steals: dict[TaskState, Asked] = {}  # steal requests in flight, per task
 
-    def _init_stealing(self) -> None:
-        self.steals = {}
-
-    def _handle_steal_tick(self, ev: StealTick) -> None:
+    def handle_steal_tick(self, ev: StealTick) -> None:
         for ts, asked in list(self.steals.items()):
             timed_out = not asked.refused and ev.now - asked.at > STEAL_TIMEOUT
             if timed_out or ts.processing_on != asked.victim:
                 del self.steals[ts]
+        m = self.machine
         plans = plan_steals(
-            self.workers, self.steals, self._may_steal, self._queued_for(), self._estimate
+            m.workers, self.steals, self.may_steal, self._queued_for(), self.estimate
         )
         for victim, thief, tasks in plans:
             for ts in tasks:
                 self.steals[ts] = Asked(victim, thief, ev.now)
             request = StealRequest([ts.key for ts in tasks], thief)
-            self._emit(WorkerMsg(ev.stimulus_id, victim, request))
+            m.emit(WorkerMsg(ev.stimulus_id, victim, request))
 
-    def _estimate(self, ts: TaskState) -> float:
-        return self.durations.averages.get(ts.prefix, UNKNOWN_DURATION)
+    def estimate(self, ts: TaskState) -> float:
+        return self.machine.durations.averages.get(ts.prefix, UNKNOWN_DURATION)
 
-    def _may_steal(self, ts: TaskState, thief: str) -> bool:
+    def may_steal(self, ts: TaskState, thief: str) -> bool:
         """The thief may run ``ts`` (its restriction, its resources) and moving its data
         there costs less than ``COST_RATIO`` times its run."""
-        targets = self._targets(ts)
+        targets = self.machine.targets(ts)
         if targets is None or (targets and thief not in targets):
             return False
         if ts.waiting_on or any(d.state == "processing" and ts in d.waiting_on
                                 for d in ts.dependents):  # fmt: skip
             return False  # a chain claimed together runs together (scheduler/chain.py)
-        return transfer_seconds(ts, thief) <= COST_RATIO * self._estimate(ts)
+        return transfer_seconds(ts, thief) <= COST_RATIO * self.estimate(ts)
 
     def _queued_for(self) -> Callable[[str], bool]:
         """Whether a queued task waits that a given worker may claim itself: any task
@@ -251,34 +245,35 @@ class WorkStealing:
 
     def _scan_queued(self) -> Callable[[str], bool]:
         restricted: set[str] = set()
-        for ts in self.tasks.values():
+        for ts in self.machine.tasks.values():
             if ts.state == "queued":
                 if not (ts.restrict or ts.resources or ts.sticky):
                     return lambda thief: True
                 restricted.update(ts.queued_on)
         return restricted.__contains__
 
-    def _handle_stolen_keys(self, ev: StolenKeys) -> None:
+    def handle_stolen_keys(self, ev: StolenKeys) -> None:
         """The victim gave these claims up (they will not run there): queue each for the
         thief.  A key no longer processing there (the victim died and its tasks were
         queued again, or another run of the key) is left as it is."""
-        victim = self.workers.get(ev.worker)
+        m = self.machine
+        victim = m.workers.get(ev.worker)
         for key in ev.refused:  # (started: not to be asked for again while it runs there)
-            ts = self.tasks.get(key)
+            ts = m.tasks.get(key)
             asked = self.steals.get(ts) if ts is not None else None
             if asked is not None:
                 asked.refused = True
         scores = list(ev.scores) + [float("nan")] * (len(ev.keys) - len(ev.scores))
         moved = []
         for key, score in zip(ev.keys, scores, strict=False):
-            ts = self.tasks.get(key)
+            ts = m.tasks.get(key)
             if ts is None:
                 continue
             self.steals.pop(ts, None)
             if victim is None or ts not in victim.processing or other_run(score, ts):
                 continue
             victim.processing.discard(ts)
-            self._emit(Unclaim(ev.stimulus_id, victim.address, key))
+            m.emit(Unclaim(ev.stimulus_id, victim.address, key))
             if ts.state == "processing":
                 ts.processing_on = None
                 self._queue_for(ts, ev.thief, stimulus_id=ev.stimulus_id)
@@ -286,24 +281,20 @@ class WorkStealing:
         if moved:
             fields = {"victim": ev.worker, "thief": ev.thief, "n": len(moved),
                       "keys": moved[:LOGGED_KEYS]}  # fmt: skip
-            self._emit(LogEvent(ev.stimulus_id, "stolen", fields))
+            m.emit(LogEvent(ev.stimulus_id, "stolen", fields))
 
     def _queue_for(self, ts: TaskState, thief: str, *, stimulus_id: str) -> None:
         """Queue a stolen task (processing on nobody now) first for ``thief``, as a task
         placed by data: others take it if the thief is busy, paused or gone.  A
         restricted or resourced one, or one whose thief left or retires: as any other."""
-        ws = self.workers.get(thief)
+        m = self.machine
+        ws = m.workers.get(thief)
         unfit = ws is None or ws.retiring or ws.retire_heard or ws.told_to_close
         if ts.restrict or ts.resources or unfit:
-            self._transition(ts, "queued", stimulus_id=stimulus_id)
+            m.transition(ts, "queued", stimulus_id=stimulus_id)
             return
-        self._set_state(ts, "queued", stimulus_id=stimulus_id)
+        m.set_state(ts, "queued", stimulus_id=stimulus_id)
         ts.queued_on = (thief,)
-        self._emit(SetState(stimulus_id, ts.key, "queued"))
+        m.emit(SetState(stimulus_id, ts.key, "queued"))
         on = ts.queued_on
-        self._emit(Enqueue(stimulus_id, ts.key, ts.score, on, on, placed=True, preferred=True))
-
-    _STEAL_HANDLERS: ClassVar[dict[type[Stimulus], Callable[[Any, Any], None]]] = {
-        StealTick: _handle_steal_tick,
-        StolenKeys: _handle_stolen_keys,
-    }
+        m.emit(Enqueue(stimulus_id, ts.key, ts.score, on, on, placed=True, preferred=True))

@@ -680,7 +680,7 @@ def load_state(
             error = RecordError(name, "?", evidence(raw), f"is malformed ({exc})")
             bad.append(Quarantined("rebalance", name, member, error, raw))
             continue
-        state.restore_rebalance(request, record)
+        state.moves.restore_rebalance(request, record)
     for one in bad:
         one.log(keys)
     logger.info(
