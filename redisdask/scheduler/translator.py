@@ -63,7 +63,7 @@ from redisdask.scheduler.instructions import (
 )
 from redisdask.scheduler.moves import RebalanceConfig
 from redisdask.scheduler.quarantine import REBALANCE_RECORD_TTL_MS, Quarantined, record_copy
-from redisdask.scheduler.state import HOLDS_DEPENDENCIES, SchedulerState
+from redisdask.scheduler.state import SchedulerState
 from redisdask.scheduler.tasks import (
     EMPTY,
     RejectedGraph,
@@ -72,6 +72,7 @@ from redisdask.scheduler.tasks import (
     added,
     stream_position,
 )
+from redisdask.scheduler.transitions import HOLDS_DEPENDENCIES
 from redisdask.store import codecs, keyspace, scripts
 from redisdask.store.codecs import RebalanceRecord, evidence
 from redisdask.store.eventlog import death_fields, event_command
