@@ -50,7 +50,7 @@ def _public_exceptions() -> dict[str, type[BaseException]]:
 def test_every_public_error_is_a_redisdask_error_drawn_in_the_tree() -> None:
     found = _public_exceptions()
     assert "redisdask.comm.errors.CommClosedError" in found  # the walk reaches every module
-    assert "redisdask.workers.state.InvalidTaskState" in found
+    assert "redisdask.workers.transitions.InvalidTaskState" in found
     outside = sorted(name for name, cls in found.items() if not issubclass(cls, RedisDaskError))
     assert outside == []
     tree = errors.__doc__ or ""

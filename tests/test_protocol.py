@@ -319,13 +319,15 @@ def test_the_worker_driver_carries_out_every_instruction_and_reads_every_inbox_m
         RetireAborted,
         RetireWorker,
     )
-    from redisdask.workers import inbox, worker
-    from redisdask.workers import state as ws
+    from redisdask.workers import events, inbox, worker
+    from redisdask.workers.events import Instruction, Report
 
     # (a slotted dataclass is a second class: the first stays among the subclasses until
     # it is collected, so only the classes the module names count)
-    instructions = {c for c in ws.Instruction.__subclasses__() if getattr(ws, c.__name__) is c}
-    emitted = instructions | set(typing.get_args(ws.Report))
+    instructions = {
+        c for c in Instruction.__subclasses__() if getattr(events, c.__name__, None) is c
+    }
+    emitted = instructions | set(typing.get_args(Report))
     assert set(worker._CARRY_OUT) == emitted
     apart = {ComputeTask, RestartWorker, RetireWorker, RetireAborted, CloseWorker}
     assert set(inbox.INBOX_EVENTS) | apart == set(SCHEDULER_TO_WORKER.values())

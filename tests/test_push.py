@@ -222,7 +222,7 @@ def test_a_worker_ignores_a_push_meant_for_another_process_or_without_its_spec()
     without it: test_a_pushed_task_is_not_taken_for_lost_by_the_report_written_before...)"""
     from redisdask.protocol import FreeKeys
     from redisdask.store import codecs, keyspace
-    from redisdask.workers import state as ws
+    from redisdask.workers.events import FreeKeysEvent
     from redisdask.workers.inbox import Pushed, inbox_events
 
     def entry(*msgs: Any, specs: dict[str, bytes] | None = None) -> dict[bytes, bytes]:
@@ -238,4 +238,4 @@ def test_a_worker_ignores_a_push_meant_for_another_process_or_without_its_spec()
     assert (pushed.event.key, pushed.event.run_spec, pushed.event.estimate) == ("x", b"spec", 0.01)
     assert inbox_events("2-0", entry(push, specs={"x": b"spec"}), gone) == []
     [freed] = inbox_events("3-0", entry(push, FreeKeys(["y"])), mine)  # no spec for x
-    assert isinstance(freed, ws.FreeKeysEvent) and freed.keys == ["y"]
+    assert isinstance(freed, FreeKeysEvent) and freed.keys == ["y"]

@@ -20,7 +20,7 @@ from redisdask.protocol import (
     TaskFinished,
 )
 from redisdask.state_machine import InvalidTransition, table_problems
-from redisdask.workers.state import (
+from redisdask.workers.events import (
     AcquireReplicasEvent,
     ClaimsHandledEvent,
     ComputeTaskEvent,
@@ -46,8 +46,8 @@ from redisdask.workers.state import (
     StealRequestEvent,
     UnpauseEvent,
     UpdateWhoHasEvent,
-    WorkerState,
 )
+from redisdask.workers.state import WorkerState
 
 SELF = "tcp://10.0.0.1:8000"
 A = "tcp://10.0.0.2:8000"

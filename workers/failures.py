@@ -30,7 +30,7 @@ import cloudpickle
 
 import redisdask
 from redisdask.errors import TaskInterrupted
-from redisdask.workers import state as ws
+from redisdask.workers.events import ExecuteFailureEvent
 
 MAX_ERROR_LENGTH = 10_000  # distributed.admin.max-error-length's default
 
@@ -159,7 +159,7 @@ def failure_event(
     stop: float,
     sid: str,
     max_error_length: int = MAX_ERROR_LENGTH,
-) -> ws.ExecuteFailureEvent:
+) -> ExecuteFailureEvent:
     """The failure of task ``key`` as its worker reports it: the exception (truncated) and
     its traceback (the user's frames) pickled so the client can re-raise both, and their
     text for Redis (``redisdask inspect task`` shows it)."""
@@ -175,7 +175,7 @@ def failure_event(
         ).with_traceback(exc.__traceback__)
     text = "".join(tb_module.format_exception_only(type(exc), exc)).strip()
     tree = _traceback_dict(exc.__traceback__)
-    return ws.ExecuteFailureEvent(
+    return ExecuteFailureEvent(
         key,
         _pickled_exception(exc, text),
         _pickled_traceback(tree, max_error_length),

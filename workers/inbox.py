@@ -28,7 +28,15 @@ from redisdask.protocol import (
     parse,
 )
 from redisdask.store import codecs, keyspace
-from redisdask.workers import state as ws
+from redisdask.workers.events import (
+    AcquireReplicasEvent,
+    ComputeTaskEvent,
+    FreeKeysEvent,
+    KeysRecordedEvent,
+    StateMachineEvent,
+    StealRequestEvent,
+    UpdateWhoHasEvent,
+)
 
 logger = logging.getLogger("redisdask.worker")
 
@@ -89,7 +97,7 @@ def early_news(
 class Pushed:
     """A task the scheduler gave this worker (``compute-task``, ``redisdask.scheduler.push``)."""
 
-    event: ws.ComputeTaskEvent
+    event: ComputeTaskEvent
     chain: bool
 
 
@@ -102,36 +110,36 @@ def _pushed(msg: ComputeTask, fields: dict[bytes, bytes], sid: str) -> Pushed | 
         logger.warning("ignoring compute-task %r: its spec did not come with it", msg.key)
         return None
     estimate = msg.estimate if msg.estimate >= 0 else None
-    event = ws.ComputeTaskEvent(msg.key, spec, (msg.score,), {}, sid, {}, estimate)
+    event = ComputeTaskEvent(msg.key, spec, (msg.score,), {}, sid, {}, estimate)
     return Pushed(event, msg.chain)
 
 
 # the state machine's event for each scheduler message of the inbox (``ComputeTask`` and
 # the commands for the driver are read apart: ``inbox_events``)
-INBOX_EVENTS: dict[type, Callable[[Any, str], ws.StateMachineEvent]] = {
-    FreeKeys: lambda msg, sid: ws.FreeKeysEvent(
+INBOX_EVENTS: dict[type, Callable[[Any, str], StateMachineEvent]] = {
+    FreeKeys: lambda msg, sid: FreeKeysEvent(
         msg.keys,
         sid,
         seen=parse_id(msg.seen) if msg.seen else None,
         run=None if math.isnan(msg.run) else float(msg.run),
     ),
-    KeysRecorded: lambda msg, sid: ws.KeysRecordedEvent(msg.keys, sid),
-    WhoHas: lambda msg, sid: ws.UpdateWhoHasEvent(msg.who_has, sid),
-    AcquireReplicas: lambda msg, sid: ws.AcquireReplicasEvent(msg.who_has, sid),
-    StealRequest: lambda msg, sid: ws.StealRequestEvent(msg.keys, msg.thief, sid),
+    KeysRecorded: lambda msg, sid: KeysRecordedEvent(msg.keys, sid),
+    WhoHas: lambda msg, sid: UpdateWhoHasEvent(msg.who_has, sid),
+    AcquireReplicas: lambda msg, sid: AcquireReplicasEvent(msg.who_has, sid),
+    StealRequest: lambda msg, sid: StealRequestEvent(msg.keys, msg.thief, sid),
 }
 
 
 def inbox_events(
     entry_id: str, fields: dict[bytes, bytes], started: float
-) -> list[ws.StateMachineEvent | Command | Pushed]:
+) -> list[StateMachineEvent | Command | Pushed]:
     """Events from one inbox entry (``protocol.SCHEDULER_TO_WORKER``) of the worker
     process ``started`` then; ProtocolError (or KeyError, ValueError from a field that is
     not msgpack) when it is malformed."""
     messages = codecs.unpack(fields[b"m"])
     if not isinstance(messages, list):
         raise ProtocolError("field 'm' is not a list of messages")
-    events: list[ws.StateMachineEvent | Command | Pushed] = []
+    events: list[StateMachineEvent | Command | Pushed] = []
     for i, raw in enumerate(messages):
         sid = f"{entry_id}/{i}"
         msg = parse(raw, SCHEDULER_TO_WORKER)

@@ -75,8 +75,29 @@ from redisdask.utils.sizes import format_bytes
 from redisdask.utils.threads import in_thread
 from redisdask.versions import VersionMismatchError, pickle_breaking, versions
 from redisdask.workers import calls
-from redisdask.workers import state as ws
 from redisdask.workers.coroutines import run_coroutine
+from redisdask.workers.events import (
+    ClaimsHandledEvent,
+    ComputeTaskEvent,
+    Execute,
+    ExecuteFailureEvent,
+    ExecuteSuccessEvent,
+    FreeKeysEvent,
+    GatherDep,
+    GatherDepNetworkFailureEvent,
+    GatherDepSuccessEvent,
+    PauseEvent,
+    PutDataEvent,
+    Rejoin,
+    RejoinEvent,
+    Report,
+    RetireAbortedEvent,
+    RetireEvent,
+    RunsOverdueEvent,
+    SecedeEvent,
+    StateMachineEvent,
+    UnpauseEvent,
+)
 from redisdask.workers.failures import MAX_ERROR_LENGTH, failure_event
 from redisdask.workers.inbox import (
     Command,
@@ -91,7 +112,9 @@ from redisdask.workers.memory import WorkerMemoryManager
 from redisdask.workers.plugins import PluginHost
 from redisdask.workers.sizeof import sizeof
 from redisdask.workers.spill import SpillBuffer
+from redisdask.workers.state import WorkerState
 from redisdask.workers.transfers import TransferCounts
+from redisdask.workers.transitions import MAX_CLAIM
 
 logger = logging.getLogger("redisdask.worker")
 
@@ -291,7 +314,7 @@ class Worker:
             dead_after=self.peer_timeout,
         )
         self._start_memory()
-        self.state = ws.WorkerState(
+        self.state = WorkerState(
             address=self.address,
             nthreads=self.nthreads,
             data=self.data,
@@ -533,7 +556,7 @@ class Worker:
 
     # ------------------------------------------------------------------ state machine
 
-    def handle(self, *events: ws.StateMachineEvent) -> None:
+    def handle(self, *events: StateMachineEvent) -> None:
         self.state.clock = time.time()  # when, in the story
         instructions = self.state.handle_stimulus(*events)
         self.plugin_host.transitions(self.state)
@@ -543,7 +566,7 @@ class Worker:
         if self._outbox:
             self._schedule_flush()
 
-    def _gather_dep(self, ins: ws.GatherDep) -> None:
+    def _gather_dep(self, ins: GatherDep) -> None:
         if ins.worker == keyspace.REDIS_COPY:  # small results, from their records
             came = self._claimed_values
             claimed = {k: came[k] for k in ins.keys if k in came}
@@ -621,7 +644,7 @@ class Worker:
         """Called in ``key``'s thread by ``secede()``: it no longer counts (returns at
         once; the event reaches the state machine before the task's result can)."""
         sid = f"secede-{time.time():.6f}-{next(_STIMULI)}"
-        self._loop.call_soon_threadsafe(self.handle, ws.SecedeEvent(key, sid))
+        self._loop.call_soon_threadsafe(self.handle, SecedeEvent(key, sid))
 
     def rejoin_task(self, key: str) -> None:
         """Called in ``key``'s thread by ``rejoin()``: block until the state machine
@@ -629,7 +652,7 @@ class Worker:
         granted = self._rejoin_waiters[key] = threading.Event()
         sid = f"rejoin-{time.time():.6f}-{next(_STIMULI)}"
         try:
-            self._loop.call_soon_threadsafe(self.handle, ws.RejoinEvent(key, sid))
+            self._loop.call_soon_threadsafe(self.handle, RejoinEvent(key, sid))
         except RuntimeError:  # the event loop is closed: the worker is gone
             granted.set()
         while not granted.wait(1.0) and self.status in ("init", "running", "closing"):
@@ -649,14 +672,14 @@ class Worker:
         run = self.executor.submit(self._run, key, ts.run_spec, deps)
         run.add_done_callback(self._hand_back)
 
-    def _hand_back(self, run: Future[ws.StateMachineEvent]) -> None:
+    def _hand_back(self, run: Future[StateMachineEvent]) -> None:
         """In the pool thread, as a run ends: its end goes to the event loop, in the
         loop's next turn (``run_in_executor`` took two: the asyncio future's, then its
         callback's, a tenth of a round trip)."""
         with contextlib.suppress(RuntimeError):  # (a closed loop: the worker is gone)
             self._loop.call_soon_threadsafe(self._ran, run)
 
-    def _ran(self, run: Future[ws.StateMachineEvent]) -> None:
+    def _ran(self, run: Future[StateMachineEvent]) -> None:
         """A run's end, on the event loop.  A run that failed once this worker began to
         close is not reported: its goodbye hands the task back (it runs elsewhere, as
         distributed's ``Reschedule``), for the error may be the closing's own doing (its
@@ -666,7 +689,7 @@ class Worker:
         event = run.result()
         self._run_began.pop(event.key, None)
         self._run_ended.discard(event.key)
-        if isinstance(event, ws.ExecuteFailureEvent) and self.status != "running":
+        if isinstance(event, ExecuteFailureEvent) and self.status != "running":
             logger.info(
                 "task %r failed while worker %s closes (%s): handed back, not erred",
                 event.key,
@@ -676,7 +699,7 @@ class Worker:
             return
         self.handle(event)
 
-    def _run(self, key: str, spec: bytes, deps: dict[str, Any]) -> ws.StateMachineEvent:
+    def _run(self, key: str, spec: bytes, deps: dict[str, Any]) -> StateMachineEvent:
         """Runs in a pool thread: the task, then the checks its result must pass."""
         start = self._run_began[key] = time.time()
         sid = f"execute-{start:.6f}-{next(_STIMULI)}"  # new: no chain of every run before
@@ -698,7 +721,7 @@ class Worker:
         finally:
             context.end_task()
             self._run_ended.add(key)
-        return ws.ExecuteSuccessEvent(
+        return ExecuteSuccessEvent(
             key, value, nbytes, type_name(type(value)), start, time.time(), sid, inline=inline
         )
 
@@ -756,7 +779,7 @@ class Worker:
             ran = now - self._start_lag(now)  # "now" for the runs, by their threads' clocks
             give_back = self.state.give_back_delay(self.claim_horizon, ran)
             if give_back == 0:
-                self.handle(ws.RunsOverdueEvent(self.claim_horizon, ran, f"overdue-{now:.3f}"))
+                self.handle(RunsOverdueEvent(self.claim_horizon, ran, f"overdue-{now:.3f}"))
                 give_back = self.state.give_back_delay(self.claim_horizon, ran)
             starts = self.state.claim_budget(self.claim_horizon, now)
             if starts and self._may_have_work():
@@ -769,7 +792,7 @@ class Worker:
                             raise
                         self._leave_removed(exc)
                         return
-                    dry = len(claimed) < ws.MAX_CLAIM and not flags & CLAIM_FULL
+                    dry = len(claimed) < MAX_CLAIM and not flags & CLAIM_FULL
                     self._empty_at = parse_id(last_id) if dry else None
                     blocked = flags & CLAIM_BLOCKED
                     self._blocked_at = self.state.resources_freed if blocked else None
@@ -779,20 +802,20 @@ class Worker:
                         )
                     self._handle_inbox(script_entries(inbox))
                     self._note_chains(claimed)
-                    events: list[ws.StateMachineEvent] = [
+                    events: list[StateMachineEvent] = [
                         self._compute_event(c, self._claimed_values, claim) for c in claimed
                     ]
                     for ev in events:
                         self._claimed_before[ev.key] = self._holding_reports
                     if kept:  # what was kept for these claims, and none of them needs, goes
-                        events.append(ws.ClaimsHandledEvent(kept, f"claimed-{time.time():.3f}"))
+                        events.append(ClaimsHandledEvent(kept, f"claimed-{time.time():.3f}"))
                     if events:
                         self.handle(*events)
                     self._claimed_values.clear()  # (those not fetched were not needed)
                 continue
             if self.state.lingering:  # no claim now: nothing waits for those
                 kept = self.state.lingering_keys()
-                self.handle(ws.ClaimsHandledEvent(kept, f"no-claim-{now:.3f}"))
+                self.handle(ClaimsHandledEvent(kept, f"no-claim-{now:.3f}"))
             self._wake.clear()
             # look again when a thread comes within the horizon of its end (claim its next
             # task then), or when every thread's run is past any expectation (hand back
@@ -841,7 +864,7 @@ class Worker:
         free = format_resources(self.state.free_resources()) if self.resources else ""
         return await self.scripts.claim(
             worker=self.address,
-            count=ws.MAX_CLAIM,
+            count=MAX_CLAIM,
             last_inbox_id=self._inbox_id,
             free=free,
             horizon=self.claim_horizon,
@@ -851,7 +874,7 @@ class Worker:
     @staticmethod
     def _compute_event(
         claimed: list[Any], values: dict[str, bytes], claim: bytes | str
-    ) -> ws.ComputeTaskEvent:
+    ) -> ComputeTaskEvent:
         """A claimed task (``claim``: its claim's entry on the workers stream); the small
         results of its dependencies that came with it go into ``values``."""
         key, spec, score, deps, needs, estimate, *_ = claimed
@@ -861,7 +884,7 @@ class Worker:
             dependencies[dep.decode()] = (split_words(who), int(nb or 0))
             if value:
                 values[dep.decode()] = value[0]
-        return ws.ComputeTaskEvent(
+        return ComputeTaskEvent(
             key,
             spec,
             (float(score),),
@@ -894,7 +917,7 @@ class Worker:
     def _handle_inbox(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
         """Apply scheduler messages, each entry once (the listener and the claim script
         both deliver them), in order; a malformed message is logged and skipped."""
-        items: list[ws.StateMachineEvent | Command] = []
+        items: list[StateMachineEvent | Command] = []
         for entry_id, fields in entries:
             if parse_id(entry_id) <= parse_id(self._inbox_id):
                 continue
@@ -903,7 +926,7 @@ class Worker:
                 items.extend(inbox_events(entry_id.decode(), fields, self.started))
             except (ProtocolError, KeyError, TypeError, ValueError) as exc:
                 logger.warning("ignoring malformed inbox entry %s: %s", entry_id.decode(), exc)
-        batch: list[ws.StateMachineEvent] = []
+        batch: list[StateMachineEvent] = []
         for item in items:
             if isinstance(item, Pushed):
                 self._note_pushed(item)
@@ -935,7 +958,7 @@ class Worker:
     def _restart(self, command: Command) -> None:
         """Drop everything held or running, as it is now; under a nanny, exit for it to
         start a fresh process."""
-        self.handle(ws.FreeKeysEvent(list(self.state.tasks), command.stimulus_id, force=True))
+        self.handle(FreeKeysEvent(list(self.state.tasks), command.stimulus_id, force=True))
         if self.nanny_pid is not None and self.status == "running":
             self._exit_reason = "restart"  # its nanny starts a fresh process
             self._closing = asyncio.ensure_future(self.close("restart"))
@@ -949,7 +972,7 @@ class Worker:
         if not self.state.retiring or self._retire_force:  # (a forced one always leaves)
             return
         logger.warning("Worker %s is not retiring any more: %s", self.address, command.reason)
-        self.handle(ws.RetireAbortedEvent(command.stimulus_id))
+        self.handle(RetireAbortedEvent(command.stimulus_id))
         self._claim_again()
 
     def retire(self, force: bool = False) -> None:
@@ -962,7 +985,7 @@ class Worker:
         if self.state.retiring or self.status != "running":
             return
         logger.info("Retiring worker %s: moving its data to other workers", self.address)
-        self.handle(ws.RetireEvent(f"retire-{time.time()}"))
+        self.handle(RetireEvent(f"retire-{time.time()}"))
         self._spawn(self._keep_running(self._retire_loop))
 
     async def _retire_loop(self) -> None:
@@ -1204,11 +1227,11 @@ class Worker:
     def _on_pause(self, detail: str) -> None:
         """The memory manager found the process past ``pause``: start no new task."""
         self._note("pause", detail)
-        self.handle(ws.PauseEvent(f"pause-{time.time()}"))
+        self.handle(PauseEvent(f"pause-{time.time()}"))
 
     def _on_unpause(self, detail: str) -> None:
         self._note("unpause", detail)
-        self.handle(ws.UnpauseEvent(f"unpause-{time.time()}"))
+        self.handle(UnpauseEvent(f"unpause-{time.time()}"))
 
     def _on_spill_failed(self, news: dict[str, Any]) -> None:
         """Spills fail: the next heartbeat writes a ``spill-failed`` cluster event, which
@@ -1263,7 +1286,7 @@ class Worker:
         nbytes = {k: sizeof(v) for k, v in data.items()}
         self.transfers.received(sum(nbytes.values()), from_redis=True)
         sid = f"gather-redis-{time.time():.6f}-{next(_STIMULI)}"
-        self.handle(ws.GatherDepSuccessEvent(keyspace.REDIS_COPY, data, nbytes, sid))
+        self.handle(GatherDepSuccessEvent(keyspace.REDIS_COPY, data, nbytes, sid))
 
     async def _gather(self, worker: str, keys: list[str]) -> None:
         self.transfers.peer_transfer()
@@ -1284,7 +1307,7 @@ class Worker:
             # tell the scheduler at once; the state machine tries other holders meanwhile
             self._report(MissingData(self.address, keys, errant_worker=worker))
             self.handle(
-                ws.GatherDepNetworkFailureEvent(
+                GatherDepNetworkFailureEvent(
                     worker, keys, str(exc), f"gather-fail-{time.time():.6f}-{next(_STIMULI)}"
                 )
             )
@@ -1294,7 +1317,7 @@ class Worker:
         nbytes = {k: sizeof(v) for k, v in data.items()}
         self.transfers.received(sum(nbytes.values()))
         self.handle(
-            ws.GatherDepSuccessEvent(
+            GatherDepSuccessEvent(
                 worker, data, nbytes, f"gather-{time.time():.6f}-{next(_STIMULI)}"
             )
         )
@@ -1313,7 +1336,7 @@ class Worker:
             if errors:
                 return {"status": "error", "message": str(next(iter(errors.values())))}, []
             self.handle(
-                ws.PutDataEvent(
+                PutDataEvent(
                     dict(values),
                     {k: sizeof(v) for k, v in values.items()},
                     f"put-data-{time.time()}",
@@ -1344,10 +1367,10 @@ class Worker:
 
 # how the driver carries out each instruction of its state machine
 _CARRY_OUT: dict[type, Callable[[Worker, Any], None]] = {
-    ws.Execute: lambda worker, ins: worker._execute(ins.key),
-    ws.GatherDep: Worker._gather_dep,
-    **dict.fromkeys(typing.get_args(ws.Report), Worker._report),
-    ws.Rejoin: lambda worker, ins: worker._rejoined(ins.key),
+    Execute: lambda worker, ins: worker._execute(ins.key),
+    GatherDep: Worker._gather_dep,
+    **dict.fromkeys(typing.get_args(Report), Worker._report),
+    Rejoin: lambda worker, ins: worker._rejoined(ins.key),
 }
 
 # what the driver does with each command of its inbox (``RestartWorker``, ``RetireWorker``,

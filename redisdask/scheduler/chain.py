@@ -34,7 +34,7 @@ from redisdask.scheduler.instructions import MarkChain, SetState, Unclaim
 from redisdask.scheduler.tasks import TaskState, WorkerInfo, other_run
 
 if TYPE_CHECKING:
-    from redisdask.scheduler.transitions import TransitionEngine
+    from redisdask.scheduler.transitions import SchedulerTransitions
 
 # dependents named in one task's chain at most (a fan-out needs no more: the first ones
 # follow on its worker, the others are queued as usual when the scheduler reads the result)
@@ -45,7 +45,7 @@ class Chains:
     """The state machine's marking and acceptance of chained claims (see the module
     docstring)."""
 
-    def __init__(self, machine: TransitionEngine) -> None:
+    def __init__(self, machine: SchedulerTransitions) -> None:
         self.machine = machine
 
     def mark(self, ts: TaskState, *, stimulus_id: str) -> None:

@@ -53,7 +53,7 @@ from redisdask.store.codecs import MOVE_FIELD, RebalanceRecord
 
 if TYPE_CHECKING:
     from redisdask.scheduler.tasks import TaskState, WorkerInfo
-    from redisdask.scheduler.transitions import TransitionEngine
+    from redisdask.scheduler.transitions import SchedulerTransitions
 
 
 @dataclass(slots=True, eq=False)
@@ -167,7 +167,7 @@ class DataMoves:
     """The state machine's handling of ``replicate`` and ``rebalance`` (see the module
     docstring)."""
 
-    def __init__(self, machine: TransitionEngine, limits: RebalanceConfig | None) -> None:
+    def __init__(self, machine: SchedulerTransitions, limits: RebalanceConfig | None) -> None:
         self.machine = machine
         self.limits = limits or RebalanceConfig()
         self.moving: dict[str, Move] = {}  # task key -> its move in flight

@@ -8,7 +8,7 @@ batch that caused them.
 
 What each event does is here (a handler per event type, ``_HANDLERS``); the tasks'
 states, the moves between them and the model they change are in
-``scheduler/transitions.py`` (``TransitionEngine``, which ``SchedulerState`` extends).
+``scheduler/transitions.py`` (``SchedulerTransitions``, which ``SchedulerState`` extends).
 
 Written in the idiom both state machines share (``redisdask.state_machine``): handlers
 chosen by event type (``_HANDLERS``), the legal moves in one table (``_TRANSITIONS``),
@@ -92,7 +92,7 @@ from redisdask.scheduler.tasks import (
     priority_score,
     worker_stream_position,
 )
-from redisdask.scheduler.transitions import HOLDS_DEPENDENCIES, TransitionEngine
+from redisdask.scheduler.transitions import HOLDS_DEPENDENCIES, SchedulerTransitions
 from redisdask.store import codecs, keyspace
 
 
@@ -109,9 +109,9 @@ def _pack_deaths(ts: TaskState) -> bytes:
     return codecs.pack({"task": ts.key, "deaths": ts.deaths})
 
 
-class SchedulerState(TransitionEngine):
+class SchedulerState(SchedulerTransitions):
     """The pure state machine: ``handle_stimulus(*events) -> instructions``, each event
-    applied by its handler in terms of ``TransitionEngine``'s moves."""
+    applied by its handler in terms of ``SchedulerTransitions``'s moves."""
 
     # ------------------------------------------------------------------ entry point
 

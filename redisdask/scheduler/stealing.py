@@ -61,7 +61,7 @@ from redisdask.scheduler.tasks import other_run
 
 if TYPE_CHECKING:
     from redisdask.scheduler.tasks import TaskState, WorkerInfo
-    from redisdask.scheduler.transitions import TransitionEngine
+    from redisdask.scheduler.transitions import SchedulerTransitions
 
 STEAL_TIMEOUT = 2.0  # seconds a steal request may go unanswered before it is asked again
 BANDWIDTH = 100e6  # bytes/s assumed between workers (Dask's ``scheduler.bandwidth``)
@@ -195,7 +195,7 @@ def transfer_seconds(ts: TaskState, thief: str) -> float:
 class WorkStealing:
     """The state machine's work stealing (see the module docstring)."""
 
-    def __init__(self, machine: TransitionEngine) -> None:
+    def __init__(self, machine: SchedulerTransitions) -> None:
         self.machine = machine
         self.steals: dict[TaskState, Asked] = {}  # steal requests in flight, per task
 

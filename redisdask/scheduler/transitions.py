@@ -1,5 +1,5 @@
 """The scheduler's model of every task, worker and client it knows, and every legal move
-of a task between states (``TransitionEngine``): the half of the pure state machine that
+of a task between states (``SchedulerTransitions``): the half of the pure state machine that
 knows no event.  ``SchedulerState`` (``scheduler/state.py``) says what each event means
 in these moves, as distributed's ``Scheduler`` does with its ``SchedulerState``.
 
@@ -89,7 +89,7 @@ from redisdask.store import codecs, keyspace
 HOLDS_DEPENDENCIES = ("waiting", "queued", "processing", "no-worker")
 
 
-class TransitionEngine:
+class SchedulerTransitions:
     """Every task, worker and client the scheduler knows, and the legal moves of a task
     between states (see the module docstring)."""
 
