@@ -462,7 +462,7 @@ def test_a_gather_reports_only_the_holders_on_record_that_answered_without_the_k
     without the key, and that is no fault: only a holder the record still names is
     reported (once), and such reports are not the unreachable holders that make a
     client give up."""
-    from redisdask.client.client import _Tries
+    from redisdask.client.fetch import _Tries
     from redisdask.store.keyspace import REDIS_COPY
 
     tries = _Tries({"x": 1})

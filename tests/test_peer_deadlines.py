@@ -479,7 +479,7 @@ def test_a_client_that_reaches_no_worker_gives_up_after_a_few_recomputes(
     the workers are there, the client cannot get to them, as behind a firewall). Each
     report has the key computed again, so the client stops after MAX_MISSING_REPORTS
     with an error naming the network, instead of having it computed for ever."""
-    from redisdask.client.client import MAX_MISSING_REPORTS
+    from redisdask.client.fetch import MAX_MISSING_REPORTS
     from redisdask.errors import DataUnavailableError
 
     with (

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     import redis
 
     from redisdask.client.channel import SchedulerChannel
+    from redisdask.client.fetch import ResultFetcher
     from redisdask.store.keyspace import Keys
 
 logger = logging.getLogger("redisdask.client")
@@ -47,6 +48,7 @@ class ClusterAdmin:
     _lock: threading.RLock
     _states: dict[str, _FutureState]
     _channel: SchedulerChannel
+    _fetcher: ResultFetcher
 
     @offloaded
     def restart(self, timeout: float | str = 30.0, wait_for_workers: bool = True) -> None:
@@ -163,7 +165,7 @@ class ClusterAdmin:
         self._channel.send([Rebalance(self.id, request, keys=keys, workers=addresses)])
         record = self._rebalance_done(request, deadline, timeout)
         if keys is not None:
-            self._block(self._arefresh_who_has, keys)  # where the values are now
+            self._block(self._fetcher.refresh_who_has, keys)  # where the values are now
             if record.failed:
                 raise KeyError(f"Could not rebalance keys: {record.failed}")
 
@@ -370,7 +372,7 @@ class ClusterAdmin:
         return self._sync(self._awho_has, keys)
 
     async def _awho_has(self, keys: list[str]) -> dict[str, list[str]]:
-        await self._arefresh_who_has(keys)
+        await self._fetcher.refresh_who_has(keys)
         return {k: holdings.workers_only(self._state_for(k).who_has) for k in keys}
 
     async def _awho_has_all(self) -> dict[str, list[str]]:
