@@ -2,40 +2,83 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
+from typing import TYPE_CHECKING, Any
 
 # one source: pyproject.toml's [project] version, as installed
 __version__ = importlib.metadata.version("redisdask")
 
-from redisdask.client import Client, Future, as_completed, default_client, futures_of, wait
-from redisdask.client.diagnostics import progress
-from redisdask.client.performance_report import performance_report
-from redisdask.client.task_stream import get_task_stream
-from redisdask.client.worker_client import get_client, worker_client
-from redisdask.context import get_worker, rejoin, secede
-from redisdask.coordination import (
-    Event,
-    Lock,
-    MultiLock,
-    Queue,
-    Semaphore,
-    Variable,
-    fire_and_forget,
-)
-from redisdask.deploy.cluster import LocalCluster
-from redisdask.errors import (
-    ClusterConnectionError,
-    FutureCancelledError,
-    FuturesCancelledError,
-    KilledWorker,
-    RedisDaskError,
-    SchedulerRejectedError,
-    TaskInterrupted,
-    WorkerStartTimeoutError,
-    WorkerUnresponsiveError,
-)
-from redisdask.plugins import WorkerPlugin
-from redisdask.security import Security
+if TYPE_CHECKING:
+    from redisdask.client import Client, Future, as_completed, default_client, futures_of, wait
+    from redisdask.client.diagnostics import progress
+    from redisdask.client.performance_report import performance_report
+    from redisdask.client.task_stream import get_task_stream
+    from redisdask.client.worker_client import get_client, worker_client
+    from redisdask.context import get_worker, rejoin, secede
+    from redisdask.coordination import (
+        Event,
+        Lock,
+        MultiLock,
+        Queue,
+        Semaphore,
+        Variable,
+        fire_and_forget,
+    )
+    from redisdask.deploy.cluster import LocalCluster
+    from redisdask.errors import (
+        ClusterConnectionError,
+        FutureCancelledError,
+        FuturesCancelledError,
+        KilledWorker,
+        RedisDaskError,
+        SchedulerRejectedError,
+        TaskInterrupted,
+        WorkerStartTimeoutError,
+        WorkerUnresponsiveError,
+    )
+    from redisdask.plugins import WorkerPlugin
+    from redisdask.security import Security
+
+# what each public name is imported from, at its first use (PEP 562): a worker, a
+# nanny or a scheduler process runs ``python -m redisdask`` and needs none of the
+# client's modules, whose imports cost each process about a second of CPU at start
+_EXPORTS: dict[str, str] = {
+    "Client": "redisdask.client",
+    "Future": "redisdask.client",
+    "as_completed": "redisdask.client",
+    "default_client": "redisdask.client",
+    "futures_of": "redisdask.client",
+    "wait": "redisdask.client",
+    "progress": "redisdask.client.diagnostics",
+    "performance_report": "redisdask.client.performance_report",
+    "get_task_stream": "redisdask.client.task_stream",
+    "get_client": "redisdask.client.worker_client",
+    "worker_client": "redisdask.client.worker_client",
+    "get_worker": "redisdask.context",
+    "rejoin": "redisdask.context",
+    "secede": "redisdask.context",
+    "Event": "redisdask.coordination",
+    "Lock": "redisdask.coordination",
+    "MultiLock": "redisdask.coordination",
+    "Queue": "redisdask.coordination",
+    "Semaphore": "redisdask.coordination",
+    "Variable": "redisdask.coordination",
+    "fire_and_forget": "redisdask.coordination",
+    "LocalCluster": "redisdask.deploy.cluster",
+    "ClusterConnectionError": "redisdask.errors",
+    "FutureCancelledError": "redisdask.errors",
+    "FuturesCancelledError": "redisdask.errors",
+    "KilledWorker": "redisdask.errors",
+    "RedisDaskError": "redisdask.errors",
+    "SchedulerRejectedError": "redisdask.errors",
+    "TaskInterrupted": "redisdask.errors",
+    "WorkerStartTimeoutError": "redisdask.errors",
+    "WorkerUnresponsiveError": "redisdask.errors",
+    "WorkerPlugin": "redisdask.plugins",
+    "Security": "redisdask.security",
+}
+
 
 __all__ = [
     "Client",
@@ -73,3 +116,16 @@ __all__ = [
     "wait",
     "worker_client",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'redisdask' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # (looked up once)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

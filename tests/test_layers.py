@@ -58,3 +58,24 @@ def test_the_workers_state_machine_is_sans_io(name: str) -> None:
             assert module != io and not module.startswith(io + "."), f"it imports {module}"
             chain = graph.find_shortest_chain(importer=module, imported=io)
             assert chain is None, f"workers/{name} -> {' -> '.join(chain or ())}"
+
+
+def test_the_cluster_processes_do_not_import_the_client() -> None:
+    """A worker, a nanny and a scheduler run ``python -m redisdask``: the package's public
+    names are imported at their first use (``redisdask.__getattr__``), so none of these
+    processes pays for the client's modules at start (about a third of their start-up
+    CPU), and importing a name still works."""
+    code = (
+        "import sys\n"
+        "import redisdask.cli.commands, redisdask.workers.process\n"
+        "import redisdask.scheduler.driver, redisdask.nanny.nanny\n"
+        "print(sorted(m for m in sys.modules if m.startswith('redisdask.client')))\n"
+        "from redisdask import Client, LocalCluster, wait\n"
+        "print(Client.__module__, LocalCluster.__module__, wait.__module__)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    loaded, names = result.stdout.splitlines()
+    assert loaded == "[]", f"the cluster's processes import {loaded}"
+    assert names == "redisdask.client.client redisdask.deploy.cluster redisdask.client.futures"
