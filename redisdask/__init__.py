@@ -119,9 +119,16 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    """A public name, imported at its first use; or a subpackage (``redisdask.client``
+    after ``import redisdask``, as when the package imported the client itself)."""
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'redisdask' has no attribute {name!r}")
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise  # (the module exists; something it imports does not)
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # (looked up once)
     return value

@@ -324,6 +324,22 @@ def dask_installed() -> bool:
     return importlib.util.find_spec("dask") is not None
 
 
+def make_dask_default(scheduler: Any) -> Any:
+    """With dask installed, make ``scheduler`` (a client, or a ``get`` function) dask's
+    scheduler (``x.compute()``, ``dask.compute``, ``dask.persist`` run on the cluster), as
+    distributed's default client is, with the shuffle and rechunk methods that work on any
+    cluster; returns what restores dask's config as it was (``__exit__``)."""
+    if not dask_installed():
+        return None
+    import dask
+
+    wanted = {"scheduler": scheduler}
+    for name in ("dataframe.shuffle.method", "array.rechunk.method"):
+        if dask.config.get(name, None) is None:  # the user's choice stands
+            wanted[name] = "tasks"
+    return dask.config.set(wanted)
+
+
 def is_task(obj: Any) -> bool:
     return type(obj) is tuple and bool(obj) and callable(obj[0])
 

@@ -9,9 +9,10 @@ are written the same way (neither imports the other; both import this module):
   ``functools.singledispatchmethod`` about 1.1 µs, so the dict it is.)
 * **An explicit transition table.**  A class-level ``_TRANSITIONS`` dict,
   ``(start, finish) -> _transition_<start>_<finish>``, readable top to bottom as the
-  list of legal moves.  ``_transition(ts, finish, *, stimulus_id, ...)`` looks the move
-  up and raises ``InvalidTransition`` for one that is not there.  The unit tests check
-  that the table holds every ``_transition_*`` method, so a new one must be registered.
+  list of legal moves.  ``transition(ts, finish, *, stimulus_id, ...)`` (the worker's
+  ``_transition``) looks the move up and raises ``InvalidTransition`` for one that is not
+  there.  The unit tests check that the table holds every ``_transition_*`` method, so a
+  new one must be registered.
 * **``stimulus_id`` keyword-only and last** in every transition method, so the cause of
   each move is passed explicitly and lands in the story.
 * **Stories.**  Each machine records the transitions it makes, newest last, in a bounded

@@ -67,8 +67,9 @@ def test_the_cluster_processes_do_not_import_the_client() -> None:
     CPU), and importing a name still works."""
     code = (
         "import sys\n"
-        "import redisdask.cli.commands, redisdask.workers.process\n"
-        "import redisdask.scheduler.driver, redisdask.nanny.nanny\n"
+        "import redisdask.cli.commands, redisdask.scheduler.driver, redisdask.nanny.nanny\n"
+        "from redisdask.workers import process\n"
+        "process.make_dask_default(process._dask_get)  # (as a worker's main() starts)\n"
         "print(sorted(m for m in sys.modules if m.startswith('redisdask.client')))\n"
         "from redisdask import Client, LocalCluster, wait\n"
         "print(Client.__module__, LocalCluster.__module__, wait.__module__)\n"
@@ -79,3 +80,22 @@ def test_the_cluster_processes_do_not_import_the_client() -> None:
     loaded, names = result.stdout.splitlines()
     assert loaded == "[]", f"the cluster's processes import {loaded}"
     assert names == "redisdask.client.client redisdask.deploy.cluster redisdask.client.futures"
+
+
+def test_every_public_name_of_the_package_resolves() -> None:
+    """The lazily imported names (``redisdask.__getattr__``) are exactly ``__all__``, each
+    one resolves, and a subpackage is reachable as an attribute after ``import redisdask``."""
+    code = (
+        "import redisdask\n"
+        "assert sorted([*redisdask._EXPORTS, '__version__']) == sorted(redisdask.__all__)\n"
+        "assert all(getattr(redisdask, n) is not None for n in redisdask.__all__)\n"
+        "assert redisdask.client.Client is redisdask.Client\n"
+        "try:\n"
+        "    redisdask.no_such_name\n"
+        "except AttributeError as exc:\n"
+        "    print(exc)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert result.stdout.strip() == "module 'redisdask' has no attribute 'no_such_name'"

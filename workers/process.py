@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from redisdask.security import Security
+from redisdask.spec import make_dask_default
 from redisdask.store import logship
 from redisdask.utils import logs
 from redisdask.utils.heap import Heap
@@ -104,6 +105,14 @@ async def _settle_heap() -> None:
         await asyncio.sleep(HEAP_SETTLE_INTERVAL)  # a timer by nature
 
 
+def _dask_get(dsk: Any, keys: Any, **kwargs: Any) -> Any:
+    """dask's scheduler in a worker's process (``worker_client.dask_get``), imported at
+    the first graph a task computes: a worker starts without the client's modules."""
+    from redisdask.client.worker_client import dask_get
+
+    return dask_get(dsk, keys, **kwargs)
+
+
 def main(redis_url: str, cluster: str, **kwargs: Any) -> None:
     """Run one worker in this process until SIGTERM/SIGINT, then leave gracefully."""
     faulthandler.enable()  # a crash in compiled code prints every thread's Python stack
@@ -113,10 +122,7 @@ def main(redis_url: str, cluster: str, **kwargs: Any) -> None:
         # this process is the worker's own: dask's scheduler here is the cluster inside a
         # task (as distributed's get_client() is dask's fallback there), dask's threads
         # elsewhere; in-thread workers leave the user's process's dask config alone
-        from redisdask.client.client import _make_dask_default
-        from redisdask.client.worker_client import dask_get
-
-        _make_dask_default(dask_get)
+        make_dask_default(_dask_get)
         worker = Worker(redis_url, cluster, **kwargs)
         loop = asyncio.get_running_loop()
         closing: set[asyncio.Task[None]] = set()  # the loop holds tasks weakly: keep them

@@ -686,6 +686,8 @@ class WorkerState(WorkerTransitions):
         )
         return not starts or fits(need, self.available_resources)
 
+    # -- helpers ---------------------------------------------------------------------
+
     def _ensure_task(self, key: str) -> TaskState:
         ts = self.tasks.get(key)
         if ts is None:

@@ -124,7 +124,6 @@ STATES: frozenset[str] = frozenset(
 DEFAULT_TRANSFER_BATCH_BYTES = 200_000_000
 DEFAULT_TRANSFER_BATCH_KEYS = 1000  # the worker gives the wire's: comm.MAX_KEYS_PER_MESSAGE
 DEFAULT_TRANSFER_CONCURRENCY = 4
-MAX_CLAIM = 1000
 RUNNING = ("executing", "long-running")  # a thread computes the task
 
 
@@ -264,6 +263,8 @@ class WorkerTransitions:
         """The story entries about ``keys``."""
         wanted = set(keys)
         return [entry for entry in self.story if entry[0] in wanted]
+
+    # -- what to fetch from each peer ------------------------------------------------
 
     def _fetchable(self, ts: TaskState, peer: str) -> bool:
         """Whether a heap entry is live: the task is still to be fetched, and ``peer``

@@ -114,10 +114,10 @@ from redisdask.workers.sizeof import sizeof
 from redisdask.workers.spill import SpillBuffer
 from redisdask.workers.state import WorkerState
 from redisdask.workers.transfers import TransferCounts
-from redisdask.workers.transitions import MAX_CLAIM
 
 logger = logging.getLogger("redisdask.worker")
 
+MAX_CLAIM = 1000  # tasks one claim takes at most
 REPORT_BATCH = 100  # reports per XADD at most while threads are busy
 CLAIM_DELAY_SLACK = 0.001  # seconds added to a timed claim (a timer may fire a bit early)
 REPORT_LINGER = 0.002  # seconds a report may wait for companions while threads are busy

@@ -1,9 +1,10 @@
 """The client side: what a user's program runs.  ``Client`` (``client.py``) talks to the
 scheduler through Redis streams (``channel.py``), holds ``Future``s (``futures.py``),
-administers the cluster (``admin.py``), calls workers directly (``worker_calls.py``,
-``scatter.py``), turns dask collections into tasks (``dask_graph.py``, ``annotations.py``)
-and runs its I/O on one event loop (``loop.py``); ``as_completed``, ``progress``,
-``get_task_stream`` and ``performance_report`` are built on it."""
+administers the cluster (``admin.py``), fetches results from the workers that hold them
+(``fetch.py``), calls workers directly (``worker_calls.py``, ``scatter.py``), turns dask
+collections into tasks (``dask_graph.py``, ``annotations.py``) and runs its I/O on one
+event loop (``loop.py``); ``as_completed``, ``progress``, ``get_task_stream`` and
+``performance_report`` are built on it."""
 
 from redisdask.client.client import Client
 from redisdask.client.completed import as_completed

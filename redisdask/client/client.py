@@ -5,7 +5,8 @@ The client talks to the scheduler only through Redis: submissions go on the clie
 stream (batched: ``map`` of 100,000 items is a few pipelined XADDs), and the scheduler
 answers on this client's own events stream (both in ``channel.py``).  Results are
 fetched straight from the workers that hold them, over authenticated TCP
-(``redisdask.comm``); they never pass through Redis.  The I/O is coroutines, run on the
+(``redisdask.comm``; ``fetch.py``); only small ones pass through Redis, in their task
+records.  The I/O is coroutines, run on the
 caller's loop (``asynchronous=True``) or on the blocking client's own loop thread.
 
 Futures of one key share a ``_FutureState`` (``redisdask.client.futures``); the client counts
@@ -268,7 +269,7 @@ class Client(ClusterAdmin, WorkerCalls, ScatterMethods, DatasetMethods, LogMetho
         self.status = "running"
         if self._set_as_default:
             context.set_default(self)
-            self._dask_config = _make_dask_default(self)
+            self._dask_config = specs.make_dask_default(self)
 
     async def _afind_cluster(self) -> bytes:
         """The cluster's secret, once a scheduler or a worker created the cluster."""
@@ -1177,19 +1178,3 @@ def _close_at_exit() -> None:
             cluster.close()
         except Exception:
             logger.exception("closing %r at exit failed", cluster)
-
-
-def _make_dask_default(client: Any) -> Any:
-    """With dask installed, make ``client`` dask's scheduler (``x.compute()``,
-    ``dask.compute``, ``dask.persist`` run on the cluster), as distributed's default
-    client is, with the shuffle and rechunk methods that work on any cluster; returns
-    what restores dask's config as it was (``__exit__``)."""
-    if not specs.dask_installed():
-        return None
-    import dask
-
-    wanted = {"scheduler": client}
-    for name in ("dataframe.shuffle.method", "array.rechunk.method"):
-        if dask.config.get(name, None) is None:  # the user's choice stands
-            wanted[name] = "tasks"
-    return dask.config.set(wanted)

@@ -4,9 +4,11 @@ As ``workers/`` holds ``state.py`` (the worker's state machine) beside ``worker.
 driver), this package holds the scheduler's rooms:
 
 * ``state``: ``SchedulerState``, pure Python, no I/O: ``handle_stimulus(*events) ->
-  instructions``; ``tasks``, what it knows of a task and a worker; ``instructions``, the
-  changes it asks for; ``moves``, ``chain``, ``stealing``, ``decide``, ``push``,
-  ``cycles``: its parts, each with its own concern;
+  instructions``, what each event means; ``transitions``, the model it extends
+  (``SchedulerTransitions``: the tasks, workers and clients, every legal move of a task);
+  ``tasks``, what it knows of a task and a worker; ``instructions``, the changes it asks
+  for; ``moves``, ``chain``, ``stealing``, ``decide``, ``push``, ``cycles``: its parts,
+  each with its own concern;
 * ``translator``: the instructions as Redis commands, the stream entries as stimuli, a
   reload from the records;
 * ``driver``: the blocking loop (``redisdask scheduler``) with its lease, reads and fenced

@@ -1038,13 +1038,3 @@ class SchedulerState(SchedulerTransitions):
         StealTick: _handle_steal_tick,
         StolenKeys: _handle_stolen_keys,
     }
-
-    def _drain(self, *, stimulus_id: str) -> None:
-        while self._candidates:
-            ts = self._candidates.popleft()
-            if ts.who_wants or ts.waiters or ts.state == "forgotten":
-                continue
-            if ts.state != "released":
-                self.transition(ts, "released", stimulus_id=stimulus_id)
-            elif all(d.state == "forgotten" for d in ts.dependents):
-                self.transition(ts, "forgotten", stimulus_id=stimulus_id)

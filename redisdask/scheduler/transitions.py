@@ -118,8 +118,8 @@ class SchedulerTransitions:
         self.seen_floor: StreamPosition | None = None
         self._seen_text = ""  # (``_seen``, made when first asked after a change)
         self.holders_changed = False  # something a retirement or a rebalance waits for
-        # its parts, each owning its own state (the machine's tasks and workers are theirs
-        # to read and change through the machine's transitions)
+        # its parts, each owning its own state; they read and change the tasks and
+        # workers here and emit through the public methods below
         self.moves = DataMoves(self, rebalance)  # replicate and rebalance
         self.stealing = WorkStealing(self)  # claims moved from busy workers to idle ones
         self.chains = Chains(self)  # dependents claimed with the results they wait on
@@ -582,6 +582,16 @@ class SchedulerTransitions:
         Releases and forgets go through a worklist drained by ``_drain`` instead of
         recursing, so cancelling a 100,000-task chain cannot hit the recursion limit."""
         self._candidates.append(ts)
+
+    def _drain(self, *, stimulus_id: str) -> None:
+        while self._candidates:
+            ts = self._candidates.popleft()
+            if ts.who_wants or ts.waiters or ts.state == "forgotten":
+                continue
+            if ts.state != "released":
+                self.transition(ts, "released", stimulus_id=stimulus_id)
+            elif all(d.state == "forgotten" for d in ts.dependents):
+                self.transition(ts, "forgotten", stimulus_id=stimulus_id)
 
     # ------------------------------------------------------------------ messages
 
