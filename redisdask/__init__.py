@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from redisdask.utils import lazy
 
 # one source: pyproject.toml's [project] version, as installed
 __version__ = importlib.metadata.version("redisdask")
@@ -40,9 +41,9 @@ if TYPE_CHECKING:
     from redisdask.plugins import WorkerPlugin
     from redisdask.security import Security
 
-# what each public name is imported from, at its first use (PEP 562): a worker, a
-# nanny or a scheduler process runs ``python -m redisdask`` and needs none of the
-# client's modules, whose imports cost each process about a second of CPU at start
+# where each public name lives, imported at its first use (``utils/lazy.py``): a
+# worker, a nanny or a scheduler process runs ``python -m redisdask`` and needs none of
+# the client's modules
 _EXPORTS: dict[str, str] = {
     "Client": "redisdask.client",
     "Future": "redisdask.client",
@@ -117,22 +118,4 @@ __all__ = [
     "worker_client",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    """A public name, imported at its first use; or a subpackage (``redisdask.client``
-    after ``import redisdask``, as when the package imported the client itself)."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{name}":
-                raise  # (the module exists; something it imports does not)
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # (looked up once)
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy.exports(__name__, _EXPORTS)
