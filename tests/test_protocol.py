@@ -332,3 +332,29 @@ def test_the_worker_driver_carries_out_every_instruction_and_reads_every_inbox_m
     apart = {ComputeTask, RestartWorker, RetireWorker, RetireAborted, CloseWorker}
     assert set(inbox.INBOX_EVENTS) | apart == set(SCHEDULER_TO_WORKER.values())
     assert not set(inbox.INBOX_EVENTS) & apart
+
+
+@pytest.mark.parametrize("name", ["codecs.pack", "codecs.pack_for_lua", "frames.encode_header"])
+def test_packing_a_small_message_allocates_a_few_kilobytes(name: str) -> None:
+    """msgpack's own ``packb`` allocates a 256 KiB buffer per message; in a worker, which
+    gives freed memory back at once, that grew and shrank the heap around every report
+    (31 ``brk`` calls per round trip, ``utils/packing.py``).  Measured with tracemalloc,
+    which sees msgpack's buffer (``PyMem_Malloc``)."""
+    import tracemalloc
+
+    from redisdask.comm import frames
+    from redisdask.store import codecs
+
+    pack = {"codecs.pack": codecs.pack, "codecs.pack_for_lua": codecs.pack_for_lua,
+            "frames.encode_header": frames.encode_header}[name]  # fmt: skip
+    message = {"op": "key-in-memory", "key": "inc-1", "who_has": ["tcp://10.0.0.1:1"]}
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        packed = pack(message)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert msgpack.unpackb(packed) == message
+    assert peak < 16 << 10, f"packing {len(packed)} bytes allocated {peak} bytes"

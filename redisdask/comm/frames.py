@@ -34,6 +34,7 @@ import msgpack
 from redisdask.comm import buffers
 from redisdask.comm.buffers import GrowingFrame, allocate
 from redisdask.comm.errors import FramingError, SerializationError
+from redisdask.utils.packing import packb
 
 Buffer: TypeAlias = bytes | bytearray | memoryview | pickle.PickleBuffer
 Header: TypeAlias = dict[str, Any]
@@ -93,7 +94,7 @@ def _coalesce(buffers: Sequence[memoryview], limit: int = COALESCE_LIMIT) -> lis
 
 def encode_header(header: Header) -> bytes:
     try:
-        return msgpack.packb(header, use_bin_type=True)
+        return packb(header)
     except (TypeError, ValueError, OverflowError) as exc:
         raise SerializationError(f"header is not msgpack-encodable: {exc}") from exc
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import msgpack
 
+from redisdask.utils.packing import packb
+
 # --------------------------------------------------------------------------- encoding
 
 EVIDENCE = 80  # characters of a malformed value quoted in its error
@@ -23,13 +25,13 @@ def evidence(raw: Any, limit: int = EVIDENCE) -> str:
 
 
 def pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    return packb(obj)
 
 
 def pack_for_lua(obj: Any) -> bytes:
     """msgpack for Redis's Lua ``cmsgpack``, which predates the ``bin`` type: bytes go
     as raw strings, which Lua strings are anyway."""
-    return msgpack.packb(obj, use_bin_type=False)
+    return packb(obj, use_bin_type=False)
 
 
 def unpack(data: bytes) -> Any:
