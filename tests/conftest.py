@@ -22,21 +22,6 @@ import pytest
 from redisdask import Client, LocalCluster
 from redisdask.deploy.embedded import EmbeddedRedis
 
-LONG_TIMEOUT = 300  # seconds: a test allowed this long is one of the suite's longest
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests allowed ``LONG_TIMEOUT`` or more run first (the order is otherwise kept).
-    In two test processes, the longest ones (a 100,000-task map, 30,000 results, the
-    fuzzers: five minutes together) came in the middle of the list and so ran last,
-    each alone while the other process had nothing left to take."""
-
-    def long(item: pytest.Item) -> bool:
-        marker = item.get_closest_marker("timeout")
-        return marker is not None and bool(marker.args) and marker.args[0] >= LONG_TIMEOUT
-
-    items.sort(key=lambda item: not long(item))
-
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[EmbeddedRedis]:
