@@ -68,7 +68,7 @@ def plugins_of(dask_worker: Any = None) -> list[str]:
 
 def accepted(dask_worker: Any = None) -> int:
     """Connections this worker's TCP server accepted so far (each client.run opens one)."""
-    return dask_worker.server.n_accepted
+    return dask_worker.peers.server.n_accepted
 
 
 def workers_by_name(client: Client) -> dict[str, dict[str, Any]]:

@@ -3,21 +3,22 @@
 What it does, and the Redis or TCP call behind each:
 
 * registers itself (``workers`` hash, ``alive`` key, an ``add-worker`` message) and
-  heartbeats every ``heartbeat-interval`` (``alive`` with a TTL, metrics in ``heartbeats``);
+  heartbeats every ``heartbeat-interval`` (``heartbeat.py``: ``alive`` with a TTL,
+  metrics in ``heartbeats``);
 * **pulls** work: when ``WorkerState.claim_budget()`` says it has room it runs the CLAIM
   script, which pops ready tasks, records them as processing on this worker and tells the
   scheduler, atomically.  When the ready set is empty it waits on the ``ready-signal``
   stream (XREAD BLOCK, no polling); the claim script returns that stream's last id, so a
   signal written after an empty claim always wakes us (no lost wake-ups).  Tasks with
   resources are claimed only within what this worker has free; a claim that left some
-  for lack of resources is tried again once a run gives resources back;
-* runs tasks in a ``ThreadPoolExecutor`` and keeps results in ``WorkerState.data``; a
-  task that secedes (``redisdask.secede``, ``worker_client``) keeps its thread but frees
-  its slot, so the pool grows beyond ``nthreads`` while tasks are seceded (the state
-  machine bounds how many compute); its tasks reach the cluster through the worker's own
-  client (``task_client``, made on first use, closed with the worker);
+  for lack of resources is tried again once a run gives resources back.  A task pushed to
+  it (a root task while it had a free thread) comes in its inbox instead;
+* runs tasks in a pool of threads (``runner.py``) and keeps results in
+  ``WorkerState.data``; a task that secedes (``redisdask.secede``, ``worker_client``)
+  keeps its thread but frees its slot; its tasks reach the cluster through the worker's
+  own client (``task_client``, made on first use, closed with the worker);
 * fetches dependencies from peers and serves its own data over authenticated TCP
-  (``redisdask.comm``); results never pass through Redis;
+  (``peers.py``); results never pass through Redis, except small ones, in their records;
 * reports completions, errors and missing data in batches on the workers stream: a report
   goes out at once when no write is in flight, otherwise with the next write.
 """
@@ -25,23 +26,18 @@ What it does, and the Redis or TCP call behind each:
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import inspect
 import itertools
 import logging
 import os
-import pickle
 import socket
 import tempfile
 import threading
 import time
 import typing
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
-import psutil
 import redis
 
 from redisdask import comm, context, nanny_contract
@@ -53,7 +49,6 @@ from redisdask.protocol import (
     CloseWorker,
     Holding,
     Message,
-    MissingData,
     RemoveWorker,
     RestartWorker,
     RetireAborted,
@@ -61,33 +56,22 @@ from redisdask.protocol import (
     RetireWorkers,
 )
 from redisdask.security import Security
-from redisdask.spec import FunctionCache, run_spec
 from redisdask.store import bootstrap, codecs, keyspace, redis_memory, scripts, topics
 from redisdask.store.connection import connect, connect_async
 from redisdask.store.eventlog import event_command
 from redisdask.store.keyspace import Keys
 from redisdask.store.scripts import CLAIM_BLOCKED, CLAIM_FULL, CLAIM_PASSED, PLACED_PATIENCE_MS
 from redisdask.store.task_record import split_words
-from redisdask.typenames import type_name
-from redisdask.utils import pickling
 from redisdask.utils.backoff import redis_away
-from redisdask.utils.sizes import format_bytes
 from redisdask.utils.threads import in_thread
 from redisdask.versions import VersionMismatchError, pickle_breaking, versions
-from redisdask.workers import calls
-from redisdask.workers.coroutines import run_coroutine
 from redisdask.workers.events import (
     ClaimsHandledEvent,
     ComputeTaskEvent,
     Execute,
-    ExecuteFailureEvent,
-    ExecuteSuccessEvent,
     FreeKeysEvent,
     GatherDep,
-    GatherDepNetworkFailureEvent,
-    GatherDepSuccessEvent,
     PauseEvent,
-    PutDataEvent,
     Rejoin,
     RejoinEvent,
     Report,
@@ -98,7 +82,8 @@ from redisdask.workers.events import (
     StateMachineEvent,
     UnpauseEvent,
 )
-from redisdask.workers.failures import MAX_ERROR_LENGTH, failure_event
+from redisdask.workers.failures import MAX_ERROR_LENGTH
+from redisdask.workers.heartbeat import Heartbeat
 from redisdask.workers.inbox import (
     Command,
     Pushed,
@@ -107,13 +92,12 @@ from redisdask.workers.inbox import (
     parse_id,
     script_entries,
 )
-from redisdask.workers.liveness import LoopWatch
 from redisdask.workers.memory import WorkerMemoryManager
+from redisdask.workers.peers import Peers
 from redisdask.workers.plugins import PluginHost
-from redisdask.workers.sizeof import sizeof
+from redisdask.workers.runner import TaskRunner
 from redisdask.workers.spill import SpillBuffer
 from redisdask.workers.state import WorkerState
-from redisdask.workers.transfers import TransferCounts
 
 logger = logging.getLogger("redisdask.worker")
 
@@ -125,10 +109,7 @@ CHAIN_LOOKUPS = 8  # finished tasks per free thread whose chains a report looks 
 CHAIN_DEPTH = 16  # links a report may claim beyond the dependents of its results
 CHAINED_KEPT = 100_000  # claimed keys with a chain remembered at most
 CLOSE_TIMEOUT = 2.0  # seconds background tasks get to stop when the worker closes
-HEARTBEAT_KEYS = 20  # executing task keys named in a heartbeat, at most
 RETIRE_REPEAT = 1.0  # seconds between a retiring worker's requests to be retired
-# threads the pool may hold beyond nthreads for seceded tasks (each waits in its thread)
-MAX_SECEDED = 10_000
 
 
 _STIMULI = itertools.count()  # makes the worker's own stimulus ids unique (thread-safe)
@@ -215,35 +196,16 @@ class Worker:
         self._init_driver_state()
 
     def _init_driver_state(self) -> None:
-        """The driver's own bookkeeping: its pool of task threads and the runs they began
-        and ended, its task client, reports and claims in flight, its loops' signals, and
-        what its nanny told it (through the environment)."""
+        """The driver's parts (its task runner, heartbeat and peers), its own bookkeeping
+        (its task client, reports and claims in flight, its loops' signals), and what its
+        nanny told it (through the environment)."""
         self.address = ""
         self.status = "init"
-        self.functions = FunctionCache()
-        # the state machine bounds how many tasks compute (nthreads); the pool also holds
-        # the threads of seceded tasks, so it may grow beyond that
-        self.executor = ThreadPoolExecutor(
-            self.nthreads + MAX_SECEDED,
-            thread_name_prefix="rd-task",
-            initializer=context.bind_thread,
-            initargs=(self,),
-        )
-        self.loop_watch = LoopWatch(
-            self.name or "",
-            self._renew_alive,
-            interval=self.heartbeat_interval,
-            warn_after=self.worker_ttl,
-            hang_timeout=self.hang_timeout,
-        )
-        self._watch_redis: redis.Redis | None = None  # (the LoopWatch thread's)
-        self._inline_allowed = True  # Redis within the budget (_inline_budget)
+        self.runner = TaskRunner(self)  # the pool of task threads, and their runs
+        self.heartbeat = Heartbeat(self)
+        self.peers = Peers(self)  # the data server, fetches from peers and their counts
         # small results of dependencies that came with a claim, for its GatherDeps
         self._claimed_values: dict[str, bytes] = {}
-        self.transfers = TransferCounts()  # dependencies fetched, for the heartbeat
-        self._events: list[list[Any]] = []  # cluster events for the next heartbeat to write
-        self._story_sent = 0  # state.story_total when the story was last shipped to Redis
-        self._notes: list[list[Any]] = []  # the driver's own story lines: pauses, spills
         self._client: Any = None  # redisdask.Client for its tasks (task_client)
         self._client_lock = threading.Lock()
         self._rejoin_waiters: dict[str, threading.Event] = {}  # rejoin() waits per key
@@ -255,15 +217,9 @@ class Worker:
         self._holding_reports = 0  # holding reports made so far
         self._chained: set[str] = set()  # claimed tasks whose records name a chain
         self._pushed: set[str] = set()  # pushed tasks not reported yet (early news)
-        # key -> when a pool thread began running it, and the runs that ended there, not
-        # yet heard of on the loop (written by those threads): a run's Execute, its
-        # thread's start and end, and ``_ran`` are apart while the loop holds the GIL
-        self._run_began: dict[str, float] = {}
-        self._run_ended: set[str] = set()
         self._claimed_before: dict[str, int] = {}  # claimed key -> holding reports before it
         self._wake = asyncio.Event()
         self._wake_timer: asyncio.TimerHandle | None = None  # (``_wake_in``)
-        self._beat = asyncio.Event()  # a heartbeat landed: a holding report is due
         self._stopped = asyncio.Event()
         self._flush_wanted = asyncio.Event()
         self._linger: asyncio.TimerHandle | None = None
@@ -271,13 +227,11 @@ class Worker:
         self._empty_at: tuple[int, int] | None = None
         self._blocked_at: int | None = None  # resources_freed when a claim lacked resources
         self._background: set[asyncio.Task[Any]] = set()
-        self._inbox_id = "0-0"
+        self.inbox_id = "0-0"
         self.started = time.time()
         self.failure: BaseException | None = None
-        self._process = psutil.Process()
         self._closing: asyncio.Future[None] | None = None
         self._reconnecting: asyncio.Future[None] | None = None
-        self._run_id: str | None = None  # the Redis server's it registered with
         self._exit_reason: str | None = None  # what the nanny is told, if not close()'s
         self._retire_force = False
         # taken out of the environment: processes that tasks start have no nanny
@@ -288,31 +242,16 @@ class Worker:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> Worker:
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         context.bind_thread(self)  # a future unpickled here binds to task_client
         secret = await asyncio.to_thread(self._ensure_cluster)
-        self.server = comm.DataServer(
-            secret,
-            self._handle_rpc,
-            tls=self.security.server_context(),
-            dead_after=self.peer_timeout,
-            idle_timeout=self.idle_timeout,
-            max_connections=self.max_connections,
-        )
-        self.address = await self.server.start(self.host, self.port)
+        self.address = await self.peers.start(secret)
         self.name = self.name or self.address
         # every connection carries the worker's address in its name: the scheduler sees in
         # CLIENT LIST at once when a killed worker's connections are gone
         name = self.keys.worker_connection(self.address)
         self.redis = connect_async(self.redis_url, timeout=self.connect_timeout, name=name)
         self.blocking_redis = connect_async(self.redis_url, timeout=self.connect_timeout, name=name)
-        self.pool = comm.ConnectionPool(
-            secret,
-            limit=self.connection_limit,
-            timeout=self.peer_connect_timeout,
-            tls=self.security.client_context(),
-            dead_after=self.peer_timeout,
-        )
         self._start_memory()
         self.state = WorkerState(
             address=self.address,
@@ -326,14 +265,14 @@ class Worker:
         if isinstance(self.data, SpillBuffer):  # weigh what is stored by the size measured
             self.data.known = self._known_nbytes
         self.scripts = scripts.Scripts(self.redis, self.keys)  # type: ignore[arg-type]
-        self.loop_watch.name = self.name or self.address
+        self.heartbeat.watch.name = self.name or self.address
         await self.plugin_host.start(self)  # preloads, uploads, plugins: before any claim
         if self._address_file:  # for its nanny: which worker.  Before registering: a death
             # after the registration, and the nanny could not name it to the scheduler,
             # which would go on giving work to a dead worker until its watch noticed
             Path(self._address_file).write_text(self.address)
         await self._register()
-        self._run_id = (await self.redis.info("server")).get("run_id")  # see _removed
+        self.heartbeat.run_id = (await self.redis.info("server")).get("run_id")  # see removed
         await self.plugin_host.sync(self)  # those registered while this one registered
         self.status = "running"
         self._start_loops()
@@ -358,7 +297,7 @@ class Worker:
             label=self.address,
             on_pause=self._on_pause,
             on_unpause=self._on_unpause,
-            note=self._note,
+            note=self.heartbeat.note,
             in_memory_bytes=self._bytes_in_memory,
             on_spill_failed=self._on_spill_failed,
         )
@@ -374,15 +313,15 @@ class Worker:
     def _start_loops(self) -> None:
         """The worker's loops, each restarted if it fails (``_keep_running``), and the
         thread that keeps the heartbeat through a stalled loop."""
-        loops = [self._claim_loop, self._listen_loop, self._heartbeat_loop, self._flush_loop]
-        loops += [self._holding_loop, self.loop_watch.tick]
+        loops = [self._claim_loop, self._listen_loop, self.heartbeat.loop, self._flush_loop]
+        loops += [self._holding_loop, self.heartbeat.watch.tick]
         if self.memory.monitoring:
             loops.append(self.memory.monitor)
         if self.lifetime is not None:
             loops.append(self._lifetime_loop)
         for loop in loops:
             self._spawn(self._keep_running(loop))
-        self.loop_watch.start()
+        self.heartbeat.watch.start()
 
     def _ensure_cluster(self) -> bytes:
         """Create or join the cluster; refuse to join one whose pickles we cannot read."""
@@ -434,7 +373,7 @@ class Worker:
         pipe.hset(self.keys.workers, self.address, codecs.pack(info))
         pipe.persist(self.keys.worker_story(self.address))  # a predecessor's had a TTL
         pipe.set(self.keys.worker_alive(self.address), 1, px=int(self.worker_ttl * 1000))
-        pipe.hset(self.keys.heartbeats, self.address, codecs.pack(self._metrics()))
+        pipe.hset(self.keys.heartbeats, self.address, codecs.pack(self.heartbeat.metrics()))
         message = AddWorker(self.address, info=info)
         # made and landed under the claim lock, like a holding report: a claim lands
         # either before the message and is in its resync, or after it (a claim that the
@@ -464,8 +403,8 @@ class Worker:
         while self.status == "running":
             await asyncio.sleep(backoff.next())  # backoff while Redis is away
             try:
-                if await self._removed():  # (stopped or cut off while it was removed)
-                    self._leave_removed(None)
+                if await self.heartbeat.removed():  # (stopped or cut off while it was removed)
+                    self.leave_removed(None)
                     return
                 await self._register(resync=True)
             except (redis.ConnectionError, redis.TimeoutError):
@@ -490,9 +429,7 @@ class Worker:
             return
         self.status = "closing"
         logger.info("Closing worker %s (%s)", self.address, reason)
-        await in_thread(self.loop_watch.stop)  # before the goodbye: see LoopWatch (at exit too)
-        if self._watch_redis is not None:
-            self._watch_redis.close()
+        await self.heartbeat.stop()  # before the goodbye: see LoopWatch (at exit too)
         for task in list(self._background):
             task.cancel()
         if self._background:
@@ -501,15 +438,14 @@ class Worker:
                 logger.warning("background task %s ignored cancellation", task.get_coro())
         await self.plugin_host.close(self)  # plugins' teardown, preloads' dask_teardown
         try:  # first: the tasks still running are handed back (see _ran)
-            self._report(RemoveWorker(self.address, reason=reason))
+            self.report(RemoveWorker(self.address, reason=reason))
             await self._flush()
             await self.redis.delete(self.keys.worker_alive(self.address))
         except redis.RedisError as exc:
             logger.warning("worker %s could not say goodbye to Redis: %s", self.address, exc)
         await self._close_task_client()
-        await self.server.close()
-        await self.pool.close()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        await self.peers.close()
+        self.runner.shutdown()
         await self.redis.aclose()
         await self.blocking_redis.aclose()
         self.memory.close()
@@ -535,6 +471,11 @@ class Worker:
             except OSError as exc:
                 logger.warning("could not tell the nanny why this worker closed: %s", exc)
 
+    def close_soon(self, reason: str) -> None:
+        """Close in a task of its own (from a callback, or from one of the loops that
+        ``close`` cancels)."""
+        self._closing = asyncio.ensure_future(self.close(reason))
+
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
@@ -548,9 +489,7 @@ class Worker:
                 # a worker that cannot claim, report or listen any more must not linger as
                 # a registered zombie: leave (the process exits 1)
                 self.failure = t.exception()
-                self._closing = asyncio.ensure_future(
-                    self.close(f"internal failure: {t.exception()!r}")
-                )
+                self.close_soon(f"internal failure: {t.exception()!r}")
 
         task.add_done_callback(done)
 
@@ -570,9 +509,9 @@ class Worker:
         if ins.worker == keyspace.REDIS_COPY:  # small results, from their records
             came = self._claimed_values
             claimed = {k: came[k] for k in ins.keys if k in came}
-            self._spawn(self._gather_from_redis(sorted(ins.keys), claimed))
+            self._spawn(self.peers.gather_from_redis(sorted(ins.keys), claimed))
         else:
-            self._spawn(self._gather(ins.worker, sorted(ins.keys)))
+            self._spawn(self.peers.gather(ins.worker, sorted(ins.keys)))
 
     def _schedule_flush(self) -> None:
         """Send reports at once when this worker has nothing else running (a dependent may
@@ -586,7 +525,7 @@ class Worker:
                 REPORT_LINGER, self._flush_wanted.set
             )
 
-    def _report(self, msg: Message) -> None:
+    def report(self, msg: Message) -> None:
         """Queue a message for the workers stream; every one names this worker (a
         ``retire-workers`` too, whose class is shared with the clients' stream)."""
         message = msg.to_dict()
@@ -638,13 +577,13 @@ class Worker:
         ``Worker.log_event``; written with the next heartbeat (within
         ``heartbeat-interval``).  Callable from a task's thread."""
         writes = topics.commands(self.keys, topic, msg, self.events_maxlen)  # (checks msg)
-        self._loop.call_soon_threadsafe(self._events.extend, writes)  # (the loop's list)
+        self.loop.call_soon_threadsafe(self.heartbeat.events.extend, writes)  # (the loop's list)
 
     def secede_task(self, key: str) -> None:
         """Called in ``key``'s thread by ``secede()``: it no longer counts (returns at
         once; the event reaches the state machine before the task's result can)."""
         sid = f"secede-{time.time():.6f}-{next(_STIMULI)}"
-        self._loop.call_soon_threadsafe(self.handle, SecedeEvent(key, sid))
+        self.loop.call_soon_threadsafe(self.handle, SecedeEvent(key, sid))
 
     def rejoin_task(self, key: str) -> None:
         """Called in ``key``'s thread by ``rejoin()``: block until the state machine
@@ -652,7 +591,7 @@ class Worker:
         granted = self._rejoin_waiters[key] = threading.Event()
         sid = f"rejoin-{time.time():.6f}-{next(_STIMULI)}"
         try:
-            self._loop.call_soon_threadsafe(self.handle, RejoinEvent(key, sid))
+            self.loop.call_soon_threadsafe(self.handle, RejoinEvent(key, sid))
         except RuntimeError:  # the event loop is closed: the worker is gone
             granted.set()
         while not granted.wait(1.0) and self.status in ("init", "running", "closing"):
@@ -664,108 +603,6 @@ class Worker:
         if waiter is not None:
             waiter.set()
 
-    # ------------------------------------------------------------------ execution
-
-    def _execute(self, key: str) -> None:
-        ts = self.state.tasks[key]
-        deps = {d.key: self.state.data[d.key] for d in ts.dependencies}
-        run = self.executor.submit(self._run, key, ts.run_spec, deps)
-        run.add_done_callback(self._hand_back)
-
-    def _hand_back(self, run: Future[StateMachineEvent]) -> None:
-        """In the pool thread, as a run ends: its end goes to the event loop, in the
-        loop's next turn (``run_in_executor`` took two: the asyncio future's, then its
-        callback's, a tenth of a round trip)."""
-        with contextlib.suppress(RuntimeError):  # (a closed loop: the worker is gone)
-            self._loop.call_soon_threadsafe(self._ran, run)
-
-    def _ran(self, run: Future[StateMachineEvent]) -> None:
-        """A run's end, on the event loop.  A run that failed once this worker began to
-        close is not reported: its goodbye hands the task back (it runs elsewhere, as
-        distributed's ``Reschedule``), for the error may be the closing's own doing (its
-        client closed, ``get_client()`` refused) and must never become the result."""
-        if run.cancelled():
-            return
-        event = run.result()
-        self._run_began.pop(event.key, None)
-        self._run_ended.discard(event.key)
-        if isinstance(event, ExecuteFailureEvent) and self.status != "running":
-            logger.info(
-                "task %r failed while worker %s closes (%s): handed back, not erred",
-                event.key,
-                self.address,
-                event.exception_text,
-            )
-            return
-        self.handle(event)
-
-    def _run(self, key: str, spec: bytes, deps: dict[str, Any]) -> StateMachineEvent:
-        """Runs in a pool thread: the task, then the checks its result must pass."""
-        start = self._run_began[key] = time.time()
-        sid = f"execute-{start:.6f}-{next(_STIMULI)}"  # new: no chain of every run before
-        context.start_task(key)
-        try:
-            value = run_spec(spec, deps, self.functions)
-            if inspect.iscoroutine(value):  # an async def task: on the event loop
-                value = run_coroutine(value, key, self._loop, lambda: self.status == "running")
-            nbytes = sizeof(value)
-            try:
-                inline = self._pickled(value, nbytes)
-            except comm.SerializationError as exc:
-                raise TypeError(
-                    f"the result of task {key!r} ({type(value).__qualname__}) cannot be pickled, "
-                    f"so it could never leave this worker ({exc}); return picklable data"
-                ) from None
-        except BaseException as exc:
-            return failure_event(key, exc, start, time.time(), sid, self.max_error_length)
-        finally:
-            context.end_task()
-            self._run_ended.add(key)
-        return ExecuteSuccessEvent(
-            key, value, nbytes, type_name(type(value)), start, time.time(), sid, inline=inline
-        )
-
-    def _pickled(self, value: object, nbytes: int) -> bytes | None:
-        """Check that ``value`` pickles (``comm.SerializationError`` if not), pickling it
-        once: in one piece while it may fit ``inline_result_bytes`` (``nbytes``, its
-        sizeof, says whether it may), and then, if it fits, that pickle travels with its
-        report into the task's record (``keyspace.REDIS_COPY``); otherwise with its
-        buffers out of band, copying none.  Nothing is inlined while Redis is past its
-        budget (``_inline_budget``)."""
-        limit = self.inline_result_bytes
-        if self._inline_allowed and nbytes <= 2 * limit:
-            try:
-                blob = pickling.dumps_within(value, limit)
-            except Exception:
-                blob = None  # (comm.serialize says why, as for any result)
-            if blob is not None:
-                return blob if len(blob) <= limit else None
-        comm.serialize(value)
-        return None
-
-    def _inline_budget(self, info: Any) -> bool:
-        """Whether results may be inlined, from the heartbeat's ``INFO memory``: not
-        once Redis's ``used_memory`` passes ``inline_results_redis_fraction`` of its
-        ``maxmemory`` or ``inline_results_redis_bytes`` (results then stay on the
-        workers, peer-to-peer, and Redis keeps room for the cluster's own records).
-        Where INFO is refused, as before: inlined."""
-        if not isinstance(info, dict):
-            return True
-        memory = redis_memory.from_info(info)
-        over = (memory.maxmemory > 0 and memory.fraction > self.inline_results_redis_fraction) or (
-            self.inline_results_redis_bytes is not None
-            and memory.used > self.inline_results_redis_bytes
-        )
-        if over == self._inline_allowed:  # it changed: say so, once
-            logger.warning(
-                "Redis uses %s (maxmemory %s): results are %s inlined into Redis "
-                "(worker.inline-results-redis-fraction %g, worker.inline-results-redis-bytes %s)",
-                format_bytes(memory.used), format_bytes(memory.maxmemory),
-                "no longer" if over else "again", self.inline_results_redis_fraction,
-                self.inline_results_redis_bytes,
-            )  # fmt: skip
-        return not over
-
     # ------------------------------------------------------------------ claiming work
 
     def _may_have_work(self) -> bool:
@@ -776,7 +613,7 @@ class Worker:
     async def _claim_loop(self) -> None:
         while self.status == "running":
             now = time.time()
-            ran = now - self._start_lag(now)  # "now" for the runs, by their threads' clocks
+            ran = now - self.runner.start_lag(now)  # "now" for the runs, by their threads' clocks
             give_back = self.state.give_back_delay(self.claim_horizon, ran)
             if give_back == 0:
                 self.handle(RunsOverdueEvent(self.claim_horizon, ran, f"overdue-{now:.3f}"))
@@ -790,7 +627,7 @@ class Worker:
                     except redis.ResponseError as exc:
                         if "UNKNOWN_WORKER" not in str(exc):
                             raise
-                        self._leave_removed(exc)
+                        self.leave_removed(exc)
                         return
                     dry = len(claimed) < MAX_CLAIM and not flags & CLAIM_FULL
                     self._empty_at = parse_id(last_id) if dry else None
@@ -828,19 +665,6 @@ class Worker:
                 self._wake_in(min(timed) + CLAIM_DELAY_SLACK)
             await self._wake.wait()
 
-    def _start_lag(self, now: float) -> float:
-        """How much later than its ``Execute`` the most delayed run began in its thread
-        (not begun yet, or ended already: all of the time since).  A task of 50 µs waits
-        tens of ms for its thread, or for the loop to hear of its end, while the loop
-        handles a claim of hundreds: counted as its run, it looked overdue and every
-        claim behind it was handed back (a tenth of a tree's tasks of no-ops)."""
-        lag = 0.0
-        for ts in self.state.executing:
-            if ts.began is not None:
-                began = now if ts.key in self._run_ended else self._run_began.get(ts.key, now)
-                lag = max(lag, began - ts.began)
-        return lag
-
     def _wake_in(self, delay: float) -> None:
         """Set ``_wake`` in ``delay`` seconds, unless a timer already does it sooner (one
         timer at most: a later one is cancelled; a timer that fires early only makes
@@ -865,7 +689,7 @@ class Worker:
         return await self.scripts.claim(
             worker=self.address,
             count=MAX_CLAIM,
-            last_inbox_id=self._inbox_id,
+            last_inbox_id=self.inbox_id,
             free=free,
             horizon=self.claim_horizon,
             starts=starts,
@@ -901,7 +725,7 @@ class Worker:
         inbox = self.keys.worker_inbox(self.address)
         while self.status == "running":
             reply = await self.blocking_redis.xread(
-                {self.keys.ready_signal: signal_id, inbox: self._inbox_id}, block=1000, count=1000
+                {self.keys.ready_signal: signal_id, inbox: self.inbox_id}, block=1000, count=1000
             )
             for stream, items in reply or []:
                 if not items:
@@ -919,9 +743,9 @@ class Worker:
         both deliver them), in order; a malformed message is logged and skipped."""
         items: list[StateMachineEvent | Command] = []
         for entry_id, fields in entries:
-            if parse_id(entry_id) <= parse_id(self._inbox_id):
+            if parse_id(entry_id) <= parse_id(self.inbox_id):
                 continue
-            self._inbox_id = entry_id.decode()
+            self.inbox_id = entry_id.decode()
             try:
                 items.extend(inbox_events(entry_id.decode(), fields, self.started))
             except (ProtocolError, KeyError, TypeError, ValueError) as exc:
@@ -961,11 +785,11 @@ class Worker:
         self.handle(FreeKeysEvent(list(self.state.tasks), command.stimulus_id, force=True))
         if self.nanny_pid is not None and self.status == "running":
             self._exit_reason = "restart"  # its nanny starts a fresh process
-            self._closing = asyncio.ensure_future(self.close("restart"))
+            self.close_soon("restart")
 
     def _close_command(self, command: Command) -> None:
         if self.status == "running":
-            self._closing = asyncio.ensure_future(self.close(command.reason))
+            self.close_soon(command.reason)
 
     def _retire_aborted(self, command: Command) -> None:
         """The scheduler stopped the retirement (``RetireAborted``): work on."""
@@ -993,7 +817,7 @@ class Worker:
         the retirement: ``RetireAborted``).  Asking again re-asks for copies that did not
         come, and tells a scheduler restarted meanwhile."""
         while self.status == "running" and self.state.retiring:
-            self._report(RetireWorkers(workers=[self.address], force=self._retire_force))
+            self.report(RetireWorkers(workers=[self.address], force=self._retire_force))
             self._flush_wanted.set()
             await asyncio.sleep(RETIRE_REPEAT)
 
@@ -1039,7 +863,7 @@ class Worker:
             and not any(m.get("op") == "holding" for m in batch)
         ):
             room = len(self.state.claim_budget(self.claim_horizon, time.time()))
-        holding_before, inbox_id = self._holding_reports, self._inbox_id
+        holding_before, inbox_id = self._holding_reports, self.inbox_id
         early = early_news(batch, self._pushed, self.address)
         tasks, inbox, claim = await self.scripts.finish(
             worker=self.address,
@@ -1090,7 +914,7 @@ class Worker:
                 elif before < self._holding_reports:
                     keys.append(key)
             self._holding_reports += 1
-            self._report(Holding(self.address, sorted(keys)))
+            self.report(Holding(self.address, sorted(keys)))
             await self._flush()
 
     async def _holding_loop(self) -> None:
@@ -1100,76 +924,11 @@ class Worker:
         not wait with it (behind it, a refusal longer than ``scheduler.worker-ttl`` had
         every worker declared dead: they left, and their tasks ran again)."""
         while self.status == "running":
-            await self._beat.wait()
-            self._beat.clear()
+            await self.heartbeat.landed.wait()
+            self.heartbeat.landed.clear()
             await self._report_holding()
 
-    async def _heartbeat_loop(self) -> None:
-        ttl = int(self.worker_ttl * 1000)
-        while self.status == "running":
-            if self.nanny_pid is not None and os.getppid() != self.nanny_pid:
-                logger.error("the nanny of worker %s died; closing", self.address)
-                self._closing = asyncio.ensure_future(self.close("its nanny died"))
-                return
-            alive = self.keys.worker_alive(self.address)
-            # what the inbox listener read is trimmed here, off the task path: everything
-            # up to and including the last entry read (MINID keeps the entry it names,
-            # which kept a free-keys of 10,000 keys in Redis until the next message)
-            ms, seq = parse_id(self._inbox_id)
-            events, self._events = self._events, []
-            commands: list[list[Any]] = [
-                ["SET", alive, 1, "PX", ttl],
-                ["HSET", self.keys.heartbeats, self.address, codecs.pack(self._metrics())],
-                ["XTRIM", self.keys.worker_inbox(self.address), "MINID", f"{ms}-{seq + 1}"],
-                *events,
-            ]
-            for chunk in self._new_story():  # (bounded: story_maxlen)
-                commands.append(["XADD", self.keys.worker_story(self.address), "MAXLEN",
-                                 self.story_maxlen, "*", "m", codecs.pack(chunk)])  # fmt: skip
-            # through a full Redis: a heartbeat that lapsed would have the worker dead
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hexists(self.keys.workers, self.address)
-            await self.scripts.through(key=alive, ttl_ms=ttl, commands=commands, client=pipe)
-            pipe.info("memory")
-            try:
-                registered, beat, memory = await pipe.execute(raise_on_error=False)
-                if isinstance(beat, Exception):  # (INFO may be refused: an ACL)
-                    raise beat
-            except BaseException:
-                self._events[:0] = events  # not written: the next heartbeat tries again
-                raise
-            self._inline_allowed = self._inline_budget(memory)
-            if not registered and await self._removed():
-                self._leave_removed(None)
-                return
-            self._beat.set()  # (_holding_loop)
-            await asyncio.sleep(self.heartbeat_interval)  # a heartbeat is a timer by nature
-
-    def _renew_alive(self) -> None:
-        """(``LoopWatch``'s thread, while the loop is stalled) ``alive`` renewed, through
-        a full Redis, on a connection of the thread's own."""
-        if self._watch_redis is None:
-            name = self.keys.worker_connection(self.address)
-            self._watch_redis = connect(
-                self.redis_url, timeout=self.connect_timeout, name=name, check=False
-            )
-        alive = self.keys.worker_alive(self.address)
-        scripts.Scripts(self._watch_redis, self.keys).through(
-            key=alive, ttl_ms=int(self.worker_ttl * 1000), commands=[]
-        )
-
-    async def _removed(self) -> bool:
-        """Whether the scheduler removed this worker: its entry is gone from the Redis
-        server it registered with (a new server, restarted or failed over, may have lost
-        it: the worker registers again there, with what it holds)."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hexists(self.keys.workers, self.address)
-        pipe.info("server")
-        registered, info = await pipe.execute()
-        run_id, self._run_id = self._run_id, info.get("run_id")
-        return not registered and run_id == self._run_id
-
-    def _leave_removed(self, exc: BaseException | None) -> None:
+    def leave_removed(self, exc: BaseException | None) -> None:
         """Close, as distributed's worker does when the scheduler removed it (declared
         dead: say, stopped or cut off longer than the TTL): its tasks and its data went
         to others, so it does not come back with them; the process exits 1, and a nanny
@@ -1179,58 +938,17 @@ class Worker:
             " stopped or cut off?); leaving"
         )
         self.failure = exc or RuntimeError(f"worker {self.address} was removed by the scheduler")
-        self._closing = asyncio.ensure_future(self.close("removed by the scheduler"))
-
-    def _note(self, kind: str, detail: str) -> None:
-        """A line of this worker's story that no task transition tells (pause, spill)."""
-        self._notes.append([time.time(), "", kind, detail, ""])
-
-    def _new_story(self) -> list[list[list[Any]]]:
-        """What happened since the last heartbeat, for ``rd:{c}:worker:<addr>:story``: rows
-        ``[time, key, start, finish, stimulus_id]`` (notes have no key), in chunks."""
-        rows = [
-            [t or 0.0, key, start, finish, sid]
-            for key, start, finish, sid, t in self.state.story_since(self._story_sent)
-        ]
-        self._story_sent = self.state.story_total
-        rows += self._notes
-        self._notes = []
-        rows.sort(key=lambda row: row[0])
-        step = keyspace.STORY_CHUNK
-        return [rows[i : i + step] for i in range(0, len(rows), step)]
-
-    def _metrics(self) -> dict[str, Any]:
-        """What a heartbeat carries; the last one is the evidence of a death record."""
-        by_state = self.state.by_state
-        running = itertools.chain(self.state.executing, self.state.long_running)
-        return {
-            "time": time.time(),
-            "executing": [ts.key for ts in itertools.islice(running, HEARTBEAT_KEYS)],
-            "n_executing": len(self.state.executing),
-            "n_long_running": len(self.state.long_running),
-            "ready": len(by_state.get("ready", ())),
-            "in_memory": len(by_state.get("memory", ())),
-            "cpu": self._process.cpu_percent(),  # since the previous heartbeat
-            **self.memory.metrics(),
-            **self.transfers.metrics(),
-            "status": (
-                "retiring"
-                if self.state.retiring
-                else "paused"
-                if self.state.paused
-                else self.status
-            ),
-        }
+        self.close_soon("removed by the scheduler")
 
     # ------------------------------------------------------------------ memory
 
     def _on_pause(self, detail: str) -> None:
         """The memory manager found the process past ``pause``: start no new task."""
-        self._note("pause", detail)
+        self.heartbeat.note("pause", detail)
         self.handle(PauseEvent(f"pause-{time.time()}"))
 
     def _on_unpause(self, detail: str) -> None:
-        self._note("unpause", detail)
+        self.heartbeat.note("unpause", detail)
         self.handle(UnpauseEvent(f"unpause-{time.time()}"))
 
     def _on_spill_failed(self, news: dict[str, Any]) -> None:
@@ -1240,7 +958,7 @@ class Worker:
         event = event_command(
             self.keys.events, self.events_maxlen, "spill-failed", time.time(), **fields
         )
-        self._events.append(event)
+        self.heartbeat.events.append(event)
 
     def _bytes_in_memory(self) -> int:
         """The managed size without a spill buffer: the sizeof of every result held."""
@@ -1260,95 +978,6 @@ class Worker:
         ts = self.state.tasks.get(key)
         return ts.nbytes if ts is not None and ts.nbytes else None
 
-    # ------------------------------------------------------------------ peer-to-peer
-
-    async def _gather_from_redis(self, keys: list[str], claimed: dict[str, bytes]) -> None:
-        """Small results kept in their task records: those that came with the claim, the
-        others read now.  A key whose record holds no value any more is not in the answer
-        (the state machine asks the scheduler where it is)."""
-        values = dict(claimed)
-        missing = [k for k in keys if k not in values]
-        if missing:
-            try:
-                pipe = self.redis.pipeline(transaction=False)
-                for key in missing:
-                    pipe.hget(self.keys.task(key), "value")
-                values.update(zip(missing, await pipe.execute(), strict=True))
-            except redis.RedisError as exc:
-                logger.warning("could not read %d small results from Redis: %s", len(missing), exc)
-        data: dict[str, Any] = {}
-        for key, raw in values.items():
-            if raw:
-                try:
-                    data[key] = pickle.loads(raw)  # (Redis is trusted as for task specs)
-                except Exception as exc:
-                    logger.warning("the small result of %r in Redis cannot be read: %s", key, exc)
-        nbytes = {k: sizeof(v) for k, v in data.items()}
-        self.transfers.received(sum(nbytes.values()), from_redis=True)
-        sid = f"gather-redis-{time.time():.6f}-{next(_STIMULI)}"
-        self.handle(GatherDepSuccessEvent(keyspace.REDIS_COPY, data, nbytes, sid))
-
-    async def _gather(self, worker: str, keys: list[str]) -> None:
-        self.transfers.peer_transfer()
-        try:
-            header, frames = await self.pool.rpc(worker, {"op": "get-data", "keys": keys})
-            if header.get("status") != "OK":
-                raise comm.CommError(f"peer {worker} answered {header.get('message')!r}")
-            data, errors = comm.deserialize_dict(header, frames)
-        except (TimeoutError, OSError, comm.CommError) as exc:
-            logger.warning(
-                "could not fetch %d keys %s from %s: %s; trying other holders, else the "
-                "scheduler (missing-data)",
-                len(keys),
-                keys[:5],
-                worker,
-                exc,
-            )
-            # tell the scheduler at once; the state machine tries other holders meanwhile
-            self._report(MissingData(self.address, keys, errant_worker=worker))
-            self.handle(
-                GatherDepNetworkFailureEvent(
-                    worker, keys, str(exc), f"gather-fail-{time.time():.6f}-{next(_STIMULI)}"
-                )
-            )
-            return
-        for key, err in errors.items():
-            logger.warning("peer %s could not send %r: %s", worker, key, err)
-        nbytes = {k: sizeof(v) for k, v in data.items()}
-        self.transfers.received(sum(nbytes.values()))
-        self.handle(
-            GatherDepSuccessEvent(
-                worker, data, nbytes, f"gather-{time.time():.6f}-{next(_STIMULI)}"
-            )
-        )
-
-    async def _handle_rpc(
-        self, header: dict[str, Any], frames: list[memoryview]
-    ) -> tuple[dict[str, Any], list[Any]]:
-        op = header.get("op")
-        if op == "get-data":
-            data = self.state.data
-            present = {k: data[k] for k in header.get("keys", ()) if k in data}
-            reply, out, _errors = comm.serialize_dict(present)
-            return {"status": "OK", **reply}, out
-        if op == "put-data":
-            values, errors = comm.deserialize_dict(header, frames)
-            if errors:
-                return {"status": "error", "message": str(next(iter(errors.values())))}, []
-            self.handle(
-                PutDataEvent(
-                    dict(values),
-                    {k: sizeof(v) for k, v in values.items()},
-                    f"put-data-{time.time()}",
-                )
-            )
-            return {"status": "OK", "keys": list(values)}, []
-        if op == "inspect":  # what this worker's state machine holds (for diagnosis)
-            return {"status": "OK", **self.state_summary()}, []
-        if op in calls.OPS:  # client.run, plugins and uploads (workers/calls.py)
-            return await calls.handle(self, op, header, frames)
-        return {"status": "error", "message": f"unknown op {op!r}"}, []
-
     def state_summary(self, limit: int = 1000) -> dict[str, Any]:
         st = self.state
         return {
@@ -1367,9 +996,9 @@ class Worker:
 
 # how the driver carries out each instruction of its state machine
 _CARRY_OUT: dict[type, Callable[[Worker, Any], None]] = {
-    Execute: lambda worker, ins: worker._execute(ins.key),
+    Execute: lambda worker, ins: worker.runner.execute(ins.key),
     GatherDep: Worker._gather_dep,
-    **dict.fromkeys(typing.get_args(Report), Worker._report),
+    **dict.fromkeys(typing.get_args(Report), Worker.report),
     Rejoin: lambda worker, ins: worker._rejoined(ins.key),
 }
 
