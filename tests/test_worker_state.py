@@ -67,10 +67,12 @@ def compute(
     deps: dict[str, tuple[list[str], int]] | None = None,
     priority: tuple[Any, ...] = (0,),
     estimate: float | None = None,
+    runs: dict[str, float | None] | None = None,
 ) -> ComputeTaskEvent:
     return ComputeTaskEvent(
-        key, b"run-spec", priority, deps or {}, f"compute-{key}", estimate=estimate
-    )
+        key, b"run-spec", priority, deps or {}, f"compute-{key}", estimate=estimate,
+        runs=runs or {},
+    )  # fmt: skip
 
 
 def success(
@@ -181,6 +183,46 @@ def test_a_dependency_kept_while_a_claim_was_on_its_way_waits_for_the_next_claim
     assert ws.tasks["d"].state == "memory" and ws.lingering == {ws.tasks["d"]}
     out = ws.handle_stimulus(compute("y2", {"d": ([A], 8)}), claims_handled(ws))
     assert out == [Execute("y2", "compute-y2")] and not ws.lingering
+
+
+def test_a_kept_copy_of_another_submission_of_the_key_is_fetched_anew() -> None:
+    """``d`` was released, forgotten and submitted again as another computation while
+    this worker kept its old copy for the next claim (the scheduler does not know of
+    such a copy, so no ``free-keys`` reaches it).  The claim that brings a dependent of
+    the new ``d`` names the new submission: the new value is fetched, and the dependent
+    never runs on the old one."""
+    ws = make(nthreads=1)
+    ws.handle_stimulus(compute("y1", {"d": ([A], 8)}, runs={"d": 1.0}))
+    ws.handle_stimulus(GatherDepSuccessEvent(A, {"d": "old"}, {"d": 8}, "g1"))
+    ws.handle_stimulus(success("y1", value=2))
+    assert ws.lingering == {ws.tasks["d"]}
+    out = ws.handle_stimulus(compute("y2", {"d": ([B], 8)}, runs={"d": 7.0}), claims_handled(ws))
+    assert [(g.worker, g.keys) for g in of(out, GatherDep)] == [(B, {"d"})]
+    assert not of(out, Execute) and ws.tasks["y2"].state == "waiting"
+    out = ws.handle_stimulus(GatherDepSuccessEvent(B, {"d": "new"}, {"d": 8}, "g2"))
+    assert out == [Execute("y2", "g2")] and ws.data["d"] == "new"
+
+
+def test_a_kept_copy_of_the_same_submission_serves_its_sibling() -> None:
+    """The claim names the submission the kept copy is of: no second fetch."""
+    ws = make(nthreads=1)
+    ws.handle_stimulus(compute("y1", {"d": ([A], 8)}, runs={"d": 3.0}))
+    ws.handle_stimulus(GatherDepSuccessEvent(A, {"d": 1}, {"d": 8}, "g1"))
+    ws.handle_stimulus(success("y1", value=2))
+    out = ws.handle_stimulus(compute("y2", {"d": ([A], 8)}, runs={"d": 3.0}), claims_handled(ws))
+    assert out == [Execute("y2", "compute-y2")]
+
+
+def test_a_replica_asked_of_a_kept_copy_is_fetched_anew_not_reported_held() -> None:
+    """A request for a replica names no submission: a kept copy (perhaps of an older one)
+    is not reported as the replica; the value is fetched from the holder named."""
+    ws = make(nthreads=1)
+    ws.handle_stimulus(compute("y1", {"d": ([A], 8)}, runs={"d": 1.0}))
+    ws.handle_stimulus(GatherDepSuccessEvent(A, {"d": "old"}, {"d": 8}, "g1"))
+    ws.handle_stimulus(success("y1", value=2))
+    out = ws.handle_stimulus(AcquireReplicasEvent({"d": [B]}, "replicate"))
+    assert not of(out, AddKeys)
+    assert [(g.worker, g.keys) for g in of(out, GatherDep)] == [(B, {"d"})]
 
 
 def test_only_what_was_fetched_from_a_peer_is_kept() -> None:

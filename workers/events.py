@@ -75,7 +75,9 @@ class Instruction(_Record):
 
 @dataclass(slots=True)
 class ComputeTaskEvent(StateMachineEvent):
-    """The driver claimed ``key``; ``dependencies`` maps dep key -> (who_has, nbytes)."""
+    """The driver claimed ``key``; ``dependencies`` maps dep key -> (who_has, nbytes), and
+    ``runs`` dep key -> the submission its value is of (its record's score; None for a
+    value no submission made: scattered), which a copy kept here must be of to serve."""
 
     key: str
     run_spec: bytes
@@ -85,6 +87,7 @@ class ComputeTaskEvent(StateMachineEvent):
     resources: dict[str, float] = field(default_factory=dict)  # what a run holds here
     estimate: float | None = None  # its prefix's duration average (None: none yet)
     claim: tuple[int, int] | None = None  # the claim's workers stream entry (see FreeKeys)
+    runs: dict[str, float | None] = field(default_factory=dict)
 
     @classmethod
     def _coerce(cls, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -257,6 +257,10 @@ class WorkerState(WorkerTransitions):
         those not here are what it waits for."""
         sid = ev.stimulus_id
         for dep_key, (who_has, nbytes) in ev.dependencies.items():
+            run = ev.runs.get(dep_key)
+            kept = self.tasks.get(dep_key)
+            if kept is not None and kept.lingers and kept.fetched_run != run:
+                self._drop_kept_copy(kept, sid)
             dep = self._ensure_task(dep_key)
             ts.dependencies.add(dep)
             dep.dependents.add(ts)
@@ -273,6 +277,7 @@ class WorkerState(WorkerTransitions):
                 dep.wanted = False
             if dep.state != "memory":
                 self._add_who_has(dep, who_has)
+                dep.fetched_run = run
             if dep.state in ("released", "error"):
                 self._transition(dep, "fetch" if dep.who_has else "missing", stimulus_id=sid)
             elif dep.state == "missing" and dep.who_has:
@@ -428,6 +433,9 @@ class WorkerState(WorkerTransitions):
     def _handle_acquire_replicas(self, ev: AcquireReplicasEvent) -> None:
         held: dict[str, int] = {}
         for key, who_has in ev.who_has.items():
+            kept = self.tasks.get(key)
+            if kept is not None and kept.lingers and not kept.dependents:
+                self._drop_kept_copy(kept, ev.stimulus_id)  # (no claim vouched for it)
             ts = self._ensure_task(key)
             if ts.state == "memory":
                 ts.wanted = True
@@ -536,8 +544,17 @@ class WorkerState(WorkerTransitions):
         for key in ev.keys:
             ts = self.tasks.get(key)
             if ts is not None and ts.lingers:
-                self._stop_lingering(ts)
-                self._release_if_unneeded(ts, ev.stimulus_id)
+                self._drop_kept_copy(ts, ev.stimulus_id)
+
+    def _drop_kept_copy(self, ts: TaskState, sid: str) -> None:
+        """A fetched copy kept for the next claim (``lingers``) goes, unless a task here
+        needs it.  The scheduler does not know of such a copy, so no ``free-keys`` reaches
+        it: if the key was released, forgotten and submitted again meanwhile as another
+        computation, the copy is of the old one.  It serves a claim only when the claim
+        names the submission it is of (``ComputeTaskEvent.runs``), and never a request
+        for a replica, which names none: otherwise it goes, and the value is fetched."""
+        self._stop_lingering(ts)
+        self._release_if_unneeded(ts, sid)
 
     def _handle_secede(self, ev: SecedeEvent) -> None:
         ts = self.tasks.get(ev.key)

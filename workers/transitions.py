@@ -167,6 +167,7 @@ class TaskState:
     fetched: bool = False  # its value came from a peer, for tasks here (a private replica)
     # fetched, its last task here ended: kept for the next claim (``ClaimsHandledEvent``)
     lingers: bool = False
+    fetched_run: float | None = None  # the submission the value fetched is of (its claim's)
 
     def __repr__(self) -> str:
         return f"<TaskState {self.key!r} {self.state}>"

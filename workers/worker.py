@@ -703,9 +703,10 @@ class Worker:
         results of its dependencies that came with it go into ``values``."""
         key, spec, score, deps, needs, estimate, *_ = claimed
         key = key.decode()
-        dependencies = {}
-        for dep, who, nb, *value in deps:
+        dependencies, runs = {}, {}
+        for dep, who, nb, run, *value in deps:
             dependencies[dep.decode()] = (split_words(who), int(nb or 0))
+            runs[dep.decode()] = float(run) if run else None
             if value:
                 values[dep.decode()] = value[0]
         return ComputeTaskEvent(
@@ -717,6 +718,7 @@ class Worker:
             split_resources(needs),
             float(estimate) if estimate else None,
             parse_id(claim) if claim else None,
+            runs,
         )
 
     async def _listen_loop(self) -> None:

@@ -135,10 +135,12 @@ return token
 # given, which may name hosts or names).  Returns {tasks, last ready-signal id, inbox
 # entries after ARGV[5], flags (1: blocked for resources, 2: full), the id of the claim's
 # entry on the workers stream ('' without a claim)}; each task is {key,
-# spec, score, {{dep, who_has, nbytes[, value]}...}, resources, estimate ('' if none),
-# '1' if its record has a ``chain`` (FINISH looks it up when the task finishes) else ''}:
-# ``value``, a dependency's result kept in its record, for up to 4 MiB of them per claim
-# (the rest is read when fetched).  The inbox entries were written before anything claimed
+# spec, score, {{dep, who_has, nbytes, score[, value]}...}, resources, estimate ('' if
+# none), '1' if its record has a ``chain`` (FINISH looks it up when the task finishes) else
+# ''}: a dependency's ``score`` names the submission its value is of (a copy of another
+# one kept by the worker is not it: ``ComputeTaskEvent.runs``); ``value``, a dependency's
+# result kept in its record, for up to 4 MiB of them per claim (the rest is read when
+# fetched).  The inbox entries were written before anything claimed
 # here was queued (e.g. free-keys of an earlier run of a key that is queued again); the
 # worker applies them first, so the inbox and the ready sets cannot overtake each other.
 # KEYS[10], the ``placed`` set, holds the tasks placed by data (``redisdask.scheduler.decide``) on
@@ -229,13 +231,13 @@ local function take(key, score, f, e)  -- (into the processing set at the end, i
   local deps = {}
   if f[2] then
     for _, dep in ipairs(cmsgpack.unpack(f[2])) do
-      local d = redis.call('HMGET', ARGV[3] .. dep, 'who_has', 'nbytes', 'value')
+      local d = redis.call('HMGET', ARGV[3] .. dep, 'who_has', 'nbytes', 'value', 'score')
       local mine = string.find(' ' .. (d[1] or '') .. ' ', ' ' .. ARGV[1] .. ' ', 1, true)
       if d[3] and d[3] ~= '' and not mine and inline_left >= #d[3] then
         inline_left = inline_left - #d[3]
-        deps[#deps + 1] = {dep, d[1] or '', d[2] or '0', d[3]}
+        deps[#deps + 1] = {dep, d[1] or '', d[2] or '0', d[4] or '', d[3]}
       else
-        deps[#deps + 1] = {dep, d[1] or '', d[2] or '0'}
+        deps[#deps + 1] = {dep, d[1] or '', d[2] or '0', d[4] or ''}
       end
     end
   end
@@ -464,14 +466,14 @@ if want > 0 and redis.call('HEXISTS', KEYS[6], me) == 1 then
     end
   end
   local seen, first = {}, 0
-  local function held(dep)  -- {dep, who_has, nbytes[, value]} if this worker can have it
-    if done[dep] then return {dep, '', '0'} end
-    local d = redis.call('HMGET', prefix .. dep, 'state', 'who_has', 'nbytes', 'value')
+  local function held(dep)  -- {dep, who_has, nbytes, score[, value]} if this worker can have it
+    if done[dep] then return {dep, '', '0', ''} end
+    local d = redis.call('HMGET', prefix .. dep, 'state', 'who_has', 'nbytes', 'value', 'score')
     if d[1] ~= 'memory' then return nil end
     if string.find(' ' .. (d[2] or '') .. ' ', ' ' .. me .. ' ', 1, true) then
-      return {dep, d[2], d[3] or '0'}  -- (held here: its value, if in Redis, stays there)
+      return {dep, d[2], d[3] or '0', d[5] or ''}  -- (held here: a value in Redis stays there)
     end
-    if d[4] and d[4] ~= '' then return {dep, d[2] or '', d[3] or '0', d[4]} end
+    if d[4] and d[4] ~= '' then return {dep, d[2] or '', d[3] or '0', d[5] or '', d[4]} end
     return nil
   end
   local function take(key, deep)  -- claims ``key`` if it may run here: its record, or nil
