@@ -622,6 +622,24 @@ def test_a_cycle_closed_through_an_older_task_errs_only_the_resubmitted_one():
     assert not s.tasks["p"].dependencies  # the cycle is cut
 
 
+def test_a_key_first_named_only_as_a_dependency_is_computed_once_submitted():
+    """o was submitted depending on p, which nobody had submitted: o errs, and p is kept
+    as a placeholder (o's history).  p submitted then, with its spec, is a task like
+    any other: recorded with its spec and run, not erred for want of one."""
+    s = make(W1)
+    submit(s, "c", [task("o", ["p"])], ["o"])
+    assert states(s) == {"o": "erred", "p": "released"} and not s.tasks["p"].has_spec
+    out = submit(s, "c2", [task("p", retries=2, priority=5)], ["p"])
+    p = s.tasks["p"]
+    assert p.has_spec and p.retries == 2 and p.score != 0.0
+    [store] = [i for i in of(out, StoreTask) if i.key == "p"]
+    assert store.spec == b"spec-p" and store.score == p.score
+    assert not client_msgs(out, "task-erred", "c2")
+    assert p.state in ("queued", "processing")
+    run(s, "p")
+    assert p.state == "memory"
+
+
 def test_chains_submitted_one_task_at_a_time_search_no_older_task():
     """The cycle search is confined to the new tasks: a 3,000-task chain submitted task
     by task stays linear (each submission looks at one task, not the chain below)."""

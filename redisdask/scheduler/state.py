@@ -143,12 +143,29 @@ class SchedulerState(SchedulerTransitions):
 
     # ------------------------------------------------------------------ client events
 
+    def _submitted(self, ts: TaskState, spec: dict[str, Any], sid: str) -> StoreTask:
+        """``ts`` takes what its submission says (its run's score: the next in submission
+        order); the write of its record, made once its dependencies are known."""
+        self.seq += 1
+        ts.has_spec = True
+        ts.score = priority_score(int(spec.get("priority", 0)), self.seq)
+        ts.retries = int(spec.get("retries", 0))
+        ts.restrict = tuple(spec.get("workers") or ())
+        ts.loose = bool(spec.get("allow_other_workers")) and bool(ts.restrict)
+        ts.resources = dict(spec.get("resources") or {}) or None
+        deps = list(spec.get("deps", ()))
+        return StoreTask(
+            sid, ts.key, spec.get("spec"), deps, ts.score, "released", ts.retries,
+            ts.restrict, ts.resources, ts.loose,
+        )  # fmt: skip
+
     def _handle_update_graph(self, ev: UpdateGraph) -> None:
         self.clients.setdefault(ev.client, set())
         if ev.generation:
             self.generations[ev.client] = max(ev.generation, self.generations.get(ev.client, 0))
         new: list[TaskState] = []
         stores: dict[str, StoreTask] = {}  # new tasks' records, written once deps are known
+        created: set[TaskState] = set()  # tasks this submission made
         deps_of: dict[str, list[str]] = {}
         for spec in ev.tasks:
             # (a key named twice in one message: its first entry counts, as for its record)
@@ -156,30 +173,14 @@ class SchedulerState(SchedulerTransitions):
             key = spec["key"]
             ts = self.tasks.get(key)
             if ts is None:
-                self.seq += 1
-                ts = TaskState(
-                    key,
-                    score=priority_score(int(spec.get("priority", 0)), self.seq),
-                    retries=int(spec.get("retries", 0)),
-                    restrict=tuple(spec.get("workers") or ()),
-                    loose=bool(spec.get("allow_other_workers")) and bool(spec.get("workers")),
-                    resources=dict(spec.get("resources") or {}) or None,
-                )
-                self.tasks[key] = ts
+                ts = self.tasks[key] = TaskState(key)
+                stores[key] = self._submitted(ts, spec, ev.stimulus_id)
+                created.add(ts)
                 new.append(ts)
-                stores[key] = StoreTask(
-                    ev.stimulus_id,
-                    key,
-                    spec.get("spec"),
-                    list(spec.get("deps", ())),
-                    ts.score,
-                    "released",
-                    ts.retries,
-                    ts.restrict,
-                    ts.resources,
-                    ts.loose,
-                )
             elif ts.state == "released" and not ts.who_has and spec.get("spec") is not None:
+                if not ts.has_spec:  # named only as a dependency so far: a task now (with
+                    # older dependents, so not among the ``created`` for the cycle search)
+                    stores[key] = self._submitted(ts, spec, ev.stimulus_id)
                 new.append(ts)  # resubmitted after release: recompute
         grown: list[TaskState] = []  # tasks given dependencies they did not have
         for ts in new:
@@ -194,7 +195,7 @@ class SchedulerState(SchedulerTransitions):
                         grown.append(ts)
                     ts.dependencies = added(ts.dependencies, dep)
                     dep.dependents = added(dep.dependents, ts)
-        refused = self._cut_cycles(grown, {self.tasks[key] for key in stores})
+        refused = self._cut_cycles(grown, created)
         for ts in refused:
             if ts.key in stores:
                 stores[ts.key].deps = []  # what it kept: nothing
