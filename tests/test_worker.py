@@ -42,7 +42,8 @@ def test_a_claim_brings_small_dependencies_only_to_a_worker_that_lacks_them(
     redis_url: str, cluster_name: str
 ) -> None:
     """A dependency kept in its record comes with the claim's reply, unless the claiming
-    worker holds it already: those bytes would move for nothing."""
+    worker holds it already: those bytes would move for nothing.  Each names the
+    submission its value is of (its record's score)."""
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cluster_name)
     ensure_cluster(r, keys)
@@ -50,15 +51,15 @@ def test_a_claim_brings_small_dependencies_only_to_a_worker_that_lacks_them(
     for worker in (holder, other):
         r.hset(keys.workers, worker, pack({"address": worker}))
     r.hset(keys.task("a"), mapping={"state": "memory", "who_has": f"{holder} redis",
-                                    "nbytes": 28, "value": b"pickled"})  # fmt: skip
+                                    "nbytes": 28, "value": b"pickled", "score": 3})  # fmt: skip
     for key in ("x", "y"):
         r.hset(keys.task(key), mapping={"state": "queued", "spec": b"s", "deps": pack(["a"])})
         r.zadd(keys.ready, {key: 1.0})
     scripts = Scripts(r, keys)
     (mine,), *_ = scripts.claim(worker=holder, count=1, last_inbox_id="0-0")
     (theirs,), *_ = scripts.claim(worker=other, count=1, last_inbox_id="0-0")
-    assert mine[3] == [[b"a", f"{holder} redis".encode(), b"28"]]  # no value
-    assert theirs[3] == [[b"a", f"{holder} redis".encode(), b"28", b"pickled"]]
+    assert mine[3] == [[b"a", f"{holder} redis".encode(), b"28", b"3"]]  # no value
+    assert theirs[3] == [[b"a", f"{holder} redis".encode(), b"28", b"3", b"pickled"]]
 
 
 def test_a_pushed_tasks_early_news_goes_to_its_registered_clients_for_its_run_only(
