@@ -544,6 +544,21 @@ def test_scattering_onto_a_key_that_erred_on_the_same_worker_keeps_the_scattered
     assert freed(out, W2) == {"z"} and not freed(out, W1)
 
 
+def test_each_scatter_of_a_key_has_a_score_of_its_own():
+    """A worker tells a copy of a scattered key it kept from a newer scatter of the key
+    by the score the claims name (``ComputeTaskEvent.runs``): one per scatter."""
+    s = make(W1)
+    s.handle_stimulus(ClientDesiresKeys(client="c", keys=["x"], stimulus_id="want"))
+    out = s.handle_stimulus(UpdateData(client="c", who_has={"x": [W1]}, stimulus_id="sc"))
+    first = s.tasks["x"].score
+    [store] = of(out, StoreTask)
+    assert first != 0.0 and store.score == first
+    s.handle_stimulus(ClientReleasesKeys(client="c", keys=["x"], stimulus_id="rel"))
+    assert "x" not in s.tasks
+    s.handle_stimulus(UpdateData(client="c", who_has={"x": [W1]}, stimulus_id="sc2"))
+    assert s.tasks["x"].score not in (0.0, first)
+
+
 def test_error_from_a_worker_not_processing_the_task_is_ignored():
     s = make(W1, W2)
     submit(s, "c", [task("x")], ["x"])

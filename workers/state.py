@@ -193,10 +193,12 @@ class WorkerState(WorkerTransitions):
         leaving = (self.retiring or self.paused) and (
             known is None or known.state in ("fetch", "missing")
         )
-        if leaving or not self._may_hold(known, ev.resources):
+        new = known is None or known.state in ("released", "fetch", "missing", "error")
+        if leaving or not self._may_hold(known, ev.resources) or (new and self._stale(ev)):
             # a claim that crossed the retirement or a pause, or one whose transfer here
             # failed, or (never: claims count what is free) one that does not fit what is
-            # free: hand it back (what runs, is fetched or is held here is answered as usual)
+            # free, or one that needs another value of a key than the one here: hand it
+            # back (what runs, is fetched or is held here is answered as usual)
             score = [float(ev.priority[0])] if ev.priority else []
             self._emit(ReleasedKeys(self.address, [ev.key], score, stimulus_id=sid))
             if known is not None:
@@ -252,15 +254,29 @@ class WorkerState(WorkerTransitions):
             self._transition(known, "released", stimulus_id=sid)  # computed anew
         return False
 
+    def _stale(self, ev: ComputeTaskEvent) -> bool:
+        """Whether a dependency of the claimed task is here as a copy of another
+        submission of its key than the one the claim names (``ComputeTaskEvent.runs``):
+        the key was released, forgotten and submitted again, as another computation
+        perhaps, while this worker fetched or kept the old value (the scheduler does not
+        know of a fetched copy, so no ``free-keys`` reaches it).  Such a copy that nothing
+        here needs goes, and the new value is fetched; one that a task here still uses,
+        or one on its way, cannot make room for it: the claim goes back."""
+        stale = False
+        for dep_key in ev.dependencies:
+            run = ev.runs.get(dep_key)
+            dep = self.tasks.get(dep_key)
+            if dep is None or run is None or dep.fetched_run in (None, run):
+                continue
+            self._drop_kept_copy(dep, ev.stimulus_id)
+            stale = stale or dep_key in self.tasks  # (a copy dropped is forgotten)
+        return stale
+
     def _link_dependencies(self, ts: TaskState, ev: ComputeTaskEvent) -> None:
         """The claimed task's dependencies: each known, linked, and fetched unless here;
         those not here are what it waits for."""
         sid = ev.stimulus_id
         for dep_key, (who_has, nbytes) in ev.dependencies.items():
-            run = ev.runs.get(dep_key)
-            kept = self.tasks.get(dep_key)
-            if kept is not None and kept.lingers and kept.fetched_run != run:
-                self._drop_kept_copy(kept, sid)
             dep = self._ensure_task(dep_key)
             ts.dependencies.add(dep)
             dep.dependents.add(ts)
@@ -277,7 +293,7 @@ class WorkerState(WorkerTransitions):
                 dep.wanted = False
             if dep.state != "memory":
                 self._add_who_has(dep, who_has)
-                dep.fetched_run = run
+                dep.fetched_run = ev.runs.get(dep_key)
             if dep.state in ("released", "error"):
                 self._transition(dep, "fetch" if dep.who_has else "missing", stimulus_id=sid)
             elif dep.state == "missing" and dep.who_has:
@@ -547,13 +563,12 @@ class WorkerState(WorkerTransitions):
                 self._drop_kept_copy(ts, ev.stimulus_id)
 
     def _drop_kept_copy(self, ts: TaskState, sid: str) -> None:
-        """A fetched copy kept for the next claim (``lingers``) goes, unless a task here
-        needs it.  The scheduler does not know of such a copy, so no ``free-keys`` reaches
-        it: if the key was released, forgotten and submitted again meanwhile as another
-        computation, the copy is of the old one.  It serves a claim only when the claim
-        names the submission it is of (``ComputeTaskEvent.runs``), and never a request
-        for a replica, which names none: otherwise it goes, and the value is fetched."""
-        self._stop_lingering(ts)
+        """A fetched copy goes, unless a task here needs it or it is on its way.  A copy
+        kept for the next claim (``lingers``) serves a claim only when the claim names
+        the submission it is of (``_stale``), and never a request for a replica, which
+        names none."""
+        if ts.lingers:
+            self._stop_lingering(ts)
         self._release_if_unneeded(ts, sid)
 
     def _handle_secede(self, ev: SecedeEvent) -> None:

@@ -147,7 +147,8 @@ class SchedulerState(SchedulerTransitions):
         """``ts`` takes what its submission says (its run's score: the next in submission
         order); the write of its record, made once its dependencies are known."""
         self.seq += 1
-        ts.has_spec = True
+        if not ts.has_spec:  # (a placeholder, or scattered data lost: what it was goes)
+            ts.has_spec, ts.nbytes, ts.type, ts.lost_on = True, 0, "", None
         ts.score = priority_score(int(spec.get("priority", 0)), self.seq)
         ts.retries = int(spec.get("retries", 0))
         ts.restrict = tuple(spec.get("workers") or ())
@@ -478,10 +479,11 @@ class SchedulerState(SchedulerTransitions):
         recorded: dict[str, list[str]] = {}  # worker -> keys it now holds for us
         for key, holders in ev.who_has.items():
             ts = self.tasks.get(key)
-            if ts is None:
+            if ts is None:  # (its score names this scatter: workers tell copies apart by it)
                 self.seq += 1
-                ts = self.tasks[key] = TaskState(key, has_spec=False)
-                self.emit(StoreTask(ev.stimulus_id, key, None, [], 0.0, "released"))
+                score = priority_score(0, self.seq)
+                ts = self.tasks[key] = TaskState(key, score=score, has_spec=False)
+                self.emit(StoreTask(ev.stimulus_id, key, None, [], score, "released"))
             elif ts.state in ("waiting", "queued", "processing", "no-worker", "erred"):
                 if ts.erred_on in holders:  # the value put there replaced its failed run:
                     ts.erred_on = None  # no free-keys for it
