@@ -110,6 +110,8 @@ CHAIN_DEPTH = 16  # links a report may claim beyond the dependents of its result
 CHAINED_KEPT = 100_000  # claimed keys with a chain remembered at most
 CLOSE_TIMEOUT = 2.0  # seconds background tasks get to stop when the worker closes
 RETIRE_REPEAT = 1.0  # seconds between a retiring worker's requests to be retired
+WRONG_TYPE_WAIT = 0.5  # seconds a loop waits before it tries a key of the wrong type again
+WRONG_TYPE_REPEAT = 30.0  # seconds between the worker's lines about such a key
 
 
 _STIMULI = itertools.count()  # makes the worker's own stimulus ids unique (thread-safe)
@@ -232,6 +234,7 @@ class Worker:
         self.failure: BaseException | None = None
         self._closing: asyncio.Future[None] | None = None
         self._reconnecting: asyncio.Future[None] | None = None
+        self._wrong_type_said = 0.0  # (monotonic) when a key of the wrong type may be said again
         self._exit_reason: str | None = None  # what the nanny is told, if not close()'s
         self._retire_force = False
         # taken out of the environment: processes that tasks start have no nanny
@@ -386,7 +389,10 @@ class Worker:
 
     async def _keep_running(self, loop: Any) -> None:
         """Run one of the worker's loops; when Redis goes away, wait for it to come back
-        (one shared reconnection) and run the loop again."""
+        (one shared reconnection) and run the loop again.  A key of the cluster of the
+        wrong type (written by something other than redisdask) is waited out too: the
+        scheduler rebuilds it (``scheduler.quarantine``), and a worker that left would
+        lose what it holds."""
         while self.status == "running":
             try:
                 await loop()
@@ -395,6 +401,16 @@ class Worker:
                 if self._reconnecting is None or self._reconnecting.done():
                     self._reconnecting = asyncio.ensure_future(self._reconnect(exc))
                 await asyncio.shield(self._reconnecting)
+            except redis.ResponseError as exc:
+                if "WRONGTYPE" not in str(exc):
+                    raise
+                if time.monotonic() >= self._wrong_type_said:
+                    self._wrong_type_said = time.monotonic() + WRONG_TYPE_REPEAT
+                    logger.error(
+                        "a key of cluster %r in Redis holds a value of the wrong type (%s); "
+                        "waiting for the scheduler to rebuild it", self.keys.cluster, exc,
+                    )  # fmt: skip
+                await asyncio.sleep(WRONG_TYPE_WAIT)  # (a timer by nature: nothing says when)
 
     async def _reconnect(self, exc: Exception) -> None:
         logger.warning("lost Redis (%s); reconnecting with backoff", exc)
@@ -437,7 +453,7 @@ class Worker:
             for task in stuck:  # a library swallowed the cancellation: do not hang on it
                 logger.warning("background task %s ignored cancellation", task.get_coro())
         await self.plugin_host.close(self)  # plugins' teardown, preloads' dask_teardown
-        try:  # first: the tasks still running are handed back (see _ran)
+        try:  # first: the tasks still running are handed back (see TaskRunner._ran)
             self.report(RemoveWorker(self.address, reason=reason))
             await self._flush()
             await self.redis.delete(self.keys.worker_alive(self.address))

@@ -794,6 +794,12 @@ class SchedulerChannel:
                 ):
                     self._redis_lost(exc)
                     await asyncio.sleep(0.2)
+                elif isinstance(exc, redis.ResponseError) and "WRONGTYPE" in str(exc):
+                    logger.error(
+                        "client %s: a key of cluster %r in Redis holds a value of the wrong "
+                        "type (%s); waiting for the scheduler to rebuild it",
+                        self.id, self.keys.cluster, exc,
+                    )  # fmt: skip
                 else:
                     logger.exception("client %s: error handling scheduler messages", self.id)
 

@@ -42,7 +42,12 @@ import redis
 from redisdask.config import RebalanceConfig, RetentionConfig
 from redisdask.errors import EvictingRedisError, FencedError, ProtocolError
 from redisdask.scheduler.pipe import WritePipe
-from redisdask.scheduler.quarantine import Quarantined, dead_letter_command
+from redisdask.scheduler.quarantine import (
+    Quarantined,
+    cluster_key_repairs,
+    dead_letter_command,
+    misfits,
+)
 from redisdask.scheduler.state import CloseClient, RemoveWorker, Restart, SchedulerState, Stimulus
 from redisdask.scheduler.stealing import StealTick
 from redisdask.scheduler.translator import (
@@ -65,6 +70,7 @@ logger = logging.getLogger("redisdask.scheduler")
 
 CHECK_INTERVAL = 0.2  # seconds between looks for dead workers (CLIENT LIST, heartbeats)
 STEAL_INTERVAL = 0.1  # seconds between balances (Dask's work-stealing-interval)
+KEY_LOOK_INTERVAL = 5.0  # seconds between looks at the types of the cluster-wide keys
 NANNY_GRACE_LOOKS = 8  # looks without connections before a nanny's worker is dead (~1.5 s)
 DRAIN_READS = 100  # reads of waiting entries, at most, before deaths are applied
 # Entries of at most this much payload, naming at most so many tasks and keys, are applied
@@ -266,6 +272,7 @@ class Scheduler:
         interval = STEAL_INTERVAL if self.work_stealing else CHECK_INTERVAL
         block_ms = max(1, min(self.lease.ttl_ms // 3, int(interval * 1000)))
         next_check = next_balance = 0.0
+        next_key_look = time.monotonic() + KEY_LOOK_INTERVAL
         self.ahead.clear()  # (after Redis was away: those entries are pending, re-read)
         while not self._stopping:
             if not self.ahead:
@@ -279,6 +286,10 @@ class Scheduler:
                 self.look_at_redis_memory()
                 self.look_for_the_dead()
                 self._collect()
+                if time.monotonic() >= next_key_look:
+                    next_key_look = time.monotonic() + KEY_LOOK_INTERVAL
+                    if misfits(self.redis, self.keys):  # (overwritten under us)
+                        self.state = self._load()  # (which rebuilds them first)
                 # every entry is acknowledged by the write that applies it, so anything
                 # pending now was read by a stale scheduler before it found itself fenced
                 # (entries read ahead are computed first: none is held now)
@@ -514,6 +525,8 @@ class Scheduler:
         self._collect()  # (what was in flight landed, or failed: it is in Redis or not)
         quarantined: list[Quarantined] = []
         with self.lease.kept():
+            if not self._quarantining:
+                self._repair_cluster_keys()
             state = load_state(
                 self.redis, self.keys, self.validate, self.allowed_failures, self.rebalance,
                 quarantined=None if self._quarantining else quarantined,
@@ -522,6 +535,21 @@ class Scheduler:
                 state = self._quarantine(state, quarantined)
         self.heap.settle()
         return state
+
+    def _repair_cluster_keys(self) -> None:
+        """Rebuild the cluster-wide keys of the wrong type before the load reads them
+        (``quarantine.cluster_key_repairs``), in one fenced write.  One that fails is
+        logged, and the load meets those keys as they are."""
+        commands = cluster_key_repairs(self.redis, self.keys)
+        if not commands:
+            return
+        self._quarantining = True  # (a failed write reloads: without repairing again)
+        try:
+            self.apply(commands)
+        except redis.ResponseError as exc:
+            logger.error("could not rebuild the cluster's keys: %s", exc)
+        finally:
+            self._quarantining = False
 
     def _quarantine(self, state: SchedulerState, quarantined: list[Quarantined]) -> SchedulerState:
         """Dead-letter and repair the malformed records ``load_state`` skipped and err

@@ -20,11 +20,17 @@ was found, what to do) and notes it here; the driver then writes, in one fenced 
   futures waits for news that would never come; they are released when it closes).
 
 After the write the record is gone, so it is logged once, not at every reload.
+
+A cluster-wide key of the wrong type (``workers``, ``clients``, ``holders``, ``tasks``,
+``rebalances``: a WRONGTYPE on every read of it) is repaired before the load reads it
+(``cluster_key_repairs``): copied to the dead-letter stream and rebuilt from the records
+it indexes, which are keys of their own.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +38,8 @@ import redis
 
 from redisdask.errors import RecordError
 from redisdask.scheduler.tasks import BadRecord
-from redisdask.store import codecs
+from redisdask.store import codecs, keyspace
+from redisdask.store.codecs import evidence
 from redisdask.store.keyspace import Keys
 
 logger = logging.getLogger("redisdask.scheduler")
@@ -132,3 +139,121 @@ class Quarantined:
             return []
         reason = f"field {self.error.field!r} {self.error.problem}, found {self.error.evidence}"
         return [BadRecord(key=self.name, reason=reason, stimulus_id=f"bad-record-{self.name}")]
+
+
+# --------------------------------------------------------------------------- cluster keys
+
+# the cluster-wide keys a scheduler loads from, with their type: one of the wrong type (a
+# WRONGTYPE on every read) stopped every scheduler start, and every worker's registration
+CLUSTER_KEY_TYPES = {
+    "workers": b"hash",
+    "clients": b"hash",
+    "holders": b"set",
+    "tasks": b"set",
+    "rebalances": b"set",
+}
+SCAN_COUNT = 1000  # keys per SCAN step while a cluster key is rebuilt
+SADD_STEP = 2000  # members per command of a fenced write (Lua's unpack limit)
+
+
+def misfits(r: redis.Redis, keys: Keys) -> list[tuple[str, bytes, bytes]]:
+    """The cluster-wide keys of the wrong type: (name, type expected, type found); one
+    pipeline of ``TYPE``."""
+    pipe = r.pipeline(transaction=False)
+    for name in CLUSTER_KEY_TYPES:
+        pipe.type(getattr(keys, name))
+    out = []
+    for (name, expected), found in zip(CLUSTER_KEY_TYPES.items(), pipe.execute(), strict=True):
+        found = found if isinstance(found, bytes) else str(found).encode()
+        if found not in (expected, b"none"):
+            out.append((name, expected, found))
+    return out
+
+
+def cluster_key_repairs(r: redis.Redis, keys: Keys) -> list[list[Any]]:
+    """The fenced write that repairs the cluster-wide keys of the wrong type (nothing for
+    a sound cluster: ``misfits``).  Each is copied to the dead-letter stream, deleted,
+    and rebuilt from the records it indexes, which are keys of their own:
+
+    * ``tasks`` from the task hashes, ``rebalances`` from the rebalance records not done;
+    * ``clients`` and ``holders`` from the ``wants`` sets (and, for clients, the ``alive``
+      keys), each client with an empty entry (its next heartbeat writes its own);
+    * ``workers`` from the ``alive`` keys and the ``heartbeats`` hash, each with an empty
+      entry: the worker stays registered and watched, as for a malformed entry.
+
+    What cannot be rebuilt is what those keys alone held: a client's host and versions
+    until its next heartbeat, a worker's info (its thread count: one is assumed)."""
+    commands: list[list[Any]] = []
+    for name, expected, found in misfits(r, keys):
+        key = getattr(keys, name)
+        members = _REBUILD[name](r, keys)
+        error = RecordError(key, "type", evidence(found), f"is no {expected.decode()}")
+        logger.error(
+            "%s was a %s, not a %s (written by something other than redisdask?): copied to "
+            "the dead-letter stream and rebuilt (%d members). Find what wrote it: XRANGE %s - +",
+            key, found.decode(), expected.decode(), len(members), keys.dead_letter,
+        )  # fmt: skip
+        commands.append(dead_letter_command(keys, key, "record", record_copy(r, key), str(error)))
+        commands.append(["DEL", key])
+        if expected == b"set":
+            commands += [["SADD", key, *members[i : i + SADD_STEP]]
+                         for i in range(0, len(members), SADD_STEP)]  # fmt: skip
+        else:
+            empty = codecs.pack({})
+            for i in range(0, len(members), SADD_STEP // 2):
+                chunk = members[i : i + SADD_STEP // 2]
+                commands.append(["HSET", key, *(x for m in chunk for x in (m, empty))])
+    return commands
+
+
+def _named(r: redis.Redis, key_of: Callable[[str], str]) -> list[str]:
+    """The names ``n`` of the keys ``key_of(n)`` there are (SCAN)."""
+    first, last = key_of("\0").split("\0")
+    found = set()
+    for raw in r.scan_iter(match=f"{first}*{last}", count=SCAN_COUNT):
+        name = raw.decode(errors="replace")
+        found.add(name[len(first) : len(name) - len(last)])
+    return sorted(found)
+
+
+def _tasks(r: redis.Redis, keys: Keys) -> list[str]:
+    return _named(r, keys.task)
+
+
+def _rebalances(r: redis.Redis, keys: Keys) -> list[str]:
+    requests = _named(r, keys.rebalance)
+    pipe = r.pipeline(transaction=False)
+    for request in requests:
+        pipe.hget(keys.rebalance(request), "status")
+    statuses = pipe.execute(raise_on_error=False)  # (a record of the wrong type: kept, and
+    return [q for q, s in zip(requests, statuses, strict=True) if s != b"done"]  # loaded)
+
+
+def _wanting(r: redis.Redis, keys: Keys) -> list[str]:
+    return _named(r, keys.client_wants)
+
+
+def _clients(r: redis.Redis, keys: Keys) -> list[str]:
+    ids = set(_wanting(r, keys)) | set(_named(r, keys.client_alive))
+    return sorted(i for i in ids if not keyspace.is_holder(i))
+
+
+def _holders(r: redis.Redis, keys: Keys) -> list[str]:
+    return [i for i in _wanting(r, keys) if keyspace.is_holder(i)]
+
+
+def _workers(r: redis.Redis, keys: Keys) -> list[str]:
+    try:
+        beating = {a.decode(errors="replace") for a in r.hkeys(keys.heartbeats)}
+    except redis.ResponseError:  # (WRONGTYPE too: the alive keys say it)
+        beating = set()
+    return sorted(beating | set(_named(r, keys.worker_alive)))
+
+
+_REBUILD = {
+    "workers": _workers,
+    "clients": _clients,
+    "holders": _holders,
+    "tasks": _tasks,
+    "rebalances": _rebalances,
+}
