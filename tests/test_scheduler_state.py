@@ -557,6 +557,11 @@ def test_each_scatter_of_a_key_has_a_score_of_its_own():
     assert "x" not in s.tasks
     s.handle_stimulus(UpdateData(client="c", who_has={"x": [W1]}, stimulus_id="sc2"))
     assert s.tasks["x"].score not in (0.0, first)
+    submit(s, "c", [task("y")], ["y"])  # scattered over a task's run: a score of its own
+    queued = s.tasks["y"].score
+    out = s.handle_stimulus(UpdateData(client="c", who_has={"y": [W1]}, stimulus_id="sc3"))
+    [write] = [i for i in of(out, SetState) if i.key == "y" and i.state == "memory"]
+    assert s.tasks["y"].score == write.fields["score"] != queued
 
 
 def test_error_from_a_worker_not_processing_the_task_is_ignored():

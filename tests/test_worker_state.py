@@ -270,6 +270,18 @@ def test_a_transfer_of_another_submission_on_its_way_is_not_taken_for_the_new_on
     assert [(g.worker, g.keys) for g in of(out, GatherDep)] == [(B, {"d"})]
 
 
+def test_a_value_computed_here_still_in_use_is_not_taken_for_another_submission() -> None:
+    """d computed here, then freed while y1 still runs on it; d, forgotten, is submitted
+    again as another computation: neither a dependent's claim nor a claim of d itself
+    is answered from the old value while y1 holds it."""
+    ws = make(nthreads=2)
+    ws.handle_stimulus(compute("d", priority=(1.0,)), success("d", value="old"))
+    ws.handle_stimulus(compute("y1", {"d": ([SELF], 8)}, runs={"d": 1.0}))
+    ws.handle_stimulus(FreeKeysEvent(["y1", "d"], "free"))  # y1 runs on, cancelled
+    assert handed_back(ws.handle_stimulus(compute("y2", {"d": ([B], 8)}, runs={"d": 7.0})), "y2")
+    assert handed_back(ws.handle_stimulus(compute("d", priority=(7.0,))), "d")
+
+
 def test_only_what_was_fetched_from_a_peer_is_kept() -> None:
     """A result computed here that the scheduler freed while its dependent ran goes
     with that dependent: the scheduler dropped that copy (its key may be reused)."""

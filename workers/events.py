@@ -76,8 +76,8 @@ class Instruction(_Record):
 @dataclass(slots=True)
 class ComputeTaskEvent(StateMachineEvent):
     """The driver claimed ``key``; ``dependencies`` maps dep key -> (who_has, nbytes), and
-    ``runs`` dep key -> the submission its value is of (its record's score; None for a
-    value no submission made: scattered), which a copy kept here must be of to serve."""
+    ``runs`` dep key -> the submission (or scatter) its value is of: its record's score,
+    which a value here must be of to serve (None: a record without one)."""
 
     key: str
     run_spec: bytes

@@ -194,11 +194,17 @@ class WorkerState(WorkerTransitions):
             known is None or known.state in ("fetch", "missing")
         )
         new = known is None or known.state in ("released", "fetch", "missing", "error")
-        if leaving or not self._may_hold(known, ev.resources) or (new and self._stale(ev)):
+        stale = (new and self._stale(ev)) or (
+            known is not None
+            and known.state == "memory"
+            and known.value_run not in (None, float(ev.priority[0]) if ev.priority else None)
+        )
+        if leaving or not self._may_hold(known, ev.resources) or stale:
             # a claim that crossed the retirement or a pause, or one whose transfer here
             # failed, or (never: claims count what is free) one that does not fit what is
-            # free, or one that needs another value of a key than the one here: hand it
-            # back (what runs, is fetched or is held here is answered as usual)
+            # free, or one that needs another value of a key than the one here (a task
+            # here still uses the old one): hand it back (what runs, is fetched or is held
+            # here is answered as usual)
             score = [float(ev.priority[0])] if ev.priority else []
             self._emit(ReleasedKeys(self.address, [ev.key], score, stimulus_id=sid))
             if known is not None:
@@ -266,7 +272,7 @@ class WorkerState(WorkerTransitions):
         for dep_key in ev.dependencies:
             run = ev.runs.get(dep_key)
             dep = self.tasks.get(dep_key)
-            if dep is None or run is None or dep.fetched_run in (None, run):
+            if dep is None or run is None or dep.value_run in (None, run):
                 continue
             self._drop_kept_copy(dep, ev.stimulus_id)
             stale = stale or dep_key in self.tasks  # (a copy dropped is forgotten)
@@ -293,7 +299,7 @@ class WorkerState(WorkerTransitions):
                 dep.wanted = False
             if dep.state != "memory":
                 self._add_who_has(dep, who_has)
-                dep.fetched_run = ev.runs.get(dep_key)
+                dep.value_run = ev.runs.get(dep_key)
             if dep.state in ("released", "error"):
                 self._transition(dep, "fetch" if dep.who_has else "missing", stimulus_id=sid)
             elif dep.state == "missing" and dep.who_has:
@@ -308,6 +314,7 @@ class WorkerState(WorkerTransitions):
         if ts is None or self._rerun(ts, ev.stimulus_id):
             return
         ts.type, ts.start, ts.stop = ev.type, ev.start, ev.stop
+        ts.value_run = float(ts.priority[0]) if ts.priority else None
         if ts.state in ("executing", "long-running") or ts.dependents or ts.replica:
             inline = {"inline": ev.inline} if ts.state != "cancelled" else {}
             self._transition(
@@ -424,6 +431,7 @@ class WorkerState(WorkerTransitions):
             if ts.state in ("executing", "long-running", "cancelled"):
                 continue  # the running computation will produce it
             nbytes = ev.nbytes.get(key, 0)
+            ts.value_run = None  # (put here: which submission, the scheduler alone knows)
             if ts.state == "memory":
                 ts.nbytes = nbytes
                 self.data[key] = value

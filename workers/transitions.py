@@ -167,7 +167,9 @@ class TaskState:
     fetched: bool = False  # its value came from a peer, for tasks here (a private replica)
     # fetched, its last task here ended: kept for the next claim (``ClaimsHandledEvent``)
     lingers: bool = False
-    fetched_run: float | None = None  # the submission the value fetched is of (its claim's)
+    # the submission its value is of, where known: its run's score, if computed here; its
+    # claim's word, if fetched for a task here (``ComputeTaskEvent.runs``)
+    value_run: float | None = None
 
     def __repr__(self) -> str:
         return f"<TaskState {self.key!r} {self.state}>"

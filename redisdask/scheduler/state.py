@@ -479,6 +479,7 @@ class SchedulerState(SchedulerTransitions):
         recorded: dict[str, list[str]] = {}  # worker -> keys it now holds for us
         for key, holders in ev.who_has.items():
             ts = self.tasks.get(key)
+            fields: dict[str, Any] = {}
             if ts is None:  # (its score names this scatter: workers tell copies apart by it)
                 self.seq += 1
                 score = priority_score(0, self.seq)
@@ -487,8 +488,10 @@ class SchedulerState(SchedulerTransitions):
             elif ts.state in ("waiting", "queued", "processing", "no-worker", "erred"):
                 if ts.erred_on in holders:  # the value put there replaced its failed run:
                     ts.erred_on = None  # no free-keys for it
-                # the scattered data replaces the task's run
+                # the scattered data replaces the task's run, and takes a score of its own
                 self.transition(ts, "released", stimulus_id=ev.stimulus_id)
+                self.seq += 1
+                ts.score = fields["score"] = priority_score(0, self.seq)
             ts.nbytes = int(ev.nbytes.get(key, 0))
             ts.type = str(ev.types.get(key, ""))
             for worker in holders:
@@ -496,7 +499,8 @@ class SchedulerState(SchedulerTransitions):
                 if worker in self.workers:
                     recorded.setdefault(worker, []).append(key)
             # (also when it was in memory already: its new holders and size are recorded)
-            self.emit(SetState(ev.stimulus_id, key, "memory", self.memory_fields(ts)))
+            fields.update(self.memory_fields(ts))
+            self.emit(SetState(ev.stimulus_id, key, "memory", fields))
             if ts.state != "memory":
                 self.set_state(ts, "memory", stimulus_id=ev.stimulus_id)
                 self._wake_waiters(ts, stimulus_id=ev.stimulus_id)
