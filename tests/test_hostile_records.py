@@ -308,11 +308,12 @@ def test_a_scheduler_starts_over_a_wants_set_of_the_wrong_type_and_the_client_ge
 def test_a_scheduler_rebuilds_cluster_keys_of_the_wrong_type_and_the_work_goes_on(
     redis_url: str, cluster_name: str, tmp_path: Path, make_cluster: ClusterFactory
 ) -> None:
-    """The index of the tasks, the workers hash, the clients hash and the holders set
-    overwritten with values of other types while no scheduler runs (each read raised
-    WRONGTYPE: every scheduler start stopped on the first one, with a bare traceback).
-    The next scheduler copies each to the dead-letter stream, rebuilds it from the
-    records it indexes, and the computation under way finishes on the same worker."""
+    """The index of the tasks, the workers, clients, durations and heartbeats hashes and
+    the holders set overwritten with values of other types while no scheduler runs (each
+    read raised WRONGTYPE: every scheduler start stopped on the first one, with a bare
+    traceback).  The next scheduler copies each to the dead-letter stream, rebuilds it
+    from the records it indexes, and the computation under way finishes on the same
+    worker."""
     from redisdask import Variable
 
     r = redis.Redis.from_url(redis_url)
@@ -327,9 +328,9 @@ def test_a_scheduler_rebuilds_cluster_keys_of_the_wrong_type_and_the_work_goes_o
         kept.set(client.submit(inc, 41, key="kept-value"))
         _, after = killed_under_a_pair(client, cluster, keys, gate)
         tasks = {m.decode() for m in r.smembers(keys.tasks)}
-        for key, value in ((keys.tasks, "junk"), (keys.clients, "junk"), (keys.holders, "junk")):
+        for key in (keys.tasks, keys.clients, keys.holders, keys.durations, keys.heartbeats):
             r.delete(key)
-            r.set(key, value)
+            r.set(key, "junk")
         r.delete(keys.workers)
         r.rpush(keys.workers, "junk")
 
@@ -344,7 +345,7 @@ def test_a_scheduler_rebuilds_cluster_keys_of_the_wrong_type_and_the_work_goes_o
         assert {m.decode() for m in r.smembers(keys.tasks)} >= tasks
         assert r.type(keys.workers) == r.type(keys.clients) == b"hash"
         dead = [f[b"stream"].decode() for _, f in r.xrange(keys.dead_letter)]
-        assert {keys.tasks, keys.workers, keys.clients, keys.holders} <= set(dead)
+        assert {keys.tasks, keys.workers, keys.clients, keys.holders, keys.durations} <= set(dead)
         assert cluster.scheduler_process.poll() is None  # type: ignore[union-attr]
         log = (tmp_path / "logs" / "scheduler.log").read_text()
         assert f"{keys.tasks} was a string, not a set" in log and "Traceback" not in log

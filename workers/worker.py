@@ -402,15 +402,25 @@ class Worker:
                     self._reconnecting = asyncio.ensure_future(self._reconnect(exc))
                 await asyncio.shield(self._reconnecting)
             except redis.ResponseError as exc:
-                if "WRONGTYPE" not in str(exc):
-                    raise
+                misfits = await self._misfits() if "WRONGTYPE" in str(exc) else []
+                if not misfits:
+                    raise  # (not a key the scheduler rebuilds: this worker leaves, as before)
                 if time.monotonic() >= self._wrong_type_said:
                     self._wrong_type_said = time.monotonic() + WRONG_TYPE_REPEAT
-                    logger.error(
-                        "a key of cluster %r in Redis holds a value of the wrong type (%s); "
-                        "waiting for the scheduler to rebuild it", self.keys.cluster, exc,
-                    )  # fmt: skip
+                    logger.error("%s; waiting for the scheduler to rebuild it", "; ".join(misfits))
                 await asyncio.sleep(WRONG_TYPE_WAIT)  # (a timer by nature: nothing says when)
+
+    async def _misfits(self) -> list[str]:
+        """The cluster-wide keys of the wrong type, said (``keyspace.CLUSTER_KEY_TYPES``)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for name in keyspace.CLUSTER_KEY_TYPES:
+            pipe.type(getattr(self.keys, name))
+        types = keyspace.CLUSTER_KEY_TYPES.items()
+        return [
+            f"{getattr(self.keys, name)} is a {found.decode()}, not a {expected.decode()}"
+            for (name, expected), found in zip(types, await pipe.execute(), strict=True)
+            if found not in (expected, b"none")
+        ]
 
     async def _reconnect(self, exc: Exception) -> None:
         logger.warning("lost Redis (%s); reconnecting with backoff", exc)

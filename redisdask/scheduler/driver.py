@@ -540,7 +540,9 @@ class Scheduler:
         """Rebuild the cluster-wide keys of the wrong type before the load reads them
         (``quarantine.cluster_key_repairs``), in one fenced write.  One that fails is
         logged, and the load meets those keys as they are."""
-        commands = cluster_key_repairs(self.redis, self.keys)
+        # (a running scheduler knows its workers' info, which an empty entry would lose)
+        known = {address: ws.info for address, ws in self.state.workers.items()}
+        commands = cluster_key_repairs(self.redis, self.keys, known)
         if not commands:
             return
         self._quarantining = True  # (a failed write reloads: without repairing again)

@@ -143,15 +143,6 @@ class Quarantined:
 
 # --------------------------------------------------------------------------- cluster keys
 
-# the cluster-wide keys a scheduler loads from, with their type: one of the wrong type (a
-# WRONGTYPE on every read) stopped every scheduler start, and every worker's registration
-CLUSTER_KEY_TYPES = {
-    "workers": b"hash",
-    "clients": b"hash",
-    "holders": b"set",
-    "tasks": b"set",
-    "rebalances": b"set",
-}
 SCAN_COUNT = 1000  # keys per SCAN step while a cluster key is rebuilt
 SADD_STEP = 2000  # members per command of a fenced write (Lua's unpack limit)
 
@@ -160,17 +151,20 @@ def misfits(r: redis.Redis, keys: Keys) -> list[tuple[str, bytes, bytes]]:
     """The cluster-wide keys of the wrong type: (name, type expected, type found); one
     pipeline of ``TYPE``."""
     pipe = r.pipeline(transaction=False)
-    for name in CLUSTER_KEY_TYPES:
+    for name in keyspace.CLUSTER_KEY_TYPES:
         pipe.type(getattr(keys, name))
     out = []
-    for (name, expected), found in zip(CLUSTER_KEY_TYPES.items(), pipe.execute(), strict=True):
+    types = keyspace.CLUSTER_KEY_TYPES.items()
+    for (name, expected), found in zip(types, pipe.execute(), strict=True):
         found = found if isinstance(found, bytes) else str(found).encode()
         if found not in (expected, b"none"):
             out.append((name, expected, found))
     return out
 
 
-def cluster_key_repairs(r: redis.Redis, keys: Keys) -> list[list[Any]]:
+def cluster_key_repairs(
+    r: redis.Redis, keys: Keys, workers: dict[str, dict[str, Any]] | None = None
+) -> list[list[Any]]:
     """The fenced write that repairs the cluster-wide keys of the wrong type (nothing for
     a sound cluster: ``misfits``).  Each is copied to the dead-letter stream, deleted,
     and rebuilt from the records it indexes, which are keys of their own:
@@ -178,11 +172,13 @@ def cluster_key_repairs(r: redis.Redis, keys: Keys) -> list[list[Any]]:
     * ``tasks`` from the task hashes, ``rebalances`` from the rebalance records not done;
     * ``clients`` and ``holders`` from the ``wants`` sets (and, for clients, the ``alive``
       keys), each client with an empty entry (its next heartbeat writes its own);
-    * ``workers`` from the ``alive`` keys and the ``heartbeats`` hash, each with an empty
-      entry: the worker stays registered and watched, as for a malformed entry.
+    * ``workers`` from the ``alive`` keys and the ``heartbeats`` hash, each with the info
+      a running scheduler holds (``workers``), or else an empty entry: the worker stays
+      registered and watched, as for a malformed entry;
+    * ``durations`` and ``heartbeats`` empty: the next results and beats write them.
 
     What cannot be rebuilt is what those keys alone held: a client's host and versions
-    until its next heartbeat, a worker's info (its thread count: one is assumed)."""
+    until its next heartbeat; at a scheduler's start, a worker's info."""
     commands: list[list[Any]] = []
     for name, expected, found in misfits(r, keys):
         key = getattr(keys, name)
@@ -199,52 +195,59 @@ def cluster_key_repairs(r: redis.Redis, keys: Keys) -> list[list[Any]]:
             commands += [["SADD", key, *members[i : i + SADD_STEP]]
                          for i in range(0, len(members), SADD_STEP)]  # fmt: skip
         else:
-            empty = codecs.pack({})
+            known = workers or {}
             for i in range(0, len(members), SADD_STEP // 2):
                 chunk = members[i : i + SADD_STEP // 2]
-                commands.append(["HSET", key, *(x for m in chunk for x in (m, empty))])
+                pairs = [(m, codecs.pack(known.get(m.decode(errors="replace"), {}))) for m in chunk]
+                commands.append(["HSET", key, *(x for pair in pairs for x in pair)])
     return commands
 
 
-def _named(r: redis.Redis, key_of: Callable[[str], str]) -> list[str]:
-    """The names ``n`` of the keys ``key_of(n)`` there are (SCAN)."""
-    first, last = key_of("\0").split("\0")
-    found = set()
-    for raw in r.scan_iter(match=f"{first}*{last}", count=SCAN_COUNT):
-        name = raw.decode(errors="replace")
-        found.add(name[len(first) : len(name) - len(last)])
+def _named(r: redis.Redis, key_of: Callable[[str], str]) -> list[bytes]:
+    """The names ``n`` of the keys ``key_of(n)`` there are (SCAN), as Redis holds them."""
+    first, last = (part.encode() for part in key_of("\0").split("\0"))
+    found = {raw[len(first) : len(raw) - len(last)]
+             for raw in r.scan_iter(match=first + b"*" + last, count=SCAN_COUNT)}  # fmt: skip
     return sorted(found)
 
 
-def _tasks(r: redis.Redis, keys: Keys) -> list[str]:
+def _tasks(r: redis.Redis, keys: Keys) -> list[bytes]:
     return _named(r, keys.task)
 
 
-def _rebalances(r: redis.Redis, keys: Keys) -> list[str]:
+def _nothing(r: redis.Redis, keys: Keys) -> list[bytes]:
+    return []
+
+
+def _rebalances(r: redis.Redis, keys: Keys) -> list[bytes]:
     requests = _named(r, keys.rebalance)
     pipe = r.pipeline(transaction=False)
     for request in requests:
-        pipe.hget(keys.rebalance(request), "status")
+        pipe.hget(keys.rebalance("").encode() + request, "status")
     statuses = pipe.execute(raise_on_error=False)  # (a record of the wrong type: kept, and
     return [q for q, s in zip(requests, statuses, strict=True) if s != b"done"]  # loaded)
 
 
-def _wanting(r: redis.Redis, keys: Keys) -> list[str]:
+def _wanting(r: redis.Redis, keys: Keys) -> list[bytes]:
     return _named(r, keys.client_wants)
 
 
-def _clients(r: redis.Redis, keys: Keys) -> list[str]:
+def _is_holder(name: bytes) -> bool:
+    return name.startswith(keyspace.HOLDER_PREFIX.encode())
+
+
+def _clients(r: redis.Redis, keys: Keys) -> list[bytes]:
     ids = set(_wanting(r, keys)) | set(_named(r, keys.client_alive))
-    return sorted(i for i in ids if not keyspace.is_holder(i))
+    return sorted(i for i in ids if not _is_holder(i))
 
 
-def _holders(r: redis.Redis, keys: Keys) -> list[str]:
-    return [i for i in _wanting(r, keys) if keyspace.is_holder(i)]
+def _holders(r: redis.Redis, keys: Keys) -> list[bytes]:
+    return [i for i in _wanting(r, keys) if _is_holder(i)]
 
 
-def _workers(r: redis.Redis, keys: Keys) -> list[str]:
+def _workers(r: redis.Redis, keys: Keys) -> list[bytes]:
     try:
-        beating = {a.decode(errors="replace") for a in r.hkeys(keys.heartbeats)}
+        beating = set(r.hkeys(keys.heartbeats))
     except redis.ResponseError:  # (WRONGTYPE too: the alive keys say it)
         beating = set()
     return sorted(beating | set(_named(r, keys.worker_alive)))
@@ -256,4 +259,6 @@ _REBUILD = {
     "holders": _holders,
     "tasks": _tasks,
     "rebalances": _rebalances,
+    "durations": _nothing,
+    "heartbeats": _nothing,
 }

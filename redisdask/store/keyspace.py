@@ -82,6 +82,19 @@ def holder(kind: str, name: str) -> str:
     return f"{HOLDER_PREFIX}{kind}:{name}"
 
 
+# the cluster-wide keys every process reads, and their types: the scheduler rebuilds one
+# of another type (``scheduler.quarantine``), and a worker waits for it to
+CLUSTER_KEY_TYPES = {
+    "workers": b"hash",
+    "clients": b"hash",
+    "holders": b"set",
+    "tasks": b"set",
+    "rebalances": b"set",
+    "durations": b"hash",
+    "heartbeats": b"hash",
+}
+
+
 def is_holder(client_id: str) -> bool:
     """Whether a client id names a holder (no process: never expires, gets no events)."""
     return client_id.startswith(HOLDER_PREFIX)
