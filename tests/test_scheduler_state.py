@@ -562,6 +562,13 @@ def test_each_scatter_of_a_key_has_a_score_of_its_own():
     out = s.handle_stimulus(UpdateData(client="c", who_has={"y": [W1]}, stimulus_id="sc3"))
     [write] = [i for i in of(out, SetState) if i.key == "y" and i.state == "memory"]
     assert s.tasks["y"].score == write.fields["score"] != queued
+    submit(s, "c", [task("a"), task("b", ["a"])], ["b"])  # a: released once b is done
+    run(s, "a")
+    run(s, "b")
+    assert s.tasks["a"].state == "released"
+    computed = s.tasks["a"].score
+    s.handle_stimulus(UpdateData(client="c", who_has={"a": [W1]}, stimulus_id="sc4"))
+    assert s.tasks["a"].state == "memory" and s.tasks["a"].score != computed
 
 
 def test_error_from_a_worker_not_processing_the_task_is_ignored():

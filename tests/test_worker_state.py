@@ -282,6 +282,31 @@ def test_a_value_computed_here_still_in_use_is_not_taken_for_another_submission(
     assert handed_back(ws.handle_stimulus(compute("d", priority=(7.0,))), "d")
 
 
+def test_a_value_put_here_and_still_in_use_is_not_taken_for_another_scatter() -> None:
+    """x scattered here (the first claim that needs it says which scatter it is), then
+    freed while y1 still runs on it; x scattered again elsewhere: neither a dependent's
+    claim nor a claim of x itself is answered from the old value while y1 holds it."""
+    ws = make(nthreads=2)
+    ws.handle_stimulus(PutDataEvent({"x": "old"}, {"x": 8}, "put"), KeysRecordedEvent(["x"], "rec"))
+    ws.handle_stimulus(compute("y1", {"x": ([SELF], 8)}, runs={"x": 2.0}))
+    ws.handle_stimulus(FreeKeysEvent(["y1", "x"], "free"))  # y1 runs on, cancelled
+    assert handed_back(ws.handle_stimulus(compute("z", {"x": ([B], 8)}, runs={"x": 7.0})), "z")
+    assert handed_back(ws.handle_stimulus(compute("x", priority=(7.0,))), "x")
+
+
+def test_a_run_reports_its_claims_score_not_the_priority_a_dependent_lent_it() -> None:
+    """y runs; z, chained on it with a better priority, lends y that priority (so that
+    what y waits for comes first): y's report still names y's own run, and y's value is
+    of that run for the claims that name it."""
+    ws = make(nthreads=1)
+    ws.handle_stimulus(compute("y", priority=(5.0,)))
+    ws.handle_stimulus(compute("z", {"y": ([], 8)}, priority=(-99995.0,), runs={"y": 5.0}))
+    assert ws.tasks["y"].priority == (-99995.0,)
+    out = ws.handle_stimulus(success("y"))
+    assert [f.score for f in of(out, TaskFinished)] == [5.0]
+    assert ws.tasks["y"].value_run == 5.0
+
+
 def test_only_what_was_fetched_from_a_peer_is_kept() -> None:
     """A result computed here that the scheduler freed while its dependent ran goes
     with that dependent: the scheduler dropped that copy (its key may be reused)."""

@@ -186,7 +186,8 @@ class WorkerState(WorkerTransitions):
     def _handle_compute(self, ev: ComputeTaskEvent) -> None:
         sid = ev.stimulus_id
         known = self.tasks.get(ev.key)
-        if known is not None and ev.priority[:1] != (known.priority or ())[:1]:
+        run = float(ev.priority[0]) if ev.priority else None
+        if known is not None and run != known.run:
             if self._drop_other_run(known, ev):
                 return  # deferred until its thread returns
             known = self.tasks.get(ev.key)
@@ -195,9 +196,7 @@ class WorkerState(WorkerTransitions):
         )
         new = known is None or known.state in ("released", "fetch", "missing", "error")
         stale = (new and self._stale(ev)) or (
-            known is not None
-            and known.state == "memory"
-            and known.value_run not in (None, float(ev.priority[0]) if ev.priority else None)
+            known is not None and known.state == "memory" and known.value_run not in (None, run)
         )
         if leaving or not self._may_hold(known, ev.resources) or stale:
             # a claim that crossed the retirement or a pause, or one whose transfer here
@@ -214,6 +213,7 @@ class WorkerState(WorkerTransitions):
         ts = self._ensure_task(ev.key)
         ts.wanted = True
         ts.run_spec, ts.priority, ts.estimate = ev.run_spec, ev.priority, ev.estimate
+        ts.run = run
         ts.claim = ev.claim  # (none for a pushed task: it comes in order with free-keys)
         if ts.state == "memory":  # claimed again: repeat the answer
             self._emit_finished(ts, sid)
@@ -300,6 +300,8 @@ class WorkerState(WorkerTransitions):
             if dep.state != "memory":
                 self._add_who_has(dep, who_has)
                 dep.value_run = ev.runs.get(dep_key)
+            elif dep.value_run is None:  # (put here: the first claim says which scatter)
+                dep.value_run = ev.runs.get(dep_key)
             if dep.state in ("released", "error"):
                 self._transition(dep, "fetch" if dep.who_has else "missing", stimulus_id=sid)
             elif dep.state == "missing" and dep.who_has:
@@ -314,7 +316,7 @@ class WorkerState(WorkerTransitions):
         if ts is None or self._rerun(ts, ev.stimulus_id):
             return
         ts.type, ts.start, ts.stop = ev.type, ev.start, ev.stop
-        ts.value_run = float(ts.priority[0]) if ts.priority else None
+        ts.value_run = ts.run
         if ts.state in ("executing", "long-running") or ts.dependents or ts.replica:
             inline = {"inline": ev.inline} if ts.state != "cancelled" else {}
             self._transition(

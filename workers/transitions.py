@@ -141,7 +141,8 @@ class TaskState:
     key: str
     state: str = "released"
     run_spec: bytes | None = None
-    priority: tuple[Any, ...] | None = None
+    priority: tuple[Any, ...] | None = None  # (a dependent here may lend it a better one)
+    run: float | None = None  # the score of its claim here: which run of the key it is
     wanted: bool = False  # claimed by / pushed to this worker: the scheduler expects it here
     dependencies: set[TaskState] = field(default_factory=set)
     dependents: set[TaskState] = field(default_factory=set)
@@ -176,9 +177,9 @@ class TaskState:
 
 
 def run_score(ts: TaskState) -> float:
-    """Which run of its key a report answers: the score of the claim that ran (the first
-    item of the priority the claim gave), for the scheduler to tell a late result."""
-    return float(ts.priority[0]) if ts.priority else NO_SCORE
+    """Which run of its key a report answers: the score of the claim that ran
+    (``TaskState.run``), for the scheduler to tell a late result."""
+    return NO_SCORE if ts.run is None else ts.run
 
 
 def _check(cond: object, msg: str) -> None:

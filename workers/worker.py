@@ -393,6 +393,7 @@ class Worker:
         wrong type (written by something other than redisdask) is waited out too: the
         scheduler rebuilds it (``scheduler.quarantine``), and a worker that left would
         lose what it holds."""
+        retried = False  # (a WRONGTYPE whose key was rebuilt since: the loop once more)
         while self.status == "running":
             try:
                 await loop()
@@ -402,23 +403,33 @@ class Worker:
                     self._reconnecting = asyncio.ensure_future(self._reconnect(exc))
                 await asyncio.shield(self._reconnecting)
             except redis.ResponseError as exc:
-                misfits = await self._misfits() if "WRONGTYPE" in str(exc) else []
+                if "WRONGTYPE" not in str(exc):
+                    raise
+                misfits = await self._misfits()
                 if not misfits:
-                    raise  # (not a key the scheduler rebuilds: this worker leaves, as before)
+                    if retried:  # (not a key the scheduler rebuilds: this worker leaves)
+                        raise
+                    retried = True
+                    continue
                 if time.monotonic() >= self._wrong_type_said:
                     self._wrong_type_said = time.monotonic() + WRONG_TYPE_REPEAT
                     logger.error("%s; waiting for the scheduler to rebuild it", "; ".join(misfits))
                 await asyncio.sleep(WRONG_TYPE_WAIT)  # (a timer by nature: nothing says when)
 
     async def _misfits(self) -> list[str]:
-        """The cluster-wide keys of the wrong type, said (``keyspace.CLUSTER_KEY_TYPES``)."""
+        """The cluster-wide keys of the wrong type, said (``keyspace.CLUSTER_KEY_TYPES``);
+        none known while Redis is away (the loop's next try meets that, and reconnects)."""
         pipe = self.redis.pipeline(transaction=False)
         for name in keyspace.CLUSTER_KEY_TYPES:
             pipe.type(getattr(self.keys, name))
+        try:
+            found_types = await pipe.execute()
+        except (redis.ConnectionError, redis.TimeoutError):
+            return []
         types = keyspace.CLUSTER_KEY_TYPES.items()
         return [
             f"{getattr(self.keys, name)} is a {found.decode()}, not a {expected.decode()}"
-            for (name, expected), found in zip(types, await pipe.execute(), strict=True)
+            for (name, expected), found in zip(types, found_types, strict=True)
             if found not in (expected, b"none")
         ]
 

@@ -485,11 +485,12 @@ class SchedulerState(SchedulerTransitions):
                 score = priority_score(0, self.seq)
                 ts = self.tasks[key] = TaskState(key, score=score, has_spec=False)
                 self.emit(StoreTask(ev.stimulus_id, key, None, [], score, "released"))
-            elif ts.state in ("waiting", "queued", "processing", "no-worker", "erred"):
+            elif ts.state != "memory":  # the scattered data replaces the task's run, and
+                # takes a score of its own
                 if ts.erred_on in holders:  # the value put there replaced its failed run:
                     ts.erred_on = None  # no free-keys for it
-                # the scattered data replaces the task's run, and takes a score of its own
-                self.transition(ts, "released", stimulus_id=ev.stimulus_id)
+                if ts.state != "released":
+                    self.transition(ts, "released", stimulus_id=ev.stimulus_id)
                 self.seq += 1
                 ts.score = fields["score"] = priority_score(0, self.seq)
             ts.nbytes = int(ev.nbytes.get(key, 0))
