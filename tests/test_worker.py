@@ -112,3 +112,54 @@ def test_early_news_is_only_for_a_pushed_tasks_small_result_of_a_known_run() -> 
              {"op": "task-erred", "key": "e"}, done("a")]  # fmt: skip
     assert [key for key, *_ in early_news(batch, pushed, "tcp://w:1")] == ["a"]
     assert pushed == set()
+
+
+def test_a_worker_loop_waits_out_a_cluster_key_of_the_wrong_type_and_no_other_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``Worker._keep_running``: a WRONGTYPE while a cluster-wide key is of the wrong type
+    is waited out (the scheduler rebuilds it), however often it comes; one whose key was
+    rebuilt since is tried once more; one on any other key, met twice in a row, ends the
+    loop (the worker leaves, as before); Redis away in between resets the count."""
+    import asyncio
+    import types
+
+    from redisdask.workers import worker as driver
+
+    monkeypatch.setattr(driver, "WRONG_TYPE_WAIT", 0)
+    wrong = redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind")
+
+    def run(failures: list[BaseException | None], misfits: list[list[str] | None]) -> int:
+        """The loop's tries until it returned (or the error it ended with)."""
+        tries = iter(failures)
+        answers = iter(misfits)
+        calls = 0
+
+        async def loop() -> None:
+            nonlocal calls
+            calls += 1
+            failure = next(tries)
+            if failure is not None:
+                raise failure
+
+        async def look() -> list[str] | None:
+            return next(answers)
+
+        async def reconnected() -> None:
+            return None
+
+        me = types.SimpleNamespace(
+            status="running", _wrong_type_said=0.0, keys=Keys("c"), _misfits=look,
+            _reconnecting=None, _reconnect=lambda exc: reconnected(),
+        )  # fmt: skip
+        asyncio.run(driver.Worker._keep_running(me, loop))  # type: ignore[arg-type]
+        return calls
+
+    key = ["rd:{c}:workers is a string, not a hash"]
+    assert run([wrong] * 5 + [None], [key] * 5) == 6  # waited out, five times
+    assert run([wrong, wrong, None], [[], key]) == 3  # rebuilt since: once more
+    lost = redis.ConnectionError("gone")
+    assert run([wrong, lost, wrong, None], [[], []]) == 4  # Redis away in between
+    assert run([wrong, wrong, wrong, None], [[], key, []]) == 4  # the count starts again
+    with pytest.raises(redis.ResponseError):
+        run([wrong, wrong], [[], []])  # another key's: the worker leaves

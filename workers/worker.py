@@ -399,6 +399,7 @@ class Worker:
                 await loop()
                 return
             except (redis.ConnectionError, redis.TimeoutError) as exc:
+                retried = False
                 if self._reconnecting is None or self._reconnecting.done():
                     self._reconnecting = asyncio.ensure_future(self._reconnect(exc))
                 await asyncio.shield(self._reconnecting)
@@ -406,26 +407,29 @@ class Worker:
                 if "WRONGTYPE" not in str(exc):
                     raise
                 misfits = await self._misfits()
+                if misfits is None:  # (Redis away: the next try reconnects)
+                    continue
                 if not misfits:
                     if retried:  # (not a key the scheduler rebuilds: this worker leaves)
                         raise
                     retried = True
                     continue
+                retried = False
                 if time.monotonic() >= self._wrong_type_said:
                     self._wrong_type_said = time.monotonic() + WRONG_TYPE_REPEAT
                     logger.error("%s; waiting for the scheduler to rebuild it", "; ".join(misfits))
                 await asyncio.sleep(WRONG_TYPE_WAIT)  # (a timer by nature: nothing says when)
 
-    async def _misfits(self) -> list[str]:
+    async def _misfits(self) -> list[str] | None:
         """The cluster-wide keys of the wrong type, said (``keyspace.CLUSTER_KEY_TYPES``);
-        none known while Redis is away (the loop's next try meets that, and reconnects)."""
+        None while Redis is away (the loop's next try meets that, and reconnects)."""
         pipe = self.redis.pipeline(transaction=False)
         for name in keyspace.CLUSTER_KEY_TYPES:
             pipe.type(getattr(self.keys, name))
         try:
             found_types = await pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError):
-            return []
+            return None
         types = keyspace.CLUSTER_KEY_TYPES.items()
         return [
             f"{getattr(self.keys, name)} is a {found.decode()}, not a {expected.decode()}"
