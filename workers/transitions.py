@@ -168,8 +168,9 @@ class TaskState:
     fetched: bool = False  # its value came from a peer, for tasks here (a private replica)
     # fetched, its last task here ended: kept for the next claim (``ClaimsHandledEvent``)
     lingers: bool = False
-    # the submission its value is of, where known: its run's score, if computed here; its
-    # claim's word, if fetched for a task here (``ComputeTaskEvent.runs``)
+    # the submission its value is of, where known: its run's score, if computed here; the
+    # word of the claims that need it, if fetched for them or put here (scattered: the
+    # first one says which scatter) (``ComputeTaskEvent.runs``)
     value_run: float | None = None
 
     def __repr__(self) -> str:
