@@ -21,10 +21,10 @@ was found, what to do) and notes it here; the driver then writes, in one fenced 
 
 After the write the record is gone, so it is logged once, not at every reload.
 
-A cluster-wide key of the wrong type (``workers``, ``clients``, ``holders``, ``tasks``,
-``rebalances``: a WRONGTYPE on every read of it) is repaired before the load reads it
-(``cluster_key_repairs``): copied to the dead-letter stream and rebuilt from the records
-it indexes, which are keys of their own.
+A cluster-wide key of the wrong type (``keyspace.CLUSTER_KEY_TYPES``: a WRONGTYPE on
+every read of it) is repaired before the load reads it (``cluster_key_repairs``): copied
+to the dead-letter stream and rebuilt from the records it indexes, which are keys of
+their own.
 """
 
 from __future__ import annotations
@@ -224,8 +224,9 @@ def _rebalances(r: redis.Redis, keys: Keys) -> list[bytes]:
     pipe = r.pipeline(transaction=False)
     for request in requests:
         pipe.hget(keys.rebalance("").encode() + request, "status")
-    statuses = pipe.execute(raise_on_error=False)  # (a record of the wrong type: kept, and
-    return [q for q, s in zip(requests, statuses, strict=True) if s != b"done"]  # loaded)
+    # (a record of the wrong type is kept: the load quarantines it)
+    statuses = pipe.execute(raise_on_error=False)
+    return [q for q, s in zip(requests, statuses, strict=True) if s != b"done"]
 
 
 def _wanting(r: redis.Redis, keys: Keys) -> list[bytes]:

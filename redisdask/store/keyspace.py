@@ -83,7 +83,7 @@ def holder(kind: str, name: str) -> str:
 
 
 # the cluster-wide keys every process reads, and their types: the scheduler rebuilds one
-# of another type (``scheduler.quarantine``), and a worker waits for it to
+# of another type (``scheduler.quarantine``), and a worker waits meanwhile
 CLUSTER_KEY_TYPES = {
     "workers": b"hash",
     "clients": b"hash",
