@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -175,9 +176,7 @@ def test_a_restarted_scheduler_skips_malformed_records_and_the_good_work_finishe
             ).stdout
         )
 
-        old_token = r.get(keys.lease)
-        cluster.start_scheduler()
-        poll(lambda: r.get(keys.lease) not in (None, old_token), timeout=30)
+        start_another_scheduler(cluster, r, keys)
 
         # the tasks whose record was lost err, naming it, and so does a dependent
         for future, field in ((no_state, "'state'"), (bad_score, "'score'")):
@@ -209,9 +208,7 @@ def test_a_restarted_scheduler_skips_malformed_records_and_the_good_work_finishe
         assert log.read_text().count("skipped a malformed") == 3
         cluster.scheduler_process.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
         cluster.scheduler_process.wait(10)  # type: ignore[union-attr]
-        old_token = r.get(keys.lease)
-        cluster.start_scheduler()
-        poll(lambda: r.get(keys.lease) not in (None, old_token), timeout=30)
+        start_another_scheduler(cluster, r, keys)
         assert client.gather(client.map(inc, range(5))) == list(range(1, 6))
         assert log.read_text().count("skipped a malformed") == 3
         assert "Traceback" not in log.read_text()
@@ -267,6 +264,23 @@ def test_load_state_quarantines_records_of_the_wrong_type(
     assert wanted <= {ts.key for ts in reloaded.clients[CLIENT]}
 
 
+@pytest.fixture
+def one_worker(make_cluster: ClusterFactory, tmp_path: Path) -> Iterator[tuple[Any, Client]]:
+    """A cluster of one bare worker, its logs in ``tmp_path / "logs"``, and a client."""
+    with (
+        make_cluster(nanny=False, n_workers=1, log_directory=tmp_path / "logs") as cluster,
+        Client(cluster) as client,
+    ):  # fmt: skip
+        yield cluster, client
+
+
+def start_another_scheduler(cluster: Any, r: redis.Redis, keys: Keys) -> None:
+    """Start a scheduler and wait until it leads (a lease token of its own)."""
+    old_token = r.get(keys.lease)
+    cluster.start_scheduler()
+    poll(lambda: r.get(keys.lease) not in (None, old_token), timeout=30)
+
+
 def killed_under_a_pair(client: Client, cluster: Any, keys: Keys, gate: Path) -> tuple[Any, Any]:
     """A task that waits for ``gate`` and its dependent, the first one running, and the
     scheduler killed with -9 under them."""
@@ -280,33 +294,28 @@ def killed_under_a_pair(client: Client, cluster: Any, keys: Keys, gate: Path) ->
 
 
 def test_a_scheduler_starts_over_a_wants_set_of_the_wrong_type_and_the_client_gets_its_result(
-    redis_url: str, cluster_name: str, tmp_path: Path, make_cluster: ClusterFactory
+    redis_url: str, cluster_name: str, tmp_path: Path, one_worker: tuple[Any, Client]
 ) -> None:
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cluster_name)
     gate = tmp_path / "gate"
-    with (
-        make_cluster(nanny=False, n_workers=1, log_directory=tmp_path / "logs") as cluster,
-        Client(cluster) as client,
-    ):  # fmt: skip
-        blocked, after = killed_under_a_pair(client, cluster, keys, gate)
-        r.delete(keys.client_wants(client.id))
-        r.set(keys.client_wants(client.id), "garbage")
+    cluster, client = one_worker
+    blocked, after = killed_under_a_pair(client, cluster, keys, gate)
+    r.delete(keys.client_wants(client.id))
+    r.set(keys.client_wants(client.id), "garbage")
 
-        old_token = r.get(keys.lease)
-        cluster.start_scheduler()
-        poll(lambda: r.get(keys.lease) not in (None, old_token), timeout=30)
-        gate.write_text("go")
-        assert after.result(timeout=30) == str(gate)[0]
-        assert blocked.result(timeout=30) == str(gate)
-        assert client.submit(inc, 1).result(timeout=30) == 2
-        assert cluster.scheduler_process.poll() is None  # type: ignore[union-attr]
-        log = (tmp_path / "logs" / "scheduler.log").read_text()
-        assert log.count("skipped a malformed wants record") == 1 and "Traceback" not in log
+    start_another_scheduler(cluster, r, keys)
+    gate.write_text("go")
+    assert after.result(timeout=30) == str(gate)[0]
+    assert blocked.result(timeout=30) == str(gate)
+    assert client.submit(inc, 1).result(timeout=30) == 2
+    assert cluster.scheduler_process.poll() is None  # type: ignore[union-attr]
+    log = (tmp_path / "logs" / "scheduler.log").read_text()
+    assert log.count("skipped a malformed wants record") == 1 and "Traceback" not in log
 
 
 def test_a_scheduler_rebuilds_cluster_keys_of_the_wrong_type_and_the_work_goes_on(
-    redis_url: str, cluster_name: str, tmp_path: Path, make_cluster: ClusterFactory
+    redis_url: str, cluster_name: str, tmp_path: Path, one_worker: tuple[Any, Client]
 ) -> None:
     """The index of the tasks, the workers, clients, durations and heartbeats hashes and
     the holders set overwritten with values of other types while no scheduler runs (each
@@ -319,58 +328,50 @@ def test_a_scheduler_rebuilds_cluster_keys_of_the_wrong_type_and_the_work_goes_o
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cluster_name)
     gate = tmp_path / "gate"
-    with (
-        make_cluster(nanny=False, n_workers=1, log_directory=tmp_path / "logs") as cluster,
-        Client(cluster) as client,
-    ):  # fmt: skip
-        (worker,) = client.scheduler_info()["workers"]
-        kept = Variable("kept", client=client)
-        kept.set(client.submit(inc, 41, key="kept-value"))
-        _, after = killed_under_a_pair(client, cluster, keys, gate)
-        tasks = {m.decode() for m in r.smembers(keys.tasks)}
-        for key in (keys.tasks, keys.clients, keys.holders, keys.durations, keys.heartbeats):
-            r.delete(key)
-            r.set(key, "junk")
-        r.delete(keys.workers)
-        r.rpush(keys.workers, "junk")
+    cluster, client = one_worker
+    (worker,) = client.scheduler_info()["workers"]
+    kept = Variable("kept", client=client)
+    kept.set(client.submit(inc, 41, key="kept-value"))
+    _, after = killed_under_a_pair(client, cluster, keys, gate)
+    tasks = {m.decode() for m in r.smembers(keys.tasks)}
+    for key in (keys.tasks, keys.clients, keys.holders, keys.durations, keys.heartbeats):
+        r.delete(key)
+        r.set(key, "junk")
+    r.delete(keys.workers)
+    r.rpush(keys.workers, "junk")
 
-        old_token = r.get(keys.lease)
-        cluster.start_scheduler()
-        poll(lambda: r.get(keys.lease) not in (None, old_token), timeout=30)
-        gate.write_text("go")
-        assert after.result(timeout=30) == str(gate)[0]
-        assert kept.get(timeout=30).result(timeout=30) == 42  # (its holder's wants came back)
-        assert client.submit(inc, 1).result(timeout=30) == 2
-        assert list(client.scheduler_info()["workers"]) == [worker]  # not declared dead
-        assert {m.decode() for m in r.smembers(keys.tasks)} >= tasks
-        assert r.type(keys.workers) == r.type(keys.clients) == b"hash"
-        dead = [f[b"stream"].decode() for _, f in r.xrange(keys.dead_letter)]
-        assert {keys.tasks, keys.workers, keys.clients, keys.holders, keys.durations} <= set(dead)
-        assert cluster.scheduler_process.poll() is None  # type: ignore[union-attr]
-        log = (tmp_path / "logs" / "scheduler.log").read_text()
-        assert f"{keys.tasks} was a string, not a set" in log and "Traceback" not in log
+    start_another_scheduler(cluster, r, keys)
+    gate.write_text("go")
+    assert after.result(timeout=30) == str(gate)[0]
+    assert kept.get(timeout=30).result(timeout=30) == 42  # (its holder's wants came back)
+    assert client.submit(inc, 1).result(timeout=30) == 2
+    assert list(client.scheduler_info()["workers"]) == [worker]  # not declared dead
+    assert {m.decode() for m in r.smembers(keys.tasks)} >= tasks
+    assert r.type(keys.workers) == r.type(keys.clients) == b"hash"
+    dead = [f[b"stream"].decode() for _, f in r.xrange(keys.dead_letter)]
+    assert {keys.tasks, keys.workers, keys.clients, keys.holders, keys.durations} <= set(dead)
+    assert cluster.scheduler_process.poll() is None  # type: ignore[union-attr]
+    log = (tmp_path / "logs" / "scheduler.log").read_text()
+    assert f"{keys.tasks} was a string, not a set" in log and "Traceback" not in log
 
 
 def test_cluster_keys_overwritten_under_a_running_scheduler_are_rebuilt_within_seconds(
-    redis_url: str, cluster_name: str, tmp_path: Path, make_cluster: ClusterFactory
+    redis_url: str, cluster_name: str, tmp_path: Path, one_worker: tuple[Any, Client]
 ) -> None:
     """The same while the scheduler runs: its look at the cluster keys (every
     ``KEY_LOOK_INTERVAL``) finds them, reloads, and rebuilds them first; the worker,
     whose claims meanwhile meet WRONGTYPE, waits instead of leaving."""
     r = redis.Redis.from_url(redis_url)
     keys = Keys(cluster_name)
-    with (
-        make_cluster(nanny=False, n_workers=1, log_directory=tmp_path / "logs") as cluster,
-        Client(cluster) as client,
-    ):  # fmt: skip
-        (worker,) = client.scheduler_info()["workers"]
-        assert client.submit(inc, 1).result(timeout=30) == 2
-        for key in (keys.workers, keys.tasks):
-            r.delete(key)
-            r.set(key, "junk")
-        poll(lambda: r.type(keys.workers) == b"hash" and r.type(keys.tasks) == b"set", 20)
-        assert client.submit(inc, 2).result(timeout=30) == 3
-        assert list(client.scheduler_info()["workers"]) == [worker]
-        assert cluster.scheduler_process.poll() is None  # type: ignore[union-attr]
-        log = (tmp_path / "logs" / "scheduler.log").read_text()
-        assert f"{keys.workers} was a string, not a hash" in log and "Traceback" not in log
+    cluster, client = one_worker
+    (worker,) = client.scheduler_info()["workers"]
+    assert client.submit(inc, 1).result(timeout=30) == 2
+    for key in (keys.workers, keys.tasks):
+        r.delete(key)
+        r.set(key, "junk")
+    poll(lambda: r.type(keys.workers) == b"hash" and r.type(keys.tasks) == b"set", 20)
+    assert client.submit(inc, 2).result(timeout=30) == 3
+    assert list(client.scheduler_info()["workers"]) == [worker]
+    assert cluster.scheduler_process.poll() is None  # type: ignore[union-attr]
+    log = (tmp_path / "logs" / "scheduler.log").read_text()
+    assert f"{keys.workers} was a string, not a hash" in log and "Traceback" not in log
